@@ -1,0 +1,108 @@
+"""Helpers every Beam pipeline here shares: options, atomic writes through Beam FileSystems, checksums.
+
+Writes go through ``apache_beam.io.filesystems.FileSystems`` so that the same code writes local paths on
+DirectRunner/DaskRunner and gs:// paths on Dataflow. A shard is written to a temporary name and renamed,
+so a killed job never leaves a half-written file under a final name; a rerun recognises finished shards by
+their checksum and skips them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import uuid
+from typing import Iterable, Optional, Sequence
+
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.options.pipeline_options import PipelineOptions
+
+log = logging.getLogger(__name__)
+
+# click settings for CLIs that pass unknown --flags through to Beam (--runner, --direct_num_workers...).
+BEAM_CLI_CONTEXT = dict(ignore_unknown_options=True, allow_extra_args=True, help_option_names=["-h", "--help"])
+
+
+def pipeline_options(beam_args: Sequence[str], default_runner: str = "DirectRunner") -> PipelineOptions:
+    """PipelineOptions from the leftover CLI args; DirectRunner unless --runner says otherwise."""
+    args = list(beam_args)
+    if not any(a == "--runner" or a.startswith("--runner=") for a in args):
+        args.append(f"--runner={default_runner}")
+    return PipelineOptions(args)
+
+
+def join(*parts: str) -> str:
+    return FileSystems.join(*parts)
+
+
+def exists(path: str) -> bool:
+    return FileSystems.exists(path)
+
+
+def makedirs(path: str) -> None:
+    # Object stores have no directories; locally FileSystems.mkdirs raises if it exists.
+    if "://" not in path:
+        os.makedirs(path, exist_ok=True)
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with FileSystems.open(path) as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                break
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_bytes(path: str) -> bytes:
+    with FileSystems.open(path) as f:
+        return f.read()
+
+
+def write_atomic(path: str, data: bytes) -> str:
+    """Write ``data`` to ``path`` via a temp name + rename; returns the sha256 of ``data``."""
+    parent = path.rsplit("/", 1)[0] if "/" in path else "."
+    makedirs(parent)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+    with FileSystems.create(tmp) as f:
+        f.write(data)
+    if FileSystems.exists(path):
+        FileSystems.delete([path])
+    FileSystems.rename([tmp], [path])
+    return sha256_bytes(data)
+
+
+def write_json_atomic(path: str, obj) -> str:
+    return write_atomic(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode("utf-8"))
+
+
+def read_json(path: str):
+    return json.loads(read_bytes(path).decode("utf-8"))
+
+
+def write_jsonl_atomic(path: str, rows: Iterable[dict]) -> int:
+    lines = [json.dumps(r, sort_keys=True, default=str) for r in rows]
+    write_atomic(path, ("\n".join(lines) + ("\n" if lines else "")).encode("utf-8"))
+    return len(lines)
+
+
+def shard_is_valid(path: str, expected_sha256: Optional[str]) -> bool:
+    """True when ``path`` exists and matches the checksum recorded by an earlier run."""
+    if not expected_sha256 or not FileSystems.exists(path):
+        return False
+    try:
+        return sha256_file(path) == expected_sha256
+    except OSError as exc:  # unreadable counts as corrupt: it will be rewritten
+        log.warning("cannot read %s (%s); it will be rewritten", path, exc)
+        return False
+
+
+def shard_name(prefix: str, index: int, total: int, suffix: str) -> str:
+    """Deterministic shard file name, e.g. ``coco-00003-of-00010.parquet``."""
+    return f"{prefix}-{index:05d}-of-{total:05d}{suffix}"
