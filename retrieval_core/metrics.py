@@ -1,0 +1,168 @@
+"""Exact top-k search and recall@K in both retrieval directions (NOTES.md section 2).
+
+Convention (OSCAR, UNITER, MMT, CLIP_benchmark): text->image: every caption is a query, a hit when its
+image is in the top-k; image->text: every image is a query, a hit when ANY of its captions is in the top-k.
+mR is the mean of the six recalls. Recalls are percentages.
+
+Nothing here mutates its inputs: gold mappings may be read-only (MappingProxyType, frozensets).
+"""
+from __future__ import annotations
+
+from typing import Collection, Mapping, Sequence, Union
+
+import numpy as np
+
+DEFAULT_KS = (1, 5, 10)
+
+RankedIds = Union[np.ndarray, Sequence[Sequence[int]]]
+
+
+# ---------------------------------------------------------------------------------------- exact top-k
+def exact_topk(queries: np.ndarray, items: np.ndarray, item_ids: np.ndarray, k: int,
+               batch_size: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """Exact inner-product top-k of every query over ``items``.
+
+    Returns ``(scores, ids)``, both (Q, k'), best first, where k' = min(k, N). Equal scores are ordered by
+    the smaller item_id, so the result does not depend on the order of ``items``.
+    """
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    items = np.ascontiguousarray(items, dtype=np.float32)
+    item_ids = np.asarray(item_ids, dtype=np.int64)
+    if queries.ndim != 2 or items.ndim != 2:
+        raise ValueError(f"queries and items must be 2-D, got {queries.shape} and {items.shape}")
+    if queries.shape[1] != items.shape[1]:
+        raise ValueError(f"dimension mismatch: queries d={queries.shape[1]}, items d={items.shape[1]}")
+    if item_ids.shape != (items.shape[0],):
+        raise ValueError(f"item_ids shape {item_ids.shape} does not match {items.shape[0]} items")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    n_q, n = queries.shape[0], items.shape[0]
+    k = min(k, n)
+    out_s = np.empty((n_q, k), dtype=np.float32)
+    out_i = np.empty((n_q, k), dtype=np.int64)
+    if k == 0 or n_q == 0:
+        return out_s, out_i
+
+    # Order items by id once: then "smaller position" means "smaller id" for every tie-break below.
+    order = np.argsort(item_ids, kind="stable")
+    items, sorted_ids = items[order], item_ids[order]
+
+    for start in range(0, n_q, batch_size):
+        scores = queries[start:start + batch_size] @ items.T  # (B, N)
+        pos = _topk_positions(scores, k)
+        out_i[start:start + len(pos)] = sorted_ids[pos]
+        out_s[start:start + len(pos)] = np.take_along_axis(scores, pos, axis=1)
+    return out_s, out_i
+
+
+def _topk_positions(scores: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the k best scores per row, best first, ties by smaller position."""
+    b, n = scores.shape
+    if k == n:
+        cand = np.broadcast_to(np.arange(n), (b, n))
+    else:
+        cand = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    cand_scores = np.take_along_axis(scores, cand, axis=1)
+    # lexsort: last key is primary -> score descending, then position ascending.
+    order = np.lexsort((cand, -cand_scores), axis=1)
+    pos = np.take_along_axis(cand, order, axis=1)
+    if k == n:
+        return pos
+    # argpartition picks arbitrary members of a tie at the k-th score: redo those rows exactly.
+    kth = np.take_along_axis(scores, pos[:, -1:], axis=1)
+    tied_rows = np.flatnonzero((scores >= kth).sum(axis=1) > k)
+    for r in tied_rows:
+        row = scores[r]
+        idx = np.flatnonzero(row >= kth[r, 0])  # ascending positions
+        best = idx[np.argsort(-row[idx], kind="stable")[:k]]
+        pos[r] = best
+    return pos
+
+
+# --------------------------------------------------------------------------------------------- recall
+def recall_at_k(ranked_ids: RankedIds, gold: Sequence[Collection[int]],
+                ks: Sequence[int] = DEFAULT_KS) -> dict[int, float]:
+    """Percentage of queries with at least one gold id among their first k ranked ids, for each k.
+
+    ``ranked_ids`` is (Q, K) or a list of Q best-first id lists (lists may differ in length; a list shorter
+    than k simply has fewer chances). ``gold[i]`` is the non-empty collection of correct ids of query i.
+    """
+    n_q = len(ranked_ids)
+    if n_q == 0:
+        raise ValueError("recall_at_k needs at least one query, got 0")
+    if len(gold) != n_q:
+        raise ValueError(f"{n_q} ranked queries but {len(gold)} gold entries")
+    ks = _check_ks(ks)
+    first_hit = first_hit_ranks(ranked_ids, gold)
+    return {k: float(100.0 * np.mean(first_hit < k)) for k in ks}
+
+
+def first_hit_ranks(ranked_ids: RankedIds, gold: Sequence[Collection[int]]) -> np.ndarray:
+    """0-based position of the first gold id in each query's ranking; a large sentinel when absent."""
+    miss = np.iinfo(np.int64).max
+    out = np.full(len(ranked_ids), miss, dtype=np.int64)
+    for i, (row, g) in enumerate(zip(ranked_ids, gold)):
+        if len(g) == 0:
+            raise ValueError(f"query #{i} has no gold ids")
+        g = g if isinstance(g, (set, frozenset)) else frozenset(int(x) for x in g)
+        for pos, item in enumerate(np.asarray(row).tolist()):
+            if item in g:
+                out[i] = pos
+                break
+    return out
+
+
+def bidirectional_recall(t2i_ranked_ids: RankedIds, t2i_query_ids: Sequence[int],
+                         i2t_ranked_ids: RankedIds, i2t_query_ids: Sequence[int],
+                         caption_to_image: Mapping[int, int],
+                         image_to_captions: Mapping[int, Collection[int]],
+                         ks: Sequence[int] = DEFAULT_KS) -> dict:
+    """R@k for text->image and image->text plus mR (mean of all of them) and the query counts.
+
+    Keys: ``t2i_R@<k>``, ``i2t_R@<k>`` for each k, ``mR``, ``t2i_queries``, ``i2t_queries``.
+    A query without gold (unknown id, or an image with no captions) raises ValueError naming it;
+    duplicate query ids raise too (they would be counted twice).
+    """
+    ks = _check_ks(ks)
+    t2i_gold = []
+    for q in _query_list(t2i_query_ids, t2i_ranked_ids, "t2i"):
+        if q not in caption_to_image:
+            raise ValueError(f"t2i query (caption) {q} has no gold image")
+        t2i_gold.append((int(caption_to_image[q]),))
+    i2t_gold = []
+    for q in _query_list(i2t_query_ids, i2t_ranked_ids, "i2t"):
+        caps = image_to_captions.get(q)
+        if not caps:
+            raise ValueError(f"i2t query (image) {q} has no gold captions")
+        i2t_gold.append(caps)
+
+    t2i = recall_at_k(t2i_ranked_ids, t2i_gold, ks)
+    i2t = recall_at_k(i2t_ranked_ids, i2t_gold, ks)
+    result: dict = {f"t2i_R@{k}": t2i[k] for k in ks}
+    result.update({f"i2t_R@{k}": i2t[k] for k in ks})
+    result["mR"] = float(np.mean([*t2i.values(), *i2t.values()]))
+    result["t2i_queries"] = len(t2i_gold)
+    result["i2t_queries"] = len(i2t_gold)
+    return result
+
+
+def _query_list(query_ids: Sequence[int], ranked: RankedIds, direction: str) -> list[int]:
+    ids = [int(q) for q in np.asarray(query_ids).tolist()]
+    if len(ids) != len(ranked):
+        raise ValueError(f"{direction}: {len(ids)} query ids but {len(ranked)} ranked lists")
+    if len(set(ids)) != len(ids):
+        seen, dup = set(), None
+        for q in ids:
+            if q in seen:
+                dup = q
+                break
+            seen.add(q)
+        raise ValueError(f"{direction}: query id {dup} appears more than once")
+    return ids
+
+
+def _check_ks(ks: Sequence[int]) -> tuple[int, ...]:
+    ks = tuple(int(k) for k in ks)
+    if not ks or any(k < 1 for k in ks):
+        raise ValueError(f"ks must be positive integers, got {ks}")
+    return ks
