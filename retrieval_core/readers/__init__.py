@@ -1,0 +1,138 @@
+"""Readers of the region-feature and caption formats users have, plus a picklable dispatch API for the
+Beam stager.
+
+``plan_read_tasks`` turns one manifest entry (collection, kind, format, path, options) into a sorted,
+deterministic list of :class:`ReadTask` (one per input file, or one per chunk of a synthetic collection);
+``read_task`` runs one task and yields ``RawImage`` / ``RawCaption`` / ``Reject``. Readers never raise for
+one bad record (they yield a Reject with locator and reason); a missing input is a FileNotFoundError and an
+unreadable whole file or a bad option a ValueError.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+from ..schema import KIND_CAPTION, KIND_IMAGE, RawCaption, RawImage, Reject
+from ._common import _open_binary, apply_source_id_pattern, file_stem, list_inputs
+from .captions import (read_caption_lines, read_cc_tsv, read_flickr30k_entities, read_karpathy_json,
+                       read_multi30k, strip_entities_markup)
+from .features import (BUTD_COLUMNS, detector_frame_size, image_size, read_bua_npz, read_butd_tsv,
+                       read_oscar_pt, read_plain_npz, read_uniter_npz)
+
+SYNTHETIC = "synthetic"
+
+IMAGE_READERS: dict[str, Callable[..., Iterator[RawImage | Reject]]] = {
+    "butd_tsv": read_butd_tsv,
+    "bua_npz": read_bua_npz,
+    "uniter_npz": read_uniter_npz,
+    "oscar_pt": read_oscar_pt,
+    "plain_npz": read_plain_npz,
+}
+CAPTION_READERS: dict[str, Callable[..., Iterator[RawCaption | Reject]]] = {
+    "karpathy_json": read_karpathy_json,
+    "caption_lines": read_caption_lines,
+    "flickr30k_entities": read_flickr30k_entities,
+    "cc_tsv": read_cc_tsv,
+    "multi30k": read_multi30k,
+}
+
+
+@dataclass(frozen=True)
+class ReadTask:
+    """One unit of reading work: a whole input file, or images [start, stop) of a synthetic collection.
+
+    ``options`` are sorted (name, value) pairs with lists turned into tuples (hashable, picklable).
+    ``feature_dim`` is only used by the synthetic format.
+    """
+    kind: str
+    format: str
+    path: Optional[str]
+    options: tuple
+    start: int = 0
+    stop: Optional[int] = None
+    collection: str = ""
+    feature_dim: int = 0
+
+
+def _freeze(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    return value
+
+
+def _readers(kind: str) -> dict:
+    if kind == KIND_IMAGE:
+        return IMAGE_READERS
+    if kind == KIND_CAPTION:
+        return CAPTION_READERS
+    raise ValueError(f"kind must be {KIND_IMAGE!r} or {KIND_CAPTION!r}, got {kind!r}")
+
+
+def _check_options(format: str, reader: Callable, options: dict) -> None:
+    params = inspect.signature(reader).parameters
+    allowed = {n for n, p in params.items() if p.kind == p.KEYWORD_ONLY}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(f"format {format!r} does not take option(s) {unknown}; it takes {sorted(allowed)}")
+    required = sorted(n for n in allowed if params[n].default is inspect.Parameter.empty and n not in options)
+    if required:
+        raise ValueError(f"format {format!r} needs option(s) {required}")
+
+
+def plan_read_tasks(collection: str, kind: str, format: str, path, options: Optional[dict], feature_dim: int,
+                    chunk_size: int = 500) -> list[ReadTask]:
+    """The read tasks of one manifest entry, in a deterministic order.
+
+    File formats: ``path`` (a file, a directory, a glob, or a list of those) expands to one task per file,
+    sorted; a pattern matching nothing is a FileNotFoundError naming it. Format "synthetic": no files;
+    [0, num_images) of ``SyntheticSpec.from_options(collection, options, feature_dim)`` is split into
+    chunks of ``chunk_size`` images, one task each (for captions too: a caption task covers the captions
+    of its images).
+    """
+    options = dict(options or {})
+    frozen = _freeze(options)
+    if format == SYNTHETIC:
+        _readers(kind)
+        from ..synthetic import SyntheticSpec
+
+        spec = SyntheticSpec.from_options(collection, options, feature_dim)
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        return [ReadTask(kind, format, None, frozen, start, min(start + chunk_size, spec.num_images), collection,
+                         feature_dim) for start in range(0, spec.num_images, chunk_size)]
+    readers = _readers(kind)
+    if format not in readers:
+        raise ValueError(f"unknown {kind} format {format!r}; known: {sorted(readers) + [SYNTHETIC]}")
+    _check_options(format, readers[format], options)
+    if path is None:
+        raise ValueError(f"format {format!r} needs a path")
+    return [ReadTask(kind, format, p, frozen, 0, None, collection, feature_dim) for p in list_inputs(path, format)]
+
+
+def read_task(task: ReadTask) -> Iterator[RawImage | RawCaption | Reject]:
+    """Run one task: yields its records (RawImage / RawCaption) and Rejects."""
+    options = {k: v for k, v in task.options}
+    if task.format == SYNTHETIC:
+        from ..synthetic import SyntheticSpec, generate_captions, generate_images
+
+        spec = SyntheticSpec.from_options(task.collection, options, task.feature_dim)
+        stop = spec.num_images if task.stop is None else task.stop
+        generate = generate_images if task.kind == KIND_IMAGE else generate_captions
+        yield from generate(spec, task.start, stop)
+        return
+    readers = _readers(task.kind)
+    if task.format not in readers:
+        raise ValueError(f"unknown {task.kind} format {task.format!r}; known: {sorted(readers)}")
+    yield from readers[task.format](task.path, **options)
+
+
+__all__ = [
+    "BUTD_COLUMNS", "CAPTION_READERS", "IMAGE_READERS", "ReadTask", "SYNTHETIC", "apply_source_id_pattern",
+    "detector_frame_size", "file_stem", "image_size", "list_inputs", "plan_read_tasks", "read_bua_npz",
+    "read_butd_tsv", "read_caption_lines", "read_cc_tsv", "read_flickr30k_entities", "read_karpathy_json",
+    "read_multi30k", "read_oscar_pt", "read_plain_npz", "read_task", "read_uniter_npz", "strip_entities_markup",
+    "_open_binary",
+]
