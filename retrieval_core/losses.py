@@ -1,0 +1,97 @@
+"""Training losses: BE batch-hard triplet (VSE++ max violation) and InfoNCE, CE pair sampling and pair loss.
+
+A BE batch has one row per caption: ``text_emb[i]`` is caption i, ``image_emb[i]`` its image (an image may
+repeat), ``image_ids[i]`` that image's id. Entries sharing an image id are never negatives of each other.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def _same_image(image_ids: torch.Tensor) -> torch.Tensor:
+    ids = torch.as_tensor(image_ids).to(torch.long).reshape(-1)
+    return ids[:, None] == ids[None, :]
+
+
+def batch_hard_triplet_loss(text_emb: torch.Tensor, image_emb: torch.Tensor, image_ids: torch.Tensor,
+                            margin: float = 0.1) -> torch.Tensor:
+    """VSE++ max-violation triplet loss on cosine similarities (inputs L2-normalised).
+
+    S[i, j] = <text_i, image_j>. For caption i: max(0, margin + max_{j neg} S[i, j] - S[i, i]);
+    for image i (column i): max(0, margin + max_{j neg} S[j, i] - S[i, i]); j is a negative when
+    image_ids[j] != image_ids[i]. Both terms are averaged over the batch and summed. A row with no negative
+    in the batch contributes 0.
+    """
+    sim = text_emb @ image_emb.T
+    pos = sim.diagonal()
+    neg_mask = ~_same_image(image_ids).to(sim.device)
+    very_negative = torch.finfo(sim.dtype).min
+    masked = sim.masked_fill(~neg_mask, very_negative)
+    hardest_image = masked.max(dim=1).values  # per caption
+    hardest_caption = masked.max(dim=0).values  # per image column
+    has_neg = neg_mask.any(dim=1)
+    zero = torch.zeros_like(pos)
+    loss_t2i = torch.where(has_neg, (margin + hardest_image - pos).clamp(min=0), zero)
+    loss_i2t = torch.where(has_neg, (margin + hardest_caption - pos).clamp(min=0), zero)
+    return loss_t2i.mean() + loss_i2t.mean()
+
+
+def infonce_loss(text_emb: torch.Tensor, image_emb: torch.Tensor, image_ids: torch.Tensor,
+                 temperature: float = 0.05) -> torch.Tensor:
+    """In-batch softmax in both directions (LightningDOT CMR); other entries of the same image are removed
+    from the denominators (they are not negatives), the diagonal is the positive. Mean of both directions."""
+    logits = (text_emb @ image_emb.T) / temperature
+    same = _same_image(image_ids).to(logits.device)
+    off_diag_same = same & ~torch.eye(len(logits), dtype=torch.bool, device=logits.device)
+    logits = logits.masked_fill(off_diag_same, float("-inf"))
+    target = torch.arange(len(logits), device=logits.device)
+    return 0.5 * (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target))
+
+
+def sample_ce_pairs(rng: np.random.Generator, caption_idx: np.ndarray, image_pos_of_caption: np.ndarray,
+                    num_images: int, num_captions: int, p_replace_image: float = 0.5
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One positive and one negative (caption, image) pair per caption of the batch.
+
+    ``caption_idx`` (B,) are caption positions; ``image_pos_of_caption`` (num_captions,) maps every caption
+    position to its image position. The negative replaces the image (probability ``p_replace_image``) with
+    a random other image, or the caption with a random caption of another image; a draw that hits the gold
+    image is redrawn (O(1) expected per item). Returns (caption positions, image positions, labels), each
+    (2B,): the B positives first, then the B negatives; labels 1 = match.
+    """
+    caption_idx = np.asarray(caption_idx, dtype=np.int64)
+    image_pos_of_caption = np.asarray(image_pos_of_caption, dtype=np.int64)
+    if num_images < 2:
+        raise ValueError("CE negatives need at least 2 images")
+    gold = image_pos_of_caption[caption_idx]
+    b = len(caption_idx)
+    neg_cap = caption_idx.copy()
+    neg_img = gold.copy()
+    replace_image = rng.random(b) < p_replace_image
+    todo = np.arange(b)
+    for _ in range(1000):
+        ri = todo[replace_image[todo]]
+        rc = todo[~replace_image[todo]]
+        neg_img[ri] = rng.integers(0, num_images, size=len(ri))
+        neg_cap[rc] = rng.integers(0, num_captions, size=len(rc))
+        neg_img[rc] = image_pos_of_caption[neg_cap[rc]]
+        todo = todo[neg_img[todo] == gold[todo]]
+        if len(todo) == 0:
+            break
+    else:
+        raise ValueError("could not draw CE negatives: do all captions belong to one image?")
+    caps = np.concatenate([caption_idx, neg_cap])
+    imgs = np.concatenate([gold, neg_img])
+    labels = np.concatenate([np.ones(b, dtype=np.int64), np.zeros(b, dtype=np.int64)])
+    return caps, imgs, labels
+
+
+def ce_pair_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """2-class cross-entropy on the CE head's (B, 2) logits, or BCE on (B,) match log-odds — the same
+    quantity, since softmax over 2 logits = sigmoid of their difference."""
+    labels = torch.as_tensor(labels, device=logits.device)
+    if logits.ndim == 2:
+        return F.cross_entropy(logits.float(), labels.long())
+    return F.binary_cross_entropy_with_logits(logits.float(), labels.float())

@@ -1,0 +1,271 @@
+"""`VLRetrievalModel`: one single-stream BERT-family encoder with a bi-encoder (BE) and a cross-encoder (CE) head.
+
+Inputs (OSCAR / MMT-Retrieval layout, NOTES.md section 1):
+  text only   [CLS] tokens [SEP]
+  image only  [CLS] region_1 .. region_R
+  pair        [CLS] tokens [SEP] region_1 .. region_R   (text and regions padded each on its own)
+Image tokens = Linear(feature_dim + 6 -> hidden) of each region's features and normalised box, then
+(native models) + token-type-1 embedding and LayerNorm, then dropout. They get no position embedding.
+
+BE: attention-masked mean over all output tokens, L2-normalised (cosine = dot product).
+CE: BertPooler-style dense+tanh on the [CLS] output -> dropout -> Linear(hidden, 2). ``score_pairs`` returns
+the match log-odds ``logit[:,1] - logit[:,0]``, so ``sigmoid(score) = softmax(logits)[1] = P(match)``; that makes
+the paper's ADD_λ fusion (λ·e + (1-λ)·sigmoid(c)) meaningful on our scores.
+
+One object carries both heads: SEP = two models trained separately, JOIN = one trained on both objectives.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoTokenizer, BertConfig, BertModel
+
+from retrieval_core.collate import Regions, TextCollator, collate_images, collate_pairs
+from retrieval_core.schema import (BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS, SCHEMA_VERSION,
+                                   ImageTable)
+
+MODEL_JSON = "rr_model.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass
+class VLModelConfig:
+    """What ``rr_model.json`` records next to the HF ``config.json``."""
+    feature_dim: int
+    box_dim: int = BOX_DIM
+    max_text_len: int = DEFAULT_MAX_TEXT_TOKENS
+    max_regions: int = DEFAULT_MAX_REGIONS
+    # Native models add the token-type-1 embedding to image tokens (UNITER); OSCAR checkpoints do not.
+    image_token_type: bool = True
+    # LayerNorm after the image projection; OSCAR only with config.use_img_layernorm.
+    image_layer_norm: bool = True
+    image_layer_norm_eps: float = 1e-12
+    # CE head on pooler(dense+tanh)([CLS]) (MMT input_key "pooled_cls_token_embeddings") or on raw [CLS].
+    ce_pooler: bool = True
+    schema_version: str = SCHEMA_VERSION
+    provenance: dict = field(default_factory=dict)
+
+    @staticmethod
+    def from_json(d: dict) -> "VLModelConfig":
+        known = {k: d[k] for k in VLModelConfig.__dataclass_fields__ if k in d}
+        return VLModelConfig(**known)
+
+
+class VLRetrievalModel(nn.Module):
+    def __init__(self, bert_config: BertConfig, cfg: VLModelConfig, tokenizer=None):
+        super().__init__()
+        if cfg.box_dim != BOX_DIM:
+            raise ValueError(f"box_dim must be {BOX_DIM} (normalised x1,y1,x2,y2,w,h), got {cfg.box_dim}")
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.bert = BertModel(bert_config, add_pooling_layer=False)
+        hidden = bert_config.hidden_size
+        self.img_embedding = nn.Linear(cfg.feature_dim + cfg.box_dim, hidden)
+        self.img_layer_norm = (nn.LayerNorm(hidden, eps=cfg.image_layer_norm_eps) if cfg.image_layer_norm
+                               else nn.Identity())
+        self.img_dropout = nn.Dropout(bert_config.hidden_dropout_prob)
+        self.ce_pooler = nn.Linear(hidden, hidden) if cfg.ce_pooler else None
+        self.ce_dropout = nn.Dropout(bert_config.hidden_dropout_prob)
+        self.ce_classifier = nn.Linear(hidden, 2)
+        self._init_new_weights(bert_config.initializer_range)
+
+    def _init_new_weights(self, std: float) -> None:
+        """BERT's init for the layers the text backbone does not provide."""
+        for lin in (self.img_embedding, self.ce_pooler, self.ce_classifier):
+            if lin is not None:
+                nn.init.normal_(lin.weight, std=std)
+                nn.init.zeros_(lin.bias)
+
+    # ---------------------------------------------------------------------------------- properties
+    @property
+    def embedding_dim(self) -> int:
+        return int(self.bert.config.hidden_size)
+
+    @property
+    def feature_dim(self) -> int:
+        return int(self.cfg.feature_dim)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def text_collator(self) -> TextCollator:
+        if self.tokenizer is None:
+            raise RuntimeError("this model has no tokenizer attached")
+        return TextCollator(self.tokenizer, self.cfg.max_text_len)
+
+    # ------------------------------------------------------------------------------------ embeddings
+    def _text_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # token type 0 for text, absolute positions from 0: exactly what BertModel would do.
+        return self.bert.embeddings(input_ids=input_ids, token_type_ids=torch.zeros_like(input_ids))
+
+    def _image_tokens(self, img_feats: torch.Tensor, img_boxes: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([img_feats, img_boxes.to(img_feats.dtype)], dim=-1)
+        if x.shape[-1] != self.img_embedding.in_features:
+            raise ValueError(f"image input has {x.shape[-1] - self.cfg.box_dim} feature dims, "
+                             f"model expects {self.cfg.feature_dim}")
+        h = self.img_embedding(x)
+        if self.cfg.image_token_type:
+            h = h + self.bert.embeddings.token_type_embeddings.weight[1]
+        return self.img_dropout(self.img_layer_norm(h))
+
+    def _cls_tokens(self, batch_size: int, device: torch.device) -> torch.Tensor:
+        cls_id = self.tokenizer.cls_token_id if self.tokenizer is not None else 101
+        ids = torch.full((batch_size, 1), int(cls_id), dtype=torch.long, device=device)
+        return self._text_tokens(ids)
+
+    def _encode(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Runs the BERT layers over already-embedded tokens with an additive (B,1,1,L) mask."""
+        dtype = tokens.dtype
+        if tokens.is_cuda and torch.is_autocast_enabled("cuda"):
+            dtype = torch.get_autocast_dtype("cuda")  # SDPA wants the mask in the query's dtype
+        additive = (1.0 - mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+        return self.bert.encoder(tokens, attention_mask=additive).last_hidden_state
+
+    @staticmethod
+    def _mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        m = mask.to(torch.float32).unsqueeze(-1)
+        pooled = (hidden.float() * m).sum(1) / m.sum(1).clamp(min=1e-9)
+        return nn.functional.normalize(pooled, dim=-1)
+
+    def _image_sequence(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        feats = batch["img_feats"]
+        img = self._image_tokens(feats, batch["img_boxes"])
+        img_mask = batch["img_mask"]
+        cls = self._cls_tokens(feats.shape[0], feats.device)
+        ones = torch.ones(feats.shape[0], 1, dtype=img_mask.dtype, device=feats.device)
+        return torch.cat([cls, img.to(cls.dtype)], 1), torch.cat([ones, img_mask], 1)
+
+    def embed_text(self, batch: dict) -> torch.Tensor:
+        """(B, hidden) L2-normalised BE embeddings of a TextCollator batch."""
+        hidden = self._encode(self._text_tokens(batch["input_ids"]), batch["attention_mask"])
+        return self._mean_pool(hidden, batch["attention_mask"])
+
+    def embed_image(self, batch: dict) -> torch.Tensor:
+        """(B, hidden) L2-normalised BE embeddings of a collate_images batch ([CLS] + regions)."""
+        tokens, mask = self._image_sequence(batch)
+        return self._mean_pool(self._encode(tokens, mask), mask)
+
+    def ce_logits(self, batch: dict) -> torch.Tensor:
+        """(B, 2) CE logits (class 1 = match) of a collate_pairs batch."""
+        text = self._text_tokens(batch["input_ids"])
+        img = self._image_tokens(batch["img_feats"], batch["img_boxes"]).to(text.dtype)
+        mask = torch.cat([batch["attention_mask"], batch["img_mask"].to(batch["attention_mask"].dtype)], 1)
+        cls = self._encode(torch.cat([text, img], 1), mask)[:, 0]
+        if self.ce_pooler is not None:
+            cls = torch.tanh(self.ce_pooler(cls))
+        return self.ce_classifier(self.ce_dropout(cls))
+
+    def score_pairs(self, batch: dict) -> torch.Tensor:
+        """(B,) match log-odds; sigmoid(score) = P(match)."""
+        logits = self.ce_logits(batch).float()
+        return logits[:, 1] - logits[:, 0]
+
+    # ------------------------------------------------------------------ numpy convenience (inference)
+    def encode_text(self, texts: Sequence[str], batch_size: int = 128, device: str = "cpu",
+                    amp_dtype: Optional[str] = None, progress: bool = False) -> np.ndarray:
+        """(n, d) float32 L2-normalised text embeddings, in input order."""
+        texts = list(texts)
+        collate = self.text_collator()
+        order = np.argsort([len(t) for t in texts], kind="stable")
+        return self._run_batched(order, batch_size, device, amp_dtype, progress, "encode text", self.embedding_dim,
+                                 lambda idx: collate([texts[i] for i in idx]), self.embed_text)
+
+    def encode_image(self, images: ImageTable | Sequence[Regions], batch_size: int = 128, device: str = "cpu",
+                     amp_dtype: Optional[str] = None, progress: bool = False) -> np.ndarray:
+        """(n, d) float32 L2-normalised image embeddings, in input order."""
+        get, counts = _region_access(images)
+        order = np.argsort(counts, kind="stable")
+        mr = self.cfg.max_regions
+        return self._run_batched(order, batch_size, device, amp_dtype, progress, "encode images", self.embedding_dim,
+                                 lambda idx: collate_images([get(i) for i in idx], mr), self.embed_image)
+
+    def score(self, texts: Sequence[str], images: ImageTable | Sequence[Regions], batch_size: int = 128,
+              device: str = "cpu", amp_dtype: Optional[str] = None, progress: bool = False) -> np.ndarray:
+        """(n,) CE match log-odds of the pairs (texts[i], images[i])."""
+        texts = list(texts)
+        get, counts = _region_access(images)
+        if len(texts) != len(counts):
+            raise ValueError(f"score: {len(texts)} texts but {len(counts)} images")
+        collate = self.text_collator()
+        order = np.lexsort((np.array([len(t) for t in texts]), np.minimum(counts, self.cfg.max_regions)))
+        mr = self.cfg.max_regions
+        out = self._run_batched(order, batch_size, device, amp_dtype, progress, "CE score", 1,
+                                lambda idx: collate_pairs(collate, [texts[i] for i in idx], [get(i) for i in idx], mr),
+                                lambda b: self.score_pairs(b)[:, None])
+        return out[:, 0]
+
+    def _run_batched(self, order: np.ndarray, batch_size: int, device: str, amp_dtype: Optional[str],
+                     progress: bool, desc: str, width: int, make_batch: Callable, fn: Callable) -> np.ndarray:
+        from tqdm.auto import tqdm
+
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        dev = torch.device(device)
+        self.to(dev)
+        was_training = self.training
+        self.eval()
+        out = np.zeros((len(order), width), dtype=np.float32)
+        try:
+            with torch.inference_mode(), _autocast(dev, amp_dtype):
+                for start in tqdm(range(0, len(order), batch_size), desc=desc, disable=not progress, unit="batch"):
+                    idx = order[start:start + batch_size]
+                    batch = {k: v.to(dev, non_blocking=True) for k, v in make_batch(idx).items()}
+                    out[idx] = fn(batch).float().cpu().numpy()
+        finally:
+            self.train(was_training)
+        return out
+
+    # ----------------------------------------------------------------------------------- save/load
+    def save(self, directory: str) -> None:
+        """Writes rr_model.json, model.safetensors, the HF config.json and the tokenizer files."""
+        os.makedirs(directory, exist_ok=True)
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, os.path.join(directory, WEIGHTS_FILE), metadata={"format": "pt"})
+        self.bert.config.save_pretrained(directory)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(directory)
+        with open(os.path.join(directory, MODEL_JSON), "w") as f:
+            json.dump(asdict(self.cfg), f, indent=2, sort_keys=True)
+
+    @classmethod
+    def load(cls, directory: str, device: str = "cpu") -> "VLRetrievalModel":
+        path = os.path.join(directory, MODEL_JSON)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{directory} is not a VLRetrievalModel folder (no {MODEL_JSON})")
+        with open(path) as f:
+            cfg = VLModelConfig.from_json(json.load(f))
+        bert_config = BertConfig.from_pretrained(directory)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = cls(bert_config, cfg, tokenizer)
+        state = load_file(os.path.join(directory, WEIGHTS_FILE))
+        model.load_state_dict(state, strict=True)
+        return model.to(device).eval()
+
+    @staticmethod
+    def is_model_dir(directory: str) -> bool:
+        return os.path.isfile(os.path.join(directory, MODEL_JSON))
+
+
+def _region_access(images: ImageTable | Sequence[Regions]) -> tuple[Callable[[int], Regions], np.ndarray]:
+    if isinstance(images, ImageTable):
+        return images.regions, images.num_boxes()
+    images = list(images)
+    return (lambda i: images[i]), np.array([len(f) for f, _ in images], dtype=np.int64)
+
+
+def _autocast(device: torch.device, amp_dtype: Optional[str]):
+    """bf16/fp16 autocast on CUDA only; CPU stays exact float32."""
+    if amp_dtype is None or device.type != "cuda":
+        return torch.autocast(device_type="cpu", enabled=False)
+    dtypes = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    if amp_dtype not in dtypes:
+        raise ValueError(f"amp_dtype must be one of {sorted(dtypes)}, got {amp_dtype!r}")
+    return torch.autocast(device_type="cuda", dtype=dtypes[amp_dtype])
