@@ -1,0 +1,221 @@
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from transformers import BertConfig
+
+from retrieval_core.checkpoints import (CheckpointError, from_text_backbone, load_mmt_retrieval, load_oscar,
+                                        minilm_path)
+from retrieval_core.collate import TextCollator, collate_images, collate_pairs
+from retrieval_core.losses import batch_hard_triplet_loss, ce_pair_loss
+from retrieval_core.model import VLModelConfig, VLRetrievalModel
+from tests.helpers_model import make_tiny_dataset, tiny_model, write_tiny_bert
+
+F = 16
+
+
+@pytest.fixture(scope="module")
+def data():
+    return make_tiny_dataset(num_images=12, feature_dim=F, seed=1)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(str(tmp_path_factory.mktemp("m")), feature_dim=F)
+
+
+def test_collate_images_pads_per_batch_and_keeps_first_regions():
+    a = (np.ones((3, F), np.float32), np.full((3, 6), 0.5, np.float32))
+    b = (np.arange(7 * F, dtype=np.float32).reshape(7, F), np.zeros((7, 6), np.float32))
+    out = collate_images([a, b], max_regions=5)
+    assert out["img_feats"].shape == (2, 5, F) and out["img_boxes"].shape == (2, 5, 6)
+    assert out["img_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert torch.equal(out["img_feats"][1], torch.from_numpy(b[0][:5]))  # the first (most confident) five
+    assert out["img_feats"].dtype == torch.float32
+    with pytest.raises(ValueError, match="no regions"):
+        collate_images([(np.zeros((0, F), np.float32), np.zeros((0, 6), np.float32))])
+    with pytest.raises(ValueError, match="boxes"):
+        collate_images([(np.zeros((2, F), np.float32), np.zeros((2, 4), np.float32))])
+
+
+def test_text_collator_pads_to_longest(model):
+    col = TextCollator(model.tokenizer, max_len=6)
+    out = col(["a dog", "a red dog and a blue cat and a green bird"])
+    assert out["input_ids"].shape == (2, 6)  # truncated to max_len, [CLS]/[SEP] included
+    out = col(["a dog", "a red dog"])
+    assert out["input_ids"].shape == (2, 5) and out["attention_mask"].tolist() == [[1, 1, 1, 1, 0], [1] * 5]
+
+
+def test_embeddings_are_normalised_and_padding_invariant(model, data):
+    captions, images = data
+    texts = captions["text"].tolist()
+    together = model.encode_text(texts, batch_size=8)
+    alone = np.stack([model.encode_text([t])[0] for t in texts[:4]])
+    np.testing.assert_allclose(np.linalg.norm(together, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(together[:4], alone, atol=1e-5)
+    img_all = model.encode_image(images, batch_size=5)
+    img_one = model.encode_image([images.regions(0)])
+    np.testing.assert_allclose(img_all[0], img_one[0], atol=1e-5)
+    assert img_all.shape == (len(images), model.embedding_dim) and img_all.dtype == np.float32
+    scores = model.score(texts[:6], images.take(range(6)))  # an ImageTable works as well as a list
+    one = model.score([texts[2]], [images.regions(2)])
+    assert scores.shape == (6,) and scores[2] == pytest.approx(one[0], abs=1e-5)
+
+
+def test_gradients_reach_the_image_projection(model, data):
+    captions, images = data
+    model.train()
+    col = model.text_collator()
+    texts = captions["text"].tolist()[:4]
+    regions = [images.regions(i // 2) for i in range(4)]  # 2 captions per image
+    ids = torch.tensor([i // 2 for i in range(4)])
+    model.zero_grad()
+    loss = batch_hard_triplet_loss(model.embed_text(col(texts)), model.embed_image(collate_images(regions)), ids,
+                                   margin=0.5)
+    loss.backward()
+    assert model.img_embedding.weight.grad is not None and model.img_embedding.weight.grad.abs().sum() > 0
+    model.zero_grad()
+    batch = collate_pairs(col, texts, regions)
+    ce_pair_loss(model.ce_logits(batch), torch.tensor([1, 0, 1, 0])).backward()
+    assert model.img_embedding.weight.grad.abs().sum() > 0
+    assert model.ce_classifier.weight.grad.abs().sum() > 0
+    model.zero_grad()
+    model.eval()
+
+
+def _outputs(m, data):
+    captions, images = data
+    texts = captions["text"].tolist()
+    return (m.encode_text(texts), m.encode_image(images),
+            m.score(texts, [images.regions(i // 2) for i in range(len(texts))]))
+
+
+def test_save_load_save_load_is_bit_identical(model, data, tmp_path):
+    model.save(str(tmp_path / "a"))
+    a = VLRetrievalModel.load(str(tmp_path / "a"))
+    a.save(str(tmp_path / "b"))
+    b = VLRetrievalModel.load(str(tmp_path / "b"))
+    for x, y, z in zip(_outputs(model, data), _outputs(a, data), _outputs(b, data)):
+        assert np.array_equal(x, y) and np.array_equal(y, z)
+    cfg = json.load(open(tmp_path / "b" / "rr_model.json"))
+    assert cfg["feature_dim"] == F and cfg["provenance"]["init"] == "text_backbone"
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (tmp_path / "b" / name).is_file()
+
+
+def _oscar_like_model(tmp_path, use_img_layernorm: bool):
+    folder = write_tiny_bert(str(tmp_path / "bert"))
+    from transformers import AutoTokenizer
+    torch.manual_seed(3)
+    cfg = VLModelConfig(feature_dim=F, image_token_type=False, image_layer_norm=use_img_layernorm)
+    m = VLRetrievalModel(BertConfig.from_pretrained(folder), cfg, AutoTokenizer.from_pretrained(folder))
+    with torch.no_grad():  # non-trivial LayerNorm / bias values so a wrong mapping shows
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return m.eval(), folder
+
+
+def _oscar_keys(m):
+    """Our weights under OSCAR's names (BertImgModel inside ImageBertForSequenceClassification)."""
+    sd = m.state_dict()
+    out = {}
+    for k, v in sd.items():
+        if k.startswith("bert."):
+            out[k] = v
+        elif k.startswith("img_embedding."):
+            out["bert." + k] = v
+        elif k.startswith("img_layer_norm."):
+            out["bert.LayerNorm." + k.split(".")[-1]] = v
+        elif k.startswith("ce_pooler."):
+            out["bert.pooler.dense." + k.split(".")[-1]] = v
+        elif k.startswith("ce_classifier."):
+            out["classifier." + k.split(".")[-1]] = v
+    out["bert.embeddings.position_ids"] = torch.arange(128)[None]  # serialised by old transformers
+    return out
+
+
+def _write_bert_config(folder, src_folder, use_img_layernorm):
+    cfg = json.load(open(os.path.join(src_folder, "config.json")))
+    cfg.update(img_feature_dim=F + 6, img_feature_type="faster_r-cnn", use_img_layernorm=int(use_img_layernorm),
+               img_layer_norm_eps=1e-12, num_labels=2)
+    os.makedirs(folder, exist_ok=True)
+    json.dump(cfg, open(os.path.join(folder, "config.json"), "w"))
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json"):
+        with open(os.path.join(src_folder, name), "rb") as src, open(os.path.join(folder, name), "wb") as dst:
+            dst.write(src.read())
+
+
+def test_load_mmt_retrieval_layout_reproduces_outputs(tmp_path, data):
+    orig, bert_folder = _oscar_like_model(tmp_path, use_img_layernorm=True)
+    root = tmp_path / "mmt"
+    keys = _oscar_keys(orig)
+    _write_bert_config(str(root / "0_OSCAR"), bert_folder, True)
+    trunk = {k: v for k, v in keys.items() if k.startswith("bert.")}
+    torch.save(trunk, root / "0_OSCAR" / "pytorch_model.bin")
+    json.dump({"max_seq_length": 70, "max_image_seq_len": 50}, open(root / "0_OSCAR" / "sentence_bert_config.json", "w"))
+    (root / "1_ClassificationHead").mkdir()
+    torch.save({k: v for k, v in keys.items() if k.startswith("classifier.")},
+               root / "1_ClassificationHead" / "class_head.pt")
+    json.dump({"num_labels": 2, "input_key": "pooled_cls_token_embeddings", "input_dim": 32,
+               "classifier_type": "linear", "scaling_factor": 2, "dropout": 0.1},
+              open(root / "1_ClassificationHead" / "sentence_bert_config.json", "w"))
+    (root / "2_Pooling").mkdir()
+    json.dump({"word_embedding_dimension": 32, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+               "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False},
+              open(root / "2_Pooling" / "config.json", "w"))
+    json.dump([{"idx": 0, "name": "0", "path": "0_OSCAR", "type": "mmt_retrieval.model.models.OSCAR"},
+               {"idx": 1, "name": "1", "path": "1_ClassificationHead",
+                "type": "mmt_retrieval.model.models.ClassificationHead"},
+               {"idx": 2, "name": "2", "path": "2_Pooling", "type": "mmt_retrieval.model.models.Pooling"}],
+              open(root / "modules.json", "w"))
+    loaded = load_mmt_retrieval(str(root))
+    assert loaded.feature_dim == F and loaded.cfg.provenance["heads_trained"] == ["be", "ce"]
+    for x, y in zip(_outputs(orig, data), _outputs(loaded, data)):
+        np.testing.assert_array_equal(x, y)
+
+    # an unknown key is an error that names it
+    trunk["bert.mystery.weight"] = torch.zeros(2)
+    torch.save(trunk, root / "0_OSCAR" / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="mystery"):
+        load_mmt_retrieval(str(root))
+
+
+def test_load_oscar_layout_reproduces_outputs(tmp_path, data):
+    orig, bert_folder = _oscar_like_model(tmp_path, use_img_layernorm=False)
+    folder = tmp_path / "oscar"
+    _write_bert_config(str(folder), bert_folder, False)
+    keys = _oscar_keys(orig)
+    torch.save(keys, folder / "pytorch_model.bin")
+    loaded = load_oscar(str(folder))
+    assert loaded.cfg.image_token_type is False and loaded.cfg.image_layer_norm is False
+    for x, y in zip(_outputs(orig, data), _outputs(loaded, data)):
+        np.testing.assert_array_equal(x, y)
+    del keys["classifier.weight"]
+    torch.save(keys, folder / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="ce_classifier.weight"):
+        load_oscar(str(folder))
+
+
+def test_halving_keeps_even_layers(tmp_path):
+    folder = write_tiny_bert(str(tmp_path / "b4"), num_layers=4)
+    full = from_text_backbone(folder, feature_dim=F)
+    half = from_text_backbone(folder, feature_dim=F, keep_every_other_layer=True)
+    assert half.bert.config.num_hidden_layers == 2 and len(half.bert.encoder.layer) == 2
+    for new, old in ((0, 0), (1, 2)):
+        a = half.bert.encoder.layer[new].attention.self.query.weight
+        b = full.bert.encoder.layer[old].attention.self.query.weight
+        assert torch.equal(a, b)
+
+
+def test_minilm_backbone_loads():
+    try:
+        path = minilm_path()
+    except CheckpointError as e:
+        pytest.skip(str(e))
+    m = from_text_backbone(path, feature_dim=8, keep_every_other_layer=True)
+    assert m.embedding_dim == 384 and m.bert.config.num_hidden_layers == 3
+    assert "ce_pooler" not in m.cfg.provenance["newly_initialised"]  # initialised from MiniLM's pooler
+    e = m.encode_text(["a dog on a beach", "a red bus"])
+    assert e.shape == (2, 384) and abs(float(e[0] @ e[1])) < 0.99
