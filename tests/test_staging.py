@@ -1,0 +1,163 @@
+"""Validation and normalisation of single records (retrieval_core.staging)."""
+import io
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from retrieval_core import schema, staging
+from retrieval_core.schema import RawCaption, RawImage, Reject
+
+F = 8
+
+
+def raw_image(n=4, source_id="img1", **kw):
+    rng = np.random.default_rng(0)
+    boxes = np.array([[10, 20, 50, 60]] * n, dtype=np.float32)
+    defaults = dict(source_id=source_id, features=rng.standard_normal((n, F)).astype(np.float32), boxes=boxes,
+                    image_w=100, image_h=200, num_boxes=n, split="train", locator="f.tsv:3")
+    defaults.update(kw)
+    return RawImage(**defaults)
+
+
+def stage(raw, max_regions=50, feature_dim=F):
+    return staging.stage_image(raw, collection="c", feature_dim=feature_dim, max_regions=max_regions, source="f.tsv")
+
+
+def assert_reject(out, category, *fragments):
+    assert isinstance(out, Reject), out
+    assert out.reason.startswith(category + ": "), out.reason
+    for frag in fragments:
+        assert frag in out.reason, out.reason
+    return out
+
+
+def test_pixel_boxes_are_normalised_by_image_size():
+    row = stage(raw_image(n=2))
+    assert row["item_id"] == schema.make_item_id("c", "image", "img1")
+    np.testing.assert_allclose(row["boxes"][0], [0.1, 0.1, 0.5, 0.3, 0.4, 0.2], rtol=1e-6)
+    assert row["boxes"].dtype == np.float32 and row["features"].dtype == np.float32
+    assert row["num_boxes"] == 2 and row["split"] == "train" and row[staging.K_CAP_POLICY] is None
+    assert set(schema.IMAGE_COLUMNS) <= set(row)
+
+
+def test_normalised_boxes_taken_as_is_and_uniter_area_dropped():
+    b6 = np.array([[0.1, 0.2, 0.3, 0.4, 0.2, 0.2]], dtype=np.float32)
+    row = stage(raw_image(n=1, boxes=b6, box_format="normalized6", image_w=0, image_h=0))
+    np.testing.assert_array_equal(row["boxes"], b6)
+    b7 = np.concatenate([b6, [[0.04]]], axis=1).astype(np.float32)
+    row = stage(raw_image(n=1, boxes=b7, box_format="normalized6", image_w=0, image_h=0, num_boxes=None))
+    np.testing.assert_array_equal(row["boxes"], b6)
+
+
+def test_box_tolerance_clips_small_overshoot_but_rejects_large():
+    row = stage(raw_image(n=1, boxes=np.array([[-1, 0, 101, 200]], np.float32)))
+    assert row["boxes"][0, 0] == 0.0 and row["boxes"][0, 2] == 1.0
+    assert_reject(stage(raw_image(n=1, boxes=np.array([[0, 0, 150, 20]], np.float32))), staging.R_BAD_BOX)
+    assert_reject(stage(raw_image(n=1, boxes=np.array([[50, 0, 10, 20]], np.float32))), staging.R_BAD_BOX)
+
+
+def test_region_cap_keeps_most_confident_in_confidence_order():
+    n = 6
+    feats = np.arange(n, dtype=np.float32)[:, None].repeat(F, axis=1)
+    conf = np.array([0.1, 0.9, 0.3, 0.8, 0.2, 0.7])
+    row = stage(raw_image(n=n, features=feats, confidences=conf), max_regions=3)
+    assert row[staging.K_CAP_POLICY] == staging.POLICY_CONFIDENCE
+    assert row["features"][:, 0].tolist() == [1, 3, 5] and row["num_boxes"] == 3
+    assert row[staging.K_REGIONS_IN] == 6
+
+
+def test_region_cap_without_confidences_keeps_stored_order():
+    feats = np.arange(6, dtype=np.float32)[:, None].repeat(F, axis=1)
+    row = stage(raw_image(n=6, features=feats), max_regions=4)
+    assert row[staging.K_CAP_POLICY] == staging.POLICY_STORED_ORDER
+    assert row["features"][:, 0].tolist() == [0, 1, 2, 3]
+    cap = staging.cap_summary(4, {"stored_order": 1})
+    assert cap == {"max_regions": 4, "capped_images": 1, "policy": "stored_order", "by_policy": {"stored_order": 1}}
+
+
+@pytest.mark.parametrize("kw,category,fragments", [
+    (dict(num_boxes=5), staging.R_NUM_BOXES, ["num_boxes says 5", "4 rows"]),
+    (dict(boxes=np.zeros((3, 4), np.float32), num_boxes=None), staging.R_ROW_MISMATCH, ["4 rows", "3"]),
+    (dict(features=np.zeros((4, 16), np.float32)), staging.R_FEATURE_DIM, ["16-d", f"feature_dim {F}"]),
+    (dict(features=np.zeros((0, F), np.float32), boxes=np.zeros((0, 4), np.float32), num_boxes=0),
+     staging.R_NO_REGIONS, []),
+    (dict(image_w=0, image_h=0), staging.R_NO_SIZE, ["0x0"]),
+    (dict(confidences=np.ones(3)), staging.R_BAD_CONF, ["3 confidences for 4"]),
+])
+def test_bad_images_are_rejected_with_reason(kw, category, fragments):
+    out = assert_reject(stage(raw_image(**kw)), category, *fragments)
+    assert out.locator == "f.tsv:3" and out.source == "f.tsv" and out.kind == "image"
+    assert "img1" in out.reason
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_features_and_boxes_rejected(bad):
+    raw = raw_image()
+    raw.features[1, 2] = bad
+    assert_reject(stage(raw), staging.R_NOT_FINITE, "features")
+    raw = raw_image()
+    raw.boxes[0, 0] = bad
+    assert_reject(stage(raw), staging.R_NOT_FINITE, "boxes")
+
+
+def test_caption_ids_and_rejects():
+    row = staging.stage_caption(RawCaption("img1", "  A dog.  ", "2", split="test", locator="caps:7"),
+                                collection="c", source="caps")
+    assert row["text"] == "A dog."
+    assert row["caption_id"] == schema.make_item_id("c", "caption", schema.caption_source_id("img1", "2"))
+    assert row["image_item_id"] == schema.make_item_id("c", "image", "img1")
+    assert set(schema.CAPTION_COLUMNS) <= set(row)
+    ok = staging.stage_caption(RawCaption("img1", "caf\xe9".encode("utf-8"), "0"), collection="c")
+    assert ok["text"] == "caf\xe9"
+    bad = staging.stage_caption(RawCaption("img1", b"caf\xe9 \xff", "0", locator="caps:9"), collection="c",
+                                source="caps")
+    assert_reject(bad, staging.R_NOT_UTF8, "img1")
+    assert bad.kind == "caption" and bad.locator == "caps:9"
+    for text in ("", "   \t", b"  "):
+        assert_reject(staging.stage_caption(RawCaption("img1", text, "0"), collection="c"), staging.R_EMPTY_CAPTION)
+    unknown = staging.unknown_image_reject(row, "img1")
+    assert unknown.reason.startswith(staging.R_UNKNOWN_IMAGE + ": ") and "img1" in unknown.reason
+    assert unknown.locator == "caps:7" and unknown.kind == "caption"
+
+
+def test_duplicates_keep_smallest_locator_deterministically():
+    rows = [stage(raw_image(locator=f"f.tsv:{i}")) for i in (10, 9, 11)]
+    for order in (rows, rows[::-1]):
+        kept, rejects = staging.resolve_duplicates(order)
+        assert [r[staging.K_LOCATOR] for r in kept] == ["f.tsv:9"]  # natural order: 9 < 10
+        assert sorted(r.locator for r in rejects) == ["f.tsv:10", "f.tsv:11"]
+        for r in rejects:
+            assert r.reason.startswith(staging.R_DUPLICATE + ": ") and "first seen at f.tsv:9" in r.reason
+
+
+def test_hash_collisions_are_detected():
+    a = stage(raw_image(source_id="a"))
+    b = dict(stage(raw_image(source_id="b")), item_id=a["item_id"])  # forge a collision
+    kept, rejects = staging.resolve_duplicates([a, b])
+    assert len(kept) == 1 and rejects[0].reason.startswith(staging.R_ID_COLLISION)
+    found = staging.find_id_collisions([(1, ("x", "image", "a")), (1, ("x", "image", "a")), (1, ("y", "image", "a")),
+                                        (2, ("x", "caption", "q"))])
+    assert found == [{"item_id": 1, "first": ["x", "image", "a"], "second": ["y", "image", "a"]}]
+
+
+def test_shards_are_deterministic_and_sorted():
+    rows = [stage(raw_image(n=1 + i % 3, source_id=f"s{i}")) for i in range(7)]
+    b1 = staging.image_shard_parquet(rows, F)
+    assert b1 == staging.image_shard_parquet(rows[::-1], F)
+    table = pq.read_table(io.BytesIO(b1))
+    ids = table.column("item_id").to_pylist()
+    assert ids == sorted(ids) and table.schema.metadata[schema.META_FEATURE_DIM] == str(F).encode()
+    h1, m1 = staging.image_shard_hdf5(rows, "float16", feature_shard="features/x.h5")
+    assert (h1, m1) == staging.image_shard_hdf5(rows[::-1], "float16", feature_shard="features/x.h5")
+    caps = [staging.stage_caption(RawCaption(f"s{i}", f"t{i}", "0"), collection="c") for i in range(5)]
+    assert staging.caption_shard_parquet(caps) == staging.caption_shard_parquet(caps[::-1])
+
+
+def test_source_summary_counts_and_warnings():
+    s = staging.source_summary(fmt="butd_tsv", path="x.tsv", records_in=10, staged=8,
+                               rejects=["wrong feature dim: 3", "zero regions: x"], shards=[], expected=9,
+                               rejects_file="rejects/c-images.jsonl")
+    assert s["rejected"] == 2 and s["reject_reasons"] == {"wrong feature dim": 1, "zero regions": 1}
+    assert s["warnings"] == ["expected 9 records but staged 8"]
+    assert staging.in_equals_line("c images", s) == "c images: 10 in = 8 staged + 2 rejected"
