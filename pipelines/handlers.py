@@ -1,0 +1,137 @@
+"""The one Beam ModelHandler between RunInference and `VLRetrievalModel` (style of apache_beam.ml.inference).
+
+A handler serves one task:
+
+  ``embed_text``   element: caption text (str)                      -> (d,) float32 BE embedding
+  ``embed_image``  element: (features (n,F), boxes (n,6)) numpy     -> (d,) float32 BE embedding
+  ``score_pairs``  element: (text, features, boxes)                  -> () float32 CE match log-odds
+
+``run_inference`` collates the batch it is given itself (per-batch padding through retrieval_core.collate),
+so batches may mix lengths freely. Wrap it in ``KeyedModelHandler`` to keep ids attached::
+
+    handler = KeyedModelHandler(VLModelHandler(model_dir, "embed_image", max_batch_size=64))
+    keyed_embeddings = keyed_regions | RunInference(handler)   # (item_id, PredictionResult)
+
+Device: "CPU" or "GPU". Asking for "GPU" where CUDA is unusable raises in ``load_model`` instead of quietly
+running on CPU (Beam's PyTorch handlers fall back silently). On Dataflow GPU workers (one SDK process per
+vCPU) pass ``model_copies=1`` (or ``large_model=True``) so one copy per GPU is shared across processes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+from apache_beam.ml.inference.base import ModelHandler, PredictionResult
+
+log = logging.getLogger(__name__)
+
+TASK_EMBED_TEXT = "embed_text"
+TASK_EMBED_IMAGE = "embed_image"
+TASK_SCORE_PAIRS = "score_pairs"
+TASKS = (TASK_EMBED_TEXT, TASK_EMBED_IMAGE, TASK_SCORE_PAIRS)
+DEVICES = ("CPU", "GPU")
+
+#: RunInference metrics (num_inferences, inference_batch_latency_micro_secs, inference_request_batch_size,
+#: load_model_latency_milli_secs) land in ``<METRICS_NAMESPACE>_<task>``, one namespace per task.
+METRICS_NAMESPACE = "RR_VLRetrieval"
+
+
+class DeviceUnavailableError(RuntimeError):
+    """GPU was requested but torch sees no usable CUDA device."""
+
+
+def element_length(task: str, example: Any) -> int:
+    """Padded-length proxy of one element: word count for text, region count for images, both for pairs.
+    Used to sort elements so that a batch holds similar lengths (little padding)."""
+    if task == TASK_EMBED_TEXT:
+        return len(example.split())
+    if task == TASK_EMBED_IMAGE:
+        return int(len(example[0]))
+    text, feats, _ = example
+    return len(text.split()) + int(len(feats))
+
+
+class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
+    """ModelHandler for one task of a VLRetrievalModel folder (see module docstring)."""
+
+    def __init__(self, model_dir: str, task: str, *, device: str = "CPU", max_batch_size: int = 64,
+                 min_batch_size: int = 1, model_copies: Optional[int] = None, large_model: bool = False,
+                 num_threads: Optional[int] = None):
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+        device = device.upper()
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+        if not 1 <= min_batch_size <= max_batch_size:
+            raise ValueError(f"need 1 <= min_batch_size <= max_batch_size, got {min_batch_size}, {max_batch_size}")
+        # max_batch_size is always set: BatchElements' own default may grow a batch to 10,000 elements.
+        super().__init__(min_batch_size=min_batch_size, max_batch_size=max_batch_size,
+                         large_model=large_model, model_copies=model_copies)
+        self.model_dir = model_dir
+        self.task = task
+        self.device = device
+        self.num_threads = num_threads
+
+    def __repr__(self) -> str:
+        return f"VLModelHandler({self.model_dir!r}, {self.task!r}, device={self.device!r})"
+
+    # ------------------------------------------------------------------------------------ model
+    def load_model(self):
+        import torch
+
+        from retrieval_core.model import VLRetrievalModel
+
+        if self.device == "GPU" and not torch.cuda.is_available():
+            raise DeviceUnavailableError("device GPU was requested but torch.cuda.is_available() is False "
+                                         f"(torch {torch.__version__}); use --device CPU or a CUDA worker")
+        if self.num_threads:
+            torch.set_num_threads(int(self.num_threads))
+        model = VLRetrievalModel.load(self.model_dir, device="cuda" if self.device == "GPU" else "cpu")
+        return model.eval()
+
+    def run_inference(self, batch: Sequence[Any], model, inference_args: Optional[dict] = None
+                      ) -> Iterable[PredictionResult]:
+        import torch
+
+        batch = list(batch)
+        if not batch:
+            return []
+        tensors = self.collate(batch, model)
+        dev = model.device
+        with torch.inference_mode():
+            tensors = {k: v.to(dev, non_blocking=True) for k, v in tensors.items()}
+            out = getattr(model, self.task)(tensors).float().cpu().numpy()
+        return [PredictionResult(example, out[i]) for i, example in enumerate(batch)]
+
+    def collate(self, batch: Sequence[Any], model) -> dict:
+        """The batch as model inputs, padded to its own longest text / region count."""
+        from retrieval_core.collate import collate_images, collate_pairs
+
+        max_regions = model.cfg.max_regions
+        if self.task == TASK_EMBED_TEXT:
+            return model.text_collator()(batch)
+        if self.task == TASK_EMBED_IMAGE:
+            return collate_images([_regions(f, b) for f, b in batch], max_regions)
+        texts = [t for t, _, _ in batch]
+        return collate_pairs(model.text_collator(), texts, [_regions(f, b) for _, f, b in batch], max_regions)
+
+    # ------------------------------------------------------------------------- Beam plumbing
+    def validate_inference_args(self, inference_args: Optional[dict]) -> None:
+        if inference_args:
+            raise ValueError(f"VLModelHandler takes no inference_args, got {sorted(inference_args)}")
+
+    def get_metrics_namespace(self) -> str:
+        return f"{METRICS_NAMESPACE}_{self.task}"
+
+    def get_num_bytes(self, batch: Sequence[Any]) -> int:
+        # The default pickles the whole batch just to measure it; arrays know their size.
+        total = 0
+        for ex in batch:
+            parts = ex if isinstance(ex, tuple) else (ex,)
+            total += sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in parts)
+        return total
+
+
+def _regions(features, boxes) -> tuple[np.ndarray, np.ndarray]:
+    return (np.asarray(features, dtype=np.float32), np.asarray(boxes, dtype=np.float32))

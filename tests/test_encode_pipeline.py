@@ -1,0 +1,142 @@
+"""pipelines.encode on a tiny staged set with a tiny model, DirectRunner."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from pipelines import encode
+from pipelines.handlers import METRICS_NAMESPACE
+from retrieval_core import embeddings as emb
+from retrieval_core import staging
+from retrieval_core.model import VLRetrievalModel
+from retrieval_core.store import StagedDataset
+from tests.helpers_model import make_tiny_dataset, tiny_model
+
+FEATURE_DIM = 16
+
+
+def write_tiny_staged(directory: str, num_images: int = 24, collection: str = "tiny", image_shards: int = 2,
+                      seed: int = 0, feature_dim: int = FEATURE_DIM) -> str:
+    """A staged directory (the layout pipelines.stage writes) from tests.helpers_model's tiny data, written
+    with the stager's own shard encoders. Splits: the last quarter of the images (and their captions) is
+    "test", the rest "train"."""
+    captions, images = make_tiny_dataset(num_images=num_images, feature_dim=feature_dim, seed=seed,
+                                         collection=collection)
+    split = np.where(images.meta["split"] == "dev", "test", "train")
+    image_split = dict(zip(images.item_ids.tolist(), split.tolist()))
+    captions = captions.assign(split=[image_split[i] for i in captions["image_item_id"]])
+    rows = []
+    for i, item_id in enumerate(images.item_ids.tolist()):
+        feats, boxes = images.regions(i)
+        rows.append({"item_id": item_id, "collection": collection, "source_id": str(i), "split": image_split[item_id],
+                     "image_w": 0, "image_h": 0, "num_boxes": len(feats), "features": feats, "boxes": boxes})
+    img_shards, cap_shards = [], []
+    os.makedirs(os.path.join(directory, "images"), exist_ok=True)
+    os.makedirs(os.path.join(directory, "captions"), exist_ok=True)
+    for s in range(image_shards):
+        part = [r for r in rows if r["item_id"] % image_shards == s]
+        name = f"images/{collection}-{s:05d}-of-{image_shards:05d}.parquet"
+        data = staging.image_shard_parquet(part, feature_dim)
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(data)
+        img_shards.append({"name": name, "rows": len(part)})
+    name = f"captions/{collection}-00000-of-00001.parquet"
+    with open(os.path.join(directory, name), "wb") as f:
+        f.write(staging.caption_shard_parquet(captions.to_dict("records")))
+    cap_shards.append({"name": name, "rows": len(captions)})
+    summary = {"complete": True, "feature_dim": feature_dim, "feature_format": "parquet",
+               "feature_dtype": "float32",
+               "collections": {collection: {"images": {"shards": img_shards}, "captions": {"shards": cap_shards}}}}
+    with open(os.path.join(directory, "summary.json"), "w") as f:
+        json.dump(summary, f)
+    return directory
+
+
+def write_tiny_model(directory: str, tmp: str, seed: int = 0, feature_dim: int = FEATURE_DIM) -> str:
+    model = tiny_model(tmp, feature_dim=feature_dim, seed=seed)
+    model.save(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("encode")
+    staged = write_tiny_staged(str(root / "staged"))
+    model = write_tiny_model(str(root / "model"), str(root))
+    return str(root), staged, model
+
+
+def test_encode_matches_direct_model_output_and_rerun_skips(assets):
+    root, staged, model_dir = assets
+    out = os.path.join(root, "emb")
+    summary = encode.run_encode(staged, model_dir, out, batch_size=8, images_per_shard=10, texts_per_shard=20)
+
+    ds = StagedDataset(staged)
+    model = VLRetrievalModel.load(model_dir)
+    # images: ids and vectors equal the model's own encode_image
+    ids, vecs = emb.read_embeddings(out, "image")
+    table = ds.load_images()
+    assert sorted(ids.tolist()) == sorted(table.item_ids.tolist())
+    direct = model.encode_image(table, batch_size=5)
+    pos = {int(i): p for p, i in enumerate(ids)}
+    np.testing.assert_allclose(vecs[[pos[i] for i in table.item_ids.tolist()]], direct, atol=1e-5)
+    # texts
+    caps = ds.captions()
+    tids, tvecs = emb.read_embeddings(out, "text")
+    assert sorted(tids.tolist()) == sorted(caps["caption_id"].tolist())
+    direct_t = model.encode_text(caps["text"].tolist(), batch_size=7)
+    tpos = {int(i): p for p, i in enumerate(tids)}
+    np.testing.assert_allclose(tvecs[[tpos[int(i)] for i in caps["caption_id"]]], direct_t, atol=1e-5)
+
+    manifest = emb.load_embeddings_manifest(out)
+    assert manifest["dim"] == model.embedding_dim
+    assert manifest["model"]["sha256"] == encode.model_fingerprint(model_dir)
+    names = [s["name"] for s in manifest["modalities"]["image"]["shards"]]
+    assert names == [f"tiny-0000{i}-of-00003.parquet" for i in range(3)]  # 24 images, 10 per shard
+    for s in manifest["modalities"]["image"]["shards"]:  # rows sorted by id inside each shard
+        sids, _ = emb.read_embedding_shard(os.path.join(out, emb.shard_relpath("image", s["name"])))
+        assert np.all(np.diff(sids) > 0) and np.all(sids % 3 == int(s["name"].split("-")[1]))
+    assert summary["modalities"]["image"] == {**summary["modalities"]["image"], "inputs": 24, "encoded": 24,
+                                              "dead_lettered": 0, "reused": 0}
+    assert summary["modalities"]["image"]["metrics"]["num_inferences"] == 24
+    assert open(os.path.join(out, encode.DEAD_LETTER_FILE)).read() == ""
+
+    # Rerun: every shard valid -> nothing encoded. Then damage one shard -> only that one is redone.
+    mtimes = {n: os.path.getmtime(os.path.join(out, emb.shard_relpath("image", n))) for n in names}
+    again = encode.run_encode(staged, model_dir, out, batch_size=8, images_per_shard=10, texts_per_shard=20)
+    assert again["modalities"]["image"]["inputs"] == 0 and again["modalities"]["image"]["reused"] == 24
+    assert again["modalities"]["text"]["inputs"] == 0
+    damaged = os.path.join(out, emb.shard_relpath("image", names[1]))
+    with open(damaged, "ab") as f:
+        f.write(b"x")
+    third = encode.run_encode(staged, model_dir, out, batch_size=8, images_per_shard=10, texts_per_shard=20)
+    redone = third["modalities"]["image"]
+    assert redone["inputs"] == redone["encoded"] == manifest["modalities"]["image"]["shards"][1]["rows"]
+    assert os.path.getmtime(os.path.join(out, emb.shard_relpath("image", names[0]))) == mtimes[names[0]]
+    ids2, vecs2 = emb.read_embeddings(out, "image")  # checksums verified again
+    np.testing.assert_array_equal(np.sort(ids2), np.sort(ids))
+
+
+def test_failed_batches_are_dead_lettered_with_reason(assets, tmp_path):
+    root, staged, _ = assets
+    # A model expecting 8-d region features cannot embed the staged 16-d regions: every image batch fails.
+    wrong = write_tiny_model(str(tmp_path / "wrong_model"), str(tmp_path), feature_dim=8)
+    out = str(tmp_path / "emb")
+    summary = encode.run_encode(staged, wrong, out, batch_size=8, split="test")
+    img = summary["modalities"]["image"]
+    assert img["inputs"] == img["dead_lettered"] == 6 and img["encoded"] == 0
+    assert summary["modalities"]["text"]["encoded"] == summary["modalities"]["text"]["inputs"] > 0
+    rows = [json.loads(line) for line in open(os.path.join(out, encode.DEAD_LETTER_FILE))]
+    assert len(rows) == 6 and {r["modality"] for r in rows} == {"image"}
+    assert all("feature dims" in r["reason"] for r in rows)
+    ids_test = StagedDataset(staged).images_meta(split="test")["item_id"].tolist()
+    assert sorted(r["item_id"] for r in rows) == sorted(ids_test)
+    manifest = emb.load_embeddings_manifest(out)
+    assert "image" not in manifest["modalities"]
+
+
+def test_metrics_namespace_is_per_task():
+    assert METRICS_NAMESPACE in encode.VLModelHandler("m", "embed_text").get_metrics_namespace()
