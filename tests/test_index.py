@@ -1,0 +1,158 @@
+import warnings
+
+import faiss
+import numpy as np
+import pytest
+
+from retrieval_core import embeddings as emb
+from retrieval_core import index as ix
+from retrieval_core.metrics import exact_topk
+
+D = 16
+
+
+def _data(n=1200, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, D)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    ids = rng.choice(2**40, size=n, replace=False).astype(np.int64)
+    return ids, x
+
+
+def _shards(factory, ids, x, parts=3, sample_n=800):
+    sample = ix.training_sample(ids, x, sample_n, seed=0) if ix.needs_training(factory, D) else None
+    trained = ix.train_index(factory, D, "ip", sample)
+    return [ix.build_shard(trained, ids[i::parts], x[i::parts]) for i in range(parts)]
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF8,Flat", "HNSW16", "IVF8,PQ4x4"])
+def test_sharded_ids_and_ntotal(factory):
+    ids, x = _data()
+    sharded = ix.ShardedIndex(_shards(factory, ids, x))
+    assert sharded.ntotal == len(ids)
+    np.testing.assert_array_equal(sharded.all_ids(), np.sort(ids))
+    assert sharded.id_set() == frozenset(ids.tolist())
+    # every returned id is a real global id, never a shard-local position
+    if "IVF" in factory:
+        sharded.set_params(nprobe=8)
+    if "HNSW" in factory:
+        sharded.set_params(efSearch=64)
+    _, found = sharded.search(x[:20], 5)
+    assert set(found.ravel().tolist()) <= set(ids.tolist())
+    if "PQ" not in factory:  # exhaustive enough to find each vector itself
+        np.testing.assert_array_equal(found[:, 0], ids[:20])
+
+
+def test_flat_sharded_search_equals_exact_topk():
+    ids, x = _data(seed=1)
+    q = np.random.default_rng(2).normal(size=(30, D)).astype(np.float32)
+    scores, found = ix.ShardedIndex(_shards("Flat", ids, x, parts=4)).search(q, 10)
+    es, ei = exact_topk(q, x, ids, 10)
+    np.testing.assert_array_equal(found, ei)
+    np.testing.assert_allclose(scores, es, rtol=1e-5, atol=1e-6)
+
+
+def test_index_shards_successive_ids_regression():
+    """IndexShards' default successive_ids=True rewrites global ids; ShardedIndex must not."""
+    ids, x = _data(n=300, seed=3)
+    shards = _shards("Flat", ids, x, parts=3)
+    good = faiss.IndexShards(D, False, False)
+    bad = faiss.IndexShards(D, False)  # successive_ids=True default
+    for s in shards:
+        good.add_shard(s)
+        bad.add_shard(s)
+    _, ours = ix.ShardedIndex(shards).search(x[:10], 3)
+    _, g = good.search(x[:10], 3)
+    _, b = bad.search(x[:10], 3)
+    np.testing.assert_array_equal(ours, g)
+    assert not np.array_equal(ours, b)  # the trap is real: offsets are added to global ids
+
+
+def test_training_sample_is_order_independent_and_warns():
+    ids, x = _data(n=500)
+    perm = np.random.default_rng(0).permutation(500)
+    a = ix.training_sample(ids, x, 100, seed=5)
+    b = ix.training_sample(ids[perm], x[perm], 100, seed=5)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, ix.training_sample(ids, x, 100, seed=6))
+    with pytest.warns(RuntimeWarning, match="fewer than 39"):
+        ix.train_index("IVF8,Flat", D, "ip", a)
+    with pytest.raises(ValueError, match="needs training"):
+        ix.train_index("IVF8,Flat", D, "ip", None)
+    assert not ix.needs_training("Flat") and not ix.needs_training("HNSW32") and ix.needs_training("IVF16,Flat")
+
+
+def test_build_shard_rejects_duplicates_and_bad_shapes():
+    ids, x = _data(n=10)
+    trained = ix.train_index("Flat", D, "ip", None)
+    with pytest.raises(ValueError, match="duplicate"):
+        ix.build_shard(trained, np.array([1] * 10), x)
+    with pytest.raises(ValueError):
+        ix.build_shard(trained, ids, x[:, :8])
+
+
+def _index_dir(tmp_path, ids, x, factory="Flat", parts=2):
+    emb_dir, index_dir = tmp_path / "emb", tmp_path / "index"
+    (emb_dir / "embeddings" / "image").mkdir(parents=True)
+    (index_dir / "shards").mkdir(parents=True)
+    emb_entries, idx_entries = [], []
+    trained = ix.train_index(factory, D, "ip", None)
+    for i in range(parts):
+        name = f"toy-{i:05d}-of-{parts:05d}.parquet"
+        data = emb.embedding_shard_bytes(ids[i::parts], x[i::parts])
+        (emb_dir / "embeddings" / "image" / name).write_bytes(data)
+        emb_entries.append(emb.shard_info(name, data, len(ids[i::parts])))
+        shard_bytes = ix.index_bytes(ix.build_shard(trained, ids[i::parts], x[i::parts]))
+        (index_dir / "shards" / ix.shard_file_name(name)).write_bytes(shard_bytes)
+        idx_entries.append(dict(emb.shard_info(ix.shard_file_name(name), shard_bytes, len(ids[i::parts])),
+                                source=name, source_sha256=emb_entries[-1]["sha256"]))
+    import hashlib
+    import json
+    m = emb.make_embeddings_manifest("model", "0" * 64, D, {"image": emb_entries}, "test")
+    mb = json.dumps(m).encode()
+    (emb_dir / emb.EMBEDDINGS_MANIFEST).write_bytes(mb)
+    im = ix.make_index_manifest(factory, D, "ip", "image", idx_entries,
+                                {"dir": str(emb_dir), "manifest_sha256": hashlib.sha256(mb).hexdigest(),
+                                 "count": len(ids)}, {"sha256": "", "train_sample": 0, "seed": 0}, "test")
+    (index_dir / ix.INDEX_MANIFEST).write_text(json.dumps(im))
+    return emb_dir, index_dir
+
+
+def test_load_sharded_index_verifies(tmp_path):
+    ids, x = _data(n=200)
+    emb_dir, index_dir = _index_dir(tmp_path, ids, x)
+    loaded = ix.load_sharded_index(str(index_dir))
+    assert loaded.ntotal == 200
+    np.testing.assert_array_equal(loaded.all_ids(), np.sort(ids))
+    # embeddings read back intact through the manifest
+    rids, rx = emb.read_embeddings(str(emb_dir), "image")
+    assert sorted(rids.tolist()) == sorted(ids.tolist()) and rx.shape == (200, D)
+
+    shard = index_dir / "shards" / "toy-00001-of-00002.faiss"
+    good = shard.read_bytes()
+    shard.write_bytes(good[:-8] + b"\0" * 8)
+    with pytest.raises(ix.IndexIntegrityError, match="sha256"):
+        ix.load_sharded_index(str(index_dir))
+    shard.write_bytes(good)
+
+    emb_shard = emb_dir / "embeddings" / "image" / "toy-00000-of-00002.parquet"
+    emb_shard.write_bytes(emb_shard.read_bytes() + b"x")
+    with pytest.raises(emb.EmbeddingsError, match="sha256"):
+        emb.read_embeddings(str(emb_dir), "image")
+
+
+def test_load_sharded_index_detects_id_mismatch(tmp_path):
+    ids, x = _data(n=100)
+    emb_dir, index_dir = _index_dir(tmp_path, ids, x)
+    # rewrite one embedding shard with different ids but keep the manifest consistent -> index ids differ
+    import json
+    name = "toy-00000-of-00002.parquet"
+    data = emb.embedding_shard_bytes(ids[0::2] + 1, x[0::2])
+    (emb_dir / "embeddings" / "image" / name).write_bytes(data)
+    with pytest.raises(ix.IndexIntegrityError, match="ids differ"):
+        ix.load_sharded_index(str(index_dir))
+    m = json.loads((emb_dir / emb.EMBEDDINGS_MANIFEST).read_text())
+    m["dim"] = 3
+    (emb_dir / emb.EMBEDDINGS_MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ix.IndexIntegrityError, match="changed"):
+        ix.load_sharded_index(str(index_dir))
