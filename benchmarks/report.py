@@ -134,8 +134,9 @@ def summary_table(rows: Sequence[Mapping], title: str = "") -> str:
     """A fixed-width text table: the recall rows, and the latency/timing rows with their own columns."""
     rows = [normalise_row(r) for r in rows]
     lines = [f"== {title} ==" if title else ""]
+    skipped = [r for r in rows if str(r["notes"]).startswith("skipped")]
     recall = [r for r in rows if r["R@1"] != ""]
-    timing = [r for r in rows if r["R@1"] == ""]
+    timing = [r for r in rows if r["R@1"] == "" and r not in skipped]
     if recall:
         head = f"{'collection':<28} {'model':<14} {'mode':<16} {'k':>4} {'lam':>4} {'dir':<4} " \
                f"{'R@1':>6} {'R@5':>6} {'R@10':>6} {'mR':>6} {'queries':>8} {'size':>8} {'wall':>9}"
@@ -156,7 +157,6 @@ def summary_table(rows: Sequence[Mapping], title: str = "") -> str:
                          f"{str(r['k']):>4} {str(r['collection_size']):>9} {p[0]:>9} {p[1]:>9} {p[2]:>9} "
                          f"{_fmt_seconds(r['wall_s']):>9} {_fmt(r['ann_recall@10'], 3):>8} "
                          f"{_fmt(r['speedup_vs_paper_code'], 1):>8} {str(r['measured']):>8}")
-    skipped = [r for r in rows if "skipped" in str(r.get("notes", ""))]
     for r in skipped:
         lines.append(f"  note: {r['collection']} {r['model']} {r['mode']}: {r['notes']}")
     return "\n".join(lines)
