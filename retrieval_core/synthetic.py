@@ -124,7 +124,8 @@ class SyntheticSpec:
             object.__setattr__(self, "captions_per_image", 1 if self.domain == "cc" else 5)
         if isinstance(self.splits, dict):
             object.__setattr__(self, "splits", tuple(self.splits.items()))
-        object.__setattr__(self, "splits", tuple((str(n), float(f)) for n, f in self.splits))
+        # Sorted by name: the assignment must not depend on mapping order (a Beam task freezes options sorted).
+        object.__setattr__(self, "splits", tuple(sorted((str(n), float(f)) for n, f in self.splits)))
         problems = []
         if not self.collection:
             problems.append("collection must be a non-empty string")
@@ -236,7 +237,8 @@ def _check_index(spec: SyntheticSpec, index: int) -> int:
 
 
 def split_of(spec: SyntheticSpec, index: int) -> str:
-    """Split of image ``index``: assigned per family (siblings share a split), families in index order."""
+    """Split of image ``index``: assigned per family (siblings share a split), contiguous runs of families
+    in split-name order; each split gets round(fraction x families) families."""
     family = _check_index(spec, index) // spec.family_size
     cum = 0.0
     for name, frac in spec.splits[:-1]:
