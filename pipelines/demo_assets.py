@@ -66,13 +66,28 @@ def trained_model_path(train_output: str) -> str:
 
 
 def ensure_model(staged: str) -> str:
-    out = model_dir()
+    return _ensure_trained(staged, model_dir(), DEMO_RECIPE["objective"])
+
+
+def sep_model_dir(objective: str) -> str:
+    return os.path.join(demo_dir(), f"model_sep_{objective}")
+
+
+def ensure_sep_models(staged: str) -> tuple[str, str]:
+    """(be_dir, ce_dir): the SEP pair - one model trained with the BE objective only and one with the CE
+    objective only, each with the demo recipe (same steps, batch, lr, halved MiniLM, seed) as the JOIN model,
+    so SEP vs JOIN rows differ only in how the objectives share weights."""
+    return (_ensure_trained(staged, sep_model_dir("be"), "be"),
+            _ensure_trained(staged, sep_model_dir("ce"), "ce"))
+
+
+def _ensure_trained(staged: str, out: str, objective: str) -> str:
     best = trained_model_path(out)
     if os.path.exists(os.path.join(best, "rr_model.json")):
         return best
     r = DEMO_RECIPE
     args = [sys.executable, "-m", "retrieval_core.train", "--manifest", DEMO_MANIFEST, "--staged", staged,
-            "--objective", r["objective"], "--base-model", "minilm", "--steps", str(r["steps"]),
+            "--objective", objective, "--base-model", "minilm", "--steps", str(r["steps"]),
             "--batch-size", str(r["batch_size"]), "--lr", str(r["lr"]), "--eval-every", str(r["eval_every"]),
             "--seed", str(r["seed"]), "--output", out]
     if r["halve_layers"]:
