@@ -61,8 +61,12 @@ K_REGIONS_IN = "_regions_in"  # region count before the cap
 
 
 def reason_category(reason: str) -> str:
-    """The fixed part of a reject reason (reader reasons without a category are cut to 80 chars)."""
-    return reason.split(": ", 1)[0][:80]
+    """The fixed part of a reject reason, for the summary's histogram: our own reasons' category (the text
+    before ": "); for reader reasons the text before the first parenthesis (which holds the specifics)."""
+    head = reason.split(": ", 1)[0]
+    if len(head) <= 40 and head != reason:
+        return head
+    return reason.split(" (", 1)[0].strip()[:80]
 
 
 def _reject(source: str, locator: str, kind: str, category: str, detail: str) -> Reject:

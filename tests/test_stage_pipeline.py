@@ -1,0 +1,237 @@
+"""The Beam staging pipeline: its DoFns under TestPipeline, and `pipelines.stage` end to end on a tiny manifest
+(a synthetic collection plus a BUTD TSV collection with deliberately bad rows)."""
+import base64
+import json
+import os
+import subprocess
+import sys
+
+import apache_beam as beam
+import numpy as np
+import pytest
+from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+from click.testing import CliRunner
+
+from pipelines import common, stage
+from retrieval_core import schema, staging
+from retrieval_core.readers import plan_read_tasks
+from retrieval_core.store import StagedDataset
+
+F = 16
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def b64(a) -> str:
+    return base64.b64encode(np.asarray(a, dtype=np.float32).tobytes()).decode()
+
+
+def tsv_row(image_id, n=3, dim=F, num_boxes=None, w=100, h=80, nan=False, seed=0):
+    rng = np.random.default_rng(seed)
+    feats = rng.random((n, dim)).astype(np.float32)
+    if nan:
+        feats[0, 0] = np.nan
+    boxes = np.array([[5, 5, 50, 40]] * n, dtype=np.float32)
+    return "\t".join([image_id, str(w), str(h), str(n if num_boxes is None else num_boxes), b64(boxes), b64(feats)])
+
+
+def write_inputs(tmp_path):
+    """A tiny manifest: 60 synthetic images x 2 captions + a TSV with 4 good rows and 6 bad ones."""
+    rows = [
+        tsv_row("a", seed=1), tsv_row("b", n=1, seed=2), tsv_row("c", n=5, seed=3), tsv_row("d", seed=4),
+        tsv_row("e", dim=8),                                  # wrong feature dim (stager)
+        tsv_row("f", nan=True),                               # NaN (stager)
+        # num_boxes says 3 and features have 3 rows, but boxes hold 4 (stager: num_boxes mismatch)
+        "\t".join(["g", "100", "80", "3", b64(np.tile([[5, 5, 50, 40]], (4, 1))), b64(np.zeros((3, F)))]),
+        tsv_row("a", seed=9),                                 # duplicate id (stager, pipeline)
+        "trunc\t100\t80\t3",                                  # truncated row (reader)
+        "badb64\t100\t80\t1\t!!notbase64!!\t" + b64(np.zeros((1, F))),  # bad base64 (reader)
+    ]
+    (tmp_path / "feats.tsv").write_text("\n".join(rows) + "\n")
+    images = [{"filename": f"{x}.jpg", "split": "test",
+               "sentences": [{"sentid": i * 10 + k, "raw": f"photo {x} number {k}"} for k in range(2)]}
+              for i, x in enumerate("abcd")]
+    images.append({"filename": "f.jpg", "split": "test", "sentences": [{"sentid": 99, "raw": "of a rejected image"}]})
+    images.append({"filename": "zzz.jpg", "split": "test", "sentences": [{"sentid": 98, "raw": "of no image"}]})
+    images.append({"filename": "b.jpg", "split": "test", "sentences": [{"sentid": 97, "raw": "   "},
+                                                                       {"sentid": 96, "raw": "BADUTF8"}]})
+    data = json.dumps({"images": images}).encode().replace(b"BADUTF8", b"caf\xff")  # not UTF-8
+    (tmp_path / "caps.json").write_bytes(data)
+    manifest = f"""
+name: tiny
+feature_dim: {F}
+max_regions: 12
+collections:
+  syn:
+    images: {{format: synthetic, num_images: 60, seed: 3, min_regions: 5, max_regions: 20,
+             splits: {{train: 0.5, test: 0.5}}}}
+    captions: {{format: synthetic, captions_per_image: 2}}
+    expected_images: 60
+  tsv:
+    images: {{format: butd_tsv, path: {tmp_path / 'feats.tsv'}}}
+    captions: {{format: karpathy_json, path: {tmp_path / 'caps.json'}, image_id: filename_stem}}
+    role: distractor
+"""
+    (tmp_path / "tiny.yaml").write_text(manifest)
+    return str(tmp_path / "tiny.yaml")
+
+
+def run_cli(*args):
+    result = CliRunner().invoke(stage.main, list(args), catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+# ------------------------------------------------------------------------------------- Beam parts
+def test_read_and_stage_dofn_routes_rejects(tmp_path):
+    write_inputs(tmp_path)
+    tasks = plan_read_tasks("tsv", "image", "butd_tsv", str(tmp_path / "feats.tsv"), {}, F)
+    settings = stage.Settings(output=str(tmp_path / "out"), feature_dim=F, max_regions=50, feature_format="parquet",
+                              feature_dtype="float32", images_per_shard=10)
+    with BeamTestPipeline() as p:
+        out = (p | beam.Create(tasks)
+               | beam.ParDo(stage.ReadAndStage(settings)).with_outputs("captions", "rejects", "info", main="images"))
+        assert_that(out.images | beam.Map(lambda r: r["source_id"]), equal_to(["a", "b", "c", "d", "a"]),
+                    label="staged")
+        assert_that(out.rejects | beam.Map(lambda cr: (cr[0], staging.reason_category(cr[1]["reason"]))),
+                    equal_to([("tsv", staging.R_FEATURE_DIM), ("tsv", staging.R_NOT_FINITE),
+                              ("tsv", staging.R_NUM_BOXES),
+                              ("tsv", "expected 6 tab-separated columns"),  # reader rejects
+                              ("tsv", "column 'boxes' is not valid base64")]),
+                    label="rejects")
+        assert_that(out.info, equal_to([{"type": "in", "collection": "tsv", "kind": "image", "n": 10}]), label="in")
+
+
+def test_image_shard_writer_dedupes_and_writes_atomically(tmp_path):
+    def row(sid, loc):
+        raw = schema.RawImage(sid, np.ones((2, F), np.float32), np.array([[0, 0, 10, 10]] * 2, np.float32),
+                              image_w=20, image_h=20, split="test", locator=loc)
+        return staging.stage_image(raw, collection="c", feature_dim=F, max_regions=50, source="s")
+
+    settings = stage.Settings(output=str(tmp_path), feature_dim=F, max_regions=50, feature_format="hdf5",
+                              feature_dtype="float16", images_per_shard=10, expected_images={"c": 3})
+    rows = [row("x", "s:2"), row("x", "s:1"), row("y", "s:3"), None]
+    with BeamTestPipeline() as p:
+        out = (p | beam.Create([(("c", 0), rows)])
+               | beam.ParDo(stage.WriteImageShard(settings), {}).with_outputs("staged_ids", "rejects", main="info"))
+        ids = sorted([schema.make_item_id("c", "image", s) for s in "xy"])
+        assert_that(out.staged_ids | beam.Map(lambda kv: kv[0]), equal_to(ids), label="ids")
+        assert_that(out.rejects | beam.Map(lambda cr: cr[1]["locator"] + " " + cr[1]["reason"]),
+                    equal_to(["s:2 duplicate image id: 'x' in collection 'c'; first seen at s:1"]), label="dups")
+        assert_that(out.info | beam.Map(lambda i: (i["name"], i["rows"], i["feature_shard"]["name"])),
+                    equal_to([("images/c-00000-of-00001.parquet", 2, "features/c-00000-of-00001.h5")]), label="info")
+    assert sorted(os.listdir(tmp_path / "features")) == ["c-00000-of-00001.h5"]  # no temp files left
+
+
+# ------------------------------------------------------------------------------------ end to end
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("stage")
+    manifest = write_inputs(tmp)
+    out = tmp / "out"
+    code, output = run_cli("--manifest", manifest, "--output", str(out), "--images-per-shard", "20")
+    return tmp, manifest, out, code, output
+
+
+def test_end_to_end_counts_summary_and_rejects(staged):
+    tmp, manifest, out, code, output = staged
+    # the TSV collection has far more than 1% rejects: non-zero exit after writing everything
+    assert code == 1, output
+    assert "error: tsv images: 6 of 10 records rejected" in output
+    assert "syn images: 60 in = 60 staged + 0 rejected" in output
+    assert "syn captions: 120 in = 120 staged + 0 rejected" in output
+    assert "tsv images: 10 in = 4 staged + 6 rejected" in output
+    assert "tsv captions: 12 in = 8 staged + 4 rejected" in output
+    assert "syn region cap 12:" in output and "kept the most confident" in output
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] and summary["feature_dim"] == F and summary["manifest"]["name"] == "tiny"
+    syn, tsv = summary["collections"]["syn"], summary["collections"]["tsv"]
+    assert [s["name"] for s in syn["images"]["shards"]] == [f"images/syn-{i:05d}-of-00003.parquet" for i in range(3)]
+    assert sum(s["rows"] for s in syn["images"]["shards"]) == 60 and syn["images"]["expected"] == 60
+    assert syn["images"]["region_cap"]["policy"] == "confidence" and syn["images"]["region_cap"]["capped_images"] > 0
+    assert tsv["images"]["reject_reasons"][staging.R_DUPLICATE] == 1
+    assert tsv["captions"]["reject_reasons"] == {staging.R_UNKNOWN_IMAGE: 2, staging.R_NOT_UTF8: 1,
+                                                 "sentence has no 'raw' text": 1}  # the last from the reader
+    for c in summary["collections"].values():
+        for key in ("images", "captions"):
+            src = c[key]
+            assert src["records_in"] == src["staged"] + src["rejected"]
+            for shard in src["shards"]:
+                assert common.sha256_file(str(out / shard["name"])) == shard["sha256"]
+
+    rejects = [json.loads(x) for x in (out / "rejects" / "tsv-images.jsonl").read_text().splitlines()]
+    assert len(rejects) == 6 and all({"source", "locator", "reason"} <= set(r) for r in rejects)
+    assert any(r["locator"].endswith("feats.tsv:8") and "first seen at" in r["reason"] for r in rejects)
+    cap_rejects = (out / "rejects" / "tsv-captions.jsonl").read_text()
+    assert "zzz" in cap_rejects and staging.R_UNKNOWN_IMAGE in cap_rejects
+    assert (out / "rejects" / "syn-images.jsonl").read_text() == ""
+
+    ds = StagedDataset(str(out))
+    assert ds.collections == ["syn", "tsv"]
+    meta = ds.images_meta("tsv")
+    assert sorted(meta.source_id) == ["a", "b", "c", "d"]
+    table = ds.load_images(collection="syn")
+    assert len(table) == 60 and table.num_boxes().max() <= 12
+    a_row = meta[meta.source_id == "a"].iloc[0]
+    feats, boxes = ds.load_images([int(a_row.item_id)]).regions(0)
+    np.testing.assert_array_equal(feats, np.random.default_rng(1).random((3, F)).astype(np.float32))  # line 1 won
+    np.testing.assert_allclose(boxes[0], [0.05, 5 / 80, 0.5, 0.5, 0.45, 35 / 80], rtol=1e-6)
+    cap2img, img2caps = ds.gold("tsv")
+    assert len(cap2img) == 8 and set(img2caps) == set(meta.item_id)
+
+
+def test_rerun_keeps_valid_shards_and_rewrites_damaged_ones(staged):
+    tmp, manifest, out, _, _ = staged
+    code, output = run_cli("--manifest", manifest, "--output", str(out), "--images-per-shard", "20",
+                           "--max-reject-fraction", "1")
+    assert code == 0, output
+    first = json.loads((out / "summary.json").read_text())
+    assert first["resume"]["written"] == 0 and first["resume"]["kept"] == 8  # 4 image + 4 caption shards
+
+    os.remove(out / "images" / "syn-00001-of-00003.parquet")
+    damaged = out / "captions" / "syn-00002-of-00003.parquet"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    (out / "images" / "syn-00000-of-00003.parquet.tmp-deadbeef0000").write_bytes(b"left by a killed run")
+    code, output = run_cli("--manifest", manifest, "--output", str(out), "--images-per-shard", "20",
+                           "--max-reject-fraction", "1")
+    assert code == 0, output
+    assert "shards: 2 written, 6 kept unchanged, 1 stale removed" in output
+    second = json.loads((out / "summary.json").read_text())
+    for c in ("syn", "tsv"):
+        for key in ("images", "captions"):
+            assert [s["sha256"] for s in second["collections"][c][key]["shards"]] == \
+                   [s["sha256"] for s in first["collections"][c][key]["shards"]]
+    assert not (out / "images" / "syn-00000-of-00003.parquet.tmp-deadbeef0000").exists()
+    assert len(StagedDataset(str(out)).load_images(collection="syn")) == 60
+
+
+def test_hdf5_float16_layout_reads_back_like_parquet(staged, tmp_path):
+    _, manifest, parquet_out, _, _ = staged
+    out = tmp_path / "h5"
+    code, output = run_cli("--manifest", manifest, "--output", str(out), "--images-per-shard", "20",
+                           "--max-reject-fraction", "1", "--feature-format", "hdf5", "--feature-dtype", "float16")
+    assert code == 0, output
+    assert sorted(os.listdir(out / "features")) == ["syn-00000-of-00003.h5", "syn-00001-of-00003.h5",
+                                                    "syn-00002-of-00003.h5", "tsv-00000-of-00001.h5"]
+    a, b = StagedDataset(str(parquet_out)).load_images(), StagedDataset(str(out)).load_images()
+    np.testing.assert_array_equal(a.item_ids, b.item_ids)
+    np.testing.assert_array_equal(a.boxes, b.boxes)
+    np.testing.assert_allclose(a.features, b.features, rtol=1e-3, atol=1e-3)
+
+
+def test_bad_input_gives_clear_message_not_traceback(tmp_path):
+    manifest = write_inputs(tmp_path)
+    os.remove(tmp_path / "feats.tsv")
+    code, output = run_cli("--manifest", manifest, "--output", str(tmp_path / "o"))
+    assert code == 2 and "input file(s) missing" in output and "feats.tsv" in output
+    assert "Traceback" not in output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("feature_dim: 16\ncollections: {x: {images: {format: nope}}}\n")
+    code, output = run_cli("--manifest", str(bad), "--output", str(tmp_path / "o"))
+    assert code == 2 and "invalid manifest" in output and "Traceback" not in output
+
+
+def test_module_help():
+    res = subprocess.run([sys.executable, "-m", "pipelines.stage", "--help"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0 and "--images-per-shard" in res.stdout and "--max-reject-fraction" in res.stdout
