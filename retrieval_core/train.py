@@ -1,0 +1,424 @@
+"""Trainer for VLRetrievalModel (BE, CE or JOIN) and its CLI ``python -m retrieval_core.train``.
+
+Recipe (paper / MMT-Retrieval): AdamW (weight decay 0.05, none on biases and LayerNorm weights), linear decay
+without warmup, gradient clipping at 1.0. JOIN alternates objectives on shared weights: every step does a BE
+forward/backward/optimizer step and then a CE one. BE: batch-hard triplet (margin 0.1) or InfoNCE on one row per
+caption. CE: per caption one positive and one sampled negative (image replaced with p=0.5, else caption).
+
+Determinism and resume: every source of randomness of step ``s`` (caption order, CE negatives, dropout) is
+seeded from (seed, s) alone, so a run resumed from ``output/last/`` continues exactly like an uninterrupted one
+(CPU; CUDA kernels may not be bit-reproducible). The trainer state (step, best metric, AdamW moments) is
+stored as safetensors + JSON, never as a pickle.
+
+Output folder: ``last/`` (model + trainer_state.*), ``best/`` (model with the best dev metric + eval.json),
+``train_log.jsonl`` (one line per objective step and per evaluation).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+import torch
+from safetensors.torch import load_file, save_file
+
+from retrieval_core import metrics
+from retrieval_core.collate import collate_images, collate_pairs
+from retrieval_core.losses import batch_hard_triplet_loss, ce_pair_loss, infonce_loss, sample_ce_pairs
+from retrieval_core.model import VLRetrievalModel, _autocast
+from retrieval_core.schema import ImageTable
+
+OBJECTIVES = ("be", "ce", "joint")
+BE_LOSSES = ("triplet", "infonce")
+STATE_JSON = "trainer_state.json"
+STATE_TENSORS = "trainer_state.safetensors"
+LOG_FILE = "train_log.jsonl"
+
+
+@dataclass
+class TrainConfig:
+    objective: str = "joint"
+    be_loss: str = "triplet"
+    margin: float = 0.1
+    temperature: float = 0.05
+    steps: int = 1000
+    batch_size: int = 32  # captions per step; a CE step scores 2x this many pairs
+    lr: float = 5e-5
+    weight_decay: float = 0.05
+    grad_clip: float = 1.0
+    p_replace_image: float = 0.5
+    eval_every: int = 0  # 0: evaluate only at the end
+    checkpoint_every: int = 0  # 0: checkpoint only at the end
+    seed: int = 0
+    device: str = "cpu"
+    amp: bool = True  # bf16 autocast on CUDA; CPU is always exact float32
+    eval_batch_size: int = 128
+    progress: bool = True
+
+    def check(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.be_loss not in BE_LOSSES:
+            raise ValueError(f"be_loss must be one of {BE_LOSSES}, got {self.be_loss!r}")
+        if self.steps < 1 or self.batch_size < 2:
+            raise ValueError(f"need steps >= 1 and batch_size >= 2, got {self.steps}, {self.batch_size}")
+
+
+class TrainData:
+    """Captions (schema.CAPTION_COLUMNS; caption_id, image_item_id, text used) + the ImageTable of their images."""
+
+    def __init__(self, captions: pd.DataFrame, images: ImageTable):
+        if len(captions) == 0:
+            raise ValueError("no captions to train/evaluate on")
+        pos = images.position_of()
+        img_ids = captions["image_item_id"].to_numpy(np.int64)
+        missing = sorted({int(i) for i in img_ids if int(i) not in pos})
+        if missing:
+            raise ValueError(f"{len(missing)} caption image(s) are not in the image table, e.g. {missing[:5]}")
+        self.texts: list[str] = captions["text"].astype(str).tolist()
+        self.caption_ids = captions["caption_id"].to_numpy(np.int64)
+        self.image_pos = np.array([pos[int(i)] for i in img_ids], dtype=np.int64)
+        self.images = images
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def gold(self) -> tuple[dict[int, int], dict[int, list[int]]]:
+        cap2img = {int(c): int(self.images.item_ids[p]) for c, p in zip(self.caption_ids, self.image_pos)}
+        img2caps: dict[int, list[int]] = {}
+        for c, i in cap2img.items():
+            img2caps.setdefault(i, []).append(c)
+        return cap2img, img2caps
+
+
+def evaluate(model: VLRetrievalModel, dev: TrainData, device: str = "cpu", batch_size: int = 128,
+             amp_dtype: Optional[str] = None, k: int = 10, ce_pairs: int = 256, seed: int = 0) -> dict:
+    """BE retrieval on ``dev`` (exact dot-product top-k, recall both directions, NOTES.md section 2) and the CE
+    head's pair accuracy: the share of up to ``ce_pairs`` dev captions whose gold image scores above a random
+    other image."""
+    # only the images that have captions are retrieval targets/queries
+    img_pos = np.unique(dev.image_pos)
+    images = dev.images.take(img_pos)
+    text_emb = model.encode_text(dev.texts, batch_size, device, amp_dtype)
+    img_emb = model.encode_image(images, batch_size, device, amp_dtype)
+    _, t2i = metrics.exact_topk(text_emb, img_emb, images.item_ids, k)
+    _, i2t = metrics.exact_topk(img_emb, text_emb, dev.caption_ids, k)
+    cap2img, img2caps = dev.gold()
+    out = metrics.bidirectional_recall(t2i, dev.caption_ids, i2t, images.item_ids, cap2img, img2caps)
+    if len(img_pos) >= 2 and ce_pairs > 0:
+        rng = np.random.default_rng([seed, 99])
+        caps = rng.choice(len(dev), size=min(ce_pairs, len(dev)), replace=False)
+        gold = dev.image_pos[caps]
+        neg = img_pos[rng.integers(0, len(img_pos), size=len(caps))]
+        clash = neg == gold
+        while clash.any():
+            neg[clash] = img_pos[rng.integers(0, len(img_pos), size=int(clash.sum()))]
+            clash = neg == gold
+        texts = [dev.texts[i] for i in caps]
+        pos_s = model.score(texts, [dev.images.regions(int(p)) for p in gold], batch_size, device, amp_dtype)
+        neg_s = model.score(texts, [dev.images.regions(int(p)) for p in neg], batch_size, device, amp_dtype)
+        out["ce_pair_acc"] = float(np.mean(pos_s > neg_s) * 100.0)
+    return out
+
+
+class Trainer:
+    def __init__(self, model: VLRetrievalModel, train: TrainData, cfg: TrainConfig, output_dir: str,
+                 dev: Optional[TrainData] = None):
+        cfg.check()
+        if len(np.unique(train.image_pos)) < 2:
+            raise ValueError("training needs captions of at least 2 images")
+        self.model, self.data, self.cfg, self.out, self.dev = model, train, cfg, output_dir, dev
+        self.device = torch.device(cfg.device)
+        self.model.to(self.device)
+        self.collate_text = model.text_collator()
+        self.optimizer = self._make_optimizer()
+        self.step = 0
+        self.best_metric = -1.0
+        self.best_eval: Optional[dict] = None
+        self._perm_cache: tuple[int, Optional[np.ndarray]] = (-1, None)
+
+    # --------------------------------------------------------------------------------- set-up
+    def _make_optimizer(self) -> torch.optim.AdamW:
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                (no_decay if p.ndim == 1 else decay).append(p)  # biases and LayerNorm weights are 1-d
+        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=self.cfg.lr, foreach=False)
+
+    def _amp(self):
+        return _autocast(self.device, "bf16" if self.cfg.amp else None)
+
+    def _lr_at(self, step: int) -> float:
+        return self.cfg.lr * max(0.0, 1.0 - step / self.cfg.steps)  # linear decay, no warmup
+
+    # ------------------------------------------------------------------------------ batches
+    def _batch_indices(self, step: int) -> np.ndarray:
+        """Caption positions of ``step``: consecutive slices of per-epoch seeded permutations."""
+        n, b = len(self.data), self.cfg.batch_size
+        out = np.empty(b, dtype=np.int64)
+        for j, p in enumerate(range(step * b, step * b + b)):
+            epoch = p // n
+            if self._perm_cache[0] != epoch:
+                self._perm_cache = (epoch, np.random.default_rng([self.cfg.seed, epoch]).permutation(n))
+            out[j] = self._perm_cache[1][p % n]
+        return out
+
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _be_loss(self, caps: np.ndarray) -> torch.Tensor:
+        img_pos = self.data.image_pos[caps]
+        uniq, inverse = np.unique(img_pos, return_inverse=True)  # encode each image once
+        regions = [self.data.images.regions(int(p)) for p in uniq]
+        with self._amp():
+            text = self.model.embed_text(self._to_device(self.collate_text([self.data.texts[i] for i in caps])))
+            imgs = self.model.embed_image(self._to_device(collate_images(regions, self.model.cfg.max_regions)))
+        image_emb = imgs.float()[torch.from_numpy(inverse).to(self.device)]
+        ids = torch.from_numpy(img_pos).to(self.device)
+        if self.cfg.be_loss == "triplet":
+            return batch_hard_triplet_loss(text.float(), image_emb, ids, self.cfg.margin)
+        return infonce_loss(text.float(), image_emb, ids, self.cfg.temperature)
+
+    def _ce_loss(self, caps: np.ndarray, step: int) -> torch.Tensor:
+        rng = np.random.default_rng([self.cfg.seed, step, 1])
+        pair_caps, pair_imgs, labels = sample_ce_pairs(rng, caps, self.data.image_pos, len(self.data.images),
+                                                       len(self.data), self.cfg.p_replace_image)
+        batch = collate_pairs(self.collate_text, [self.data.texts[i] for i in pair_caps],
+                              [self.data.images.regions(int(p)) for p in pair_imgs], self.model.cfg.max_regions)
+        with self._amp():
+            logits = self.model.ce_logits(self._to_device(batch))
+        return ce_pair_loss(logits.float(), torch.from_numpy(labels).to(self.device))
+
+    def _optimizer_step(self, loss: torch.Tensor, lr: float) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.step()
+
+    def train_step(self, step: int) -> list[dict]:
+        torch.manual_seed(self.cfg.seed * 1_000_003 + step)  # dropout of this step, independent of history
+        caps = self._batch_indices(step)
+        lr = self._lr_at(step)
+        records = []
+        for objective in (("be", "ce") if self.cfg.objective == "joint" else (self.cfg.objective,)):
+            t0 = time.perf_counter()
+            loss = self._be_loss(caps) if objective == "be" else self._ce_loss(caps, step)
+            self._optimizer_step(loss, lr)
+            records.append({"step": step + 1, "objective": objective, "loss": float(loss.detach()), "lr": lr,
+                            "seconds": round(time.perf_counter() - t0, 4)})
+        return records
+
+    # ------------------------------------------------------------------------------ the loop
+    def train(self, resume: bool = False, stop_at: Optional[int] = None) -> dict:
+        """Trains to ``cfg.steps`` (or pauses after step ``stop_at``, checkpointing ``last/``, as an interrupted
+        job would); ``resume`` continues from ``output/last/``."""
+        from tqdm.auto import tqdm
+
+        os.makedirs(self.out, exist_ok=True)
+        if resume:
+            self.load_state(os.path.join(self.out, "last"))
+        previous = torch.are_deterministic_algorithms_enabled()
+        if self.device.type == "cpu":
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        self.model.train()
+        log = open(os.path.join(self.out, LOG_FILE), "a")
+        try:
+            bar = tqdm(total=self.cfg.steps, initial=self.step, desc=f"train {self.cfg.objective}",
+                       disable=not self.cfg.progress, unit="step")
+            end = self.cfg.steps if stop_at is None else min(stop_at, self.cfg.steps)
+            while self.step < end:
+                records = self.train_step(self.step)
+                self.step += 1
+                for r in records:
+                    log.write(json.dumps(r) + "\n")
+                bar.update(1)
+                bar.set_postfix({r["objective"]: f"{r['loss']:.3f}" for r in records})
+                last = self.step == self.cfg.steps
+                if self.dev is not None and (last or (self.cfg.eval_every and self.step % self.cfg.eval_every == 0)):
+                    self._evaluate_and_keep_best(log)
+                if last or self.step == end or (self.cfg.checkpoint_every and
+                                                 self.step % self.cfg.checkpoint_every == 0):
+                    self.save_state(os.path.join(self.out, "last"))
+                log.flush()
+            bar.close()
+        finally:
+            log.close()
+            self.model.eval()
+            torch.use_deterministic_algorithms(previous)
+        best_dir = os.path.join(self.out, "best") if self.best_eval is not None else os.path.join(self.out, "last")
+        return {"steps": self.step, "best_dir": best_dir, "best_metric": self.best_metric, "best_eval": self.best_eval}
+
+    def _selection_metric(self, ev: dict) -> float:
+        # A CE-only model's BE head is untrained: select it by its own head's dev pair accuracy.
+        return ev.get("ce_pair_acc", 0.0) if self.cfg.objective == "ce" else ev["mR"]
+
+    def _evaluate_and_keep_best(self, log) -> None:
+        t0 = time.perf_counter()
+        ev = evaluate(self.model, self.dev, str(self.device), self.cfg.eval_batch_size,
+                      "bf16" if (self.cfg.amp and self.device.type == "cuda") else None, seed=self.cfg.seed)
+        self.model.train()
+        ev["seconds"] = round(time.perf_counter() - t0, 3)
+        log.write(json.dumps({"step": self.step, "eval": ev}) + "\n")
+        metric = self._selection_metric(ev)
+        if metric > self.best_metric:
+            self.best_metric, self.best_eval = metric, {"step": self.step, **ev}
+            self._save_model(os.path.join(self.out, "best"), extra_files={"eval.json": self.best_eval})
+
+    # ---------------------------------------------------------------------- checkpoint state
+    def _save_model(self, directory: str, extra_files: Optional[dict] = None, state: bool = False) -> None:
+        """Writes to a temp folder and renames, so a crash never leaves a half-written checkpoint."""
+        tmp = directory + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.cfg.provenance["training"] = {**asdict(self.cfg), "step": self.step}
+        self.model.save(tmp)
+        for name, obj in (extra_files or {}).items():
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(obj, f, indent=2)
+        if state:
+            self._write_trainer_state(tmp)
+        if os.path.isdir(directory):
+            old = directory + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, directory)
+
+    def save_state(self, directory: str) -> None:
+        self._save_model(directory, state=True)
+
+    def _write_trainer_state(self, directory: str) -> None:
+        sd = self.optimizer.state_dict()
+        tensors = {f"state.{i}.{k}": v.detach().cpu().contiguous() for i, st in sd["state"].items()
+                   for k, v in st.items()}
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+        save_file(tensors, os.path.join(directory, STATE_TENSORS))
+        with open(os.path.join(directory, STATE_JSON), "w") as f:
+            json.dump({"step": self.step, "best_metric": self.best_metric, "best_eval": self.best_eval,
+                       "param_groups": groups, "config": asdict(self.cfg)}, f, indent=2)
+
+    def load_state(self, directory: str) -> None:
+        """Restores model weights, AdamW moments, step and best metric from a ``last/`` checkpoint."""
+        if not os.path.isfile(os.path.join(directory, STATE_JSON)):
+            raise FileNotFoundError(f"cannot resume: {directory} has no {STATE_JSON}")
+        with open(os.path.join(directory, STATE_JSON)) as f:
+            meta = json.load(f)
+        for key in ("objective", "steps", "batch_size", "seed", "be_loss"):
+            if meta["config"].get(key) != getattr(self.cfg, key):
+                raise ValueError(f"cannot resume: checkpoint has {key}={meta['config'].get(key)!r}, "
+                                 f"this run {getattr(self.cfg, key)!r}")
+        weights = load_file(os.path.join(directory, "model.safetensors"))
+        self.model.load_state_dict(weights, strict=True)
+        tensors = load_file(os.path.join(directory, STATE_TENSORS), device=str(self.device))
+        state: dict[int, dict] = {}
+        for key, v in tensors.items():
+            _, i, name = key.split(".", 2)
+            state.setdefault(int(i), {})[name] = v.cpu() if name == "step" else v
+        groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        self.step, self.best_metric, self.best_eval = int(meta["step"]), float(meta["best_metric"]), meta["best_eval"]
+
+
+# ----------------------------------------------------------------------------------------- CLI
+def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int) -> VLRetrievalModel:
+    """``minilm``, an existing VLRetrievalModel folder (continue fine-tuning) or a plain HF BERT folder."""
+    from retrieval_core.checkpoints import from_text_backbone, minilm_path
+
+    if base_model != "minilm" and VLRetrievalModel.is_model_dir(base_model):
+        if halve_layers:
+            raise ValueError("--halve-layers applies to a text backbone, not to an existing VLRetrievalModel")
+        model = VLRetrievalModel.load(base_model)
+        if model.feature_dim != feature_dim:
+            raise ValueError(f"{base_model} expects {model.feature_dim}-d features, the staged data has {feature_dim}")
+        return model
+    path = minilm_path() if base_model == "minilm" else base_model
+    return from_text_backbone(path, feature_dim, keep_every_other_layer=halve_layers, seed=seed)
+
+
+def load_split(staged, split: str, max_captions: Optional[int] = None, seed: int = 0) -> TrainData:
+    captions = staged.captions(split=split)
+    if len(captions) == 0:
+        raise ValueError(f"the staged data has no captions in split {split!r}")
+    if max_captions is not None and len(captions) > max_captions:
+        keep = np.sort(np.random.default_rng([seed, 7]).choice(len(captions), max_captions, replace=False))
+        captions = captions.iloc[keep].reset_index(drop=True)
+    image_ids = np.unique(captions["image_item_id"].to_numpy(np.int64))
+    return TrainData(captions, staged.load_images(item_ids=image_ids))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m retrieval_core.train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--staged", required=True, help="staged dataset directory (pipelines.stage output)")
+    p.add_argument("--manifest", help="data manifest the staged dir came from (recorded in provenance)")
+    p.add_argument("--objective", choices=OBJECTIVES, default="joint")
+    p.add_argument("--base-model", default="minilm",
+                   help="'minilm', a plain HF BERT folder, or a VLRetrievalModel folder to continue fine-tuning")
+    p.add_argument("--halve-layers", action="store_true", help="keep every other backbone layer (0,2,4,..)")
+    p.add_argument("--be-loss", choices=BE_LOSSES, default="triplet")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=32, help="captions per step (CE: 2x pairs)")
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--margin", type=float, default=0.1)
+    p.add_argument("--output", required=True)
+    p.add_argument("--eval-every", type=int, default=0, help="dev evaluation every M steps (0: at the end)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="write output/last every N steps (0: at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from output/last/")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--no-amp", action="store_true", help="no bf16 autocast on CUDA")
+    p.add_argument("--max-train-captions", type=int, help="train on a seeded random subset of this many captions")
+    p.add_argument("--train-split", default="train")
+    p.add_argument("--dev-split", default="dev")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from retrieval_core.store import StagedDataset
+
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda requested but CUDA is not available")
+    staged = StagedDataset(args.staged)
+    train = load_split(staged, args.train_split, args.max_train_captions, args.seed)
+    dev = None
+    if len(staged.captions(split=args.dev_split)):
+        dev = load_split(staged, args.dev_split)
+    else:
+        print(f"note: no captions in split {args.dev_split!r}: no dev evaluation, best = last", file=sys.stderr)
+    cfg = TrainConfig(objective=args.objective, be_loss=args.be_loss, margin=args.margin, steps=args.steps,
+                      batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
+                      checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device,
+                      amp=not args.no_amp, progress=not args.no_progress)
+    model = build_model(args.base_model, staged.feature_dim, args.halve_layers, args.seed)
+    model.cfg.provenance.update({"base_model": args.base_model, "staged": os.path.abspath(args.staged),
+                                 "manifest": args.manifest, "train_split": args.train_split,
+                                 "train_captions": len(train)})
+    result = Trainer(model, train, cfg, args.output, dev).train(resume=args.resume)
+    if result["best_eval"] is not None:
+        ev = result["best_eval"]
+        extra = f", CE pair accuracy {ev['ce_pair_acc']:.1f}%" if "ce_pair_acc" in ev else ""
+        print(f"best model: {result['best_dir']} (step {ev['step']}, dev mR {ev['mR']:.2f}{extra})")
+    else:
+        print(f"model: {result['best_dir']} (no dev evaluation)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

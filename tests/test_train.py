@@ -1,0 +1,133 @@
+import json
+import os
+import subprocess
+import sys
+from math import comb
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from retrieval_core.model import VLRetrievalModel
+from retrieval_core.train import TrainConfig, TrainData, Trainer, evaluate, main
+from tests.helpers_model import make_tiny_dataset, split_dataset, tiny_model
+
+F = 16
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny matrices: thread hand-offs cost more than they save, and results stay reproducible
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def data():
+    caps, imgs = make_tiny_dataset(num_images=80, feature_dim=F, seed=0)
+    return TrainData(*split_dataset(caps, imgs, "train")), TrainData(*split_dataset(caps, imgs, "dev"))
+
+
+def chance_mr(n_images: int, captions_per_image: int, ks=(1, 5, 10)) -> float:
+    """Expected mR of a random ranking (t2i: k/N; i2t: P(at least one of c captions in a random top-k))."""
+    m = n_images * captions_per_image
+    t2i = [100.0 * min(k, n_images) / n_images for k in ks]
+    i2t = [100.0 * (1 - comb(m - captions_per_image, k) / comb(m, k)) for k in ks]
+    return float(np.mean(t2i + i2t))
+
+
+def _log(out_dir):
+    return [json.loads(line) for line in open(os.path.join(out_dir, "train_log.jsonl"))]
+
+
+def test_joint_training_lowers_loss_and_beats_chance(tmp_path, data):
+    train, dev = data
+    model = tiny_model(str(tmp_path), feature_dim=F)
+    before = evaluate(model, dev)["mR"]
+    cfg = TrainConfig(objective="joint", steps=60, batch_size=16, lr=1e-3, eval_every=30, progress=False)
+    result = Trainer(model, train, cfg, str(tmp_path / "out"), dev).train()
+    log = _log(tmp_path / "out")
+    be = [r["loss"] for r in log if r.get("objective") == "be"]
+    ce = [r["loss"] for r in log if r.get("objective") == "ce"]
+    assert len(be) == len(ce) == 60  # JOIN: one BE and one CE optimizer step per step
+    assert np.mean(be[-15:]) < 0.8 * np.mean(be[:15])
+    chance = chance_mr(n_images=20, captions_per_image=2)
+    best = result["best_eval"]
+    assert best["mR"] > chance + 10 and best["mR"] > before + 10, (best, chance, before)
+    # best/ holds the selected model and reproduces its dev numbers
+    reloaded = VLRetrievalModel.load(result["best_dir"])
+    assert evaluate(reloaded, dev)["mR"] == pytest.approx(best["mR"])
+    assert json.load(open(os.path.join(result["best_dir"], "eval.json")))["step"] == best["step"]
+    assert {"step", "objective", "loss", "lr", "seconds"} <= set(log[0])
+    assert [r["step"] for r in log if "eval" in r] == [30, 60]
+
+
+def test_infonce_be_training_runs_and_learns(tmp_path, data):
+    train, dev = data
+    model = tiny_model(str(tmp_path), feature_dim=F)
+    cfg = TrainConfig(objective="be", be_loss="infonce", steps=40, batch_size=16, lr=1e-3, progress=False)
+    result = Trainer(model, train, cfg, str(tmp_path / "out"), dev).train()
+    assert result["best_eval"]["mR"] > chance_mr(20, 2) + 5
+
+
+def test_resume_gives_identical_weights(tmp_path, data):
+    train, dev = data
+    cfg = TrainConfig(objective="joint", steps=8, batch_size=8, lr=1e-3, eval_every=3, checkpoint_every=100,
+                      progress=False)
+    straight = Trainer(tiny_model(str(tmp_path / "a"), feature_dim=F), train, cfg, str(tmp_path / "straight"), dev)
+    straight.train()
+
+    first = Trainer(tiny_model(str(tmp_path / "b"), feature_dim=F), train, cfg, str(tmp_path / "resumed"), dev)
+    first.train(stop_at=4)  # an interrupted job: last/ holds step 4
+    assert json.load(open(tmp_path / "resumed" / "last" / "trainer_state.json"))["step"] == 4
+    # a new process would start from the base model again; resume must replace it entirely
+    second = Trainer(tiny_model(str(tmp_path / "c"), feature_dim=F, seed=5), train, cfg, str(tmp_path / "resumed"), dev)
+    second.train(resume=True)
+
+    a = load_file(str(tmp_path / "straight" / "last" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "last" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert straight.best_metric == second.best_metric
+    losses_a = [r["loss"] for r in _log(tmp_path / "straight") if "loss" in r]
+    losses_b = [r["loss"] for r in _log(tmp_path / "resumed") if "loss" in r]
+    assert losses_a == losses_b
+
+    with pytest.raises(ValueError, match="batch_size"):
+        other = TrainConfig(objective="joint", steps=8, batch_size=4, progress=False)
+        Trainer(tiny_model(str(tmp_path / "d"), feature_dim=F), train, other, str(tmp_path / "resumed")).train(
+            resume=True)
+
+
+def test_cli_help():
+    out = subprocess.run([sys.executable, "-m", "retrieval_core.train", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for flag in ("--staged", "--objective", "--base-model", "--halve-layers", "--be-loss", "--resume",
+                 "--max-train-captions", "--eval-every", "--checkpoint-every", "--device"):
+        assert flag in out
+
+
+def test_cli_trains_from_a_staged_dir_and_continues_a_model(tmp_path, capsys):
+    from tests.test_encode_pipeline import write_tiny_staged  # the stager's own shard encoders
+
+    staged = write_tiny_staged(str(tmp_path / "staged"), num_images=24)
+    base = str(tmp_path / "bert")
+    from tests.helpers_model import write_tiny_bert
+    write_tiny_bert(base)
+    args = ["--staged", staged, "--objective", "joint", "--base-model", base, "--steps", "6", "--batch-size", "8",
+            "--lr", "1e-3", "--output", str(tmp_path / "run"), "--dev-split", "test", "--no-progress",
+            "--max-train-captions", "30"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "best model:" in printed and "dev mR" in printed
+    model = VLRetrievalModel.load(str(tmp_path / "run" / "best"))
+    assert model.cfg.provenance["train_captions"] == 30
+    # continue fine-tuning the trained model (an existing VLRetrievalModel folder as --base-model)
+    args2 = ["--staged", staged, "--objective", "ce", "--base-model", str(tmp_path / "run" / "best"), "--steps", "3",
+             "--batch-size", "8", "--output", str(tmp_path / "run2"), "--dev-split", "test", "--no-progress"]
+    assert main(args2) == 0
+    assert os.path.isdir(tmp_path / "run2" / "last")
