@@ -38,7 +38,8 @@ def test_deterministic_any_order_any_range():
 
 def test_seed_and_collection_change_the_data():
     base = generate_image(SPEC, 0)
-    for other in (SyntheticSpec("unit", 64, seed=4, feature_dim=128), SyntheticSpec("other", 64, seed=3, feature_dim=128)):
+    others = (SyntheticSpec("unit", 64, seed=4, feature_dim=128), SyntheticSpec("other", 64, seed=3, feature_dim=128))
+    for other in others:
         img = generate_image(other, 0)
         assert img.features.shape != base.features.shape or not np.array_equal(img.features, base.features)
 
