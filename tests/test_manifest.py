@@ -43,7 +43,7 @@ def test_paper_sized_synthetic_manifests():
     for name, (n_img, n_cap, domain) in sizes.items():
         m = load_manifest(name, env={})
         spec = m.synthetic_spec(name)
-        assert (spec.num_images, spec.num_captions, spec.domain, m.feature_dim) == (n_img, n_cap, domain, 2048)
+        assert (spec.num_images, spec.num_captions, spec.domain, m.feature_dim) == (n_img, n_cap, domain, 1024)
         seeds.add(spec.seed)
     assert len(seeds) == 5
     assert load_manifest("synthetic_100k", env={}).feature_dtype == "float16"
