@@ -1,0 +1,346 @@
+"""Latency and total evaluation time (paper Tables 3 and 4), ours against the paper's code path.
+
+Per-query latency (Table 3): one text query (encoded by the real model, included in the time) against
+N pre-encoded items, N in 1k..1M. The item vectors are synthetic: real image embeddings of ``base_images``
+synthetic images, each replicated with Gaussian jitter and renormalised, so the collection has realistic
+cluster structure (pure random unit vectors would make every ANN index look useless) and every item maps
+to a real image whose regions the CE scores. Methods:
+  EMB-Flat   query encode + exact FAISS inner-product top-10
+  EMB-<ANN>  query encode + IVF (or HNSW) top-10; its recall@10 against Flat is measured with other-modality
+             (caption) queries via faiss.contrib.evaluation.knn_intersection_measure
+  CO k       EMB-Flat top-k + one batched CE call over the k pairs + final ranking
+  CE         CE over the whole collection: measured when it fits ``ce_measure_budget_s``, else extrapolated
+             from the measured batched per-pair cost (measured=false)
+p50/p95/p99 over ``reps`` queries after ``warmup`` queries, with torch and faiss threads fixed.
+
+The paper's code path, measured in the same run (model "paper-code"): brute-force cosine with torch.mm +
+topk over all items, and a Python loop of one CE call per (query, candidate) pair. Our rows carry the
+ratio paper-code / ours in ``speedup_vs_paper_code``.
+
+Total evaluation time (Table 4): a COCO-style collection of N images with 5 captions each, every caption a
+t2i query and every image an i2t query, encoding included. Settings whose estimate (from measured unit
+costs) fits the remaining ``eval_budget_s`` are run end to end through benchmarks.engine (measured=true);
+the others are extrapolated from the unit costs and marked measured=false with the formula in the notes.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from benchmarks import engine
+from benchmarks.report import set_threads
+
+EVAL_CAPTIONS_PER_IMAGE = 5
+
+
+@dataclass
+class LatencyConfig:
+    sizes: Sequence[int] = (1_000, 10_000, 100_000, 1_000_000)
+    eval_sizes: Sequence[int] = (1_000, 5_000, 100_000)
+    ks: Sequence[int] = (10, 20, 50)
+    reps: int = 30
+    warmup: int = 3
+    paper_reps: int = 5  # the paper-code path is slow; fewer repetitions
+    threads: Optional[int] = None  # None = keep torch's current setting
+    ann: str = "IVF"  # "IVF" (nlist from N) or "HNSW32"
+    nprobe: int = 32
+    ef_search: int = 128
+    base_images: int = 1000
+    jitter: float = 0.15
+    recall_queries: int = 200
+    ce_measure_budget_s: float = 20.0  # measure whole-collection CE per query when it takes less than this
+    eval_budget_s: float = 600.0  # end-to-end Table 4 runs allowed within this many seconds in total
+    batch_size: int = 128
+    seed: int = 0
+
+
+def quick_config() -> LatencyConfig:
+    return LatencyConfig(sizes=(200, 2_000), eval_sizes=(20, 60), ks=(5, 10), reps=5, warmup=1, paper_reps=2,
+                         base_images=40, recall_queries=20, ce_measure_budget_s=5.0, eval_budget_s=60.0)
+
+
+def _percentiles(samples: Sequence[float]) -> dict:
+    ms = np.asarray(samples, dtype=np.float64) * 1000.0
+    return {"latency_p50_ms": float(np.percentile(ms, 50)), "latency_p95_ms": float(np.percentile(ms, 95)),
+            "latency_p99_ms": float(np.percentile(ms, 99))}
+
+
+def _timed(fn, n: int, warmup: int) -> list[float]:
+    for i in range(warmup):
+        fn(i)
+    out = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        fn(warmup + i)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def ann_factory(kind: str, n: int) -> str:
+    if kind.upper().startswith("HNSW"):
+        return kind
+    nlist = int(max(1, min(1024, 4 * math.sqrt(n), n // 39)))  # >= 39 training points per list
+    return f"IVF{nlist},Flat"
+
+
+def jittered_collection(base: np.ndarray, n: int, sigma: float, seed: int, chunk: int = 100_000
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """(n, d) unit vectors = base[j] + N(0, sigma^2/d) renormalised, and j for each (which real image)."""
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, len(base), size=n)
+    d = base.shape[1]
+    out = np.empty((n, d), dtype=np.float32)
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        x = base[src[a:b]] + rng.normal(scale=sigma / math.sqrt(d), size=(b - a, d)).astype(np.float32)
+        x /= np.linalg.norm(x, axis=1, keepdims=True)
+        out[a:b] = x
+    return out, src
+
+
+@dataclass
+class _Bench:
+    """The model, the real base images/captions and the unit costs measured once per run."""
+    model: object
+    images: object  # ImageTable
+    captions: object  # DataFrame
+    base_vecs: np.ndarray
+    cfg: LatencyConfig
+    env: dict
+    unit: dict = field(default_factory=dict)
+
+    def texts(self, i: int) -> list[str]:
+        caps = self.captions["text"].tolist()
+        return [caps[i % len(caps)]]
+
+    def regions(self, positions) -> list:
+        return [self.images.regions(int(p)) for p in positions]
+
+
+def _row(b: _Bench, **kw) -> dict:
+    row = {"suite": "latency", "direction": "t2i", **b.env, "batch_size": b.cfg.batch_size}
+    row.update(kw)
+    return row
+
+
+def measure_unit_costs(b: _Bench, ctx_log) -> None:
+    """Seconds per image encode, per caption encode, per CE pair (batched and one call per pair)."""
+    m, cfg = b.model, b.cfg
+    n_img = len(b.images)
+    texts = b.captions["text"].tolist()
+    # warm-up: the first calls pay one-off costs (allocator, tokenizer caches, OpenMP pool start)
+    engine.call_with_supported(m.encode_text, texts[:8], batch_size=cfg.batch_size)
+    engine.call_with_supported(m.score, texts[:2], b.regions([0, 0]), batch_size=cfg.batch_size)
+    t0 = time.perf_counter()
+    engine.call_with_supported(m.encode_image, b.images, batch_size=cfg.batch_size)
+    b.unit["image_encode_s"] = (time.perf_counter() - t0) / n_img
+    t0 = time.perf_counter()
+    engine.call_with_supported(m.encode_text, texts, batch_size=cfg.batch_size)
+    b.unit["caption_encode_s"] = (time.perf_counter() - t0) / len(texts)
+    n_pairs = min(4 * cfg.batch_size, len(texts))
+    pos = np.arange(n_pairs) % n_img
+    t0 = time.perf_counter()
+    engine.call_with_supported(m.score, texts[:n_pairs], b.regions(pos), batch_size=cfg.batch_size)
+    b.unit["ce_pair_batched_s"] = (time.perf_counter() - t0) / n_pairs
+    n_single = 30 if n_pairs >= 30 else n_pairs
+    t0 = time.perf_counter()
+    for i in range(n_single):
+        engine.call_with_supported(m.score, [texts[i]], b.regions([pos[i]]), batch_size=1)
+    b.unit["ce_pair_single_s"] = (time.perf_counter() - t0) / n_single
+    ctx_log("unit costs: " + ", ".join(f"{k}={v * 1000:.2f}ms" for k, v in b.unit.items()))
+
+
+def per_query_latency(b: _Bench, log) -> list[dict]:
+    import torch
+    from faiss.contrib.evaluation import knn_intersection_measure
+
+    from retrieval_core import rerank
+
+    cfg, m = b.cfg, b.model
+    rows: list[dict] = []
+    rng_q = np.random.default_rng(cfg.seed + 1)
+    caption_texts = b.captions["text"].tolist()
+    rq = min(cfg.recall_queries, len(caption_texts))
+    recall_q = engine.call_with_supported(m.encode_text, [caption_texts[i] for i in
+                                                           rng_q.choice(len(caption_texts), rq, replace=False)],
+                                          batch_size=cfg.batch_size)
+    enc = lambda i: engine.call_with_supported(m.encode_text, b.texts(i), batch_size=1)
+    for n in cfg.sizes:
+        log(f"latency: N={n:,}: building the collection and indexes")
+        items, src = jittered_collection(b.base_vecs, n, cfg.jitter, cfg.seed + n)
+        ids = np.arange(n, dtype=np.int64)
+        note = (f"items: {cfg.base_images} real image embeddings + jitter sigma={cfg.jitter}, renormalised; "
+                f"query = one real caption encoded per query (included)")
+        t0 = time.perf_counter()
+        flat = engine.build_index("Flat", ids, items)
+        flat_build = time.perf_counter() - t0
+        fac = ann_factory(cfg.ann, n)
+        t0 = time.perf_counter()
+        ann = engine.build_index(fac, ids, items, seed=cfg.seed)
+        ann.set_params(**({"efSearch": cfg.ef_search} if fac.upper().startswith("HNSW") else {"nprobe": cfg.nprobe}))
+        ann_build = time.perf_counter() - t0
+        _, exact_i = flat.search(recall_q, 10)
+        _, ann_i = ann.search(recall_q, 10)
+        ann_recall = float(knn_intersection_measure(ann_i, exact_i))
+        items_t = torch.from_numpy(items)
+
+        def emb_flat(i, k=10):
+            q = enc(i)
+            return q, flat.search(q, k)
+
+        def emb_ann(i):
+            ann.search(enc(i), 10)
+
+        def paper_emb(i, k=10):
+            q = torch.from_numpy(enc(i))
+            s = torch.mm(q, items_t.T)  # cosine: both sides unit-normalised
+            return torch.topk(s, k, dim=1)
+
+        common = dict(collection="per_query(jittered)", collection_size=n, model="JOIN", measured=True)
+        paper_emb_t = _timed(paper_emb, max(cfg.paper_reps, 3), 1)
+        t_flat = _timed(emb_flat, cfg.reps, cfg.warmup)
+        rows.append(_row(b, mode="EMB-Flat", k=10, **_percentiles(t_flat), index_s=flat_build,
+                         speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_flat), notes=note, **common))
+        t_ann = _timed(emb_ann, cfg.reps, cfg.warmup)
+        par = f"efSearch={cfg.ef_search}" if fac.upper().startswith("HNSW") else f"nprobe={cfg.nprobe}"
+        rows.append(_row(b, mode=f"EMB-{fac}", k=10, **_percentiles(t_ann), index_s=ann_build,
+                         **{"ann_recall@10": ann_recall},
+                         speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_ann),
+                         notes=f"{note}; {par}; ann_recall@10 = knn_intersection_measure vs Flat over {rq} "
+                               f"caption queries", **common))
+        rows.append(_row(b, mode="EMB", k=10, **_percentiles(paper_emb_t), **{**common, "model": "paper-code"},
+                         notes=f"{note}; torch.mm + topk over all items"))
+        for k in cfg.ks:
+            kk = min(k, n)
+
+            def co(i, kk=kk):
+                q, (s, hit) = emb_flat(i, max(kk, 10))
+                ce = engine.call_with_supported(m.score, b.texts(i) * kk, b.regions(src[hit[0, :kk]]),
+                                                batch_size=cfg.batch_size)
+                rerank.rank_query(hit[0], s[0], ce, k=kk, mode="ce")
+
+            def paper_co(i, kk=kk):
+                top = paper_emb(i, kk)
+                for j in top.indices[0].tolist():  # one CE call per (query, candidate) pair
+                    engine.call_with_supported(m.score, b.texts(i), b.regions([src[j]]), batch_size=1)
+
+            t_co = _timed(co, cfg.reps, cfg.warmup)
+            t_pco = _timed(paper_co, cfg.paper_reps, 1)
+            rows.append(_row(b, mode="CO", k=kk, **_percentiles(t_co), **common, notes=note,
+                             speedup_vs_paper_code=np.median(t_pco) / np.median(t_co)))
+            rows.append(_row(b, mode="CO", k=kk, **_percentiles(t_pco), **{**common, "model": "paper-code"},
+                             notes=f"{note}; torch.mm + topk, then one CE call per candidate"))
+        # CE over the whole collection for one query.
+        est = n * b.unit["ce_pair_batched_s"]
+        paper_est = n * b.unit["ce_pair_single_s"] + float(np.median(paper_emb_t))
+        if est <= cfg.ce_measure_budget_s:
+            def ce_all(i):
+                q = b.texts(i)
+                engine.call_with_supported(m.score, q * n, b.regions(src), batch_size=cfg.batch_size)
+            t_ce = _timed(ce_all, 1, 0)
+            rows.append(_row(b, mode="CE", k="all", **_percentiles(t_ce), **common, notes=f"{note}; one query, "
+                             f"measured once", speedup_vs_paper_code=paper_est / t_ce[0]))
+        else:
+            p = est * 1000
+            rows.append(_row(b, mode="CE", k="all", latency_p50_ms=p, latency_p95_ms=p, latency_p99_ms=p,
+                             **{**common, "measured": False}, speedup_vs_paper_code=paper_est / est,
+                             notes=f"extrapolated: {n:,} pairs x {b.unit['ce_pair_batched_s'] * 1000:.2f} ms per "
+                                   f"pair (batched, measured)"))
+        p = paper_est * 1000
+        rows.append(_row(b, mode="CE", k="all", latency_p50_ms=p, latency_p95_ms=p, latency_p99_ms=p,
+                         **{**common, "model": "paper-code", "measured": False},
+                         notes=f"extrapolated: {n:,} x {b.unit['ce_pair_single_s'] * 1000:.2f} ms per single-pair "
+                               f"CE call (measured) + torch.mm search"))
+        for r in rows[-(4 + 2 * len(cfg.ks)):]:
+            if r.get("latency_p50_ms") != "":
+                log(f"  N={n:,} {r['model']} {r['mode']} k={r.get('k', '')}: p50 {r['latency_p50_ms']:.1f} ms"
+                    + (" (extrapolated)" if not r["measured"] else ""))
+        del flat, ann, items, items_t
+    return rows
+
+
+def eval_time(b: _Bench, log) -> list[dict]:
+    """Table 4: total evaluation time of a COCO-style N-image collection, both directions."""
+    from benchmarks.suites import gold_of, synthetic_collection
+    from retrieval_core.synthetic import SyntheticSpec
+
+    cfg, u = b.cfg, b.unit
+    rows = []
+    budget = cfg.eval_budget_s
+    k = 20 if 20 in cfg.ks else max(cfg.ks)
+    for n in cfg.eval_sizes:
+        n_cap = EVAL_CAPTIONS_PER_IMAGE * n
+        enc = n * u["image_encode_s"] + n_cap * u["caption_encode_s"]
+        co_pairs = (n_cap + n) * min(k, n)  # upper bound: t2i and i2t top-k pairs may overlap
+        ce_pairs = n * n_cap  # every (caption, image) pair once serves both directions
+        est = {"EMB": enc, "CO": enc + co_pairs * u["ce_pair_batched_s"], "CE": enc + ce_pairs * u["ce_pair_batched_s"]}
+        paper = {"EMB": enc, "CO": enc + co_pairs * u["ce_pair_single_s"], "CE": enc + ce_pairs * u["ce_pair_single_s"]}
+        measured: dict = {}
+        data = None
+        for method in ("EMB", "CO"):
+            if est[method] > budget:
+                continue
+            if data is None:
+                log(f"eval_time: N={n:,}: generating a synthetic collection")
+                spec = SyntheticSpec(f"eval{n}", n, seed=cfg.seed + 7, domain="coco",
+                                     feature_dim=b.model.feature_dim, captions_per_image=EVAL_CAPTIONS_PER_IMAGE)
+                images, caps = synthetic_collection(spec)
+                data = (engine.Pool(images, caps), gold_of(caps))
+            ref = engine.ModelRef(b.model, f"eval{n}", "JOIN")
+            t0 = time.perf_counter()
+            res = engine.evaluate_collection(ref, None if method == "EMB" else ref, data[0], data[1],
+                                             mode="emb" if method == "EMB" else "ce", k=k,
+                                             batch_size=cfg.batch_size, cache=engine.EvalCache(), progress=False)
+            measured[method] = (time.perf_counter() - t0, res)
+            budget -= measured[method][0]
+            log(f"  N={n:,} {method}: {measured[method][0]:.1f}s measured end to end")
+        for method in ("EMB", "CO", "CE"):
+            kcol = "" if method == "EMB" else (k if method == "CO" else "all")
+            base = dict(suite="latency", collection="eval_total(synthetic_coco)", collection_size=n, k=kcol,
+                        direction="both", queries=n_cap + n)
+            if method in measured:
+                wall, res = measured[method]
+                t = res.timings
+                rows.append(_row(b, **base, model="JOIN", mode=method, wall_s=wall, encode_s=t["encode_s"],
+                                 index_s=t["index_s"], search_s=t["search_s"], rerank_s=t["rerank_s"],
+                                 ce_pairs=t["ce_pairs"] or "", measured=True,
+                                 speedup_vs_paper_code=paper[method] / wall if method != "EMB" else "",
+                                 notes=f"end to end via benchmarks.engine, encoding included; mR={res.metrics['mR']:.1f}"))
+            else:
+                pairs = {"EMB": 0, "CO": co_pairs, "CE": ce_pairs}[method]
+                rows.append(_row(b, **base, model="JOIN", mode=method, wall_s=est[method], measured=False,
+                                 ce_pairs=pairs or "",
+                                 speedup_vs_paper_code=paper[method] / est[method] if method != "EMB" else "",
+                                 notes=f"extrapolated: encode {n:,} images + {n_cap:,} captions at the measured "
+                                       f"per-item cost" + (f" + {pairs:,} CE pairs x "
+                                       f"{u['ce_pair_batched_s'] * 1000:.2f} ms (batched)" if pairs else "")))
+            pairs = {"EMB": 0, "CO": co_pairs, "CE": ce_pairs}[method]
+            rows.append(_row(b, **base, model="paper-code", mode=method, wall_s=paper[method], measured=False,
+                             ce_pairs=pairs or "",
+                             notes="extrapolated: same batched encoding" + (
+                                 f" + {pairs:,} single-pair CE calls x {u['ce_pair_single_s'] * 1000:.2f} ms"
+                                 if pairs else " (search time not included)")))
+    return rows
+
+
+def run_latency(model, cfg: LatencyConfig, env: dict, log=print) -> list[dict]:
+    """All latency rows (per-query and total evaluation time) for one model (normally the JOIN model)."""
+    from benchmarks.suites import synthetic_collection
+    from retrieval_core.synthetic import SyntheticSpec
+
+    threads = set_threads(cfg.threads)
+    env = {**env, "threads": threads}
+    log(f"latency: {threads} threads; generating {cfg.base_images} base images")
+    spec = SyntheticSpec("latency_base", cfg.base_images, seed=cfg.seed + 3, domain="coco",
+                         feature_dim=model.feature_dim, captions_per_image=1)
+    images, caps = synthetic_collection(spec)
+    base = engine.call_with_supported(model.encode_image, images, batch_size=cfg.batch_size)
+    b = _Bench(model, images, caps, np.asarray(base, dtype=np.float32), cfg, env)
+    measure_unit_costs(b, log)
+    rows = per_query_latency(b, log)
+    rows += eval_time(b, log)
+    return rows
