@@ -1,0 +1,146 @@
+"""pipelines.rerank on a tiny staged set: EMB vs exact numpy top-k, CE scores vs the model, pair dedupe,
+rerun idempotency, and identical rankings on DirectRunner and DaskRunner."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines import encode, rerank
+from pipelines.build_index import build_index
+from retrieval_core import embeddings as emb
+from retrieval_core.metrics import exact_topk
+from retrieval_core.model import VLRetrievalModel
+from retrieval_core.rerank import _sigmoid
+from retrieval_core.store import StagedDataset
+from tests.test_encode_pipeline import write_tiny_model, write_tiny_staged
+
+NUM_IMAGES = 24  # 6 test images, 12 test captions; pools: 24 images, 48 captions
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("rerank"))
+    staged = write_tiny_staged(os.path.join(root, "staged"), num_images=NUM_IMAGES)
+    model = write_tiny_model(os.path.join(root, "model"), root)
+    emb_dir = os.path.join(root, "emb")
+    encode.run_encode(staged, model, emb_dir, batch_size=8)
+    return root, staged, model, emb_dir
+
+
+def read_rankings(out: str, direction: str):
+    files = sorted(f for f in os.listdir(os.path.join(out, "rankings")) if f.startswith(direction))
+    return pq.read_table([os.path.join(out, "rankings", f) for f in files][0]).to_pandas() if len(files) == 1 \
+        else None
+
+
+def per_query(df):
+    return {q: g.sort_values("rank") for q, g in df.groupby("query_id")}
+
+
+def test_emb_rankings_equal_exact_topk(assets, tmp_path):
+    root, staged, _, emb_dir = assets
+    index_dir = str(tmp_path / "index")
+    build_index(emb_dir, index_dir, "image", "Flat", "ip", 1000, 0, 1, [])
+    out = str(tmp_path / "run")
+    manifest = rerank.run_rerank(staged, emb_dir, out, mode="emb", k=3, index=index_dir, split="test")
+    ds = StagedDataset(staged)
+    assert manifest["queries"] == {"t2i": 12, "i2t": 6}
+    assert "FAISS" in manifest["search"]["t2i"] and "exact" in manifest["search"]["i2t"]
+
+    img_ids, img_vecs = emb.read_embeddings(emb_dir, "image")
+    txt_ids, txt_vecs = emb.read_embeddings(emb_dir, "text")
+    for direction, q_ids, (p_ids, p_vecs), (qa_ids, qa_vecs) in (
+            ("t2i", ds.captions(split="test")["caption_id"].to_numpy(), (img_ids, img_vecs), (txt_ids, txt_vecs)),
+            ("i2t", ds.images_meta(split="test")["item_id"].to_numpy(), (txt_ids, txt_vecs), (img_ids, img_vecs))):
+        pos = {int(i): n for n, i in enumerate(qa_ids)}
+        queries = qa_vecs[[pos[int(q)] for q in q_ids]]
+        scores, ids = exact_topk(queries, p_vecs, p_ids, 10)  # keep = max(k, 10)
+        got = per_query(read_rankings(out, direction))
+        assert sorted(got) == sorted(int(q) for q in q_ids)
+        for row, q in enumerate(q_ids):
+            g = got[int(q)]
+            assert g["rank"].tolist() == list(range(1, 11))
+            assert g["item_id"].tolist() == ids[row].tolist()
+            np.testing.assert_allclose(g["be_score"].to_numpy(), scores[row], atol=1e-5)
+            assert g["ce_score"].isna().all()
+            assert np.all(np.diff(g["final_score"].to_numpy()) <= 0)  # best first
+
+
+def test_ce_scores_come_from_the_model_and_pairs_are_scored_once(assets, tmp_path):
+    root, staged, model_dir, emb_dir = assets
+    out = str(tmp_path / "run")
+    # Exhaustive CE: t2i 12 captions x 24 images, i2t 6 images x 48 captions; the 12 x 6 test-test pairs are
+    # requested by both directions and must be scored once.
+    with pytest.raises(rerank.RerankError, match="max-exhaustive-pairs"):
+        rerank.run_rerank(staged, emb_dir, out, mode="ce", ce_model=model_dir, max_exhaustive_pairs=500)
+    manifest = rerank.run_rerank(staged, emb_dir, out, mode="ce", k=5, ce_model=model_dir, batch_size=16)
+    assert manifest["ce_pairs_requested"] == 12 * 24 + 6 * 48
+    assert manifest["ce_pairs_scored"] == 12 * 24 + 6 * 48 - 12 * 6
+
+    ds = StagedDataset(staged)
+    model = VLRetrievalModel.load(model_dir)
+    texts = ds.captions().set_index("caption_id")["text"]
+    t2i = read_rankings(out, "t2i")
+    assert t2i.groupby("query_id").size().eq(10).all()  # keep = max(k, 10) rows per query
+    table = ds.load_images(t2i["item_id"].tolist())
+    expected = model.score(texts.loc[t2i["query_id"]].tolist(), table, batch_size=32)
+    np.testing.assert_allclose(t2i["ce_score"].to_numpy(), expected, atol=1e-4)
+    for _, g in per_query(t2i).items():  # exhaustive CE: best CE first
+        assert np.all(np.diff(g["ce_score"].to_numpy()) <= 0)
+
+
+def test_co_add_rank_top_k_and_keep_be_tail(assets, tmp_path):
+    root, staged, model_dir, emb_dir = assets
+    k = 4
+    co = rerank.run_rerank(staged, emb_dir, str(tmp_path / "co"), mode="co", k=k, ce_model=model_dir,
+                           directions=("i2t",))
+    emb_run = rerank.run_rerank(staged, emb_dir, str(tmp_path / "emb"), mode="emb", k=k, directions=("i2t",))
+    add = rerank.run_rerank(staged, emb_dir, str(tmp_path / "add"), mode="add", lam=0.3, k=k,
+                            be_model=model_dir, directions=("i2t",))
+    assert co["queries"] == emb_run["queries"] == add["queries"] == {"i2t": 6}
+    be = per_query(read_rankings(str(tmp_path / "emb"), "i2t"))
+    for q, g in per_query(read_rankings(str(tmp_path / "co"), "i2t")).items():
+        top, tail = g.iloc[:k], g.iloc[k:]
+        assert set(top["item_id"]) == set(be[q]["item_id"].iloc[:k])  # same top-k, reordered by CE
+        assert np.all(np.diff(top["ce_score"].to_numpy()) <= 0) and top["ce_score"].notna().all()
+        assert tail["item_id"].tolist() == be[q]["item_id"].iloc[k:].tolist() and tail["ce_score"].isna().all()
+    for q, g in per_query(read_rankings(str(tmp_path / "add"), "i2t")).items():
+        top = g.iloc[:k]
+        fused = 0.3 * top["be_score"].to_numpy(np.float64) + 0.7 * _sigmoid(top["ce_score"].to_numpy(np.float64))
+        np.testing.assert_allclose(top["final_score"].to_numpy(), fused, atol=1e-5)
+
+
+def test_rerun_is_idempotent(assets, tmp_path):
+    root, staged, model_dir, emb_dir = assets
+    out = str(tmp_path / "run")
+    first = rerank.run_rerank(staged, emb_dir, out, mode="co", k=3, ce_model=model_dir, queries_per_shard=5)
+    second = rerank.run_rerank(staged, emb_dir, out, mode="co", k=3, ce_model=model_dir, queries_per_shard=5)
+    assert [s["name"] for s in first["shards"]] == ["i2t-00000-of-00002.parquet", "i2t-00001-of-00002.parquet",
+                                                    "t2i-00000-of-00003.parquet", "t2i-00001-of-00003.parquet",
+                                                    "t2i-00002-of-00003.parquet"]
+    assert first["shards"] == second["shards"]  # same bytes (sha256) on the rerun
+    assert sorted(os.listdir(os.path.join(out, "rankings"))) == [s["name"] for s in first["shards"]]
+    assert not os.path.exists(os.path.join(out, "_run"))
+
+
+def test_direct_and_dask_runners_give_identical_rankings(assets, tmp_path):
+    distributed = pytest.importorskip("distributed")
+    root, staged, model_dir, emb_dir = assets
+    direct = str(tmp_path / "direct")
+    rerank.run_rerank(staged, emb_dir, direct, mode="co", k=5, ce_model=model_dir, batch_size=8,
+                      search_batch_size=4)
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) \
+            as cluster:
+        dask = str(tmp_path / "dask")
+        manifest = rerank.run_rerank(
+            staged, emb_dir, dask, mode="co", k=5, ce_model=model_dir, batch_size=8, search_batch_size=4,
+            beam_args=("--runner=apache_beam.runners.dask.dask_runner.DaskRunner",
+                       f"--dask_client_address={cluster.scheduler_address}"))
+    assert manifest["runner"].endswith("DaskRunner") and manifest["queries"] == {"t2i": 12, "i2t": 6}
+    for name in sorted(os.listdir(os.path.join(direct, "rankings"))):
+        a = pq.read_table(os.path.join(direct, "rankings", name))
+        b = pq.read_table(os.path.join(dask, "rankings", name))
+        assert a.num_rows > 0 and a.equals(b), name
