@@ -159,6 +159,20 @@ def test_k_ablation_and_combination_reuse_ce_scores(env):
     assert ("JOIN", "CO", "") in modes and ("SEP", "CO-ADD", "0.9") in modes and ("JOIN", "CO-NORM_ADD", "0.1") in modes
 
 
+def test_baseline_suite_rows(env):
+    from retrieval_core.baseline import MappedBaseline
+    from tests.helpers_model import write_tiny_bert
+
+    imgs, caps = env["data"]["cc"]
+    fitted = MappedBaseline.fit(caps, imgs, text_model=write_tiny_bert(os.path.join(env["tmp"], "bl_bert")))
+    ref = engine.ModelRef(fitted, "baseline-tiny", "MappedBaseline")
+    ctx = _ctx(env, "baseline")
+    rows = suites.baseline(ctx, [suites.Task("f30k", env["src"], "f30k")], ref, "fit on cc")
+    back = _check_rows(rows, ctx.output, _all_captions(env))
+    assert {r["model"] for r in back} == {"MappedBaseline", "SEP", "JOIN"}
+    assert all(r["mode"] == "EMB" for r in back)
+
+
 def test_engine_cache_keeps_cost_and_budget_skip(env):
     pool_imgs, caps = env["data"]["f30k"]
     pool = engine.Pool(pool_imgs, caps)
