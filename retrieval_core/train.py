@@ -379,6 +379,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--no-amp", action="store_true", help="no bf16 autocast on CUDA")
+    p.add_argument("--max-regions", type=int,
+                   help="regions per image the model uses (kept with the model; fewer = faster on CPU)")
     p.add_argument("--max-train-captions", type=int, help="train on a seeded random subset of this many captions")
     p.add_argument("--train-split", default="train")
     p.add_argument("--dev-split", default="dev")
@@ -407,6 +409,10 @@ def main(argv=None) -> int:
                       checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device,
                       amp=not args.no_amp, progress=not args.no_progress)
     model = build_model(args.base_model, staged.feature_dim, args.halve_layers, args.seed)
+    if args.max_regions is not None:
+        if args.max_regions < 1:
+            raise SystemExit("--max-regions must be >= 1")
+        model.cfg.max_regions = args.max_regions
     model.cfg.provenance.update({"base_model": args.base_model, "staged": os.path.abspath(args.staged),
                                  "manifest": args.manifest, "train_split": args.train_split,
                                  "train_captions": len(train)})

@@ -1,7 +1,9 @@
 """Tiny BERT folders and tiny learnable image-caption data for fast model tests (other tests reuse these)."""
 from __future__ import annotations
 
+import functools
 import os
+import re
 import string
 
 import numpy as np
@@ -18,11 +20,27 @@ FILLER = ["a", "an", "and", "the", "there", "is", "are", "with", "photo", "of", 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
+@functools.lru_cache(maxsize=1)
+def synthetic_words() -> tuple[str, ...]:
+    """The words of retrieval_core.synthetic's captions (every domain), harvested from generated captions."""
+    try:
+        from retrieval_core import synthetic
+    except ImportError:
+        return ()
+    words = set()
+    for domain in synthetic.DOMAINS:
+        spec = synthetic.SyntheticSpec("vocab", 64, domain=domain, feature_dim=8)
+        for cap in synthetic.generate_captions(spec):
+            words.update(re.findall(r"[a-z]+", cap.text.lower()))
+    return tuple(sorted(words))
+
+
 def tiny_vocab(extra_words=()) -> list[str]:
-    """Special tokens, the test words, and single characters (plain and ##) so any lowercase ASCII word
-    tokenises without [UNK]."""
+    """Special tokens, the test words, the synthetic generator's words, and single characters (plain and ##)
+    so any lowercase ASCII word tokenises without [UNK]."""
     chars = list(string.ascii_lowercase + string.digits + string.punctuation)
-    words = SPECIAL + sorted(set(OBJECTS + COLORS + FILLER + [w.lower() for w in extra_words]))
+    words = SPECIAL + sorted(set(OBJECTS + COLORS + FILLER + list(synthetic_words()) +
+                                 [w.lower() for w in extra_words]))
     words += [c for c in chars if c not in words] + ["##" + c for c in string.ascii_lowercase + string.digits]
     return list(dict.fromkeys(words))
 
