@@ -1,0 +1,109 @@
+"""VLModelHandler: keyed ids stay attached through RunInference, per-batch padding, device checks."""
+from __future__ import annotations
+
+import apache_beam as beam
+import numpy as np
+import pytest
+import torch
+from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
+from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
+from apache_beam.testing.util import assert_that
+
+from pipelines.handlers import (TASK_EMBED_IMAGE, TASK_EMBED_TEXT, TASK_SCORE_PAIRS, DeviceUnavailableError,
+                                VLModelHandler, element_length)
+from tests.helpers_model import tiny_model
+
+FEATURE_DIM = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("handler")
+    model = tiny_model(str(root), feature_dim=FEATURE_DIM)
+    model.save(str(root / "model"))
+    return str(root / "model")
+
+
+def regions(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    boxes = np.tile(np.array([[0.1, 0.1, 0.5, 0.5, 0.4, 0.4]], dtype=np.float32), (n, 1))
+    return rng.normal(size=(n, FEATURE_DIM)).astype(np.float32), boxes
+
+
+def test_keyed_ids_stay_attached_through_run_inference(model_dir):
+    from retrieval_core.model import VLRetrievalModel
+
+    model = VLRetrievalModel.load(model_dir)
+    images = {100 + i: regions(n, i) for i, n in enumerate([1, 7, 3, 12, 2, 5, 9])}  # varied region counts
+    texts = {200 + i: t for i, t in enumerate(["a dog", "a red car next to a big blue bus", "two cats",
+                                               "there is a man on the beach with a kite and a ball"])}
+    want_img = {k: model.encode_image([v])[0] for k, v in images.items()}  # one at a time: no padding at all
+    want_txt = {k: model.encode_text([v])[0] for k, v in texts.items()}
+
+    def check(expected):
+        def _check(outputs):
+            got = {k: r.inference for k, r in outputs}
+            assert sorted(got) == sorted(expected)
+            for k, vec in got.items():
+                np.testing.assert_allclose(vec, expected[k], atol=1e-5)
+        return _check
+
+    with BeamTestPipeline() as p:
+        img = (p | "images" >> beam.Create(sorted(images.items()))
+               | "embed images" >> RunInference(KeyedModelHandler(
+                   VLModelHandler(model_dir, TASK_EMBED_IMAGE, max_batch_size=3))))
+        txt = (p | "texts" >> beam.Create(sorted(texts.items()))
+               | "embed texts" >> RunInference(KeyedModelHandler(
+                   VLModelHandler(model_dir, TASK_EMBED_TEXT, max_batch_size=2))))
+        assert_that(img, check(want_img), label="images keyed")
+        assert_that(txt, check(want_txt), label="texts keyed")
+
+
+def test_batches_are_padded_to_their_own_longest_element(model_dir):
+    from retrieval_core.model import VLRetrievalModel
+
+    model = VLRetrievalModel.load(model_dir)
+    h = VLModelHandler(model_dir, TASK_EMBED_IMAGE)
+    assert h.collate([regions(2, 0), regions(5, 1)], model)["img_feats"].shape == (2, 5, FEATURE_DIM)
+    assert h.collate([regions(2, 0), regions(3, 1)], model)["img_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
+    t = VLModelHandler(model_dir, TASK_EMBED_TEXT)
+    assert t.collate(["a dog", "a cat"], model)["input_ids"].shape == (2, 4)  # [CLS] a dog [SEP]
+    pairs = VLModelHandler(model_dir, TASK_SCORE_PAIRS)
+    batch = pairs.collate([("a dog", *regions(2, 0)), ("a big red dog", *regions(4, 1))], model)
+    assert batch["input_ids"].shape == (2, 6) and batch["img_feats"].shape == (2, 4, FEATURE_DIM)
+    # score_pairs through the handler equals the model's own score()
+    examples = [("a dog", *regions(2, 0)), ("a big red dog", *regions(4, 1)), ("two cats", *regions(9, 2))]
+    got = [r.inference for r in pairs.run_inference(examples, model)]
+    want = model.score([e[0] for e in examples], [(e[1], e[2]) for e in examples])
+    np.testing.assert_allclose(np.array(got), want, atol=1e-5)
+    assert [r.example[0] for r in pairs.run_inference(examples, model)] == ["a dog", "a big red dog", "two cats"]
+    assert element_length(TASK_SCORE_PAIRS, examples[2]) == 2 + 9
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error path")
+def test_gpu_without_cuda_is_an_error_not_a_silent_cpu_run(model_dir):
+    with pytest.raises(DeviceUnavailableError, match="cuda"):
+        VLModelHandler(model_dir, TASK_EMBED_TEXT, device="GPU").load_model()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_loads_on_cuda(model_dir):
+    model = VLModelHandler(model_dir, TASK_EMBED_TEXT, device="GPU").load_model()
+    assert model.device.type == "cuda"
+
+
+def test_beam_plumbing(model_dir):
+    h = VLModelHandler(model_dir, TASK_EMBED_IMAGE, max_batch_size=32, min_batch_size=4)
+    assert h.batch_elements_kwargs() == {"min_batch_size": 4, "max_batch_size": 32}
+    assert not h.share_model_across_processes()
+    shared = VLModelHandler(model_dir, TASK_EMBED_IMAGE, model_copies=1)
+    assert shared.share_model_across_processes() and shared.model_copies() == 1
+    assert h.get_metrics_namespace().endswith(TASK_EMBED_IMAGE)
+    assert KeyedModelHandler(h).get_metrics_namespace() == h.get_metrics_namespace()
+    assert h.get_num_bytes([regions(3, 0)]) == 3 * FEATURE_DIM * 4 + 3 * 6 * 4
+    with pytest.raises(ValueError, match="task"):
+        VLModelHandler(model_dir, "classify")
+    with pytest.raises(ValueError, match="device"):
+        VLModelHandler(model_dir, TASK_EMBED_TEXT, device="TPU")
+    with pytest.raises(ValueError, match="inference_args"):
+        h.validate_inference_args({"x": 1})
