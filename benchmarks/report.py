@@ -9,6 +9,7 @@ import csv
 import math
 import os
 import platform
+import re
 from typing import Iterable, Mapping, Optional, Sequence
 
 #: Column order of every suite CSV. Optional timings stay empty where a suite does not measure them.
@@ -181,7 +182,8 @@ def plot_latency(rows: Sequence[Mapping], path: str, title: str = "Per-query lat
     fig, ax = plt.subplots(figsize=(7, 5))
     series: dict[str, list] = {}
     for r in rows:
-        label = f"{r['model']} {r['mode']}" + (f" k={r['k']}" if r["k"] not in ("", None) else "")
+        mode = re.sub(r"^EMB-IVF\d+,", "EMB-IVF,", str(r["mode"]))  # nlist grows with N: one line per index type
+        label = f"{r['model']} {mode}" + (f" k={r['k']}" if r["k"] not in ("", None) else "")
         series.setdefault(label, []).append((int(r["collection_size"]), float(r["latency_p50_ms"]),
                                              str(r["measured"]) == "true"))
     for label, pts in sorted(series.items()):

@@ -275,6 +275,9 @@ def run_setting(ctx: SuiteContext, suite: str, label: str, family: str, method: 
     k_col = "all" if exhaustive else ("" if emb else k)
     lam_col = lam if mode in ("add", "norm_add") and not emb else ""
     size = len(pools[0][0].images)
+    notes = list(notes)
+    if not emb and not exhaustive and k > size:
+        notes.append(f"k={k} exceeds the {size}-image pool: the whole pool is reranked")
     results, paths = [], []
     ctx.log(f"{suite}: {label} {family}+{mode_label} k={k_col} lam={lam_col} ({len(pools)} pool(s) of {size} images)")
     for f, (pool, gold) in enumerate(pools):
