@@ -44,7 +44,7 @@ class LatencyConfig:
     ks: Sequence[int] = (10, 20, 50)
     reps: int = 30
     warmup: int = 3
-    paper_reps: int = 5  # the paper-code path is slow; fewer repetitions
+    paper_reps: int = 3  # the paper-code path is slow; fewer repetitions
     threads: Optional[int] = None  # None = keep torch's current setting
     ann: str = "IVF"  # "IVF" (nlist from N) or "HNSW32"
     nprobe: int = 32
@@ -169,6 +169,7 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
                                                            rng_q.choice(len(caption_texts), rq, replace=False)],
                                           batch_size=cfg.batch_size)
     enc = lambda i: engine.call_with_supported(m.encode_text, b.texts(i), batch_size=1)
+    loop_cost: dict[int, float] = {}  # k -> seconds of the paper code's k single-pair CE calls
     for n in cfg.sizes:
         log(f"latency: N={n:,}: building the collection and indexes")
         items, src = jittered_collection(b.base_vecs, n, cfg.jitter, cfg.seed + n)
@@ -229,11 +230,19 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
                     engine.call_with_supported(m.score, b.texts(i), b.regions([src[j]]), batch_size=1)
 
             t_co = _timed(co, cfg.reps, cfg.warmup)
-            t_pco = _timed(paper_co, cfg.paper_reps, 1)
+            pnote = f"{note}; torch.mm + topk, then one CE call per candidate"
+            if kk not in loop_cost:  # the per-pair loop does not depend on N: measure it end to end once per k
+                t_pco = _timed(paper_co, cfg.paper_reps, 1)
+                loop_cost[kk] = float(np.median(t_pco)) - float(np.median(paper_emb_t))
+                paper = dict(_percentiles(t_pco), measured=True)
+            else:  # larger N: this N's measured torch.mm search + the measured loop of k CE calls
+                p = (float(np.median(paper_emb_t)) + loop_cost[kk]) * 1000
+                paper = dict(latency_p50_ms=p, latency_p95_ms=p, latency_p99_ms=p, measured=False)
+                pnote += "; composed: this N's measured torch.mm+topk p50 + the k-call CE loop measured at the " \
+                         "smallest N"
             rows.append(_row(b, mode="CO", k=kk, **_percentiles(t_co), **common, notes=note,
-                             speedup_vs_paper_code=np.median(t_pco) / np.median(t_co)))
-            rows.append(_row(b, mode="CO", k=kk, **_percentiles(t_pco), **{**common, "model": "paper-code"},
-                             notes=f"{note}; torch.mm + topk, then one CE call per candidate"))
+                             speedup_vs_paper_code=paper["latency_p50_ms"] / 1000 / np.median(t_co)))
+            rows.append(_row(b, mode="CO", k=kk, **{**common, "model": "paper-code", **paper}, notes=pnote))
         # CE over the whole collection for one query.
         est = n * b.unit["ce_pair_batched_s"]
         paper_est = n * b.unit["ce_pair_single_s"] + float(np.median(paper_emb_t))
