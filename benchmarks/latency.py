@@ -42,7 +42,7 @@ class LatencyConfig:
     sizes: Sequence[int] = (1_000, 10_000, 100_000, 1_000_000)
     eval_sizes: Sequence[int] = (1_000, 5_000, 100_000)
     ks: Sequence[int] = (10, 20, 50)
-    reps: int = 30
+    reps: int = 20
     warmup: int = 3
     paper_reps: int = 3  # the paper-code path is slow; fewer repetitions
     threads: Optional[int] = None  # None = keep torch's current setting
