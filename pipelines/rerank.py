@@ -9,7 +9,8 @@ Graph::
       CO/ADD/NORM_ADD/CE:
          -> explode each query's top-k to (caption_id, image_id) pairs -> GroupByKey on the pair, so a t2i and
             an i2t request for the same pair are scored once
-         -> join the caption text (CoGroupByKey on caption_id) and the regions (CoGroupByKey on image_id)
+         -> join the caption text (CoGroupByKey on caption_id); route pairs to the staged shard of their image
+            (CoGroupByKey on image_id with the shards' id columns) and read each needed shard once
          -> deterministic length-sorted CE batches -> RunInference(KeyedModelHandler(score_pairs)) ->
             scores back to every query that asked (CoGroupByKey with the candidate lists) -> rank_query
       -> key by (direction, query_id % N) -> GroupByKey -> rankings_table -> rankings/<direction>-0000x-of-0000N.parquet
@@ -173,13 +174,25 @@ class StagedReader:
         for cid, text in zip(table.column("caption_id").to_pylist(), table.column("text").to_pylist()):
             yield int(cid), text
 
-    def images(self, rel: str):
-        table = self._dataset()._shard_images(rel, None, None, np.float32)
-        if table is None:
-            return
-        for i, item_id in enumerate(table.item_ids.tolist()):
-            feats, boxes = table.regions(i)
-            yield int(item_id), (feats.copy(), boxes.copy())
+    def image_ids(self, rel: str):
+        """(image_id, shard) of every image of one shard: only the id column is read."""
+        table = self._dataset()._read_parquet(rel, ["item_id"])
+        for item_id in table.column("item_id").to_pylist():
+            yield int(item_id), rel
+
+    def regions_for_pairs(self, element, batch_groups: int):
+        """(shard, [(image_id, pairs)]) -> keyed CE examples; reads the shard once, only the wanted images."""
+        rel, wanted = element
+        wanted = sorted(wanted, key=lambda w: w[0])
+        ids = np.array([i for i, _ in wanted], dtype=np.int64)
+        table = self._dataset()._shard_images(rel, ids, None, np.float32)
+        pos = table.position_of() if table is not None else {}
+        for image_id, pairs in wanted:
+            if image_id not in pos:
+                raise RerankError(f"image {image_id} vanished from staged shard {rel}")
+            feats, boxes = table.regions(pos[image_id])
+            for pair, requesters, text in pairs:
+                yield group_of(pair[0], pair[1], batch_groups), ((pair, requesters), (text, feats, boxes))
 
 
 # ----------------------------------------------------------------------------------- pair steps
@@ -208,17 +221,17 @@ def attach_text(element):
         yield pair[1], (pair, requesters, texts[0])
 
 
-def attach_regions(element, batch_groups: int):
+def route_to_shard(element):
+    """(image_id, {"pairs", "shard"}) -> (staged shard, (image_id, its pairs)): regions are then read per
+    shard for the images that are needed, instead of shuffling every staged feature through a join."""
     image_id, grouped = element
-    pairs, regions = list(grouped["pairs"]), list(grouped["regions"])
+    pairs, shard = list(grouped["pairs"]), list(grouped["shard"])
     if not pairs:
         return
-    if len(regions) != 1:
-        raise RerankError(f"image {image_id} is {'not staged' if not regions else 'staged twice'} in --staged; "
+    if len(shard) != 1:
+        raise RerankError(f"image {image_id} is {'not staged' if not shard else 'staged twice'} in --staged; "
                           f"its CE pairs cannot be scored")
-    feats, boxes = regions[0]
-    for pair, requesters, text in pairs:
-        yield group_of(pair[0], pair[1], batch_groups), ((pair, requesters), (text, feats, boxes))
+    yield shard[0], (image_id, sorted(pairs, key=lambda p: p[0]))
 
 
 def ce_batches(element, batch_size: int):
@@ -308,11 +321,13 @@ def build_pipeline(p: beam.Pipeline, cfg: dict) -> None:
                  | "read captions" >> beam.FlatMap(staged.captions))
         with_text = ({"pairs": unique | "key by caption" >> beam.Map(by_caption), "text": texts}
                      | "join text" >> beam.CoGroupByKey() | "attach text" >> beam.FlatMap(attach_text))
-        regions = (p | "image shards" >> beam.Create(cfg["image_shards"])
-                   | "read images" >> beam.FlatMap(staged.images))
-        examples = ({"pairs": with_text, "regions": regions}
-                    | "join regions" >> beam.CoGroupByKey()
-                    | "attach regions" >> beam.FlatMap(attach_regions, cfg["ce_groups"]))
+        image_shard_of = (p | "image shards" >> beam.Create(cfg["image_shards"])
+                          | "read image ids" >> beam.FlatMap(staged.image_ids))
+        examples = ({"pairs": with_text, "shard": image_shard_of}
+                    | "join image shards" >> beam.CoGroupByKey()
+                    | "route to shard" >> beam.FlatMap(route_to_shard)
+                    | "group by shard" >> beam.GroupByKey()
+                    | "read regions" >> beam.FlatMap(staged.regions_for_pairs, cfg["ce_groups"]))
         handler = VLModelHandler(cfg["ce_model"], TASK_SCORE_PAIRS, device=cfg["device"],
                                  max_batch_size=cfg["batch_size"], num_threads=cfg["num_threads"],
                                  model_copies=cfg["model_copies"])
