@@ -29,8 +29,11 @@ Determinism (DirectRunner and DaskRunner give identical rankings): queries and C
 GroupByKey on a fixed key (id mod G) and sorted inside the group (queries by id; pairs by length, then ids),
 so every batch has the same members on every runner; RunInference gets pre-batched input
 (``with_no_batching``). Float results then depend only on the batch, not on bundle boundaries. Ties keep
-the searcher's order (exact search: smaller id first), rank_query's ties keep BE order. Torch intra-op
-threads are fixed with --num-threads (default 1) since Dask workers run with one OpenMP thread anyway.
+the searcher's order (exact search: smaller id first), rank_query's ties keep BE order. Measured: the
+same CE batch gives bit-identical scores with 1 or 2 torch threads, while moving a pair to another batch
+changes its score by ~3e-8 (padding/GEMM shapes) -- hence the fixed batches. Dask workers run with one
+OpenMP thread; pass --num-threads to pin torch/faiss threads everywhere if a platform's kernels ever
+depend on the thread count.
 
 DaskRunner (Beam 2.77) computes only the last transform's graph and does not separate tagged outputs, so
 this graph has single-output steps only and ends in one report step that every write feeds. A CE batch that
@@ -386,7 +389,7 @@ def run_rerank(staged: str, embeddings: str, output: str, mode: str = "co", k: i
                directions: tuple[str, ...] = (T2I, I2T), index: Optional[str] = None,
                text_index: Optional[str] = None, ce_model: Optional[str] = None, be_model: Optional[str] = None,
                collection: Optional[str] = None, split: Optional[str] = "test", batch_size: int = 64,
-               search_batch_size: int = 256, device: str = "CPU", num_threads: Optional[int] = 1,
+               search_batch_size: int = 256, device: str = "CPU", num_threads: Optional[int] = None,
                model_copies: Optional[int] = None, max_exhaustive_pairs: int = 200_000,
                queries_per_shard: int = 50_000, beam_args: tuple[str, ...] = ()) -> dict:
     """Plan, run the Beam graph, write rankings_manifest.json; returns the manifest dict."""
@@ -526,8 +529,7 @@ def run_rerank(staged: str, embeddings: str, output: str, mode: str = "co", k: i
 @click.option("--batch-size", type=int, default=64, show_default=True, help="CE batch size")
 @click.option("--search-batch-size", type=int, default=256, show_default=True)
 @click.option("--device", type=click.Choice(["CPU", "GPU"], case_sensitive=False), default="CPU", show_default=True)
-@click.option("--num-threads", type=int, default=1, show_default=True,
-              help="torch/faiss threads per worker (fixed so every runner computes alike)")
+@click.option("--num-threads", type=int, help="pin torch/faiss threads per worker process (default: leave as is)")
 @click.option("--model-copies", type=int, help="CE model copies per machine (Dataflow GPU: 1)")
 @click.option("--max-exhaustive-pairs", type=int, default=200_000, show_default=True)
 @click.option("--queries-per-shard", type=int, default=50_000, show_default=True)
