@@ -264,7 +264,7 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
                          **{**common, "model": "paper-code", "measured": False},
                          notes=f"extrapolated: {n:,} x {b.unit['ce_pair_single_s'] * 1000:.2f} ms per single-pair "
                                f"CE call (measured) + torch.mm search"))
-        for r in rows[-(4 + 2 * len(cfg.ks)):]:
+        for r in rows[-(5 + 2 * len(cfg.ks)):]:
             if r.get("latency_p50_ms") != "":
                 log(f"  N={n:,} {r['model']} {r['mode']} k={r.get('k', '')}: p50 {r['latency_p50_ms']:.1f} ms"
                     + (" (extrapolated)" if not r["measured"] else ""))
