@@ -49,8 +49,8 @@ class LatencyConfig:
     ann: str = "IVF"  # "IVF" (nlist from N) or "HNSW32"
     nprobe: int = 32
     ef_search: int = 128
-    base_images: int = 1000
-    jitter: float = 0.15
+    base_images: int = 2000
+    jitter: float = 0.5  # noise norm relative to the unit base vector: larger = harder for ANN
     recall_queries: int = 200
     ce_measure_budget_s: float = 20.0  # measure whole-collection CE per query when it takes less than this
     eval_budget_s: float = 600.0  # end-to-end Table 4 runs allowed within this many seconds in total
