@@ -51,6 +51,9 @@ class TrainConfig:
     steps: int = 1000
     batch_size: int = 32  # captions per step; a CE step scores 2x this many pairs
     lr: float = 5e-5
+    # The image embedding and CE head start from random init while the encoder is pretrained: they get
+    # lr * new_layers_lr_mult, so a short CPU run aligns the image space before it drifts the encoder.
+    new_layers_lr_mult: float = 1.0
     weight_decay: float = 0.05
     grad_clip: float = 1.0
     p_replace_image: float = 0.5
@@ -146,13 +149,15 @@ class Trainer:
 
     # --------------------------------------------------------------------------------- set-up
     def _make_optimizer(self) -> torch.optim.AdamW:
-        decay, no_decay = [], []
+        groups: dict[tuple[bool, bool], list] = {}
         for name, p in self.model.named_parameters():
             if p.requires_grad:
-                (no_decay if p.ndim == 1 else decay).append(p)  # biases and LayerNorm weights are 1-d
-        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=self.cfg.lr, foreach=False)
+                new_layer = not name.startswith("bert.")  # img_embedding, img_layer_norm, ce_pooler, ce_classifier
+                groups.setdefault((new_layer, p.ndim == 1), []).append(p)  # biases and LayerNorm weights are 1-d
+        param_groups = [{"params": ps, "weight_decay": 0.0 if no_decay else self.cfg.weight_decay,
+                         "lr_mult": self.cfg.new_layers_lr_mult if new_layer else 1.0}
+                        for (new_layer, no_decay), ps in sorted(groups.items())]
+        return torch.optim.AdamW(param_groups, lr=self.cfg.lr, foreach=False)
 
     def _amp(self):
         return _autocast(self.device, "bf16" if self.cfg.amp else None)
@@ -203,7 +208,7 @@ class Trainer:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         for g in self.optimizer.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_mult", 1.0)
         self.optimizer.step()
 
     def train_step(self, step: int) -> list[dict]:
@@ -371,6 +376,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=32, help="captions per step (CE: 2x pairs)")
     p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--new-layers-lr-mult", type=float, default=1.0,
+                   help="learning-rate multiplier for the randomly initialised image embedding and CE head")
     p.add_argument("--margin", type=float, default=0.1)
     p.add_argument("--output", required=True)
     p.add_argument("--eval-every", type=int, default=0, help="dev evaluation every M steps (0: at the end)")
@@ -405,7 +412,7 @@ def main(argv=None) -> int:
     else:
         print(f"note: no captions in split {args.dev_split!r}: no dev evaluation, best = last", file=sys.stderr)
     cfg = TrainConfig(objective=args.objective, be_loss=args.be_loss, margin=args.margin, steps=args.steps,
-                      batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
+                      batch_size=args.batch_size, lr=args.lr, new_layers_lr_mult=args.new_layers_lr_mult, eval_every=args.eval_every,
                       checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device,
                       amp=not args.no_amp, progress=not args.no_progress)
     model = build_model(args.base_model, staged.feature_dim, args.halve_layers, args.seed)
