@@ -31,7 +31,7 @@ def test_demo_manifest_sizes():
     spec = m.synthetic_spec("demo")
     assert spec.num_images == 5000 and spec.captions_per_image == 5 and spec.domain == "coco"
     from collections import Counter
-    assert Counter(split_of(spec, i) for i in range(5000)) == {"train": 3500, "dev": 500, "test": 1000}
+    assert Counter(split_of(spec, i) for i in range(5000)) == {"train": 4000, "dev": 500, "test": 500}
     # synthetic captions carry the image options too (the generator needs both)
     assert m.collections["demo"].captions.options["num_images"] == 5000
 
