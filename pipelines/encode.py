@@ -147,7 +147,7 @@ def reusable_entries(output: str, manifest: Optional[dict], plans: list[ShardPla
 class StagedShardReader:
     """Reads one staged shard into keyed examples, keeping only items whose output shard is redone.
 
-    Uses StagedDataset's per-shard readers so that the Parquet and HDF5 feature layouts both work."""
+    Uses StagedDataset's public per-shard readers so that the Parquet and HDF5 feature layouts both work."""
 
     def __init__(self, staged_dir: str, split: Optional[str], plans: dict[tuple[str, str], ShardPlan]):
         self.staged_dir = staged_dir
@@ -167,7 +167,7 @@ class StagedShardReader:
 
     def images(self, task: tuple[str, str]) -> Iterable[tuple[tuple[str, int], tuple[np.ndarray, np.ndarray]]]:
         collection, rel = task
-        table = self._dataset()._shard_images(rel, None, self.split, np.float32)
+        table = self._dataset().read_image_shard(rel, None, self.split)
         if table is None:
             return
         for i, item_id in enumerate(table.item_ids.tolist()):
@@ -177,8 +177,7 @@ class StagedShardReader:
 
     def captions(self, task: tuple[str, str]) -> Iterable[tuple[tuple[str, int], str]]:
         collection, rel = task
-        ds = self._dataset()
-        table = ds._read_parquet(rel, ["caption_id", "text"], ds._split_filter(self.split))
+        table = self._dataset().read_shard_columns(rel, ("caption_id", "text"), self.split)
         for cid, text in zip(table.column("caption_id").to_pylist(), table.column("text").to_pylist()):
             if self._wanted(MODALITY_TEXT, collection, cid):
                 yield (collection, int(cid)), text
@@ -186,7 +185,7 @@ class StagedShardReader:
 
 def staged_shards(ds, kind: str, collections: list[str]) -> list[tuple[str, str]]:
     """(collection, shard path relative to the staged dir) of every staged shard of ``kind``."""
-    return [(c, s["name"]) for c in collections for s in ds.summary["collections"][c][kind]["shards"]]
+    return [(c, name) for c in collections for name in ds.shard_names(kind, c)]
 
 
 # ---------------------------------------------------------------------------------------- writing

@@ -173,29 +173,33 @@ class StagedReader:
         return self._ds
 
     def captions(self, rel: str):
-        table = self._dataset()._read_parquet(rel, ["caption_id", "text"])
+        table = self._dataset().read_shard_columns(rel, ("caption_id", "text"))
         for cid, text in zip(table.column("caption_id").to_pylist(), table.column("text").to_pylist()):
             yield int(cid), text
 
     def image_ids(self, rel: str):
         """(image_id, shard) of every image of one shard: only the id column is read."""
-        table = self._dataset()._read_parquet(rel, ["item_id"])
+        table = self._dataset().read_shard_columns(rel, ("item_id",))
         for item_id in table.column("item_id").to_pylist():
             yield int(item_id), rel
 
-    def regions_for_pairs(self, element, batch_groups: int):
-        """(shard, [(image_id, pairs)]) -> keyed CE examples; reads the shard once, only the wanted images."""
+    def regions_for_pairs(self, element, batch_groups: int, max_regions: int):
+        """(shard, [(image_id, pairs)]) -> one keyed CE group item per image: (image_id, features, boxes, pairs).
+
+        Regions travel once per image, not once per pair (a pair copy of every image's regions was ~200 KB x
+        the number of pairs, which exhausted memory on the demo), and only the ``max_regions`` the CE model
+        uses (the stager keeps regions in confidence order, so the cut is lossless)."""
         rel, wanted = element
         wanted = sorted(wanted, key=lambda w: w[0])
         ids = np.array([i for i, _ in wanted], dtype=np.int64)
-        table = self._dataset()._shard_images(rel, ids, None, np.float32)
+        table = self._dataset().read_image_shard(rel, ids)
         pos = table.position_of() if table is not None else {}
         for image_id, pairs in wanted:
             if image_id not in pos:
                 raise RerankError(f"image {image_id} vanished from staged shard {rel}")
             feats, boxes = table.regions(pos[image_id])
-            for pair, requesters, text in pairs:
-                yield group_of(pair[0], pair[1], batch_groups), ((pair, requesters), (text, feats, boxes))
+            yield group_of(image_id, 0, batch_groups), (image_id, feats[:max_regions].copy(),
+                                                        boxes[:max_regions].copy(), pairs)
 
 
 # ----------------------------------------------------------------------------------- pair steps
@@ -238,9 +242,11 @@ def route_to_shard(element):
 
 
 def ce_batches(element, batch_size: int):
-    """One group of keyed CE examples -> batches sorted by (padded length, pair): little padding, and the
-    same batches on every runner."""
-    _group, keyed = element
+    """One group of images with their pairs -> keyed CE examples in batches sorted by (padded length, pair):
+    little padding, and the same batches on every runner."""
+    _group, images = element
+    keyed = [((pair, requesters), (text, feats, boxes))
+             for _image_id, feats, boxes, pairs in images for pair, requesters, text in pairs]
     keyed = sorted(keyed, key=lambda kv: (element_length(TASK_SCORE_PAIRS, kv[1]), kv[0][0]))
     for start in range(0, len(keyed), batch_size):
         yield keyed[start:start + batch_size]
@@ -330,7 +336,8 @@ def build_pipeline(p: beam.Pipeline, cfg: dict) -> None:
                     | "join image shards" >> beam.CoGroupByKey()
                     | "route to shard" >> beam.FlatMap(route_to_shard)
                     | "group by shard" >> beam.GroupByKey()
-                    | "read regions" >> beam.FlatMap(staged.regions_for_pairs, cfg["ce_groups"]))
+                    | "read regions" >> beam.FlatMap(staged.regions_for_pairs, cfg["ce_groups"],
+                                                  cfg["ce_max_regions"]))
         handler = VLModelHandler(cfg["ce_model"], TASK_SCORE_PAIRS, device=cfg["device"],
                                  max_batch_size=cfg["batch_size"], num_threads=cfg["num_threads"],
                                  model_copies=cfg["model_copies"])
@@ -363,6 +370,14 @@ def build_pipeline(p: beam.Pipeline, cfg: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------- launcher
+def _model_max_regions(model_dir: str) -> int:
+    """Regions per image the CE model reads (rr_model.json); more would be cut by its collator anyway."""
+    from retrieval_core.model import MODEL_JSON, VLModelConfig
+
+    cfg = VLModelConfig.from_json(common.read_json(common.join(model_dir, MODEL_JSON)))
+    return int(cfg.max_regions)
+
+
 def _file_fingerprint(path: str) -> str:
     return common.sha256_file(path) if common.exists(path) else "missing"
 
@@ -450,9 +465,10 @@ def run_rerank(staged: str, embeddings: str, output: str, mode: str = "co", k: i
         "query_ids": {d: frozenset(q.tolist()) for d, q in query_ids.items()},
         "query_groups": {d: max(1, math.ceil(len(q) / max(search_batch_size, 1) / 4)) for d, q in query_ids.items()},
         "ce_groups": max(1, math.ceil(requested_upper / max(batch_size, 1) / 8)),
+        "ce_max_regions": _model_max_regions(ce_model) if ce_model else 0,
         "out_shards": {d: max(1, math.ceil(len(q) / queries_per_shard)) for d, q in query_ids.items()},
-        "caption_shards": [s["name"] for c in ds.collections for s in ds.summary["collections"][c]["captions"]["shards"]],
-        "image_shards": [s["name"] for c in ds.collections for s in ds.summary["collections"][c]["images"]["shards"]],
+        "caption_shards": ds.shard_names("captions"),
+        "image_shards": ds.shard_names("images"),
     }
 
     common.makedirs(output)

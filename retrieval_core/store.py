@@ -123,6 +123,21 @@ class StagedDataset:
     def _split_filter(split: Optional[str]):
         return [("split", "=", split)] if split is not None else None
 
+    # ------------------------------------------------------------------ one shard at a time (pipelines)
+    def shard_names(self, kind: str, collection: Optional[str] = None) -> list[str]:
+        """Staged shard paths (relative to the staged dir) of ``kind`` ("images" or "captions")."""
+        return self._shards(kind, collection)
+
+    def read_image_shard(self, rel: str, item_ids: Optional[np.ndarray] = None, split: Optional[str] = None,
+                         dtype=np.float32) -> Optional[schema.ImageTable]:
+        """The images of one staged image shard (all, or those in sorted ``item_ids``), sorted by id; None if
+        none match. Parquet and HDF5 layouts alike; lets a Beam worker read only its own shard."""
+        return self._shard_images(rel, item_ids, split, dtype)
+
+    def read_shard_columns(self, rel: str, columns: Sequence[str], split: Optional[str] = None) -> pa.Table:
+        """Selected non-feature columns of one staged shard (captions, or image metadata such as item_id)."""
+        return self._read_parquet(rel, list(columns), self._split_filter(split))
+
     # ------------------------------------------------------------------------------------ tables
     def images_meta(self, collection: Optional[str] = None, split: Optional[str] = None) -> pd.DataFrame:
         """One row per image, every image column except boxes/features, sorted by item_id."""
