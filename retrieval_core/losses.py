@@ -68,7 +68,7 @@ def sample_ce_pairs(rng: np.random.Generator, caption_idx: np.ndarray, image_pos
     gold = image_pos_of_caption[caption_idx]
     b = len(caption_idx)
     neg_cap = caption_idx.copy()
-    neg_img = gold.copy()
+    neg_img = gold.copy()  # caption-replaced negatives keep the gold image
     replace_image = rng.random(b) < p_replace_image
     todo = np.arange(b)
     for _ in range(1000):
@@ -76,8 +76,8 @@ def sample_ce_pairs(rng: np.random.Generator, caption_idx: np.ndarray, image_pos
         rc = todo[~replace_image[todo]]
         neg_img[ri] = rng.integers(0, num_images, size=len(ri))
         neg_cap[rc] = rng.integers(0, num_captions, size=len(rc))
-        neg_img[rc] = image_pos_of_caption[neg_cap[rc]]
-        todo = todo[neg_img[todo] == gold[todo]]
+        # a negative is a real mismatch: the pair's image is not the gold image of the pair's caption
+        todo = todo[image_pos_of_caption[neg_cap[todo]] == neg_img[todo]]
         if len(todo) == 0:
             break
     else:

@@ -76,10 +76,11 @@ def test_sample_ce_pairs_positives_and_true_negatives():
     assert labels[:b].all() and not labels[b:].any()
     assert (imgs[:b] == image_pos_of_caption[batch]).all()
     gold = image_pos_of_caption[batch]
-    assert (imgs[b:] != gold).all()  # every negative is a real mismatch
-    # caption-replaced negatives keep the image; image-replaced negatives keep the caption
-    for c, i, orig in zip(caps[b:], imgs[b:], batch):
-        assert c == orig or i == image_pos_of_caption[c]
+    # every negative is a real mismatch: its image is not the gold image of its caption
+    assert (image_pos_of_caption[caps[b:]] != imgs[b:]).all()
+    # caption-replaced negatives keep the gold image; image-replaced negatives keep the caption
+    for c, i, orig, g in zip(caps[b:], imgs[b:], batch, gold):
+        assert (c == orig and i != g) or (c != orig and i == g)
     # both kinds occur with p=0.5
     assert (caps[b:] == batch).any() and (caps[b:] != batch).any()
 
