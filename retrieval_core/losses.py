@@ -5,6 +5,8 @@ repeat), ``image_ids[i]`` that image's id. Entries sharing an image id are never
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -50,15 +52,45 @@ def infonce_loss(text_emb: torch.Tensor, image_emb: torch.Tensor, image_ids: tor
     return 0.5 * (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target))
 
 
+class HardNegatives:
+    """Per image, the positions of its ``k`` most similar other images, plus a caption index by image, so a
+    hard negative is drawn in O(1): an image from the gold image's neighbours, or a caption of one of them.
+
+    Built by :func:`retrieval_core.train.feature_neighbours` (nearest images by pooled region features), which
+    needs no trained model: in the synthetic benchmark those are the near-duplicate siblings, in real data
+    visually similar scenes - the candidates a CE must learn to reject when it reranks a BE's top-k.
+    """
+
+    def __init__(self, neighbours: np.ndarray, image_pos_of_caption: np.ndarray):
+        self.neighbours = np.asarray(neighbours, dtype=np.int64)
+        if self.neighbours.ndim != 2 or self.neighbours.shape[1] < 1:
+            raise ValueError(f"neighbours must be (num_images, k>=1), got {self.neighbours.shape}")
+        img = np.asarray(image_pos_of_caption, dtype=np.int64)
+        self.caption_order = np.argsort(img, kind="stable")  # caption positions grouped by image
+        self.caption_offsets = np.searchsorted(img[self.caption_order], np.arange(len(self.neighbours) + 1))
+
+    def images(self, rng: np.random.Generator, gold: np.ndarray) -> np.ndarray:
+        return self.neighbours[gold, rng.integers(0, self.neighbours.shape[1], size=len(gold))]
+
+    def captions(self, rng: np.random.Generator, gold: np.ndarray) -> np.ndarray:
+        """A random caption of a random neighbour of each gold image (-1 where that neighbour has none)."""
+        img = self.images(rng, gold)
+        lo, hi = self.caption_offsets[img], self.caption_offsets[img + 1]
+        pick = lo + (rng.random(len(img)) * (hi - lo)).astype(np.int64)
+        return np.where(hi > lo, self.caption_order[np.minimum(pick, len(self.caption_order) - 1)], -1)
+
+
 def sample_ce_pairs(rng: np.random.Generator, caption_idx: np.ndarray, image_pos_of_caption: np.ndarray,
-                    num_images: int, num_captions: int, p_replace_image: float = 0.5
+                    num_images: int, num_captions: int, p_replace_image: float = 0.5,
+                    hard: Optional[HardNegatives] = None, p_hard: float = 0.0
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One positive and one negative (caption, image) pair per caption of the batch.
 
     ``caption_idx`` (B,) are caption positions; ``image_pos_of_caption`` (num_captions,) maps every caption
     position to its image position. The negative replaces the image (probability ``p_replace_image``) with
     a random other image, or the caption with a random caption of another image; a draw that hits the gold
-    image is redrawn (O(1) expected per item). Returns (caption positions, image positions, labels), each
+    image is redrawn (O(1) expected per item). With ``hard`` and probability ``p_hard`` per item, the
+    replacement comes from the gold image's nearest images instead of the whole set. Returns (caption positions, image positions, labels), each
     (2B,): the B positives first, then the B negatives; labels 1 = match.
     """
     caption_idx = np.asarray(caption_idx, dtype=np.int64)
@@ -76,6 +108,12 @@ def sample_ce_pairs(rng: np.random.Generator, caption_idx: np.ndarray, image_pos
         rc = todo[~replace_image[todo]]
         neg_img[ri] = rng.integers(0, num_images, size=len(ri))
         neg_cap[rc] = rng.integers(0, num_captions, size=len(rc))
+        if hard is not None and p_hard > 0:
+            hi = ri[rng.random(len(ri)) < p_hard]
+            neg_img[hi] = hard.images(rng, gold[hi])
+            hc = rc[rng.random(len(rc)) < p_hard]
+            drawn = hard.captions(rng, gold[hc])
+            neg_cap[hc] = np.where(drawn >= 0, drawn, neg_cap[hc])
         # a negative is a real mismatch: the pair's image is not the gold image of the pair's caption
         todo = todo[image_pos_of_caption[neg_cap[todo]] == neg_img[todo]]
         if len(todo) == 0:

@@ -31,11 +31,13 @@ from safetensors.torch import load_file, save_file
 
 from retrieval_core import metrics
 from retrieval_core.collate import collate_images, collate_pairs
-from retrieval_core.losses import batch_hard_triplet_loss, ce_pair_loss, infonce_loss, sample_ce_pairs
+from retrieval_core.losses import (HardNegatives, batch_hard_triplet_loss, ce_pair_loss, infonce_loss,
+                                   sample_ce_pairs)
 from retrieval_core.model import VLRetrievalModel, _autocast
 from retrieval_core.schema import ImageTable
 
 OBJECTIVES = ("be", "ce", "joint")
+IMAGE_INITS = ("random", "lstsq")
 BE_LOSSES = ("triplet", "infonce")
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
@@ -54,9 +56,16 @@ class TrainConfig:
     # The image embedding and CE head start from random init while the encoder is pretrained: they get
     # lr * new_layers_lr_mult, so a short CPU run aligns the image space before it drifts the encoder.
     new_layers_lr_mult: float = 1.0
+    # "lstsq": before step 1, fit the image embedding by ridge regression (lstsq_image_embedding) instead of
+    # starting it at random; a short run then skips the plateau where InfoNCE sits at ln(batch).
+    image_init: str = "random"
     weight_decay: float = 0.05
     grad_clip: float = 1.0
     p_replace_image: float = 0.5
+    # Share of CE negatives drawn from the gold image's hard_negative_k nearest images by pooled region
+    # features (feature_neighbours) instead of the whole set: what a reranker must reject are near-duplicates.
+    hard_negative_prob: float = 0.0
+    hard_negative_k: int = 8
     eval_every: int = 0  # 0: evaluate only at the end
     checkpoint_every: int = 0  # 0: checkpoint only at the end
     seed: int = 0
@@ -68,8 +77,13 @@ class TrainConfig:
     def check(self) -> None:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.image_init not in IMAGE_INITS:
+            raise ValueError(f"image_init must be one of {IMAGE_INITS}, got {self.image_init!r}")
         if self.be_loss not in BE_LOSSES:
             raise ValueError(f"be_loss must be one of {BE_LOSSES}, got {self.be_loss!r}")
+        if not 0.0 <= self.hard_negative_prob <= 1.0 or self.hard_negative_k < 1:
+            raise ValueError(f"need 0 <= hard_negative_prob <= 1 and hard_negative_k >= 1, "
+                             f"got {self.hard_negative_prob}, {self.hard_negative_k}")
         if self.steps < 1 or self.batch_size < 2:
             raise ValueError(f"need steps >= 1 and batch_size >= 2, got {self.steps}, {self.batch_size}")
 
@@ -101,11 +115,74 @@ class TrainData:
         return cap2img, img2caps
 
 
+def feature_neighbours(images: ImageTable, k: int, max_regions: Optional[int] = None,
+                       positions: Optional[np.ndarray] = None) -> np.ndarray:
+    """(n, k) positions (into ``positions``, default all images) of each image's k nearest other images by
+    cosine of the centred mean of its first ``max_regions`` region features - no model needed. Exact faiss
+    inner-product search, O(n^2 F): seconds for tens of thousands of images."""
+    import faiss
+
+    positions = np.arange(len(images)) if positions is None else np.asarray(positions, dtype=np.int64)
+    if len(positions) < 2:
+        raise ValueError("neighbours need at least 2 images")
+    k = min(k, len(positions) - 1)
+    pooled = np.stack([images.regions(int(p))[0][:max_regions].mean(0) for p in positions]).astype(np.float32)
+    pooled -= pooled.mean(0)  # region features are post-ReLU: without centring every pair looks alike
+    pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+    index = faiss.IndexFlatIP(pooled.shape[1])
+    index.add(pooled)
+    _, nn = index.search(pooled, k + 1)
+    out = np.empty((len(positions), k), dtype=np.int64)
+    for i, row in enumerate(nn):
+        row = row[(row != i) & (row >= 0)]  # drop self (ties with exact duplicates may put it anywhere)
+        out[i] = row[:k] if len(row) >= k else np.resize(row, k)
+    return out
+
+
+def lstsq_image_embedding(model: VLRetrievalModel, data: TrainData, ridge: float = 1e-2) -> float:
+    """Training-free start for the image embedding (the least-squares map of seed paper 004, one layer down).
+
+    Fits ``img_embedding`` (Linear(F + 6 -> hidden)) so that the mean of an image's region tokens before
+    LayerNorm approximates the mean input word embedding of its captions (special tokens excluded). The
+    layer is linear, so a map fitted on image means applies to each region: regions enter the encoder
+    looking like the words that describe them. Ridge ``ridge * mean eigenvalue`` (the feature dimension
+    exceeds the number of images in small sets). Returns the fit's R² on the training images.
+    """
+    from retrieval_core.baseline import pooled_image_vectors
+
+    img_pos = np.unique(data.image_pos)
+    x = pooled_image_vectors(data.images.take(img_pos), model.cfg.max_regions)
+    words = model.bert.embeddings.word_embeddings.weight.detach().cpu().numpy().astype(np.float64)
+    tok = model.tokenizer
+    special = set(tok.all_special_ids)
+    target = np.zeros((len(img_pos), words.shape[1]))
+    count = np.zeros(len(img_pos))
+    row_of = np.searchsorted(img_pos, data.image_pos)
+    for ids, row in zip(tok(data.texts, truncation=True, max_length=model.cfg.max_text_len)["input_ids"], row_of):
+        ids = [i for i in ids if i not in special]
+        if ids:
+            target[row] += words[ids].mean(0)
+            count[row] += 1
+    keep = count > 0
+    x, target = x[keep], target[keep] / count[keep, None]
+    x_mean, t_mean = x.mean(0), target.mean(0)
+    xc, tc = x - x_mean, target - t_mean
+    gram = xc.T @ xc
+    w = np.linalg.solve(gram + ridge * np.trace(gram) / len(gram) * np.eye(len(gram)), xc.T @ tc)
+    r2 = 1.0 - float(((xc @ w - tc) ** 2).sum() / max((tc ** 2).sum(), 1e-12))
+    with torch.no_grad():
+        layer = model.img_embedding
+        layer.weight.copy_(torch.from_numpy(w.T).to(layer.weight.dtype))
+        layer.bias.copy_(torch.from_numpy(t_mean - x_mean @ w).to(layer.bias.dtype))
+    return r2
+
+
 def evaluate(model: VLRetrievalModel, dev: TrainData, device: str = "cpu", batch_size: int = 128,
              amp_dtype: Optional[str] = None, k: int = 10, ce_pairs: int = 256, seed: int = 0) -> dict:
     """BE retrieval on ``dev`` (exact dot-product top-k, recall both directions, NOTES.md section 2) and the CE
-    head's pair accuracy: the share of up to ``ce_pairs`` dev captions whose gold image scores above a random
-    other image."""
+    head's pair accuracies: the share of up to ``ce_pairs`` dev captions whose gold image scores above a random
+    other image (``ce_pair_acc``) and above the gold image's nearest dev image by pooled region features
+    (``ce_hard_pair_acc``: the near-duplicates a reranker must tell apart)."""
     # only the images that have captions are retrieval targets/queries
     img_pos = np.unique(dev.image_pos)
     images = dev.images.take(img_pos)
@@ -124,10 +201,14 @@ def evaluate(model: VLRetrievalModel, dev: TrainData, device: str = "cpu", batch
         while clash.any():
             neg[clash] = img_pos[rng.integers(0, len(img_pos), size=int(clash.sum()))]
             clash = neg == gold
+        nearest = img_pos[feature_neighbours(dev.images, 1, positions=img_pos)[:, 0]]
+        hard = nearest[np.searchsorted(img_pos, gold)]
         texts = [dev.texts[i] for i in caps]
-        pos_s = model.score(texts, [dev.images.regions(int(p)) for p in gold], batch_size, device, amp_dtype)
-        neg_s = model.score(texts, [dev.images.regions(int(p)) for p in neg], batch_size, device, amp_dtype)
-        out["ce_pair_acc"] = float(np.mean(pos_s > neg_s) * 100.0)
+        score = lambda pos: model.score(texts, [dev.images.regions(int(p)) for p in pos], batch_size, device,
+                                        amp_dtype)
+        pos_s = score(gold)
+        out["ce_pair_acc"] = float(np.mean(pos_s > score(neg)) * 100.0)
+        out["ce_hard_pair_acc"] = float(np.mean(pos_s > score(hard)) * 100.0)
     return out
 
 
@@ -146,6 +227,10 @@ class Trainer:
         self.best_metric = -1.0
         self.best_eval: Optional[dict] = None
         self._perm_cache: tuple[int, Optional[np.ndarray]] = (-1, None)
+        self.hard: Optional[HardNegatives] = None
+        if cfg.objective != "be" and cfg.hard_negative_prob > 0:
+            # all staged regions: neighbours are a property of the data, not of the model's region cap
+            self.hard = HardNegatives(feature_neighbours(train.images, cfg.hard_negative_k), train.image_pos)
 
     # --------------------------------------------------------------------------------- set-up
     def _make_optimizer(self) -> torch.optim.AdamW:
@@ -196,7 +281,8 @@ class Trainer:
     def _ce_loss(self, caps: np.ndarray, step: int) -> torch.Tensor:
         rng = np.random.default_rng([self.cfg.seed, step, 1])
         pair_caps, pair_imgs, labels = sample_ce_pairs(rng, caps, self.data.image_pos, len(self.data.images),
-                                                       len(self.data), self.cfg.p_replace_image)
+                                                       len(self.data), self.cfg.p_replace_image,
+                                                       self.hard, self.cfg.hard_negative_prob)
         batch = collate_pairs(self.collate_text, [self.data.texts[i] for i in pair_caps],
                               [self.data.images.regions(int(p)) for p in pair_imgs], self.model.cfg.max_regions)
         with self._amp():
@@ -233,6 +319,10 @@ class Trainer:
         os.makedirs(self.out, exist_ok=True)
         if resume:
             self.load_state(os.path.join(self.out, "last"))
+        elif self.step == 0 and self.cfg.image_init == "lstsq":
+            r2 = lstsq_image_embedding(self.model, self.data)
+            with open(os.path.join(self.out, LOG_FILE), "a") as f:
+                f.write(json.dumps({"step": 0, "image_init": "lstsq", "r2": round(r2, 4)}) + "\n")
         previous = torch.are_deterministic_algorithms_enabled()
         if self.device.type == "cpu":
             torch.use_deterministic_algorithms(True, warn_only=True)
@@ -378,7 +468,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--new-layers-lr-mult", type=float, default=1.0,
                    help="learning-rate multiplier for the randomly initialised image embedding and CE head")
+    p.add_argument("--image-init", choices=IMAGE_INITS, default="random",
+                   help="image embedding start: random, or a least-squares fit to the captions' word embeddings")
     p.add_argument("--margin", type=float, default=0.1)
+    p.add_argument("--hard-negative-prob", type=float, default=0.0,
+                   help="share of CE negatives drawn from the gold image's nearest images by pooled region features")
+    p.add_argument("--hard-negative-k", type=int, default=8, help="how many nearest images form that pool")
     p.add_argument("--output", required=True)
     p.add_argument("--eval-every", type=int, default=0, help="dev evaluation every M steps (0: at the end)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="write output/last every N steps (0: at the end)")
@@ -412,7 +507,9 @@ def main(argv=None) -> int:
     else:
         print(f"note: no captions in split {args.dev_split!r}: no dev evaluation, best = last", file=sys.stderr)
     cfg = TrainConfig(objective=args.objective, be_loss=args.be_loss, margin=args.margin, steps=args.steps,
-                      batch_size=args.batch_size, lr=args.lr, new_layers_lr_mult=args.new_layers_lr_mult, eval_every=args.eval_every,
+                      batch_size=args.batch_size, lr=args.lr, new_layers_lr_mult=args.new_layers_lr_mult,
+                      image_init=args.image_init, hard_negative_prob=args.hard_negative_prob, hard_negative_k=args.hard_negative_k,
+                      eval_every=args.eval_every,
                       checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device,
                       amp=not args.no_amp, progress=not args.no_progress)
     model = build_model(args.base_model, staged.feature_dim, args.halve_layers, args.seed)
@@ -426,7 +523,8 @@ def main(argv=None) -> int:
     result = Trainer(model, train, cfg, args.output, dev).train(resume=args.resume)
     if result["best_eval"] is not None:
         ev = result["best_eval"]
-        extra = f", CE pair accuracy {ev['ce_pair_acc']:.1f}%" if "ce_pair_acc" in ev else ""
+        extra = (f", CE pair accuracy vs random / nearest image {ev['ce_pair_acc']:.1f}% / "
+                 f"{ev['ce_hard_pair_acc']:.1f}%" if "ce_pair_acc" in ev else "")
         print(f"best model: {result['best_dir']} (step {ev['step']}, dev mR {ev['mR']:.2f}{extra})")
     else:
         print(f"model: {result['best_dir']} (no dev evaluation)")

@@ -99,3 +99,23 @@ def test_ce_pair_loss_two_class_equals_bce_on_log_odds():
     hand = np.mean([-math.log(1 / (1 + math.exp(-1.3))), -math.log(1 - 1 / (1 + math.exp(1.5))), math.log(2)])
     assert two_class == pytest.approx(hand, rel=1e-5)
     assert bce == pytest.approx(hand, rel=1e-5)
+
+
+def test_hard_negatives_come_from_the_neighbour_pool_and_are_mismatches():
+    from retrieval_core.losses import HardNegatives
+
+    rng = np.random.default_rng(1)
+    image_pos_of_caption = np.repeat(np.arange(12), 2)  # 12 images x 2 captions
+    neighbours = (np.arange(12)[:, None] + np.array([1, 2])) % 12  # image i's pool: i+1, i+2
+    hard = HardNegatives(neighbours, image_pos_of_caption)
+    batch = np.arange(24)
+    caps, imgs, labels = sample_ce_pairs(rng, batch, image_pos_of_caption, 12, 24, 0.5, hard, p_hard=1.0)
+    b = len(batch)
+    gold = image_pos_of_caption[batch]
+    assert (image_pos_of_caption[caps[b:]] != imgs[b:]).all()
+    for c, i, orig, g in zip(caps[b:], imgs[b:], batch, gold):
+        other = i if c == orig else image_pos_of_caption[c]  # the image the negative brings in
+        assert other in neighbours[g], (c, i, g)
+    # p_hard=0 never uses the pool preferentially: with 12 images some negatives fall outside it
+    caps, imgs, _ = sample_ce_pairs(np.random.default_rng(2), batch, image_pos_of_caption, 12, 24, 1.0, hard, 0.0)
+    assert any(i not in neighbours[g] for i, g in zip(imgs[b:], gold))
