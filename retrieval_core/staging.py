@@ -150,15 +150,19 @@ def stage_image(raw: RawImage, *, collection: str, feature_dim: int, max_regions
     if norm_boxes is None:
         return rej(category, detail)
 
+    # Regions are stored most-confident first whenever confidences exist, capped or not: every later stage
+    # (a model's own --max-regions, the reranker's region cap) truncates from the end and must drop the
+    # least confident regions, not whichever the detector happened to write last.
     policy = None
-    if n > max_regions:
-        if conf is not None:
-            # stable sort: ties keep file order, so the result is deterministic
-            keep = np.argsort(-conf, kind="stable")[:max_regions]
-            policy = POLICY_CONFIDENCE
-        else:
-            keep = np.arange(max_regions)
-            policy = POLICY_STORED_ORDER
+    if conf is not None:
+        keep = np.argsort(-conf, kind="stable")[:max_regions]  # stable: ties keep file order (deterministic)
+        policy = POLICY_CONFIDENCE if n > max_regions else None
+    elif n > max_regions:
+        keep = np.arange(max_regions)
+        policy = POLICY_STORED_ORDER
+    else:
+        keep = None
+    if keep is not None:
         feats, norm_boxes = feats[keep], norm_boxes[keep]
 
     return {

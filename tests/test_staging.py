@@ -67,6 +67,18 @@ def test_region_cap_keeps_most_confident_in_confidence_order():
     assert row[staging.K_REGIONS_IN] == 6
 
 
+def test_regions_are_stored_most_confident_first_even_below_the_cap():
+    # Later stages truncate from the end (a model's --max-regions), so the order matters without capping too.
+    feats = np.arange(5, dtype=np.float32)[:, None].repeat(F, axis=1)
+    boxes = np.tile(np.array([[0, 0, 10, 10]], np.float32), (5, 1)) + np.arange(5, dtype=np.float32)[:, None]
+    conf = np.array([0.2, 0.9, 0.5, 0.95, 0.1])
+    row = stage(raw_image(n=5, features=feats, boxes=boxes, confidences=conf), max_regions=50)
+    assert row[staging.K_CAP_POLICY] is None and row["num_boxes"] == 5
+    assert row["features"][:, 0].tolist() == [3, 1, 2, 0, 4]
+    # boxes travel with their features
+    np.testing.assert_array_equal(row["boxes"][:, 0] * 100, np.array([3, 1, 2, 0, 4], np.float32))
+
+
 def test_region_cap_without_confidences_keeps_stored_order():
     feats = np.arange(6, dtype=np.float32)[:, None].repeat(F, axis=1)
     row = stage(raw_image(n=6, features=feats), max_regions=4)
