@@ -2,15 +2,22 @@
 
 Graph (all collections in one pipeline)::
 
-    Create(read tasks) -> Reshuffle -> ParDo(read + stage_image/stage_caption)
-        images   -> key (collection, item_id % num_shards) -> GroupByKey -> dedupe + write shard -> staged ids
+    Create(read tasks) -> Reshuffle -> ParDo(read + stage_image/stage_caption; features -> task spill file)
+        images   -> key (collection, item_id % num_shards) -> GroupByKey -> dedupe + read back the features
+                    of the kept rows from the spill files + write shard -> staged ids
         captions -> CoGroupByKey(image_item_id, staged ids) -> key by shard -> GroupByKey -> write shard
         rejects  -> GroupByKey(collection, kind) -> rejects/<collection>-{images,captions}.jsonl
         ids      -> GroupByKey(item_id) -> hash collisions across collections and kinds
         counts + shard infos + reject infos -> one run-info JSON that the launcher turns into summary.json
 
 Duplicates of an image land in the same shard (the shard is a function of item_id), so the shard writer
-decides them (the copy with the smallest locator wins); this saves a second shuffle of the features.
+decides them (the copy with the smallest locator wins).
+
+Features never travel through a shuffle: each read task writes its regions once to a spill file
+(``<output>/_spill/<run>/``, HDF5, the output dtype) and the image rows that are grouped carry only metadata
+and a pointer into it (``staging.FeatureSpill``). Beam's local runners keep a GroupByKey in memory, so
+shuffling the features put the whole collection in RAM (100k synthetic images: killed at 24 GB); now a
+worker holds one task's write buffer and one shard. The spill directory is removed when the run ends.
 num_shards = ceil(count / --images-per-shard), count = expected_images (or a synthetic num_images), else the number of
 images that passed validation.
 
@@ -25,6 +32,7 @@ temp-name + rename, so a killed run never leaves a partial file under a final na
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import sys
@@ -36,6 +44,7 @@ from typing import Iterable, Optional
 
 import apache_beam as beam
 import click
+from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
@@ -46,6 +55,7 @@ log = logging.getLogger("pipelines.stage")
 
 IMAGES_DIR, FEATURES_DIR, CAPTIONS_DIR, REJECTS_DIR = "images", "features", "captions", "rejects"
 RUN_INFO = "_stage_run_info.json"
+SPILL_DIR = "_spill"
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,7 @@ class Settings:
     feature_dtype: str
     images_per_shard: int
     expected_images: dict = field(default_factory=dict)  # collection -> count known up front (or absent)
+    spill_dir: str = ""  # where read tasks spill features (run_stage sets <output>/_spill/<run id>)
 
     def num_shards(self, collection: str, counts: dict) -> int:
         count = self.expected_images.get(collection) or counts.get(collection, 0)
@@ -87,6 +98,69 @@ def _reject_out(collection: str, rej: schema.Reject) -> tuple[str, dict]:
     return collection, rej.to_dict()
 
 
+def _is_local(path: str) -> bool:
+    return "://" not in path
+
+
+class _TaskSpill:
+    """A read task's spill file: written locally (in place for a local output, else in a temp folder and
+    uploaded on close), published under its final name only when complete, so a retried task overwrites."""
+
+    def __init__(self, spill_dir: str, task, feature_dim: int, feature_dtype: str):
+        import hashlib
+        import tempfile
+
+        key = hashlib.sha1(repr((task.collection, task.kind, _task_source(task), task.start, task.stop))
+                           .encode("utf-8")).hexdigest()[:16]
+        self.final = common.join(spill_dir, f"{task.collection}-{key}.h5")
+        if _is_local(self.final):
+            common.makedirs(spill_dir)
+            self.local = f"{self.final}.tmp-{uuid.uuid4().hex[:12]}"
+        else:
+            self.local = tempfile.mkstemp(suffix=".h5")[1]
+        self.spill = staging.FeatureSpill(self.local, self.final, feature_dim, feature_dtype)
+
+    def close(self) -> None:
+        import os
+        import shutil
+
+        self.spill.close()
+        if _is_local(self.final):
+            os.replace(self.local, self.final)
+            return
+        tmp = f"{self.final}.tmp-{uuid.uuid4().hex[:12]}"
+        with open(self.local, "rb") as src, FileSystems.create(tmp) as dst:
+            shutil.copyfileobj(src, dst, 1 << 22)
+        if FileSystems.exists(self.final):
+            FileSystems.delete([self.final])
+        FileSystems.rename([tmp], [self.final])
+        os.remove(self.local)
+
+
+@contextlib.contextmanager
+def _open_spill(name: str):
+    import h5py
+
+    if _is_local(name):
+        with h5py.File(name, "r") as f:
+            yield f
+    else:  # h5py reads the few chunks it needs through the seekable FileSystems stream
+        with FileSystems.open(name, compression_type=CompressionTypes.UNCOMPRESSED) as raw, h5py.File(raw, "r") as f:
+            yield f
+
+
+def _remove_spill(output: str) -> None:
+    """Delete <output>/_spill (this run's spill files, or those a killed run left behind)."""
+    root = common.join(output, SPILL_DIR)
+    if _is_local(root):
+        import shutil
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    found = [m.path for m in FileSystems.match([common.join(root, "**")])[0].metadata_list]
+    if found:
+        FileSystems.delete(found)
+
+
 # ------------------------------------------------------------------------------------- read + stage
 class ReadAndStage(beam.DoFn):
     """One read task -> staged rows (main: images; tagged: captions, rejects, counts)."""
@@ -106,6 +180,7 @@ class ReadAndStage(beam.DoFn):
         coll, source = task.collection, _task_source(task)
         kind = schema.KIND_CAPTION if task.kind in ("caption", "captions") else schema.KIND_IMAGE
         n_in = 0
+        spill = None
         for rec in read_task(task):
             n_in += 1
             if isinstance(rec, schema.RawImage):
@@ -123,10 +198,16 @@ class ReadAndStage(beam.DoFn):
                 yield beam.pvalue.TaggedOutput("rejects", _reject_out(coll, out))
             elif kind == schema.KIND_IMAGE:
                 self._staged[kind].inc()
+                if self.s.spill_dir:
+                    if spill is None:
+                        spill = _TaskSpill(self.s.spill_dir, task, self.s.feature_dim, self.s.feature_dtype)
+                    out = spill.spill.append(out)
                 yield out
             else:
                 self._staged[kind].inc()
                 yield beam.pvalue.TaggedOutput("captions", out)
+        if spill is not None:
+            spill.close()  # before this bundle commits, i.e. before any shard writer can read it
         self._records[kind].inc(n_in)
         log.info("read %s %s task %s: %d records", coll, kind, getattr(task, "start", None) or source, n_in)
         yield beam.pvalue.TaggedOutput("info", {"type": "in", "collection": coll, "kind": kind, "n": n_in})
@@ -157,6 +238,7 @@ class WriteImageShard(beam.DoFn):
         rows, rejects = staging.resolve_duplicates(v for v in values if v is not None)
         for rej in rejects:
             yield beam.pvalue.TaggedOutput("rejects", _reject_out(coll, rej))
+        rows = staging.load_spilled(rows, _open_spill)  # features of the kept rows only
         info = {"type": "shard", "collection": coll, "kind": "images", "index": idx, "total": total,
                 "rows": len(rows), "cap": dict(Counter(r[staging.K_CAP_POLICY] for r in rows
                                                     if r[staging.K_CAP_POLICY]))}
@@ -426,6 +508,7 @@ def run_stage(manifest_ref: str, output: str, *, overrides=(), feature_format=No
         feature_dtype=feature_dtype or getattr(manifest, "feature_dtype", None) or "float32",
         images_per_shard=int(images_per_shard),
         expected_images=planned_images(manifest),
+        spill_dir=common.join(output, SPILL_DIR, uuid.uuid4().hex[:12]),
     )
     if settings.feature_format not in ("parquet", "hdf5"):
         raise StageError(f"feature format must be parquet or hdf5, got {settings.feature_format!r}")
@@ -444,11 +527,13 @@ def run_stage(manifest_ref: str, output: str, *, overrides=(), feature_format=No
     options = common.pipeline_options(beam_args)
     p = beam.Pipeline(options=options)
     build_graph(p, tasks, settings, collections, run_info)
-    result = p.run()
-    result.wait_until_finish()
+    _remove_spill(output)  # spill files of a killed earlier run
     try:
+        result = p.run()
+        result.wait_until_finish()
         infos = common.read_json(run_info)
     finally:
+        _remove_spill(output)
         if common.exists(run_info):
             FileSystems.delete([run_info])
 

@@ -443,3 +443,86 @@ def source_summary(*, fmt: str, path: str, records_in: int, staged: int, rejects
 def in_equals_line(label: str, src: dict) -> str:
     """'demo images: 5000 in = 5000 staged + 0 rejected'"""
     return f"{label}: {src['records_in']} in = {src['staged']} staged + {src['rejected']} rejected"
+
+
+# --------------------------------------------------------------------------- feature spill (temp files)
+# A shuffle that carries region features holds the whole collection in memory on a local runner (staging
+# 100k synthetic images was OOM-killed at 24 GB). The staging pipeline therefore writes each read task's
+# features once to a spill file and shuffles only metadata rows that point into it (K_SPILL, K_SPILL_AT);
+# the shard writer reads back the regions of its own rows. Memory per worker is then one task's write
+# buffer plus one shard, whatever the collection size.
+K_SPILL = "_spill"  # spill file path
+K_SPILL_AT = "_spill_at"  # first region row of this image in that file
+
+
+class FeatureSpill:
+    """Append-only HDF5 file of region features (``feature_dtype``) and boxes (float32), written in blocks
+    of ``flush_regions`` so a task of any size streams through bounded memory. ``append`` returns the
+    metadata row that replaces the staged row in the shuffle."""
+
+    def __init__(self, path: str, spill_name: str, feature_dim: int, feature_dtype: str = "float32",
+                 flush_regions: int = 8192):
+        import h5py
+
+        self.name = spill_name  # what the reference rows record (may be a remote path)
+        self._dtype = np.float16 if feature_dtype == "float16" else np.float32
+        self._f = h5py.File(path, "w")
+        self._feats = self._f.create_dataset("features", (0, feature_dim), dtype=self._dtype,
+                                             maxshape=(None, feature_dim), chunks=(256, feature_dim))
+        self._boxes = self._f.create_dataset("boxes", (0, schema.BOX_DIM), dtype=np.float32,
+                                             maxshape=(None, schema.BOX_DIM), chunks=(256, schema.BOX_DIM))
+        self._buf_f: list[np.ndarray] = []
+        self._buf_b: list[np.ndarray] = []
+        self._buffered = 0
+        self._flush_regions = flush_regions
+        self.regions = 0  # regions appended so far (flushed or not)
+
+    def append(self, row: dict) -> dict:
+        at = self.regions
+        self._buf_f.append(np.asarray(row["features"], dtype=self._dtype))
+        self._buf_b.append(np.asarray(row["boxes"], dtype=np.float32))
+        n = int(row["features"].shape[0])
+        self.regions += n
+        self._buffered += n
+        if self._buffered >= self._flush_regions:
+            self._flush()
+        ref = {k: v for k, v in row.items() if k not in ("features", "boxes")}
+        ref[K_SPILL], ref[K_SPILL_AT] = self.name, at
+        return ref
+
+    def _flush(self) -> None:
+        if not self._buf_f:
+            return
+        start = self._feats.shape[0]
+        for ds, buf in ((self._feats, self._buf_f), (self._boxes, self._buf_b)):
+            block = np.concatenate(buf)
+            ds.resize(start + len(block), axis=0)
+            ds[start:start + len(block)] = block
+        self._buf_f, self._buf_b, self._buffered = [], [], 0
+
+    def close(self) -> None:
+        self._flush()
+        self._f.close()
+
+
+def load_spilled(rows: Sequence[dict], open_file=None) -> list[dict]:
+    """Rows with ``features``/``boxes`` restored from their spill files (rows that still carry their arrays
+    pass unchanged). ``open_file(name)`` returns an open ``h5py.File`` (default: opens the local path); each
+    file is opened once per call and read in region order."""
+    import h5py
+
+    by_file: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        if K_SPILL in r:
+            by_file.setdefault(r[K_SPILL], []).append(i)
+    out = list(rows)
+    for name, idx in by_file.items():
+        with (open_file(name) if open_file is not None else h5py.File(name, "r")) as f:
+            for i in sorted(idx, key=lambda j: rows[j][K_SPILL_AT]):
+                r = rows[i]
+                a, b = int(r[K_SPILL_AT]), int(r[K_SPILL_AT]) + int(r["num_boxes"])
+                restored = {k: v for k, v in r.items() if k not in (K_SPILL, K_SPILL_AT)}
+                restored["features"] = f["features"][a:b]
+                restored["boxes"] = f["boxes"][a:b]
+                out[i] = restored
+    return out

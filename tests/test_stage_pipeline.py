@@ -235,3 +235,30 @@ def test_module_help():
     res = subprocess.run([sys.executable, "-m", "pipelines.stage", "--help"], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0 and "--images-per-shard" in res.stdout and "--max-reject-fraction" in res.stdout
+
+
+def test_read_and_stage_spills_features_so_the_shuffle_carries_metadata_only(tmp_path):
+    write_inputs(tmp_path)
+    tasks = plan_read_tasks("tsv", "image", "butd_tsv", str(tmp_path / "feats.tsv"), {}, F)
+    kw = dict(output=str(tmp_path / "out"), feature_dim=F, max_regions=50, feature_format="parquet",
+              feature_dtype="float32", images_per_shard=10)
+    def run(settings):
+        dofn = stage.ReadAndStage(settings)
+        dofn.setup()
+        return list(dofn.process(tasks[0]))
+
+    inline = run(stage.Settings(**kw))
+    spilled = run(stage.Settings(**kw, spill_dir=str(tmp_path / "spill")))
+    inline_rows = [r for r in inline if isinstance(r, dict) and "item_id" in r]
+    refs = [r for r in spilled if isinstance(r, dict) and "item_id" in r]
+    assert len(refs) == len(inline_rows) == 5
+    assert all("features" not in r and os.path.exists(r[staging.K_SPILL]) for r in refs)
+    assert not [f for f in os.listdir(tmp_path / "spill") if ".tmp-" in f]  # published under its final name
+    for back, orig in zip(staging.load_spilled(refs), inline_rows):
+        np.testing.assert_array_equal(back["features"], orig["features"])
+        np.testing.assert_array_equal(back["boxes"], orig["boxes"])
+
+
+def test_staging_run_leaves_no_spill_files(staged):
+    _, _, out, code, _ = staged
+    assert (out / "summary.json").exists() and not os.path.exists(out / stage.SPILL_DIR)

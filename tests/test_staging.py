@@ -173,3 +173,24 @@ def test_source_summary_counts_and_warnings():
     assert s["rejected"] == 2 and s["reject_reasons"] == {"wrong feature dim": 1, "zero regions": 1}
     assert s["warnings"] == ["expected 9 records but staged 8"]
     assert staging.in_equals_line("c images", s) == "c images: 10 in = 8 staged + 2 rejected"
+
+
+# ------------------------------------------------------------------------------------- feature spill
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_feature_spill_round_trip_across_flushes(tmp_path, dtype):
+    rows = [stage(raw_image(n=n, source_id=f"img{n}")) for n in (3, 1, 5, 2)]
+    path = str(tmp_path / "t.h5")
+    spill = staging.FeatureSpill(path, path, F, dtype, flush_regions=4)  # several partial flushes
+    refs = [spill.append(r) for r in rows]
+    spill.close()
+    assert all("features" not in r and "boxes" not in r for r in refs)
+    assert [r[staging.K_SPILL_AT] for r in refs] == [0, 3, 4, 9]
+    restored = staging.load_spilled(list(reversed(refs)))[::-1]
+    np_dtype = np.float16 if dtype == "float16" else np.float32
+    for r, orig in zip(restored, rows):
+        assert set(r) == set(orig)  # the pointer keys are gone, the arrays are back
+        np.testing.assert_array_equal(r["features"], orig["features"].astype(np_dtype))
+        np.testing.assert_array_equal(r["boxes"], orig["boxes"])
+        assert r["features"].dtype == np_dtype and r["item_id"] == orig["item_id"]
+    # rows that never went through a spill pass unchanged
+    assert staging.load_spilled([rows[0]])[0] is rows[0]
