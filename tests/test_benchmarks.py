@@ -224,3 +224,16 @@ def test_cli_help_lists_suites():
     for s in ("standard", "distractor_20k", "scale_100k", "k_ablation", "combination", "baseline", "latency",
               "--quick"):
         assert s in res.output
+
+
+def test_staged_source_keeps_float16_collections_in_float16(tmp_path):
+    """A 100k collection staged as float16 is ~6 GB; loading it as float32 doubled that and the scale suite
+    was OOM-killed on a 24 GB machine. The suites keep the stored precision (collate casts per batch)."""
+    from benchmarks.run import stage
+
+    staged = stage("synthetic_100k", str(tmp_path), F, quick=True)  # 300 images, float16 per the manifest
+    src = suites.StagedSource(staged)
+    images, caps = src.load("synthetic_100k", "test")
+    assert images.features.dtype == np.float16 and len(images) == 300 and len(caps) == 1500
+    full = src.ds.load_images(collection="synthetic_100k", split="test", dtype=np.float32)
+    np.testing.assert_array_equal(images.features.astype(np.float32), full.features)
