@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from benchmarks import engine
-from benchmarks.report import set_threads
+from benchmarks.report import PAPER_CODE_MODEL, set_threads
 
 EVAL_CAPTIONS_PER_IMAGE = 5
 
@@ -213,7 +213,7 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
                          speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_ann),
                          notes=f"{note}; {par}; ann_recall@10 = knn_intersection_measure vs Flat over {rq} "
                                f"caption queries", **common))
-        rows.append(_row(b, mode="EMB", k=10, **_percentiles(paper_emb_t), **{**common, "model": "paper-code"},
+        rows.append(_row(b, mode="EMB", k=10, **_percentiles(paper_emb_t), **{**common, "model": PAPER_CODE_MODEL},
                          notes=f"{note}; torch.mm + topk over all items"))
         for k in cfg.ks:
             kk = min(k, n)
@@ -242,7 +242,7 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
                          "smallest N"
             rows.append(_row(b, mode="CO", k=kk, **_percentiles(t_co), **common, notes=note,
                              speedup_vs_paper_code=paper["latency_p50_ms"] / 1000 / np.median(t_co)))
-            rows.append(_row(b, mode="CO", k=kk, **{**common, "model": "paper-code", **paper}, notes=pnote))
+            rows.append(_row(b, mode="CO", k=kk, **{**common, "model": PAPER_CODE_MODEL, **paper}, notes=pnote))
         # CE over the whole collection for one query.
         est = n * b.unit["ce_pair_batched_s"]
         paper_est = n * b.unit["ce_pair_single_s"] + float(np.median(paper_emb_t))
@@ -261,7 +261,7 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
                                    f"pair (batched, measured)"))
         p = paper_est * 1000
         rows.append(_row(b, mode="CE", k="all", latency_p50_ms=p, latency_p95_ms=p, latency_p99_ms=p,
-                         **{**common, "model": "paper-code", "measured": False},
+                         **{**common, "model": PAPER_CODE_MODEL, "measured": False},
                          notes=f"extrapolated: {n:,} x {b.unit['ce_pair_single_s'] * 1000:.2f} ms per single-pair "
                                f"CE call (measured) + torch.mm search"))
         for r in rows[-(5 + 2 * len(cfg.ks)):]:
@@ -328,7 +328,7 @@ def eval_time(b: _Bench, log) -> list[dict]:
                                        f"per-item cost" + (f" + {pairs:,} CE pairs x "
                                        f"{u['ce_pair_batched_s'] * 1000:.2f} ms (batched)" if pairs else "")))
             pairs = {"EMB": 0, "CO": co_pairs, "CE": ce_pairs}[method]
-            rows.append(_row(b, **base, model="paper-code", mode=method, wall_s=paper[method], measured=False,
+            rows.append(_row(b, **base, model=PAPER_CODE_MODEL, mode=method, wall_s=paper[method], measured=False,
                              ce_pairs=pairs or "",
                              notes="extrapolated: same batched encoding" + (
                                  f" + {pairs:,} single-pair CE calls x {u['ce_pair_single_s'] * 1000:.2f} ms"

@@ -12,6 +12,9 @@ import platform
 import re
 from typing import Iterable, Mapping, Optional, Sequence
 
+#: ``model`` of the rows that measure the paper's code path (benchmarks.latency)
+PAPER_CODE_MODEL = "paper-code"
+
 #: Column order of every suite CSV. Optional timings stay empty where a suite does not measure them.
 CSV_COLUMNS = (
     "suite", "collection", "model", "mode", "k", "lam", "direction",
@@ -186,10 +189,13 @@ def plot_latency(rows: Sequence[Mapping], path: str, title: str = "Per-query lat
         label = f"{r['model']} {mode}" + (f" k={r['k']}" if r["k"] not in ("", None) else "")
         series.setdefault(label, []).append((int(r["collection_size"]), float(r["latency_p50_ms"]),
                                              str(r["measured"]) == "true"))
-    for label, pts in sorted(series.items()):
+    colours = plt.get_cmap("tab20").colors  # the default 10-colour cycle repeats with 11+ series
+    for i, (label, pts) in enumerate(sorted(series.items())):
         pts.sort()
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-        line, = ax.plot(xs, ys, "-", label=label)
+        # dashed = the paper-code baseline, so each of our methods sits visibly next to its baseline
+        style = "--" if label.startswith(PAPER_CODE_MODEL) else "-"
+        line, = ax.plot(xs, ys, style, color=colours[i % len(colours)], label=label)
         for x, y, measured in pts:
             ax.plot([x], [y], "o", color=line.get_color(), markerfacecolor=line.get_color() if measured else "none")
     ax.set_xscale("log")

@@ -144,7 +144,7 @@ def _open_spill(name: str):
     if _is_local(name):
         with h5py.File(name, "r") as f:
             yield f
-    else:  # h5py reads the few chunks it needs through the seekable FileSystems stream
+    else:  # h5py reads the few chunks it needs through the seekable FileSystems stream (not yet run on GCS)
         with FileSystems.open(name, compression_type=CompressionTypes.UNCOMPRESSED) as raw, h5py.File(raw, "r") as f:
             yield f
 

@@ -467,8 +467,9 @@ class FeatureSpill:
         self.name = spill_name  # what the reference rows record (may be a remote path)
         self._dtype = np.float16 if feature_dtype == "float16" else np.float32
         self._f = h5py.File(path, "w")
+        # Small chunks: a reader pulls one image (~10-50 regions) at a time, and HDF5 reads whole chunks.
         self._feats = self._f.create_dataset("features", (0, feature_dim), dtype=self._dtype,
-                                             maxshape=(None, feature_dim), chunks=(256, feature_dim))
+                                             maxshape=(None, feature_dim), chunks=(32, feature_dim))
         self._boxes = self._f.create_dataset("boxes", (0, schema.BOX_DIM), dtype=np.float32,
                                              maxshape=(None, schema.BOX_DIM), chunks=(256, schema.BOX_DIM))
         self._buf_f: list[np.ndarray] = []
