@@ -250,6 +250,10 @@ class StagedDataset:
         parts = [p for s in self._shards("images", collection)
                  if (p := self._shard_images(s, wanted, split, dtype)) is not None]
         table = self._concat(parts, dtype)
+        # Drop the per-shard arrays (views of Arrow buffers) and hand Arrow's freed memory back to the OS
+        # before the reordering copy below: otherwise a 100k collection peaked at 3x its size (19 GB).
+        del parts
+        pa.default_memory_pool().release_unused()
         pos = table.position_of()
         if item_ids is None:
             order = np.argsort(table.item_ids, kind="stable")
