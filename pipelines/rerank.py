@@ -103,6 +103,8 @@ class ExactSearcher:
         from retrieval_core.metrics import exact_topk
         return exact_topk(queries, self.vectors, self.ids, n)
 
+    search_scores = search  # inner products are already higher-is-better
+
 
 def get_searcher(spec: dict):
     """spec: {"kind": "index"|"exact", "path", "modality", "fingerprint"}; loaded once per process."""
@@ -139,7 +141,8 @@ class SearchBatch(beam.DoFn):
         searcher = self._loaded[direction]
         for start in range(0, len(queries), self.batch_size):
             chunk = queries[start:start + self.batch_size]
-            scores, ids = searcher.search(np.stack([v for _, v in chunk]).astype(np.float32), self.n)
+            # search_scores: BE scores are higher-is-better (an L2 index's distances come back negated).
+            scores, ids = searcher.search_scores(np.stack([v for _, v in chunk]).astype(np.float32), self.n)
             for (qid, _), s, i in zip(chunk, scores, ids):
                 valid = i >= 0  # faiss pads with -1 when the pool is smaller than n
                 yield (direction, qid), (i[valid].astype(np.int64), s[valid].astype(np.float32))
@@ -393,7 +396,9 @@ def _searcher_spec(direction: str, index_dir: Optional[str], emb_dir: str) -> tu
                               f"{manifest.get('modality')}")
         spec = {"kind": "index", "path": index_dir, "modality": pool_modality,
                 "fingerprint": _file_fingerprint(os.path.join(index_dir, INDEX_MANIFEST))}
-        return spec, int(manifest["ntotal"]), f"FAISS index {index_dir} ({manifest['factory']})"
+        metric = manifest["metric"]
+        scored = "; be_score = -squared L2 distance" if metric == "l2" else ""
+        return spec, int(manifest["ntotal"]), f"FAISS index {index_dir} ({manifest['factory']}, {metric}{scored})"
     entry = emb.modality_entry(emb.load_embeddings_manifest(emb_dir), pool_modality)
     spec = {"kind": "exact", "path": emb_dir, "modality": pool_modality,
             "fingerprint": _file_fingerprint(emb.manifest_path(emb_dir))}

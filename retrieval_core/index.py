@@ -226,6 +226,13 @@ class ShardedIndex:
         all_i = np.stack([r[1] for r in results])
         return faiss.merge_knn_results(all_d, all_i, keep_max=self.keep_max)
 
+    def search_scores(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`search` with higher-is-better scores for every metric: L2 distances come back negated.
+        Use this where the scores are BE scores (``retrieval_core.rerank`` wants the best, i.e. the largest,
+        first); the order of the results is the same as :meth:`search`'s."""
+        scores, ids = self.search(queries, k)
+        return (scores if self.keep_max else -scores), ids
+
     def set_params(self, nprobe: Optional[int] = None, efSearch: Optional[int] = None) -> None:
         """Set search-time parameters on every shard through faiss.ParameterSpace."""
         ps = faiss.ParameterSpace()

@@ -52,6 +52,19 @@ def test_flat_sharded_search_equals_exact_topk():
     np.testing.assert_allclose(scores, es, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_search_scores_are_higher_is_better_for_every_metric(metric):
+    ids, x = _data(n=300, seed=4)
+    trained = ix.train_index("Flat", D, metric, None)
+    sharded = ix.ShardedIndex([ix.build_shard(trained, ids[i::3], x[i::3]) for i in range(3)])
+    q = np.random.default_rng(5).normal(size=(8, D)).astype(np.float32)
+    raw, raw_ids = sharded.search(q, 10)
+    scores, found = sharded.search_scores(q, 10)
+    np.testing.assert_array_equal(found, raw_ids)
+    np.testing.assert_array_equal(scores, raw if metric == "ip" else -raw)
+    assert np.all(np.diff(scores, axis=1) <= 0)  # best (largest) first
+
+
 def test_index_shards_successive_ids_regression():
     """IndexShards' default successive_ids=True rewrites global ids; ShardedIndex must not."""
     ids, x = _data(n=300, seed=3)

@@ -144,3 +144,29 @@ def test_direct_and_dask_runners_give_identical_rankings(assets, tmp_path):
         a = pq.read_table(os.path.join(direct, "rankings", name))
         b = pq.read_table(os.path.join(dask, "rankings", name))
         assert a.num_rows > 0 and a.equals(b), name
+
+
+def test_l2_index_reranks_with_negated_distances_as_be_scores(assets, tmp_path):
+    """An L2 index returns distances (smaller is better); rerank must turn them into higher-is-better BE
+    scores (-distance) instead of failing rank_query's "BE order" check."""
+    root, staged, model_dir, emb_dir = assets
+    index_dir = str(tmp_path / "index_l2")
+    build_index(emb_dir, index_dir, "image", "Flat", "l2", 1000, 0, 1, [])
+    out = str(tmp_path / "run")
+    k = 3
+    manifest = rerank.run_rerank(staged, emb_dir, out, mode="co", k=k, index=index_dir, ce_model=model_dir,
+                                 directions=("t2i",), split="test")
+    assert manifest["queries"] == {"t2i": 12}
+
+    img_ids, img_vecs = emb.read_embeddings(emb_dir, "image")
+    txt_ids, txt_vecs = emb.read_embeddings(emb_dir, "text")
+    pos = {int(i): n for n, i in enumerate(txt_ids)}
+    got = per_query(read_rankings(out, "t2i"))
+    for q, g in got.items():
+        dist = ((img_vecs - txt_vecs[pos[q]]) ** 2).sum(axis=1)
+        order = np.argsort(dist, kind="stable")[:10]  # keep = max(k, 10), nearest first
+        assert set(g["item_id"].iloc[:k]) == set(img_ids[order[:k]].tolist())  # CE reorders the top k
+        assert g["item_id"].iloc[k:].tolist() == img_ids[order[k:]].tolist()  # the tail keeps BE order
+        expected = dict(zip(img_ids[order].tolist(), -dist[order]))
+        np.testing.assert_allclose(g["be_score"].to_numpy(), [expected[i] for i in g["item_id"]], atol=1e-4)
+        assert g["ce_score"].iloc[:k].notna().all()
