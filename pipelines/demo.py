@@ -16,6 +16,7 @@ import sys
 import time
 
 import click
+import numpy as np
 import pandas as pd
 
 from pipelines import demo_assets
@@ -82,10 +83,12 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...]) -> pd.DataFrame
             _run(_py("pipelines.rerank", *args, *beam_args))
             timings[f"rerank {label} ({be_name})"] = time.time() - t0
             _run(_py("benchmarks.evaluate", "--rankings", os.path.join(out, "rankings"), "--staged", staged,
-                     "--output", results, "--split", "test", "--model", be_name if ce is None else f"{be}/{ce}",
+                     "--output", results, "--split", "test", "--model", result_model(be, ce),
                      "--mode", label, "--k", str(k)))
 
-    table = pd.read_csv(os.path.join(results, "metrics.csv"))
+    # metrics.csv keeps the rows of earlier runs (another --k, --with-sep): show this run's rows only.
+    table = this_run_rows(pd.read_csv(os.path.join(results, "metrics.csv")), k,
+                          [(result_model(be, ce), label) for label, be, ce in runs])
     cols = [c for c in ("model", "mode", "k", "direction", "R@1", "R@5", "R@10", "mR", "queries",
                         "collection_size") if c in table.columns]
     print("\nDemo results (synthetic demo collection, test split; recall in %, NOTES.md section 2 convention):")
@@ -97,18 +100,45 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...]) -> pd.DataFrame
     return table
 
 
+def result_model(be: str, ce: str | None) -> str:
+    """The model name a demo run records in metrics.csv: the bi-encoder, or "BE/CE" for a reranking run."""
+    return be if ce is None else f"{be}/{ce}"
+
+
+def this_run_rows(table: pd.DataFrame, k: int, runs: list[tuple[str, str]]) -> pd.DataFrame:
+    """The metrics.csv rows of one demo run: test split, rerank depth ``k`` and the (model, mode) pairs in
+    ``runs``. The results folder is shared by every demo run, and benchmarks.evaluate only replaces rows of
+    the same configuration, so rows of an earlier --k or --with-sep run are still in the file."""
+    wanted = set(runs)
+    keep = (table["k"] == k) & np.array([(m, md) in wanted for m, md in zip(table["model"], table["mode"])],
+                                        dtype=bool)
+    if "split" in table.columns:
+        keep &= table["split"] == "test"
+    return table[keep].reset_index(drop=True)
+
+
 def r1_changes(table: pd.DataFrame) -> list[str]:
     """One line per reranking mode: its R@1 minus the R@1 of EMB with the same bi-encoder, per direction -
-    the paper's claim (reranking lifts R@1) checked on this run rather than asserted."""
+    the paper's claim (reranking lifts R@1) checked on this run rather than asserted.
+
+    Rows are compared within the same collection, split and k (where the table has those columns); a
+    repeated configuration counts once, its last row (the newest in metrics.csv)."""
+    context = [c for c in ("collection", "split", "k") if c in table.columns]
+    table = table.drop_duplicates(subset=["model", "mode", *context, "direction"], keep="last")
+    emb_rows = table[table["mode"] == "EMB"]
+    emb = {(m, *ctx, d): r for m, *ctx, d, r in zip(emb_rows["model"], *(emb_rows[c] for c in context),
+                                                     emb_rows["direction"], emb_rows["R@1"])}
+    several_k = "k" in table.columns and table["k"].nunique() > 1
     lines = []
-    emb = table[table["mode"] == "EMB"].set_index(["model", "direction"])["R@1"]
-    for (model, mode), rows in table[table["mode"] != "EMB"].groupby(["model", "mode"], sort=False):
+    for (model, mode, *ctx), rows in table[table["mode"] != "EMB"].groupby(["model", "mode", *context],
+                                                                            sort=False, dropna=False):
         be = str(model).split("/")[0]
-        deltas = [f"{d} {r - emb[(be, d)]:+.2f}" for d, r in zip(rows["direction"], rows["R@1"])
-                  if (be, d) in emb.index]
+        deltas = [f"{d} {r - emb[(be, *ctx, d)]:+.2f}" for d, r in zip(rows["direction"], rows["R@1"])
+                  if (be, *ctx, d) in emb]
         if deltas:
             lifted = all(float(x.split()[1]) > 0 for x in deltas)
-            lines.append(f"R@1 of {mode} minus EMB ({be}): {', '.join(deltas)} points -> "
+            where = f"{be}, k={ctx[context.index('k')]}" if several_k else be
+            lines.append(f"R@1 of {mode} minus EMB ({where}): {', '.join(deltas)} points -> "
                          f"{'reranking lifts R@1' if lifted else 'reranking does NOT lift R@1 in this run'}")
     return lines
 
