@@ -16,8 +16,9 @@ Writes <output>/<suite>.csv (+ rankings/ and PNG plots) and prints a summary tab
 Models default to the demo assets (JOIN: pipelines.demo_assets.ensure_demo_assets; SEP:
 ensure_sep_models), trained on first use. Synthetic manifests are staged on demand with
 ``python -m pipelines.stage`` into <workdir>/staged/<manifest>[-f<dim>][-quick] (reused when complete);
-when the model's feature_dim differs from the manifest's, the manifest is staged at the model's
-(``--set feature_dim=``): the synthetic world's codebooks depend only on (world_seed, feature_dim).
+when the model's feature_dim differs from a synthetic manifest's, the manifest is staged at the model's
+(``--set feature_dim=``): the synthetic world's codebooks depend only on (world_seed, feature_dim). A manifest
+with real (file) features and another feature_dim is refused with both dimensions named.
 """
 from __future__ import annotations
 
@@ -50,6 +51,14 @@ def stage(manifest: str, workdir: str, feature_dim: Optional[int], quick: bool) 
     sets = []
     suffix = ""
     if feature_dim and feature_dim != m.feature_dim:
+        # Only generated features can be made at another dimension; restaging real features (read from files)
+        # with --set feature_dim would reject every image as having the wrong width.
+        real = sorted(name for name, c in m.collections.items() if c.images.format != "synthetic")
+        if real:
+            raise click.ClickException(
+                f"manifest {m.name!r} has {m.feature_dim}-d region features (collection(s) {', '.join(real)} "
+                f"read them from files), but the model expects {feature_dim}-d features; pass models trained on "
+                f"{m.feature_dim}-d features (--model, --be-model, --ce-model)")
         sets.append(f"feature_dim={feature_dim}")
         suffix += f"-f{feature_dim}"
     if quick:
