@@ -3,9 +3,11 @@
     python -m benchmarks.evaluate --rankings RUN/rankings --staged STAGED --output RESULTS \\
         --collection coco --split test --model join-minilm --mode ce --k 20 --tag hardware=cpu
 
-Both directions are required (schema.RANKING_SCHEMA rows with direction t2i and i2t). Every gold query must
-be ranked and every ranked query must be in the gold: a missing query is an error, never a silent miss.
-Ranked items outside the gold set (distractors) are fine.
+``--rankings`` takes a pipelines.rerank run (its run dir or its rankings/ dir: the shards listed in its
+rankings_manifest.json are read, checksum-verified) or any directory / Parquet file of rankings (every
+.parquet under it). Both directions are required (schema.RANKING_SCHEMA rows with direction t2i and i2t).
+Every gold query must be ranked and every ranked query must be in the gold: a missing query is an error,
+never a silent miss. Ranked items outside the gold set (distractors) are fine.
 
 Outputs in ``--output``:
   metrics.csv   one row per (collection, split, model, mode, k, direction, tags); rerunning the same
@@ -17,6 +19,7 @@ Outputs in ``--output``:
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -33,6 +36,7 @@ import pyarrow.parquet as pq
 
 from retrieval_core import schema
 from retrieval_core.metrics import DEFAULT_KS, bidirectional_recall
+from retrieval_core.rerank import RANKINGS_MANIFEST, RANKINGS_SUBDIR
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +115,45 @@ def infer_k(df: pd.DataFrame) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- files
+def _rankings_manifest(src: str) -> Optional[str]:
+    """The rankings manifest of a pipelines.rerank run given as its run dir or its rankings/ dir, else None."""
+    src = os.path.normpath(src)
+    for run_dir in (src, os.path.dirname(src) if os.path.basename(src) == RANKINGS_SUBDIR else None):
+        if run_dir is not None and os.path.isfile(os.path.join(run_dir, RANKINGS_MANIFEST)):
+            return os.path.join(run_dir, RANKINGS_MANIFEST)
+    return None
+
+
+def listed_shards(manifest_path: str) -> list[str]:
+    """Paths of the shards a rankings manifest lists, each checked against its recorded sha256."""
+    with open(manifest_path, "rb") as f:
+        manifest = json.loads(f.read().decode("utf-8"))
+    rank_dir = os.path.join(os.path.dirname(manifest_path), RANKINGS_SUBDIR)
+    files = []
+    for shard in manifest.get("shards", []):
+        path = os.path.join(rank_dir, shard["name"])
+        if not os.path.isfile(path):
+            raise EvaluationError(f"{path} is listed in {manifest_path} but missing; rerun pipelines.rerank")
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        if shard.get("sha256") and digest != shard["sha256"]:
+            raise EvaluationError(f"{path} changed since {manifest_path} was written (sha256 {digest[:12]}... != "
+                                  f"{shard['sha256'][:12]}...); rerun pipelines.rerank")
+        files.append(path)
+    return files
+
+
 def read_rankings(sources: Sequence[str]) -> pa.Table:
-    """All ranking Parquet files under the given directories / files."""
+    """The ranking Parquet files of the given directories / files. A pipelines.rerank run (its run dir or its
+    rankings/ dir) contributes the shards its rankings_manifest.json lists: a rerun with another shard count
+    may leave an earlier run's shards next to them, which would rank the same queries twice. Other directories
+    contribute every .parquet file under them."""
     files: list[str] = []
     for src in sources:
-        if os.path.isdir(src):
+        manifest = _rankings_manifest(src) if os.path.isdir(src) else None
+        if manifest is not None:
+            files += listed_shards(manifest)
+        elif os.path.isdir(src):
             for root, _, names in sorted(os.walk(src)):
                 files += [os.path.join(root, n) for n in sorted(names) if n.endswith(".parquet")]
         elif os.path.isfile(src):

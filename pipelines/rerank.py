@@ -14,7 +14,8 @@ Graph::
          -> deterministic length-sorted CE batches -> RunInference(KeyedModelHandler(score_pairs)) ->
             scores back to every query that asked (CoGroupByKey with the candidate lists) -> rank_query
       -> key by (direction, query_id % N) -> GroupByKey -> rankings_table -> rankings/<direction>-0000x-of-0000N.parquet
-      -> one run report -> rankings_manifest.json
+      -> one run report -> rankings_manifest.json (then ranking files it does not list, e.g. shards of an earlier
+         run with another shard count, are deleted)
 
 Modes: ``emb`` BE only; ``co`` CE rerank of the BE top-k (items below k keep BE order); ``add`` / ``norm_add``
 fuse BE and CE scores in the top-k (--lam); ``ce`` exhaustive CE over the whole pool (refused above
@@ -69,8 +70,8 @@ T2I, I2T = schema.DIRECTION_T2I, schema.DIRECTION_I2T
 CLI_MODES = ("emb", "co", "ce", "add", "norm_add")
 #: CLI mode -> retrieval_core.rerank mode ("co" and exhaustive "ce" both rank by the CE score).
 RANK_MODE = {"emb": "emb", "co": "ce", "ce": "ce", "add": "add", "norm_add": "norm_add"}
-RANKINGS_SUBDIR = "rankings"
-RANKINGS_MANIFEST = "rankings_manifest.json"
+RANKINGS_SUBDIR = rr.RANKINGS_SUBDIR
+RANKINGS_MANIFEST = rr.RANKINGS_MANIFEST
 RUN_REPORT = "_run/report.json"
 CREATED_BY = "pipelines.rerank"
 _MIX = 0x9E3779B97F4A7C15  # 64-bit golden-ratio multiplier: spreads ids over groups deterministically
@@ -523,6 +524,7 @@ def run_rerank(staged: str, embeddings: str, output: str, mode: str = "co", k: i
     common.write_json_atomic(common.join(output, RANKINGS_MANIFEST), manifest)
     from apache_beam.io.filesystems import FileSystems
     FileSystems.delete([common.join(output, "_run")])
+    _delete_stale_shards(output, {s["name"] for s in shards})
     for d in directions:
         print(f"{d}: {counts[d]} queries ranked ({described[d]}, pool {pools[d]})")
     if mode != "emb":
@@ -530,6 +532,20 @@ def run_rerank(staged: str, embeddings: str, output: str, mode: str = "co", k: i
     print(f"rankings: {common.join(output, RANKINGS_SUBDIR)} ({len(shards)} shard(s)); "
           f"wall time {manifest['wall_s']:.1f} s")
     return manifest
+
+
+def _delete_stale_shards(output: str, keep: set[str]) -> None:
+    """Delete ranking files the new manifest does not list: shards of an earlier run with another shard count
+    or other directions, and temp files of a killed run. Called only after the new shards and manifest are
+    written, so the directory never lacks a shard the manifest on disk lists."""
+    from apache_beam.io.filesystems import FileSystems
+
+    pattern = common.join(output, RANKINGS_SUBDIR, "*.parquet*")  # shards and their .parquet.tmp-* files
+    found = [m.path for r in FileSystems.match([pattern]) for m in r.metadata_list]
+    stale = sorted(path for path in found if path.rsplit("/", 1)[-1] not in keep)
+    if stale:
+        FileSystems.delete(stale)
+        log.info("deleted %d ranking file(s) of an earlier run: %s", len(stale), stale[:5])
 
 
 # ------------------------------------------------------------------------------------------- CLI

@@ -24,6 +24,10 @@ import pyarrow as pa
 from retrieval_core import schema
 
 MODES = ("emb", "ce", "add", "norm_add")
+#: A rankings run directory (written by pipelines.rerank, read by benchmarks.evaluate): the shards are
+#: ``<run>/rankings/*.parquet``; ``<run>/rankings_manifest.json`` lists the ones that belong to the run.
+RANKINGS_SUBDIR = "rankings"
+RANKINGS_MANIFEST = "rankings_manifest.json"
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:

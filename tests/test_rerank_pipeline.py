@@ -170,3 +170,34 @@ def test_l2_index_reranks_with_negated_distances_as_be_scores(assets, tmp_path):
         expected = dict(zip(img_ids[order].tolist(), -dist[order]))
         np.testing.assert_allclose(g["be_score"].to_numpy(), [expected[i] for i in g["item_id"]], atol=1e-4)
         assert g["ce_score"].iloc[:k].notna().all()
+
+
+def test_rerun_with_fewer_shards_drops_stale_shards_and_evaluate_reads_the_manifests(assets, tmp_path):
+    """A rerun with another shard count must not leave the first run's shards where evaluate finds them:
+    rerank deletes the shards its manifest does not list, and evaluate reads only the listed ones."""
+    from click.testing import CliRunner
+
+    from benchmarks.evaluate import main as evaluate_main
+
+    root, staged, _, emb_dir = assets
+    out = str(tmp_path / "run")
+    first = rerank.run_rerank(staged, emb_dir, out, mode="emb", k=3, queries_per_shard=5)  # t2i 3, i2t 2 shards
+    assert len(first["shards"]) == 5
+    # a stale shard of an even older run that the new run does not overwrite (evaluate must ignore it even
+    # before rerank deletes it)
+    stale = os.path.join(out, "rankings", "t2i-00000-of-00004.parquet")
+    with open(os.path.join(out, "rankings", "t2i-00000-of-00003.parquet"), "rb") as src, open(stale, "wb") as dst:
+        dst.write(src.read())
+    second = rerank.run_rerank(staged, emb_dir, out, mode="emb", k=3)  # one shard per direction
+    names = [s["name"] for s in second["shards"]]
+    assert names == ["i2t-00000-of-00001.parquet", "t2i-00000-of-00001.parquet"]
+    assert sorted(os.listdir(os.path.join(out, "rankings"))) == names
+
+    results = tmp_path / "results"
+    for rankings in (os.path.join(out, "rankings"), out):  # the rankings dir or the run dir
+        with open(stale, "wb") as f:  # a leftover the manifest does not list
+            f.write(pq.read_table(os.path.join(out, "rankings", names[1])).to_pandas().to_parquet())
+        res = CliRunner().invoke(evaluate_main, ["--rankings", rankings, "--staged", staged, "--output",
+                                                 str(results), "--mode", "EMB", "--k", "3"])
+        assert res.exit_code == 0, res.output
+        assert "t2i 12 / i2t 6 queries" in res.output
