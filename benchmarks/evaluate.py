@@ -242,25 +242,22 @@ def parse_tags(tags: Sequence[str]) -> dict[str, str]:
 def main(rankings, staged, output, collection, split, model, mode, k, collection_size, tags):
     """Recall@1/5/10 in both directions and mR of a rankings run."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from pipelines.common import makedirs, write_atomic, write_json_atomic
+    from pipelines.common import cli_errors, makedirs, write_atomic, write_json_atomic
     from retrieval_core.store import StagedDataset
 
     t0 = time.time()
     tag_map = parse_tags(tags)
-    dataset = StagedDataset(staged)
-    if collection is None:
-        if len(dataset.collections) != 1:
-            raise click.UsageError(f"--collection is required: {staged} holds {dataset.collections}")
-        collection = dataset.collections[0]
-    caption_to_image, image_to_captions = dataset.gold(collection, split)
-    if not caption_to_image:
-        raise click.ClickException(f"no {split!r} captions for collection {collection!r} in {staged}")
-    table = read_rankings(rankings)
-    df = table.to_pandas()
-    try:
+    with cli_errors(EvaluationError):  # a missing staged / rankings dir or bad rankings: one line, exit 1
+        dataset = StagedDataset(staged)
+        if collection is None:
+            if len(dataset.collections) != 1:
+                raise click.UsageError(f"--collection is required: {staged} holds {dataset.collections}")
+            collection = dataset.collections[0]
+        caption_to_image, image_to_captions = dataset.gold(collection, split)
+        if not caption_to_image:
+            raise click.ClickException(f"no {split!r} captions for collection {collection!r} in {staged}")
+        df = read_rankings(rankings).to_pandas()
         result = evaluate_rankings(df, caption_to_image, image_to_captions)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
     if collection_size is not None:
         result["collection_size"] = int(collection_size)
     k = infer_k(df) if k is None else k

@@ -87,7 +87,11 @@ def build_index(emb_dir: str, output: str, modality: str, factory: str, metric: 
                 seed: int, threads: Optional[int], beam_args: list[str]) -> dict:
     t0 = time.time()
     ix.set_threads(threads)
-    manifest_bytes = common.read_bytes(common.join(emb_dir, emb.EMBEDDINGS_MANIFEST))
+    manifest_path = common.join(emb_dir, emb.EMBEDDINGS_MANIFEST)
+    if not common.exists(manifest_path):
+        raise emb.EmbeddingsError(f"no {emb.EMBEDDINGS_MANIFEST} in {emb_dir}: not an embeddings directory "
+                                  f"(run pipelines.encode first)")
+    manifest_bytes = common.read_bytes(manifest_path)
     emb_manifest = emb.validate_embeddings_manifest(json.loads(manifest_bytes.decode("utf-8")))
     entry = emb.modality_entry(emb_manifest, modality)
     shards, dim = entry["shards"], int(emb_manifest["dim"])
@@ -196,7 +200,9 @@ def _read_infos(output: str) -> list[dict]:
 def main(ctx, emb_dir, output, modality, factory, metric, train_sample, seed, threads):
     """Build a sharded FAISS index (one shard per embedding shard). Unknown --flags go to Beam."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    summary = build_index(emb_dir, output, modality, factory, metric, train_sample, seed, threads, list(ctx.args))
+    with common.cli_errors():
+        summary = build_index(emb_dir, output, modality, factory, metric, train_sample, seed, threads,
+                              list(ctx.args))
     click.echo(f"index {summary['factory']} ({summary['metric']}, d={summary['d']}): {summary['ntotal']} vectors "
                f"in {summary['shards']} shards ({summary['built']} built, {summary['kept']} kept) "
                f"in {summary['seconds']:.1f} s -> {output}")

@@ -7,13 +7,15 @@ their checksum and skips them.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import uuid
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
+import click
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -21,6 +23,28 @@ log = logging.getLogger(__name__)
 
 # click settings for CLIs that pass unknown --flags through to Beam (--runner, --direct_num_workers...).
 BEAM_CLI_CONTEXT = dict(ignore_unknown_options=True, allow_extra_args=True, help_option_names=["-h", "--help"])
+
+
+#: Set to 1 to get the full traceback of an error that cli_errors would report in one line.
+DEBUG_ENV = "RR_DEBUG"
+
+
+@contextlib.contextmanager
+def cli_errors(*error_types: type) -> Iterator[None]:
+    """At a CLI boundary: report bad input as one ``Error: ...`` line and exit 1, not as a traceback.
+
+    Bad input = a missing or inconsistent staged dir (StagedDataError), a missing file, the library's
+    validation errors (ValueError and its subclasses: EmbeddingsError, IndexIntegrityError, ManifestError,
+    EvaluationError...) and the CLI's own ``error_types`` (EncodeError, RerankError...). Their messages name
+    the path or value at fault; ``RR_DEBUG=1`` re-raises them with the traceback."""
+    from retrieval_core.store import StagedDataError
+
+    try:
+        yield
+    except (StagedDataError, FileNotFoundError, ValueError, *error_types) as exc:
+        if os.environ.get(DEBUG_ENV) == "1":
+            raise
+        raise click.ClickException(str(exc)) from None
 
 
 def pipeline_options(beam_args: Sequence[str], default_runner: str = "DirectRunner") -> PipelineOptions:

@@ -421,8 +421,9 @@ def main(ctx, staged, model_dir, output, modality, batch_size, device, collectio
         output = output or os.path.join(demo.demo_dir(), "embeddings")
     if output is None:
         raise click.UsageError("--output is required with --staged/--model")
-    summary = run_encode(staged, model_dir, output, modality, batch_size, device.upper(), collection, split,
-                         images_per_shard, texts_per_shard, model_copies, num_threads, beam_args)
+    with common.cli_errors(EncodeError):
+        summary = run_encode(staged, model_dir, output, modality, batch_size, device.upper(), collection, split,
+                             images_per_shard, texts_per_shard, model_copies, num_threads, beam_args)
     if any(v["dead_lettered"] for v in summary["modalities"].values()):
         ctx.exit(1)
 

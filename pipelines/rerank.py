@@ -577,15 +577,13 @@ def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, l
     """BE retrieval (+ CE reranking) of every query of a split, in both directions, as a Beam job.
     Unknown --flags go to Beam (--runner, --dask_client_address, ...)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
+    with common.cli_errors(RerankError):
         run_rerank(staged, embeddings, output, mode=mode, k=k, lam=lam,
                    directions=tuple(d.strip() for d in directions.split(",") if d.strip()), index=index,
                    text_index=text_index, ce_model=ce_model, be_model=be_model, collection=collection, split=split,
                    batch_size=batch_size, search_batch_size=search_batch_size, device=device.upper(),
                    num_threads=num_threads, model_copies=model_copies, max_exhaustive_pairs=max_exhaustive_pairs,
                    queries_per_shard=queries_per_shard, beam_args=tuple(ctx.args))
-    except RerankError as exc:
-        raise click.ClickException(str(exc)) from None
 
 
 if __name__ == "__main__":

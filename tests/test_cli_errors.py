@@ -1,0 +1,73 @@
+"""Every pipeline / evaluation CLI turns a missing input directory into a one-line error and a non-zero exit,
+never a Python traceback. The CLIs run as a user runs them: ``python -m <module>`` in a subprocess."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+from tests.test_encode_pipeline import write_tiny_staged
+
+
+def run_cli(module: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=str(REPO_ROOT), env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def assert_clean_failure(res: subprocess.CompletedProcess, *expected: str) -> None:
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr and "Traceback" not in res.stdout, res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1, res.stderr  # one line says what is wrong
+    for text in expected:
+        assert text in errors[0], errors[0]
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory):
+    return write_tiny_staged(str(tmp_path_factory.mktemp("cli") / "staged"), num_images=8)
+
+
+def test_encode_missing_staged_dir(tmp_path):
+    missing = str(tmp_path / "no_staged")
+    res = run_cli("pipelines.encode", "--staged", missing, "--model", str(tmp_path / "model"),
+                  "--output", str(tmp_path / "emb"))
+    assert_clean_failure(res, missing, "not a staged directory")
+
+
+def test_build_index_missing_embeddings_dir(tmp_path):
+    missing = str(tmp_path / "no_emb")
+    res = run_cli("pipelines.build_index", "--embeddings", missing, "--output", str(tmp_path / "index"))
+    assert_clean_failure(res, missing, "embeddings_manifest.json")
+
+
+def test_rerank_missing_staged_dir(tmp_path):
+    missing = str(tmp_path / "no_staged")
+    res = run_cli("pipelines.rerank", "--staged", missing, "--embeddings", str(tmp_path / "emb"),
+                  "--output", str(tmp_path / "run"), "--mode", "emb")
+    assert_clean_failure(res, missing, "not a staged directory")
+
+
+def test_rerank_missing_embeddings_dir(tmp_path, staged):
+    missing = str(tmp_path / "no_emb")
+    res = run_cli("pipelines.rerank", "--staged", staged, "--embeddings", missing, "--output", str(tmp_path / "run"),
+                  "--mode", "emb")
+    assert_clean_failure(res, missing, "embeddings_manifest.json")
+
+
+def test_evaluate_missing_staged_dir(tmp_path):
+    missing = str(tmp_path / "no_staged")
+    res = run_cli("benchmarks.evaluate", "--rankings", str(tmp_path / "rankings"), "--staged", missing,
+                  "--output", str(tmp_path / "results"))
+    assert_clean_failure(res, missing, "not a staged directory")
+
+
+def test_evaluate_missing_rankings_dir(tmp_path, staged):
+    missing = str(tmp_path / "no_rankings")
+    res = run_cli("benchmarks.evaluate", "--rankings", missing, "--staged", staged, "--output",
+                  str(tmp_path / "results"))
+    assert_clean_failure(res, missing, "rankings path not found")
