@@ -24,7 +24,9 @@ fuse BE and CE scores in the top-k (--lam); ``ce`` exhaustive CE over the whole 
 Candidate pools: t2i searches --index (a FAISS image index from pipelines.build_index); i2t searches
 --text-index when given, otherwise an exact inner-product search over all text embeddings in --embeddings
 (``retrieval_core.metrics.exact_topk``; exact and cheap up to ~100k captions). Without --index, t2i is also
-an exact search over all image embeddings in --embeddings.
+an exact search over all image embeddings in --embeddings. --nprobe (IVF) and --ef-search (HNSW) are set on
+every shard of an index (faiss' defaults otherwise: nprobe=1 searches a single list) and recorded in the
+manifest's ``search_params``.
 
 Determinism (DirectRunner and DaskRunner give identical rankings): queries and CE pairs are batched by a
 GroupByKey on a fixed key (id mod G) and sorted inside the group (queries by id; pairs by length, then ids),
@@ -108,12 +110,16 @@ class ExactSearcher:
 
 
 def get_searcher(spec: dict):
-    """spec: {"kind": "index"|"exact", "path", "modality", "fingerprint"}; loaded once per process."""
-    key = (spec["kind"], spec["path"], spec["modality"], spec["fingerprint"])
+    """spec: {"kind": "index"|"exact", "path", "modality", "fingerprint"[, "params"]}; loaded once per process.
+    ``params`` (index only): faiss search parameters ({"nprobe": .., "efSearch": ..}) set on every shard."""
+    params = spec.get("params") or {}
+    key = (spec["kind"], spec["path"], spec["modality"], spec["fingerprint"], tuple(sorted(params.items())))
     if key not in _SEARCHERS:
         if spec["kind"] == "index":
             from retrieval_core.index import load_sharded_index
-            _SEARCHERS[key] = load_sharded_index(spec["path"])
+            searcher = load_sharded_index(spec["path"])
+            searcher.set_params(**params)  # otherwise faiss' defaults: nprobe=1 (IVF), efSearch=16 (HNSW)
+            _SEARCHERS[key] = searcher
         else:
             _SEARCHERS[key] = ExactSearcher(spec["path"], spec["modality"])
     return _SEARCHERS[key]
@@ -386,16 +392,23 @@ def _file_fingerprint(path: str) -> str:
     return common.sha256_file(path) if common.exists(path) else "missing"
 
 
-def _searcher_spec(direction: str, index_dir: Optional[str], emb_dir: str) -> tuple[dict, int, str]:
-    """(spec, pool size, description) of one direction's candidate search."""
+def _searcher_spec(direction: str, index_dir: Optional[str], emb_dir: str,
+                   search_params: dict) -> tuple[dict, int, str]:
+    """(spec, pool size, description) of one direction's candidate search; ``search_params`` (nprobe,
+    efSearch: None = faiss' default) apply to a FAISS index."""
     pool_modality = schema.KIND_IMAGE if direction == T2I else "text"
     if index_dir:
-        from retrieval_core.index import INDEX_MANIFEST, load_index_manifest
+        from retrieval_core.index import INDEX_MANIFEST, check_search_params, load_index_manifest
         manifest = load_index_manifest(index_dir)
         if manifest.get("modality", pool_modality) != pool_modality:
             raise RerankError(f"{direction} needs a {pool_modality} index; {index_dir} indexes "
                               f"{manifest.get('modality')}")
-        spec = {"kind": "index", "path": index_dir, "modality": pool_modality,
+        params = {name: v for name, v in search_params.items() if v is not None}
+        try:  # refuse a parameter the index lacks now, not in a worker after the job started
+            check_search_params(manifest["factory"], int(manifest["d"]), manifest["metric"], **params)
+        except ValueError as exc:
+            raise RerankError(f"{index_dir} ({manifest['factory']}): {exc}") from None
+        spec = {"kind": "index", "path": index_dir, "modality": pool_modality, "params": params,
                 "fingerprint": _file_fingerprint(os.path.join(index_dir, INDEX_MANIFEST))}
         metric = manifest["metric"]
         scored = "; be_score = -squared L2 distance" if metric == "l2" else ""
@@ -412,8 +425,12 @@ def run_rerank(staged: str, embeddings: str, output: str, mode: str = "co", k: i
                collection: Optional[str] = None, split: Optional[str] = "test", batch_size: int = 64,
                search_batch_size: int = 256, device: str = "CPU", num_threads: Optional[int] = None,
                model_copies: Optional[int] = None, max_exhaustive_pairs: int = 200_000,
-               queries_per_shard: int = 50_000, beam_args: tuple[str, ...] = ()) -> dict:
-    """Plan, run the Beam graph, write rankings_manifest.json; returns the manifest dict."""
+               queries_per_shard: int = 50_000, nprobe: Optional[int] = None, ef_search: Optional[int] = None,
+               beam_args: tuple[str, ...] = ()) -> dict:
+    """Plan, run the Beam graph, write rankings_manifest.json; returns the manifest dict.
+
+    ``nprobe`` / ``ef_search``: IVF lists probed / HNSW search breadth of every shard of --index and
+    --text-index (None: faiss' defaults, nprobe=1 and efSearch=16)."""
     from retrieval_core.store import StagedDataset
 
     t0 = time.time()
@@ -430,6 +447,11 @@ def run_rerank(staged: str, embeddings: str, output: str, mode: str = "co", k: i
             raise RerankError(f"mode {mode!r} needs --ce-model (or --be-model for a JOIN model)")
     if mode in ("add", "norm_add") and not 0.0 <= lam <= 1.0:
         raise RerankError(f"lam must be in [0, 1], got {lam}")
+    search_params = {"nprobe": nprobe, "efSearch": ef_search}
+    uses_index = (T2I in directions and index) or (I2T in directions and text_index)
+    if any(v is not None for v in search_params.values()) and not uses_index:
+        raise RerankError("--nprobe / --ef-search tune a FAISS index: pass --index (t2i) or --text-index (i2t); "
+                          "the default exact search has no parameters")
 
     ds = StagedDataset(staged)
     query_ids: dict[str, np.ndarray] = {}
@@ -449,7 +471,8 @@ def run_rerank(staged: str, embeddings: str, output: str, mode: str = "co", k: i
         if len(missing):
             raise RerankError(f"{d}: {len(missing)} query id(s) have no {q_modality} embedding in {embeddings} "
                               f"(e.g. {missing[:5].tolist()}); encode that split first")
-        searchers[d], pools[d], described[d] = _searcher_spec(d, index if d == T2I else text_index, embeddings)
+        searchers[d], pools[d], described[d] = _searcher_spec(d, index if d == T2I else text_index, embeddings,
+                                                              search_params)
         query_shards += [(d, q_modality, s) for s in emb.modality_entry(emb_manifest, q_modality)["shards"]]
 
     keep = max(k, 10)
@@ -514,7 +537,7 @@ def run_rerank(staged: str, embeddings: str, output: str, mode: str = "co", k: i
         "mode": mode, "k": k, "keep": keep, "candidates": n, "lam": lam if mode in ("add", "norm_add") else None,
         "collection": collection, "split": split, "staged": staged, "embeddings": embeddings,
         "be_model": emb_manifest["model"], "ce_model": ce_model,
-        "search": {d: described[d] for d in directions}, "pool_size": pools,
+        "search": {d: described[d] for d in directions}, "search_params": search_params, "pool_size": pools,
         "queries": counts, "ce_pairs_requested": ce_requests, "ce_pairs_scored": ce_pairs,
         "shards": sorted(({kk: s[kk] for kk in ("direction", "name", "queries", "rows", "sha256")} for s in shards),
                          key=lambda s: s["name"]),
@@ -567,13 +590,17 @@ def _delete_stale_shards(output: str, keep: set[str]) -> None:
 @click.option("--search-batch-size", type=int, default=256, show_default=True)
 @click.option("--device", type=click.Choice(["CPU", "GPU"], case_sensitive=False), default="CPU", show_default=True)
 @click.option("--num-threads", type=int, help="pin torch/faiss threads per worker process (default: leave as is)")
+@click.option("--nprobe", type=click.IntRange(min=1),
+              help="IVF lists searched per query in every index shard (default: faiss' 1)")
+@click.option("--ef-search", type=click.IntRange(min=1),
+              help="HNSW search breadth (efSearch) in every index shard (default: faiss' 16)")
 @click.option("--model-copies", type=int, help="CE model copies per machine (Dataflow GPU: 1)")
 @click.option("--max-exhaustive-pairs", type=int, default=200_000, show_default=True)
 @click.option("--queries-per-shard", type=int, default=50_000, show_default=True)
 @click.pass_context
 def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, lam, k, directions, collection,
-         split, output, batch_size, search_batch_size, device, num_threads, model_copies, max_exhaustive_pairs,
-         queries_per_shard):
+         split, output, batch_size, search_batch_size, device, num_threads, nprobe, ef_search, model_copies,
+         max_exhaustive_pairs, queries_per_shard):
     """BE retrieval (+ CE reranking) of every query of a split, in both directions, as a Beam job.
     Unknown --flags go to Beam (--runner, --dask_client_address, ...)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -583,7 +610,8 @@ def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, l
                    text_index=text_index, ce_model=ce_model, be_model=be_model, collection=collection, split=split,
                    batch_size=batch_size, search_batch_size=search_batch_size, device=device.upper(),
                    num_threads=num_threads, model_copies=model_copies, max_exhaustive_pairs=max_exhaustive_pairs,
-                   queries_per_shard=queries_per_shard, beam_args=tuple(ctx.args))
+                   queries_per_shard=queries_per_shard, nprobe=nprobe, ef_search=ef_search,
+                   beam_args=tuple(ctx.args))
 
 
 if __name__ == "__main__":

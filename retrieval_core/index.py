@@ -83,6 +83,13 @@ def _supports_ids(index: faiss.Index) -> bool:
     return False
 
 
+def check_search_params(factory: str, d: int, metric: str, nprobe: Optional[int] = None,
+                        efSearch: Optional[int] = None) -> None:
+    """Raise ValueError when nprobe / efSearch cannot be set on an index made by ``factory`` (e.g. nprobe on
+    HNSW): a launcher can refuse them before its job loads the shards."""
+    ShardedIndex([_new_index(factory, d, metric)]).set_params(nprobe=nprobe, efSearch=efSearch)
+
+
 def needs_training(factory: str, d: int = 64, metric: str = "ip") -> bool:
     """Whether an index made by ``factory`` must be trained before vectors can be added."""
     return not _new_index(factory, d, metric).is_trained

@@ -2,6 +2,7 @@
 rerun idempotency, and identical rankings on DirectRunner and DaskRunner."""
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -201,3 +202,49 @@ def test_rerun_with_fewer_shards_drops_stale_shards_and_evaluate_reads_the_manif
                                                  str(results), "--mode", "EMB", "--k", "3"])
         assert res.exit_code == 0, res.output
         assert "t2i 12 / i2t 6 queries" in res.output
+
+
+def test_nprobe_sets_ivf_search_depth_and_is_recorded(assets, tmp_path):
+    """--nprobe reaches every IVF shard: recall@10 against the exact top-10 grows with nprobe and is exact
+    when every list is probed (faiss' default nprobe=1 searches one list of 4)."""
+    from click.testing import CliRunner
+
+    root, staged, _, emb_dir = assets
+    nlist = 4
+    index_dir = str(tmp_path / "ivf")
+    with pytest.warns(RuntimeWarning, match="fewer than"):  # 24 images: few training points per list
+        build_index(emb_dir, index_dir, "image", f"IVF{nlist},Flat", "ip", 1000, 0, 1, [])
+    exact = str(tmp_path / "exact")
+    rerank.run_rerank(staged, emb_dir, exact, mode="emb", k=10, directions=("t2i",))
+    truth = {q: set(g["item_id"]) for q, g in per_query(read_rankings(exact, "t2i")).items()}
+
+    def recall(out):
+        got = per_query(read_rankings(out, "t2i"))
+        assert sorted(got) == sorted(truth)
+        return np.mean([len(set(g["item_id"]) & truth[q]) / 10 for q, g in got.items()])
+
+    recalls, manifests = {}, {}
+    for nprobe in (1, 2):
+        out = str(tmp_path / f"nprobe{nprobe}")
+        manifests[nprobe] = rerank.run_rerank(staged, emb_dir, out, mode="emb", k=10, index=index_dir,
+                                              directions=("t2i",), nprobe=nprobe)
+        recalls[nprobe] = recall(out)
+    out = str(tmp_path / f"nprobe{nlist}")  # the CLI option
+    res = CliRunner().invoke(rerank.main, ["--staged", staged, "--embeddings", emb_dir, "--index", index_dir,
+                                           "--mode", "emb", "--k", "10", "--directions", "t2i", "--output", out,
+                                           "--nprobe", str(nlist)])
+    assert res.exit_code == 0, res.output
+    recalls[nlist] = recall(out)
+    with open(os.path.join(out, rerank.RANKINGS_MANIFEST)) as f:
+        manifests[nlist] = json.load(f)
+
+    assert recalls[1] < 1.0  # the default depth really misses neighbours here
+    assert recalls[1] <= recalls[2] <= recalls[nlist] == 1.0
+    for nprobe, manifest in manifests.items():
+        assert manifest["search_params"] == {"nprobe": nprobe, "efSearch": None}
+    # a parameter the index does not have is refused before the job runs
+    with pytest.raises(rerank.RerankError, match="efSearch"):
+        rerank.run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb", index=index_dir,
+                          directions=("t2i",), ef_search=64)
+    with pytest.raises(rerank.RerankError, match="--index"):  # exact search has no parameters
+        rerank.run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb", directions=("t2i",), nprobe=2)
