@@ -242,13 +242,13 @@ def parse_tags(tags: Sequence[str]) -> dict[str, str]:
 def main(rankings, staged, output, collection, split, model, mode, k, collection_size, tags):
     """Recall@1/5/10 in both directions and mR of a rankings run."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from pipelines.common import cli_errors, makedirs, write_atomic, write_json_atomic
+    from pipelines.common import cli_errors, makedirs, open_file, write_atomic, write_json_atomic
     from retrieval_core.store import StagedDataset
 
     t0 = time.time()
     tag_map = parse_tags(tags)
     with cli_errors(EvaluationError):  # a missing staged / rankings dir or bad rankings: one line, exit 1
-        dataset = StagedDataset(staged)
+        dataset = StagedDataset(staged, opener=open_file)
         if collection is None:
             if len(dataset.collections) != 1:
                 raise click.UsageError(f"--collection is required: {staged} holds {dataset.collections}")

@@ -84,6 +84,12 @@ def sha256_file(path: str, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def open_file(path: str):
+    """A binary read handle through Beam FileSystems (local or gs://...): the opener the pipelines pass to
+    retrieval_core (``StagedDataset(dir, opener=open_file)``), which does not import Beam itself."""
+    return FileSystems.open(path)
+
+
 def read_bytes(path: str) -> bytes:
     with FileSystems.open(path) as f:
         return f.read()

@@ -158,7 +158,7 @@ class StagedShardReader:
     def _dataset(self):
         if self._ds is None:
             from retrieval_core.store import StagedDataset
-            self._ds = StagedDataset(self.staged_dir)
+            self._ds = StagedDataset(self.staged_dir, opener=common.open_file)
         return self._ds
 
     def _wanted(self, modality: str, collection: str, item_id: int) -> bool:
@@ -294,7 +294,7 @@ def run_encode(staged: str, model: str, output: str, modality: str = "both", bat
         raise EncodeError("pipelines.encode does not run on DaskRunner (see the module docstring); "
                           "use DirectRunner (optionally --direct_running_mode multi_processing) or Dataflow")
     modalities = [MODALITY_IMAGE, MODALITY_TEXT] if modality == "both" else [modality]
-    ds = StagedDataset(staged)
+    ds = StagedDataset(staged, opener=common.open_file)
     collections = [collection] if collection else list(ds.collections)
     if collection and collection not in ds.collections:
         raise EncodeError(f"collection {collection!r} is not staged in {staged} (have {ds.collections})")

@@ -179,7 +179,7 @@ class StagedReader:
     def _dataset(self):
         if self._ds is None:
             from retrieval_core.store import StagedDataset
-            self._ds = StagedDataset(self.staged_dir)
+            self._ds = StagedDataset(self.staged_dir, opener=common.open_file)
         return self._ds
 
     def captions(self, rel: str):
@@ -453,7 +453,7 @@ def run_rerank(staged: str, embeddings: str, output: str, mode: str = "co", k: i
         raise RerankError("--nprobe / --ef-search tune a FAISS index: pass --index (t2i) or --text-index (i2t); "
                           "the default exact search has no parameters")
 
-    ds = StagedDataset(staged)
+    ds = StagedDataset(staged, opener=common.open_file)
     query_ids: dict[str, np.ndarray] = {}
     if T2I in directions:
         query_ids[T2I] = ds.captions(collection, split)["caption_id"].to_numpy(np.int64)

@@ -11,6 +11,10 @@ A staged directory is what ``python -m pipelines.stage`` writes::
 Only the shards listed in summary.json are read (stale or half-written files are never picked up).
 Results are identical whether features are stored inline in Parquet or in HDF5 shards.
 
+Local paths are read with Python's own file access. A URL path (gs://...) needs an ``opener`` (path -> binary
+file object): this library does not import Beam, so the pipelines pass ``pipelines.common.open_file``
+(Beam FileSystems).
+
 Example::
 
     from retrieval_core.store import StagedDataset
@@ -29,7 +33,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from typing import Iterator, Optional, Sequence
+from typing import BinaryIO, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -43,19 +47,16 @@ SUMMARY_FILE = "summary.json"
 _META_COLUMNS = [c for c in schema.IMAGE_COLUMNS if c not in ("boxes", "features")]
 
 
+#: Opens a URL path (gs://...) for binary reading, e.g. ``pipelines.common.open_file`` (Beam FileSystems).
+Opener = Callable[[str], BinaryIO]
+
+
 class StagedDataError(RuntimeError):
     """The staged directory is missing, incomplete or inconsistent."""
 
 
 def _join(root: str, rel: str) -> str:
     return f"{root.rstrip('/')}/{rel}" if "://" in root else os.path.join(root, rel)
-
-
-def _open(path: str, mode: str = "rb"):
-    if "://" in path:  # gs:// etc. through Beam's FileSystems, imported only when needed
-        from apache_beam.io.filesystems import FileSystems  # noqa: WPS433 (optional remote access)
-        return FileSystems.open(path)
-    return open(path, mode)
 
 
 def _unpack_nested(col: pa.ChunkedArray | pa.Array, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -69,13 +70,15 @@ def _unpack_nested(col: pa.ChunkedArray | pa.Array, width: int) -> tuple[np.ndar
 
 
 class StagedDataset:
-    """Staged images and captions of one staged directory (local path or gs://)."""
+    """Staged images and captions of one staged directory: a local path, or a URL (gs://...) read through
+    ``opener`` (needed for URL paths only; local paths always use Python's own file access)."""
 
-    def __init__(self, staged_dir: str):
+    def __init__(self, staged_dir: str, opener: Optional[Opener] = None):
         self.root = staged_dir
+        self._opener = opener
         path = _join(staged_dir, SUMMARY_FILE)
         try:
-            with _open(path) as f:
+            with self._open(path) as f:
                 self.summary: dict = json.loads(f.read())
         except FileNotFoundError:
             raise StagedDataError(f"{path} not found: {staged_dir!r} is not a staged directory (run "
@@ -95,6 +98,14 @@ class StagedDataset:
     def __repr__(self) -> str:
         return f"StagedDataset({self.root!r}, collections={self.collections}, F={self.feature_dim})"
 
+    def _open(self, path: str) -> BinaryIO:
+        if "://" not in path:
+            return open(path, "rb")
+        if self._opener is None:  # no Beam here (layering): the caller says how to reach remote storage
+            raise StagedDataError(f"{path} is a URL: pass StagedDataset(..., opener=...) to read it (the "
+                                  f"pipelines pass pipelines.common.open_file, Beam FileSystems)")
+        return self._opener(path)
+
     # ------------------------------------------------------------------------------- shard lists
     def _colls(self, collection: Optional[str]) -> list[str]:
         if collection is None:
@@ -113,7 +124,7 @@ class StagedDataset:
         path = _join(self.root, rel)
         try:
             if "://" in path:
-                with _open(path) as f:
+                with self._open(path) as f:
                     return pq.read_table(io.BytesIO(f.read()), columns=columns, filters=filters)
             return pq.read_table(path, columns=columns, filters=filters)
         except FileNotFoundError:
@@ -203,7 +214,7 @@ class StagedDataset:
             sel = np.flatnonzero(np.array([s == shard for s in shard_names]))
             path = _join(self.root, shard)
             try:
-                handle = _open(path)
+                handle = self._open(path)
             except FileNotFoundError:
                 raise StagedDataError(f"feature shard {path} is missing; rerun pipelines.stage") from None
             with handle, h5py.File(handle, "r") as f:

@@ -162,3 +162,62 @@ def test_missing_or_incomplete_summary_is_a_clear_error(tmp_path, rows):
     os.remove(tmp_path / ds.summary["collections"]["c"]["images"]["shards"][0]["name"])
     with pytest.raises(StagedDataError, match="missing"):
         StagedDataset(str(tmp_path)).load_images()
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "hdf5"])
+def test_url_paths_are_read_through_the_given_opener(tmp_path, rows, fmt):
+    """retrieval_core has no Beam: a URL path (gs://...) is read through the caller's opener (the pipelines
+    pass Beam FileSystems), and without one it is a clear error instead of a hidden Beam import."""
+    write_staged(tmp_path, *rows, feature_format=fmt)
+    local = StagedDataset(str(tmp_path))
+    opened = []
+
+    def opener(path):  # mem://staged/<rel> -> the local file
+        assert path.startswith("mem://staged/")
+        opened.append(path)
+        return open(os.path.join(str(tmp_path), path[len("mem://staged/"):]), "rb")
+
+    remote = StagedDataset("mem://staged", opener=opener)
+    assert remote.summary == local.summary
+    a, b = local.load_images(), remote.load_images()
+    np.testing.assert_array_equal(a.item_ids, b.item_ids)
+    np.testing.assert_array_equal(a.features, b.features)
+    np.testing.assert_array_equal(a.boxes, b.boxes)
+    assert remote.captions().equals(local.captions())
+    assert "mem://staged/summary.json" in opened and any(p.endswith(".parquet") for p in opened)
+    with pytest.raises(StagedDataError, match="opener"):
+        StagedDataset("gs://bucket/staged")
+
+
+def test_retrieval_core_never_imports_beam():
+    """Layering (docs/ARCHITECTURE.md): retrieval_core is a plain library. No import of apache_beam (or of
+    pipelines, which imports it) anywhere in its source, lazy ones included; and importing every module and
+    opening a URL path leaves apache_beam out of sys.modules."""
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for path in sorted((root / "retrieval_core").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad = [n for n in names if n.split(".")[0] in ("apache_beam", "pipelines")]
+            assert not bad, f"{path.relative_to(root)}:{node.lineno} imports {bad}"
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import retrieval_core\n"
+        "for m in pkgutil.walk_packages(retrieval_core.__path__, 'retrieval_core.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "from retrieval_core.store import StagedDataError, StagedDataset\n"
+        "try:\n"
+        "    StagedDataset('gs://bucket/staged')\n"
+        "except StagedDataError:\n"
+        "    pass\n"
+        "loaded = sorted(n for n in sys.modules if n.split('.')[0] in ('apache_beam', 'pipelines'))\n"
+        "assert not loaded, loaded[:5]\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=str(root), capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(root)))
+    assert res.returncode == 0, res.stderr
