@@ -2,13 +2,21 @@
 
 Why it is hard in the way the paper needs
 -----------------------------------------
-Images come in *families* of ``family_size`` consecutive indices (same split). Member 0 is a base scene; every
-other member differs from it in exactly ONE way:
+Images come in *families* of ``family_size`` consecutive indices (same split). Member 0 is a base scene; member
+``j`` differs from it in exactly ONE way, ``sibling_changes[j - 1]``:
 
-* ``binding``  - the colours of the two focus objects are swapped ("a red cube and a blue ball" vs
+* ``attribute`` - one focus object's colour is replaced by a colour found nowhere else in the scene ("a red cube"
+  vs "a green cube"): a query-specific detail among the scene's other objects. Cross-attention checks the
+  caption's colour words against the regions; a pooled embedding holds it as a small share of one vector;
+* ``binding``   - the colours of the two focus objects are swapped ("a red cube and a blue ball" vs
   "a blue cube and a red ball");
-* ``count``    - one focus object group has another number of instances ("two cubes" vs "three cubes");
-* ``relation`` - the two focus groups trade places ("cube left of ball" vs "ball left of cube").
+* ``count``     - one focus object group has another number of instances ("two cubes" vs "three cubes");
+* ``relation``  - the two focus groups trade places ("cube left of ball" vs "ball left of cube").
+
+Binding and relation swaps are second-order (which colour or place goes with which object): pooled features
+cannot show them at all, and telling them apart needs cross-modal reasoning that a cross-encoder must first
+learn. The default family (base, attribute, binding, attribute) mixes the detail a reranker is for with a
+binding swap that remains hard for both heads (README "The synthetic benchmark").
 
 Region features imitate a detector box head: ``relu(offset + class_code + colour_code + size_code + noise)``
 with codebooks drawn from ``world_seed`` only, so "red" is the same direction in every collection. Because the
@@ -92,10 +100,13 @@ RELATION_WORDS = {
 }
 INVERSE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
 COUNT_WORDS = {1: ("a", "one", "a single"), 2: ("two", "a pair of", "2"), 3: ("three", "3")}
-PERTURBATIONS = ("binding", "count", "relation")
+PERTURBATIONS = ("attribute", "binding", "count", "relation")
+DEFAULT_SIBLING_CHANGES = ("attribute", "binding", "attribute", "relation", "count", "count")
+# A second binding or relation swap would recreate the base scene; count has 4 distinct variants (2 groups x 2
+# other values); attribute alternates between the two focus groups, each time with a fresh unused colour.
+_MAX_CHANGES = {"attribute": 6, "binding": 1, "count": 4, "relation": 1}
 IMAGE_SIZES = ((640, 480), (500, 375), (480, 640), (375, 500), (640, 427), (500, 333), (800, 600))
 GRID = 3  # objects are anchored on a GRID x GRID layout
-MAX_FAMILY_SIZE = 7  # base + binding + relation + 4 distinct count variants
 NUM_BACKGROUND = 64
 
 # Feature model (see module doc). Offsets/scales keep ~50% of post-ReLU values at zero, like a real box head.
@@ -117,6 +128,8 @@ class SyntheticSpec:
     max_regions: int = 50
     splits: tuple = (("test", 1.0),)
     family_size: int = 4
+    # what member j of a family changes from the base (member 0): sibling_changes[j - 1]
+    sibling_changes: tuple = DEFAULT_SIBLING_CHANGES
     world_seed: int = 1234
 
     def __post_init__(self):
@@ -126,6 +139,9 @@ class SyntheticSpec:
             object.__setattr__(self, "splits", tuple(self.splits.items()))
         # Sorted by name: the assignment must not depend on mapping order (a Beam task freezes options sorted).
         object.__setattr__(self, "splits", tuple(sorted((str(n), float(f)) for n, f in self.splits)))
+        if isinstance(self.sibling_changes, str):
+            object.__setattr__(self, "sibling_changes", (self.sibling_changes,))
+        object.__setattr__(self, "sibling_changes", tuple(str(c) for c in self.sibling_changes))
         problems = []
         if not self.collection:
             problems.append("collection must be a non-empty string")
@@ -137,9 +153,18 @@ class SyntheticSpec:
             problems.append(f"unknown domain {self.domain!r} (expected one of: {', '.join(DOMAINS)})")
         if not problems and self.min_regions > self.max_regions:
             problems.append(f"min_regions ({self.min_regions}) > max_regions ({self.max_regions})")
-        if not problems and self.family_size > MAX_FAMILY_SIZE:
-            problems.append(f"family_size must be <= {MAX_FAMILY_SIZE} (distinct one-change siblings), "
-                            f"got {self.family_size}")
+        unknown = sorted(set(self.sibling_changes) - set(PERTURBATIONS))
+        if unknown:
+            problems.append(f"unknown sibling change(s) {unknown} (expected: {', '.join(PERTURBATIONS)})")
+        elif not problems:
+            used = self.sibling_changes[:self.family_size - 1]
+            if len(used) < self.family_size - 1:
+                problems.append(f"family_size {self.family_size} needs {self.family_size - 1} sibling_changes, "
+                                f"got {len(self.sibling_changes)}")
+            for kind, most in _MAX_CHANGES.items():
+                if used.count(kind) > most:
+                    problems.append(f"at most {most} {kind!r} sibling(s) per family (distinct scenes), "
+                                    f"got {used.count(kind)}")
         fracs = [f for _, f in self.splits]
         if not self.splits or any(f <= 0 for f in fracs) or abs(sum(fracs) - 1.0) > 1e-6:
             problems.append(f"splits must be positive fractions summing to 1, got {dict(self.splits)}")
@@ -275,11 +300,19 @@ def _family(spec: SyntheticSpec, family: int) -> dict:
     # Count siblings: group a or b, each to the other count values (distinct scenes).
     count_variants = [(g, v) for g in (0, 1) for v in (1, 2, 3) if v != groups[g]["count"]]
     count_variants = [count_variants[i] for i in rng.permutation(len(count_variants))]
-    order = [PERTURBATIONS[i] for i in rng.permutation(3)]
+    # Attribute siblings: a colour that no group of the scene has, so the caption's colour word names something
+    # absent from every other member (checking it needs no binding).
+    free_colours = [c for c in COLOURS if c not in {g["colour"] for g in groups}]
+    free_colours = [free_colours[i] for i in rng.permutation(len(free_colours))]
     member_changes = [None]
-    for j in range(1, MAX_FAMILY_SIZE):
-        kind = order[j - 1] if j <= 3 else "count"
-        member_changes.append(("count", count_variants.pop(0)) if kind == "count" else (kind, None))
+    for kind in spec.sibling_changes[:spec.family_size - 1]:
+        if kind == "count":
+            detail = count_variants.pop(0)
+        elif kind == "attribute":  # focus groups 0, 1, 0, ... in turn
+            detail = (sum(c[0] == "attribute" for c in member_changes[1:]) % 2, free_colours.pop(0))
+        else:
+            detail = None
+        member_changes.append((kind, detail))
     target_regions = int(rng.integers(spec.min_regions, spec.max_regions + 1))
     dets = rng.integers(1, 4, size=(4, 3))
     dets[1] = dets[0]
@@ -309,6 +342,9 @@ def describe_scene(spec: SyntheticSpec, index: int) -> dict:
         groups[g]["count"] = value
     elif change == "relation":
         groups[0]["cell"], groups[1]["cell"] = groups[1]["cell"], groups[0]["cell"]
+    elif change == "attribute":
+        g, colour = detail
+        groups[g]["colour"] = colour
     relations = []
     for i in range(len(groups)):
         for j in range(len(groups)):
@@ -326,7 +362,7 @@ def describe_scene(spec: SyntheticSpec, index: int) -> dict:
     return {
         "index": index, "source_id": image_source_id(spec, index), "split": split_of(spec, index),
         "family": family, "member": member, "change": change,
-        "changed_group": detail[0] if change == "count" else None,
+        "changed_group": detail[0] if change in ("count", "attribute") else None,
         "image_w": fam["image_w"], "image_h": fam["image_h"], "groups": groups, "focus": (0, 1),
         "relation": _relation(groups[0]["cell"], groups[1]["cell"]), "relations": relations,
         "num_object_detections": n_obj_dets, "num_clutter": max(n_clutter, 0),

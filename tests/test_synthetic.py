@@ -98,14 +98,19 @@ def test_tiny_region_cap_keeps_most_confident_objects():
         assert img.num_boxes == 2 and (img.confidences > 0.5).all()
 
 
-def test_families_differ_only_in_the_intended_way():
-    spec = SyntheticSpec("fam", 400, seed=9, feature_dim=8)
+@pytest.mark.parametrize("changes", [None, ("attribute", "binding", "count", "relation", "attribute", "count")])
+def test_families_differ_only_in_the_intended_way(changes):
+    size = 4 if changes is None else 1 + len(changes)
+    kwargs = {} if changes is None else {"family_size": size, "sibling_changes": changes}
+    spec = SyntheticSpec("fam", 100 * size, seed=9, feature_dim=8, **kwargs)
+    expected = spec.sibling_changes[:size - 1]
     seen = Counter()
-    for base_idx in range(0, 400, 4):
+    for base_idx in range(0, 100 * size, size):
         base = describe_scene(spec, base_idx)
         assert base["member"] == 0 and base["change"] is None
-        for m in range(1, 4):
-            sib = describe_scene(spec, base_idx + m)
+        siblings = [describe_scene(spec, base_idx + m) for m in range(1, size)]
+        assert tuple(s["change"] for s in siblings) == expected
+        for sib in siblings:
             assert sib["family"] == base["family"] and sib["split"] == base["split"]
             assert (sib["image_w"], sib["image_h"]) == (base["image_w"], base["image_h"])
             if sib["change"] != "count":  # more objects may push clutter out under max_regions
@@ -116,7 +121,11 @@ def test_families_differ_only_in_the_intended_way():
             diff = {(i, k) for i in range(len(g0)) for k in g0[i] if g0[i][k] != g1[i][k]}
             change = sib["change"]
             seen[change] += 1
-            if change == "binding":
+            if change == "attribute":
+                g = sib["changed_group"]
+                assert diff == {(g, "colour")} and g in (0, 1)
+                assert g1[g]["colour"] not in {grp["colour"] for grp in g0}  # a colour absent from the base scene
+            elif change == "binding":
                 assert diff == {(0, "colour"), (1, "colour")}
                 assert (g1[0]["colour"], g1[1]["colour"]) == (g0[1]["colour"], g0[0]["colour"])
             elif change == "count":
@@ -128,7 +137,11 @@ def test_families_differ_only_in_the_intended_way():
                                            "above": "below", "below": "above"}[base["relation"]]
             else:
                 pytest.fail(f"unexpected change {change!r}")
-    assert set(seen) == {"binding", "count", "relation"} and min(seen.values()) == 100
+        # every member is a distinct scene
+        scenes = [base] + siblings
+        keys = {tuple((g["colour"], g["count"], g["cell"]) for g in sc["groups"]) for sc in scenes}
+        assert len(keys) == size
+    assert seen == Counter(expected * 100)
 
 
 def test_splits_whole_families_and_exact_counts():
@@ -175,20 +188,23 @@ def test_captions_describe_their_scene(domain):
 def test_binding_swap_is_invisible_to_mean_pooling():
     """The property the benchmark rests on: mean-pooled features of binding-swapped (and relation-swapped)
     siblings are far closer than unrelated images, so a pooled embedding confuses them."""
-    spec = SyntheticSpec("pool", 240, seed=5, feature_dim=256)
+    spec = SyntheticSpec("pool", 240, seed=5, feature_dim=256, sibling_changes=("binding", "relation", "attribute"))
     means = np.stack([generate_image(spec, i).features.mean(0) for i in range(240)])
     means /= np.linalg.norm(means, axis=1, keepdims=True)
     dist = 1.0 - means @ means.T
-    by_change = {"binding": [], "relation": []}
+    by_change = {"binding": [], "relation": [], "attribute": []}
     for i in range(240):
         scene = describe_scene(spec, i)
         if scene["change"] in by_change:
             by_change[scene["change"]].append(dist[i, i - scene["member"]])
     family = np.arange(240) // 4
     unrelated = dist[family[:, None] != family[None, :]]
-    for change, d in by_change.items():
+    for change in ("binding", "relation"):
+        d = by_change[change]
         assert np.mean(d) < 0.25 * np.mean(unrelated), (change, np.mean(d), np.mean(unrelated))
         assert np.median(d) < np.percentile(unrelated, 5), change
+    # An attribute sibling is as close as a binding one: one object's colour is a small share of the mean.
+    assert np.median(by_change["attribute"]) < np.percentile(unrelated, 5)
 
 
 def test_from_options():
@@ -204,6 +220,14 @@ def test_from_options():
         SyntheticSpec("c", 8, splits=(("a", 0.5), ("b", 0.2)))
     with pytest.raises(ValueError, match="min_regions"):
         SyntheticSpec("c", 8, min_regions=20, max_regions=10)
+    spec = SyntheticSpec.from_options("c", {"num_images": 8, "family_size": 3, "sibling_changes": ["count", "binding"]}, 8)
+    assert spec.sibling_changes == ("count", "binding") and describe_scene(spec, 2)["change"] == "binding"
+    with pytest.raises(ValueError, match="unknown sibling change"):
+        SyntheticSpec("c", 8, sibling_changes=("colour", "binding", "count"))
+    with pytest.raises(ValueError, match="needs 4 sibling_changes"):
+        SyntheticSpec("c", 8, family_size=5, sibling_changes=("attribute", "binding"))
+    with pytest.raises(ValueError, match="at most 1 'binding'"):
+        SyntheticSpec("c", 8, family_size=3, sibling_changes=("binding", "binding"))
 
 
 def test_generation_speed_at_2048():
