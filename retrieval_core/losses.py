@@ -1,4 +1,5 @@
-"""Training losses: BE batch-hard triplet (VSE++ max violation) and InfoNCE, CE pair sampling and pair loss.
+"""Training losses: BE batch-hard triplet (VSE++ max violation) and InfoNCE; CE negative sampling, the pair loss
+and the listwise (LCE) loss.
 
 A BE batch has one row per caption: ``text_emb[i]`` is caption i, ``image_emb[i]`` its image (an image may
 repeat), ``image_ids[i]`` that image's id. Entries sharing an image id are never negatives of each other.
@@ -80,50 +81,63 @@ class HardNegatives:
         return np.where(hi > lo, self.caption_order[np.minimum(pick, len(self.caption_order) - 1)], -1)
 
 
-def sample_ce_pairs(rng: np.random.Generator, caption_idx: np.ndarray, image_pos_of_caption: np.ndarray,
-                    num_images: int, num_captions: int, p_replace_image: float = 0.5,
-                    hard: Optional[HardNegatives] = None, p_hard: float = 0.0
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One positive and one negative (caption, image) pair per caption of the batch.
+def sample_ce_groups(rng: np.random.Generator, caption_idx: np.ndarray, image_pos_of_caption: np.ndarray,
+                     num_images: int, num_captions: int, num_negatives: int = 1, p_replace_image: float = 0.5,
+                     hard: Optional[HardNegatives] = None, p_hard: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Per caption of the batch, one group: the positive (caption, its gold image) and ``num_negatives`` negatives.
 
     ``caption_idx`` (B,) are caption positions; ``image_pos_of_caption`` (num_captions,) maps every caption
-    position to its image position. The negative replaces the image (probability ``p_replace_image``) with
-    a random other image, or the caption with a random caption of another image; a draw that hits the gold
-    image is redrawn (O(1) expected per item). With ``hard`` and probability ``p_hard`` per item, the
-    replacement comes from the gold image's nearest images instead of the whole set. Returns (caption positions, image positions, labels), each
-    (2B,): the B positives first, then the B negatives; labels 1 = match.
+    position to its image position. A group's negatives replace the image (probability ``p_replace_image``, per
+    group) with other images, or the caption with captions of other images; a draw that hits the gold image is
+    redrawn (O(1) expected per item). With ``hard`` and probability ``p_hard`` per negative, the replacement comes
+    from the gold image's nearest images (or their captions) instead of the whole set. Returns (caption positions,
+    image positions), each (B, 1 + num_negatives), column 0 the positive.
     """
     caption_idx = np.asarray(caption_idx, dtype=np.int64)
     image_pos_of_caption = np.asarray(image_pos_of_caption, dtype=np.int64)
     if num_images < 2:
         raise ValueError("CE negatives need at least 2 images")
+    if num_negatives < 1:
+        raise ValueError(f"num_negatives must be >= 1, got {num_negatives}")
     gold = image_pos_of_caption[caption_idx]
-    b = len(caption_idx)
-    neg_cap = caption_idx.copy()
-    neg_img = gold.copy()  # caption-replaced negatives keep the gold image
+    b, width = len(caption_idx), 1 + num_negatives
+    caps = np.repeat(caption_idx[:, None], width, axis=1)
+    imgs = np.repeat(gold[:, None], width, axis=1)  # caption-replaced negatives keep the gold image
     replace_image = rng.random(b) < p_replace_image
-    todo = np.arange(b)
+    rows, cols = np.repeat(np.arange(b), num_negatives), np.tile(np.arange(1, width), b)
+    todo = np.arange(len(rows))  # negatives still to (re)draw
     for _ in range(1000):
-        ri = todo[replace_image[todo]]
-        rc = todo[~replace_image[todo]]
-        neg_img[ri] = rng.integers(0, num_images, size=len(ri))
-        neg_cap[rc] = rng.integers(0, num_captions, size=len(rc))
+        r, c = rows[todo], cols[todo]
+        ri, rc = replace_image[r], ~replace_image[r]
+        imgs[r[ri], c[ri]] = rng.integers(0, num_images, size=int(ri.sum()))
+        caps[r[rc], c[rc]] = rng.integers(0, num_captions, size=int(rc.sum()))
         if hard is not None and p_hard > 0:
-            hi = ri[rng.random(len(ri)) < p_hard]
-            neg_img[hi] = hard.images(rng, gold[hi])
-            hc = rc[rng.random(len(rc)) < p_hard]
-            drawn = hard.captions(rng, gold[hc])
-            neg_cap[hc] = np.where(drawn >= 0, drawn, neg_cap[hc])
+            use_hard = rng.random(len(r)) < p_hard
+            hi, hc = ri & use_hard, rc & use_hard
+            imgs[r[hi], c[hi]] = hard.images(rng, gold[r[hi]])
+            drawn = hard.captions(rng, gold[r[hc]])
+            caps[r[hc], c[hc]] = np.where(drawn >= 0, drawn, caps[r[hc], c[hc]])
         # a negative is a real mismatch: the pair's image is not the gold image of the pair's caption
-        todo = todo[image_pos_of_caption[neg_cap[todo]] == neg_img[todo]]
+        todo = todo[image_pos_of_caption[caps[r, c]] == imgs[r, c]]
         if len(todo) == 0:
             break
     else:
         raise ValueError("could not draw CE negatives: do all captions belong to one image?")
-    caps = np.concatenate([caption_idx, neg_cap])
-    imgs = np.concatenate([gold, neg_img])
+    return caps, imgs
+
+
+def sample_ce_pairs(rng: np.random.Generator, caption_idx: np.ndarray, image_pos_of_caption: np.ndarray,
+                    num_images: int, num_captions: int, p_replace_image: float = 0.5,
+                    hard: Optional[HardNegatives] = None, p_hard: float = 0.0
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One positive and one negative (caption, image) pair per caption (the paper's CE data): groups of
+    :func:`sample_ce_groups` with one negative, flattened. Returns (caption positions, image positions,
+    labels), each (2B,): the B positives first, then the B negatives; labels 1 = match."""
+    caps, imgs = sample_ce_groups(rng, caption_idx, image_pos_of_caption, num_images, num_captions, 1,
+                                  p_replace_image, hard, p_hard)
+    b = len(caps)
     labels = np.concatenate([np.ones(b, dtype=np.int64), np.zeros(b, dtype=np.int64)])
-    return caps, imgs, labels
+    return caps.T.reshape(-1), imgs.T.reshape(-1), labels
 
 
 def ce_pair_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -133,3 +147,12 @@ def ce_pair_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     if logits.ndim == 2:
         return F.cross_entropy(logits.float(), labels.long())
     return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+
+
+def ce_listwise_loss(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax cross-entropy over each group's CE scores (B, 1 + n), the positive in column 0: the localised
+    contrastive estimation (LCE) loss of reranker training (Gao et al., 2021), where the negatives are the
+    near misses a retriever returns. Unlike the pair loss it compares the positive with its own negatives
+    directly, so the gradient concentrates on what tells them apart."""
+    target = torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device)
+    return F.cross_entropy(scores.float(), target)

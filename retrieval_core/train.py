@@ -31,14 +31,15 @@ from safetensors.torch import load_file, save_file
 
 from retrieval_core import metrics
 from retrieval_core.collate import collate_images, collate_pairs
-from retrieval_core.losses import (HardNegatives, batch_hard_triplet_loss, ce_pair_loss, infonce_loss,
-                                   sample_ce_pairs)
+from retrieval_core.losses import (HardNegatives, batch_hard_triplet_loss, ce_listwise_loss, ce_pair_loss,
+                                   infonce_loss, sample_ce_groups)
 from retrieval_core.model import VLRetrievalModel, _autocast
 from retrieval_core.schema import ImageTable
 
 OBJECTIVES = ("be", "ce", "joint")
 IMAGE_INITS = ("random", "lstsq")
 BE_LOSSES = ("triplet", "infonce")
+CE_LOSSES = ("pair", "listwise")
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
 LOG_FILE = "train_log.jsonl"
@@ -62,6 +63,14 @@ class TrainConfig:
     weight_decay: float = 0.05
     grad_clip: float = 1.0
     p_replace_image: float = 0.5
+    # "pair": the paper's binary loss over 1 positive + ce_negatives negatives per caption; "listwise": softmax
+    # over the positive and its negatives (LCE), which learns to separate near misses from fewer steps.
+    ce_loss: str = "pair"
+    ce_negatives: int = 1
+    ce_batch_size: Optional[int] = None  # captions per CE step (default batch_size); a CE step scores x(1+n) pairs
+    # JOIN: steps before this one run the BE objective only. A CE on a text-only backbone stays at chance until
+    # the BE has aligned image and text tokens (README "Training"), so earlier CE steps only cost time.
+    ce_start_step: int = 0
     # Share of CE negatives drawn from the gold image's hard_negative_k nearest images by pooled region
     # features (feature_neighbours) instead of the whole set: what a reranker must reject are near-duplicates.
     hard_negative_prob: float = 0.0
@@ -81,6 +90,13 @@ class TrainConfig:
             raise ValueError(f"image_init must be one of {IMAGE_INITS}, got {self.image_init!r}")
         if self.be_loss not in BE_LOSSES:
             raise ValueError(f"be_loss must be one of {BE_LOSSES}, got {self.be_loss!r}")
+        if self.ce_loss not in CE_LOSSES:
+            raise ValueError(f"ce_loss must be one of {CE_LOSSES}, got {self.ce_loss!r}")
+        if self.ce_negatives < 1 or (self.ce_batch_size is not None and self.ce_batch_size < 1):
+            raise ValueError(f"need ce_negatives >= 1 and ce_batch_size >= 1, got {self.ce_negatives}, "
+                             f"{self.ce_batch_size}")
+        if self.ce_start_step < 0 or (self.objective == "joint" and self.ce_start_step >= self.steps):
+            raise ValueError(f"ce_start_step must be in [0, steps) for a joint run, got {self.ce_start_step}")
         if not 0.0 <= self.hard_negative_prob <= 1.0 or self.hard_negative_k < 1:
             raise ValueError(f"need 0 <= hard_negative_prob <= 1 and hard_negative_k >= 1, "
                              f"got {self.hard_negative_prob}, {self.hard_negative_k}")
@@ -242,7 +258,7 @@ class Trainer:
         param_groups = [{"params": ps, "weight_decay": 0.0 if no_decay else self.cfg.weight_decay,
                          "lr_mult": self.cfg.new_layers_lr_mult if new_layer else 1.0}
                         for (new_layer, no_decay), ps in sorted(groups.items())]
-        return torch.optim.AdamW(param_groups, lr=self.cfg.lr, foreach=False)
+        return torch.optim.AdamW(param_groups, lr=self.cfg.lr)  # foreach (multi-tensor): ~40 % less time per step on CPU
 
     def _amp(self):
         return _autocast(self.device, "bf16" if self.cfg.amp else None)
@@ -280,14 +296,20 @@ class Trainer:
 
     def _ce_loss(self, caps: np.ndarray, step: int) -> torch.Tensor:
         rng = np.random.default_rng([self.cfg.seed, step, 1])
-        pair_caps, pair_imgs, labels = sample_ce_pairs(rng, caps, self.data.image_pos, len(self.data.images),
-                                                       len(self.data), self.cfg.p_replace_image,
-                                                       self.hard, self.cfg.hard_negative_prob)
-        batch = collate_pairs(self.collate_text, [self.data.texts[i] for i in pair_caps],
-                              [self.data.images.regions(int(p)) for p in pair_imgs], self.model.cfg.max_regions)
+        caps = caps[:self.cfg.ce_batch_size]  # None keeps the whole batch
+        group_caps, group_imgs = sample_ce_groups(rng, caps, self.data.image_pos, len(self.data.images),
+                                                  len(self.data), self.cfg.ce_negatives, self.cfg.p_replace_image,
+                                                  self.hard, self.cfg.hard_negative_prob)
+        batch = collate_pairs(self.collate_text, [self.data.texts[i] for i in group_caps.reshape(-1)],
+                              [self.data.images.regions(int(p)) for p in group_imgs.reshape(-1)],
+                              self.model.cfg.max_regions)
         with self._amp():
-            logits = self.model.ce_logits(self._to_device(batch))
-        return ce_pair_loss(logits.float(), torch.from_numpy(labels).to(self.device))
+            logits = self.model.ce_logits(self._to_device(batch)).float()
+        if self.cfg.ce_loss == "listwise":
+            return ce_listwise_loss((logits[:, 1] - logits[:, 0]).view(group_caps.shape))
+        labels = np.zeros(group_caps.shape, dtype=np.int64)
+        labels[:, 0] = 1
+        return ce_pair_loss(logits, torch.from_numpy(labels.reshape(-1)).to(self.device))
 
     def _optimizer_step(self, loss: torch.Tensor, lr: float) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -302,7 +324,10 @@ class Trainer:
         caps = self._batch_indices(step)
         lr = self._lr_at(step)
         records = []
-        for objective in (("be", "ce") if self.cfg.objective == "joint" else (self.cfg.objective,)):
+        objectives = ("be", "ce") if self.cfg.objective == "joint" else (self.cfg.objective,)
+        if step < self.cfg.ce_start_step and self.cfg.objective == "joint":
+            objectives = ("be",)
+        for objective in objectives:
             t0 = time.perf_counter()
             loss = self._be_loss(caps) if objective == "be" else self._ce_loss(caps, step)
             self._optimizer_step(loss, lr)
@@ -474,6 +499,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hard-negative-prob", type=float, default=0.0,
                    help="share of CE negatives drawn from the gold image's nearest images by pooled region features")
     p.add_argument("--hard-negative-k", type=int, default=8, help="how many nearest images form that pool")
+    p.add_argument("--ce-loss", choices=CE_LOSSES, default="pair",
+                   help="pair: binary loss per (caption, image) pair (the paper); listwise: softmax over each "
+                        "caption's positive and its negatives (LCE)")
+    p.add_argument("--ce-negatives", type=int, default=1, help="negatives per caption in a CE step")
+    p.add_argument("--ce-batch-size", type=int, help="captions per CE step (default: --batch-size)")
+    p.add_argument("--ce-start-step", type=int, default=0,
+                   help="joint: run the BE objective alone before this step (the CE learns once the BE has "
+                        "aligned image and text tokens)")
     p.add_argument("--output", required=True)
     p.add_argument("--eval-every", type=int, default=0, help="dev evaluation every M steps (0: at the end)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="write output/last every N steps (0: at the end)")
@@ -508,8 +541,9 @@ def main(argv=None) -> int:
         print(f"note: no captions in split {args.dev_split!r}: no dev evaluation, best = last", file=sys.stderr)
     cfg = TrainConfig(objective=args.objective, be_loss=args.be_loss, margin=args.margin, steps=args.steps,
                       batch_size=args.batch_size, lr=args.lr, new_layers_lr_mult=args.new_layers_lr_mult,
-                      image_init=args.image_init, hard_negative_prob=args.hard_negative_prob, hard_negative_k=args.hard_negative_k,
-                      eval_every=args.eval_every,
+                      image_init=args.image_init, hard_negative_prob=args.hard_negative_prob,
+                      hard_negative_k=args.hard_negative_k, ce_loss=args.ce_loss, ce_negatives=args.ce_negatives,
+                      ce_batch_size=args.ce_batch_size, ce_start_step=args.ce_start_step, eval_every=args.eval_every,
                       checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device,
                       amp=not args.no_amp, progress=not args.no_progress)
     model = build_model(args.base_model, staged.feature_dim, args.halve_layers, args.seed)

@@ -119,3 +119,30 @@ def test_hard_negatives_come_from_the_neighbour_pool_and_are_mismatches():
     # p_hard=0 never uses the pool preferentially: with 12 images some negatives fall outside it
     caps, imgs, _ = sample_ce_pairs(np.random.default_rng(2), batch, image_pos_of_caption, 12, 24, 1.0, hard, 0.0)
     assert any(i not in neighbours[g] for i, g in zip(imgs[b:], gold))
+
+
+def test_sample_ce_groups_positive_first_and_negatives_replace_one_side_per_group():
+    from retrieval_core.losses import sample_ce_groups
+
+    image_pos_of_caption = np.repeat(np.arange(10), 3)  # 10 images x 3 captions
+    batch = np.arange(0, 30, 2)
+    caps, imgs = sample_ce_groups(np.random.default_rng(0), batch, image_pos_of_caption, 10, 30, num_negatives=3)
+    gold = image_pos_of_caption[batch]
+    assert caps.shape == imgs.shape == (len(batch), 4)
+    assert (caps[:, 0] == batch).all() and (imgs[:, 0] == gold).all()
+    assert (image_pos_of_caption[caps[:, 1:]] != imgs[:, 1:]).all()  # every negative is a real mismatch
+    image_groups = (caps[:, 1:] == batch[:, None]).all(1)  # the caption kept, the images replaced
+    caption_groups = (imgs[:, 1:] == gold[:, None]).all(1)  # the image kept, the captions replaced
+    assert (image_groups ^ caption_groups).all() and image_groups.any() and caption_groups.any()
+    with pytest.raises(ValueError, match="num_negatives"):
+        sample_ce_groups(np.random.default_rng(0), batch, image_pos_of_caption, 10, 30, num_negatives=0)
+
+
+def test_ce_listwise_loss_is_softmax_cross_entropy_with_the_positive_first():
+    from retrieval_core.losses import ce_listwise_loss
+
+    scores = torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.0, 1.0]])
+    hand = np.mean([-(2.0 - np.log(np.exp([2.0, 0.0, -1.0]).sum())), -(0.0 - np.log(np.exp([0.0, 1.0, 1.0]).sum()))])
+    assert ce_listwise_loss(scores).item() == pytest.approx(hand, rel=1e-6)
+    # only differences within a group matter: a shared offset (the pair loss's bias) changes nothing
+    assert ce_listwise_loss(scores + 5.0).item() == pytest.approx(hand, rel=1e-6)

@@ -65,6 +65,25 @@ def test_joint_training_lowers_loss_and_beats_chance(tmp_path, data):
     assert [r["step"] for r in log if "eval" in r] == [30, 60]
 
 
+def test_ce_start_step_and_listwise_groups(tmp_path, data):
+    """JOIN with ce_start_step: BE-only steps first, then both; a listwise CE step scores (1 + n) pairs per caption
+    of its own batch size and still learns."""
+    train, dev = data
+    model = tiny_model(str(tmp_path), feature_dim=F)
+    cfg = TrainConfig(objective="joint", steps=12, batch_size=16, lr=1e-3, ce_loss="listwise", ce_negatives=3,
+                      ce_batch_size=8, ce_start_step=5, progress=False)
+    Trainer(model, train, cfg, str(tmp_path / "out"), None).train()
+    log = [r for r in _log(tmp_path / "out") if "objective" in r]
+    assert [r["step"] for r in log if r["objective"] == "ce"] == list(range(6, 13))
+    assert [r["step"] for r in log if r["objective"] == "be"] == list(range(1, 13))
+    first_ce = next(r for r in log if r["objective"] == "ce")["loss"]
+    assert first_ce == pytest.approx(np.log(4), abs=0.3)  # a softmax over 4 candidates starts near ln 4
+    with pytest.raises(ValueError, match="ce_start_step"):
+        TrainConfig(objective="joint", steps=10, ce_start_step=10).check()
+    with pytest.raises(ValueError, match="ce_loss"):
+        TrainConfig(ce_loss="margin").check()
+
+
 def test_joint_ce_head_learns_to_rank_positives_first(tmp_path, data):
     # From a random tiny BERT the CE loss sits at ln 2 for ~200 steps before the cross-attention finds the
     # image-text link (a pretrained backbone gets there sooner); 500 steps take ~15 s on one thread.
@@ -74,8 +93,17 @@ def test_joint_ce_head_learns_to_rank_positives_first(tmp_path, data):
     result = Trainer(model, train, cfg, str(tmp_path / "out"), dev).train()
     ce = [r["loss"] for r in _log(tmp_path / "out") if r.get("objective") == "ce"]
     assert np.mean(ce[-50:]) < 0.5 < np.mean(ce[:50])
-    # the CE scores the gold image above a random other dev image for most dev captions
-    assert result["best_eval"]["ce_pair_acc"] > 80, result["best_eval"]
+    # the CE scores the gold image above the other dev images for most (caption, other image) pairs: every dev
+    # caption against every other dev image (760 pairs; chance 50 %), not a 40-pair sample
+    best = VLRetrievalModel.load(result["best_dir"])
+    img_pos = np.unique(dev.image_pos)
+    regions = [dev.images.regions(int(p)) for p in img_pos]
+    scores = np.stack([best.score([t] * len(img_pos), regions) for t in dev.texts])  # (captions, images)
+    gold = np.searchsorted(img_pos, dev.image_pos)
+    wins = scores[np.arange(len(gold)), gold][:, None] > scores
+    others = np.ones_like(wins)
+    others[np.arange(len(gold)), gold] = False
+    assert wins[others].mean() > 0.7, wins[others].mean()  # seeds 0-2 measured 0.76-0.82
 
 
 def test_infonce_be_training_runs_and_learns(tmp_path, data):
