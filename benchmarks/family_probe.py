@@ -1,0 +1,146 @@
+"""Which near-duplicates each head tells apart: within-family accuracy on a synthetic collection.
+
+    python -m benchmarks.family_probe --staged runs/demo/staged --manifest demo --model runs/demo/model/best \\
+        [--ce-model DIR] --split test --output results/
+
+Every caption of the split (or a seeded sample, ``--max-captions``) is scored against each member of its
+image's family (retrieval_core.synthetic: a base scene and siblings that differ from it in one way) by the
+bi-encoder (cosine of the embeddings) and by the cross-encoder. Two tables, written to
+``family_probe.csv`` and printed:
+
+* ``top1``: the share of captions whose own image scores highest in its family, by the change that made the
+  gold image (``base`` for member 0); chance = 1 / family size;
+* ``pairwise``: the share of (caption, sibling) pairs where the gold image scores above the sibling, by the
+  change separating the two scenes (a base caption against an attribute sibling, or an attribute caption
+  against the base, are both ``attribute``; two siblings differ by both changes, ``attribute+binding``);
+  chance = 50 %.
+
+This is what the recall tables cannot show: R@1 on a synthetic collection is decided inside families, and the
+per-change rows say which differences the CE resolves that the pooled BE does not.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import click
+import numpy as np
+import pandas as pd
+
+from retrieval_core import synthetic
+from retrieval_core.manifest import load_manifest
+from retrieval_core.model import VLRetrievalModel
+from retrieval_core.store import StagedDataset
+
+
+def _difference(a: dict, b: dict) -> str:
+    """What separates two members of one family: the non-base member's change, or both changes
+    ("attribute+binding") when neither is the base."""
+    changes = sorted(c for c in (a["change"], b["change"]) if c)
+    return "+".join(changes)
+
+
+def probe(staged: StagedDataset, spec: synthetic.SyntheticSpec, be_model: VLRetrievalModel,
+          ce_model: VLRetrievalModel, split: str = "test", max_captions: Optional[int] = None, seed: int = 0,
+          batch_size: int = 128) -> pd.DataFrame:
+    """Rows (table, head, change, correct, total, accuracy %) for one synthetic collection."""
+    meta = staged.images_meta(collection=spec.collection, split=split)
+    caps = staged.captions(collection=spec.collection, split=split)
+    if len(caps) == 0:
+        raise ValueError(f"no captions of collection {spec.collection!r} in split {split!r}")
+    if max_captions and len(caps) > max_captions:
+        keep = np.sort(np.random.default_rng([seed, 11]).choice(len(caps), max_captions, replace=False))
+        caps = caps.iloc[keep].reset_index(drop=True)
+    index_of = dict(zip(meta["item_id"].astype(np.int64), meta["source_id"].astype(int)))
+    item_of = {i: item for item, i in index_of.items()}
+    fam_size = spec.family_size
+    table = staged.load_images(item_ids=meta["item_id"].to_numpy(np.int64))
+    pos = table.position_of()
+
+    texts, members, golds, scenes = [], [], [], {}
+    for text, img in zip(caps["text"], caps["image_item_id"].astype(np.int64)):
+        gold = index_of[int(img)]
+        first = gold - gold % fam_size
+        family = [i for i in range(first, min(first + fam_size, spec.num_images)) if i in item_of]
+        if len(family) < 2:
+            continue  # a family cut by the collection's end has nothing to compare
+        for i in family:
+            scenes.setdefault(i, synthetic.describe_scene(spec, i))
+        texts.append(text)
+        members.append(family)
+        golds.append(gold)
+    if not texts:
+        raise ValueError("no caption has a family of two or more images in this split")
+    flat = [i for fam in members for i in fam]
+    regions = [table.regions(pos[item_of[i]]) for i in flat]
+    pair_texts = [t for t, fam in zip(texts, members) for _ in fam]
+    ce = ce_model.score(pair_texts, regions, batch_size=batch_size, progress=True)
+    text_emb = be_model.encode_text(texts, batch_size=batch_size)
+    img_emb = be_model.encode_image(regions, batch_size=batch_size)
+    be = np.einsum("pd,pd->p", np.repeat(text_emb, [len(f) for f in members], axis=0), img_emb)
+
+    rows = []
+    for head, scores in (("BE", be), ("CE", ce)):
+        top1: dict[str, list[int]] = {}
+        pairwise: dict[str, list[int]] = {}
+        start = 0
+        for fam, gold in zip(members, golds):
+            s = scores[start:start + len(fam)]
+            start += len(fam)
+            g = fam.index(gold)
+            kind = scenes[gold]["change"] or "base"
+            top1.setdefault(kind, []).append(int(np.argmax(s) == g))
+            for j, other in enumerate(fam):
+                if j != g:
+                    pairwise.setdefault(_difference(scenes[gold], scenes[other]), []).append(int(s[g] > s[j]))
+        for name, groups in (("top1", top1), ("pairwise", pairwise)):
+            for change, hits in sorted(groups.items()) + [("all", [h for v in groups.values() for h in v])]:
+                rows.append({"table": name, "head": head, "change": change, "correct": int(sum(hits)),
+                             "total": len(hits), "accuracy": 100.0 * float(np.mean(hits))})
+    out = pd.DataFrame(rows)
+    out.attrs["chance_top1"] = 100.0 / fam_size
+    return out
+
+
+def summary_table(rows: pd.DataFrame) -> str:
+    wide = rows.pivot_table(index=["table", "change"], columns="head", values="accuracy", sort=False)
+    totals = rows[rows["head"] == "BE"].set_index(["table", "change"])["total"]
+    wide["n"] = totals
+    return wide.to_string(float_format=lambda v: f"{v:.1f}")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--staged", required=True, help="Staged synthetic collection (pipelines.stage output).")
+@click.option("--manifest", required=True, help="The manifest it was staged from (name or path).")
+@click.option("--collection", help="Synthetic collection [the manifest's query collection].")
+@click.option("--model", "be_model", required=True, help="Bi-encoder model folder (also the CE unless --ce-model).")
+@click.option("--ce-model", help="Cross-encoder model folder (SEP) [--model].")
+@click.option("--split", default="test", show_default=True)
+@click.option("--max-captions", type=int, default=1000, show_default=True,
+              help="Seeded sample of captions (0 = all).")
+@click.option("--output", help="Folder for family_probe.csv [print only].")
+@click.option("--batch-size", type=int, default=128, show_default=True)
+def main(staged: str, manifest: str, collection: Optional[str], be_model: str, ce_model: Optional[str], split: str,
+         max_captions: int, output: Optional[str], batch_size: int) -> None:
+    """Within-family accuracy of the BE and the CE, by the kind of difference (synthetic collections only)."""
+    try:
+        m = load_manifest(manifest)
+        name = collection or m.benchmark.get("query_collection") or next(iter(m.collections))
+        spec = m.synthetic_spec(name)
+        be = VLRetrievalModel.load(be_model)
+        ce = VLRetrievalModel.load(ce_model) if ce_model else be
+        rows = probe(StagedDataset(staged), spec, be, ce, split, max_captions or None, batch_size=batch_size)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"\nwithin-family accuracy (%), {name}/{split}, families of {spec.family_size} "
+               f"(top1 chance {rows.attrs['chance_top1']:.0f} %, pairwise chance 50 %):")
+    click.echo(summary_table(rows))
+    if output:
+        os.makedirs(output, exist_ok=True)
+        rows.assign(collection=name, split=split, be_model=be_model, ce_model=ce_model or be_model).to_csv(
+            os.path.join(output, "family_probe.csv"), index=False)
+        click.echo(f"wrote {os.path.join(output, 'family_probe.csv')}")
+
+
+if __name__ == "__main__":
+    main()
