@@ -36,7 +36,7 @@ DEMO_RECIPE = {
     "objective": "joint",
     "be_loss": "infonce",
     "image_init": "lstsq",
-    "steps": 300,
+    "steps": 280,
     "batch_size": 32,
     "lr": 1e-4,
     "new_layers_lr_mult": 20,
@@ -48,7 +48,7 @@ DEMO_RECIPE = {
     "ce_start_step": 40,
     "hard_negative_prob": 0.5,
     "hard_negative_k": 8,
-    "eval_every": 150,
+    "eval_every": 140,
     "seed": 0,
 }
 # A separate CE (SEP) from the text-only backbone does not leave chance in this budget (see ce_start_step), so the
