@@ -1,9 +1,10 @@
 """Helpers every Beam pipeline here shares: options, atomic writes through Beam FileSystems, checksums.
 
 Writes go through ``apache_beam.io.filesystems.FileSystems`` so that the same code writes local paths on
-DirectRunner/DaskRunner and gs:// paths on Dataflow. A shard is written to a temporary name and renamed,
-so a killed job never leaves a half-written file under a final name; a rerun recognises finished shards by
-their checksum and skips them.
+DirectRunner/DaskRunner and gs:// paths on Dataflow; the readers' inputs are reached through
+:data:`BEAM_FILES`, the same FileSystems behind retrieval_core's ``FileAccess`` interface. A shard is written
+to a temporary name and renamed, so a killed job never leaves a half-written file under a final name; a rerun
+recognises finished shards by their checksum and skips them.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import uuid
 from typing import Iterable, Iterator, Optional, Sequence
 
 import click
+from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -88,6 +90,56 @@ def open_file(path: str):
     """A binary read handle through Beam FileSystems (local or gs://...): the opener the pipelines pass to
     retrieval_core (``StagedDataset(dir, opener=open_file)``), which does not import Beam itself."""
     return FileSystems.open(path)
+
+
+class BeamFileAccess:
+    """retrieval_core.readers.FileAccess over Beam FileSystems: the readers reach URL inputs (gs://, or any
+    scheme a registered Beam FileSystem serves) on the launcher (planning) and on the workers (reading).
+
+    Local paths go to the readers' local access unchanged, so local staging keeps its exact glob semantics
+    and error messages (Beam's local match differs: ``*`` skips no dot files, a directory matches itself)."""
+
+    @staticmethod
+    def _local():
+        from retrieval_core.readers import LOCAL_FILES
+        return LOCAL_FILES
+
+    def open(self, path: str):
+        if "://" not in path:
+            return self._local().open(path)
+        try:
+            # UNCOMPRESSED: FileSystems would gunzip *.gz by name; the readers detect gzip by its magic bytes.
+            return FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
+        except FileNotFoundError:
+            raise
+        except Exception:  # object stores raise their own "not found" errors: normalise it for the readers
+            if not FileSystems.exists(path):
+                raise FileNotFoundError(path) from None
+            raise
+
+    def match(self, pattern: str) -> list[str]:
+        if "://" not in pattern:
+            return self._local().match(pattern)
+        return sorted(m.path for m in FileSystems.match([pattern])[0].metadata_list)
+
+    def exists(self, path: str) -> bool:
+        return self._local().exists(path) if "://" not in path else FileSystems.exists(path)
+
+    def isdir(self, path: str) -> bool:
+        if "://" not in path:
+            return self._local().isdir(path)
+        # Object stores have no directories: a "directory" is a prefix that holds at least one object.
+        prefix = path.rstrip("/") + "/"
+        return bool(FileSystems.match([prefix + "**"], limits=[1])[0].metadata_list)
+
+    def listdir(self, path: str) -> list[str]:
+        if "://" not in path:
+            return self._local().listdir(path)
+        return self.match(path.rstrip("/") + "/*")  # Beam's "*" stops at "/": not recursive
+
+
+#: The file access every pipeline passes to the readers.
+BEAM_FILES = BeamFileAccess()
 
 
 def read_bytes(path: str) -> bytes:

@@ -181,7 +181,7 @@ class ReadAndStage(beam.DoFn):
         kind = schema.KIND_CAPTION if task.kind in ("caption", "captions") else schema.KIND_IMAGE
         n_in = 0
         spill = None
-        for rec in read_task(task):
+        for rec in read_task(task, files=common.BEAM_FILES):  # inputs may be gs:// on any worker
             n_in += 1
             if isinstance(rec, schema.RawImage):
                 out = staging.stage_image(rec, collection=coll, feature_dim=self.s.feature_dim,
@@ -479,7 +479,7 @@ def plan_tasks(manifest, chunk_size: int = 500) -> list:
             if src is None:
                 continue
             tasks += plan_read_tasks(name, kind, src.format, src.path, dict(src.options or {}),
-                                     manifest.feature_dim, chunk_size=chunk_size)
+                                     manifest.feature_dim, chunk_size=chunk_size, files=common.BEAM_FILES)
     return tasks
 
 
@@ -496,7 +496,14 @@ def run_stage(manifest_ref: str, output: str, *, overrides=(), feature_format=No
         raise StageError(f"invalid manifest {manifest_ref!r}: {exc}") from None
     except FileNotFoundError as exc:
         raise StageError(f"manifest {manifest_ref!r} not found: {exc}") from None
-    missing = manifest.missing_paths()
+    options = common.pipeline_options(beam_args)
+    # Planning lists gs:// inputs before the Pipeline exists: give FileSystems the options (project,
+    # credentials) now; beam.Pipeline(options=...) sets the same ones again.
+    FileSystems.set_options(options)
+    try:
+        missing = manifest.missing_paths(files=common.BEAM_FILES)
+    except (OSError, ValueError) as exc:  # e.g. gs:// without apache-beam[gcp]: Beam's message says what to install
+        raise StageError(f"cannot check the input paths: {exc}") from None
     if missing:
         raise StageError("input file(s) missing: " + ", ".join(map(str, missing))
                          + " (fix the manifest or override the path with --set / environment variables)")
@@ -516,7 +523,7 @@ def run_stage(manifest_ref: str, output: str, *, overrides=(), feature_format=No
         raise StageError(f"feature dtype must be float32 or float16, got {settings.feature_dtype!r}")
     try:
         tasks = plan_tasks(manifest, chunk_size)
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # OSError: also Beam's BeamIOError listing a bucket
         raise StageError(f"cannot plan the reads: {exc}") from None
     collections = sorted(manifest.collections)
     common.makedirs(output)
@@ -524,7 +531,6 @@ def run_stage(manifest_ref: str, output: str, *, overrides=(), feature_format=No
     log.info("staging %s: %d collections, %d read tasks -> %s (%s, %s)", manifest.name, len(collections),
              len(tasks), output, settings.feature_format, settings.feature_dtype)
 
-    options = common.pipeline_options(beam_args)
     p = beam.Pipeline(options=options)
     build_graph(p, tasks, settings, collections, run_info)
     _remove_spill(output)  # spill files of a killed earlier run

@@ -5,8 +5,10 @@ Every error is a :class:`ManifestError` whose message names the file and the key
 
 Loading order: YAML -> env path overrides (``RR_<COLLECTION>_<IMAGES|CAPTIONS>_PATH``) -> CLI overrides
 (``coco.images.path=/x``, ``feature_dim=1024``) -> ``${VAR}`` / ``${VAR:-default}`` expansion -> validation ->
-relative paths resolved against ``RR_DATA_ROOT`` (else the current directory). Input files are not opened
-here (the stager reports unreadable ones); :meth:`Manifest.missing_paths` lists the ones that do not exist.
+relative paths resolved against ``RR_DATA_ROOT`` (else the current directory; it may be a URL such as
+``gs://bucket/data``); URL paths (``gs://...``) are kept as written. Input files are not opened here (the
+stager reports unreadable ones); :meth:`Manifest.missing_paths` lists the ones that do not exist (URLs only
+when given a file access that reaches them: no Beam here).
 
 Format options are checked against the reader functions' keyword-only parameters
 (``retrieval_core.readers``), so the readers stay the one place that defines them.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import glob
 import inspect
 import os
+import posixpath
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -105,15 +108,18 @@ class Manifest:
                         out.append((f"collections.{cname}.{kind}.{key}", p))
         return out
 
-    def missing_paths(self) -> list[str]:
-        """Input paths (globs expanded) that do not exist; empty when every input is there."""
-        return [p for _, p in self.input_paths()
-                if not (glob.glob(p) if _GLOB_CHARS.search(p) else os.path.exists(p))]
+    def missing_paths(self, files=None) -> list[str]:
+        """Input paths (globs expanded) that do not exist; empty when every input is there.
 
-    def check_paths(self) -> None:
-        """Raise a ManifestError naming every missing input with its key path."""
-        missing = [(k, p) for k, p in self.input_paths()
-                   if not (glob.glob(p) if _GLOB_CHARS.search(p) else os.path.exists(p))]
+        Local paths are checked with os.path / glob. URL paths (gs://...) are checked through ``files`` (a
+        ``readers.FileAccess``; the stage pipeline passes Beam FileSystems); without one they are skipped,
+        not reported: this library cannot reach them, and the readers report a missing file when they open it.
+        """
+        return [p for _, p in self.input_paths() if not _path_exists(p, files)]
+
+    def check_paths(self, files=None) -> None:
+        """Raise a ManifestError naming every missing input with its key path (URLs as in missing_paths)."""
+        missing = [(k, p) for k, p in self.input_paths() if not _path_exists(p, files)]
         if missing:
             lines = "\n".join(f"  {k}: {p}" for k, p in missing)
             raise ManifestError(f"{os.path.basename(self.path)}: {len(missing)} input path(s) do not exist "
@@ -122,6 +128,20 @@ class Manifest:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def _path_exists(path: str, files) -> bool:
+    """Whether an input (file, directory or glob) exists; a URL without ``files`` counts as present
+    (unchecked: no Beam here)."""
+    if not _is_url(path):
+        return bool(glob.glob(path)) if _GLOB_CHARS.search(path) else os.path.exists(path)
+    if files is None:
+        return True
+    return bool(files.match(path)) if _GLOB_CHARS.search(path) else files.exists(path) or files.isdir(path)
 
 
 # ------------------------------------------------------------------------------------ locating
@@ -244,8 +264,14 @@ def _resolve(path, root: str):
         return None
     if isinstance(path, list):
         return [_resolve(p, root) for p in path]
+    if _is_url(path):  # gs://b/x.tsv is absolute: normpath + join with the root would make it <root>/gs:/b/x.tsv
+        return path
     path = os.path.expanduser(path)
-    return path if os.path.isabs(path) else os.path.normpath(os.path.join(root, path))
+    if os.path.isabs(path):
+        return path
+    if _is_url(root):  # RR_DATA_ROOT=gs://bucket/data: join with "/" (normpath would turn gs:// into gs:/)
+        return f"{root.rstrip('/')}/{posixpath.normpath(path)}"
+    return os.path.normpath(os.path.join(root, path))
 
 
 # --------------------------------------------------------------------------------- validation

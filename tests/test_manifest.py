@@ -202,6 +202,39 @@ def test_missing_paths_and_globs(tmp_path):
     assert m.missing_paths() == [str(tmp_path / "nothing.*.gz")]
 
 
+
+def test_url_paths_are_kept_as_written_and_not_checked_locally(tmp_path):
+    """gs:// inputs (Dataflow) are not local paths: no expanduser / normpath / join with RR_DATA_ROOT (that
+    made gs://bucket/x.tsv into <root>/gs:/bucket/x.tsv), and no os.path existence check."""
+    from retrieval_core.manifest import _resolve
+
+    assert _resolve("gs://b/x.tsv", "/root") == "gs://b/x.tsv"
+    assert _resolve(["gs://b/feats/*.tsv", "rel.tsv", "~/h.tsv"], "/root") == \
+        ["gs://b/feats/*.tsv", "/root/rel.tsv", os.path.expanduser("~/h.tsv")]
+    text = GOOD.replace("{format: karpathy_json, path: caps.json, split: test}",
+                        "{format: multi30k, path: 'gs://b/caps/test_2016.*.de.gz', image_list: 'gs://b/images.txt'}")
+    (tmp_path / "feats.tsv").write_text("")
+    env = {"RR_DATA_ROOT": str(tmp_path)}
+    m = load_manifest(_write(tmp_path, text, "ok.yaml"), env=env)
+    caps = m.collections["coco"].captions
+    assert (caps.path, caps.options["image_list"]) == ("gs://b/caps/test_2016.*.de.gz", "gs://b/images.txt")
+    assert m.collections["coco"].images.path == str(tmp_path / "feats.tsv")  # local paths: as before
+    # the README's override, and the env-var one
+    m = load_manifest(_write(tmp_path, text, "ok.yaml"), ["coco.images.path=gs://bucket/feats/*.tsv"], env=env)
+    assert m.collections["coco"].images.path == "gs://bucket/feats/*.tsv"
+    m = load_manifest(_write(tmp_path, text, "ok.yaml"), env=dict(env, RR_COCO_IMAGES_PATH="gs://bucket/f.tsv"))
+    assert m.collections["coco"].images.path == "gs://bucket/f.tsv"
+    # a URL data root: relative paths join it with "/" (shipped manifests on Dataflow: RR_DATA_ROOT=gs://...)
+    assert _resolve("coco/./x.json", "gs://b/data/") == "gs://b/data/coco/x.json"
+    m2 = load_manifest("coco_5k", env={"RR_DATA_ROOT": "gs://b/data"})
+    assert m2.collections["coco_5k"].captions.path == "gs://b/data/coco/dataset_coco.json"
+    # without a file access that reaches URLs they are left unchecked (the stage pipeline passes Beam's)
+    assert m.missing_paths() == []
+    m.check_paths()
+    m = load_manifest(_write(tmp_path, text, "ok.yaml"), ["coco.images.path=gone.tsv"], env=env)
+    assert m.missing_paths() == [str(tmp_path / "gone.tsv")]
+
+
 # -------------------------------------------------------------------------------- real files
 def test_real_caption_files_resolve_via_data_root():
     root = require_realdata()

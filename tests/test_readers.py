@@ -355,6 +355,28 @@ def test_plan_read_tasks_validation_and_picklable_tasks(tmp_path):
     assert set(readers.CAPTION_READERS) == {"karpathy_json", "caption_lines", "flickr30k_entities", "cc_tsv", "multi30k"}
 
 
+def test_local_file_access_refuses_urls_with_a_clear_error(tmp_path):
+    """The readers' default file access is local: a gs:// path is an error saying what to pass (the pipelines
+    pass Beam FileSystems), never the local file "gs:/b/..." or one record's reject."""
+    msg = "gs://b/x.tsv is a URL: .*pass files=<a FileAccess for URLs>.*pipelines.common.BEAM_FILES"
+    with pytest.raises(readers.URLAccessError, match=msg):
+        readers.plan_read_tasks("c", KIND_IMAGE, "butd_tsv", "gs://b/x.tsv", {}, 4)
+    with pytest.raises(ValueError, match=msg):  # URLAccessError is a ValueError: CLIs report it in one line
+        list(readers.read_butd_tsv("gs://b/x.tsv"))
+    with pytest.raises(readers.URLAccessError, match="gs://b/feats is a URL"):
+        readers.list_inputs(["gs://b/feats"], "bua_npz")
+    # a URL option of a local input: the setup error propagates instead of becoming a per-record reject
+    np.savez(tmp_path / "a.npz", features=np.ones((1, 4), np.float32), boxes=np.ones((1, 4), np.float32))
+    with pytest.raises(readers.URLAccessError, match="gs://b/imgs"):
+        list(readers.read_plain_npz(str(tmp_path / "a.npz"), image_dir="gs://b/imgs"))
+    (tmp_path / "a_caps.txt").write_text("a dog\n")
+    with pytest.raises(readers.URLAccessError, match="gs://b/ids.txt"):
+        list(readers.read_caption_lines(str(tmp_path / "a_caps.txt"), ids_path="gs://b/ids.txt"))
+    # local inputs keep their messages
+    with pytest.raises(FileNotFoundError, match="input file not found: .*missing.tsv"):
+        list(readers.read_butd_tsv(str(tmp_path / "missing.tsv")))
+
+
 def test_synthetic_tasks_cover_the_collection_in_chunks():
     synthetic = pytest.importorskip("retrieval_core.synthetic", reason="retrieval_core.synthetic not written yet")
     options = {"num_images": 23}

@@ -6,6 +6,10 @@ deterministic list of :class:`ReadTask` (one per input file, or one per chunk of
 ``read_task`` runs one task and yields ``RawImage`` / ``RawCaption`` / ``Reject``. Readers never raise for
 one bad record (they yield a Reject with locator and reason); a missing input is a FileNotFoundError and an
 unreadable whole file or a bad option a ValueError.
+
+Both take ``files`` (a :class:`FileAccess`: open, match, exists, isdir, listdir), default local
+(:data:`LOCAL_FILES`). It is not part of a ReadTask: planning and reading may run on different machines,
+and the caller on each says how files are reached (the stage pipeline: Beam FileSystems, so gs:// works).
 """
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from ..schema import KIND_CAPTION, KIND_IMAGE, RawCaption, RawImage, Reject
-from ._common import _open_binary, apply_source_id_pattern, file_stem, list_inputs
+from ._common import (LOCAL_FILES, FileAccess, LocalFileAccess, URLAccessError, _open_binary, apply_source_id_pattern,
+                      file_stem, is_url, list_inputs)
 from .captions import (read_caption_lines, read_cc_tsv, read_flickr30k_entities, read_karpathy_json,
                        read_multi30k, strip_entities_markup)
 from .features import (BUTD_COLUMNS, detector_frame_size, image_size, read_bua_npz, read_butd_tsv,
@@ -83,11 +88,12 @@ def _check_options(format: str, reader: Callable, options: dict) -> None:
 
 
 def plan_read_tasks(collection: str, kind: str, format: str, path, options: Optional[dict], feature_dim: int,
-                    chunk_size: int = 500) -> list[ReadTask]:
+                    chunk_size: int = 500, files: Optional[FileAccess] = None) -> list[ReadTask]:
     """The read tasks of one manifest entry, in a deterministic order.
 
     File formats: ``path`` (a file, a directory, a glob, or a list of those) expands to one task per file,
-    sorted; a pattern matching nothing is a FileNotFoundError naming it. Format "synthetic": no files;
+    sorted (listed through ``files``, default local); a pattern matching nothing is a FileNotFoundError
+    naming it. Format "synthetic": no files;
     [0, num_images) of ``SyntheticSpec.from_options(collection, options, feature_dim)`` is split into
     chunks of ``chunk_size`` images, one task each (for captions too: a caption task covers the captions
     of its images).
@@ -109,11 +115,13 @@ def plan_read_tasks(collection: str, kind: str, format: str, path, options: Opti
     _check_options(format, readers[format], options)
     if path is None:
         raise ValueError(f"format {format!r} needs a path")
-    return [ReadTask(kind, format, p, frozen, 0, None, collection, feature_dim) for p in list_inputs(path, format)]
+    return [ReadTask(kind, format, p, frozen, 0, None, collection, feature_dim)
+            for p in list_inputs(path, format, files)]
 
 
-def read_task(task: ReadTask) -> Iterator[RawImage | RawCaption | Reject]:
-    """Run one task: yields its records (RawImage / RawCaption) and Rejects."""
+def read_task(task: ReadTask, files: Optional[FileAccess] = None) -> Iterator[RawImage | RawCaption | Reject]:
+    """Run one task: yields its records (RawImage / RawCaption) and Rejects; files are read through
+    ``files`` (default local)."""
     options = {k: v for k, v in task.options}
     if task.format == SYNTHETIC:
         from ..synthetic import SyntheticSpec, generate_captions, generate_images
@@ -126,12 +134,13 @@ def read_task(task: ReadTask) -> Iterator[RawImage | RawCaption | Reject]:
     readers = _readers(task.kind)
     if task.format not in readers:
         raise ValueError(f"unknown {task.kind} format {task.format!r}; known: {sorted(readers)}")
-    yield from readers[task.format](task.path, **options)
+    yield from readers[task.format](task.path, files, **options)
 
 
 __all__ = [
-    "BUTD_COLUMNS", "CAPTION_READERS", "IMAGE_READERS", "ReadTask", "SYNTHETIC", "apply_source_id_pattern",
-    "detector_frame_size", "file_stem", "image_size", "list_inputs", "plan_read_tasks", "read_bua_npz",
+    "BUTD_COLUMNS", "CAPTION_READERS", "FileAccess", "IMAGE_READERS", "LOCAL_FILES", "LocalFileAccess", "ReadTask",
+    "SYNTHETIC", "URLAccessError", "apply_source_id_pattern", "detector_frame_size", "file_stem", "image_size",
+    "is_url", "list_inputs", "plan_read_tasks", "read_bua_npz",
     "read_butd_tsv", "read_caption_lines", "read_cc_tsv", "read_flickr30k_entities", "read_karpathy_json",
     "read_multi30k", "read_oscar_pt", "read_plain_npz", "read_task", "read_uniter_npz", "strip_entities_markup",
     "_open_binary",

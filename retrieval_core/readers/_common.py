@@ -1,8 +1,10 @@
 """Small helpers shared by the feature and caption readers: file access, line iteration, text decoding,
 source-id conventions and input listing.
 
-All file access goes through :func:`_open_binary`, so a Beam layer can swap in ``FileSystems.open`` for
-remote paths (gs://...) in one place.
+All file access (opening, listing a directory, globbing, existence checks) goes through a
+:class:`FileAccess` object passed as ``files``. The default, :data:`LOCAL_FILES`, is Python's own file
+access (local paths only). This library does not import Beam (layering), so URL inputs (gs://...) need the
+caller's file access: the stage pipeline passes ``pipelines.common.BEAM_FILES`` (Beam FileSystems).
 """
 from __future__ import annotations
 
@@ -11,26 +13,98 @@ import gzip
 import io
 import os
 import re
-from typing import Iterator, Optional, Sequence
+from typing import BinaryIO, Iterator, Optional, Protocol, Sequence
 
 _GZIP_MAGIC = b"\x1f\x8b"
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
-def _open_binary(path: str):
-    """Open ``path`` for binary reading; a missing file is a FileNotFoundError naming it, any other OS
-    failure a ValueError naming it."""
+def is_url(path: str) -> bool:
+    """``gs://bucket/x.tsv`` and other ``scheme://`` paths: not reachable with Python's own file access."""
+    return "://" in os.fspath(path)
+
+
+def join_path(base: str, name: str) -> str:
+    """``base/name``; URLs always join with "/" (os.path.join would use the local separator)."""
+    return f"{base.rstrip('/')}/{name}" if is_url(base) else os.path.join(base, name)
+
+
+class FileAccess(Protocol):
+    """How the readers reach their input files. Paths are local paths or URLs (``scheme://...``).
+
+    ``open`` raises FileNotFoundError for a missing file (the readers add the path to the message);
+    ``match`` and ``listdir`` list files only (never directories), sorted."""
+
+    def open(self, path: str) -> BinaryIO:
+        """A binary read handle, the bytes exactly as stored (no transparent gunzip: the readers detect
+        gzip by its magic bytes themselves)."""
+
+    def match(self, pattern: str) -> list[str]:
+        """The files a glob pattern (``*``, ``?``, ``[...]``) matches."""
+
+    def exists(self, path: str) -> bool:
+        """Whether a file is at ``path``."""
+
+    def isdir(self, path: str) -> bool:
+        """Whether ``path`` is a directory (object stores: a prefix that holds files)."""
+
+    def listdir(self, path: str) -> list[str]:
+        """Full paths of the files directly in directory ``path`` (not recursive)."""
+
+
+class URLAccessError(ValueError):
+    """A URL path reached the local file access: the caller must pass a FileAccess for URLs. Readers let it
+    propagate (it is a setup error, never one record's reject)."""
+
+
+class LocalFileAccess:
+    """Python's own file access; refuses URLs with a message saying what to pass instead (rather than
+    treating ``gs://b/x`` as the local file ``gs:/b/x``)."""
+
+    @staticmethod
+    def _local(path: str) -> str:
+        path = os.fspath(path)
+        if is_url(path):
+            raise URLAccessError(f"{path} is a URL: the readers' default (local) file access cannot reach it; pass "
+                             f"files=<a FileAccess for URLs> (pipelines.stage passes pipelines.common.BEAM_FILES, "
+                             f"Beam FileSystems)")
+        return path
+
+    def open(self, path: str) -> BinaryIO:
+        return open(self._local(path), "rb")
+
+    def match(self, pattern: str) -> list[str]:
+        return sorted(p for p in glob.glob(self._local(pattern)) if os.path.isfile(p))
+
+    def exists(self, path: str) -> bool:
+        return os.path.isfile(self._local(path))
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(self._local(path))
+
+    def listdir(self, path: str) -> list[str]:
+        path = self._local(path)
+        return sorted(p for p in (os.path.join(path, n) for n in os.listdir(path)) if os.path.isfile(p))
+
+
+#: The default file access of every reader.
+LOCAL_FILES = LocalFileAccess()
+
+
+def _open_binary(path: str, files: Optional[FileAccess] = None):
+    """Open ``path`` for binary reading through ``files`` (default: local); a missing file is a
+    FileNotFoundError naming it, any other OS failure a ValueError naming it."""
     try:
-        return open(path, "rb")
+        return (files or LOCAL_FILES).open(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"input file not found: {path}") from None
     except OSError as e:
         raise ValueError(f"cannot read input file {path}: {e}") from None
 
 
-def read_bytes(path: str) -> bytes:
+def read_bytes(path: str, files: Optional[FileAccess] = None) -> bytes:
     """The whole file, gunzipped when it starts with the gzip magic bytes."""
-    with _open_binary(path) as f:
+    with _open_binary(path, files) as f:
         data = f.read()
     if data[:2] == _GZIP_MAGIC:
         try:
@@ -40,14 +114,14 @@ def read_bytes(path: str) -> bytes:
     return data
 
 
-def iter_lines(path: str) -> Iterator[tuple[int, bytes]]:
+def iter_lines(path: str, files: Optional[FileAccess] = None) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, line bytes without the line ending) of a text file, gzip or not.
 
     Streams (rows of feature TSVs are megabytes and files gigabytes). Only ``\\n`` ends a line (a stray
     ``\\r`` inside a caption does not split it); a trailing ``\\r`` is dropped. A final newline does not
     make an extra empty line.
     """
-    with _open_binary(path) as raw:
+    with _open_binary(path, files) as raw:
         head = raw.read(2)
         raw.seek(0)
         f = gzip.GzipFile(fileobj=raw) if head == _GZIP_MAGIC else raw
@@ -62,9 +136,9 @@ def iter_lines(path: str) -> Iterator[tuple[int, bytes]]:
             raise ValueError(f"{path}: corrupt or truncated gzip data: {e}") from None
 
 
-def read_lines(path: str) -> list[bytes]:
+def read_lines(path: str, files: Optional[FileAccess] = None) -> list[bytes]:
     """All lines of a (small) text file, as :func:`iter_lines` splits them."""
-    return [line for _, line in iter_lines(path)]
+    return [line for _, line in iter_lines(path, files)]
 
 
 def decode_text(data: bytes) -> str | bytes:
@@ -134,12 +208,13 @@ DIR_EXTENSIONS = {
 }
 
 
-def list_inputs(path: str | Sequence[str], format: str = "") -> list[str]:
+def list_inputs(path: str | Sequence[str], format: str = "", files: Optional[FileAccess] = None) -> list[str]:
     """Expand a file, a directory (files with the format's extensions, non-recursive), a glob pattern,
-    or a list of those, into a sorted, de-duplicated list of files.
+    or a list of those, into a sorted, de-duplicated list of files; ``files`` lists them (default: local).
 
     Raises FileNotFoundError naming the first entry that matches nothing.
     """
+    files = files or LOCAL_FILES
     entries = [path] if isinstance(path, (str, os.PathLike)) else list(path)
     if not entries:
         raise FileNotFoundError("no input path given")
@@ -147,24 +222,23 @@ def list_inputs(path: str | Sequence[str], format: str = "") -> list[str]:
     for entry in entries:
         entry = os.fspath(entry)
         if _GLOB_CHARS.search(entry):
-            matches = [p for p in glob.glob(entry) if os.path.isfile(p)]
-        elif os.path.isdir(entry):
+            matches = files.match(entry)
+        elif files.isdir(entry):
             exts = DIR_EXTENSIONS.get(format, ("",))
-            matches = [os.path.join(entry, n) for n in os.listdir(entry)
-                       if n.endswith(exts) and os.path.isfile(os.path.join(entry, n))]
-        elif os.path.isfile(entry):
+            matches = [p for p in files.listdir(entry) if p.endswith(exts)]
+        elif files.exists(entry):
             matches = [entry]
         else:
             matches = []
         if not matches:
-            what = f"directory with {'/'.join(DIR_EXTENSIONS.get(format, ('',)))} files" if os.path.isdir(entry) \
+            what = f"directory with {'/'.join(DIR_EXTENSIONS.get(format, ('',)))} files" if files.isdir(entry) \
                 else "file or glob pattern"
             raise FileNotFoundError(f"input {entry!r} ({format or 'input'}) matches no {what}")
         found.update(matches)
     return sorted(found)
 
 
-def npz_bytes(path: str) -> io.BytesIO:
+def npz_bytes(path: str, files: Optional[FileAccess] = None) -> io.BytesIO:
     """The bytes of an npz file in memory (zip needs seeking; remote file objects may not seek)."""
-    with _open_binary(path) as f:
+    with _open_binary(path, files) as f:
         return io.BytesIO(f.read())

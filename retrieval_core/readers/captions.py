@@ -13,6 +13,9 @@ Image source ids (they must match the ids of the feature readers of the same col
 - multi30k: the image-list file-name stem.
 ``source_id_pattern`` (regex with one group; numeric groups lose leading zeros) applies to those ids in
 all readers but cc_tsv.
+
+Files (the caption file and any ids/mapping/image-list file) are read through ``files`` (a ``FileAccess``,
+default local), each reader's second parameter; it is not keyword-only, so it is not a format option.
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ from collections import defaultdict
 from typing import Iterator, Optional
 
 from ..schema import KIND_CAPTION, RawCaption, Reject
-from ._common import apply_source_id_pattern, decode_text, file_stem, iter_lines, read_bytes, read_lines, str_or_bytes
+from ._common import (FileAccess, apply_source_id_pattern, decode_text, file_stem, iter_lines, read_bytes, read_lines,
+                      str_or_bytes)
 
 CaptionRecord = RawCaption | Reject
 
@@ -50,8 +54,8 @@ def _normalise_split(split: Optional[str]) -> Optional[str]:
     return "train" if split == "restval" else split
 
 
-def read_karpathy_json(path: str, *, split: Optional[str] = None, image_id: str = "auto",
-                       source_id_pattern: Optional[str] = None) -> Iterator[CaptionRecord]:
+def read_karpathy_json(path: str, files: Optional[FileAccess] = None, *, split: Optional[str] = None,
+                       image_id: str = "auto", source_id_pattern: Optional[str] = None) -> Iterator[CaptionRecord]:
     """Karpathy ``dataset_coco.json`` / ``dataset_flickr30k.json``.
 
     ``split`` keeps only images of that split ("restval" counts as "train", and is recorded as "train");
@@ -61,7 +65,7 @@ def read_karpathy_json(path: str, *, split: Optional[str] = None, image_id: str 
     if image_id not in ("auto", "cocoid", "filename_stem"):
         raise ValueError(f"karpathy_json image_id must be 'auto', 'cocoid' or 'filename_stem', got {image_id!r}")
     try:  # surrogateescape: an undecodable caption becomes bytes later instead of failing the whole file
-        doc = json.loads(read_bytes(path).decode("utf-8", "surrogateescape"))
+        doc = json.loads(read_bytes(path, files).decode("utf-8", "surrogateescape"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     images = doc.get("images") if isinstance(doc, dict) else None
@@ -110,8 +114,8 @@ def _default_ids_path(caps_path: str) -> str:
     return os.path.join(folder, name.replace("_caps", "_ids"))
 
 
-def read_caption_lines(path: str, *, ids_path: Optional[str] = None, id_mapping: Optional[str] = None,
-                       lang: str = "en", split: Optional[str] = None,
+def read_caption_lines(path: str, files: Optional[FileAccess] = None, *, ids_path: Optional[str] = None,
+                       id_mapping: Optional[str] = None, lang: str = "en", split: Optional[str] = None,
                        source_id_pattern: Optional[str] = None) -> Iterator[CaptionRecord]:
     """LAPS/SCAN-style caption lines: ``path`` has one caption per line, ``ids_path`` (default: the same
     name with ``_caps`` -> ``_ids``) one image id per line, in the same order.
@@ -122,12 +126,12 @@ def read_caption_lines(path: str, *, ids_path: Optional[str] = None, id_mapping:
     are a ValueError; an empty caption line is a Reject.
     """
     ids_path = ids_path or _default_ids_path(path)
-    caps, ids = read_lines(path), read_lines(ids_path)
+    caps, ids = read_lines(path, files), read_lines(ids_path, files)
     if len(caps) != len(ids):
         raise ValueError(f"caption file {path} has {len(caps)} lines but ids file {ids_path} has {len(ids)}")
     mapping = None
     if id_mapping:
-        mapping = json.loads(read_bytes(id_mapping).decode("utf-8"))
+        mapping = json.loads(read_bytes(id_mapping, files).decode("utf-8"))
         if not isinstance(mapping, dict):
             raise ValueError(f"{id_mapping}: expected a JSON object {{id: file name}}")
         mapping = {str(k): v for k, v in mapping.items()}
@@ -163,7 +167,8 @@ def strip_entities_markup(text: str) -> str:
     return " ".join(_ENTITY.sub(r"\1", text).split())
 
 
-def read_flickr30k_entities(path: str, *, lang: str = "en", split: Optional[str] = None,
+def read_flickr30k_entities(path: str, files: Optional[FileAccess] = None, *, lang: str = "en",
+                            split: Optional[str] = None,
                             source_id_pattern: Optional[str] = None) -> Iterator[CaptionRecord]:
     """One Flickr30k Entities ``Sentences/<image_id>.txt`` file: one caption per line with entity markup,
     stripped to plain text. Image source id = file stem; caption_key = 0-based line index."""
@@ -171,7 +176,7 @@ def read_flickr30k_entities(path: str, *, lang: str = "en", split: Optional[str]
     if isinstance(sid, Reject):
         yield sid
         return
-    for lineno, line in iter_lines(path):
+    for lineno, line in iter_lines(path, files):
         locator = f"{path}:{lineno}"
         text = _caption(line)
         if isinstance(text, str):
@@ -187,7 +192,7 @@ def read_flickr30k_entities(path: str, *, lang: str = "en", split: Optional[str]
 
 
 # ------------------------------------------------------------------------------ Conceptual Captions
-def read_cc_tsv(path: str, *, image_id: str = "line", lang: str = "en",
+def read_cc_tsv(path: str, files: Optional[FileAccess] = None, *, image_id: str = "line", lang: str = "en",
                 split: Optional[str] = None) -> Iterator[CaptionRecord]:
     """Conceptual Captions TSV: ``caption<TAB>image URL`` per line, no header, one caption per image.
 
@@ -197,7 +202,7 @@ def read_cc_tsv(path: str, *, image_id: str = "line", lang: str = "en",
     """
     if image_id not in ("line", "url"):
         raise ValueError(f"cc_tsv image_id must be 'line' or 'url', got {image_id!r}")
-    for lineno, line in iter_lines(path):
+    for lineno, line in iter_lines(path, files):
         locator = f"{path}:{lineno}"
         fields = line.split(b"\t")
         if len(fields) != 2:
@@ -221,7 +226,8 @@ _M30K_LANG = re.compile(r"\.([a-z]{2})(?:\.gz)?$")
 _M30K_NUMBER = re.compile(r"\.(\d+)\.[a-z]{2}(?:\.gz)?$")
 
 
-def read_multi30k(path: str, *, image_list: str, lang: Optional[str] = None, split: Optional[str] = None,
+def read_multi30k(path: str, files: Optional[FileAccess] = None, *, image_list: str, lang: Optional[str] = None,
+                  split: Optional[str] = None,
                   source_id_pattern: Optional[str] = None) -> Iterator[CaptionRecord]:
     """One Multi30k caption file (plain or .gz, one caption per line) with its ``image_list`` (one image
     file name per line, same order; a length mismatch is a ValueError).
@@ -239,7 +245,7 @@ def read_multi30k(path: str, *, image_list: str, lang: Optional[str] = None, spl
         lang = m.group(1)
     m = _M30K_NUMBER.search(name)
     caption_key = m.group(1) if m else "0"
-    caps, images = read_lines(path), read_lines(image_list)
+    caps, images = read_lines(path, files), read_lines(image_list, files)
     if len(caps) != len(images):
         raise ValueError(f"caption file {path} has {len(caps)} lines but image list {image_list} has {len(images)}")
     for lineno, (cap, image) in enumerate(zip(caps, images), start=1):

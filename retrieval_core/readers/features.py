@@ -8,12 +8,14 @@ the file declares, None where the format declares none).
 Source ids: ``butd_tsv`` the image_id column; ``oscar_pt`` the dict key; the npz formats the file stem.
 ``source_id_pattern`` (regex with one group, searched in that raw id; numeric groups lose leading zeros)
 applies to all of them.
+
+Every reader takes ``files`` (a ``FileAccess``, default local) as its second, non-keyword-only parameter:
+the keyword-only parameters are the manifest's format options, and how files are reached is not one.
 """
 from __future__ import annotations
 
 import base64
 import binascii
-import glob
 import os
 import pickle
 import struct
@@ -22,7 +24,8 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from ..schema import KIND_IMAGE, RawImage, Reject
-from ._common import _open_binary, apply_source_id_pattern, file_stem, iter_lines, npz_bytes
+from ._common import (LOCAL_FILES, FileAccess, URLAccessError, _open_binary, apply_source_id_pattern, file_stem,
+                      iter_lines, join_path, npz_bytes)
 
 ImageRecord = RawImage | Reject
 
@@ -79,8 +82,8 @@ def _parse_butd_row(fields: list[bytes], columns: Sequence[str]) -> dict:
     return out
 
 
-def read_butd_tsv(path: str, *, columns: Sequence[str] = BUTD_COLUMNS, source_id_pattern: Optional[str] = None,
-                  split: Optional[str] = None) -> Iterator[ImageRecord]:
+def read_butd_tsv(path: str, files: Optional[FileAccess] = None, *, columns: Sequence[str] = BUTD_COLUMNS,
+                  source_id_pattern: Optional[str] = None, split: Optional[str] = None) -> Iterator[ImageRecord]:
     """Bottom-up-attention TSV: no header, tab-separated ``columns`` (default image_id, image_w, image_h,
     num_boxes, boxes, features); boxes/features (and ``objects_conf`` if named) are base64 float32.
 
@@ -92,7 +95,7 @@ def read_butd_tsv(path: str, *, columns: Sequence[str] = BUTD_COLUMNS, source_id
     missing = [c for c in _BUTD_REQUIRED if c not in columns]
     if missing or len(set(columns)) != len(columns):
         raise ValueError(f"butd_tsv columns {columns} must name each column once and include {_BUTD_REQUIRED}")
-    for lineno, line in iter_lines(path):
+    for lineno, line in iter_lines(path, files):
         locator = f"{path}:{lineno}"
         if not line.strip():
             yield _reject(path, locator, "empty line")
@@ -118,11 +121,12 @@ def read_butd_tsv(path: str, *, columns: Sequence[str] = BUTD_COLUMNS, source_id
 
 
 # --------------------------------------------------------------------------------------- npz files
-def _load_npz(path: str, keys: Sequence[str], optional: Sequence[str] = ()) -> dict | str:
+def _load_npz(path: str, keys: Sequence[str], optional: Sequence[str] = (),
+              files: Optional[FileAccess] = None) -> dict | str:
     """The named arrays of an npz file (never unpickling), or a reject reason."""
     try:
-        npz = np.load(npz_bytes(path), allow_pickle=False)
-    except FileNotFoundError:
+        npz = np.load(npz_bytes(path, files), allow_pickle=False)
+    except (FileNotFoundError, URLAccessError):
         raise
     except Exception as e:  # zipfile.BadZipFile, ValueError, OSError: one bad file, not a crash
         return f"not a readable npz file ({type(e).__name__}: {e})"
@@ -150,7 +154,7 @@ def _scalar_int(value: np.ndarray, name: str) -> int:
     return int(arr.reshape(()))
 
 
-def read_bua_npz(path: str, *, source_id_pattern: Optional[str] = None,
+def read_bua_npz(path: str, files: Optional[FileAccess] = None, *, source_id_pattern: Optional[str] = None,
                  split: Optional[str] = None) -> Iterator[ImageRecord]:
     """One bottom-up-attention.pytorch npz (keys x, bbox, num_bbox, image_h, image_w); source id = stem.
 
@@ -158,7 +162,7 @@ def read_bua_npz(path: str, *, source_id_pattern: Optional[str] = None,
     dict (object confidences) is never loaded, so ``confidences`` is None.
     """
     locator = path
-    data = _load_npz(path, ("x", "bbox", "num_bbox", "image_h", "image_w"))
+    data = _load_npz(path, ("x", "bbox", "num_bbox", "image_h", "image_w"), files=files)
     if isinstance(data, str):
         yield _reject(path, locator, data)
         return
@@ -182,7 +186,7 @@ def read_bua_npz(path: str, *, source_id_pattern: Optional[str] = None,
                    num_boxes=n, split=split, locator=locator)
 
 
-def read_uniter_npz(path: str, *, source_id_pattern: Optional[str] = None,
+def read_uniter_npz(path: str, files: Optional[FileAccess] = None, *, source_id_pattern: Optional[str] = None,
                     split: Optional[str] = None) -> Iterator[ImageRecord]:
     """One UNITER npz (float16 features (N,F), norm_bb (N,6) or (N,7) with area, conf (N,1), soft_labels).
 
@@ -190,7 +194,7 @@ def read_uniter_npz(path: str, *, source_id_pattern: Optional[str] = None,
     (0, 0). Features keep their float16 dtype. UNITER files declare no box count: ``num_boxes`` is None.
     """
     locator = path
-    data = _load_npz(path, ("features", "norm_bb"), optional=("conf",))
+    data = _load_npz(path, ("features", "norm_bb"), optional=("conf",), files=files)
     if isinstance(data, str):
         yield _reject(path, locator, data)
         return
@@ -213,13 +217,13 @@ _CONF_KEYS = ("conf", "confidences", "scores", "objects_conf")
 _IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".JPG", ".JPEG", ".PNG")
 
 
-def image_size(path: str) -> tuple[int, int]:
+def image_size(path: str, files: Optional[FileAccess] = None) -> tuple[int, int]:
     """(width, height) of a JPEG or PNG file from its header (PIL when installed, else a small parser)."""
     try:
         from PIL import Image
     except ImportError:
         Image = None
-    with _open_binary(path) as f:
+    with _open_binary(path, files) as f:
         if Image is not None:
             with Image.open(f) as im:
                 return int(im.size[0]), int(im.size[1])
@@ -248,14 +252,15 @@ def _header_size(f, path: str) -> tuple[int, int]:
         f.seek(length - 2, os.SEEK_CUR)
 
 
-def _find_image(image_dir: str, stem: str) -> Optional[str]:
+def _find_image(image_dir: str, stem: str, files: Optional[FileAccess] = None) -> Optional[str]:
     """``<image_dir>/<stem>.<jpg|jpeg|png>``; ``image_dir`` may be a glob (``images/*``)."""
+    files = files or LOCAL_FILES
     if any(c in image_dir for c in "*?["):
-        hits = sorted(p for p in glob.glob(os.path.join(image_dir, stem + ".*")) if p.endswith(_IMAGE_EXTS))
+        hits = [p for p in files.match(join_path(image_dir, stem + ".*")) if p.endswith(_IMAGE_EXTS)]
         return hits[0] if hits else None
     for ext in _IMAGE_EXTS:
-        candidate = os.path.join(image_dir, stem + ext)
-        if os.path.isfile(candidate):
+        candidate = join_path(image_dir, stem + ext)
+        if files.exists(candidate):
             return candidate
     return None
 
@@ -268,9 +273,9 @@ def detector_frame_size(w: int, h: int, min_size: int, max_size: int) -> tuple[i
     return int(w * scale), int(h * scale)
 
 
-def read_plain_npz(path: str, *, image_w: int = 0, image_h: int = 0, image_dir: Optional[str] = None,
-                   detector_resize: Optional[Sequence[int]] = None, source_id_pattern: Optional[str] = None,
-                   split: Optional[str] = None) -> Iterator[ImageRecord]:
+def read_plain_npz(path: str, files: Optional[FileAccess] = None, *, image_w: int = 0, image_h: int = 0,
+                   image_dir: Optional[str] = None, detector_resize: Optional[Sequence[int]] = None,
+                   source_id_pattern: Optional[str] = None, split: Optional[str] = None) -> Iterator[ImageRecord]:
     """One "features + boxes" npz: ``features`` (N,F), ``boxes`` (N,4) pixel x1,y1,x2,y2 (or (N,6)
     normalised), optional ``image_w``/``image_h`` keys and a confidence key (conf/confidences/scores).
 
@@ -281,7 +286,7 @@ def read_plain_npz(path: str, *, image_w: int = 0, image_h: int = 0, image_dir: 
     Source id = file stem. The format declares no box count: ``num_boxes`` is None.
     """
     locator = path
-    data = _load_npz(path, ("features", "boxes"), optional=("image_w", "image_h") + _CONF_KEYS)
+    data = _load_npz(path, ("features", "boxes"), optional=("image_w", "image_h") + _CONF_KEYS, files=files)
     if isinstance(data, str):
         yield _reject(path, locator, data)
         return
@@ -306,12 +311,14 @@ def read_plain_npz(path: str, *, image_w: int = 0, image_h: int = 0, image_dir: 
         if image_w and image_h:
             w, h = int(image_w), int(image_h)
         elif image_dir:
-            image_path = _find_image(image_dir, stem)
+            image_path = _find_image(image_dir, stem, files)
             if image_path is None:
                 yield _reject(path, locator, f"no image {stem}.jpg/.jpeg/.png in image_dir {image_dir!r} to size the boxes")
                 return
             try:
-                w, h = image_size(image_path)
+                w, h = image_size(image_path, files)
+            except URLAccessError:
+                raise
             except Exception as e:  # a broken image file is this record's problem
                 yield _reject(path, locator, f"cannot read the size of {image_path}: {e}")
                 return
@@ -323,7 +330,7 @@ def read_plain_npz(path: str, *, image_w: int = 0, image_h: int = 0, image_dir: 
 
 
 # --------------------------------------------------------------------------------------- OSCAR .pt
-def read_oscar_pt(path: str, *, source_id_pattern: Optional[str] = None,
+def read_oscar_pt(path: str, files: Optional[FileAccess] = None, *, source_id_pattern: Optional[str] = None,
                   split: Optional[str] = None) -> Iterator[ImageRecord]:
     """OSCAR torch-saved dict {image_id: tensor (N, F+6)}: the last 6 columns are normalised boxes.
 
@@ -333,7 +340,7 @@ def read_oscar_pt(path: str, *, source_id_pattern: Optional[str] = None,
     """
     import torch  # only this format needs torch
 
-    with _open_binary(path) as f:
+    with _open_binary(path, files) as f:
         try:
             obj = torch.load(f, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
