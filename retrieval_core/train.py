@@ -62,6 +62,10 @@ class TrainConfig:
     image_init: str = "random"
     weight_decay: float = 0.05
     grad_clip: float = 1.0
+    # Keep the backbone's word embeddings (65 % of the halved MiniLM's weights) fixed: a CPU step is ~20 % faster
+    # (no dense embedding gradient, a third of the AdamW work), and the image embedding's least-squares start
+    # (image_init="lstsq") keeps aiming at a word space that does not move.
+    freeze_word_embeddings: bool = False
     p_replace_image: float = 0.5
     # "pair": the paper's binary loss over 1 positive + ce_negatives negatives per caption; "listwise": softmax
     # over the positive and its negatives (LCE), which learns to separate near misses from fewer steps.
@@ -237,6 +241,7 @@ class Trainer:
         self.model, self.data, self.cfg, self.out, self.dev = model, train, cfg, output_dir, dev
         self.device = torch.device(cfg.device)
         self.model.to(self.device)
+        self.model.bert.embeddings.word_embeddings.weight.requires_grad_(not cfg.freeze_word_embeddings)
         self.collate_text = model.text_collator()
         self.optimizer = self._make_optimizer()
         self.step = 0
@@ -503,6 +508,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hard-negative-prob", type=float, default=0.0,
                    help="share of CE negatives drawn from the gold image's nearest images by pooled region features")
     p.add_argument("--hard-negative-k", type=int, default=8, help="how many nearest images form that pool")
+    p.add_argument("--freeze-word-embeddings", action="store_true",
+                   help="keep the backbone's word embeddings fixed (~20%% faster CPU steps for the halved MiniLM)")
     p.add_argument("--ce-loss", choices=CE_LOSSES, default="pair",
                    help="pair: binary loss per (caption, image) pair (the paper); listwise: softmax over each "
                         "caption's positive and its negatives (LCE)")
@@ -547,7 +554,8 @@ def main(argv=None) -> int:
                       batch_size=args.batch_size, lr=args.lr, new_layers_lr_mult=args.new_layers_lr_mult,
                       image_init=args.image_init, hard_negative_prob=args.hard_negative_prob,
                       hard_negative_k=args.hard_negative_k, ce_loss=args.ce_loss, ce_negatives=args.ce_negatives,
-                      ce_batch_size=args.ce_batch_size, ce_start_step=args.ce_start_step, eval_every=args.eval_every,
+                      ce_batch_size=args.ce_batch_size, ce_start_step=args.ce_start_step,
+                      freeze_word_embeddings=args.freeze_word_embeddings, eval_every=args.eval_every,
                       checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device,
                       amp=not args.no_amp, progress=not args.no_progress)
     model = build_model(args.base_model, staged.feature_dim, args.halve_layers, args.seed)

@@ -84,6 +84,19 @@ def test_ce_start_step_and_listwise_groups(tmp_path, data):
         TrainConfig(ce_loss="margin").check()
 
 
+def test_freeze_word_embeddings_keeps_them_and_trains_the_rest(tmp_path, data):
+    train, _ = data
+    for freeze in (True, False):
+        model = tiny_model(str(tmp_path / f"m{freeze}"), feature_dim=F)
+        words = model.bert.embeddings.word_embeddings.weight.detach().clone()
+        layer = model.bert.encoder.layer[0].attention.self.query.weight.detach().clone()
+        cfg = TrainConfig(objective="joint", steps=3, batch_size=8, lr=1e-3, freeze_word_embeddings=freeze,
+                          progress=False)
+        Trainer(model, train, cfg, str(tmp_path / f"out{freeze}"), None).train()
+        assert torch.equal(model.bert.embeddings.word_embeddings.weight, words) == freeze
+        assert not torch.equal(model.bert.encoder.layer[0].attention.self.query.weight, layer)
+
+
 def test_joint_ce_head_learns_to_rank_positives_first(tmp_path, data):
     # From a random tiny BERT the CE loss sits at ln 2 for ~200 steps before the cross-attention finds the
     # image-text link (a pretrained backbone gets there sooner); 500 steps take ~15 s on one thread.
