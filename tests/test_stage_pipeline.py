@@ -369,3 +369,19 @@ def test_beam_file_access_reads_urls_raw_and_lists_like_local(tmp_path):
     assert [(c.image_source_id, c.text, c.lang) for c in by_url] == \
            [(c.image_source_id, c.text, c.lang) for c in by_local] == [("1", "ein Hund", "de"),
                                                                         ("2", "zwei Katzen", "de")]
+
+
+def test_multi_processing_runner_stages_everything_with_smaller_read_tasks(tmp_path):
+    """The multi-processing DirectRunner (worker processes) stages a synthetic collection completely: the run
+    reconciles in = staged + rejected, and the CLI picks 100-record read tasks for that mode by default."""
+    assert stage.default_chunk_size(["--direct_running_mode=multi_processing"]) == 100
+    assert stage.default_chunk_size(["--direct_running_mode", "multi_processing"]) == 100
+    assert stage.default_chunk_size([]) == stage.default_chunk_size(["--direct_running_mode=in_memory"]) == 500
+    out = tmp_path / "out"
+    code, output = run_cli("--manifest", "demo", "--output", str(out), "--set", "feature_dim=8",
+                           "--set", "demo.images.num_images=240", "--set", "demo.expected_images=240",
+                           "--set", "demo.expected_captions=1200", "--chunk-size", "60",
+                           "--direct_running_mode=multi_processing", "--direct_num_workers=2")
+    assert code == 0, output
+    assert "demo images: 240 in = 240 staged + 0 rejected" in output
+    assert "demo captions: 1200 in = 1200 staged + 0 rejected" in output
