@@ -62,6 +62,9 @@ SEP_CE_STEPS = 260
 
 # Bump when what the cached assets contain changes in a way DEMO_RECIPE does not show.
 ASSETS_VERSION = 2
+# Write <model>/last every N steps so that a killed demo resumes instead of restarting. Not part of the fingerprint:
+# a resumed run reproduces an uninterrupted one bit for bit (CPU), so it does not change what the cache holds.
+DEMO_CHECKPOINT_EVERY = 85
 
 
 def workdir() -> str:
@@ -141,14 +144,26 @@ def ensure_sep_models(staged: str) -> tuple[str, str]:
     return be, _ensure_trained(staged, sep_model_dir("ce"), "ce", base_model=be, steps=SEP_CE_STEPS)
 
 
+def training_finished(train_output: str, steps: int) -> bool:
+    """True once the trainer reached ``steps``: it writes ``last/`` at the final step, while ``best/`` already
+    exists after the first dev evaluation, so ``best/`` alone may be a half-trained model of a killed run."""
+    try:
+        with open(os.path.join(train_output, "last", "trainer_state.json")) as f:
+            return int(json.load(f)["step"]) >= steps
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def _ensure_trained(staged: str, out: str, objective: str, base_model: str = "minilm",
                     steps: Optional[int] = None) -> str:
     best = trained_model_path(out)
-    if os.path.exists(os.path.join(best, "rr_model.json")):
-        return best
     r = DEMO_RECIPE
+    steps = steps or r["steps"]
+    if training_finished(out, steps) and os.path.exists(os.path.join(best, "rr_model.json")):
+        return best
     args = [sys.executable, "-m", "retrieval_core.train", "--manifest", DEMO_MANIFEST, "--staged", staged,
-            "--objective", objective, "--base-model", base_model, "--steps", str(steps or r["steps"]),
+            "--objective", objective, "--base-model", base_model, "--steps", str(steps),
+            "--checkpoint-every", str(DEMO_CHECKPOINT_EVERY),
             "--batch-size", str(r["batch_size"]), "--lr", str(r["lr"]), "--eval-every", str(r["eval_every"]),
             "--be-loss", r["be_loss"], "--new-layers-lr-mult", str(r["new_layers_lr_mult"]),
             "--max-regions", str(r["max_regions"]), "--seed", str(r["seed"]), "--output", out]
@@ -162,7 +177,7 @@ def _ensure_trained(staged: str, out: str, objective: str, base_model: str = "mi
         args += ["--ce-start-step", str(r["ce_start_step"])]
     if base_model == "minilm":  # a new model on the text backbone; a checkpoint brings its own image layer
         args += ["--image-init", r["image_init"]] + (["--halve-layers"] if r["halve_layers"] else [])
-    if os.path.exists(os.path.join(out, "last")):
+    if os.path.exists(os.path.join(out, "last", "trainer_state.json")):
         args.append("--resume")  # an interrupted earlier demo run continues where it stopped
     _run(args)
     return best
