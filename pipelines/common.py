@@ -21,6 +21,8 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from retrieval_core.paths import is_url
+
 log = logging.getLogger(__name__)
 
 # click settings for CLIs that pass unknown --flags through to Beam (--runner, --direct_num_workers...).
@@ -67,7 +69,7 @@ def exists(path: str) -> bool:
 
 def makedirs(path: str) -> None:
     # Object stores have no directories; locally FileSystems.mkdirs raises if it exists.
-    if "://" not in path:
+    if not is_url(path):
         os.makedirs(path, exist_ok=True)
 
 
@@ -105,7 +107,7 @@ class BeamFileAccess:
         return LOCAL_FILES
 
     def open(self, path: str):
-        if "://" not in path:
+        if not is_url(path):
             return self._local().open(path)
         try:
             # UNCOMPRESSED: FileSystems would gunzip *.gz by name; the readers detect gzip by its magic bytes.
@@ -118,22 +120,22 @@ class BeamFileAccess:
             raise
 
     def match(self, pattern: str) -> list[str]:
-        if "://" not in pattern:
+        if not is_url(pattern):
             return self._local().match(pattern)
         return sorted(m.path for m in FileSystems.match([pattern])[0].metadata_list)
 
     def exists(self, path: str) -> bool:
-        return self._local().exists(path) if "://" not in path else FileSystems.exists(path)
+        return self._local().exists(path) if not is_url(path) else FileSystems.exists(path)
 
     def isdir(self, path: str) -> bool:
-        if "://" not in path:
+        if not is_url(path):
             return self._local().isdir(path)
         # Object stores have no directories: a "directory" is a prefix that holds at least one object.
         prefix = path.rstrip("/") + "/"
         return bool(FileSystems.match([prefix + "**"], limits=[1])[0].metadata_list)
 
     def listdir(self, path: str) -> list[str]:
-        if "://" not in path:
+        if not is_url(path):
             return self._local().listdir(path)
         return self.match(path.rstrip("/") + "/*")  # Beam's "*" stops at "/": not recursive
 

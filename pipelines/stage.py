@@ -51,6 +51,7 @@ from apache_beam.metrics import Metrics
 
 from pipelines import common
 from retrieval_core import schema, staging
+from retrieval_core.paths import is_url
 
 log = logging.getLogger("pipelines.stage")
 
@@ -99,10 +100,6 @@ def _reject_out(collection: str, rej: schema.Reject) -> tuple[str, dict]:
     return collection, rej.to_dict()
 
 
-def _is_local(path: str) -> bool:
-    return "://" not in path
-
-
 class _TaskSpill:
     """A read task's spill file: written locally (in place for a local output, else in a temp folder and
     uploaded on close), published under its final name only when complete, so a retried task overwrites."""
@@ -114,7 +111,7 @@ class _TaskSpill:
         key = hashlib.sha1(repr((task.collection, task.kind, _task_source(task), task.start, task.stop))
                            .encode("utf-8")).hexdigest()[:16]
         self.final = common.join(spill_dir, f"{task.collection}-{key}.h5")
-        if _is_local(self.final):
+        if not is_url(self.final):
             common.makedirs(spill_dir)
             self.local = f"{self.final}.tmp-{uuid.uuid4().hex[:12]}"
         else:
@@ -126,7 +123,7 @@ class _TaskSpill:
         import shutil
 
         self.spill.close()
-        if _is_local(self.final):
+        if not is_url(self.final):
             os.replace(self.local, self.final)
             return
         tmp = f"{self.final}.tmp-{uuid.uuid4().hex[:12]}"
@@ -142,7 +139,7 @@ class _TaskSpill:
 def _open_spill(name: str):
     import h5py
 
-    if _is_local(name):
+    if not is_url(name):
         with h5py.File(name, "r") as f:
             yield f
     else:  # h5py reads the few chunks it needs through the seekable FileSystems stream (not yet run on GCS)
@@ -153,7 +150,7 @@ def _open_spill(name: str):
 def _remove_spill(output: str) -> None:
     """Delete <output>/_spill (this run's spill files, or those a killed run left behind)."""
     root = common.join(output, SPILL_DIR)
-    if _is_local(root):
+    if not is_url(root):
         import shutil
         shutil.rmtree(root, ignore_errors=True)
         return

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import yaml
 
+from .paths import is_url
 from .schema import DEFAULT_MAX_REGIONS
 
 IMAGE_FORMATS = ("synthetic", "butd_tsv", "bua_npz", "uniter_npz", "oscar_pt", "plain_npz")
@@ -130,14 +131,10 @@ class Manifest:
         return asdict(self)
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path
-
-
 def _path_exists(path: str, files) -> bool:
     """Whether an input (file, directory or glob) exists; a URL without ``files`` counts as present
     (unchecked: no Beam here)."""
-    if not _is_url(path):
+    if not is_url(path):
         return bool(glob.glob(path)) if _GLOB_CHARS.search(path) else os.path.exists(path)
     if files is None:
         return True
@@ -264,12 +261,12 @@ def _resolve(path, root: str):
         return None
     if isinstance(path, list):
         return [_resolve(p, root) for p in path]
-    if _is_url(path):  # gs://b/x.tsv is absolute: normpath + join with the root would make it <root>/gs:/b/x.tsv
+    if is_url(path):  # gs://b/x.tsv is absolute: normpath + join with the root would make it <root>/gs:/b/x.tsv
         return path
     path = os.path.expanduser(path)
     if os.path.isabs(path):
         return path
-    if _is_url(root):  # RR_DATA_ROOT=gs://bucket/data: join with "/" (normpath would turn gs:// into gs:/)
+    if is_url(root):  # RR_DATA_ROOT=gs://bucket/data: join with "/" (normpath would turn gs:// into gs:/)
         return f"{root.rstrip('/')}/{posixpath.normpath(path)}"
     return os.path.normpath(os.path.join(root, path))
 

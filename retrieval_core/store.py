@@ -42,6 +42,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import schema
+from .paths import is_url, join_path
 
 SUMMARY_FILE = "summary.json"
 _META_COLUMNS = [c for c in schema.IMAGE_COLUMNS if c not in ("boxes", "features")]
@@ -53,10 +54,6 @@ Opener = Callable[[str], BinaryIO]
 
 class StagedDataError(RuntimeError):
     """The staged directory is missing, incomplete or inconsistent."""
-
-
-def _join(root: str, rel: str) -> str:
-    return f"{root.rstrip('/')}/{rel}" if "://" in root else os.path.join(root, rel)
 
 
 def _unpack_nested(col: pa.ChunkedArray | pa.Array, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -76,7 +73,7 @@ class StagedDataset:
     def __init__(self, staged_dir: str, opener: Optional[Opener] = None):
         self.root = staged_dir
         self._opener = opener
-        path = _join(staged_dir, SUMMARY_FILE)
+        path = join_path(staged_dir, SUMMARY_FILE)
         try:
             with self._open(path) as f:
                 self.summary: dict = json.loads(f.read())
@@ -99,7 +96,7 @@ class StagedDataset:
         return f"StagedDataset({self.root!r}, collections={self.collections}, F={self.feature_dim})"
 
     def _open(self, path: str) -> BinaryIO:
-        if "://" not in path:
+        if not is_url(path):
             return open(path, "rb")
         if self._opener is None:  # no Beam here (layering): the caller says how to reach remote storage
             raise StagedDataError(f"{path} is a URL: pass StagedDataset(..., opener=...) to read it (the "
@@ -121,9 +118,9 @@ class StagedDataset:
         return out
 
     def _read_parquet(self, rel: str, columns: Optional[list[str]] = None, filters=None) -> pa.Table:
-        path = _join(self.root, rel)
+        path = join_path(self.root, rel)
         try:
-            if "://" in path:
+            if is_url(path):
                 with self._open(path) as f:
                     return pq.read_table(io.BytesIO(f.read()), columns=columns, filters=filters)
             return pq.read_table(path, columns=columns, filters=filters)
@@ -212,7 +209,7 @@ class StagedDataset:
         feats_out, boxes_out, counts = [], [], np.zeros(len(ids), dtype=np.int64)
         for shard in sorted(set(shard_names)):
             sel = np.flatnonzero(np.array([s == shard for s in shard_names]))
-            path = _join(self.root, shard)
+            path = join_path(self.root, shard)
             try:
                 handle = self._open(path)
             except FileNotFoundError:

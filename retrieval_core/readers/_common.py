@@ -15,18 +15,10 @@ import os
 import re
 from typing import BinaryIO, Iterator, Optional, Protocol, Sequence
 
+from ..paths import is_url
+
 _GZIP_MAGIC = b"\x1f\x8b"
 _GLOB_CHARS = re.compile(r"[*?\[]")
-
-
-def is_url(path: str) -> bool:
-    """``gs://bucket/x.tsv`` and other ``scheme://`` paths: not reachable with Python's own file access."""
-    return "://" in os.fspath(path)
-
-
-def join_path(base: str, name: str) -> str:
-    """``base/name``; URLs always join with "/" (os.path.join would use the local separator)."""
-    return f"{base.rstrip('/')}/{name}" if is_url(base) else os.path.join(base, name)
 
 
 class FileAccess(Protocol):

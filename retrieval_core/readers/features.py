@@ -24,8 +24,9 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from ..schema import KIND_IMAGE, RawImage, Reject
+from ..paths import join_path
 from ._common import (LOCAL_FILES, FileAccess, URLAccessError, _open_binary, apply_source_id_pattern, file_stem,
-                      iter_lines, join_path, npz_bytes)
+                      iter_lines, npz_bytes)
 
 ImageRecord = RawImage | Reject
 
