@@ -123,15 +123,15 @@ def summary_table(rows: pd.DataFrame) -> str:
 def main(staged: str, manifest: str, collection: Optional[str], be_model: str, ce_model: Optional[str], split: str,
          max_captions: int, output: Optional[str], batch_size: int) -> None:
     """Within-family accuracy of the BE and the CE, by the kind of difference (synthetic collections only)."""
-    try:
+    from pipelines.common import cli_errors
+
+    with cli_errors(KeyError):  # bad manifest, staged dir, model folder or collection: one line, exit 1
         m = load_manifest(manifest)
         name = collection or m.benchmark.get("query_collection") or next(iter(m.collections))
         spec = m.synthetic_spec(name)
         be = VLRetrievalModel.load(be_model)
         ce = VLRetrievalModel.load(ce_model) if ce_model else be
         rows = probe(StagedDataset(staged), spec, be, ce, split, max_captions or None, batch_size=batch_size)
-    except (ValueError, FileNotFoundError, KeyError) as exc:
-        raise click.ClickException(str(exc)) from None
     click.echo(f"\nwithin-family accuracy (%), {name}/{split}, families of {spec.family_size} "
                f"(top1 chance {rows.attrs['chance_top1']:.0f} %, pairwise chance 50 %):")
     click.echo(summary_table(rows))

@@ -74,3 +74,6 @@ def test_cli_writes_csv_and_reports_non_synthetic_input_clearly(setup, tmp_path)
     assert (tmp_path / "family_probe.csv").exists() and "within-family accuracy" in out.output
     bad = CliRunner().invoke(family_probe.main, ["--staged", staged, "--manifest", "coco_5k", "--model", model_dir])
     assert bad.exit_code != 0 and "Traceback" not in bad.output and "synthetic" in bad.output.lower()
+    missing = CliRunner().invoke(family_probe.main, ["--staged", str(tmp_path / "nowhere"), "--manifest", "demo",
+                                                     "--model", model_dir])
+    assert missing.exit_code == 1 and "is not a staged directory" in missing.output
