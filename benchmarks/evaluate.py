@@ -19,7 +19,6 @@ Outputs in ``--output``:
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -126,6 +125,8 @@ def _rankings_manifest(src: str) -> Optional[str]:
 
 def listed_shards(manifest_path: str) -> list[str]:
     """Paths of the shards a rankings manifest lists, each checked against its recorded sha256."""
+    from pipelines.common import sha256_file  # Beam's FileSystems: imported only when a run is read
+
     with open(manifest_path, "rb") as f:
         manifest = json.loads(f.read().decode("utf-8"))
     rank_dir = os.path.join(os.path.dirname(manifest_path), RANKINGS_SUBDIR)
@@ -134,8 +135,7 @@ def listed_shards(manifest_path: str) -> list[str]:
         path = os.path.join(rank_dir, shard["name"])
         if not os.path.isfile(path):
             raise EvaluationError(f"{path} is listed in {manifest_path} but missing; rerun pipelines.rerank")
-        with open(path, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
+        digest = sha256_file(path)
         if shard.get("sha256") and digest != shard["sha256"]:
             raise EvaluationError(f"{path} changed since {manifest_path} was written (sha256 {digest[:12]}... != "
                                   f"{shard['sha256'][:12]}...); rerun pipelines.rerank")
