@@ -51,12 +51,115 @@ def cli_errors(*error_types: type) -> Iterator[None]:
         raise click.ClickException(str(exc)) from None
 
 
+class UnknownFlagError(click.UsageError):
+    """A --flag that neither the CLI nor any Beam PipelineOptions class knows (Beam would only log
+    "Discarding unparseable args" and run with its default)."""
+
+
+def _register_runner_options() -> None:
+    # Runner-specific options classes register themselves on import; DaskRunner's (--dask_client_address...)
+    # is not imported by apache_beam itself.
+    with contextlib.suppress(ImportError):
+        import apache_beam.runners.dask.dask_runner  # noqa: F401
+
+
+def unknown_beam_flags(beam_args: Sequence[str]) -> list[str]:
+    """The flags in ``beam_args`` that no PipelineOptions class parses (what Beam would discard)."""
+    from apache_beam.options.pipeline_options import _BeamArgumentParser
+
+    _register_runner_options()
+    parser = _BeamArgumentParser(allow_abbrev=False)
+    for cls in {str(c): c for c in PipelineOptions.__subclasses__()}.values():
+        cls._add_argparse_args(parser)  # the same parser Beam builds in PipelineOptions.get_all_options
+    _, unknown = parser.parse_known_args(list(beam_args))
+    return [a for a in unknown if a.startswith("-")] or list(unknown)
+
+
 def pipeline_options(beam_args: Sequence[str], default_runner: str = "DirectRunner") -> PipelineOptions:
-    """PipelineOptions from the leftover CLI args; DirectRunner unless --runner says otherwise."""
+    """PipelineOptions from the leftover CLI args; DirectRunner unless --runner says otherwise.
+
+    Refuses (UnknownFlagError) any flag Beam does not know either: a mistyped ``--top-k`` or a misplaced
+    ``--index_factory`` is an error before anything runs, not a silently ignored option."""
     args = list(beam_args)
+    unknown = unknown_beam_flags(args)
+    if unknown:
+        raise UnknownFlagError(f"unknown option(s) {' '.join(unknown)}: neither this command nor Beam's pipeline "
+                               f"options know them (see --help)")
     if not any(a == "--runner" or a.startswith("--runner=") for a in args):
         args.append(f"--runner={default_runner}")
     return PipelineOptions(args)
+
+
+def runner_name(options: PipelineOptions) -> str:
+    """The runner's short class name ("DirectRunner", "DaskRunner", "DataflowRunner"...)."""
+    from apache_beam.options.pipeline_options import StandardOptions
+
+    runner = options.view_as(StandardOptions).runner or "DirectRunner"
+    return runner if isinstance(runner, str) and "." not in runner else str(runner).rsplit(".", 1)[-1]
+
+
+def is_dry_run(options: PipelineOptions) -> bool:
+    """``--dry_run`` (Beam's TestOptions): DataflowRunner builds and translates the job without submitting."""
+    from apache_beam.options.pipeline_options import TestOptions
+
+    return bool(options.view_as(TestOptions).dry_run)
+
+
+def run_pipeline(p) -> Optional[object]:
+    """Run ``p`` to completion; the one place every launcher runs its graph.
+
+    Returns the PipelineResult, or None for ``--dry_run`` (the graph was translated, nothing ran: the
+    launcher must not look for outputs). Closes the distributed.Client DaskRunner leaves open."""
+    result = p.run()
+    if is_dry_run(p.options):
+        log.info("dry run: the pipeline was translated for %s and not submitted", runner_name(p.options))
+        return None
+    result.wait_until_finish()
+    client = getattr(result, "client", None)  # DaskRunner leaves its distributed.Client open
+    if client is not None:
+        client.close()
+    return result
+
+
+# ------------------------------------------------------------------------------------- run reports
+#: Per-run scratch folder under a pipeline's output: the report its graph hands to the launcher.
+RUN_DIR = "_run"
+RUN_REPORT = RUN_DIR + "/report.json"
+
+
+def write_report(items: list, path: str) -> int:
+    """Write a run report (a JSON list of dicts, sorted for determinism); returns how many items."""
+    items = sorted(items, key=lambda r: json.dumps(r, sort_keys=True, default=str))
+    write_json_atomic(path, items)
+    return len(items)
+
+
+class WriteRunReport:
+    """The last step of every graph: flatten the PCollections of report dicts (shard infos, counts, rejects)
+    into one list and write it to ``<output>/_run/report.json``; the launcher reads it with
+    :func:`read_run_report`. One final step on purpose: DaskRunner (Beam 2.77) computes only the graph of
+    the last transform, so every write must feed it."""
+
+    @staticmethod
+    def apply(parts: Sequence, output: str, label: str = "run report"):
+        import apache_beam as beam
+
+        path = join(output, RUN_REPORT)
+        return (tuple(parts) | f"{label}: flatten" >> beam.Flatten()
+                | f"{label}: one key" >> beam.Map(lambda r: (None, r))
+                | f"{label}: collect" >> beam.GroupByKey()
+                | f"{label}: write" >> beam.MapTuple(lambda _, items: write_report(list(items), path)))
+
+
+def read_run_report(output: str) -> list[dict]:
+    return read_json(join(output, RUN_REPORT))
+
+
+def clear_run_dir(output: str) -> None:
+    """Remove ``<output>/_run`` (the report of this or an earlier, killed run)."""
+    path = join(output, RUN_DIR)
+    if FileSystems.exists(path):
+        FileSystems.delete([path])
 
 
 def join(*parts: str) -> str:
