@@ -293,3 +293,62 @@ def shard_is_valid(path: str, expected_sha256: Optional[str]) -> bool:
 def shard_name(prefix: str, index: int, total: int, suffix: str) -> str:
     """Deterministic shard file name, e.g. ``coco-00003-of-00010.parquet``."""
     return f"{prefix}-{index:05d}-of-{total:05d}{suffix}"
+
+
+# --------------------------------------------------------------------------- typed launchers (appended)
+#: The one --device spelling of every CLI; Beam/torch names for it (handlers.VLModelHandler takes "CPU"/"GPU").
+DEVICES = ("cpu", "cuda")
+_BEAM_DEVICE = {"cpu": "CPU", "cuda": "GPU"}
+DEVICE_CHOICE = click.Choice(DEVICES, case_sensitive=False)
+
+
+def beam_device(device: str) -> str:
+    """``cpu|cuda`` (any case) -> the handler's "CPU"/"GPU"; anything else is a one-line error."""
+    try:
+        return _BEAM_DEVICE[device.lower()]
+    except (KeyError, AttributeError):
+        raise ValueError(f"device must be one of {'|'.join(DEVICES)}, got {device!r}") from None
+
+
+def check_choice(name: str, value, choices: Sequence) -> None:
+    """Plan validation: ``value`` must be one of ``choices`` (one-line ValueError naming both)."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {'|'.join(map(str, choices))}, got {value!r}")
+
+
+def check_positive(name: str, value, allow_none: bool = False) -> None:
+    """Plan validation: an int >= 1 (or None where allowed)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def is_dask(options: PipelineOptions) -> bool:
+    return runner_name(options) == "DaskRunner"
+
+
+def task_pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:
+    """:func:`pipeline_options` for graphs that start from a list of read tasks (shards, input chunks).
+
+    On DaskRunner each element of a ``beam.Create`` becomes its own dask partition
+    (``--dask_partition_size=1`` unless --dask_npartitions/--dask_partition_size is given): Beam 2.77's
+    default packs 128 elements into one partition, i.e. one worker would read 128 shards and hold all their
+    outputs in one list (a partition's outputs are materialised), and Reshuffle is a no-op there."""
+    options = pipeline_options(beam_args)
+    refuse_local_dry_run(options)
+    if is_dask(options) and not any(a.split("=", 1)[0] in ("--dask_npartitions", "--dask_partition_size")
+                                    for a in beam_args):
+        options = pipeline_options([*beam_args, "--dask_partition_size=1"])
+    return options
+
+
+def dry_run_message(pipeline: str, options: PipelineOptions) -> str:
+    return f"dry run: {pipeline} translated for {runner_name(options)}, nothing written"
+
+
+def refuse_local_dry_run(options: PipelineOptions) -> None:
+    """``--dry_run`` only means "translate, do not submit" on DataflowRunner; the local runners ignore it and
+    would run the job, so it is refused there (one line) instead of writing outputs the launcher skips."""
+    if is_dry_run(options) and runner_name(options) != "DataflowRunner":
+        raise click.UsageError(f"--dry_run is a DataflowRunner option; {runner_name(options)} would run the job")

@@ -9,7 +9,8 @@ with ``faiss.merge_knn_results`` is explicit and keeps ids as stored.
 Index directory layout::
 
     index_manifest.json      factory, d, metric, ntotal, shards [{name, rows, sha256, source...}],
-                             the embeddings manifest it came from (+ its sha256), the trained index
+                             the embeddings manifest it came from (+ its sha256), the trained index, and
+                             for a sub-pool index the id list it holds (``ids``: path, sha256, count)
     trained.faiss            the trained empty index every shard started from
     shards/<name>.faiss      one serialized index per embedding shard
 """
@@ -265,6 +266,31 @@ class ShardedIndex:
         return frozenset(self.all_ids().tolist())
 
 
+# ------------------------------------------------------------------------------------------ id lists
+def read_id_list(source, where: str = "id list") -> np.ndarray:
+    """The sorted ids of an id-list Parquet file (one int64 column ``schema.ITEM_ID``; path, bytes or file
+    object): the items a sub-pool index holds (a 1k fold of a 5k collection). Nulls, another dtype and
+    duplicates are errors naming the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(pa.BufferReader(bytes(source)) if isinstance(source, (bytes, bytearray)) else source,
+                              columns=[schema.ITEM_ID])
+    except (KeyError, ValueError, OSError) as exc:  # pyarrow: missing column / not Parquet
+        raise ValueError(f"{where}: cannot read an int64 {schema.ITEM_ID!r} column from it ({exc})") from None
+    col = table.column(schema.ITEM_ID)
+    if col.type != pa.int64():
+        raise ValueError(f"{where}: column {schema.ITEM_ID!r} must be int64, got {col.type}")
+    if col.null_count:
+        raise ValueError(f"{where}: {col.null_count} null {schema.ITEM_ID}(s)")
+    ids = np.sort(col.to_numpy().astype(np.int64, copy=False))
+    dup = np.unique(ids[1:][ids[1:] == ids[:-1]])
+    if len(dup):
+        raise ValueError(f"{where}: {len(dup)} {schema.ITEM_ID}(s) listed more than once (e.g. {dup[:5].tolist()})")
+    return ids
+
+
 # ----------------------------------------------------------------------------------------- manifest
 def shard_file_name(embedding_shard_name: str) -> str:
     """Index shard file for an embedding shard: same stem, ``.faiss``."""
@@ -273,15 +299,17 @@ def shard_file_name(embedding_shard_name: str) -> str:
 
 
 def make_index_manifest(factory: str, d: int, metric: str, modality: str, shards: Sequence[dict],
-                        embeddings: dict, trained: dict, created_by: str) -> dict:
+                        embeddings: dict, trained: dict, created_by: str, ids: Optional[dict] = None) -> dict:
     """``shards``: [{name, rows, sha256, source, source_sha256}]; ``embeddings``: {dir, manifest_sha256,
-    count}; ``trained``: {name, sha256, train_sample, seed}."""
+    count}; ``trained``: {name, sha256, train_sample, seed}; ``ids`` (a sub-pool index only): {path, sha256,
+    count} of the id list it was built from (None: the index holds every embedding)."""
     shards = sorted((dict(s) for s in shards), key=lambda s: s["name"])
     return {
         "schema_version": schema.SCHEMA_VERSION,
         "factory": factory, "d": int(d), "metric": metric, "modality": modality,
         "ntotal": int(sum(int(s["rows"]) for s in shards)),
-        "shards": shards, "embeddings": dict(embeddings), "trained": dict(trained), "created_by": created_by,
+        "shards": shards, "embeddings": dict(embeddings), "trained": dict(trained),
+        "ids": dict(ids) if ids else None, "created_by": created_by,
     }
 
 
@@ -333,8 +361,11 @@ def load_sharded_index(index_dir: str, verify: bool = True, embeddings_dir: Opti
     if sharded.d != int(manifest["d"]) or sharded.metric_type != metric_type(manifest["metric"]):
         raise IndexIntegrityError(f"{index_dir}: shards have d={sharded.d}, metric={sharded.metric_type}; "
                                   f"manifest says d={manifest['d']}, metric={manifest['metric']}")
-    src = manifest["embeddings"]
-    if int(src.get("count", -1)) != sharded.ntotal:
+    src, subset = manifest["embeddings"], manifest.get("ids")
+    if subset and int(subset.get("count", -1)) != sharded.ntotal:
+        raise IndexIntegrityError(f"{index_dir}: index holds {sharded.ntotal} vectors but its id list "
+                                  f"{subset.get('path')} holds {subset.get('count')}")
+    if not subset and int(src.get("count", -1)) != sharded.ntotal:
         raise IndexIntegrityError(f"{index_dir}: index holds {sharded.ntotal} vectors but the embeddings it was "
                                   f"built from hold {src.get('count')}")
     emb_dir = embeddings_dir or src.get("dir")
@@ -345,9 +376,9 @@ def load_sharded_index(index_dir: str, verify: bool = True, embeddings_dir: Opti
             raise IndexIntegrityError(f"{index_dir}: the embeddings manifest in {emb_dir} changed since the index "
                                       f"was built (sha256 {digest[:12]}... != {src['manifest_sha256'][:12]}...)")
         if check_id_set:
-            expected = np.sort(emb.read_modality_ids(emb_dir, manifest.get("modality", schema.KIND_IMAGE)))
+            expected = _expected_ids(index_dir, manifest, emb_dir)
             got = sharded.all_ids()
-            if len(expected) != len(got) or not np.array_equal(expected, got):
+            if expected is not None and (len(expected) != len(got) or not np.array_equal(expected, got)):
                 missing = np.setdiff1d(expected, got)[:5].tolist()
                 extra = np.setdiff1d(got, expected)[:5].tolist()
                 raise IndexIntegrityError(f"{index_dir}: index ids differ from the embeddings' ids "
@@ -355,3 +386,19 @@ def load_sharded_index(index_dir: str, verify: bool = True, embeddings_dir: Opti
     else:
         log.warning("embeddings of %s not readable (%s); checked the id count only", index_dir, emb_dir)
     return sharded
+
+
+def _expected_ids(index_dir: str, manifest: dict, emb_dir: str) -> Optional[np.ndarray]:
+    """Sorted ids the index must hold: its id list's (when readable) or every embedding's."""
+    subset = manifest.get("ids")
+    if not subset:
+        return np.sort(emb.read_modality_ids(emb_dir, manifest.get("modality", schema.KIND_IMAGE)))
+    path = subset.get("path")
+    if not path or not os.path.exists(path):
+        log.warning("id list %s of %s not readable; checked the id count only", path, index_dir)
+        return None
+    with open(path, "rb") as f:
+        data = f.read()
+    if hashlib.sha256(data).hexdigest() != subset.get("sha256"):
+        raise IndexIntegrityError(f"{index_dir}: its id list {path} changed since the index was built")
+    return read_id_list(data, path)

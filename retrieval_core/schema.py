@@ -87,6 +87,9 @@ class IdRegistry:
 # ------------------------------------------------------------------------------------ Arrow schemas
 # Images (one row per image). Features live either inline (Parquet) or in HDF5 shards (then
 # feature_shard/feature_row point at them and boxes/features are null).
+#: The int64 id column of staged images, embedding shards and id lists (``pipelines.build_index --ids``).
+ITEM_ID = "item_id"
+
 IMAGE_COLUMNS = (
     "item_id", "collection", "source_id", "split", "image_w", "image_h", "num_boxes",
     "boxes", "features", "feature_shard", "feature_row",

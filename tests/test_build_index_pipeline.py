@@ -81,3 +81,91 @@ def test_corrupt_embedding_shard_fails_the_build(tmp_path):
     assert res.exit_code != 0
     assert isinstance(res.exception, SystemExit)  # reported by the CLI (one line), not an uncaught error
     assert "sha256" in res.output and "does not match the manifest" in res.output
+
+
+def _write_ids(path, ids):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"item_id": pa.array(np.asarray(ids), type=pa.int64())}), str(path))
+    return str(path)
+
+
+def test_ids_index_holds_only_the_listed_items(tmp_path):
+    emb_dir, out = tmp_path / "emb", tmp_path / "index"
+    ids, x = _write_embeddings(emb_dir)
+    fold = ids[::3][:150]
+    ids_file = _write_ids(tmp_path / "fold.parquet", fold[::-1])  # file order does not matter
+    text = _run(["--embeddings", str(emb_dir), "--output", str(out), "--modality", "image",
+                 "--ids", ids_file, "--index-factory", "IVF2,Flat", "--train-sample", "100", "--threads", "1"])
+    assert "150 vectors of the 150 ids in" in text and "(3 built, 0 kept)" in text
+    manifest = json.loads((out / ix.INDEX_MANIFEST).read_text())
+    import hashlib
+    assert manifest["ids"] == {"path": ids_file, "count": 150,
+                               "sha256": hashlib.sha256(open(ids_file, "rb").read()).hexdigest()}
+    index = ix.load_sharded_index(str(out))  # checks the id set against the id list
+    np.testing.assert_array_equal(index.all_ids(), np.sort(fold))
+    assert "(0 built, 3 kept)" in _run(["--embeddings", str(emb_dir), "--output", str(out), "--ids", ids_file,
+                                        "--index-factory", "IVF2,Flat", "--train-sample", "100"])
+    # another id list rebuilds every shard; without --ids the index holds every embedding again
+    other = _write_ids(tmp_path / "other.parquet", ids[:50])
+    assert "(3 built, 0 kept)" in _run(["--embeddings", str(emb_dir), "--output", str(out), "--ids", other])
+    assert "600 vectors in 3 shards (3 built, 0 kept)" in _run(["--embeddings", str(emb_dir), "--output", str(out)])
+    assert json.loads((out / ix.INDEX_MANIFEST).read_text())["ids"] is None
+
+
+def test_ids_missing_from_the_embeddings_are_refused_before_anything_is_written(tmp_path):
+    emb_dir, out = tmp_path / "emb", tmp_path / "index"
+    ids, _ = _write_embeddings(emb_dir)
+    bad = _write_ids(tmp_path / "bad.parquet", np.concatenate([ids[:10], [7, 8, 9]]))
+    res = CliRunner().invoke(main, ["--embeddings", str(emb_dir), "--output", str(out), "--ids", bad])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit)
+    assert "3 of 13 id(s) have no image embedding" in res.output and "[7, 8, 9]" in res.output
+    assert not out.exists()
+    dup = _write_ids(tmp_path / "dup.parquet", [ids[0], ids[0]])
+    res = CliRunner().invoke(main, ["--embeddings", str(emb_dir), "--output", str(out), "--ids", dup])
+    assert res.exit_code == 1 and "listed more than once" in res.output
+
+
+def test_unknown_flag_and_bad_plan_values_are_one_line_errors(tmp_path):
+    from pipelines.build_index import IndexPlan
+
+    emb_dir = tmp_path / "emb"
+    _write_embeddings(emb_dir)
+    res = CliRunner().invoke(main, ["--embeddings", str(emb_dir), "--output", str(tmp_path / "o"), "--top-k", "3"])
+    assert res.exit_code == 2 and "unknown option(s) --top-k" in res.output
+    with pytest.raises(ValueError, match="metric must be one of ip|l2, got 'cos'"):
+        IndexPlan(str(emb_dir), str(tmp_path / "o"), metric="cos")
+    with pytest.raises(ValueError, match="threads must be an integer >= 1"):
+        IndexPlan(str(emb_dir), str(tmp_path / "o"), threads=0)
+
+
+@pytest.fixture(scope="module")
+def dask_cluster():
+    from tests.helpers_dask import local_cluster
+
+    with local_cluster() as cluster:
+        yield cluster
+
+
+def test_direct_and_dask_runners_write_identical_indexes(tmp_path, dask_cluster):
+    from pipelines.build_index import IndexPlan, run
+    from tests.helpers_dask import assert_same_bytes, dask_args, relative_files
+
+    emb_dir = tmp_path / "emb"
+    ids, _ = _write_embeddings(emb_dir)
+    ids_file = _write_ids(tmp_path / "fold.parquet", ids[::2])
+    outs = {}
+    for runner, args in (("direct", ()), ("dask", dask_args(dask_cluster))):
+        outs[runner] = str(tmp_path / runner)
+        summary = run(IndexPlan(str(emb_dir), outs[runner], factory="IVF4,Flat", train_sample=200, threads=1,
+                                ids=ids_file), args)
+        assert summary["ntotal"] == 300 and summary["built"] == 3
+    assert summary["runner"] == "DaskRunner"
+    files = relative_files(outs["direct"])
+    assert files == relative_files(outs["dask"])  # no _run/, _work/ or beam-temp leftovers either
+    assert files == ["index_manifest.json", "shards/toy-00000-of-00003.faiss", "shards/toy-00001-of-00003.faiss",
+                     "shards/toy-00002-of-00003.faiss", "trained.faiss"]
+    a, b = (json.loads(open(f"{o}/index_manifest.json").read()) for o in outs.values())
+    assert a == b
+    assert_same_bytes(outs["direct"], outs["dask"], files[1:])
