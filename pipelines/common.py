@@ -328,18 +328,20 @@ def is_dask(options: PipelineOptions) -> bool:
     return runner_name(options) == "DaskRunner"
 
 
-def task_pipeline_options(beam_args: Sequence[str]) -> PipelineOptions:
+def task_pipeline_options(beam_args: Sequence[str], tasks_per_partition: int = 1) -> PipelineOptions:
     """:func:`pipeline_options` for graphs that start from a list of read tasks (shards, input chunks).
 
-    On DaskRunner each element of a ``beam.Create`` becomes its own dask partition
-    (``--dask_partition_size=1`` unless --dask_npartitions/--dask_partition_size is given): Beam 2.77's
-    default packs 128 elements into one partition, i.e. one worker would read 128 shards and hold all their
-    outputs in one list (a partition's outputs are materialised), and Reshuffle is a no-op there."""
+    On DaskRunner a ``beam.Create`` is cut into dask partitions of ``tasks_per_partition`` elements
+    (``--dask_partition_size``, unless --dask_npartitions/--dask_partition_size is given). Beam 2.77's default
+    packs 128 elements into one partition: one worker would read 128 shards and hold all their outputs in one
+    list (a partition's outputs are materialised; Reshuffle is a no-op there). Small partitions cost
+    scheduling, though: a GroupByKey shuffles as many partitions as its input has, and Flatten adds them up
+    (a tiny staging graph took 160 s with one task per partition, 15 s with one partition)."""
     options = pipeline_options(beam_args)
     refuse_local_dry_run(options)
     if is_dask(options) and not any(a.split("=", 1)[0] in ("--dask_npartitions", "--dask_partition_size")
                                     for a in beam_args):
-        options = pipeline_options([*beam_args, "--dask_partition_size=1"])
+        options = pipeline_options([*beam_args, f"--dask_partition_size={max(1, int(tasks_per_partition))}"])
     return options
 
 

@@ -14,7 +14,8 @@ Graph (all collections in one pipeline; every step has one output, elements tagg
 
 No side inputs and no tagged outputs: the same graph runs on DirectRunner, DaskRunner (byte-identical shards,
 rejects and summary but for timings and the runner: shard contents are sorted and keyed by id, never by
-bundle) and Dataflow. On a Dask cluster of several machines the output (and its spill folder) must be on a
+bundle) and Dataflow. On DaskRunner the read tasks form DASK_READ_PARTITIONS (4) dask partitions unless
+--dask_npartitions/--dask_partition_size are given. On a Dask cluster of several machines the output (and its spill folder) must be on a
 file system every worker sees.
 
 Duplicates of an image land in the same shard (the shard is a function of item_id), so the shard writer
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import re
 import sys
 import time
@@ -71,6 +73,8 @@ IMAGES_DIR, FEATURES_DIR, CAPTIONS_DIR, REJECTS_DIR = "images", "features", "cap
 #: Present while a run may be replacing shards (run id, start time); removed after summary.json is written.
 INCOMPLETE_FILE = "_INCOMPLETE"
 SPILL_DIR = "_spill"
+#: Dask partitions the read tasks are cut into, unless --dask_npartitions/--dask_partition_size say otherwise.
+DASK_READ_PARTITIONS = 4
 
 
 @dataclass(frozen=True)
@@ -636,6 +640,9 @@ def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
     except (OSError, ValueError) as exc:  # OSError: also Beam's BeamIOError listing a bucket
         raise StageError(f"cannot plan the reads: {exc}") from None
     collections = sorted(manifest.collections)
+    # DaskRunner: the read tasks in DASK_READ_PARTITIONS partitions. Read outputs are metadata rows (features
+    # are spilled), so a partition of many tasks stays small, and few partitions keep the shuffles cheap.
+    options = common.task_pipeline_options(beam_args, math.ceil(len(tasks) / DASK_READ_PARTITIONS))
     log.info("staging %s: %d collections, %d read tasks -> %s (%s, %s)", manifest.name, len(collections),
              len(tasks), plan.output, settings.feature_format, settings.feature_dtype)
 

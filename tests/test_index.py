@@ -169,3 +169,23 @@ def test_load_sharded_index_detects_id_mismatch(tmp_path):
     (emb_dir / emb.EMBEDDINGS_MANIFEST).write_text(json.dumps(m))
     with pytest.raises(ix.IndexIntegrityError, match="changed"):
         ix.load_sharded_index(str(index_dir))
+
+
+def test_read_id_list_refuses_what_is_not_a_clean_int64_id_column(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def write(name, table):
+        pq.write_table(table, str(tmp_path / name))
+        return str(tmp_path / name)
+
+    good = write("good.parquet", pa.table({"item_id": pa.array([5, 1, 3], pa.int64())}))
+    np.testing.assert_array_equal(ix.read_id_list(good), [1, 3, 5])
+    with pytest.raises(ValueError, match="must be int64, got int32"):
+        ix.read_id_list(write("i32.parquet", pa.table({"item_id": pa.array([1], pa.int32())})))
+    with pytest.raises(ValueError, match="1 null item_id"):
+        ix.read_id_list(write("null.parquet", pa.table({"item_id": pa.array([1, None], pa.int64())})))
+    with pytest.raises(ValueError, match="cannot read an int64 'item_id' column"):
+        ix.read_id_list(write("other.parquet", pa.table({"id": pa.array([1], pa.int64())})))
+    with pytest.raises(ValueError, match="listed more than once"):
+        ix.read_id_list(write("dup.parquet", pa.table({"item_id": pa.array([2, 2], pa.int64())})))
