@@ -87,10 +87,9 @@ log = logging.getLogger(__name__)
 
 T2I, I2T = schema.DIRECTION_T2I, schema.DIRECTION_I2T
 DIRECTIONS = (T2I, I2T)
-CLI_MODES = ("emb", "co", "ce", "add", "norm_add")
-FUSION_MODES = ("add", "norm_add")
-#: CLI mode -> retrieval_core.rerank mode ("co" and exhaustive "ce" both rank by the CE score).
-RANK_MODE = {"emb": "emb", "co": "ce", "ce": "ce", "add": "add", "norm_add": "norm_add"}
+CLI_MODES = rr.RUN_MODES
+FUSION_MODES = rr.FUSION_MODES
+RANK_MODE = rr.RUN_TO_RANK_MODE  # "co" and exhaustive "ce" both rank by the CE score
 DEVICES = ("cpu", "cuda")
 _HANDLER_DEVICE = {"cpu": "CPU", "cuda": "GPU"}  # pipelines.handlers' spelling
 RANKINGS_SUBDIR = rr.RANKINGS_SUBDIR
@@ -734,8 +733,9 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
     for d in plan.directions:
         print(f"{d}: {manifest['queries'][d]} queries ranked ({res.described[d]}, pool {res.pools[d]})")
     if plan.mode != "emb":
-        print(f"CE: {counts['ce_pairs_scored']} unique pairs scored for {counts['ce_pairs_requested']} requested "
-              f"(t2i/i2t overlap scored once)")
+        overlap = " (t2i/i2t overlap scored once)" if len(plan.directions) == 2 else ""
+        print(f"CE: {counts['ce_pairs_scored']} unique pairs scored for {counts['ce_pairs_requested']} "
+              f"requested{overlap}")
     print(f"rankings: {common.join(plan.output, RANKINGS_SUBDIR)} ({len(names)} shard(s): {len(finished)} kept from "
           f"an earlier run of this plan, {len(names) - len(finished)} computed in {waves_run} wave(s)); "
           f"wall time {manifest['wall_s']:.1f} s")

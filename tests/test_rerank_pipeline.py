@@ -253,3 +253,44 @@ def test_nprobe_sets_ivf_search_depth_and_is_recorded(assets, tmp_path):
                           directions=("t2i",), ef_search=64)
     with pytest.raises(rerank.RerankError, match="--index"):  # exact search has no parameters
         run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb", directions=("t2i",), nprobe=2)
+
+
+def read_run(out: str):
+    """Every ranking row of a run, in (direction, query, rank) order."""
+    import pyarrow as pa
+
+    names = sorted(f for f in os.listdir(os.path.join(out, "rankings")) if f.endswith(".parquet"))
+    return in_rank_order(pa.concat_tables([pq.read_table(os.path.join(out, "rankings", n)) for n in names]))
+
+
+def in_rank_order(table):
+    return table.sort_by([("direction", "ascending"), ("query_id", "ascending"), ("rank", "ascending")])
+
+
+def test_score_once_evaluate_many_gives_exactly_the_fresh_runs(assets, tmp_path):
+    """CO at k'=10 derived from a k=20 run's stored scores is exactly a k=10 run, and EMB derived from it is
+    the EMB run. CE batches of one pair (--batch-size 1) make a pair's CE score independent of the other
+    pairs a run scores, so the comparison can be exact (in batches of 16, 9 of these 180 pairs' scores move by
+    up to 7e-9, and this tiny random CE's scores are that close)."""
+    from benchmarks.evaluate import evaluate_run
+    from retrieval_core.rerank import derive_rankings
+
+    root, staged, model_dir, emb_dir = assets
+    out = {name: str(tmp_path / name) for name in ("co20", "co10", "emb")}
+    one = dict(directions=("i2t",), batch_size=1)  # i2t: 6 queries over a 48-caption pool
+    run_rerank(staged, emb_dir, out["co20"], mode="co", k=20, ce_model=model_dir, **one)
+    run_rerank(staged, emb_dir, out["co10"], mode="co", k=10, ce_model=model_dir, **one)
+    run_rerank(staged, emb_dir, out["emb"], mode="emb", k=20, **one)
+    stored = read_run(out["co20"])
+    assert stored.num_rows == 6 * 20 and stored.column("ce_score").null_count == 0  # all CE-scored
+    assert in_rank_order(derive_rankings(stored, 10, "ce")).equals(read_run(out["co10"]))
+    assert in_rank_order(derive_rankings(stored, 20, "emb")).equals(read_run(out["emb"]))
+
+    def metrics(run_dir, **derive):  # a direction the run lacks has NaN recalls
+        return {key: None if v != v else v for key, v in evaluate_run(run_dir, staged, **derive).items()}
+
+    derived = metrics(out["co20"], k=10)
+    assert derived == metrics(out["co10"]) and (derived["mode"], derived["k"]) == ("co", 10)
+    assert metrics(out["co20"], mode="emb") == metrics(out["emb"])
+    with pytest.raises(ValueError, match="EMB run"):
+        evaluate_run(out["emb"], staged, mode="add")
