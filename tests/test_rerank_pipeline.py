@@ -294,3 +294,49 @@ def test_score_once_evaluate_many_gives_exactly_the_fresh_runs(assets, tmp_path)
     assert metrics(out["co20"], mode="emb") == metrics(out["emb"])
     with pytest.raises(ValueError, match="EMB run"):
         evaluate_run(out["emb"], staged, mode="add")
+
+
+def write_queries(path, rows):
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"direction": pa.array([d for d, _ in rows], pa.string()),
+                             "query_id": pa.array([q for _, q in rows], pa.int64())}), path)
+    return str(path)
+
+
+def test_queries_file_restricts_the_run_and_evaluate_to_those_queries(assets, tmp_path):
+    from benchmarks.evaluate import evaluate_run
+
+    root, staged, _, emb_dir = assets
+    ds = StagedDataset(staged)
+    captions = ds.captions(split="test")["caption_id"].tolist()
+    images = ds.images_meta(split="test")["item_id"].tolist()
+    chosen = [("t2i", q) for q in captions[:5]] + [("i2t", q) for q in images[:2]]
+    queries = write_queries(tmp_path / "sample.parquet", chosen)
+    out = str(tmp_path / "run")
+    manifest = run_rerank(staged, emb_dir, out, mode="emb", k=10, queries=queries)
+    assert manifest["queries"] == {"t2i": 5, "i2t": 2}
+    assert manifest["queries_file"]["counts"] == {"t2i": 5, "i2t": 2}
+    assert manifest["queries_file"]["sha256"] == common_sha256(queries)
+    ranked = read_run(out).to_pandas()
+    assert set(ranked.loc[ranked["direction"] == "t2i", "query_id"]) == set(captions[:5])
+    res = evaluate_run(out, staged)  # the gold of the ranked queries only
+    assert res["t2i_queries"] == 5 and res["i2t_queries"] == 2
+
+    train_caption = int(ds.captions(split="train")["caption_id"].iloc[0])
+    for rows, message in (
+            (chosen + [("t2i", train_caption)], "not captions of collection=None, split=test"),
+            (chosen + [("x2y", 1)], "unknown direction"),
+            (chosen + chosen[:1], "duplicate t2i"),
+            (chosen[:5], "lists no i2t queries")):
+        with pytest.raises(rerank.RerankError, match=message):
+            run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb",
+                       queries=write_queries(tmp_path / "bad.parquet", rows))
+    assert not os.path.exists(tmp_path / "bad")  # refused before anything was written
+
+
+def common_sha256(path):
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
