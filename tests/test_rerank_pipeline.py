@@ -381,3 +381,25 @@ def test_killed_run_resumes_its_unfinished_shards_only(assets, tmp_path):
     assert other["shards_reused"] == 0 and other["plan_fingerprint"] != whole["plan_fingerprint"]
     assert sorted(os.listdir(os.path.join(out, rerank.PROGRESS_DIR))) == sorted(
         s["name"] + ".json" for s in other["shards"])
+
+
+def test_index_built_from_other_embeddings_is_refused_naming_both(assets, tmp_path):
+    """Issue 14: an index of another model's embeddings used to run and score R@1 0.00."""
+    from click.testing import CliRunner
+
+    root, staged, _, emb_dir = assets
+    index_dir = str(tmp_path / "index")
+    build_index(emb_dir, index_dir, "image", "Flat", "ip", 1000, 0, 1, [])
+    other_model = write_tiny_model(str(tmp_path / "model1"), str(tmp_path), seed=1)
+    other_emb = str(tmp_path / "emb1")
+    encode.run_encode(staged, other_model, other_emb, batch_size=8)
+    with pytest.raises(rerank.RerankError, match=f"--index {index_dir} was built from the image embeddings in "
+                                                 f"{emb_dir} .* not from --embeddings {other_emb}"):
+        run_rerank(staged, other_emb, str(tmp_path / "run"), mode="emb", index=index_dir)
+    res = CliRunner().invoke(rerank.main, ["--staged", staged, "--embeddings", other_emb, "--index", index_dir,
+                                           "--mode", "emb", "--output", str(tmp_path / "run")])
+    assert res.exit_code == 1 and res.output.count("Error: --index") == 1, res.output
+    assert not os.path.exists(tmp_path / "run")
+    # the embeddings it was built from are accepted
+    assert run_rerank(staged, emb_dir, str(tmp_path / "ok"), mode="emb", index=index_dir,
+                      directions=("t2i",))["queries"] == {"t2i": 12}
