@@ -705,8 +705,11 @@ def _expected_shards(res: Resolved) -> dict[str, tuple[str, np.ndarray]]:
     out = {}
     for d, ids in res.query_ids.items():
         n = res.out_shards[d]
-        for i in range(n):
-            out[common.shard_name(d, i, n, ".parquet")] = (d, ids[ids % n == i])
+        shard = ids % n
+        order = np.argsort(shard, kind="stable")  # ids stay sorted within a shard
+        parts = np.split(ids[order], np.cumsum(np.bincount(shard, minlength=n))[:-1])
+        for i, part in enumerate(parts):
+            out[common.shard_name(d, i, n, ".parquet")] = (d, part)
     return dict(sorted(out.items()))
 
 
@@ -730,8 +733,9 @@ def _finished_shards(res: Resolved, expected: Mapping[str, tuple[str, np.ndarray
 
 
 def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
-    """Run the plan's Beam graph(s), write rankings_manifest.json; returns the manifest, or None for a dry run
-    (--dry_run: the first wave's graph was translated, nothing ran and nothing was written)."""
+    """Run the plan's Beam job(s), one per wave of unfinished shards, and write rankings_manifest.json;
+    returns the manifest, or None for a dry run (--dry_run: DataflowRunner translated the first wave's graph
+    and nothing ran; no output is read or written)."""
     t0 = time.time()
     options = common.pipeline_options(beam_args)
     res = resolve(plan)
@@ -760,17 +764,10 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
         for name in todo:
             d, ids = expected[name]
             wave.setdefault(d, set()).update(ids.tolist())
-        if not dry_run:
-            common.clear_run_dir(plan.output)
-        p = beam.Pipeline(options=options)
-        build_graph(p, res, {d: frozenset(ids) for d, ids in wave.items()})
-        if common.run_pipeline(p) is None:
-            print(f"dry run: the rerank graph of {sum(len(v) for v in wave.values())} queries was translated for "
-                  f"{common.runner_name(options)}; nothing ran")
+        report = _run_wave(options, res, {d: frozenset(ids) for d, ids in wave.items()})
+        if report is None:
             return None
         waves_run += 1
-        report = common.read_run_report(plan.output)
-        common.clear_run_dir(plan.output)
         for item in report:
             if item["kind"] == "count":
                 counts[item["name"]] += int(item["value"])
@@ -781,7 +778,7 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
             if got != len(expected[name][1]):
                 raise RerankError(f"{name}: {got} queries ranked, {len(expected[name][1])} expected")
     if dry_run:
-        print("dry run: every shard of this plan is finished; nothing to translate")
+        print("dry run: no shard has queries; nothing to translate")
         return None
 
     manifest = _manifest(res, [shards[name] for name in names], len(finished), waves_run, counts,
@@ -798,6 +795,23 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
           f"an earlier run of this plan, {len(names) - len(finished)} computed in {waves_run} wave(s)); "
           f"wall time {manifest['wall_s']:.1f} s")
     return manifest
+
+
+def _run_wave(options, res: Resolved, wave: Mapping[str, frozenset]) -> Optional[list[dict]]:
+    """One Beam job over the queries ``wave``; its run report, or None for a dry run (nothing ran)."""
+    output = res.plan.output
+    p = beam.Pipeline(options=options)
+    build_graph(p, res, wave)
+    if common.is_dry_run(options):
+        print(f"dry run: the rerank graph of {sum(len(v) for v in wave.values())} queries is translated for "
+              f"{common.runner_name(options)}; nothing runs")
+    else:
+        common.clear_run_dir(output)  # a killed run's report must not be read as this one's
+    if common.run_pipeline(p) is None:
+        return None
+    report = common.read_run_report(output)
+    common.clear_run_dir(output)
+    return report
 
 
 def _manifest(res: Resolved, shards: list[dict], reused: int, waves_run: int, counts: dict, runner: str,
