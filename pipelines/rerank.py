@@ -69,7 +69,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import apache_beam as beam
@@ -448,10 +448,6 @@ class Resolved:
     be_model: Mapping[str, str]  # the embeddings manifest's model entry
     queries_file: Optional[Mapping]  # {path, sha256, counts} of --queries
     fingerprint: str  # what a finished shard must have been computed under to be reused
-
-    def shard_of(self, direction: str, query_id: int) -> str:
-        n = self.out_shards[direction]
-        return common.shard_name(direction, int(query_id) % n, n, ".parquet")
 
 
 def build_graph(p: beam.Pipeline, res: Resolved, wave: Mapping[str, frozenset]) -> None:
