@@ -84,7 +84,7 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...]) -> pd.DataFrame
             timings[f"rerank {label} ({be_name})"] = time.time() - t0
             _run(_py("benchmarks.evaluate", "--rankings", os.path.join(out, "rankings"), "--staged", staged,
                      "--output", results, "--split", "test", "--model", result_model(be, ce),
-                     "--mode", label, "--k", str(k)))
+                     "--label", label))
 
     # metrics.csv keeps the rows of earlier runs (another --k, --with-sep): show this run's rows only.
     table = this_run_rows(pd.read_csv(os.path.join(results, "metrics.csv")), k,

@@ -31,6 +31,10 @@ def assets(tmp_path_factory):
     return root, staged, model, emb_dir
 
 
+def run_rerank(staged, emb_dir, output, beam_args=(), **kw):
+    return rerank.run(rerank.RerankPlan(staged, emb_dir, output, **kw), beam_args)
+
+
 def read_rankings(out: str, direction: str):
     files = sorted(f for f in os.listdir(os.path.join(out, "rankings")) if f.startswith(direction))
     return pq.read_table([os.path.join(out, "rankings", f) for f in files][0]).to_pandas() if len(files) == 1 \
@@ -46,7 +50,7 @@ def test_emb_rankings_equal_exact_topk(assets, tmp_path):
     index_dir = str(tmp_path / "index")
     build_index(emb_dir, index_dir, "image", "Flat", "ip", 1000, 0, 1, [])
     out = str(tmp_path / "run")
-    manifest = rerank.run_rerank(staged, emb_dir, out, mode="emb", k=3, index=index_dir, split="test")
+    manifest = run_rerank(staged, emb_dir, out, mode="emb", k=3, index=index_dir, split="test")
     ds = StagedDataset(staged)
     assert manifest["queries"] == {"t2i": 12, "i2t": 6}
     assert "FAISS" in manifest["search"]["t2i"] and "exact" in manifest["search"]["i2t"]
@@ -76,8 +80,8 @@ def test_ce_scores_come_from_the_model_and_pairs_are_scored_once(assets, tmp_pat
     # Exhaustive CE: t2i 12 captions x 24 images, i2t 6 images x 48 captions; the 12 x 6 test-test pairs are
     # requested by both directions and must be scored once.
     with pytest.raises(rerank.RerankError, match="max-exhaustive-pairs"):
-        rerank.run_rerank(staged, emb_dir, out, mode="ce", ce_model=model_dir, max_exhaustive_pairs=500)
-    manifest = rerank.run_rerank(staged, emb_dir, out, mode="ce", k=5, ce_model=model_dir, batch_size=16)
+        run_rerank(staged, emb_dir, out, mode="ce", ce_model=model_dir, max_exhaustive_pairs=500)
+    manifest = run_rerank(staged, emb_dir, out, mode="ce", k=5, ce_model=model_dir, batch_size=16)
     assert manifest["ce_pairs_requested"] == 12 * 24 + 6 * 48
     assert manifest["ce_pairs_scored"] == 12 * 24 + 6 * 48 - 12 * 6
 
@@ -85,7 +89,7 @@ def test_ce_scores_come_from_the_model_and_pairs_are_scored_once(assets, tmp_pat
     model = VLRetrievalModel.load(model_dir)
     texts = ds.captions().set_index("caption_id")["text"]
     t2i = read_rankings(out, "t2i")
-    assert t2i.groupby("query_id").size().eq(10).all()  # keep = max(k, 10) rows per query
+    assert t2i.groupby("query_id").size().eq(24).all()  # exhaustive: the whole pool is stored
     table = ds.load_images(t2i["item_id"].tolist())
     expected = model.score(texts.loc[t2i["query_id"]].tolist(), table, batch_size=32)
     np.testing.assert_allclose(t2i["ce_score"].to_numpy(), expected, atol=1e-4)
@@ -96,10 +100,10 @@ def test_ce_scores_come_from_the_model_and_pairs_are_scored_once(assets, tmp_pat
 def test_co_add_rank_top_k_and_keep_be_tail(assets, tmp_path):
     root, staged, model_dir, emb_dir = assets
     k = 4
-    co = rerank.run_rerank(staged, emb_dir, str(tmp_path / "co"), mode="co", k=k, ce_model=model_dir,
+    co = run_rerank(staged, emb_dir, str(tmp_path / "co"), mode="co", k=k, ce_model=model_dir,
                            directions=("i2t",))
-    emb_run = rerank.run_rerank(staged, emb_dir, str(tmp_path / "emb"), mode="emb", k=k, directions=("i2t",))
-    add = rerank.run_rerank(staged, emb_dir, str(tmp_path / "add"), mode="add", lam=0.3, k=k,
+    emb_run = run_rerank(staged, emb_dir, str(tmp_path / "emb"), mode="emb", k=k, directions=("i2t",))
+    add = run_rerank(staged, emb_dir, str(tmp_path / "add"), mode="add", lam=0.3, k=k,
                             be_model=model_dir, directions=("i2t",))
     assert co["queries"] == emb_run["queries"] == add["queries"] == {"i2t": 6}
     be = per_query(read_rankings(str(tmp_path / "emb"), "i2t"))
@@ -117,12 +121,13 @@ def test_co_add_rank_top_k_and_keep_be_tail(assets, tmp_path):
 def test_rerun_is_idempotent(assets, tmp_path):
     root, staged, model_dir, emb_dir = assets
     out = str(tmp_path / "run")
-    first = rerank.run_rerank(staged, emb_dir, out, mode="co", k=3, ce_model=model_dir, queries_per_shard=5)
-    second = rerank.run_rerank(staged, emb_dir, out, mode="co", k=3, ce_model=model_dir, queries_per_shard=5)
+    first = run_rerank(staged, emb_dir, out, mode="co", k=3, ce_model=model_dir, queries_per_shard=5)
+    second = run_rerank(staged, emb_dir, out, mode="co", k=3, ce_model=model_dir, queries_per_shard=5)
     assert [s["name"] for s in first["shards"]] == ["i2t-00000-of-00002.parquet", "i2t-00001-of-00002.parquet",
                                                     "t2i-00000-of-00003.parquet", "t2i-00001-of-00003.parquet",
                                                     "t2i-00002-of-00003.parquet"]
     assert first["shards"] == second["shards"]  # same bytes (sha256) on the rerun
+    assert second["shards_reused"] == 5 and second["ce_pairs_scored"] == 0  # nothing recomputed
     assert sorted(os.listdir(os.path.join(out, "rankings"))) == [s["name"] for s in first["shards"]]
     assert not os.path.exists(os.path.join(out, "_run"))
 
@@ -131,12 +136,12 @@ def test_direct_and_dask_runners_give_identical_rankings(assets, tmp_path):
     distributed = pytest.importorskip("distributed")
     root, staged, model_dir, emb_dir = assets
     direct = str(tmp_path / "direct")
-    rerank.run_rerank(staged, emb_dir, direct, mode="co", k=5, ce_model=model_dir, batch_size=8,
+    run_rerank(staged, emb_dir, direct, mode="co", k=5, ce_model=model_dir, batch_size=8,
                       search_batch_size=4)
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) \
             as cluster:
         dask = str(tmp_path / "dask")
-        manifest = rerank.run_rerank(
+        manifest = run_rerank(
             staged, emb_dir, dask, mode="co", k=5, ce_model=model_dir, batch_size=8, search_batch_size=4,
             beam_args=("--runner=apache_beam.runners.dask.dask_runner.DaskRunner",
                        f"--dask_client_address={cluster.scheduler_address}"))
@@ -155,7 +160,7 @@ def test_l2_index_reranks_with_negated_distances_as_be_scores(assets, tmp_path):
     build_index(emb_dir, index_dir, "image", "Flat", "l2", 1000, 0, 1, [])
     out = str(tmp_path / "run")
     k = 3
-    manifest = rerank.run_rerank(staged, emb_dir, out, mode="co", k=k, index=index_dir, ce_model=model_dir,
+    manifest = run_rerank(staged, emb_dir, out, mode="co", k=k, index=index_dir, ce_model=model_dir,
                                  directions=("t2i",), split="test")
     assert manifest["queries"] == {"t2i": 12}
 
@@ -182,14 +187,14 @@ def test_rerun_with_fewer_shards_drops_stale_shards_and_evaluate_reads_the_manif
 
     root, staged, _, emb_dir = assets
     out = str(tmp_path / "run")
-    first = rerank.run_rerank(staged, emb_dir, out, mode="emb", k=3, queries_per_shard=5)  # t2i 3, i2t 2 shards
+    first = run_rerank(staged, emb_dir, out, mode="emb", k=3, queries_per_shard=5)  # t2i 3, i2t 2 shards
     assert len(first["shards"]) == 5
     # a stale shard of an even older run that the new run does not overwrite (evaluate must ignore it even
     # before rerank deletes it)
     stale = os.path.join(out, "rankings", "t2i-00000-of-00004.parquet")
     with open(os.path.join(out, "rankings", "t2i-00000-of-00003.parquet"), "rb") as src, open(stale, "wb") as dst:
         dst.write(src.read())
-    second = rerank.run_rerank(staged, emb_dir, out, mode="emb", k=3)  # one shard per direction
+    second = run_rerank(staged, emb_dir, out, mode="emb", k=3)  # one shard per direction
     names = [s["name"] for s in second["shards"]]
     assert names == ["i2t-00000-of-00001.parquet", "t2i-00000-of-00001.parquet"]
     assert sorted(os.listdir(os.path.join(out, "rankings"))) == names
@@ -215,7 +220,7 @@ def test_nprobe_sets_ivf_search_depth_and_is_recorded(assets, tmp_path):
     with pytest.warns(RuntimeWarning, match="fewer than"):  # 24 images: few training points per list
         build_index(emb_dir, index_dir, "image", f"IVF{nlist},Flat", "ip", 1000, 0, 1, [])
     exact = str(tmp_path / "exact")
-    rerank.run_rerank(staged, emb_dir, exact, mode="emb", k=10, directions=("t2i",))
+    run_rerank(staged, emb_dir, exact, mode="emb", k=10, directions=("t2i",))
     truth = {q: set(g["item_id"]) for q, g in per_query(read_rankings(exact, "t2i")).items()}
 
     def recall(out):
@@ -226,7 +231,7 @@ def test_nprobe_sets_ivf_search_depth_and_is_recorded(assets, tmp_path):
     recalls, manifests = {}, {}
     for nprobe in (1, 2):
         out = str(tmp_path / f"nprobe{nprobe}")
-        manifests[nprobe] = rerank.run_rerank(staged, emb_dir, out, mode="emb", k=10, index=index_dir,
+        manifests[nprobe] = run_rerank(staged, emb_dir, out, mode="emb", k=10, index=index_dir,
                                               directions=("t2i",), nprobe=nprobe)
         recalls[nprobe] = recall(out)
     out = str(tmp_path / f"nprobe{nlist}")  # the CLI option
@@ -244,7 +249,157 @@ def test_nprobe_sets_ivf_search_depth_and_is_recorded(assets, tmp_path):
         assert manifest["search_params"] == {"nprobe": nprobe, "efSearch": None}
     # a parameter the index does not have is refused before the job runs
     with pytest.raises(rerank.RerankError, match="efSearch"):
-        rerank.run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb", index=index_dir,
+        run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb", index=index_dir,
                           directions=("t2i",), ef_search=64)
     with pytest.raises(rerank.RerankError, match="--index"):  # exact search has no parameters
-        rerank.run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb", directions=("t2i",), nprobe=2)
+        run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb", directions=("t2i",), nprobe=2)
+
+
+def read_run(out: str):
+    """Every ranking row of a run, in (direction, query, rank) order."""
+    import pyarrow as pa
+
+    names = sorted(f for f in os.listdir(os.path.join(out, "rankings")) if f.endswith(".parquet"))
+    return in_rank_order(pa.concat_tables([pq.read_table(os.path.join(out, "rankings", n)) for n in names]))
+
+
+def in_rank_order(table):
+    return table.sort_by([("direction", "ascending"), ("query_id", "ascending"), ("rank", "ascending")])
+
+
+def test_score_once_evaluate_many_gives_exactly_the_fresh_runs(assets, tmp_path):
+    """CO at k'=10 derived from a k=20 run's stored scores is exactly a k=10 run, and EMB derived from it is
+    the EMB run. CE batches of one pair (--batch-size 1) make a pair's CE score independent of the other
+    pairs a run scores, so the comparison can be exact (in batches of 16, 9 of these 180 pairs' scores move by
+    up to 7e-9, and this tiny random CE's scores are that close)."""
+    from benchmarks.evaluate import evaluate_run
+    from retrieval_core.rerank import derive_rankings
+
+    root, staged, model_dir, emb_dir = assets
+    out = {name: str(tmp_path / name) for name in ("co20", "co10", "emb")}
+    one = dict(directions=("i2t",), batch_size=1)  # i2t: 6 queries over a 48-caption pool
+    run_rerank(staged, emb_dir, out["co20"], mode="co", k=20, ce_model=model_dir, **one)
+    run_rerank(staged, emb_dir, out["co10"], mode="co", k=10, ce_model=model_dir, **one)
+    run_rerank(staged, emb_dir, out["emb"], mode="emb", k=20, **one)
+    stored = read_run(out["co20"])
+    assert stored.num_rows == 6 * 20 and stored.column("ce_score").null_count == 0  # all CE-scored
+    assert in_rank_order(derive_rankings(stored, 10, "ce")).equals(read_run(out["co10"]))
+    assert in_rank_order(derive_rankings(stored, 20, "emb")).equals(read_run(out["emb"]))
+
+    def metrics(run_dir, **derive):  # a direction the run lacks has NaN recalls
+        return {key: None if v != v else v for key, v in evaluate_run(run_dir, staged, **derive).items()}
+
+    derived = metrics(out["co20"], k=10)
+    assert derived == metrics(out["co10"]) and (derived["mode"], derived["k"]) == ("co", 10)
+    assert metrics(out["co20"], mode="emb") == metrics(out["emb"])
+    with pytest.raises(ValueError, match="EMB run"):
+        evaluate_run(out["emb"], staged, mode="add")
+
+
+def write_queries(path, rows):
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"direction": pa.array([d for d, _ in rows], pa.string()),
+                             "query_id": pa.array([q for _, q in rows], pa.int64())}), path)
+    return str(path)
+
+
+def test_queries_file_restricts_the_run_and_evaluate_to_those_queries(assets, tmp_path):
+    from benchmarks.evaluate import evaluate_run
+
+    root, staged, _, emb_dir = assets
+    ds = StagedDataset(staged)
+    captions = ds.captions(split="test")["caption_id"].tolist()
+    images = ds.images_meta(split="test")["item_id"].tolist()
+    chosen = [("t2i", q) for q in captions[:5]] + [("i2t", q) for q in images[:2]]
+    queries = write_queries(tmp_path / "sample.parquet", chosen)
+    out = str(tmp_path / "run")
+    manifest = run_rerank(staged, emb_dir, out, mode="emb", k=10, queries=queries)
+    assert manifest["queries"] == {"t2i": 5, "i2t": 2}
+    assert manifest["queries_file"]["counts"] == {"t2i": 5, "i2t": 2}
+    assert manifest["queries_file"]["sha256"] == common_sha256(queries)
+    ranked = read_run(out).to_pandas()
+    assert set(ranked.loc[ranked["direction"] == "t2i", "query_id"]) == set(captions[:5])
+    res = evaluate_run(out, staged)  # the gold of the ranked queries only
+    assert res["t2i_queries"] == 5 and res["i2t_queries"] == 2
+
+    train_caption = int(ds.captions(split="train")["caption_id"].iloc[0])
+    for rows, message in (
+            (chosen + [("t2i", train_caption)], "not captions of collection=None, split=test"),
+            (chosen + [("x2y", 1)], "unknown direction"),
+            (chosen + chosen[:1], "duplicate t2i"),
+            (chosen[:5], "lists no i2t queries")):
+        with pytest.raises(rerank.RerankError, match=message):
+            run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb",
+                       queries=write_queries(tmp_path / "bad.parquet", rows))
+    assert not os.path.exists(tmp_path / "bad")  # refused before anything was written
+
+
+def common_sha256(path):
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_killed_run_resumes_its_unfinished_shards_only(assets, tmp_path):
+    """A killed run (no manifest, the shards of its last wave missing) rerun with the same plan keeps its
+    finished shards (checksum-verified) and computes only the missing ones, giving the uninterrupted run's
+    bytes; a shard that no longer matches its record is recomputed; another plan reuses nothing."""
+    root, staged, model_dir, emb_dir = assets
+    plan = dict(mode="co", k=3, ce_model=model_dir, batch_size=8, queries_per_shard=3, shards_per_wave=2)
+    whole = run_rerank(staged, emb_dir, str(tmp_path / "whole"), **plan)
+    # 6 shards in 3 waves: (i2t 0, i2t 1), (t2i 0, t2i 1), (t2i 2, t2i 3)
+    assert whole["waves_run"] == 3 and whole["shards_reused"] == 0 and len(whole["shards"]) == 6
+
+    out = str(tmp_path / "killed")
+    run_rerank(staged, emb_dir, out, **plan)
+    os.remove(os.path.join(out, rerank.RANKINGS_MANIFEST))  # killed during its last wave
+    lost = ["t2i-00002-of-00004.parquet", "t2i-00003-of-00004.parquet"]
+    for name in lost:
+        os.remove(os.path.join(out, "rankings", name))
+    resumed = run_rerank(staged, emb_dir, out, **plan)
+    assert resumed["shards_reused"] == 4 and resumed["waves_run"] == 1
+    assert resumed["shards"] == whole["shards"]  # the uninterrupted run's bytes
+    recomputed = sum(s["queries"] for s in whole["shards"] if s["name"] in lost)
+    assert resumed["ce_pairs_requested"] == recomputed * 3 < whole["ce_pairs_requested"]
+    assert 0 < resumed["ce_pairs_scored"] < whole["ce_pairs_scored"]
+
+    torn = "t2i-00001-of-00004.parquet"  # no longer matches its record: recomputed alone
+    with open(os.path.join(out, "rankings", torn), "ab") as f:
+        f.write(b"torn")
+    again = run_rerank(staged, emb_dir, out, **plan)
+    assert again["shards_reused"] == 5 and [s["name"] for s in again["shards"]] == [s["name"] for s in whole["shards"]]
+    # computed without the other shard of its wave, its CE batches differ: scores may move in the last bits
+    a = pq.read_table(os.path.join(out, "rankings", torn)).to_pandas().sort_values(["query_id", "item_id"])
+    b = pq.read_table(os.path.join(str(tmp_path / "whole"), "rankings", torn)).to_pandas().sort_values(
+        ["query_id", "item_id"])
+    assert a["item_id"].tolist() == b["item_id"].tolist()
+    np.testing.assert_allclose(a["ce_score"].to_numpy(float), b["ce_score"].to_numpy(float), atol=1e-6)
+
+    other = run_rerank(staged, emb_dir, out, **{**plan, "k": 4})  # another plan: nothing is reused
+    assert other["shards_reused"] == 0 and other["plan_fingerprint"] != whole["plan_fingerprint"]
+    assert sorted(os.listdir(os.path.join(out, rerank.PROGRESS_DIR))) == sorted(
+        s["name"] + ".json" for s in other["shards"])
+
+
+def test_index_built_from_other_embeddings_is_refused_naming_both(assets, tmp_path):
+    """Issue 14: an index of another model's embeddings used to run and score R@1 0.00."""
+    from click.testing import CliRunner
+
+    root, staged, _, emb_dir = assets
+    index_dir = str(tmp_path / "index")
+    build_index(emb_dir, index_dir, "image", "Flat", "ip", 1000, 0, 1, [])
+    other_model = write_tiny_model(str(tmp_path / "model1"), str(tmp_path), seed=1)
+    other_emb = str(tmp_path / "emb1")
+    encode.run_encode(staged, other_model, other_emb, batch_size=8)
+    with pytest.raises(rerank.RerankError, match=f"--index {index_dir} was built from the image embeddings in "
+                                                 f"{emb_dir} .* not from --embeddings {other_emb}"):
+        run_rerank(staged, other_emb, str(tmp_path / "run"), mode="emb", index=index_dir)
+    res = CliRunner().invoke(rerank.main, ["--staged", staged, "--embeddings", other_emb, "--index", index_dir,
+                                           "--mode", "emb", "--output", str(tmp_path / "run")])
+    assert res.exit_code == 1 and res.output.count("Error: --index") == 1, res.output
+    assert not os.path.exists(tmp_path / "run")
+    # the embeddings it was built from are accepted
+    assert run_rerank(staged, emb_dir, str(tmp_path / "ok"), mode="emb", index=index_dir,
+                      directions=("t2i",))["queries"] == {"t2i": 12}
