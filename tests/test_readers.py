@@ -490,8 +490,9 @@ def test_undecodable_ids_are_rejects_never_replaced(tmp_path):
     got = list(readers.read_multi30k(str(tmp_path / "m.en"), image_list=str(tmp_path / "imgs.txt")))
     assert isinstance(got[0], Reject) and got[0].reason.startswith("id not UTF-8") and got[1].image_source_id == "cafe"
 
-    doc = json.dumps({"images": [{"filename": "FNAME.jpg", "split": "test", "sentences": [{"raw": "a dog", "sentid": 1}]},
-                                 {"filename": "ok.jpg", "split": "test", "sentences": [{"raw": "a cat", "sentid": 2}]}]})
+    doc = json.dumps({"images": [
+        {"filename": "FNAME.jpg", "split": "test", "sentences": [{"raw": "a dog", "sentid": 1}]},
+        {"filename": "ok.jpg", "split": "test", "sentences": [{"raw": "a cat", "sentid": 2}]}]})
     (tmp_path / "k.json").write_bytes(doc.encode().replace(b"FNAME", b"caf\xe9"))
     got = list(readers.read_karpathy_json(str(tmp_path / "k.json"), image_id="filename_stem"))
     assert isinstance(got[0], Reject) and "b'caf\\xe9'" in got[0].reason and got[1].image_source_id == "ok"
