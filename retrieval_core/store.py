@@ -147,18 +147,20 @@ class StagedDataset:
         except Exception:  # noqa: BLE001 - absent or unreadable; the shard checksums still catch a mixture
             return False
 
-    def _verify(self, rel: str) -> None:
-        """Checks a shard against the sha256 summary.json records for it, the first time it is read."""
+    def _verify(self, rel: str, data: Optional[bytes] = None) -> None:
+        """Checks a shard against the sha256 summary.json records for it, the first time it is read (``data``:
+        its bytes, when the caller already holds them)."""
         expected = self._sha256.get(rel)
         if expected is None or rel in self._verified:
             return
         path = join_path(self.root, rel)
         key = None if is_url(path) else _local_key(path, expected)
         if key is None or key not in _VERIFIED_LOCAL:
-            digest = hashlib.sha256()
-            with self._open(path) as f:
-                while block := f.read(1 << 22):
-                    digest.update(block)
+            digest = hashlib.sha256(data) if data is not None else hashlib.sha256()
+            if data is None:
+                with self._open(path) as f:
+                    while block := f.read(1 << 22):
+                        digest.update(block)
             if digest.hexdigest() != expected:
                 raise StagedDataError(f"{path} does not match the sha256 that {SUMMARY_FILE} records for it: "
                                       f"{self.root} mixes shards of different staging runs (or a shard was "
@@ -193,10 +195,12 @@ class StagedDataset:
     def _read_parquet(self, rel: str, columns: Optional[list[str]] = None, filters=None) -> pa.Table:
         path = join_path(self.root, rel)
         try:
-            self._verify(rel)
-            if is_url(path):
+            if is_url(path):  # one remote read serves the checksum and the table
                 with self._open(path) as f:
-                    return pq.read_table(io.BytesIO(f.read()), columns=columns, filters=filters)
+                    data = f.read()
+                self._verify(rel, data)
+                return pq.read_table(io.BytesIO(data), columns=columns, filters=filters)
+            self._verify(rel)
             return pq.read_table(path, columns=columns, filters=filters)
         except FileNotFoundError:
             raise StagedDataError(f"shard {path} listed in summary.json is missing; rerun pipelines.stage") from None
