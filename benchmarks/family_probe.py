@@ -1,7 +1,7 @@
 """Which near-duplicates each head tells apart: within-family accuracy on a synthetic collection.
 
     python -m benchmarks.family_probe --staged runs/demo/staged --manifest demo --model runs/demo/model/best \\
-        [--ce-model DIR] --split test --output results/
+        [--ce-model DIR] --split test --output results/ [--device cpu|cuda] [--threads N]
 
 Every caption of the split (or a seeded sample, ``--max-captions``) is scored against each member of its
 image's family (retrieval_core.synthetic: a base scene and siblings that differ from it in one way) by the
@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from retrieval_core import synthetic
+from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, device_option, threads_option
 from retrieval_core.manifest import load_manifest
 from retrieval_core.model import VLRetrievalModel
 from retrieval_core.store import StagedDataset
@@ -42,7 +43,7 @@ def _difference(a: dict, b: dict) -> str:
 
 def probe(staged: StagedDataset, spec: synthetic.SyntheticSpec, be_model: VLRetrievalModel,
           ce_model: VLRetrievalModel, split: str = "test", max_captions: Optional[int] = None, seed: int = 0,
-          batch_size: int = 128) -> pd.DataFrame:
+          batch_size: int = 128, device: str = "cpu") -> pd.DataFrame:
     """Rows (table, head, change, correct, total, accuracy %) for one synthetic collection."""
     meta = staged.images_meta(collection=spec.collection, split=split)
     caps = staged.captions(collection=spec.collection, split=split)
@@ -74,9 +75,9 @@ def probe(staged: StagedDataset, spec: synthetic.SyntheticSpec, be_model: VLRetr
     flat = [i for fam in members for i in fam]
     regions = [table.regions(pos[item_of[i]]) for i in flat]
     pair_texts = [t for t, fam in zip(texts, members) for _ in fam]
-    ce = ce_model.score(pair_texts, regions, batch_size=batch_size, progress=True)
-    text_emb = be_model.encode_text(texts, batch_size=batch_size)
-    img_emb = be_model.encode_image(regions, batch_size=batch_size)
+    ce = ce_model.score(pair_texts, regions, batch_size=batch_size, device=device, progress=True)
+    text_emb = be_model.encode_text(texts, batch_size=batch_size, device=device)
+    img_emb = be_model.encode_image(regions, batch_size=batch_size, device=device)
     be = np.einsum("pd,pd->p", np.repeat(text_emb, [len(f) for f in members], axis=0), img_emb)
 
     rows = []
@@ -109,7 +110,7 @@ def summary_table(rows: pd.DataFrame) -> str:
     return wide.to_string(float_format=lambda v: f"{v:.1f}")
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings=CONTEXT_SETTINGS)
 @click.option("--staged", required=True, help="Staged synthetic collection (pipelines.stage output).")
 @click.option("--manifest", required=True, help="The manifest it was staged from (name or path).")
 @click.option("--collection", help="Synthetic collection [the manifest's query collection].")
@@ -120,18 +121,20 @@ def summary_table(rows: pd.DataFrame) -> str:
               help="Seeded sample of captions (0 = all).")
 @click.option("--output", help="Folder for family_probe.csv [print only].")
 @click.option("--batch-size", type=int, default=128, show_default=True)
+@device_option()
+@threads_option()
 def main(staged: str, manifest: str, collection: Optional[str], be_model: str, ce_model: Optional[str], split: str,
-         max_captions: int, output: Optional[str], batch_size: int) -> None:
+         max_captions: int, output: Optional[str], batch_size: int, device: str, threads: Optional[int]) -> None:
     """Within-family accuracy of the BE and the CE, by the kind of difference (synthetic collections only)."""
-    from pipelines.common import cli_errors
-
+    apply_device_and_threads(device, threads)
     with cli_errors(KeyError):  # bad manifest, staged dir, model folder or collection: one line, exit 1
         m = load_manifest(manifest)
         name = collection or m.benchmark.get("query_collection") or next(iter(m.collections))
         spec = m.synthetic_spec(name)
         be = VLRetrievalModel.load(be_model)
         ce = VLRetrievalModel.load(ce_model) if ce_model else be
-        rows = probe(StagedDataset(staged), spec, be, ce, split, max_captions or None, batch_size=batch_size)
+        rows = probe(StagedDataset(staged), spec, be, ce, split, max_captions or None, batch_size=batch_size,
+                     device=device)
     click.echo(f"\nwithin-family accuracy (%), {name}/{split}, families of {spec.family_size} "
                f"(top1 chance {rows.attrs['chance_top1']:.0f} %, pairwise chance 50 %):")
     click.echo(summary_table(rows))

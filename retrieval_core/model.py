@@ -34,6 +34,10 @@ from retrieval_core.schema import (BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEX
 MODEL_JSON = "rr_model.json"
 WEIGHTS_FILE = "model.safetensors"
 
+#: A batched inference call's progress: its own tqdm bar (True), none (False), or a callback given the number of
+#: items in each finished batch (one bar over several calls, e.g. train's dev evaluation).
+Progress = bool | Callable[[int], None]
+
 
 @dataclass
 class VLModelConfig:
@@ -170,7 +174,7 @@ class VLRetrievalModel(nn.Module):
 
     # ------------------------------------------------------------------ numpy convenience (inference)
     def encode_text(self, texts: Sequence[str], batch_size: int = 128, device: str = "cpu",
-                    amp_dtype: Optional[str] = None, progress: bool = False) -> np.ndarray:
+                    amp_dtype: Optional[str] = None, progress: Progress = False) -> np.ndarray:
         """(n, d) float32 L2-normalised text embeddings, in input order."""
         texts = list(texts)
         collate = self.text_collator()
@@ -179,7 +183,7 @@ class VLRetrievalModel(nn.Module):
                                  lambda idx: collate([texts[i] for i in idx]), self.embed_text)
 
     def encode_image(self, images: ImageTable | Sequence[Regions], batch_size: int = 128, device: str = "cpu",
-                     amp_dtype: Optional[str] = None, progress: bool = False) -> np.ndarray:
+                     amp_dtype: Optional[str] = None, progress: Progress = False) -> np.ndarray:
         """(n, d) float32 L2-normalised image embeddings, in input order."""
         get, counts = _region_access(images)
         order = np.argsort(counts, kind="stable")
@@ -188,7 +192,7 @@ class VLRetrievalModel(nn.Module):
                                  lambda idx: collate_images([get(i) for i in idx], mr), self.embed_image)
 
     def score(self, texts: Sequence[str], images: ImageTable | Sequence[Regions], batch_size: int = 128,
-              device: str = "cpu", amp_dtype: Optional[str] = None, progress: bool = False) -> np.ndarray:
+              device: str = "cpu", amp_dtype: Optional[str] = None, progress: Progress = False) -> np.ndarray:
         """(n,) CE match log-odds of the pairs (texts[i], images[i])."""
         texts = list(texts)
         get, counts = _region_access(images)
@@ -203,9 +207,11 @@ class VLRetrievalModel(nn.Module):
         return out[:, 0]
 
     def _run_batched(self, order: np.ndarray, batch_size: int, device: str, amp_dtype: Optional[str],
-                     progress: bool, desc: str, width: int, make_batch: Callable, fn: Callable) -> np.ndarray:
+                     progress: Progress, desc: str, width: int, make_batch: Callable,
+                     fn: Callable) -> np.ndarray:
         from tqdm.auto import tqdm
 
+        report = progress if callable(progress) else None
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         dev = torch.device(device)
@@ -215,10 +221,13 @@ class VLRetrievalModel(nn.Module):
         out = np.zeros((len(order), width), dtype=np.float32)
         try:
             with torch.inference_mode(), _autocast(dev, amp_dtype):
-                for start in tqdm(range(0, len(order), batch_size), desc=desc, disable=not progress, unit="batch"):
+                own_bar = bool(progress) and report is None
+                for start in tqdm(range(0, len(order), batch_size), desc=desc, disable=not own_bar, unit="batch"):
                     idx = order[start:start + batch_size]
                     batch = {k: v.to(dev, non_blocking=True) for k, v in make_batch(idx).items()}
                     out[idx] = fn(batch).float().cpu().numpy()
+                    if report is not None:
+                        report(len(idx))
         finally:
             self.train(was_training)
         return out

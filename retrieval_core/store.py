@@ -8,12 +8,16 @@ A staged directory is what ``python -m pipelines.stage`` writes::
     captions/<collection>-00000-of-00010.parquet  caption rows (schema.CAPTION_SCHEMA)
     rejects/<collection>-{images,captions}.jsonl  every record that was not staged, with its reason
 
-Only the shards listed in summary.json are read (stale or half-written files are never picked up).
-Results are identical whether features are stored inline in Parquet or in HDF5 shards.
+Only the shards listed in summary.json are read (stale or half-written files are never picked up), and each
+is checked against the sha256 summary.json records for it when it is first read: a folder whose shards come
+from another staging run than its summary (a re-stage killed midway) is refused, in one line, never read
+as a mixture. So is a folder holding ``_INCOMPLETE`` (:data:`INCOMPLETE_FILE`), which the stager writes
+before it replaces the first shard and deletes once summary.json is written. Results are identical whether
+features are stored inline in Parquet or in HDF5 shards.
 
 Local paths are read with Python's own file access. A URL path (gs://...) needs an ``opener`` (path -> binary
-file object): this library does not import Beam, so the pipelines pass ``pipelines.common.open_file``
-(Beam FileSystems).
+file object) and should come with ``exists`` (path -> bool): this library does not import Beam, so the
+pipelines pass ``pipelines.common.open_file`` and ``FileSystems.exists`` (Beam FileSystems).
 
 Example::
 
@@ -30,9 +34,11 @@ Example::
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
+import threading
 from typing import BinaryIO, Callable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -45,6 +51,9 @@ from . import schema
 from .paths import is_url, join_path
 
 SUMMARY_FILE = "summary.json"
+#: Present while a staging run is replacing a folder's shards (pipelines.stage writes it before the first shard
+#: and deletes it after summary.json): a folder that holds it may mix two runs' shards.
+INCOMPLETE_FILE = "_INCOMPLETE"
 _META_COLUMNS = [c for c in schema.IMAGE_COLUMNS if c not in ("boxes", "features")]
 
 
@@ -54,6 +63,21 @@ Opener = Callable[[str], BinaryIO]
 
 class StagedDataError(RuntimeError):
     """The staged directory is missing, incomplete or inconsistent."""
+
+
+# Local shards already checked in this process, as (path, size, mtime_ns, sha256): several StagedDatasets over
+# one folder (benchmark suites, Beam workers sharing a process) hash each shard once.
+_VERIFIED_LOCAL: set[tuple] = set()
+_VERIFIED_LOCK = threading.Lock()
+
+
+def _local_key(path: str, sha256: str) -> tuple:
+    st = os.stat(path)
+    return (os.path.realpath(path), st.st_size, st.st_mtime_ns, sha256)
+
+
+def _restage_hint(staged_dir: str) -> str:
+    return f"re-stage it (python -m pipelines.stage --output {staged_dir} with the manifest it came from)"
 
 
 def _unpack_nested(col: pa.ChunkedArray | pa.Array, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -70,9 +94,14 @@ class StagedDataset:
     """Staged images and captions of one staged directory: a local path, or a URL (gs://...) read through
     ``opener`` (needed for URL paths only; local paths always use Python's own file access)."""
 
-    def __init__(self, staged_dir: str, opener: Optional[Opener] = None):
+    def __init__(self, staged_dir: str, opener: Optional[Opener] = None,
+                 exists: Optional[Callable[[str], bool]] = None):
         self.root = staged_dir
         self._opener = opener
+        self._exists = exists
+        if self._file_exists(join_path(staged_dir, INCOMPLETE_FILE)):
+            raise StagedDataError(f"{staged_dir} holds {INCOMPLETE_FILE}: a staging run into it stopped before it "
+                                  f"finished, so its shards may mix two runs; {_restage_hint(staged_dir)}")
         path = join_path(staged_dir, SUMMARY_FILE)
         try:
             with self._open(path) as f:
@@ -91,9 +120,55 @@ class StagedDataset:
             self.collections: list[str] = sorted(self.summary["collections"])
         except (KeyError, TypeError, ValueError) as exc:
             raise StagedDataError(f"{path} lacks a required field: {exc}") from None
+        # rel path -> the sha256 the stager recorded (hand-made folders without checksums are read unchecked)
+        self._sha256: dict[str, str] = {}
+        for coll in self.summary["collections"].values():
+            for kind in ("images", "captions"):
+                block = coll.get(kind) or {}
+                for shard in list(block.get("shards") or []) + list(block.get("feature_shards") or []):
+                    if shard.get("sha256"):
+                        self._sha256[shard["name"]] = shard["sha256"]
+        self._verified: set[str] = set()
 
     def __repr__(self) -> str:
         return f"StagedDataset({self.root!r}, collections={self.collections}, F={self.feature_dim})"
+
+    def _file_exists(self, path: str) -> bool:
+        if not is_url(path):
+            return os.path.exists(path)
+        if self._exists is not None:
+            return bool(self._exists(path))
+        if self._opener is None:
+            return False  # reading the summary will say that a URL needs an opener
+        try:  # no exists(): probe through the opener (lazy object-store readers fail on read, not on open)
+            with self._opener(path) as f:
+                f.read(1)
+            return True
+        except Exception:  # noqa: BLE001 - absent or unreadable; the shard checksums still catch a mixture
+            return False
+
+    def _verify(self, rel: str, data: Optional[bytes] = None) -> None:
+        """Checks a shard against the sha256 summary.json records for it, the first time it is read (``data``:
+        its bytes, when the caller already holds them)."""
+        expected = self._sha256.get(rel)
+        if expected is None or rel in self._verified:
+            return
+        path = join_path(self.root, rel)
+        key = None if is_url(path) else _local_key(path, expected)
+        if key is None or key not in _VERIFIED_LOCAL:
+            digest = hashlib.sha256(data) if data is not None else hashlib.sha256()
+            if data is None:
+                with self._open(path) as f:
+                    while block := f.read(1 << 22):
+                        digest.update(block)
+            if digest.hexdigest() != expected:
+                raise StagedDataError(f"{path} does not match the sha256 that {SUMMARY_FILE} records for it: "
+                                      f"{self.root} mixes shards of different staging runs (or a shard was "
+                                      f"modified); {_restage_hint(self.root)}")
+            if key is not None:
+                with _VERIFIED_LOCK:
+                    _VERIFIED_LOCAL.add(key)
+        self._verified.add(rel)
 
     def _open(self, path: str) -> BinaryIO:
         if not is_url(path):
@@ -120,9 +195,12 @@ class StagedDataset:
     def _read_parquet(self, rel: str, columns: Optional[list[str]] = None, filters=None) -> pa.Table:
         path = join_path(self.root, rel)
         try:
-            if is_url(path):
+            if is_url(path):  # one remote read serves the checksum and the table
                 with self._open(path) as f:
-                    return pq.read_table(io.BytesIO(f.read()), columns=columns, filters=filters)
+                    data = f.read()
+                self._verify(rel, data)
+                return pq.read_table(io.BytesIO(data), columns=columns, filters=filters)
+            self._verify(rel)
             return pq.read_table(path, columns=columns, filters=filters)
         except FileNotFoundError:
             raise StagedDataError(f"shard {path} listed in summary.json is missing; rerun pipelines.stage") from None
@@ -211,6 +289,7 @@ class StagedDataset:
             sel = np.flatnonzero(np.array([s == shard for s in shard_names]))
             path = join_path(self.root, shard)
             try:
+                self._verify(shard)
                 handle = self._open(path)
             except FileNotFoundError:
                 raise StagedDataError(f"feature shard {path} is missing; rerun pipelines.stage") from None

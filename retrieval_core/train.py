@@ -15,21 +15,21 @@ Output folder: ``last/`` (model + trainer_state.*), ``best/`` (model with the be
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+import click
 import numpy as np
 import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
 from retrieval_core import metrics
+from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, device_option, threads_option
 from retrieval_core.collate import collate_images, collate_pairs
 from retrieval_core.losses import (HardNegatives, batch_hard_triplet_loss, ce_listwise_loss, ce_pair_loss,
                                    infonce_loss, sample_ce_groups)
@@ -45,8 +45,9 @@ STATE_TENSORS = "trainer_state.safetensors"
 LOG_FILE = "train_log.jsonl"
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
+    """Every training hyper-parameter, validated when built (``check``: one line naming the bad value)."""
     objective: str = "joint"
     be_loss: str = "triplet"
     margin: float = 0.1
@@ -86,6 +87,9 @@ class TrainConfig:
     amp: bool = True  # bf16 autocast on CUDA; CPU is always exact float32
     eval_batch_size: int = 128
     progress: bool = True
+
+    def __post_init__(self):
+        self.check()
 
     def check(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -198,23 +202,39 @@ def lstsq_image_embedding(model: VLRetrievalModel, data: TrainData, ridge: float
 
 
 def evaluate(model: VLRetrievalModel, dev: TrainData, device: str = "cpu", batch_size: int = 128,
-             amp_dtype: Optional[str] = None, k: int = 10, ce_pairs: int = 256, seed: int = 0) -> dict:
+             amp_dtype: Optional[str] = None, k: int = 10, ce_pairs: int = 256, seed: int = 0,
+             progress: bool = False, desc: str = "dev eval") -> dict:
     """BE retrieval on ``dev`` (exact dot-product top-k, recall both directions, NOTES.md section 2) and the CE
     head's pair accuracies: the share of up to ``ce_pairs`` dev captions whose gold image scores above a random
     other image (``ce_pair_acc``) and above the gold image's nearest dev image by pooled region features
-    (``ce_hard_pair_acc``: the near-duplicates a reranker must tell apart)."""
+    (``ce_hard_pair_acc``: the near-duplicates a reranker must tell apart).
+
+    ``progress``: one bar over every item encoded or scored (captions, images, CE pairs) with rate and ETA;
+    on the demo an evaluation takes as long as ~40 training steps, so a silent one looks like a hang."""
+    from tqdm.auto import tqdm
+
     # only the images that have captions are retrieval targets/queries
     img_pos = np.unique(dev.image_pos)
     images = dev.images.take(img_pos)
-    text_emb = model.encode_text(dev.texts, batch_size, device, amp_dtype)
-    img_emb = model.encode_image(images, batch_size, device, amp_dtype)
+    n_pairs = min(ce_pairs, len(dev)) if len(img_pos) >= 2 and ce_pairs > 0 else 0
+    with tqdm(total=len(dev) + len(img_pos) + 2 * n_pairs, desc=desc, unit="item", disable=not progress,
+              leave=False) as bar:
+        # models without progress reporting (baseline.MappedBaseline) are evaluated quietly
+        report = {"progress": bar.update} if progress else {}
+        return _evaluate(model, dev, img_pos, images, device, batch_size, amp_dtype, k, n_pairs, seed, report)
+
+
+def _evaluate(model: VLRetrievalModel, dev: TrainData, img_pos: np.ndarray, images: ImageTable, device: str,
+              batch_size: int, amp_dtype: Optional[str], k: int, n_pairs: int, seed: int, report: dict) -> dict:
+    text_emb = model.encode_text(dev.texts, batch_size, device, amp_dtype, **report)
+    img_emb = model.encode_image(images, batch_size, device, amp_dtype, **report)
     _, t2i = metrics.exact_topk(text_emb, img_emb, images.item_ids, k)
     _, i2t = metrics.exact_topk(img_emb, text_emb, dev.caption_ids, k)
     cap2img, img2caps = dev.gold()
     out = metrics.bidirectional_recall(t2i, dev.caption_ids, i2t, images.item_ids, cap2img, img2caps)
-    if len(img_pos) >= 2 and ce_pairs > 0:
+    if n_pairs:
         rng = np.random.default_rng([seed, 99])
-        caps = rng.choice(len(dev), size=min(ce_pairs, len(dev)), replace=False)
+        caps = rng.choice(len(dev), size=n_pairs, replace=False)
         gold = dev.image_pos[caps]
         neg = img_pos[rng.integers(0, len(img_pos), size=len(caps))]
         clash = neg == gold
@@ -225,7 +245,7 @@ def evaluate(model: VLRetrievalModel, dev: TrainData, device: str = "cpu", batch
         hard = nearest[np.searchsorted(img_pos, gold)]
         texts = [dev.texts[i] for i in caps]
         score = lambda pos: model.score(texts, [dev.images.regions(int(p)) for p in pos], batch_size, device,
-                                        amp_dtype)
+                                        amp_dtype, **report)
         pos_s = score(gold)
         out["ce_pair_acc"] = float(np.mean(pos_s > score(neg)) * 100.0)
         out["ce_hard_pair_acc"] = float(np.mean(pos_s > score(hard)) * 100.0)
@@ -395,7 +415,8 @@ class Trainer:
     def _evaluate_and_keep_best(self, log) -> None:
         t0 = time.perf_counter()
         ev = evaluate(self.model, self.dev, str(self.device), self.cfg.eval_batch_size,
-                      "bf16" if (self.cfg.amp and self.device.type == "cuda") else None, seed=self.cfg.seed)
+                      "bf16" if (self.cfg.amp and self.device.type == "cuda") else None, seed=self.cfg.seed,
+                      progress=self.cfg.progress, desc=f"dev eval at step {self.step}")
         self.model.train()
         ev["seconds"] = round(time.perf_counter() - t0, 3)
         log.write(json.dumps({"step": self.step, "eval": ev}) + "\n")
@@ -465,6 +486,13 @@ def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int
     """``minilm``, an existing VLRetrievalModel folder (continue fine-tuning) or a plain HF BERT folder."""
     from retrieval_core.checkpoints import from_text_backbone, minilm_path
 
+    if base_model != "minilm":
+        if not os.path.isdir(base_model):
+            raise FileNotFoundError(f"base model {base_model!r}: no such folder (give 'minilm', a plain HF BERT "
+                                    f"folder or a VLRetrievalModel folder)")
+        if not (VLRetrievalModel.is_model_dir(base_model) or os.path.isfile(os.path.join(base_model, "config.json"))):
+            raise ValueError(f"base model {base_model!r} is neither a VLRetrievalModel folder (rr_model.json) nor "
+                             f"a HF BERT folder (config.json)")
     if base_model != "minilm" and VLRetrievalModel.is_model_dir(base_model):
         if halve_layers:
             raise ValueError("--halve-layers applies to a text backbone, not to an existing VLRetrievalModel")
@@ -473,7 +501,11 @@ def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int
             raise ValueError(f"{base_model} expects {model.feature_dim}-d features, the staged data has {feature_dim}")
         return model
     path = minilm_path() if base_model == "minilm" else base_model
-    return from_text_backbone(path, feature_dim, keep_every_other_layer=halve_layers, seed=seed)
+    try:
+        return from_text_backbone(path, feature_dim, keep_every_other_layer=halve_layers, seed=seed)
+    except (OSError, KeyError) as exc:  # transformers' "not a valid model identifier", missing weights...
+        raise ValueError(f"base model {path!r} cannot be loaded as a BERT folder: "
+                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
 
 def load_split(staged, split: str, max_captions: Optional[int] = None, seed: int = 0) -> TrainData:
@@ -487,95 +519,127 @@ def load_split(staged, split: str, max_captions: Optional[int] = None, seed: int
     return TrainData(captions, staged.load_images(item_ids=image_ids))
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m retrieval_core.train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--staged", required=True, help="staged dataset directory (pipelines.stage output)")
-    p.add_argument("--manifest", help="data manifest the staged dir came from (recorded in provenance)")
-    p.add_argument("--objective", choices=OBJECTIVES, default="joint")
-    p.add_argument("--base-model", default="minilm",
-                   help="'minilm', a plain HF BERT folder, or a VLRetrievalModel folder to continue fine-tuning")
-    p.add_argument("--halve-layers", action="store_true", help="keep every other backbone layer (0,2,4,..)")
-    p.add_argument("--be-loss", choices=BE_LOSSES, default="triplet")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=32, help="captions per step (CE: 2x pairs)")
-    p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--new-layers-lr-mult", type=float, default=1.0,
-                   help="learning-rate multiplier for the randomly initialised image embedding and CE head")
-    p.add_argument("--image-init", choices=IMAGE_INITS, default="random",
-                   help="image embedding start: random, or a least-squares fit to the captions' word embeddings")
-    p.add_argument("--margin", type=float, default=0.1)
-    p.add_argument("--hard-negative-prob", type=float, default=0.0,
-                   help="share of CE negatives drawn from the gold image's nearest images by pooled region features")
-    p.add_argument("--hard-negative-k", type=int, default=8, help="how many nearest images form that pool")
-    p.add_argument("--freeze-word-embeddings", action="store_true",
-                   help="keep the backbone's word embeddings fixed (~20%% faster CPU steps for the halved MiniLM)")
-    p.add_argument("--ce-loss", choices=CE_LOSSES, default="pair",
-                   help="pair: binary loss per (caption, image) pair (the paper); listwise: softmax over each "
-                        "caption's positive and its negatives (LCE)")
-    p.add_argument("--ce-negatives", type=int, default=1, help="negatives per caption in a CE step")
-    p.add_argument("--ce-batch-size", type=int, help="captions per CE step (default: --batch-size)")
-    p.add_argument("--ce-start-step", type=int, default=0,
-                   help="joint: run the BE objective alone before this step (the CE learns once the BE has "
-                        "aligned image and text tokens)")
-    p.add_argument("--output", required=True)
-    p.add_argument("--eval-every", type=int, default=0, help="dev evaluation every M steps (0: at the end)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="write output/last every N steps (0: at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from output/last/")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--no-amp", action="store_true", help="no bf16 autocast on CUDA")
-    p.add_argument("--max-regions", type=int,
-                   help="regions per image the model uses (kept with the model; fewer = faster on CPU)")
-    p.add_argument("--max-train-captions", type=int, help="train on a seeded random subset of this many captions")
-    p.add_argument("--train-split", default="train")
-    p.add_argument("--dev-split", default="dev")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
-    p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+@dataclass(frozen=True)
+class TrainPlan:
+    """One ``python -m retrieval_core.train`` run: where the data comes from and goes, the model to start
+    from, and the trainer's config; validated when built (one line naming the bad value)."""
+    staged: str
+    output: str
+    config: TrainConfig
+    base_model: str = "minilm"
+    halve_layers: bool = False
+    max_regions: Optional[int] = None  # regions per image the model uses (kept with the model)
+    max_train_captions: Optional[int] = None
+    train_split: str = "train"
+    dev_split: str = "dev"
+    manifest: Optional[str] = None  # recorded in provenance only
+    resume: bool = False
+
+    def __post_init__(self):
+        for name in ("max_regions", "max_train_captions"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
-def main(argv=None) -> int:
+def run(plan: TrainPlan) -> dict:
+    """Trains as ``plan`` says; returns Trainer.train's result (steps, best_dir, best_metric, best_eval)."""
     from retrieval_core.store import StagedDataset
 
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda requested but CUDA is not available")
-    staged = StagedDataset(args.staged)
-    train = load_split(staged, args.train_split, args.max_train_captions, args.seed)
+    staged = StagedDataset(plan.staged)
+    cfg = plan.config
+    train = load_split(staged, plan.train_split, plan.max_train_captions, cfg.seed)
     dev = None
-    if len(staged.captions(split=args.dev_split)):
-        dev = load_split(staged, args.dev_split)
+    if len(staged.captions(split=plan.dev_split)):
+        dev = load_split(staged, plan.dev_split)
     else:
-        print(f"note: no captions in split {args.dev_split!r}: no dev evaluation, best = last", file=sys.stderr)
-    cfg = TrainConfig(objective=args.objective, be_loss=args.be_loss, margin=args.margin, steps=args.steps,
-                      batch_size=args.batch_size, lr=args.lr, new_layers_lr_mult=args.new_layers_lr_mult,
-                      image_init=args.image_init, hard_negative_prob=args.hard_negative_prob,
-                      hard_negative_k=args.hard_negative_k, ce_loss=args.ce_loss, ce_negatives=args.ce_negatives,
-                      ce_batch_size=args.ce_batch_size, ce_start_step=args.ce_start_step,
-                      freeze_word_embeddings=args.freeze_word_embeddings, eval_every=args.eval_every,
-                      checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device,
-                      amp=not args.no_amp, progress=not args.no_progress)
-    model = build_model(args.base_model, staged.feature_dim, args.halve_layers, args.seed)
-    if args.max_regions is not None:
-        if args.max_regions < 1:
-            raise SystemExit("--max-regions must be >= 1")
-        model.cfg.max_regions = args.max_regions
-    model.cfg.provenance.update({"base_model": args.base_model, "staged": os.path.abspath(args.staged),
-                                 "manifest": args.manifest, "train_split": args.train_split,
+        click.echo(f"note: no captions in split {plan.dev_split!r}: no dev evaluation, best = last", err=True)
+    model = build_model(plan.base_model, staged.feature_dim, plan.halve_layers, cfg.seed)
+    if plan.max_regions is not None:
+        model.cfg.max_regions = plan.max_regions
+    model.cfg.provenance.update({"base_model": plan.base_model, "staged": os.path.abspath(plan.staged),
+                                 "manifest": plan.manifest, "train_split": plan.train_split,
                                  "train_captions": len(train)})
-    result = Trainer(model, train, cfg, args.output, dev).train(resume=args.resume)
+    return Trainer(model, train, cfg, plan.output, dev).train(resume=plan.resume)
+
+
+_CHOICE = dict(case_sensitive=False)
+
+
+@click.command(context_settings=CONTEXT_SETTINGS,
+               help="Fine-tune a VLRetrievalModel (BE, CE or JOIN) on a staged dataset: writes OUTPUT/last, "
+                    "OUTPUT/best (the dev-best model) and OUTPUT/train_log.jsonl.")
+@click.option("--staged", required=True, help="Staged dataset directory (pipelines.stage output).")
+@click.option("--manifest", help="Data manifest the staged dir came from (recorded in provenance).")
+@click.option("--objective", type=click.Choice(OBJECTIVES, **_CHOICE), default="joint", show_default=True)
+@click.option("--base-model", default="minilm", show_default=True,
+              help="'minilm', a plain HF BERT folder, or a VLRetrievalModel folder to continue fine-tuning.")
+@click.option("--halve-layers", is_flag=True, help="Keep every other backbone layer (0, 2, 4, ..).")
+@click.option("--be-loss", type=click.Choice(BE_LOSSES, **_CHOICE), default="triplet", show_default=True)
+@click.option("--steps", type=int, default=1000, show_default=True)
+@click.option("--batch-size", type=int, default=32, show_default=True, help="Captions per step (CE: 2x pairs).")
+@click.option("--lr", type=float, default=5e-5, show_default=True)
+@click.option("--new-layers-lr-mult", type=float, default=1.0, show_default=True,
+              help="Learning-rate multiplier for the randomly initialised image embedding and CE head.")
+@click.option("--image-init", type=click.Choice(IMAGE_INITS, **_CHOICE), default="random", show_default=True,
+              help="Image embedding start: random, or a least-squares fit to the captions' word embeddings.")
+@click.option("--margin", type=float, default=0.1, show_default=True)
+@click.option("--hard-negative-prob", type=float, default=0.0, show_default=True,
+              help="Share of CE negatives drawn from the gold image's nearest images by pooled region features.")
+@click.option("--hard-negative-k", type=int, default=8, show_default=True,
+              help="How many nearest images form that pool.")
+@click.option("--freeze-word-embeddings", is_flag=True,
+              help="Keep the backbone's word embeddings fixed (~20 % faster CPU steps for the halved MiniLM).")
+@click.option("--ce-loss", type=click.Choice(CE_LOSSES, **_CHOICE), default="pair", show_default=True,
+              help="pair: binary loss per (caption, image) pair (the paper); listwise: softmax over each "
+                   "caption's positive and its negatives (LCE).")
+@click.option("--ce-negatives", type=int, default=1, show_default=True, help="Negatives per caption in a CE step.")
+@click.option("--ce-batch-size", type=int, help="Captions per CE step [--batch-size].")
+@click.option("--ce-start-step", type=int, default=0, show_default=True,
+              help="joint: run the BE objective alone before this step (the CE learns once the BE has aligned "
+                   "image and text tokens).")
+@click.option("--output", required=True, help="Output folder: last/, best/, train_log.jsonl.")
+@click.option("--eval-every", type=int, default=0, show_default=True,
+              help="Dev evaluation every M steps (0: at the end).")
+@click.option("--checkpoint-every", type=int, default=0, show_default=True,
+              help="Write output/last every N steps (0: at the end).")
+@click.option("--resume", is_flag=True, help="Continue from output/last/.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@device_option()
+@click.option("--no-amp", is_flag=True, help="No bf16 autocast on CUDA.")
+@click.option("--max-regions", type=int, help="Regions per image the model uses (kept with the model; fewer = "
+                                                "faster on CPU).")
+@click.option("--max-train-captions", type=int, help="Train on a seeded random subset of this many captions.")
+@click.option("--train-split", default="train", show_default=True)
+@click.option("--dev-split", default="dev", show_default=True)
+@threads_option()
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+def main(staged, manifest, objective, base_model, halve_layers, be_loss, steps, batch_size, lr, new_layers_lr_mult,
+         image_init, margin, hard_negative_prob, hard_negative_k, freeze_word_embeddings, ce_loss, ce_negatives,
+         ce_batch_size, ce_start_step, output, eval_every, checkpoint_every, resume, seed, device, no_amp,
+         max_regions, max_train_captions, train_split, dev_split, threads, no_progress) -> None:
+    apply_device_and_threads(device, threads)
+    with cli_errors():  # missing staged folder, bad model folder, bad value: one line, exit 1
+        cfg = TrainConfig(objective=objective, be_loss=be_loss, margin=margin, steps=steps,
+                          batch_size=batch_size, lr=lr, new_layers_lr_mult=new_layers_lr_mult,
+                          image_init=image_init, hard_negative_prob=hard_negative_prob,
+                          hard_negative_k=hard_negative_k, ce_loss=ce_loss, ce_negatives=ce_negatives,
+                          ce_batch_size=ce_batch_size, ce_start_step=ce_start_step,
+                          freeze_word_embeddings=freeze_word_embeddings, eval_every=eval_every,
+                          checkpoint_every=checkpoint_every, seed=seed, device=device, amp=not no_amp,
+                          progress=not no_progress)
+        plan = TrainPlan(staged=staged, output=output, config=cfg, base_model=base_model, halve_layers=halve_layers,
+                         max_regions=max_regions, max_train_captions=max_train_captions, train_split=train_split,
+                         dev_split=dev_split, manifest=manifest, resume=resume)
+        result = run(plan)
     if result["best_eval"] is not None:
         ev = result["best_eval"]
         extra = (f", CE pair accuracy vs random / nearest image {ev['ce_pair_acc']:.1f}% / "
                  f"{ev['ce_hard_pair_acc']:.1f}%" if "ce_pair_acc" in ev else "")
-        print(f"best model: {result['best_dir']} (step {ev['step']}, dev mR {ev['mR']:.2f}{extra})")
+        click.echo(f"best model: {result['best_dir']} (step {ev['step']}, dev mR {ev['mR']:.2f}{extra})")
     else:
-        print(f"model: {result['best_dir']} (no dev evaluation)")
-    return 0
+        click.echo(f"model: {result['best_dir']} (no dev evaluation)")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

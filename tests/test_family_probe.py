@@ -77,3 +77,23 @@ def test_cli_writes_csv_and_reports_non_synthetic_input_clearly(setup, tmp_path)
     missing = CliRunner().invoke(family_probe.main, ["--staged", str(tmp_path / "nowhere"), "--manifest", "demo",
                                                      "--model", model_dir])
     assert missing.exit_code == 1 and "is not a staged directory" in missing.output
+
+
+def test_cli_spells_device_and_threads_like_every_other_cli(setup, tmp_path):
+    import torch
+
+    staged, model_dir, _ = setup
+    args = ["--staged", staged, "--manifest", "demo", "--model", model_dir, "--max-captions", "10"]
+    before = torch.get_num_threads()
+    try:
+        out = CliRunner().invoke(family_probe.main, args + ["--device", "CPU", "--threads", "1"])
+        assert out.exit_code == 0, out.output
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    bad = CliRunner().invoke(family_probe.main, args + ["--device", "gpu"])
+    assert bad.exit_code == 2 and "'gpu' is not one of 'cpu', 'cuda'" in bad.output
+    assert "--device [cpu|cuda]" in CliRunner().invoke(family_probe.main, ["-h"]).output
+    if not torch.cuda.is_available():
+        no_gpu = CliRunner().invoke(family_probe.main, args + ["--device", "cuda"])
+        assert no_gpu.exit_code == 1 and "CUDA is not available" in no_gpu.output and "Traceback" not in no_gpu.output

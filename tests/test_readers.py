@@ -458,3 +458,127 @@ def test_real_flickr30k_entities_sentences():
     assert len(tasks) == 5 and len(got) == 25 and all(isinstance(g, RawCaption) for g in got)
     assert all("[/EN#" not in g.text and "]" not in g.text for g in got)
     assert got[0].text.startswith("A girl with brown hair sits on the edge of a cement area overlooking water")
+
+
+# ------------------------------------------------------------------------- never a silent wrong result
+def test_undecodable_ids_are_rejects_never_replaced(tmp_path):
+    """Two ids that differ only in bytes that are not UTF-8 used to be decoded with U+FFFD and collide (one then
+    rejected as a 'duplicate' of an image it is not): each is now a reject saying why."""
+    boxes, feats = np.zeros((1, 4), np.float32) + [0, 0, 5, 5], np.ones((1, 8), np.float32)
+    tsv = tmp_path / "feats.tsv"
+    tsv.write_bytes(b"\n".join(butd_row("ID", 10, 10, boxes, feats).replace(b"ID", raw, 1)
+                               for raw in (b"caf\xe9", b"caf\xe8", b"cafe")) + b"\n")
+    good, bad = by_type(list(readers.read_butd_tsv(str(tsv))))
+    assert [g.source_id for g in good] == ["cafe"]
+    assert len(bad) == 2 and all(r.reason.startswith("id not UTF-8: ") for r in bad)
+    assert "b'caf\\xe9'" in bad[0].reason and bad[0].locator == f"{tsv}:1"
+
+    (tmp_path / "t_caps.txt").write_bytes(b"a dog .\na cat .\n")
+    (tmp_path / "t_ids.txt").write_bytes(b"1\xff\n1\xfe\n")
+    got = list(readers.read_caption_lines(str(tmp_path / "t_caps.txt")))
+    assert all(isinstance(g, Reject) and g.reason.startswith("id not UTF-8") for g in got)
+
+    (tmp_path / "cc.tsv").write_bytes(b"a dog\thttps://x/\xe9.jpg\na cat\thttps://x/2.jpg\n")
+    by_url = list(readers.read_cc_tsv(str(tmp_path / "cc.tsv"), image_id="url"))
+    assert isinstance(by_url[0], Reject) and "image URL" in by_url[0].reason
+    assert by_url[1].image_source_id == "https://x/2.jpg"
+    by_line = list(readers.read_cc_tsv(str(tmp_path / "cc.tsv")))  # line ids never read the URL
+    assert [g.image_source_id for g in by_line] == ["0", "1"]
+
+    (tmp_path / "imgs.txt").write_bytes(b"caf\xe9.jpg\ncafe.jpg\n")
+    (tmp_path / "m.en").write_bytes(b"A dog.\nA cat.\n")
+    got = list(readers.read_multi30k(str(tmp_path / "m.en"), image_list=str(tmp_path / "imgs.txt")))
+    assert isinstance(got[0], Reject) and got[0].reason.startswith("id not UTF-8") and got[1].image_source_id == "cafe"
+
+    doc = json.dumps({"images": [
+        {"filename": "FNAME.jpg", "split": "test", "sentences": [{"raw": "a dog", "sentid": 1}]},
+        {"filename": "ok.jpg", "split": "test", "sentences": [{"raw": "a cat", "sentid": 2}]}]})
+    (tmp_path / "k.json").write_bytes(doc.encode().replace(b"FNAME", b"caf\xe9"))
+    got = list(readers.read_karpathy_json(str(tmp_path / "k.json"), image_id="filename_stem"))
+    assert isinstance(got[0], Reject) and "b'caf\\xe9'" in got[0].reason and got[1].image_source_id == "ok"
+
+    # file names: the npz readers' and Flickr30k Entities' ids are file stems (os.listdir's surrogateescape)
+    npz_dir = tmp_path / "npz"
+    npz_dir.mkdir()
+    for name in (b"im\xff.npz", b"im.npz"):
+        with open(os.path.join(os.fsencode(npz_dir), name), "wb") as f:
+            np.savez(f, features=feats, boxes=boxes, image_w=10, image_h=10)
+    tasks = readers.plan_read_tasks("c", KIND_IMAGE, "plain_npz", str(npz_dir), {}, 8)
+    good, bad = by_type([r for t in tasks for r in readers.read_task(t)])
+    assert [g.source_id for g in good] == ["im"] and bad[0].reason == \
+        "id not UTF-8: image id b'im\\xff' is not valid UTF-8 (replacing its bytes could make it equal to another id)"
+    with open(os.path.join(os.fsencode(tmp_path), b"12\xff.txt"), "wb") as f:
+        f.write(b"[/EN#1/people A man] runs .\n")
+    (ent,) = readers.read_flickr30k_entities(os.fsdecode(os.path.join(os.fsencode(tmp_path), b"12\xff.txt")))
+    assert isinstance(ent, Reject) and ent.reason.startswith("id not UTF-8")
+
+
+def test_an_input_file_without_records_is_an_error_naming_it(tmp_path):
+    (tmp_path / "empty.tsv").write_bytes(b"")
+    (tmp_path / "blank.tsv").write_bytes(b"\n")  # one empty line: a record, rejected
+    doc = {"images": [{"cocoid": 1, "split": "train", "sentences": [{"raw": "a dog", "sentid": 1}]}]}
+    (tmp_path / "k.json").write_text(json.dumps(doc))
+    (task,) = readers.plan_read_tasks("c", KIND_IMAGE, "butd_tsv", str(tmp_path / "empty.tsv"), {}, 8)
+    with pytest.raises(readers.EmptySourceError, match=r"empty\.tsv: the butd_tsv reader found no image records"):
+        list(readers.read_task(task))
+    assert list(readers.read_task(task, allow_empty=True)) == []  # the explicit opt-out
+    (task,) = readers.plan_read_tasks("c", KIND_IMAGE, "butd_tsv", str(tmp_path / "blank.tsv"), {}, 8)
+    assert [type(r).__name__ for r in readers.read_task(task)] == ["Reject"]
+    # an option that selects nothing is the common way to stage nothing by mistake
+    (task,) = readers.plan_read_tasks("c", KIND_CAPTION, "karpathy_json", str(tmp_path / "k.json"),
+                                      {"split": "test"}, 0)
+    with pytest.raises(readers.EmptySourceError, match=r"k\.json.*options: split='test'"):
+        list(readers.read_task(task))
+    assert issubclass(readers.EmptySourceError, ValueError)  # the CLIs' one-line error
+
+
+def _bua_npz(path, n, conf, info_extra=None):
+    x, bbox = RNG.standard_normal((n, 8)).astype(np.float32), RNG.uniform(0, 100, (n, 4)).astype(np.float32)
+    bbox[:, 2:] += bbox[:, :2] + 1
+    # the dict bottom-up-attention.pytorch's extract_utils.save_roi_features writes
+    info = {"image_id": os.path.basename(path), "image_h": 200, "image_w": 300, "num_boxes": n,
+            "objects_id": np.arange(n), "objects_conf": conf, **(info_extra or {})}
+    np.savez_compressed(path, x=x, bbox=bbox, num_bbox=n, image_h=200, image_w=300, info=info)
+    return x
+
+
+def test_bua_npz_keeps_regions_most_confident_first_from_info(tmp_path):
+    from retrieval_core import staging
+
+    conf = np.array([0.3, 0.9, 0.2, 0.7, 0.5], np.float32)
+    x = _bua_npz(tmp_path / "7.npz", 5, conf)
+    (img,) = readers.read_bua_npz(str(tmp_path / "7.npz"))
+    np.testing.assert_allclose(img.confidences, conf)
+    row = staging.stage_image(img, collection="c", feature_dim=8, max_regions=3, source="s")
+    np.testing.assert_array_equal(row["features"], x[[1, 3, 4]])  # the 3 most confident, in that order
+    # numpy 1.x (the tool's era) pickled with protocol 3 and named numpy.core.multiarray
+    import zipfile
+    from numpy.lib import format as npy
+
+    with np.load(tmp_path / "7.npz", allow_pickle=False) as z:
+        members = {k: z.zip.read(k + ".npy") for k in z.files if k != "info"}
+    info = np.array({"objects_conf": conf}, dtype=object)
+    buf = io.BytesIO()
+    npy.write_array_header_1_0(buf, npy.header_data_from_array_1_0(info))
+    buf.write(pickle.dumps(info, protocol=3).replace(b"numpy._core.multiarray", b"numpy.core.multiarray"))
+    assert b"cnumpy.core.multiarray\n_reconstruct" in buf.getvalue()
+    with zipfile.ZipFile(tmp_path / "8.npz", "w") as zf:
+        for k, data in {**members, "info": buf.getvalue()}.items():
+            zf.writestr(k + ".npy", data)
+    (old,) = readers.read_bua_npz(str(tmp_path / "8.npz"))
+    np.testing.assert_allclose(old.confidences, conf)
+
+
+def test_bua_npz_info_is_never_unpickled_beyond_numpy(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    x = np.zeros((2, 8), np.float32)
+    np.savez(tmp_path / "9.npz", x=x, bbox=np.ones((2, 4), np.float32), num_bbox=2, image_h=10, image_w=10,
+             info=np.array({"objects_conf": Payload()}, dtype=object))
+    (rej,) = readers.read_bua_npz(str(tmp_path / "9.npz"))
+    assert isinstance(rej, Reject) and "refusing to unpickle posix.mkdir" in rej.reason
+    assert not marker.exists()

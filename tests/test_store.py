@@ -1,15 +1,21 @@
 """Staged shards written by retrieval_core.staging read back through retrieval_core.store.StagedDataset."""
+import hashlib
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
 
 from retrieval_core import schema, staging
 from retrieval_core.schema import RawCaption, RawImage
-from retrieval_core.store import StagedDataError, StagedDataset, to_torch
+from retrieval_core.store import INCOMPLETE_FILE, StagedDataError, StagedDataset, to_torch
 
 F = 16
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def make_rows(n_images=12, seed=0):
@@ -31,7 +37,7 @@ def make_rows(n_images=12, seed=0):
 
 
 def write_staged(root, images, captions, feature_format="parquet", feature_dtype="float32", num_shards=3):
-    """A staged dir laid out as pipelines.stage writes it (shards + summary.json)."""
+    """A staged dir laid out as pipelines.stage writes it (shards with their sha256 + summary.json)."""
     shards = {"images": [], "captions": [], "feature_shards": []}
     for idx in range(num_shards):
         rows = [r for r in images if r["item_id"] % num_shards == idx]
@@ -42,16 +48,16 @@ def write_staged(root, images, captions, feature_format="parquet", feature_dtype
             h5, data = staging.image_shard_hdf5(rows, feature_dtype, feature_dim=F, feature_shard=h5name)
             os.makedirs(root / "features", exist_ok=True)
             (root / h5name).write_bytes(h5)
-            shards["feature_shards"].append({"name": h5name, "rows": len(rows)})
+            shards["feature_shards"].append({"name": h5name, "rows": len(rows), "sha256": sha256(h5)})
         else:
             data = staging.image_shard_parquet(rows, F, feature_dtype)
         os.makedirs(root / "images", exist_ok=True)
         (root / name).write_bytes(data)
-        shards["images"].append({"name": name, "rows": len(rows)})
+        shards["images"].append({"name": name, "rows": len(rows), "sha256": sha256(data)})
         cname = f"captions/c-{idx:05d}-of-{num_shards:05d}.parquet"
         os.makedirs(root / "captions", exist_ok=True)
-        (root / cname).write_bytes(staging.caption_shard_parquet(caps))
-        shards["captions"].append({"name": cname, "rows": len(caps)})
+        (root / cname).write_bytes(cdata := staging.caption_shard_parquet(caps))
+        shards["captions"].append({"name": cname, "rows": len(caps), "sha256": sha256(cdata)})
     summary = {"complete": True, "feature_dim": F, "feature_format": feature_format, "feature_dtype": feature_dtype,
                "collections": {"c": {"images": {"shards": shards["images"],
                                                 "feature_shards": shards["feature_shards"]},
@@ -162,6 +168,51 @@ def test_missing_or_incomplete_summary_is_a_clear_error(tmp_path, rows):
     os.remove(tmp_path / ds.summary["collections"]["c"]["images"]["shards"][0]["name"])
     with pytest.raises(StagedDataError, match="missing"):
         StagedDataset(str(tmp_path)).load_images()
+
+
+def test_a_folder_holding_the_incomplete_marker_is_refused(tmp_path, rows):
+    """pipelines.stage writes _INCOMPLETE before it replaces the first shard and deletes it after summary.json:
+    a re-stage killed midway leaves the old summary (complete: true) beside a mixture of old and new shards."""
+    write_staged(tmp_path, *rows)
+    (tmp_path / INCOMPLETE_FILE).write_bytes(b"")
+    with pytest.raises(StagedDataError, match=rf"{tmp_path} holds _INCOMPLETE: .* re-stage it") as err:
+        StagedDataset(str(tmp_path))
+    assert "\n" not in str(err.value)
+    # URL folders: through the caller's exists(), or else by probing with its opener
+    local = lambda url: os.path.join(str(tmp_path), url[len("mem://staged/"):])
+    with pytest.raises(StagedDataError, match="_INCOMPLETE"):
+        StagedDataset("mem://staged", opener=lambda u: open(local(u), "rb"), exists=lambda u: os.path.exists(local(u)))
+    with pytest.raises(StagedDataError, match="_INCOMPLETE"):
+        StagedDataset("mem://staged", opener=lambda u: open(local(u), "rb"))
+    os.remove(tmp_path / INCOMPLETE_FILE)
+    assert len(StagedDataset("mem://staged", opener=lambda u: open(local(u), "rb")).load_images()) == len(rows[0])
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "hdf5"])
+def test_shards_that_do_not_match_the_summary_checksums_are_refused(tmp_path, rows, fmt):
+    """Another run's shard under the same name (same ids, other features: read silently before) and a flipped
+    byte are both refused when the shard is first read, naming it and what to do."""
+    ds = write_staged(tmp_path / "a", *rows, feature_format=fmt)
+    other = make_rows(seed=1)  # same source ids, hence same item ids; other regions
+    write_staged(tmp_path / "b", *other, feature_format=fmt)
+    kind = "feature_shards" if fmt == "hdf5" else "shards"
+    name = ds.summary["collections"]["c"]["images"][kind][0]["name"]
+    shutil.copyfile(tmp_path / "b" / name, tmp_path / "a" / name)
+    with pytest.raises(StagedDataError, match=rf"{name} does not match the sha256 .* mixes shards of different "
+                                              rf"staging runs .* re-stage it"):
+        StagedDataset(str(tmp_path / "a")).load_images()
+    ds = write_staged(tmp_path / "c", *rows, feature_format=fmt)
+    assert len(ds.load_images()) == len(rows[0])  # intact: read (and verified once per shard)
+    path = tmp_path / "c" / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(StagedDataError, match="does not match the sha256"):
+        StagedDataset(str(tmp_path / "c")).load_images()
+    caption_shard = tmp_path / "c" / ds.summary["collections"]["c"]["captions"]["shards"][0]["name"]
+    caption_shard.write_bytes(caption_shard.read_bytes() + b"\0")
+    with pytest.raises(StagedDataError, match="does not match the sha256"):
+        StagedDataset(str(tmp_path / "c")).captions()
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "hdf5"])

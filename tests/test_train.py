@@ -7,6 +7,7 @@ from math import comb
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from retrieval_core.model import VLRetrievalModel
@@ -157,34 +158,119 @@ def test_resume_gives_identical_weights(tmp_path, data):
             resume=True)
 
 
+def run_train_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "retrieval_core.train", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
 def test_cli_help():
-    out = subprocess.run([sys.executable, "-m", "retrieval_core.train", "--help"], capture_output=True, text=True,
-                         check=True).stdout
+    out = run_train_cli("-h")
+    assert out.returncode == 0, out.stderr
     for flag in ("--staged", "--objective", "--base-model", "--halve-layers", "--be-loss", "--resume",
-                 "--max-train-captions", "--eval-every", "--checkpoint-every", "--device"):
-        assert flag in out
+                 "--max-train-captions", "--eval-every", "--checkpoint-every", "--device [cpu|cuda]", "--threads"):
+        assert flag in out.stdout
 
 
-def test_cli_trains_from_a_staged_dir_and_continues_a_model(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def cli_inputs(tmp_path_factory):
+    from tests.helpers_model import write_tiny_bert
     from tests.test_encode_pipeline import write_tiny_staged  # the stager's own shard encoders
 
-    staged = write_tiny_staged(str(tmp_path / "staged"), num_images=24)
-    base = str(tmp_path / "bert")
-    from tests.helpers_model import write_tiny_bert
-    write_tiny_bert(base)
+    root = tmp_path_factory.mktemp("train_cli")
+    return write_tiny_staged(str(root / "staged"), num_images=24), write_tiny_bert(str(root / "bert"), num_layers=4)
+
+
+def test_cli_trains_from_a_staged_dir_and_continues_a_model(tmp_path, cli_inputs):
+    staged, base = cli_inputs
     args = ["--staged", staged, "--objective", "joint", "--base-model", base, "--steps", "6", "--batch-size", "8",
             "--lr", "1e-3", "--output", str(tmp_path / "run"), "--dev-split", "test", "--no-progress",
             "--max-train-captions", "30"]
-    assert main(args) == 0
-    printed = capsys.readouterr().out
-    assert "best model:" in printed and "dev mR" in printed
+    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "best model:" in res.stdout and "dev mR" in res.stdout
     model = VLRetrievalModel.load(str(tmp_path / "run" / "best"))
     assert model.cfg.provenance["train_captions"] == 30
     # continue fine-tuning the trained model (an existing VLRetrievalModel folder as --base-model)
     args2 = ["--staged", staged, "--objective", "ce", "--base-model", str(tmp_path / "run" / "best"), "--steps", "3",
              "--batch-size", "8", "--output", str(tmp_path / "run2"), "--dev-split", "test", "--no-progress"]
-    assert main(args2) == 0
+    assert CliRunner().invoke(main, args2, catch_exceptions=False).exit_code == 0
     assert os.path.isdir(tmp_path / "run2" / "last")
+
+
+def test_cli_with_the_demo_flags_trains_exactly_what_the_library_trains(tmp_path, cli_inputs):
+    """The click port keeps every flag's meaning: the demo recipe's flag set (pipelines/demo_assets.py, scaled
+    down) gives bit-identical weights, optimizer state and log to the same run built through the library."""
+    from retrieval_core.checkpoints import from_text_backbone
+    from retrieval_core.store import StagedDataset
+    from retrieval_core.train import load_split
+
+    staged, base = cli_inputs
+    args = ["--staged", staged, "--objective", "JOINT", "--base-model", base, "--halve-layers", "--be-loss", "infonce",
+            "--image-init", "lstsq", "--new-layers-lr-mult", "20", "--max-regions", "3", "--ce-start-step", "3",
+            "--ce-loss", "listwise", "--ce-negatives", "3", "--ce-batch-size", "6", "--hard-negative-prob", "0.5",
+            "--hard-negative-k", "4", "--freeze-word-embeddings", "--steps", "8", "--batch-size", "8", "--lr", "1e-4",
+            "--eval-every", "4", "--checkpoint-every", "2", "--dev-split", "test", "--seed", "3", "--threads", "1",
+            "--no-progress", "--output", str(tmp_path / "cli")]
+    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+
+    cfg = TrainConfig(objective="joint", be_loss="infonce", image_init="lstsq", new_layers_lr_mult=20.0,
+                      ce_start_step=3, ce_loss="listwise", ce_negatives=3, ce_batch_size=6, hard_negative_prob=0.5,
+                      hard_negative_k=4, freeze_word_embeddings=True, steps=8, batch_size=8, lr=1e-4, eval_every=4,
+                      checkpoint_every=2, seed=3, progress=False)
+    ds = StagedDataset(staged)
+    model = from_text_backbone(base, ds.feature_dim, keep_every_other_layer=True, seed=3)
+    model.cfg.max_regions = 3
+    Trainer(model, load_split(ds, "train", seed=3), cfg, str(tmp_path / "lib"), load_split(ds, "test")).train()
+    for name in ("best/model.safetensors", "last/model.safetensors", "last/trainer_state.safetensors"):
+        assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "lib" / name).read_bytes(), name
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} | (
+        {"eval": {k: v for k, v in r["eval"].items() if k != "seconds"}} if "eval" in r else {}) for r in rows]
+    assert strip(_log(tmp_path / "cli")) == strip(_log(tmp_path / "lib"))
+
+
+def test_cli_bad_input_is_one_line_not_a_traceback(tmp_path, cli_inputs):
+    from tests.test_cli_errors import assert_clean_failure
+
+    staged, base = cli_inputs
+    missing = str(tmp_path / "no_staged")
+    res = run_train_cli("--staged", missing, "--output", str(tmp_path / "o"))  # as a user runs it
+    assert_clean_failure(res, missing, "not a staged directory")
+    runner = CliRunner()
+    common = ["--staged", staged, "--output", str(tmp_path / "o"), "--no-progress", "--steps", "2"]
+    for extra, expected in ((["--base-model", str(tmp_path / "nope")], "no such folder"),
+                            (["--base-model", str(tmp_path)], "neither a VLRetrievalModel folder"),
+                            (["--max-regions", "0"], "--max-regions must be >= 1, got 0"),
+                            (["--batch-size", "1"], "need steps >= 1 and batch_size >= 2"),
+                            (["--device", "gpu"], "'gpu' is not one of 'cpu', 'cuda'")):
+        res = runner.invoke(main, common + extra)
+        assert res.exit_code in (1, 2) and expected in res.output, (extra, res.output)
+        assert "Traceback" not in res.output and res.output.count("Error: ") == 1
+    if not torch.cuda.is_available():  # one spelling across CLIs, case-insensitive: CUDA is cuda
+        res = runner.invoke(main, common + ["--device", "CUDA"])
+        assert res.exit_code == 1 and "Error: --device cuda was requested but CUDA is not available" in res.output
+
+
+def test_dev_evaluation_shows_items_rate_and_eta(data, tmp_path, monkeypatch, capsys):
+    """A dev evaluation on the demo takes as long as ~40 training steps: it reports its own progress instead of
+    sitting behind the training bar."""
+    import functools
+
+    import tqdm.auto
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", functools.partial(tqdm.auto.tqdm, mininterval=0, miniters=1))  # every update
+    train, dev = data
+    model = tiny_model(str(tmp_path / "m"), feature_dim=F)
+    capsys.readouterr()
+    quiet = evaluate(model, dev, batch_size=8)
+    assert capsys.readouterr().err == ""
+    loud = evaluate(model, dev, batch_size=8, progress=True, desc="dev eval at step 7")
+    assert loud == quiet  # progress changes nothing measured
+    n_images = len(np.unique(dev.image_pos))
+    total = len(dev) + n_images + 2 * min(256, len(dev))
+    err = capsys.readouterr().err
+    assert "dev eval at step 7" in err and f"/{total} [" in err and "item/s" in err
+    assert f" 8/{total}" in err and f"{total}/{total}" in err  # counts per batch, up to every item
 
 
 def test_feature_neighbours_find_the_near_duplicate():

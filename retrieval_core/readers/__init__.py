@@ -4,8 +4,9 @@ Beam stager.
 ``plan_read_tasks`` turns one manifest entry (collection, kind, format, path, options) into a sorted,
 deterministic list of :class:`ReadTask` (one per input file, or one per chunk of a synthetic collection);
 ``read_task`` runs one task and yields ``RawImage`` / ``RawCaption`` / ``Reject``. Readers never raise for
-one bad record (they yield a Reject with locator and reason); a missing input is a FileNotFoundError and an
-unreadable whole file or a bad option a ValueError.
+one bad record (they yield a Reject with locator and reason); a missing input is a FileNotFoundError, an
+unreadable whole file or a bad option a ValueError, and an input file that yields no record at all an
+:class:`EmptySourceError` (unless the caller allows empty inputs: ``read_task(..., allow_empty=True)``).
 
 Both take ``files`` (a :class:`FileAccess`: open, match, exists, isdir, listdir), default local
 (:data:`LOCAL_FILES`). It is not part of a ReadTask: planning and reading may run on different machines,
@@ -26,6 +27,11 @@ from .features import (BUTD_COLUMNS, detector_frame_size, image_size, read_bua_n
                        read_oscar_pt, read_plain_npz, read_uniter_npz)
 
 SYNTHETIC = "synthetic"
+
+
+class EmptySourceError(ValueError):
+    """An input file yielded no record at all (no image, caption or reject): a wrong path, an empty download
+    or an option (a Karpathy ``split``) that selects nothing. Staging it would silently stage nothing."""
 
 IMAGE_READERS: dict[str, Callable[..., Iterator[RawImage | Reject]]] = {
     "butd_tsv": read_butd_tsv,
@@ -119,9 +125,23 @@ def plan_read_tasks(collection: str, kind: str, format: str, path, options: Opti
             for p in list_inputs(path, format, files)]
 
 
-def read_task(task: ReadTask, files: Optional[FileAccess] = None) -> Iterator[RawImage | RawCaption | Reject]:
+def read_task(task: ReadTask, files: Optional[FileAccess] = None, *,
+              allow_empty: bool = False) -> Iterator[RawImage | RawCaption | Reject]:
     """Run one task: yields its records (RawImage / RawCaption) and Rejects; files are read through
-    ``files`` (default local)."""
+    ``files`` (default local). A file task that yields nothing raises :class:`EmptySourceError` naming the
+    file once the file is read, unless ``allow_empty`` (pipelines.stage ``--allow-empty``)."""
+    count = 0
+    for record in _read(task, files):
+        count += 1
+        yield record
+    if count == 0 and not allow_empty and task.format != SYNTHETIC:
+        options = ", ".join(f"{k}={v!r}" for k, v in task.options)
+        raise EmptySourceError(f"{task.path}: the {task.format} reader found no {task.kind} records in it"
+                               f"{f' (options: {options})' if options else ''}; check the path and options, or "
+                               f"allow empty inputs (pipelines.stage --allow-empty)")
+
+
+def _read(task: ReadTask, files: Optional[FileAccess]) -> Iterator[RawImage | RawCaption | Reject]:
     options = {k: v for k, v in task.options}
     if task.format == SYNTHETIC:
         from ..synthetic import SyntheticSpec, generate_captions, generate_images
@@ -138,10 +158,9 @@ def read_task(task: ReadTask, files: Optional[FileAccess] = None) -> Iterator[Ra
 
 
 __all__ = [
-    "BUTD_COLUMNS", "CAPTION_READERS", "FileAccess", "IMAGE_READERS", "LOCAL_FILES", "LocalFileAccess", "ReadTask",
-    "SYNTHETIC", "URLAccessError", "apply_source_id_pattern", "detector_frame_size", "file_stem", "image_size",
-    "is_url", "list_inputs", "plan_read_tasks", "read_bua_npz",
-    "read_butd_tsv", "read_caption_lines", "read_cc_tsv", "read_flickr30k_entities", "read_karpathy_json",
-    "read_multi30k", "read_oscar_pt", "read_plain_npz", "read_task", "read_uniter_npz", "strip_entities_markup",
-    "_open_binary",
+    "BUTD_COLUMNS", "CAPTION_READERS", "EmptySourceError", "FileAccess", "IMAGE_READERS", "LOCAL_FILES",
+    "LocalFileAccess", "ReadTask", "SYNTHETIC", "URLAccessError", "apply_source_id_pattern", "detector_frame_size",
+    "file_stem", "image_size", "is_url", "list_inputs", "plan_read_tasks", "read_bua_npz", "read_butd_tsv",
+    "read_caption_lines", "read_cc_tsv", "read_flickr30k_entities", "read_karpathy_json", "read_multi30k",
+    "read_oscar_pt", "read_plain_npz", "read_task", "read_uniter_npz", "strip_entities_markup", "_open_binary"
 ]

@@ -145,6 +145,39 @@ def decode_text(data: bytes) -> str | bytes:
         return data
 
 
+#: Reject reason category of a record whose id is not valid UTF-8.
+R_ID_NOT_UTF8 = "id not UTF-8"
+
+
+def decode_id(data: bytes) -> Optional[str]:
+    """An id field's text (UTF-8, surrounding whitespace stripped), or None when its bytes are not valid UTF-8.
+
+    Ids are never decoded with replacement characters: two different ids would become equal, and one of them
+    would then be rejected as a duplicate of the other. Callers reject the record (:func:`bad_id_reason`)."""
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None
+
+
+def is_unicode_text(text: str) -> bool:
+    """False for a str holding lone surrogates: undecodable bytes of a file name (os.listdir's
+    surrogateescape) or of a surrogateescape-decoded JSON file. Such an id has no UTF-8 form to hash."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def bad_id_reason(what: str, raw: bytes | str) -> str:
+    """The reject reason of an id that is not valid UTF-8, showing its bytes."""
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogateescape" if _only_escaped(raw) else "surrogatepass")
+    return f"{R_ID_NOT_UTF8}: {what} {raw!r} is not valid UTF-8 (replacing its bytes could make it equal to " \
+           f"another id)"
+
+
 def str_or_bytes(text: str) -> str | bytes:
     """A str that came out of a surrogateescape-decoded JSON file: back to bytes when it is not valid
     Unicode (undecodable source bytes or lone surrogate escapes), else unchanged."""

@@ -12,7 +12,8 @@ Image source ids (they must match the ids of the feature readers of the same col
 - cc_tsv: the 0-based line number (``image_id="line"``) or the image URL (``image_id="url"``);
 - multi30k: the image-list file-name stem.
 ``source_id_pattern`` (regex with one group; numeric groups lose leading zeros) applies to those ids in
-all readers but cc_tsv.
+all readers but cc_tsv. An id that is not valid UTF-8 (an ids-file line, an image-list line, a URL, a file
+name) is a Reject, never decoded with replacement characters (two ids would become one).
 
 Files (the caption file and any ids/mapping/image-list file) are read through ``files`` (a ``FileAccess``,
 default local), each reader's second parameter; it is not keyword-only, so it is not a format option.
@@ -26,8 +27,8 @@ from collections import defaultdict
 from typing import Iterator, Optional
 
 from ..schema import KIND_CAPTION, RawCaption, Reject
-from ._common import (FileAccess, apply_source_id_pattern, decode_text, file_stem, iter_lines, read_bytes, read_lines,
-                      str_or_bytes)
+from ._common import (FileAccess, apply_source_id_pattern, bad_id_reason, decode_id, decode_text, file_stem,
+                      is_unicode_text, iter_lines, read_bytes, read_lines, str_or_bytes)
 
 CaptionRecord = RawCaption | Reject
 
@@ -37,6 +38,8 @@ def _reject(path: str, locator: str, reason: str) -> Reject:
 
 
 def _image_id(raw: str, pattern: Optional[str], path: str, locator: str) -> str | Reject:
+    if not is_unicode_text(raw):  # undecodable bytes of a file name or of a JSON string
+        return _reject(path, locator, bad_id_reason("image id", raw))
     sid = apply_source_id_pattern(raw, pattern)
     if not sid:
         reason = f"empty image id" if not raw else f"image id {raw!r} does not match source_id_pattern {pattern!r}"
@@ -102,6 +105,9 @@ def read_karpathy_json(path: str, files: Optional[FileAccess] = None, *, split: 
             if not isinstance(raw, str) or not raw.strip():
                 yield _reject(path, sloc, "sentence has no 'raw' text")
                 continue
+            if not is_unicode_text(str(sent["sentid"])):
+                yield _reject(path, sloc, bad_id_reason("sentid", str(sent["sentid"])))
+                continue
             yield RawCaption(image_source_id=sid, text=str_or_bytes(raw.strip()), caption_key=str(sent["sentid"]),
                              lang="en", split=img_split, locator=sloc)
 
@@ -131,14 +137,20 @@ def read_caption_lines(path: str, files: Optional[FileAccess] = None, *, ids_pat
         raise ValueError(f"caption file {path} has {len(caps)} lines but ids file {ids_path} has {len(ids)}")
     mapping = None
     if id_mapping:
-        mapping = json.loads(read_bytes(id_mapping, files).decode("utf-8"))
+        try:
+            mapping = json.loads(read_bytes(id_mapping, files).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{id_mapping}: not a UTF-8 JSON file ({e})") from None
         if not isinstance(mapping, dict):
             raise ValueError(f"{id_mapping}: expected a JSON object {{id: file name}}")
         mapping = {str(k): v for k, v in mapping.items()}
     seen: dict[str, int] = defaultdict(int)
     for lineno, (cap, raw_id) in enumerate(zip(caps, ids), start=1):
         locator = f"{path}:{lineno}"
-        key = raw_id.decode("utf-8", "replace").strip()
+        key = decode_id(raw_id)
+        if key is None:
+            yield _reject(path, locator, bad_id_reason(f"image id (line {lineno} of {ids_path})", raw_id))
+            continue
         index = seen[key]
         seen[key] += 1
         if mapping is not None:
@@ -208,7 +220,10 @@ def read_cc_tsv(path: str, files: Optional[FileAccess] = None, *, image_id: str 
         if len(fields) != 2:
             yield _reject(path, locator, f"expected 2 tab-separated columns (caption, url), found {len(fields)}")
             continue
-        url = fields[1].decode("utf-8", "replace").strip()
+        url = decode_id(fields[1]) if image_id == "url" else None  # "line" ids never read the URL
+        if image_id == "url" and url is None:
+            yield _reject(path, locator, bad_id_reason("image URL", fields[1]))
+            continue
         if image_id == "url" and not url:
             yield _reject(path, locator, "empty image URL")
             continue
@@ -250,7 +265,11 @@ def read_multi30k(path: str, files: Optional[FileAccess] = None, *, image_list: 
         raise ValueError(f"caption file {path} has {len(caps)} lines but image list {image_list} has {len(images)}")
     for lineno, (cap, image) in enumerate(zip(caps, images), start=1):
         locator = f"{path}:{lineno}"
-        sid = _image_id(file_stem(image.decode("utf-8", "replace")), source_id_pattern, path, locator)
+        name = decode_id(image)
+        if name is None:
+            yield _reject(path, locator, bad_id_reason(f"image file name (line {lineno} of {image_list})", image))
+            continue
+        sid = _image_id(file_stem(name), source_id_pattern, path, locator)
         if isinstance(sid, Reject):
             yield sid
             continue

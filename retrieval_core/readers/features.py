@@ -7,7 +7,8 @@ the file declares, None where the format declares none).
 
 Source ids: ``butd_tsv`` the image_id column; ``oscar_pt`` the dict key; the npz formats the file stem.
 ``source_id_pattern`` (regex with one group, searched in that raw id; numeric groups lose leading zeros)
-applies to all of them.
+applies to all of them. An id that is not valid UTF-8 (a TSV field, a file name) is a Reject, never decoded
+with replacement characters (two ids would become one).
 
 Every reader takes ``files`` (a ``FileAccess``, default local) as its second, non-keyword-only parameter:
 the keyword-only parameters are the manifest's format options, and how files are reached is not one.
@@ -25,8 +26,8 @@ import numpy as np
 
 from ..schema import KIND_IMAGE, RawImage, Reject
 from ..paths import join_path
-from ._common import (LOCAL_FILES, FileAccess, URLAccessError, _open_binary, apply_source_id_pattern, file_stem,
-                      iter_lines, npz_bytes)
+from ._common import (LOCAL_FILES, FileAccess, URLAccessError, _open_binary, apply_source_id_pattern, bad_id_reason,
+                      decode_id, file_stem, is_unicode_text, iter_lines, npz_bytes)
 
 ImageRecord = RawImage | Reject
 
@@ -39,6 +40,8 @@ def _reject(path: str, locator: str, reason: str) -> Reject:
 
 
 def _source_id(raw_id: str, pattern: Optional[str], path: str, locator: str) -> str | Reject:
+    if not is_unicode_text(raw_id):  # a file stem with undecodable bytes
+        return _reject(path, locator, bad_id_reason("image id", raw_id))
     sid = apply_source_id_pattern(raw_id, pattern)
     if sid is None or sid == "":
         return _reject(path, locator, f"source id {raw_id!r} does not match source_id_pattern {pattern!r}")
@@ -58,7 +61,9 @@ def _b64_floats(field: bytes, name: str) -> np.ndarray:
 
 def _parse_butd_row(fields: list[bytes], columns: Sequence[str]) -> dict:
     row = dict(zip(columns, fields))
-    out: dict = {"image_id": row["image_id"].decode("utf-8", "replace").strip()}
+    out: dict = {"image_id": decode_id(row["image_id"])}
+    if out["image_id"] is None:
+        raise ValueError(bad_id_reason("image_id", row["image_id"]))
     if not out["image_id"]:
         raise ValueError("empty image_id")
     for name in ("image_w", "image_h", "num_boxes"):
@@ -122,9 +127,42 @@ def read_butd_tsv(path: str, files: Optional[FileAccess] = None, *, columns: Seq
 
 
 # --------------------------------------------------------------------------------------- npz files
+# numpy's own array reconstruction: all that an object array of numbers, strings, arrays and dicts needs
+_NUMPY_PICKLE_GLOBALS = frozenset({("numpy._core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "scalar"),
+                                   ("numpy", "ndarray"), ("numpy", "dtype")})
+
+
+class _NumpyOnlyUnpickler(pickle.Unpickler):
+    """Unpickles numpy arrays, numbers, strings, lists and dicts; refuses every other global (no code runs)."""
+
+    def find_class(self, module, name):
+        if module == "numpy.core.multiarray":  # written by numpy 1.x; numpy 2 keeps it in numpy._core
+            module = "numpy._core.multiarray"
+        if (module, name) in _NUMPY_PICKLE_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+
+
+def _npz_object(npz, key: str):
+    """The object array ``key`` of an open npz (bottom-up-attention.pytorch's ``info`` dict is one), unpickled
+    through :class:`_NumpyOnlyUnpickler`: numpy reconstructors only, never arbitrary code."""
+    from numpy.lib import format as npy
+
+    with npz.zip.open(f"{key}.npy") as f:
+        version = npy.read_magic(f)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f"unsupported .npy format version {version}")
+        read_header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+        _, _, dtype = read_header(f)
+        if not dtype.hasobject:
+            raise ValueError(f"expected an object array, found dtype {dtype}")
+        return _NumpyOnlyUnpickler(f).load()
+
+
 def _load_npz(path: str, keys: Sequence[str], optional: Sequence[str] = (),
-              files: Optional[FileAccess] = None) -> dict | str:
-    """The named arrays of an npz file (never unpickling), or a reject reason."""
+              files: Optional[FileAccess] = None, objects: Sequence[str] = ()) -> dict | str:
+    """The named arrays of an npz file, or a reject reason. Nothing is unpickled, except the object arrays
+    named in ``objects``, and those by :func:`_npz_object` (numpy arrays, numbers, strings, dicts only)."""
     try:
         npz = np.load(npz_bytes(path, files), allow_pickle=False)
     except (FileNotFoundError, URLAccessError):
@@ -141,8 +179,13 @@ def _load_npz(path: str, keys: Sequence[str], optional: Sequence[str] = (),
         for k in list(keys) + [k for k in optional if k in npz.files]:
             try:
                 out[k] = npz[k]
-            except ValueError as e:  # object arrays need pickle: refused
-                return f"npz key {k!r} cannot be loaded without unpickling ({e})"
+            except ValueError as e:  # object arrays need pickle: refused unless named in objects
+                if k not in objects:
+                    return f"npz key {k!r} cannot be loaded without unpickling ({e})"
+                try:
+                    out[k] = _npz_object(npz, k)
+                except Exception as e2:  # noqa: BLE001 - one bad file (or a refused global), not a crash
+                    return f"npz key {k!r} cannot be read safely ({type(e2).__name__}: {e2})"
             except Exception as e:
                 return f"npz key {k!r} is corrupt ({type(e).__name__}: {e})"
     return out
@@ -155,15 +198,36 @@ def _scalar_int(value: np.ndarray, name: str) -> int:
     return int(arr.reshape(()))
 
 
+def _bua_confidences(info) -> Optional[np.ndarray] | str:
+    """``info["objects_conf"]`` of a bottom-up-attention.pytorch npz as (N,) floats; None when the file has
+    no ``info`` or its ``info`` has no confidences; a reject reason when ``info`` is not a dict."""
+    if info is None:
+        return None
+    info = info.item() if isinstance(info, np.ndarray) and info.shape == () else info
+    if not isinstance(info, dict):
+        return f"npz key 'info' should hold a dict, holds {type(info).__name__}"
+    conf = info.get("objects_conf")
+    if conf is None:
+        return None
+    try:
+        return np.asarray(conf, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError) as e:
+        return f"info['objects_conf'] is not numeric ({e})"
+
+
 def read_bua_npz(path: str, files: Optional[FileAccess] = None, *, source_id_pattern: Optional[str] = None,
                  split: Optional[str] = None) -> Iterator[ImageRecord]:
-    """One bottom-up-attention.pytorch npz (keys x, bbox, num_bbox, image_h, image_w); source id = stem.
+    """One bottom-up-attention.pytorch npz (keys x, bbox, num_bbox, image_h, image_w, info); source id = stem.
 
-    ``x`` may be stored (N,F) or (F,N); the orientation is taken from ``num_bbox``. The pickled ``info``
-    dict (object confidences) is never loaded, so ``confidences`` is None.
+    ``x`` may be stored (N,F) or (F,N); the orientation is taken from ``num_bbox``. ``confidences`` are
+    ``info["objects_conf"]`` (the tool's per-region max class score; its ``keep_boxes`` are in index order, not
+    confidence order), so the stager keeps regions most-confident first. ``info`` is a pickled dict: it is
+    read with numpy's array reconstructors only (:class:`_NumpyOnlyUnpickler`); a file without it has no
+    confidences.
     """
     locator = path
-    data = _load_npz(path, ("x", "bbox", "num_bbox", "image_h", "image_w"), files=files)
+    data = _load_npz(path, ("x", "bbox", "num_bbox", "image_h", "image_w"), optional=("info",), files=files,
+                     objects=("info",))
     if isinstance(data, str):
         yield _reject(path, locator, data)
         return
@@ -183,8 +247,12 @@ def read_bua_npz(path: str, files: Optional[FileAccess] = None, *, source_id_pat
         return
     if x.shape[0] != n and x.shape[1] == n:
         x = x.T  # stored (F, N)
+    conf = _bua_confidences(data.get("info"))
+    if isinstance(conf, str):
+        yield _reject(path, locator, conf)
+        return
     yield RawImage(source_id=sid, features=x, boxes=bbox, image_w=w, image_h=h, box_format="xyxy",
-                   num_boxes=n, split=split, locator=locator)
+                   confidences=conf, num_boxes=n, split=split, locator=locator)
 
 
 def read_uniter_npz(path: str, files: Optional[FileAccess] = None, *, source_id_pattern: Optional[str] = None,
