@@ -166,7 +166,7 @@ def test_pipeline_translates_for_dataflow_offline(name, inputs, translated_jobs,
     if name in ("encode", "rerank"):  # the model steps: RunInference with our handler
         assert any("RunInference" in t.unique_name for t in proto.components.transforms.values()), name
 
-    # The launcher must stop after a dry run: exit 0, say so, read and write nothing.
+    # The launcher must stop after a dry run: exit 0, say so, write nothing (it has no outputs to read).
     assert res.exit_code == 0, (f"{name}: the launcher failed after the dry run", res.output, res.exception)
     assert "dry run" in res.output.lower(), res.output
     written = files_under(out) if out.exists() else []
