@@ -21,6 +21,7 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from retrieval_core.cli import DEBUG_ENV  # noqa: F401  (RR_DEBUG=1: full tracebacks; re-exported)
 from retrieval_core.paths import is_url
 
 log = logging.getLogger(__name__)
@@ -29,26 +30,12 @@ log = logging.getLogger(__name__)
 BEAM_CLI_CONTEXT = dict(ignore_unknown_options=True, allow_extra_args=True, help_option_names=["-h", "--help"])
 
 
-#: Set to 1 to get the full traceback of an error that cli_errors would report in one line.
-DEBUG_ENV = "RR_DEBUG"
+def cli_errors(*error_types: type):
+    """At a CLI boundary: bad input as one ``Error: ...`` line and exit 1 (``RR_DEBUG=1``: the traceback).
+    The one implementation is retrieval_core.cli.cli_errors (Beam-free, shared with the training CLI)."""
+    from retrieval_core.cli import cli_errors as _cli_errors
 
-
-@contextlib.contextmanager
-def cli_errors(*error_types: type) -> Iterator[None]:
-    """At a CLI boundary: report bad input as one ``Error: ...`` line and exit 1, not as a traceback.
-
-    Bad input = a missing or inconsistent staged dir (StagedDataError), a missing file, the library's
-    validation errors (ValueError and its subclasses: EmbeddingsError, IndexIntegrityError, ManifestError,
-    EvaluationError...) and the CLI's own ``error_types`` (EncodeError, RerankError...). Their messages name
-    the path or value at fault; ``RR_DEBUG=1`` re-raises them with the traceback."""
-    from retrieval_core.store import StagedDataError
-
-    try:
-        yield
-    except (StagedDataError, FileNotFoundError, ValueError, *error_types) as exc:
-        if os.environ.get(DEBUG_ENV) == "1":
-            raise
-        raise click.ClickException(str(exc)) from None
+    return _cli_errors(*error_types)
 
 
 class UnknownFlagError(click.UsageError):
@@ -81,6 +68,9 @@ def pipeline_options(beam_args: Sequence[str], default_runner: str = "DirectRunn
     Refuses (UnknownFlagError) any flag Beam does not know either: a mistyped ``--top-k`` or a misplaced
     ``--index_factory`` is an error before anything runs, not a silently ignored option."""
     args = list(beam_args)
+    for a in args:  # Beam parses --dry_run as a string: "--dry_run=False" would still be a dry run
+        if a.startswith("--dry_run=") and a.split("=", 1)[1].lower() in ("false", "0", "no", ""):
+            raise click.UsageError(f"{a}: Beam treats any --dry_run value as true; leave the flag out to run")
     unknown = unknown_beam_flags(args)
     if unknown:
         raise UnknownFlagError(f"unknown option(s) {' '.join(unknown)}: neither this command nor Beam's pipeline "

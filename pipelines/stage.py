@@ -209,7 +209,9 @@ class ReadAndStage(beam.DoFn):
         kind = schema.KIND_CAPTION if task.kind in ("caption", "captions") else schema.KIND_IMAGE
         n_in = 0
         spill = None
-        for rec in read_task(task, files=common.BEAM_FILES):  # inputs may be gs:// on any worker
+        # allow_empty: an empty source is judged by the launcher from records_in (find_problems, one line,
+        # --allow-empty), not by a reader exception inside a worker (a Beam traceback).
+        for rec in read_task(task, files=common.BEAM_FILES, allow_empty=True):  # inputs may be gs:// anywhere
             n_in += 1
             if isinstance(rec, schema.RawImage):
                 out = staging.stage_image(rec, collection=coll, feature_dim=self.s.feature_dim,
