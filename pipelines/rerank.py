@@ -1,32 +1,47 @@
 """Distributed retrieve-and-rerank: ``python -m pipelines.rerank``.
 
-Graph::
+Graph (one per wave of output shards, see *Resume*)::
 
-    query embeddings (captions for t2i, images for i2t; read per embedding shard, keeping the split's ids)
+    query embeddings (captions for t2i, images for i2t; read per embedding shard, keeping the wave's ids)
       -> deterministic query batches -> Search (loads the index once per worker process) -> BE top-n,
          n = max(k, 10) (whole pool for --mode ce)
       EMB: -> rank_query
       CO/ADD/NORM_ADD/CE:
-         -> explode each query's top-k to (caption_id, image_id) pairs -> GroupByKey on the pair, so a t2i and
-            an i2t request for the same pair are scored once
+         -> each query's top-k as (caption_id, image_id) pairs (rr.query_pairs) -> GroupByKey on the pair, so
+            a t2i and an i2t request for the same pair are scored once (rr.merge_requesters)
          -> join the caption text (CoGroupByKey on caption_id); route pairs to the staged shard of their image
             (CoGroupByKey on image_id with the shards' id columns) and read each needed shard once
          -> deterministic length-sorted CE batches -> RunInference(KeyedModelHandler(score_pairs)) ->
-            scores back to every query that asked (CoGroupByKey with the candidate lists) -> rank_query
-      -> key by (direction, query_id % N) -> GroupByKey -> rankings_table -> rankings/<direction>-0000x-of-0000N.parquet
-      -> one run report -> rankings_manifest.json (then ranking files it does not list, e.g. shards of an earlier
-         run with another shard count, are deleted)
+            scores back to every query that asked (CoGroupByKey with the candidate lists)
+         -> rr.ce_scores_of + rr.rank_query
+      -> key by (direction, query_id % N) -> GroupByKey -> rankings/<direction>-0000x-of-0000N.parquet + its
+         _progress/<shard>.json record
+      -> one run report (common.WriteRunReport); after the last wave the launcher writes
+         rankings_manifest.json and deletes ranking files it does not list
+
+Stored rows (score once, evaluate many): every query keeps its whole BE top-n in final order, each row with
+its ``be_rank``, ``be_score`` and, for CE modes, the ``ce_score`` of the BE top-k; ``rank`` / ``final_score``
+follow the run's own mode. ``benchmarks.evaluate`` re-derives any k' <= k, mode and lam from them
+(``retrieval_core.rerank.derive_rankings``).
 
 Modes: ``emb`` BE only; ``co`` CE rerank of the BE top-k (items below k keep BE order); ``add`` / ``norm_add``
 fuse BE and CE scores in the top-k (--lam); ``ce`` exhaustive CE over the whole pool (refused above
 --max-exhaustive-pairs query x pool pairs).
 
-Candidate pools: t2i searches --index (a FAISS image index from pipelines.build_index); i2t searches
---text-index when given, otherwise an exact inner-product search over all text embeddings in --embeddings
-(``retrieval_core.metrics.exact_topk``; exact and cheap up to ~100k captions). Without --index, t2i is also
-an exact search over all image embeddings in --embeddings. --nprobe (IVF) and --ef-search (HNSW) are set on
-every shard of an index (faiss' defaults otherwise: nprobe=1 searches a single list) and recorded in the
-manifest's ``search_params``.
+Candidate pools: t2i searches --index (a FAISS image index from pipelines.build_index, refused when it was
+built from other embeddings than --embeddings); i2t searches --text-index when given, otherwise an exact
+inner-product search over all text embeddings in --embeddings (``retrieval_core.metrics.exact_topk``; exact and
+cheap up to ~100k captions). Without --index, t2i is also an exact search over all image embeddings.
+--nprobe (IVF) and --ef-search (HNSW) are set on every shard of an index (faiss' defaults otherwise) and
+recorded in the manifest's ``search_params``. --queries restricts the run to the queries a Parquet file lists
+(columns direction, query_id).
+
+Resume: output shards hold ~--queries-per-shard queries each (query_id % N) and are computed in waves of
+--shards-per-wave shards, one Beam job per wave (a GroupByKey is a barrier: within one job no shard is
+finished before all are). Each written shard gets a small ``_progress/<shard>.json`` (sha256, plan
+fingerprint). A rerun of the same plan keeps every shard whose record matches the plan and whose file matches
+its checksum, and computes only the others; any difference in the plan (inputs by checksum, mode, k, lam,
+queries, batch sizes...) recomputes everything.
 
 Determinism (DirectRunner and DaskRunner give identical rankings): queries and CE pairs are batched by a
 GroupByKey on a fixed key (id mod G) and sorted inside the group (queries by id; pairs by length, then ids),
@@ -34,9 +49,9 @@ so every batch has the same members on every runner; RunInference gets pre-batch
 (``with_no_batching``). Float results then depend only on the batch, not on bundle boundaries. Ties keep
 the searcher's order (exact search: smaller id first), rank_query's ties keep BE order. Measured: the
 same CE batch gives bit-identical scores with 1 or 2 torch threads, while moving a pair to another batch
-changes its score by ~3e-8 (padding/GEMM shapes) -- hence the fixed batches. Dask workers run with one
-OpenMP thread; pass --num-threads to pin torch/faiss threads everywhere if a platform's kernels ever
-depend on the thread count.
+changes its score by ~3e-8 (padding/GEMM shapes) -- hence the fixed batches and waves. (A wave resumed
+after a kill in the middle of its writes recomputes its missing shards in smaller batches: their CE scores
+can differ in the last bits; --batch-size 1 makes them batch-independent.)
 
 DaskRunner (Beam 2.77) computes only the last transform's graph and does not separate tagged outputs, so
 this graph has single-output steps only and ends in one report step that every write feeds. A CE batch that
@@ -48,12 +63,14 @@ fails fails the job (no silent gaps in a ranking).
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
 import math
-import os
 import time
-from typing import Iterable, Optional
+from dataclasses import asdict, dataclass
+from typing import Mapping, Optional
 
 import apache_beam as beam
 import click
@@ -69,12 +86,16 @@ from retrieval_core import schema
 log = logging.getLogger(__name__)
 
 T2I, I2T = schema.DIRECTION_T2I, schema.DIRECTION_I2T
+DIRECTIONS = (T2I, I2T)
 CLI_MODES = ("emb", "co", "ce", "add", "norm_add")
+FUSION_MODES = ("add", "norm_add")
 #: CLI mode -> retrieval_core.rerank mode ("co" and exhaustive "ce" both rank by the CE score).
 RANK_MODE = {"emb": "emb", "co": "ce", "ce": "ce", "add": "add", "norm_add": "norm_add"}
+DEVICES = ("cpu", "cuda")
+_HANDLER_DEVICE = {"cpu": "CPU", "cuda": "GPU"}  # pipelines.handlers' spelling
 RANKINGS_SUBDIR = rr.RANKINGS_SUBDIR
 RANKINGS_MANIFEST = rr.RANKINGS_MANIFEST
-RUN_REPORT = "_run/report.json"
+PROGRESS_DIR = "_progress"  # <output>/_progress/<shard>.json: one record per finished ranking shard
 CREATED_BY = "pipelines.rerank"
 _MIX = 0x9E3779B97F4A7C15  # 64-bit golden-ratio multiplier: spreads ids over groups deterministically
 
@@ -88,8 +109,105 @@ def group_of(a: int, b: int, groups: int) -> int:
     return int(((int(a) * _MIX) ^ int(b)) % (1 << 61) % groups)
 
 
+# ------------------------------------------------------------------------------------------- plan
+def _check_int(name: str, value, minimum: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise RerankError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RerankPlan:
+    """Every parameter of one rerank run as typed values, validated when built (a one-line RerankError
+    naming the value). ``run(plan)`` executes it; the CLI only builds it."""
+    staged: str
+    embeddings: str
+    output: str
+    mode: str = "co"
+    k: int = 20
+    lam: float = 0.5  # ADD / NORM_ADD weight of the BE score (ignored by the other modes)
+    directions: tuple[str, ...] = DIRECTIONS
+    index: Optional[str] = None  # FAISS image index for t2i (default: exact search over image embeddings)
+    text_index: Optional[str] = None  # FAISS caption index for i2t (default: exact search)
+    ce_model: Optional[str] = None
+    be_model: Optional[str] = None  # the CE of a JOIN model when ce_model is not given
+    collection: Optional[str] = None
+    split: Optional[str] = "test"
+    queries: Optional[str] = None  # Parquet (direction, query_id) restricting the run to those queries
+    batch_size: int = 64  # CE pairs per batch
+    search_batch_size: int = 256
+    device: str = "cpu"
+    threads: Optional[int] = None  # torch / faiss threads per worker process (None: leave as is)
+    model_copies: Optional[int] = None
+    max_exhaustive_pairs: int = 200_000
+    queries_per_shard: int = 1_000
+    shards_per_wave: int = 10
+    nprobe: Optional[int] = None
+    ef_search: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("staged", "embeddings", "output"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise RerankError(f"{name} must be a non-empty path, got {getattr(self, name)!r}")
+        mode = str(self.mode).lower()
+        if mode not in CLI_MODES:
+            raise RerankError(f"mode must be one of {CLI_MODES}, got {self.mode!r}")
+        object.__setattr__(self, "mode", mode)
+        device = str(self.device).lower()
+        if device not in DEVICES:
+            raise RerankError(f"device must be one of {DEVICES}, got {self.device!r}")
+        object.__setattr__(self, "device", device)
+        if isinstance(self.directions, str) or not self.directions \
+                or any(d not in DIRECTIONS for d in self.directions):
+            raise RerankError(f"directions must be a non-empty tuple of {DIRECTIONS}, got {self.directions!r}")
+        object.__setattr__(self, "directions", tuple(dict.fromkeys(self.directions)))
+        for name in ("k", "batch_size", "search_batch_size", "max_exhaustive_pairs", "queries_per_shard",
+                     "shards_per_wave"):
+            _check_int(name, getattr(self, name), 1)
+        for name in ("threads", "model_copies", "nprobe", "ef_search"):
+            _check_int(name, getattr(self, name), 1, optional=True)
+        if isinstance(self.lam, bool) or not isinstance(self.lam, (int, float)) or not 0.0 <= self.lam <= 1.0:
+            raise RerankError(f"lam must be a number in [0, 1], got {self.lam!r}")
+        if mode != "emb" and not (self.ce_model or self.be_model):
+            raise RerankError(f"mode {mode!r} needs --ce-model (or --be-model for a JOIN model)")
+        if (self.nprobe is not None or self.ef_search is not None) and not self.uses_index:
+            raise RerankError("--nprobe / --ef-search tune a FAISS index: pass --index (t2i) or --text-index "
+                              "(i2t); the default exact search has no parameters")
+
+    @property
+    def cross_encoder(self) -> Optional[str]:
+        """The CE model folder (None for EMB): --ce-model, else the JOIN model given as --be-model."""
+        return None if self.mode == "emb" else (self.ce_model or self.be_model)
+
+    @property
+    def rank_mode(self) -> str:
+        return RANK_MODE[self.mode]
+
+    @property
+    def applied_lam(self) -> Optional[float]:
+        return float(self.lam) if self.mode in FUSION_MODES else None
+
+    @property
+    def uses_index(self) -> bool:
+        return bool((T2I in self.directions and self.index) or (I2T in self.directions and self.text_index))
+
+    def index_of(self, direction: str) -> Optional[str]:
+        return self.index if direction == T2I else self.text_index
+
+
 # ------------------------------------------------------------------------------------- searchers
-_SEARCHERS: dict = {}  # per worker process: (kind, path, fingerprint) -> searcher
+@dataclass(frozen=True)
+class SearcherSpec:
+    """How a worker finds one direction's candidates: a FAISS index dir or exact search over embeddings."""
+    kind: str  # "index" | "exact"
+    path: str
+    modality: str
+    fingerprint: str  # sha256 of the index / embeddings manifest: a changed input is another searcher
+    params: tuple[tuple[str, int], ...] = ()  # faiss search parameters (nprobe, efSearch) set on every shard
+
+
+_SEARCHERS: dict = {}  # per worker process: SearcherSpec -> loaded searcher
 
 
 class ExactSearcher:
@@ -109,20 +227,17 @@ class ExactSearcher:
     search_scores = search  # inner products are already higher-is-better
 
 
-def get_searcher(spec: dict):
-    """spec: {"kind": "index"|"exact", "path", "modality", "fingerprint"[, "params"]}; loaded once per process.
-    ``params`` (index only): faiss search parameters ({"nprobe": .., "efSearch": ..}) set on every shard."""
-    params = spec.get("params") or {}
-    key = (spec["kind"], spec["path"], spec["modality"], spec["fingerprint"], tuple(sorted(params.items())))
-    if key not in _SEARCHERS:
-        if spec["kind"] == "index":
+def get_searcher(spec: SearcherSpec):
+    """The searcher of ``spec``, loaded once per process."""
+    if spec not in _SEARCHERS:
+        if spec.kind == "index":
             from retrieval_core.index import load_sharded_index
-            searcher = load_sharded_index(spec["path"])
-            searcher.set_params(**params)  # otherwise faiss' defaults: nprobe=1 (IVF), efSearch=16 (HNSW)
-            _SEARCHERS[key] = searcher
+            searcher = load_sharded_index(spec.path)
+            searcher.set_params(**dict(spec.params))  # otherwise faiss' defaults: nprobe=1, efSearch=16
+            _SEARCHERS[spec] = searcher
         else:
-            _SEARCHERS[key] = ExactSearcher(spec["path"], spec["modality"])
-    return _SEARCHERS[key]
+            _SEARCHERS[spec] = ExactSearcher(spec.path, spec.modality)
+    return _SEARCHERS[spec]
 
 
 class SearchBatch(beam.DoFn):
@@ -130,9 +245,10 @@ class SearchBatch(beam.DoFn):
 
     Queries are searched in fixed sub-batches of the id-sorted group, so batches never depend on bundles."""
 
-    def __init__(self, searchers: dict[str, dict], n: int, batch_size: int, faiss_threads: Optional[int]):
-        self.searchers = searchers
-        self.n = n
+    def __init__(self, searchers: Mapping[str, SearcherSpec], candidates: Mapping[str, int], batch_size: int,
+                 faiss_threads: Optional[int]):
+        self.searchers = dict(searchers)
+        self.candidates = dict(candidates)
         self.batch_size = batch_size
         self.faiss_threads = faiss_threads
 
@@ -149,19 +265,21 @@ class SearchBatch(beam.DoFn):
         for start in range(0, len(queries), self.batch_size):
             chunk = queries[start:start + self.batch_size]
             # search_scores: BE scores are higher-is-better (an L2 index's distances come back negated).
-            scores, ids = searcher.search_scores(np.stack([v for _, v in chunk]).astype(np.float32), self.n)
+            scores, ids = searcher.search_scores(np.stack([v for _, v in chunk]).astype(np.float32),
+                                                 self.candidates[direction])
             for (qid, _), s, i in zip(chunk, scores, ids):
                 valid = i >= 0  # faiss pads with -1 when the pool is smaller than n
                 yield (direction, qid), (i[valid].astype(np.int64), s[valid].astype(np.float32))
 
 
 # ------------------------------------------------------------------------------------- reading
-def read_query_vectors(task, emb_dir: str, wanted: dict[str, frozenset]):
-    """(direction, modality, shard entry) -> ((direction, group), (query_id, vector)) for the wanted ids."""
-    direction, modality, entry, groups = task
-    path = common.join(emb_dir, emb.shard_relpath(modality, entry["name"]))
+def read_query_vectors(task, emb_dir: str, wanted: Mapping[str, frozenset]):
+    """(direction, modality, shard name, sha256, groups) -> ((direction, group), (query_id, vector)) for the
+    wanted ids."""
+    direction, modality, name, sha256, groups = task
+    path = common.join(emb_dir, emb.shard_relpath(modality, name))
     data = common.read_bytes(path)
-    emb.verify_shard_bytes(data, entry, path)
+    emb.verify_shard_bytes(data, {"sha256": sha256}, path)
     ids, vecs = emb.read_embedding_shard(data)
     keep = wanted[direction]
     for i, qid in enumerate(ids.tolist()):
@@ -216,14 +334,13 @@ class StagedReader:
 def pair_requests(element, k: int):
     """Candidates of one query -> ((caption_id, image_id), (direction, query_id)) for its top-k."""
     (direction, qid), (ids, _scores) = element
-    for cand in ids[:k].tolist():
-        pair = (qid, cand) if direction == T2I else (cand, qid)
+    for pair in rr.query_pairs(direction, qid, ids, k):
         yield pair, (direction, qid)
 
 
 def by_caption(element):
     pair, requesters = element
-    return pair[0], (pair, tuple(sorted(set(requesters))))
+    return pair[0], (pair, rr.merge_requesters(requesters))
 
 
 def attach_text(element):
@@ -265,100 +382,120 @@ def ce_batches(element, batch_size: int):
 def scores_to_queries(element):
     (pair, requesters), prediction = element
     caption_id, image_id = pair
-    score = float(prediction.inference)
+    score = float(prediction.inference)  # float32 from the handler: stored exactly in the rankings
     for direction, qid in requesters:
         yield (direction, qid), (image_id if direction == T2I else caption_id, score)
 
 
 # ---------------------------------------------------------------------------------------- ranking
-def rank_emb(element, k: int, keep: int):
+def rank_emb(element, k: int):
     key, (ids, scores) = element
-    return key, rr.rank_query(ids, scores, None, k, "emb", keep=keep)
+    return key, rr.rank_query(ids, scores, None, k, "emb", keep=len(ids))
 
 
-def rank_with_ce(element, k: int, keep: int, mode: str, lam: float):
-    key, grouped = element
+def rank_with_ce(element, k: int, mode: str, lam: float):
+    """Every candidate of the query (its whole BE top-n), in final order, with the CE scores of its top k."""
+    (direction, qid), grouped = element
     cands = list(grouped["cands"])
     if len(cands) != 1:
-        raise RerankError(f"query {key}: {len(cands)} candidate lists")
+        raise RerankError(f"{direction} query {qid}: {len(cands)} candidate lists")
     ids, be = cands[0]
-    kk = min(k, len(ids))
-    got = dict(grouped["ce"])
-    missing = [int(i) for i in ids[:kk].tolist() if int(i) not in got]
-    if missing:
-        raise RerankError(f"query {key}: no CE score for candidate(s) {missing[:5]}")
-    ce = np.array([got[int(i)] for i in ids[:kk].tolist()], dtype=np.float64)
-    return key, rr.rank_query(ids, be, ce, k, mode, lam=lam, keep=keep)
+    ce = rr.ce_scores_of(ids, k, dict(grouped["ce"]), f"{direction} query {qid}")
+    return (direction, qid), rr.rank_query(ids, be, ce, k, mode, lam=lam, keep=len(ids))
 
 
-def shard_key(element, shards: dict[str, int]):
+def shard_key(element, shards: Mapping[str, int]):
     (direction, qid), result = element
     return (direction, qid % shards[direction]), (qid, result)
 
 
-def write_rankings_shard(element, output: str, shards: dict[str, int]) -> dict:
-    import io
-
+def write_shard(output: str, name: str, direction: str, query_ids, results, fingerprint: str) -> dict:
+    """Write one rankings shard, then its progress record (what a resumed run trusts); the shard's info."""
     import pyarrow.parquet as pq
 
-    (direction, index), rows = element
-    rows = sorted(rows, key=lambda r: r[0])
-    table = rr.rankings_table(direction, [q for q, _ in rows], [r for _, r in rows])
+    table = rr.rankings_table(direction, query_ids, results)
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
-    data = buf.getvalue()
+    sha = common.write_atomic(common.join(output, RANKINGS_SUBDIR, name), buf.getvalue())
+    info = {"kind": "shard", "direction": direction, "name": name, "queries": len(query_ids),
+            "rows": table.num_rows, "sha256": sha}
+    common.write_json_atomic(common.join(output, PROGRESS_DIR, name + ".json"), {**info, "plan": fingerprint})
+    return info
+
+
+def write_rankings_shard(element, output: str, shards: Mapping[str, int], fingerprint: str) -> dict:
+    (direction, index), rows = element
+    rows = sorted(rows, key=lambda r: r[0])
     name = common.shard_name(direction, index, shards[direction], ".parquet")
-    common.write_atomic(common.join(output, RANKINGS_SUBDIR, name), data)
-    return {"kind": "shard", "direction": direction, "name": name, "queries": len(rows), "rows": table.num_rows,
-            "sha256": common.sha256_bytes(data)}
-
-
-def write_report(items: list, path: str) -> int:
-    common.write_json_atomic(path, sorted(items, key=lambda r: json.dumps(r, sort_keys=True)))
-    return len(items)
+    return write_shard(output, name, direction, [q for q, _ in rows], [r for _, r in rows], fingerprint)
 
 
 # ----------------------------------------------------------------------------------------- graph
-def build_pipeline(p: beam.Pipeline, cfg: dict) -> None:
-    """cfg: the plan made by run_rerank (all plain values, so it pickles to workers)."""
-    k, keep, n = cfg["k"], cfg["keep"], cfg["n"]
-    query_tasks = [(d, m, e, cfg["query_groups"][d]) for d, m, e in cfg["query_shards"]]
+@dataclass(frozen=True)
+class Resolved:
+    """A plan resolved against its inputs, as plain typed values that pickle to the workers."""
+    plan: RerankPlan
+    query_ids: Mapping[str, np.ndarray]  # every query of the run per direction (sorted int64)
+    pools: Mapping[str, int]  # candidate pool size per direction
+    candidates: Mapping[str, int]  # BE candidates retrieved and stored per query (n)
+    ce_k: int  # BE top-k the CE scores (the whole pool for --mode ce; 0 for emb)
+    searchers: Mapping[str, SearcherSpec]
+    described: Mapping[str, str]
+    query_shards: tuple[tuple[str, str, str, str], ...]  # (direction, modality, embedding shard, sha256)
+    out_shards: Mapping[str, int]  # ranking shards per direction
+    caption_shards: tuple[str, ...]
+    image_shards: tuple[str, ...]
+    ce_max_regions: int
+    be_model: Mapping[str, str]  # the embeddings manifest's model entry
+    queries_file: Optional[Mapping]  # {path, sha256, counts} of --queries
+    fingerprint: str  # what a finished shard must have been computed under to be reused
+
+    def shard_of(self, direction: str, query_id: int) -> str:
+        n = self.out_shards[direction]
+        return common.shard_name(direction, int(query_id) % n, n, ".parquet")
+
+
+def build_graph(p: beam.Pipeline, res: Resolved, wave: Mapping[str, frozenset]) -> None:
+    """The Beam graph ranking the queries ``wave`` ({direction: query ids}) of a resolved plan."""
+    plan = res.plan
+    query_groups = {d: max(1, math.ceil(len(q) / plan.search_batch_size / 4)) for d, q in wave.items()}
+    query_tasks = [(d, m, name, sha, query_groups[d]) for d, m, name, sha in res.query_shards if wave.get(d)]
     cands = (p | "query shards" >> beam.Create(query_tasks)
-             | "read queries" >> beam.FlatMap(read_query_vectors, cfg["embeddings"], cfg["query_ids"])
+             | "read queries" >> beam.FlatMap(read_query_vectors, plan.embeddings, dict(wave))
              | "group queries" >> beam.GroupByKey()
-             | "search" >> beam.ParDo(SearchBatch(cfg["searchers"], n, cfg["search_batch_size"],
-                                                  cfg["faiss_threads"])))
+             | "search" >> beam.ParDo(SearchBatch({d: res.searchers[d] for d in wave}, res.candidates,
+                                                  plan.search_batch_size, plan.threads)))
     report_parts = []
-    if cfg["mode"] == "emb":
-        ranked = cands | "rank" >> beam.Map(rank_emb, k, keep)
+    if plan.mode == "emb":
+        ranked = cands | "rank" >> beam.Map(rank_emb, plan.k)
     else:
-        kk = cfg["ce_k"]
-        staged = StagedReader(cfg["staged"])
-        requests = cands | "pairs" >> beam.FlatMap(pair_requests, kk)
+        requested = sum(len(q) * min(res.ce_k, res.pools[d]) for d, q in wave.items())
+        ce_groups = max(1, math.ceil(requested / plan.batch_size / 8))
+        staged = StagedReader(plan.staged)
+        requests = cands | "pairs" >> beam.FlatMap(pair_requests, res.ce_k)
         unique = requests | "dedupe pairs" >> beam.GroupByKey()
-        texts = (p | "caption shards" >> beam.Create(cfg["caption_shards"])
+        texts = (p | "caption shards" >> beam.Create(res.caption_shards)
                  | "read captions" >> beam.FlatMap(staged.captions))
         with_text = ({"pairs": unique | "key by caption" >> beam.Map(by_caption), "text": texts}
                      | "join text" >> beam.CoGroupByKey() | "attach text" >> beam.FlatMap(attach_text))
-        image_shard_of = (p | "image shards" >> beam.Create(cfg["image_shards"])
+        image_shard_of = (p | "image shards" >> beam.Create(res.image_shards)
                           | "read image ids" >> beam.FlatMap(staged.image_ids))
         examples = ({"pairs": with_text, "shard": image_shard_of}
                     | "join image shards" >> beam.CoGroupByKey()
                     | "route to shard" >> beam.FlatMap(route_to_shard)
                     | "group by shard" >> beam.GroupByKey()
-                    | "read regions" >> beam.FlatMap(staged.regions_for_pairs, cfg["ce_groups"],
-                                                  cfg["ce_max_regions"]))
-        handler = VLModelHandler(cfg["ce_model"], TASK_SCORE_PAIRS, device=cfg["device"],
-                                 max_batch_size=cfg["batch_size"], num_threads=cfg["num_threads"],
-                                 model_copies=cfg["model_copies"])
+                    | "read regions" >> beam.FlatMap(staged.regions_for_pairs, ce_groups, res.ce_max_regions))
+        handler = VLModelHandler(plan.cross_encoder, TASK_SCORE_PAIRS, device=_HANDLER_DEVICE[plan.device],
+                                 max_batch_size=plan.batch_size, num_threads=plan.threads,
+                                 model_copies=plan.model_copies)
         scored = (examples
                   | "group CE pairs" >> beam.GroupByKey()
-                  | "CE batches" >> beam.FlatMap(ce_batches, cfg["batch_size"])
+                  | "CE batches" >> beam.FlatMap(ce_batches, plan.batch_size)
                   | "CE score" >> RunInference(KeyedModelHandler(handler).with_no_batching()))
         ce_scores = scored | "scores to queries" >> beam.FlatMap(scores_to_queries)
         ranked = ({"cands": cands, "ce": ce_scores}
                   | "join scores" >> beam.CoGroupByKey()
-                  | "rank" >> beam.Map(rank_with_ce, kk, keep, cfg["rank_mode"], cfg["lam"]))
+                  | "rank" >> beam.Map(rank_with_ce, res.ce_k, plan.rank_mode, plan.lam))
         # Counts via CombinePerKey: CombineGlobally's default value is a side input, which DaskRunner
         # evaluates in a second graph submission (dask then warns about conflicting task keys).
         report_parts += [
@@ -366,17 +503,13 @@ def build_pipeline(p: beam.Pipeline, cfg: dict) -> None:
             requests | "one per request" >> beam.Map(lambda _: ("ce_pairs_requested", 1)),
         ]
     written = (ranked
-               | "key by output shard" >> beam.Map(shard_key, cfg["out_shards"])
+               | "key by output shard" >> beam.Map(shard_key, res.out_shards)
                | "group output shards" >> beam.GroupByKey()
-               | "write rankings" >> beam.Map(write_rankings_shard, cfg["output"], cfg["out_shards"]))
-    # Last step on purpose: DaskRunner computes only the final transform's graph.
+               | "write rankings" >> beam.Map(write_rankings_shard, plan.output, res.out_shards, res.fingerprint))
     counts = ((report_parts or [p | "no CE" >> beam.Create([("ce_pairs_scored", 0)])])
               | "flatten counts" >> beam.Flatten() | "sum counts" >> beam.CombinePerKey(sum)
               | "count report" >> beam.MapTuple(lambda name, n: {"kind": "count", "name": name, "value": n}))
-    _ = ((written, counts) | "all results" >> beam.Flatten()
-         | "one report" >> beam.Map(lambda r: (None, r)) | "collect" >> beam.GroupByKey()
-         | "write run report" >> beam.MapTuple(lambda _, items: write_report(list(items),
-                                                                               common.join(cfg["output"], RUN_REPORT))))
+    common.WriteRunReport.apply((written, counts), plan.output)  # last step: DaskRunner computes only its graph
 
 
 # ------------------------------------------------------------------------------------- launcher
@@ -384,234 +517,319 @@ def _model_max_regions(model_dir: str) -> int:
     """Regions per image the CE model reads (rr_model.json); more would be cut by its collator anyway."""
     from retrieval_core.model import MODEL_JSON, VLModelConfig
 
-    cfg = VLModelConfig.from_json(common.read_json(common.join(model_dir, MODEL_JSON)))
-    return int(cfg.max_regions)
+    path = common.join(model_dir, MODEL_JSON)
+    if not common.exists(path):
+        raise RerankError(f"CE model {model_dir} is not a model folder (no {MODEL_JSON})")
+    return int(VLModelConfig.from_json(common.read_json(path)).max_regions)
+
+
+def _model_fingerprint(model_dir: str) -> str:
+    from pipelines.encode import EncodeError, model_fingerprint
+    try:
+        return model_fingerprint(model_dir)
+    except EncodeError as exc:
+        raise RerankError(str(exc)) from None
 
 
 def _file_fingerprint(path: str) -> str:
     return common.sha256_file(path) if common.exists(path) else "missing"
 
 
-def _searcher_spec(direction: str, index_dir: Optional[str], emb_dir: str,
-                   search_params: dict) -> tuple[dict, int, str]:
-    """(spec, pool size, description) of one direction's candidate search; ``search_params`` (nprobe,
-    efSearch: None = faiss' default) apply to a FAISS index."""
+def _searcher_spec(plan: RerankPlan, direction: str, emb_manifest: dict) -> tuple[SearcherSpec, int, str]:
+    """(spec, pool size, description) of one direction's candidate search."""
     pool_modality = schema.KIND_IMAGE if direction == T2I else "text"
+    index_dir = plan.index_of(direction)
     if index_dir:
         from retrieval_core.index import INDEX_MANIFEST, check_search_params, load_index_manifest
         manifest = load_index_manifest(index_dir)
         if manifest.get("modality", pool_modality) != pool_modality:
             raise RerankError(f"{direction} needs a {pool_modality} index; {index_dir} indexes "
                               f"{manifest.get('modality')}")
-        params = {name: v for name, v in search_params.items() if v is not None}
+        _check_index_source(index_dir, manifest, plan.embeddings, emb_manifest, pool_modality)
+        params = {name: v for name, v in (("nprobe", plan.nprobe), ("efSearch", plan.ef_search)) if v is not None}
         try:  # refuse a parameter the index lacks now, not in a worker after the job started
             check_search_params(manifest["factory"], int(manifest["d"]), manifest["metric"], **params)
         except ValueError as exc:
             raise RerankError(f"{index_dir} ({manifest['factory']}): {exc}") from None
-        spec = {"kind": "index", "path": index_dir, "modality": pool_modality, "params": params,
-                "fingerprint": _file_fingerprint(os.path.join(index_dir, INDEX_MANIFEST))}
+        spec = SearcherSpec("index", index_dir, pool_modality,
+                            _file_fingerprint(common.join(index_dir, INDEX_MANIFEST)), tuple(sorted(params.items())))
         metric = manifest["metric"]
         scored = "; be_score = -squared L2 distance" if metric == "l2" else ""
         return spec, int(manifest["ntotal"]), f"FAISS index {index_dir} ({manifest['factory']}, {metric}{scored})"
-    entry = emb.modality_entry(emb.load_embeddings_manifest(emb_dir), pool_modality)
-    spec = {"kind": "exact", "path": emb_dir, "modality": pool_modality,
-            "fingerprint": _file_fingerprint(emb.manifest_path(emb_dir))}
-    return spec, int(entry["count"]), f"exact search over {pool_modality} embeddings in {emb_dir}"
+    entry = emb.modality_entry(emb_manifest, pool_modality)
+    spec = SearcherSpec("exact", plan.embeddings, pool_modality, _file_fingerprint(emb.manifest_path(plan.embeddings)))
+    return spec, int(entry["count"]), f"exact search over {pool_modality} embeddings in {plan.embeddings}"
 
 
-def run_rerank(staged: str, embeddings: str, output: str, mode: str = "co", k: int = 20, lam: float = 0.5,
-               directions: tuple[str, ...] = (T2I, I2T), index: Optional[str] = None,
-               text_index: Optional[str] = None, ce_model: Optional[str] = None, be_model: Optional[str] = None,
-               collection: Optional[str] = None, split: Optional[str] = "test", batch_size: int = 64,
-               search_batch_size: int = 256, device: str = "CPU", num_threads: Optional[int] = None,
-               model_copies: Optional[int] = None, max_exhaustive_pairs: int = 200_000,
-               queries_per_shard: int = 50_000, nprobe: Optional[int] = None, ef_search: Optional[int] = None,
-               beam_args: tuple[str, ...] = ()) -> dict:
-    """Plan, run the Beam graph, write rankings_manifest.json; returns the manifest dict.
+def _check_index_source(index_dir: str, index_manifest: dict, emb_dir: str, emb_manifest: dict,
+                        modality: str) -> None:
+    """Placeholder: filled in by the index/embeddings consistency check."""
 
-    ``nprobe`` / ``ef_search``: IVF lists probed / HNSW search breadth of every shard of --index and
-    --text-index (None: faiss' defaults, nprobe=1 and efSearch=16)."""
+
+def _split_query_ids(ds, direction: str, collection: Optional[str], split: Optional[str]) -> np.ndarray:
+    """Sorted ids of the split's queries (captions for t2i, images for i2t), read one id column per shard:
+    the launcher never holds the captions' text."""
+    kind, column = ("captions", "caption_id") if direction == T2I else ("images", "item_id")
+    parts = [ds.read_shard_columns(rel, (column,), split).column(column).to_numpy()
+             for rel in ds.shard_names(kind, collection)]
+    return np.sort(np.concatenate(parts).astype(np.int64)) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _read_queries_file(plan: RerankPlan, split_ids: Mapping[str, np.ndarray]) -> tuple[dict, Optional[dict]]:
+    """Placeholder for --queries: every query of the split."""
+    return dict(split_ids), None
+
+
+def resolve(plan: RerankPlan) -> Resolved:
+    """Check the plan against its inputs (staged dir, embeddings, indexes, models, --queries) and fix
+    everything the graph needs; every inconsistency is a one-line RerankError / ValueError here, before
+    anything runs."""
     from retrieval_core.store import StagedDataset
 
-    t0 = time.time()
-    if mode not in CLI_MODES:
-        raise RerankError(f"mode must be one of {CLI_MODES}, got {mode!r}")
-    if k < 1:
-        raise RerankError(f"k must be >= 1, got {k}")
-    directions = tuple(dict.fromkeys(directions))
-    if not directions or any(d not in (T2I, I2T) for d in directions):
-        raise RerankError(f"directions must be a non-empty subset of t2i,i2t, got {directions}")
-    if mode != "emb":
-        ce_model = ce_model or be_model
-        if not ce_model:
-            raise RerankError(f"mode {mode!r} needs --ce-model (or --be-model for a JOIN model)")
-    if mode in ("add", "norm_add") and not 0.0 <= lam <= 1.0:
-        raise RerankError(f"lam must be in [0, 1], got {lam}")
-    search_params = {"nprobe": nprobe, "efSearch": ef_search}
-    uses_index = (T2I in directions and index) or (I2T in directions and text_index)
-    if any(v is not None for v in search_params.values()) and not uses_index:
-        raise RerankError("--nprobe / --ef-search tune a FAISS index: pass --index (t2i) or --text-index (i2t); "
-                          "the default exact search has no parameters")
+    ds = StagedDataset(plan.staged, opener=common.open_file)
+    if plan.collection is not None and plan.collection not in ds.collections:
+        raise RerankError(f"collection {plan.collection!r} is not staged in {plan.staged} (have {ds.collections})")
+    split_ids = {d: _split_query_ids(ds, d, plan.collection, plan.split) for d in plan.directions}
+    query_ids, queries_file = _read_queries_file(plan, split_ids)
 
-    ds = StagedDataset(staged, opener=common.open_file)
-    query_ids: dict[str, np.ndarray] = {}
-    if T2I in directions:
-        query_ids[T2I] = ds.captions(collection, split)["caption_id"].to_numpy(np.int64)
-    if I2T in directions:
-        query_ids[I2T] = ds.images_meta(collection, split)["item_id"].to_numpy(np.int64)
-
-    emb_manifest = emb.load_embeddings_manifest(embeddings)
+    emb_manifest_path = emb.manifest_path(plan.embeddings)
+    emb_manifest = emb.load_embeddings_manifest(plan.embeddings)
     searchers, pools, described, query_shards = {}, {}, {}, []
-    for d in directions:
+    for d in plan.directions:
         if len(query_ids[d]) == 0:
-            raise RerankError(f"{d}: no queries in {staged} (collection={collection}, split={split})")
+            raise RerankError(f"{d}: no queries in {plan.staged} (collection={plan.collection}, split={plan.split})")
         q_modality = "text" if d == T2I else schema.KIND_IMAGE
-        have = emb.read_modality_ids(embeddings, q_modality)
+        have = emb.read_modality_ids(plan.embeddings, q_modality)
         missing = np.setdiff1d(query_ids[d], have)
         if len(missing):
-            raise RerankError(f"{d}: {len(missing)} query id(s) have no {q_modality} embedding in {embeddings} "
-                              f"(e.g. {missing[:5].tolist()}); encode that split first")
-        searchers[d], pools[d], described[d] = _searcher_spec(d, index if d == T2I else text_index, embeddings,
-                                                              search_params)
-        query_shards += [(d, q_modality, s) for s in emb.modality_entry(emb_manifest, q_modality)["shards"]]
+            raise RerankError(f"{d}: {len(missing)} query id(s) have no {q_modality} embedding in "
+                              f"{plan.embeddings} (e.g. {missing[:5].tolist()}); encode that split first")
+        searchers[d], pools[d], described[d] = _searcher_spec(plan, d, emb_manifest)
+        query_shards += [(d, q_modality, s["name"], s["sha256"])
+                         for s in emb.modality_entry(emb_manifest, q_modality)["shards"]]
 
-    keep = max(k, 10)
-    if mode == "ce":  # exhaustive: every pool item is a candidate and CE-scored
-        total_pairs = sum(len(query_ids[d]) * pools[d] for d in directions)
-        if total_pairs > max_exhaustive_pairs:
+    keep = max(plan.k, 10)
+    if plan.mode == "ce":  # exhaustive: every pool item is a candidate and CE-scored
+        total_pairs = sum(len(query_ids[d]) * pools[d] for d in plan.directions)
+        if total_pairs > plan.max_exhaustive_pairs:
             raise RerankError(f"--mode ce would cross-encode {total_pairs:,} pairs (queries x pool), above "
-                              f"--max-exhaustive-pairs {max_exhaustive_pairs:,}; use --mode co")
-        n = ce_k = max(pools.values())
+                              f"--max-exhaustive-pairs {plan.max_exhaustive_pairs:,}; use --mode co")
+        candidates = {d: pools[d] for d in plan.directions}
+        ce_k = max(pools.values())
     else:
-        n, ce_k = keep, k
-    requested_upper = sum(len(query_ids[d]) * min(ce_k, pools[d]) for d in directions)
-    cfg = {
-        "staged": staged, "embeddings": embeddings, "output": output, "mode": mode, "rank_mode": RANK_MODE[mode],
-        "k": k, "keep": keep, "n": n, "ce_k": ce_k, "lam": lam, "ce_model": ce_model, "device": device,
-        "batch_size": batch_size, "search_batch_size": search_batch_size, "num_threads": num_threads,
-        "faiss_threads": num_threads, "model_copies": model_copies, "searchers": searchers,
-        "query_shards": query_shards,
-        "query_ids": {d: frozenset(q.tolist()) for d, q in query_ids.items()},
-        "query_groups": {d: max(1, math.ceil(len(q) / max(search_batch_size, 1) / 4)) for d, q in query_ids.items()},
-        "ce_groups": max(1, math.ceil(requested_upper / max(batch_size, 1) / 8)),
-        "ce_max_regions": _model_max_regions(ce_model) if ce_model else 0,
-        "out_shards": {d: max(1, math.ceil(len(q) / queries_per_shard)) for d, q in query_ids.items()},
-        "caption_shards": ds.shard_names("captions"),
-        "image_shards": ds.shard_names("images"),
+        candidates = {d: keep for d in plan.directions}
+        ce_k = 0 if plan.mode == "emb" else plan.k
+    ce_model = plan.cross_encoder
+    ce_max_regions = _model_max_regions(ce_model) if ce_model else 0
+    out_shards = {d: max(1, math.ceil(len(q) / plan.queries_per_shard)) for d, q in query_ids.items()}
+    fingerprint_of = {
+        "rankings_schema": schema.RANKINGS_SCHEMA_VERSION, "mode": plan.mode, "k": plan.k,
+        "lam": plan.applied_lam, "directions": list(plan.directions),
+        "queries": {d: hashlib.sha256(q.tobytes()).hexdigest() for d, q in query_ids.items()},
+        "candidates": candidates, "ce_k": ce_k, "embeddings": _file_fingerprint(emb_manifest_path),
+        "search": {d: {"kind": s.kind, "fingerprint": s.fingerprint, "params": s.params} for d, s in searchers.items()},
+        "ce_model": _model_fingerprint(ce_model) if ce_model else None, "ce_max_regions": ce_max_regions,
+        "staged": _file_fingerprint(common.join(plan.staged, "summary.json")),
+        "batch_size": plan.batch_size, "search_batch_size": plan.search_batch_size, "device": plan.device,
+        "queries_per_shard": plan.queries_per_shard, "shards_per_wave": plan.shards_per_wave,
     }
+    fingerprint = hashlib.sha256(json.dumps(fingerprint_of, sort_keys=True).encode()).hexdigest()
+    return Resolved(
+        plan=plan, query_ids=query_ids, pools=pools, candidates=candidates, ce_k=ce_k, searchers=searchers,
+        described=described, query_shards=tuple(query_shards), out_shards=out_shards,
+        caption_shards=tuple(ds.shard_names("captions", plan.collection) if ce_model else ()),
+        image_shards=tuple(ds.shard_names("images", plan.collection) if ce_model else ()),
+        ce_max_regions=ce_max_regions, be_model=emb_manifest["model"], queries_file=queries_file,
+        fingerprint=fingerprint)
 
-    common.makedirs(output)
-    p = beam.Pipeline(options=common.pipeline_options(beam_args))
-    build_pipeline(p, cfg)
-    result = p.run()
-    result.wait_until_finish()
-    client = getattr(result, "client", None)  # DaskRunner leaves its distributed.Client open
-    if client is not None:
-        client.close()
 
-    report_path = common.join(output, RUN_REPORT)
-    report = common.read_json(report_path)
-    shards = [r for r in report if r["kind"] == "shard"]
-    counts = {d: sum(s["queries"] for s in shards if s["direction"] == d) for d in directions}
-    for d in directions:
-        if counts[d] != len(query_ids[d]):
-            raise RerankError(f"{d}: {counts[d]} queries ranked, {len(query_ids[d])} expected")
-        expected = {common.shard_name(d, i, cfg["out_shards"][d], ".parquet") for i in range(cfg["out_shards"][d])}
-        got = {s["name"] for s in shards if s["direction"] == d}
-        if got != expected:  # a shard that got no query (tiny runs): write it empty so the set is complete
-            for name in sorted(expected - got):
-                table = rr.rankings_table(d, [], [])
-                import io
+def _expected_shards(res: Resolved) -> dict[str, tuple[str, np.ndarray]]:
+    """{shard name: (direction, its query ids)} of every ranking shard of the run, in name order."""
+    out = {}
+    for d, ids in res.query_ids.items():
+        n = res.out_shards[d]
+        for i in range(n):
+            out[common.shard_name(d, i, n, ".parquet")] = (d, ids[ids % n == i])
+    return dict(sorted(out.items()))
 
-                import pyarrow.parquet as pq
-                buf = io.BytesIO()
-                pq.write_table(table, buf, compression="zstd")
-                data = buf.getvalue()
-                common.write_atomic(common.join(output, RANKINGS_SUBDIR, name), data)
-                shards.append({"kind": "shard", "direction": d, "name": name, "queries": 0, "rows": 0,
-                               "sha256": common.sha256_bytes(data)})
-    count = {r["name"]: r["value"] for r in report if r["kind"] == "count"}
-    ce_pairs, ce_requests = count.get("ce_pairs_scored", 0), count.get("ce_pairs_requested", 0)
-    manifest = {
-        "schema_version": schema.SCHEMA_VERSION, "created_by": CREATED_BY,
-        "mode": mode, "k": k, "keep": keep, "candidates": n, "lam": lam if mode in ("add", "norm_add") else None,
-        "collection": collection, "split": split, "staged": staged, "embeddings": embeddings,
-        "be_model": emb_manifest["model"], "ce_model": ce_model,
-        "search": {d: described[d] for d in directions}, "search_params": search_params, "pool_size": pools,
-        "queries": counts, "ce_pairs_requested": ce_requests, "ce_pairs_scored": ce_pairs,
-        "shards": sorted(({kk: s[kk] for kk in ("direction", "name", "queries", "rows", "sha256")} for s in shards),
-                         key=lambda s: s["name"]),
-        "runner": next((a.split("=", 1)[1] for a in beam_args if a.startswith("--runner=")), "DirectRunner"),
-        "wall_s": round(time.time() - t0, 3),
-    }
-    common.write_json_atomic(common.join(output, RANKINGS_MANIFEST), manifest)
-    from apache_beam.io.filesystems import FileSystems
-    FileSystems.delete([common.join(output, "_run")])
-    _delete_stale_shards(output, {s["name"] for s in shards})
-    for d in directions:
-        print(f"{d}: {counts[d]} queries ranked ({described[d]}, pool {pools[d]})")
-    if mode != "emb":
-        print(f"CE: {ce_pairs} unique pairs scored for {ce_requests} requested (t2i/i2t overlap scored once)")
-    print(f"rankings: {common.join(output, RANKINGS_SUBDIR)} ({len(shards)} shard(s)); "
+
+def _finished_shards(res: Resolved, expected: Mapping[str, tuple[str, np.ndarray]]) -> dict[str, dict]:
+    """The shards an earlier run of the same plan finished: a progress record with this plan's fingerprint
+    and the shard's query count, and a shard file that still matches its sha256."""
+    output = res.plan.output
+    done = {}
+    for name, (d, ids) in expected.items():
+        record = common.join(output, PROGRESS_DIR, name + ".json")
+        if not common.exists(record):
+            continue
+        try:
+            info = common.read_json(record)
+        except (OSError, ValueError):
+            continue
+        if info.get("plan") == res.fingerprint and info.get("queries") == len(ids) and \
+                common.shard_is_valid(common.join(output, RANKINGS_SUBDIR, name), info.get("sha256")):
+            done[name] = {key: info[key] for key in ("kind", "direction", "name", "queries", "rows", "sha256")}
+    return done
+
+
+def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
+    """Run the plan's Beam graph(s), write rankings_manifest.json; returns the manifest, or None for a dry run
+    (--dry_run: the first wave's graph was translated, nothing ran and nothing was written)."""
+    t0 = time.time()
+    options = common.pipeline_options(beam_args)
+    res = resolve(plan)
+    expected = _expected_shards(res)
+    dry_run = common.is_dry_run(options)
+    finished = {} if dry_run else _finished_shards(res, expected)
+    names = list(expected)
+    waves = [names[i:i + plan.shards_per_wave] for i in range(0, len(names), plan.shards_per_wave)]
+
+    if not dry_run:
+        common.makedirs(plan.output)
+        manifest_path = common.join(plan.output, RANKINGS_MANIFEST)
+        if common.exists(manifest_path):  # until this run finishes, the directory holds no complete run
+            from apache_beam.io.filesystems import FileSystems
+            FileSystems.delete([manifest_path])
+    shards, counts, waves_run = dict(finished), {"ce_pairs_requested": 0, "ce_pairs_scored": 0}, 0
+    for wave_names in waves:
+        todo = [name for name in wave_names if name not in finished]
+        for name in [n for n in todo if len(expected[n][1]) == 0]:  # no query hashed here (tiny runs)
+            if not dry_run:
+                shards[name] = write_shard(plan.output, name, expected[name][0], [], [], res.fingerprint)
+        todo = [name for name in todo if len(expected[name][1])]
+        if not todo:
+            continue
+        wave: dict[str, set] = {}
+        for name in todo:
+            d, ids = expected[name]
+            wave.setdefault(d, set()).update(ids.tolist())
+        if not dry_run:
+            common.clear_run_dir(plan.output)
+        p = beam.Pipeline(options=options)
+        build_graph(p, res, {d: frozenset(ids) for d, ids in wave.items()})
+        if common.run_pipeline(p) is None:
+            print(f"dry run: the rerank graph of {sum(len(v) for v in wave.values())} queries was translated for "
+                  f"{common.runner_name(options)}; nothing ran")
+            return None
+        waves_run += 1
+        report = common.read_run_report(plan.output)
+        common.clear_run_dir(plan.output)
+        for item in report:
+            if item["kind"] == "count":
+                counts[item["name"]] += int(item["value"])
+            elif item["kind"] == "shard":
+                shards[item["name"]] = item
+        for name in todo:
+            got = shards.get(name, {}).get("queries")
+            if got != len(expected[name][1]):
+                raise RerankError(f"{name}: {got} queries ranked, {len(expected[name][1])} expected")
+    if dry_run:
+        print("dry run: every shard of this plan is finished; nothing to translate")
+        return None
+
+    manifest = _manifest(res, [shards[name] for name in names], len(finished), waves_run, counts,
+                         common.runner_name(options), time.time() - t0)
+    common.write_json_atomic(common.join(plan.output, RANKINGS_MANIFEST), manifest)
+    _delete_unlisted(plan.output, set(names))
+    for d in plan.directions:
+        print(f"{d}: {manifest['queries'][d]} queries ranked ({res.described[d]}, pool {res.pools[d]})")
+    if plan.mode != "emb":
+        print(f"CE: {counts['ce_pairs_scored']} unique pairs scored for {counts['ce_pairs_requested']} requested "
+              f"(t2i/i2t overlap scored once)")
+    print(f"rankings: {common.join(plan.output, RANKINGS_SUBDIR)} ({len(names)} shard(s): {len(finished)} kept from "
+          f"an earlier run of this plan, {len(names) - len(finished)} computed in {waves_run} wave(s)); "
           f"wall time {manifest['wall_s']:.1f} s")
     return manifest
 
 
-def _delete_stale_shards(output: str, keep: set[str]) -> None:
-    """Delete ranking files the new manifest does not list: shards of an earlier run with another shard count
-    or other directions, and temp files of a killed run. Called only after the new shards and manifest are
-    written, so the directory never lacks a shard the manifest on disk lists."""
+def _manifest(res: Resolved, shards: list[dict], reused: int, waves_run: int, counts: dict, runner: str,
+              wall_s: float) -> dict:
+    plan = res.plan
+    return {
+        "schema_version": schema.RANKINGS_SCHEMA_VERSION, "created_by": CREATED_BY,
+        "mode": plan.mode, "k": plan.k, "lam": plan.applied_lam, "directions": list(plan.directions),
+        "candidates": {d: min(res.candidates[d], res.pools[d]) for d in plan.directions},
+        "ce_depth": {d: min(res.ce_k, res.pools[d]) for d in plan.directions},
+        "collection": plan.collection, "split": plan.split, "staged": plan.staged, "embeddings": plan.embeddings,
+        "be_model": dict(res.be_model), "ce_model": plan.cross_encoder,
+        "search": dict(res.described),
+        "search_params": {"nprobe": plan.nprobe, "efSearch": plan.ef_search}, "pool_size": dict(res.pools),
+        "queries": {d: len(q) for d, q in res.query_ids.items()}, "queries_file": res.queries_file,
+        "plan_fingerprint": res.fingerprint,
+        "shards": [{key: s[key] for key in ("direction", "name", "queries", "rows", "sha256")} for s in shards],
+        "shards_reused": reused, "waves_run": waves_run,
+        "queries_per_shard": plan.queries_per_shard, "shards_per_wave": plan.shards_per_wave,
+        # CE work of this invocation (a resumed run scores only the pairs of the shards it computed)
+        "ce_pairs_requested": counts["ce_pairs_requested"], "ce_pairs_scored": counts["ce_pairs_scored"],
+        "runner": runner, "wall_s": round(wall_s, 3),
+    }
+
+
+def _delete_unlisted(output: str, keep: set[str]) -> None:
+    """Delete ranking files and progress records the new manifest does not list: shards of an earlier run
+    with another shard count or other directions, and temp files of a killed run. Called only after the new
+    shards and manifest are written, so the directory never lacks a shard the manifest on disk lists."""
     from apache_beam.io.filesystems import FileSystems
 
-    pattern = common.join(output, RANKINGS_SUBDIR, "*.parquet*")  # shards and their .parquet.tmp-* files
-    found = [m.path for r in FileSystems.match([pattern]) for m in r.metadata_list]
-    stale = sorted(path for path in found if path.rsplit("/", 1)[-1] not in keep)
-    if stale:
-        FileSystems.delete(stale)
-        log.info("deleted %d ranking file(s) of an earlier run: %s", len(stale), stale[:5])
+    for sub, suffix in ((RANKINGS_SUBDIR, ""), (PROGRESS_DIR, ".json")):
+        pattern = common.join(output, sub, "*")
+        found = [m.path for r in FileSystems.match([pattern]) for m in r.metadata_list]
+        stale = sorted(path for path in found if path.rsplit("/", 1)[-1] not in {n + suffix for n in keep})
+        if stale:
+            FileSystems.delete(stale)
+            log.info("deleted %d file(s) of an earlier run: %s", len(stale), stale[:5])
 
 
 # ------------------------------------------------------------------------------------------- CLI
 @click.command(context_settings=common.BEAM_CLI_CONTEXT)
 @click.option("--staged", required=True, help="staged directory (queries, captions, regions)")
 @click.option("--embeddings", required=True, help="embeddings directory (pipelines.encode output)")
-@click.option("--index", help="image FAISS index for t2i (default: exact search over image embeddings)")
-@click.option("--text-index", help="caption FAISS index for i2t (default: exact search over text embeddings)")
+@click.option("--index", help="image FAISS index for t2i, built from --embeddings (default: exact search)")
+@click.option("--text-index", help="caption FAISS index for i2t, built from --embeddings (default: exact search)")
 @click.option("--be-model", help="BE model folder (not needed: embeddings exist; used as CE for JOIN models)")
 @click.option("--ce-model", help="CE model folder (SEP+CO); default --be-model (JOIN+CO)")
-@click.option("--mode", type=click.Choice(CLI_MODES), default="co", show_default=True)
+@click.option("--mode", type=click.Choice(CLI_MODES, case_sensitive=False), default="co", show_default=True)
 @click.option("--lam", type=float, default=0.5, show_default=True, help="ADD/NORM_ADD weight of the BE score")
-@click.option("--k", type=int, default=20, show_default=True, help="rerank depth; output keeps max(k, 10)")
+@click.option("--k", type=int, default=20, show_default=True,
+              help="rerank depth; every query stores its BE top max(k, 10)")
 @click.option("--directions", default="t2i,i2t", show_default=True)
 @click.option("--collection", help="queries of this collection only")
 @click.option("--split", default="test", show_default=True, help="queries of this split")
+@click.option("--queries", "queries_file",
+              help="Parquet file (direction, query_id): rank only these queries of the collection/split")
 @click.option("--output", required=True, help="run directory: rankings/ and rankings_manifest.json")
 @click.option("--batch-size", type=int, default=64, show_default=True, help="CE batch size")
 @click.option("--search-batch-size", type=int, default=256, show_default=True)
-@click.option("--device", type=click.Choice(["CPU", "GPU"], case_sensitive=False), default="CPU", show_default=True)
-@click.option("--num-threads", type=int, help="pin torch/faiss threads per worker process (default: leave as is)")
+@click.option("--device", type=click.Choice(DEVICES, case_sensitive=False), default="cpu", show_default=True)
+@click.option("--threads", type=int, help="pin torch/faiss threads per worker process (default: leave as is)")
 @click.option("--nprobe", type=click.IntRange(min=1),
               help="IVF lists searched per query in every index shard (default: faiss' 1)")
 @click.option("--ef-search", type=click.IntRange(min=1),
               help="HNSW search breadth (efSearch) in every index shard (default: faiss' 16)")
 @click.option("--model-copies", type=int, help="CE model copies per machine (Dataflow GPU: 1)")
 @click.option("--max-exhaustive-pairs", type=int, default=200_000, show_default=True)
-@click.option("--queries-per-shard", type=int, default=50_000, show_default=True)
+@click.option("--queries-per-shard", type=int, default=1_000, show_default=True,
+              help="queries per ranking shard (the unit a rerun of a killed job keeps)")
+@click.option("--shards-per-wave", type=int, default=10, show_default=True,
+              help="ranking shards per Beam job: a killed run loses at most its current wave "
+                   "(on Dataflow, where each job starts workers, raise it)")
 @click.pass_context
 def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, lam, k, directions, collection,
-         split, output, batch_size, search_batch_size, device, num_threads, nprobe, ef_search, model_copies,
-         max_exhaustive_pairs, queries_per_shard):
-    """BE retrieval (+ CE reranking) of every query of a split, in both directions, as a Beam job.
+         split, queries_file, output, batch_size, search_batch_size, device, threads, nprobe, ef_search,
+         model_copies, max_exhaustive_pairs, queries_per_shard, shards_per_wave):
+    """BE retrieval (+ CE reranking) of every query of a split, in both directions, as Beam jobs.
     Unknown --flags go to Beam (--runner, --dask_client_address, ...)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     with common.cli_errors(RerankError):
-        run_rerank(staged, embeddings, output, mode=mode, k=k, lam=lam,
-                   directions=tuple(d.strip() for d in directions.split(",") if d.strip()), index=index,
-                   text_index=text_index, ce_model=ce_model, be_model=be_model, collection=collection, split=split,
-                   batch_size=batch_size, search_batch_size=search_batch_size, device=device.upper(),
-                   num_threads=num_threads, model_copies=model_copies, max_exhaustive_pairs=max_exhaustive_pairs,
-                   queries_per_shard=queries_per_shard, nprobe=nprobe, ef_search=ef_search,
-                   beam_args=tuple(ctx.args))
+        plan = RerankPlan(
+            staged=staged, embeddings=embeddings, output=output, mode=mode, k=k, lam=lam,
+            directions=tuple(d.strip() for d in directions.split(",") if d.strip()), index=index,
+            text_index=text_index, ce_model=ce_model, be_model=be_model, collection=collection, split=split,
+            queries=queries_file, batch_size=batch_size, search_batch_size=search_batch_size, device=device,
+            threads=threads, model_copies=model_copies, max_exhaustive_pairs=max_exhaustive_pairs,
+            queries_per_shard=queries_per_shard, shards_per_wave=shards_per_wave, nprobe=nprobe,
+            ef_search=ef_search)
+        run(plan, tuple(ctx.args))
 
 
 if __name__ == "__main__":

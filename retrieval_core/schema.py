@@ -96,7 +96,11 @@ IMAGE_COLUMNS = (
 )
 CAPTION_COLUMNS = ("caption_id", "image_item_id", "collection", "source_id", "text", "lang", "split")
 EMBEDDING_COLUMNS = ("item_id", "embedding")
-RANKING_COLUMNS = ("direction", "query_id", "rank", "item_id", "be_score", "ce_score", "final_score")
+RANKING_COLUMNS = ("direction", "query_id", "rank", "item_id", "be_rank", "be_score", "ce_score", "final_score")
+#: Version of the rankings table and of pipelines.rerank's rankings_manifest.json, apart from SCHEMA_VERSION
+#: (staged data, embeddings, indexes): 2 added ``be_rank`` and stores every query's whole BE top-n, so
+#: benchmarks.evaluate can re-derive other modes, k and lam from the stored scores.
+RANKINGS_SCHEMA_VERSION = "2"
 
 DIRECTION_T2I = "t2i"  # a caption is the query, images are ranked
 DIRECTION_I2T = "i2t"  # an image is the query, captions are ranked
@@ -148,10 +152,11 @@ RANKING_SCHEMA = pa.schema([
     pa.field("query_id", pa.int64(), nullable=False),
     pa.field("rank", pa.int32(), nullable=False),  # 1 = best
     pa.field("item_id", pa.int64(), nullable=False),
+    pa.field("be_rank", pa.int32(), nullable=False),  # 1-based position in the BE (retrieval) order
     pa.field("be_score", pa.float32()),
-    pa.field("ce_score", pa.float32()),  # null outside the reranked top-k
+    pa.field("ce_score", pa.float32()),  # null outside the CE-scored BE top-k
     pa.field("final_score", pa.float32(), nullable=False),
-], metadata={META_SCHEMA_VERSION: SCHEMA_VERSION.encode()})
+], metadata={META_SCHEMA_VERSION: RANKINGS_SCHEMA_VERSION.encode()})
 
 # HDF5 feature shard layout (option --feature-format hdf5): datasets of one shard file.
 H5_ITEM_ID = "item_id"  # (n,) int64

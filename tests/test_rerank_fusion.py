@@ -75,3 +75,78 @@ def test_rankings_table_schema_and_nulls():
     assert t.column("ce_score").null_count == 1
     with pytest.raises(ValueError, match="direction"):
         rankings_table("x2y", [100], [r1])
+
+
+def test_query_pairs_orient_pairs_by_direction_and_requests_are_deduplicated():
+    from retrieval_core.rerank import merge_requesters, pair_requests, query_pairs
+
+    assert query_pairs("t2i", 7, np.array([100, 200, 300]), k=2) == [(7, 100), (7, 200)]
+    assert query_pairs("i2t", 100, [7, 8], k=5) == [(7, 100), (8, 100)]
+    with pytest.raises(ValueError, match="direction"):
+        query_pairs("x", 1, [2], 1)
+    assert merge_requesters([("t2i", 7), ("i2t", 100), ("t2i", 7)]) == (("i2t", 100), ("t2i", 7))
+    # caption 7's top-2 holds image 100 and image 100's top-2 holds caption 7: one pair, two requesters
+    asked = pair_requests([(("t2i", 7), [100, 200]), (("i2t", 100), [7, 8])], k=2)
+    assert asked == {(7, 100): (("i2t", 100), ("t2i", 7)), (7, 200): (("t2i", 7),), (8, 100): (("i2t", 100),)}
+
+
+def test_ce_scores_of_reads_the_top_k_and_refuses_a_gap():
+    from retrieval_core.rerank import ce_scores_of
+
+    np.testing.assert_array_equal(ce_scores_of([5, 6, 7], 2, {5: 0.5, 6: -1.0, 9: 3.0}), [0.5, -1.0])
+    with pytest.raises(ValueError, match="q1: no CE score for candidate\\(s\\) \\[6\\]"):
+        ce_scores_of([5, 6], 2, {5: 0.5}, "q1")
+
+
+def _stored_run(k, mode="ce", seed=0):
+    """A rankings table as pipelines.rerank stores it: per query its BE top-n (n = max(k, 10)) in final order,
+    with the CE scores of the top k."""
+    rng = np.random.default_rng(seed)
+    n = max(k, 10)
+    parts = []
+    for direction in (schema.DIRECTION_T2I, schema.DIRECTION_I2T):
+        qids, results = [], []
+        for q in range(5):
+            ids = rng.permutation(1000)[:n].astype(np.int64)
+            be = np.sort(rng.normal(size=n).astype(np.float32))[::-1]
+            ce = rng.normal(size=n).astype(np.float32)  # the pipeline's CE scores are float32
+            results.append(rank_query(ids, be, None if mode == "emb" else ce[:k], k, mode, keep=n))
+            qids.append(q)
+        parts.append(rankings_table(direction, qids, results))
+    return pa.concat_tables(parts), parts
+
+
+def test_derive_rankings_reproduces_the_stored_run_and_a_smaller_k():
+    from retrieval_core.rerank import derive_rankings
+
+    table, _ = _stored_run(k=12)
+    assert derive_rankings(table, 12, "ce").equals(table)  # the run's own mode: the stored ranking
+    # CO at k=4 from the stored run equals a fresh k=4 ranking of the same BE list and CE scores
+    derived = derive_rankings(table, 4, "ce").to_pandas()
+    for (d, q), rows in table.to_pandas().groupby(["direction", "query_id"]):
+        be_order = rows.sort_values("be_rank")
+        fresh = rank_query(be_order["item_id"].to_numpy(), be_order["be_score"].to_numpy(),
+                           be_order["ce_score"].to_numpy()[:4], 4, "ce")
+        got = derived[(derived["direction"] == d) & (derived["query_id"] == q)]
+        assert got["item_id"].tolist() == fresh["item_id"].tolist()
+        assert got["be_rank"].tolist() == fresh["be_rank"].tolist()
+        assert got["ce_score"].iloc[4:].isna().all()  # CE scores below k' are not part of a k'=4 run
+    emb = derive_rankings(table, 4, "emb").to_pandas()
+    assert (emb.groupby(["direction", "query_id"])["be_rank"].apply(list) == [list(range(1, 11))] * 10).all()
+    add = derive_rankings(table, 12, "add", lam=0.3).to_pandas()
+    top = add[add["rank"] <= 12]
+    np.testing.assert_allclose(top["final_score"], 0.3 * top["be_score"].astype(float)
+                               + 0.7 / (1 + np.exp(-top["ce_score"].astype(float))), rtol=1e-6)
+
+
+def test_derive_rankings_refuses_missing_ce_scores():
+    from retrieval_core.rerank import derive_rankings
+
+    table, _ = _stored_run(k=4)
+    with pytest.raises(ValueError, match="no stored CE score at BE rank 5"):
+        derive_rankings(table, 6, "ce")
+    emb_table, _ = _stored_run(k=4, mode="emb")
+    with pytest.raises(ValueError, match="BE rank 1"):
+        derive_rankings(emb_table, 4, "norm_add")
+    with pytest.raises(ValueError, match="be_rank"):
+        derive_rankings(table.drop_columns(["be_rank"]), 4, "ce")

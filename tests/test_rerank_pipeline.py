@@ -31,6 +31,10 @@ def assets(tmp_path_factory):
     return root, staged, model, emb_dir
 
 
+def run_rerank(staged, emb_dir, output, beam_args=(), **kw):
+    return rerank.run(rerank.RerankPlan(staged, emb_dir, output, **kw), beam_args)
+
+
 def read_rankings(out: str, direction: str):
     files = sorted(f for f in os.listdir(os.path.join(out, "rankings")) if f.startswith(direction))
     return pq.read_table([os.path.join(out, "rankings", f) for f in files][0]).to_pandas() if len(files) == 1 \
@@ -46,7 +50,7 @@ def test_emb_rankings_equal_exact_topk(assets, tmp_path):
     index_dir = str(tmp_path / "index")
     build_index(emb_dir, index_dir, "image", "Flat", "ip", 1000, 0, 1, [])
     out = str(tmp_path / "run")
-    manifest = rerank.run_rerank(staged, emb_dir, out, mode="emb", k=3, index=index_dir, split="test")
+    manifest = run_rerank(staged, emb_dir, out, mode="emb", k=3, index=index_dir, split="test")
     ds = StagedDataset(staged)
     assert manifest["queries"] == {"t2i": 12, "i2t": 6}
     assert "FAISS" in manifest["search"]["t2i"] and "exact" in manifest["search"]["i2t"]
@@ -76,8 +80,8 @@ def test_ce_scores_come_from_the_model_and_pairs_are_scored_once(assets, tmp_pat
     # Exhaustive CE: t2i 12 captions x 24 images, i2t 6 images x 48 captions; the 12 x 6 test-test pairs are
     # requested by both directions and must be scored once.
     with pytest.raises(rerank.RerankError, match="max-exhaustive-pairs"):
-        rerank.run_rerank(staged, emb_dir, out, mode="ce", ce_model=model_dir, max_exhaustive_pairs=500)
-    manifest = rerank.run_rerank(staged, emb_dir, out, mode="ce", k=5, ce_model=model_dir, batch_size=16)
+        run_rerank(staged, emb_dir, out, mode="ce", ce_model=model_dir, max_exhaustive_pairs=500)
+    manifest = run_rerank(staged, emb_dir, out, mode="ce", k=5, ce_model=model_dir, batch_size=16)
     assert manifest["ce_pairs_requested"] == 12 * 24 + 6 * 48
     assert manifest["ce_pairs_scored"] == 12 * 24 + 6 * 48 - 12 * 6
 
@@ -85,7 +89,7 @@ def test_ce_scores_come_from_the_model_and_pairs_are_scored_once(assets, tmp_pat
     model = VLRetrievalModel.load(model_dir)
     texts = ds.captions().set_index("caption_id")["text"]
     t2i = read_rankings(out, "t2i")
-    assert t2i.groupby("query_id").size().eq(10).all()  # keep = max(k, 10) rows per query
+    assert t2i.groupby("query_id").size().eq(24).all()  # exhaustive: the whole pool is stored
     table = ds.load_images(t2i["item_id"].tolist())
     expected = model.score(texts.loc[t2i["query_id"]].tolist(), table, batch_size=32)
     np.testing.assert_allclose(t2i["ce_score"].to_numpy(), expected, atol=1e-4)
@@ -96,10 +100,10 @@ def test_ce_scores_come_from_the_model_and_pairs_are_scored_once(assets, tmp_pat
 def test_co_add_rank_top_k_and_keep_be_tail(assets, tmp_path):
     root, staged, model_dir, emb_dir = assets
     k = 4
-    co = rerank.run_rerank(staged, emb_dir, str(tmp_path / "co"), mode="co", k=k, ce_model=model_dir,
+    co = run_rerank(staged, emb_dir, str(tmp_path / "co"), mode="co", k=k, ce_model=model_dir,
                            directions=("i2t",))
-    emb_run = rerank.run_rerank(staged, emb_dir, str(tmp_path / "emb"), mode="emb", k=k, directions=("i2t",))
-    add = rerank.run_rerank(staged, emb_dir, str(tmp_path / "add"), mode="add", lam=0.3, k=k,
+    emb_run = run_rerank(staged, emb_dir, str(tmp_path / "emb"), mode="emb", k=k, directions=("i2t",))
+    add = run_rerank(staged, emb_dir, str(tmp_path / "add"), mode="add", lam=0.3, k=k,
                             be_model=model_dir, directions=("i2t",))
     assert co["queries"] == emb_run["queries"] == add["queries"] == {"i2t": 6}
     be = per_query(read_rankings(str(tmp_path / "emb"), "i2t"))
@@ -117,12 +121,13 @@ def test_co_add_rank_top_k_and_keep_be_tail(assets, tmp_path):
 def test_rerun_is_idempotent(assets, tmp_path):
     root, staged, model_dir, emb_dir = assets
     out = str(tmp_path / "run")
-    first = rerank.run_rerank(staged, emb_dir, out, mode="co", k=3, ce_model=model_dir, queries_per_shard=5)
-    second = rerank.run_rerank(staged, emb_dir, out, mode="co", k=3, ce_model=model_dir, queries_per_shard=5)
+    first = run_rerank(staged, emb_dir, out, mode="co", k=3, ce_model=model_dir, queries_per_shard=5)
+    second = run_rerank(staged, emb_dir, out, mode="co", k=3, ce_model=model_dir, queries_per_shard=5)
     assert [s["name"] for s in first["shards"]] == ["i2t-00000-of-00002.parquet", "i2t-00001-of-00002.parquet",
                                                     "t2i-00000-of-00003.parquet", "t2i-00001-of-00003.parquet",
                                                     "t2i-00002-of-00003.parquet"]
     assert first["shards"] == second["shards"]  # same bytes (sha256) on the rerun
+    assert second["shards_reused"] == 5 and second["ce_pairs_scored"] == 0  # nothing recomputed
     assert sorted(os.listdir(os.path.join(out, "rankings"))) == [s["name"] for s in first["shards"]]
     assert not os.path.exists(os.path.join(out, "_run"))
 
@@ -131,12 +136,12 @@ def test_direct_and_dask_runners_give_identical_rankings(assets, tmp_path):
     distributed = pytest.importorskip("distributed")
     root, staged, model_dir, emb_dir = assets
     direct = str(tmp_path / "direct")
-    rerank.run_rerank(staged, emb_dir, direct, mode="co", k=5, ce_model=model_dir, batch_size=8,
+    run_rerank(staged, emb_dir, direct, mode="co", k=5, ce_model=model_dir, batch_size=8,
                       search_batch_size=4)
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) \
             as cluster:
         dask = str(tmp_path / "dask")
-        manifest = rerank.run_rerank(
+        manifest = run_rerank(
             staged, emb_dir, dask, mode="co", k=5, ce_model=model_dir, batch_size=8, search_batch_size=4,
             beam_args=("--runner=apache_beam.runners.dask.dask_runner.DaskRunner",
                        f"--dask_client_address={cluster.scheduler_address}"))
@@ -155,7 +160,7 @@ def test_l2_index_reranks_with_negated_distances_as_be_scores(assets, tmp_path):
     build_index(emb_dir, index_dir, "image", "Flat", "l2", 1000, 0, 1, [])
     out = str(tmp_path / "run")
     k = 3
-    manifest = rerank.run_rerank(staged, emb_dir, out, mode="co", k=k, index=index_dir, ce_model=model_dir,
+    manifest = run_rerank(staged, emb_dir, out, mode="co", k=k, index=index_dir, ce_model=model_dir,
                                  directions=("t2i",), split="test")
     assert manifest["queries"] == {"t2i": 12}
 
@@ -182,14 +187,14 @@ def test_rerun_with_fewer_shards_drops_stale_shards_and_evaluate_reads_the_manif
 
     root, staged, _, emb_dir = assets
     out = str(tmp_path / "run")
-    first = rerank.run_rerank(staged, emb_dir, out, mode="emb", k=3, queries_per_shard=5)  # t2i 3, i2t 2 shards
+    first = run_rerank(staged, emb_dir, out, mode="emb", k=3, queries_per_shard=5)  # t2i 3, i2t 2 shards
     assert len(first["shards"]) == 5
     # a stale shard of an even older run that the new run does not overwrite (evaluate must ignore it even
     # before rerank deletes it)
     stale = os.path.join(out, "rankings", "t2i-00000-of-00004.parquet")
     with open(os.path.join(out, "rankings", "t2i-00000-of-00003.parquet"), "rb") as src, open(stale, "wb") as dst:
         dst.write(src.read())
-    second = rerank.run_rerank(staged, emb_dir, out, mode="emb", k=3)  # one shard per direction
+    second = run_rerank(staged, emb_dir, out, mode="emb", k=3)  # one shard per direction
     names = [s["name"] for s in second["shards"]]
     assert names == ["i2t-00000-of-00001.parquet", "t2i-00000-of-00001.parquet"]
     assert sorted(os.listdir(os.path.join(out, "rankings"))) == names
@@ -215,7 +220,7 @@ def test_nprobe_sets_ivf_search_depth_and_is_recorded(assets, tmp_path):
     with pytest.warns(RuntimeWarning, match="fewer than"):  # 24 images: few training points per list
         build_index(emb_dir, index_dir, "image", f"IVF{nlist},Flat", "ip", 1000, 0, 1, [])
     exact = str(tmp_path / "exact")
-    rerank.run_rerank(staged, emb_dir, exact, mode="emb", k=10, directions=("t2i",))
+    run_rerank(staged, emb_dir, exact, mode="emb", k=10, directions=("t2i",))
     truth = {q: set(g["item_id"]) for q, g in per_query(read_rankings(exact, "t2i")).items()}
 
     def recall(out):
@@ -226,7 +231,7 @@ def test_nprobe_sets_ivf_search_depth_and_is_recorded(assets, tmp_path):
     recalls, manifests = {}, {}
     for nprobe in (1, 2):
         out = str(tmp_path / f"nprobe{nprobe}")
-        manifests[nprobe] = rerank.run_rerank(staged, emb_dir, out, mode="emb", k=10, index=index_dir,
+        manifests[nprobe] = run_rerank(staged, emb_dir, out, mode="emb", k=10, index=index_dir,
                                               directions=("t2i",), nprobe=nprobe)
         recalls[nprobe] = recall(out)
     out = str(tmp_path / f"nprobe{nlist}")  # the CLI option
@@ -244,7 +249,7 @@ def test_nprobe_sets_ivf_search_depth_and_is_recorded(assets, tmp_path):
         assert manifest["search_params"] == {"nprobe": nprobe, "efSearch": None}
     # a parameter the index does not have is refused before the job runs
     with pytest.raises(rerank.RerankError, match="efSearch"):
-        rerank.run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb", index=index_dir,
+        run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb", index=index_dir,
                           directions=("t2i",), ef_search=64)
     with pytest.raises(rerank.RerankError, match="--index"):  # exact search has no parameters
-        rerank.run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb", directions=("t2i",), nprobe=2)
+        run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb", directions=("t2i",), nprobe=2)
