@@ -3,7 +3,10 @@
 A job is ``python -m <module> <args> <the user's Beam args>``: the same command a user would type, run as a
 subprocess whose output is streamed with a prefix. For every job the runner records its wall time and the
 peak RSS of the child (``os.wait4``'s ``ru_maxrss``, KiB on Linux; it covers the child and the processes it
-waited for, e.g. DirectRunner's multi-processing workers, not Dask or Dataflow workers elsewhere).
+waited for, e.g. DirectRunner's multi-processing workers, not Dask or Dataflow workers elsewhere). The job
+is started by a bare ``python -c`` wrapper that does the wait4: a child forked straight from this process
+would report at least this process's own peak (Linux carries the parent's high-water mark through fork and
+exec), 460 MB here with torch loaded.
 
 Reuse: after a job succeeds the runner writes ``<output>.job.json`` beside its output: the job's
 fingerprint (module + args; Beam args excluded, since every runner writes the same outputs), the sha256 of
@@ -25,6 +28,12 @@ from typing import Callable, Optional, Sequence
 #: What a job's work is measured in, for cost estimates (``UnitCosts``).
 UNITS = ("stage_records", "images_encoded", "captions_encoded", "ce_pairs")
 STAMP_SUFFIX = ".job.json"
+# argv: RSS_FILE CMD...; runs CMD, writes its ru_maxrss (KiB) to RSS_FILE, exits with its status.
+_WAIT4 = ("import os, subprocess, sys\n"
+          "p = subprocess.Popen(sys.argv[2:])\n"
+          "_, status, usage = os.wait4(p.pid, 0)\n"
+          "open(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+          "sys.exit(os.waitstatus_to_exitcode(status))\n")
 
 
 class JobFailed(RuntimeError):
@@ -129,17 +138,24 @@ def run_job(job: Job, beam_args: Sequence[str] = (), log: Callable[[str], None] 
     log(f"run {job.name}\n+ {job.command(beam_args)}")
     if os.path.exists(job.stamp_path):
         os.remove(job.stamp_path)  # the output is about to change: a kill now must not leave it "finished"
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(job.argv(beam_args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1)
-    tail: list[str] = []
-    for line in proc.stdout:
-        print("  | " + line, end="", flush=True)
-        tail = (tail + [line.rstrip()])[-1:]
-    proc.stdout.close()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    wall = time.perf_counter() - t0
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rr-job-") as tmp:
+        rss_file = os.path.join(tmp, "maxrss")
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-c", _WAIT4, rss_file, *job.argv(beam_args)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        tail: list[str] = []
+        for line in proc.stdout:
+            print("  | " + line, end="", flush=True)
+            tail = (tail + [line.rstrip()])[-1:]
+        proc.wait()
+        wall = time.perf_counter() - t0
+        try:
+            with open(rss_file) as f:
+                peak_kib = int(f.read())
+        except (OSError, ValueError):
+            peak_kib = 0  # the wrapper was killed before the job ended
     if proc.returncode != 0:
         last = tail[0] if tail else ""
         raise JobFailed(f"{job.name} failed (exit {proc.returncode}){': ' + last if last else ''}; "
@@ -147,7 +163,7 @@ def run_job(job: Job, beam_args: Sequence[str] = (), log: Callable[[str], None] 
     if not os.path.exists(job.done_path):
         raise JobFailed(f"{job.name} exited 0 but wrote no {job.done_path} (a --dry_run writes nothing: "
                         f"use benchmarks.run --plan to see the jobs)")
-    result = JobResult(job, wall, int(usage.ru_maxrss))
+    result = JobResult(job, wall, peak_kib)
     _write_stamp(job, result, beam_args)
     log(f"done {job.name}: {wall:.1f}s, peak RSS {result.peak_rss_mb:.0f} MB")
     return result

@@ -309,7 +309,8 @@ def plan_eval_setting(p, n: int, method: str, k: int, pairs: int):
     enc = p.encode(st, join)
     idx = p.index(st, join, enc, "image")
     mode = {"EMB": "emb", "CO": "co", "CE": "ce"}[method]
-    run = p.rerank(st, "JOIN", join, join, enc, q, mode=mode, k=k, index=idx, pairs=pairs)
+    # --mode ce requests every (query, item) pair of both directions; t2i and i2t share each pair once
+    run = p.rerank(st, "JOIN", join, join, enc, q, mode=mode, k=k, index=idx, pairs=pairs, exhaustive_limit=2 * pairs)
     timing = (("encode_s", enc.name), ("index_s", idx.name), ("rerank_s", run.name))
     row = p.row(collection="eval_total(synthetic_coco)", model="JOIN", mode=MODE_LABELS[mode],
                 k="" if method == "EMB" else (k if method == "CO" else "all"), runs=(run.output,), staged=st.path,
@@ -319,12 +320,19 @@ def plan_eval_setting(p, n: int, method: str, k: int, pairs: int):
     return row, [st.job, q, enc, idx, run]
 
 
-def plan_eval_time(cfg, lcfg: LatencyConfig, unit: Optional[dict]):
-    """--plan: the Table 4 jobs the budget would allow at the given (or default 2-core) unit costs."""
+def measured_units(model_dir: str, lcfg: LatencyConfig) -> dict:
+    """Seconds per image / caption encoded and per CE pair (batched, single), measured in-process now."""
+    from retrieval_core.model import VLRetrievalModel
+
+    set_threads(lcfg.threads)
+    return _bench(VLRetrievalModel.load(model_dir), lcfg, {}, lambda m: None).unit
+
+
+def plan_eval_time(cfg, lcfg: LatencyConfig, unit: dict):
+    """--plan: the Table 4 jobs the eval budget allows at the given unit costs (measured_units)."""
     from benchmarks.suites import Planner
 
-    u = unit or {"image_encode_s": 1e-3, "caption_encode_s": 8e-4, "ce_pair_batched_s": 2e-3,
-                 "ce_pair_single_s": 6e-3}
+    u = unit
     p = Planner(replace(cfg, suite="latency"))
     budget = lcfg.eval_budget_s
     k = 20 if 20 in lcfg.ks else max(lcfg.ks)

@@ -297,7 +297,11 @@ def run_latency_suite(cfg: SuiteConfig, opts: RunOptions):
     lcfg = latency.LatencyConfig(**{**lcfg.__dict__, "batch_size": cfg.batch_size, "threads": cfg.threads,
                                     "ann": opts.ann, "eval_budget_s": opts.eval_budget_s})
     if opts.plan_only:
-        plan = latency.plan_eval_time(cfg, lcfg, None)
+        if suites.model_feature_dim(cfg.models.join) is None:
+            raise click.ClickException(f"latency --plan measures unit costs with the JOIN model; {cfg.models.join} "
+                                       f"does not exist yet (pass --model, or run the demo first)")
+        plan = latency.plan_eval_time(cfg, lcfg, latency.measured_units(cfg.models.join, lcfg))
+        print(f"latency: per-query rows run in-process; Table 4 jobs within --eval-budget {lcfg.eval_budget_s:.0f}s:")
         print(jb.format_plan(plan.jobs, opts.beam_args, plan_costs(plan.jobs, cfg)))
         return None, []
     rows, results = latency.run_latency(cfg, lcfg, opts.beam_args, log=lambda m: print(

@@ -290,7 +290,9 @@ class Planner:
 
     def rerank(self, st: Staged, family: str, be_model: str, ce_model: str, enc: Job, queries: Job, *, mode: str,
                k: int, index: Optional[Job], text_index: Optional[Job] = None, pool: str = "all", pairs: int = 0,
-               split: str = "test") -> Job:
+               split: str = "test", exhaustive_limit: int = 0) -> Job:
+        """``pairs``: CE pairs it will score (estimates); ``exhaustive_limit``: --max-exhaustive-pairs of a
+        --mode ce run (queries x pool summed over directions; default ``pairs``)."""
         models = _slug(family, model_key(be_model), model_key(ce_model) if mode != "emb" else "")
         out = os.path.join(self.cfg.root, "runs", st.name, _slug(pool, os.path.basename(queries.output)), models,
                            f"{mode}-k{k}")
@@ -307,7 +309,7 @@ class Planner:
             args += ["--ce-model", ce_model]
             inputs += _model_inputs(ce_model)
         if mode == "ce":
-            args += ["--max-exhaustive-pairs", str(max(pairs, 1))]
+            args += ["--max-exhaustive-pairs", str(max(exhaustive_limit or pairs, 1))]
         return self.plan.add(Job(f"rerank {family} {mode} k={k} {st.name}/{pool}", "pipelines.rerank", tuple(args),
                                  out, "rankings_manifest.json", (("ce_pairs", pairs),) if mode != "emb" else (),
                                  inputs=tuple(inputs)))
