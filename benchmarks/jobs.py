@@ -27,6 +27,11 @@ from typing import Callable, Optional, Sequence
 
 #: What a job's work is measured in, for cost estimates (``UnitCosts``).
 UNITS = ("stage_records", "images_encoded", "captions_encoded", "ce_pairs")
+#: Start-up of one pipeline job on DirectRunner (interpreter, torch/Beam imports, graph construction).
+JOB_START_S = 10.0
+#: Jobs shorter than this teach no rate: their start-up would dominate (a --quick run must not overwrite the
+#: rates of a full one).
+MIN_LEARN_S = 60.0
 STAMP_SUFFIX = ".job.json"
 # argv: RSS_FILE CMD...; runs CMD, writes its ru_maxrss (KiB) to RSS_FILE, exits with its status.
 _WAIT4 = ("import os, subprocess, sys\n"
@@ -212,11 +217,12 @@ class UnitCosts:
 
         write_json_atomic(path, {"rates": self.rates})
 
-    def set(self, unit: str, per_s: float, source: str) -> None:
+    def set(self, unit: str, per_s: float, source: str, work: int = 0) -> None:
+        """Record a rate; ``work`` = units of the job it was measured on (0: a small in-process sample)."""
         if unit not in UNITS:
             raise ValueError(f"unknown unit {unit!r}")
         if per_s > 0:
-            self.rates[unit] = {"per_s": float(per_s), "source": source}
+            self.rates[unit] = {"per_s": float(per_s), "source": source, "work": int(work)}
 
     def missing(self, jobs: Sequence[Job]) -> list[str]:
         return sorted({u for j in jobs for u, n in j.work if n and u not in self.rates})
@@ -231,26 +237,26 @@ class UnitCosts:
         return total
 
     def learn(self, result: JobResult) -> None:
-        """Update the rates from a job that ran now (a reused one measured nothing new). Encode jobs do
-        images and captions together: their wall time rescales the recorded per-item rates (or, with none
-        recorded yet, counts an image as costing what a caption does)."""
-        if result.reused or result.wall_s <= 0:
+        """Update the rates from a job that ran now (a reused one measured nothing new), over its wall time
+        less JOB_START_S; only jobs of at least MIN_LEARN_S, and only where the job did at least as much work
+        as the one the rate came from. Encode jobs do images and captions together: their time rescales the
+        recorded per-item rates (or, with none recorded yet, counts an image as costing what a caption does)."""
+        if result.reused or result.wall_s < MIN_LEARN_S:
             return
-        work = {u: n for u, n in result.job.work if n}
+        busy = result.wall_s - JOB_START_S
+        work = {u: n for u, n in result.job.work if n and n >= self.rates.get(u, {}).get("work", 0)}
         src = f"{result.job.name} ({result.wall_s:.1f}s, {time.strftime('%Y-%m-%d')})"
-        if "stage_records" in work:
-            self.set("stage_records", work["stage_records"] / result.wall_s, src)
-        if "ce_pairs" in work:
-            self.set("ce_pairs", work["ce_pairs"] / result.wall_s, src)
+        for unit in ("stage_records", "ce_pairs"):
+            if unit in work:
+                self.set(unit, work[unit] / busy, src, work[unit])
         enc = {u: work[u] for u in ("images_encoded", "captions_encoded") if u in work}
-        if enc:
+        if len(enc) == len([u for u, n in result.job.work if n and u.endswith("_encoded")]) and enc:
             rate = {u: self.rates.get(u, {}).get("per_s") for u in enc}
             if any(r is None for r in rate.values()):
                 rate = {u: 1.0 for u in enc}
-            predicted = sum(n / rate[u] for u, n in enc.items())
-            scale = predicted / result.wall_s
+            scale = sum(n / rate[u] for u, n in enc.items()) / busy
             for u in enc:
-                self.set(u, rate[u] * scale, src)
+                self.set(u, rate[u] * scale, src, enc[u])
 
 
 def format_plan(jobs: Sequence[Job], beam_args: Sequence[str] = (), costs: Optional[UnitCosts] = None) -> str:
@@ -272,7 +278,7 @@ def format_plan(jobs: Sequence[Job], beam_args: Sequence[str] = (), costs: Optio
         lines.append(f"     {job.command(beam_args)}")
     if costs is not None:
         lines.append(f"estimated work: {_hms(total)}" + (" (plus jobs whose rate is unknown)" if unknown else "")
-                     + "; per-job start-up (~10 s on DirectRunner) not included")
+                     + f"; per-job start-up (~{JOB_START_S:.0f} s on DirectRunner) not included")
         for unit, r in sorted(costs.rates.items()):
             lines.append(f"  rate {unit}: {r['per_s']:,.1f}/s from {r['source']}")
     return "\n".join(lines)

@@ -34,11 +34,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from benchmarks.jobs import JOB_START_S
 from benchmarks.report import PAPER_CODE_MODEL, set_threads
 
 EVAL_CAPTIONS_PER_IMAGE = 5
-#: Start-up of one pipeline job on DirectRunner (interpreter, torch/Beam imports, graph), added to estimates.
-JOB_START_S = 10.0
 
 
 @dataclass

@@ -276,12 +276,19 @@ def test_unit_costs_learn_and_estimate():
     costs = jb.UnitCosts()
     enc = jb.Job("encode", "pipelines.encode", (), "/x", "m.json", (("images_encoded", 100), ("captions_encoded", 300)))
     assert costs.estimate(enc) is None and costs.missing([enc]) == ["captions_encoded", "images_encoded"]
-    costs.learn(jb.JobResult(enc, 40.0, 1))  # no rates yet: an image counts as a caption (400 items in 40 s)
-    assert costs.rates["images_encoded"]["per_s"] == pytest.approx(10.0)
-    costs.set("images_encoded", 5.0, "sample")  # images cost twice a caption
-    costs.learn(jb.JobResult(enc, 30.0, 1))
-    assert costs.estimate(enc) == pytest.approx(30.0)
-    assert costs.rates["images_encoded"]["per_s"] == pytest.approx(2 * costs.rates["captions_encoded"]["per_s"] / 4)
+    costs.learn(jb.JobResult(enc, 30.0, 1))  # too short: start-up would dominate, nothing learned
+    assert costs.rates == {}
+    # no rates yet: an image counts as a caption (400 items in 90 s, less the job's start-up)
+    costs.learn(jb.JobResult(enc, 90.0 + jb.JOB_START_S, 1))
+    assert costs.rates["images_encoded"]["per_s"] == pytest.approx(400 / 90)
+    costs.set("images_encoded", 1.0, "sample")  # images cost twice a caption
+    costs.set("captions_encoded", 2.0, "sample")
+    costs.learn(jb.JobResult(enc, 250.0 + jb.JOB_START_S, 1))
+    assert costs.estimate(enc) == pytest.approx(250.0)
+    assert costs.rates["images_encoded"]["per_s"] == pytest.approx(costs.rates["captions_encoded"]["per_s"] / 2)
+    small = jb.Job("encode small", "pipelines.encode", (), "/y", "m.json", (("images_encoded", 10), ("captions_encoded", 30)))
+    costs.learn(jb.JobResult(small, 500.0, 1))  # less work than the job the rates came from: ignored
+    assert costs.estimate(enc) == pytest.approx(250.0)
 
 
 # ------------------------------------------------------------------------------------------- latency
