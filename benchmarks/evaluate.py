@@ -1,18 +1,25 @@
-"""Recall@K of a rankings run against the staged gold labels: CSV rows + a CLIP_benchmark-style JSON.
+"""Recall@K of a pipelines.rerank run against the staged gold labels: CSV rows + a CLIP_benchmark-style JSON.
 
-    python -m benchmarks.evaluate --rankings RUN/rankings --staged STAGED --output RESULTS \\
-        --collection coco --split test --model join-minilm --mode ce --k 20 --tag hardware=cpu
+    python -m benchmarks.evaluate --rankings RUN --staged STAGED --output RESULTS --model join-minilm
+    python -m benchmarks.evaluate --rankings RUN ... --mode add --lam 0.7 --k 10   # re-derived, not re-scored
 
-``--rankings`` takes a pipelines.rerank run (its run dir or its rankings/ dir: the shards listed in its
-rankings_manifest.json are read, checksum-verified) or any directory / Parquet file of rankings (every
-.parquet under it). Both directions are required (schema.RANKING_SCHEMA rows with direction t2i and i2t).
-Every gold query must be ranked and every ranked query must be in the gold: a missing query is an error,
-never a silent miss. Ranked items outside the gold set (distractors) are fine.
+``--rankings`` takes a pipelines.rerank run (its run dir or its rankings/ dir): the shards listed in its
+rankings_manifest.json are read, checksum-verified. Score once, evaluate many: the run stores, per query, its
+BE top-n with be_rank, be_score and (CE modes) the CE scores of its BE top-k, so ``--k`` (any k' <= the run's
+k), ``--mode`` (emb, co, add, norm_add; ce for an exhaustive run) and ``--lam`` re-rank the stored rows
+(``retrieval_core.rerank.derive_rankings``) exactly as a run with those settings would have; each defaults
+to the run's own (rankings_manifest.json). CE modes on an EMB run, k' > k, and runs written before be_rank
+existed are refused in one line.
+
+Every gold query of the run's collection/split must be ranked and every ranked query must be in the gold: a
+missing query is an error, never a silent miss. A run restricted with ``--queries`` is evaluated on its
+ranked queries (the gold is restricted to them). Ranked items outside the gold set (distractors) are fine.
+A run of one direction reports that direction only (mR = mean of its recalls).
 
 Outputs in ``--output``:
-  metrics.csv   one row per (collection, split, model, mode, k, direction, tags); rerunning the same
+  metrics.csv   one row per (collection, split, model, mode label, k, direction, tags); rerunning the same
                 configuration replaces its rows, other rows are kept. Recalls in percent.
-  <collection>_<model>_<mode>_k<k>.json   CLIP_benchmark layout ("dataset", "model", "task":
+  <collection>_<model>_<label>_k<k>.json   CLIP_benchmark layout ("dataset", "model", "task":
                 "zeroshot_retrieval", "metrics": {"image_retrieval_recall@1": ...}); like CLIP_benchmark,
                 recalls there are fractions in [0, 1]. image_retrieval = text->image, text_retrieval =
                 image->text.
@@ -34,13 +41,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from retrieval_core import schema
-from retrieval_core.metrics import DEFAULT_KS, bidirectional_recall
-from retrieval_core.rerank import RANKINGS_MANIFEST, RANKINGS_SUBDIR
+from retrieval_core.metrics import DEFAULT_KS, direction_recall
+from retrieval_core.rerank import (FUSION_MODES, RANKINGS_MANIFEST, RANKINGS_SUBDIR, RUN_MODES, RUN_TO_RANK_MODE,
+                                   derive_rankings)
 
 log = logging.getLogger(__name__)
 
 METRICS_CSV = "metrics.csv"
 KEY_COLUMNS = ("collection", "split", "model", "mode", "k", "direction")
+DIRECTIONS = (schema.DIRECTION_T2I, schema.DIRECTION_I2T)
+DEFAULT_LAM = 0.5  # pipelines.rerank's default --lam: a fusion derived from a CO run uses it
 
 
 class EvaluationError(ValueError):
@@ -78,57 +88,76 @@ def _check_queries(direction: str, ranked: np.ndarray, gold_keys: Collection[int
 
 
 def evaluate_rankings(rankings: Union[pd.DataFrame, pa.Table], caption_to_image: Mapping[int, int],
-                      image_to_captions: Mapping[int, Collection[int]], ks: Sequence[int] = DEFAULT_KS) -> dict:
-    """Recall of both directions of a rankings table (schema.RANKING_SCHEMA columns).
+                      image_to_captions: Mapping[int, Collection[int]], ks: Sequence[int] = DEFAULT_KS,
+                      directions: Sequence[str] = DIRECTIONS) -> dict:
+    """Recall of the given directions of a rankings table (schema.RANKING_SCHEMA columns).
 
-    Returns bidirectional_recall's dict (t2i_R@k, i2t_R@k, mR, t2i_queries, i2t_queries) plus
-    ``collection_size`` (gold images) and ``ranked_depth`` (shortest ranked list). Gold mappings are only
-    read.
+    Returns ``<d>_R@<k>`` and ``<d>_queries`` for both directions (NaN and 0 for a direction not evaluated),
+    ``mR`` (mean of the evaluated recalls), ``collection_size`` (gold images) and ``ranked_depth`` (shortest
+    ranked list). Every gold query of an evaluated direction must be ranked and vice versa. Gold mappings are
+    only read.
     """
     df = rankings.to_pandas() if isinstance(rankings, pa.Table) else rankings
     missing_cols = [c for c in ("direction", "query_id", "rank", "item_id") if c not in df.columns]
     if missing_cols:
         raise EvaluationError(f"rankings lack column(s) {missing_cols}")
-    unknown = set(df["direction"].unique()) - {schema.DIRECTION_T2I, schema.DIRECTION_I2T}
+    unknown = set(df["direction"].unique()) - set(DIRECTIONS)
     if unknown:
         raise EvaluationError(f"rankings have unknown direction(s) {sorted(unknown)}")
-    t2i_q, t2i_lists = ranked_lists(df, schema.DIRECTION_T2I)
-    i2t_q, i2t_lists = ranked_lists(df, schema.DIRECTION_I2T)
-    _check_queries(schema.DIRECTION_T2I, t2i_q, caption_to_image.keys())
-    _check_queries(schema.DIRECTION_I2T, i2t_q, image_to_captions.keys())
-    result = bidirectional_recall(t2i_lists, t2i_q, i2t_lists, i2t_q, caption_to_image, image_to_captions, ks)
+    if not directions or any(d not in DIRECTIONS for d in directions):
+        raise EvaluationError(f"directions must be a non-empty subset of {DIRECTIONS}, got {directions}")
+    extra = set(df["direction"].unique()) - set(directions)
+    if extra:
+        raise EvaluationError(f"rankings hold direction(s) {sorted(extra)} that are not evaluated")
+    result: dict = {}
+    depth = []
+    for d in DIRECTIONS:
+        if d not in directions:
+            result.update({f"{d}_R@{kk}": float("nan") for kk in ks})
+            result[f"{d}_queries"] = 0
+            continue
+        queries, lists = ranked_lists(df, d)
+        _check_queries(d, queries, (caption_to_image if d == schema.DIRECTION_T2I else image_to_captions).keys())
+        result.update(direction_recall(d, lists, queries, caption_to_image, image_to_captions, ks))
+        depth += [len(x) for x in lists]
+    result["mR"] = float(np.mean([result[f"{d}_R@{kk}"] for d in directions for kk in ks]))
     result["collection_size"] = len(image_to_captions)
-    result["ranked_depth"] = int(min(len(x) for x in (*t2i_lists, *i2t_lists)))
+    result["ranked_depth"] = int(min(depth))
     if result["ranked_depth"] < max(ks):
         log.warning("some ranked lists hold only %d items (< %d): R@%d counts them as misses beyond",
                     result["ranked_depth"], max(ks), max(ks))
     return result
 
 
-def infer_k(df: pd.DataFrame) -> int:
-    """The rerank depth of a run: the most CE-scored rows of any query (0 = BE only)."""
-    if "ce_score" not in df.columns or df["ce_score"].notna().sum() == 0:
-        return 0
-    scored = df[df["ce_score"].notna()]
-    return int(scored.groupby(["direction", "query_id"]).size().max())
-
-
-# ---------------------------------------------------------------------------------------------- files
-def _rankings_manifest(src: str) -> Optional[str]:
-    """The rankings manifest of a pipelines.rerank run given as its run dir or its rankings/ dir, else None."""
+# ------------------------------------------------------------------------------------------------ runs
+def run_manifest_path(src: str) -> str:
+    """rankings_manifest.json of a pipelines.rerank run given as its run dir or its rankings/ dir."""
+    if not os.path.exists(src):
+        raise EvaluationError(f"rankings path not found: {src}")
     src = os.path.normpath(src)
     for run_dir in (src, os.path.dirname(src) if os.path.basename(src) == RANKINGS_SUBDIR else None):
         if run_dir is not None and os.path.isfile(os.path.join(run_dir, RANKINGS_MANIFEST)):
             return os.path.join(run_dir, RANKINGS_MANIFEST)
-    return None
+    raise EvaluationError(f"{src}: no {RANKINGS_MANIFEST}: not a finished pipelines.rerank run (rerun it)")
 
 
-def listed_shards(manifest_path: str) -> list[str]:
+def read_run_manifest(src: str) -> tuple[str, dict]:
+    """(path, manifest) of a run; refuses a manifest of another rankings schema version."""
+    path = run_manifest_path(src)
+    with open(path, "rb") as f:
+        manifest = json.loads(f.read().decode("utf-8"))
+    version = str(manifest.get("schema_version"))
+    if version != schema.RANKINGS_SCHEMA_VERSION:
+        raise EvaluationError(f"{path}: rankings schema {version}, this evaluate reads "
+                              f"{schema.RANKINGS_SCHEMA_VERSION} (stored BE lists with be_rank): rerun "
+                              f"pipelines.rerank")
+    return path, manifest
+
+
+def listed_shards(manifest_path: str, manifest: dict) -> list[str]:
     """Paths of the shards a rankings manifest lists, each checked against its recorded sha256."""
     from pipelines.common import sha256_file  # Beam's FileSystems: imported only when a run is read
 
-    with open(manifest_path, "rb") as f:
-        manifest = json.loads(f.read().decode("utf-8"))
     rank_dir = os.path.join(os.path.dirname(manifest_path), RANKINGS_SUBDIR)
     files = []
     for shard in manifest.get("shards", []):
@@ -136,46 +165,122 @@ def listed_shards(manifest_path: str) -> list[str]:
         if not os.path.isfile(path):
             raise EvaluationError(f"{path} is listed in {manifest_path} but missing; rerun pipelines.rerank")
         digest = sha256_file(path)
-        if shard.get("sha256") and digest != shard["sha256"]:
+        if digest != shard["sha256"]:
             raise EvaluationError(f"{path} changed since {manifest_path} was written (sha256 {digest[:12]}... != "
                                   f"{shard['sha256'][:12]}...); rerun pipelines.rerank")
         files.append(path)
     return files
 
 
-def read_rankings(sources: Sequence[str]) -> pa.Table:
-    """The ranking Parquet files of the given directories / files. A pipelines.rerank run (its run dir or its
-    rankings/ dir) contributes the shards its rankings_manifest.json lists: a rerun with another shard count
-    may leave an earlier run's shards next to them, which would rank the same queries twice. Other directories
-    contribute every .parquet file under them."""
-    files: list[str] = []
-    for src in sources:
-        manifest = _rankings_manifest(src) if os.path.isdir(src) else None
-        if manifest is not None:
-            files += listed_shards(manifest)
-        elif os.path.isdir(src):
-            for root, _, names in sorted(os.walk(src)):
-                files += [os.path.join(root, n) for n in sorted(names) if n.endswith(".parquet")]
-        elif os.path.isfile(src):
-            files.append(src)
-        else:
-            raise EvaluationError(f"rankings path not found: {src}")
-    if not files:
-        raise EvaluationError(f"no .parquet rankings under {list(sources)}")
+def read_run_rankings(manifest_path: str, manifest: dict) -> pa.Table:
+    """Every ranking row of a run (its listed, verified shards)."""
     tables = []
-    for f in files:
+    for f in listed_shards(manifest_path, manifest):
         t = pq.read_table(f)
+        if "be_rank" not in t.column_names:
+            raise EvaluationError(f"{f}: rankings without be_rank (an older pipelines.rerank): rerun pipelines.rerank")
         missing = [c for c in schema.RANKING_COLUMNS if c not in t.column_names]
         if missing:
             raise EvaluationError(f"{f}: not a rankings file (missing {missing})")
         tables.append(t.select(list(schema.RANKING_COLUMNS)).cast(schema.RANKING_SCHEMA))
+    if not tables:
+        raise EvaluationError(f"{manifest_path} lists no ranking shards; rerun pipelines.rerank")
     return pa.concat_tables(tables)
+
+
+def resolve_derivation(manifest: dict, k: Optional[int] = None, mode: Optional[str] = None,
+                       lam: Optional[float] = None, where: str = "the run") -> tuple[int, str, Optional[float]]:
+    """(k, mode, lam) to evaluate a run with: each defaults to the run's own; refuses what the stored scores
+    cannot give (CE modes on an EMB run, exhaustive CE on a top-k run, k deeper than the run's)."""
+    run_mode, run_k, run_lam = manifest["mode"], int(manifest["k"]), manifest.get("lam")
+    mode = (mode or run_mode).lower()
+    if mode not in RUN_MODES:
+        raise EvaluationError(f"mode must be one of {RUN_MODES}, got {mode!r}")
+    k = run_k if k is None else k
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise EvaluationError(f"k must be an integer >= 1, got {k!r}")
+    if mode == "ce":
+        if run_mode != "ce":
+            raise EvaluationError(f"mode ce (exhaustive CE over the whole pool) needs a --mode ce run; {where} "
+                                  f"({run_mode}) CE-scored its BE top-{run_k} only: use --mode co")
+        if k != run_k:
+            raise EvaluationError(f"--k does not apply to mode ce: {where} CE-ranked its whole pool")
+    elif mode != "emb" and run_mode == "emb":
+        raise EvaluationError(f"mode {mode} needs CE scores and {where} is an EMB run (none stored): rerun "
+                              f"pipelines.rerank with --mode co and a CE model")
+    # an exhaustive run CE-scored its whole pool: CO / fusion at any depth within it can be derived
+    limit = min(int(v) for v in manifest["ce_depth"].values()) if run_mode == "ce" else run_k
+    if mode != "ce" and k > limit:
+        raise EvaluationError(f"k={k} is deeper than {where} (k={limit}): only k <= {limit} can be derived "
+                              f"from its stored scores; rerun pipelines.rerank with --k {k}")
+    if mode in FUSION_MODES:
+        lam = float(lam if lam is not None else run_lam if run_lam is not None else DEFAULT_LAM)
+        if not 0.0 <= lam <= 1.0:
+            raise EvaluationError(f"lam must be in [0, 1], got {lam}")
+    elif lam is not None:
+        raise EvaluationError(f"--lam applies to add / norm_add only, not to mode {mode}")
+    return int(k), mode, lam
+
+
+def evaluate_run(run_dir: str, staged: str, *, k: Optional[int] = None, mode: Optional[str] = None,
+                 lam: Optional[float] = None, collection: Optional[str] = None, split: Optional[str] = None) -> dict:
+    """Recall of a pipelines.rerank run, re-derived for (k, mode, lam) (default: the run's own).
+
+    Returns the metrics (``t2i_R@1``, ``t2i_R@5``, ``t2i_R@10``, ``t2i_queries``, the same for ``i2t``, ``mR``;
+    a direction the run did not rank has NaN recalls and 0 queries) plus ``k``, ``mode``, ``lam`` as applied,
+    ``collection``, ``split``, ``collection_size`` (the t2i candidate pool, else the gold images) and
+    ``ranked_depth``."""
+    from pipelines.common import open_file
+    from retrieval_core.store import StagedDataset
+
+    dataset = StagedDataset(staged, opener=open_file)
+    manifest_path, manifest = read_run_manifest(run_dir)
+    k, mode, lam = resolve_derivation(manifest, k, mode, lam, where=os.path.dirname(manifest_path))
+    collection = collection or manifest.get("collection")
+    if collection is None:
+        if len(dataset.collections) != 1:
+            raise EvaluationError(f"--collection is required: {staged} holds {dataset.collections}")
+        collection = dataset.collections[0]
+    if collection not in dataset.collections:
+        raise EvaluationError(f"collection {collection!r} is not staged in {staged} (have {dataset.collections})")
+    split = split if split is not None else manifest.get("split")
+    caption_to_image, image_to_captions = dataset.gold(collection, split)
+    if not caption_to_image:
+        raise EvaluationError(f"no {split!r} captions for collection {collection!r} in {staged}")
+
+    table = read_run_rankings(manifest_path, manifest)
+    if (k, mode, lam) != (int(manifest["k"]), manifest["mode"], manifest.get("lam")):
+        rank_k = max(int(v) for v in manifest["ce_depth"].values()) if mode == "ce" else k
+        try:
+            table = derive_rankings(table, rank_k, RUN_TO_RANK_MODE[mode], lam if lam is not None else DEFAULT_LAM)
+        except ValueError as exc:
+            raise EvaluationError(f"{manifest_path}: {exc}") from None
+    directions = tuple(d for d in DIRECTIONS if d in manifest.get("directions", DIRECTIONS))
+    if manifest.get("queries_file"):  # a restricted run: the gold of its ranked queries only
+        df = table.to_pandas()
+        ranked = {d: set(df.loc[df["direction"] == d, "query_id"].tolist()) for d in directions}
+        caption_to_image = {q: i for q, i in caption_to_image.items() if q in ranked.get(schema.DIRECTION_T2I, ())}
+        image_to_captions = {q: c for q, c in image_to_captions.items() if q in ranked.get(schema.DIRECTION_I2T, ())}
+    result = evaluate_rankings(table, caption_to_image, image_to_captions, directions=directions)
+    pool = manifest.get("pool_size", {}).get(schema.DIRECTION_T2I)
+    if pool is not None:
+        result["collection_size"] = int(pool)
+    result.update(k=k, mode=mode, lam=lam, collection=collection, split=split)
+    return result
+
+
+def mode_label(mode: str, lam: Optional[float]) -> str:
+    """The default ``mode`` column of metrics.csv: the mode, with lam for the fusions (add_0.5)."""
+    return f"{mode}_{lam:g}" if lam is not None else mode
 
 
 def csv_rows(result: dict, *, collection: str, split: str, model: str, mode: str, k: int,
              tags: Mapping[str, str], ks: Sequence[int] = DEFAULT_KS) -> list[dict]:
+    """One row per evaluated direction (a direction with 0 queries was not evaluated)."""
     rows = []
-    for direction in (schema.DIRECTION_T2I, schema.DIRECTION_I2T):
+    for direction in DIRECTIONS:
+        if not result.get(f"{direction}_queries"):
+            continue
         row = {"collection": collection, "split": split, "model": model, "mode": mode, "k": int(k),
                "direction": direction}
         row.update({f"R@{kk}": round(result[f"{direction}_R@{kk}"], 4) for kk in ks})
@@ -203,8 +308,10 @@ def merge_csv(existing: Optional[pd.DataFrame], new_rows: list[dict], tag_keys: 
 def clip_benchmark_json(result: dict, *, collection: str, model: str, ks: Sequence[int], extra: dict) -> dict:
     metrics = {}
     for kk in ks:
-        metrics[f"image_retrieval_recall@{kk}"] = result[f"t2i_R@{kk}"] / 100.0
-        metrics[f"text_retrieval_recall@{kk}"] = result[f"i2t_R@{kk}"] / 100.0
+        if result.get("t2i_queries"):
+            metrics[f"image_retrieval_recall@{kk}"] = result[f"t2i_R@{kk}"] / 100.0
+        if result.get("i2t_queries"):
+            metrics[f"text_retrieval_recall@{kk}"] = result[f"i2t_R@{kk}"] / 100.0
     metrics["mean_recall"] = result["mR"] / 100.0
     return {"dataset": collection, "model": model, "task": "zeroshot_retrieval", "metrics": metrics, **extra}
 
@@ -227,57 +334,55 @@ def parse_tags(tags: Sequence[str]) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------------------ CLI
 @click.command(context_settings=dict(help_option_names=["-h", "--help"]))
-@click.option("--rankings", "rankings", multiple=True, required=True,
-              help="Rankings directory or Parquet file (repeatable).")
+@click.option("--rankings", required=True, help="A pipelines.rerank run: its directory or its rankings/ dir.")
 @click.option("--staged", required=True, help="Staged dataset directory (gold labels).")
 @click.option("--output", required=True, help="Directory for metrics.csv and the JSON.")
-@click.option("--collection", default=None, help="Staged collection of the queries (default: the only one).")
-@click.option("--split", default="test", show_default=True)
+@click.option("--collection", default=None, help="Staged collection of the queries (default: the run's, else the "
+                                                 "only one).")
+@click.option("--split", default=None, help="Split of the queries (default: the run's).")
 @click.option("--model", default="model", show_default=True, help="Model name recorded with the result.")
-@click.option("--mode", default="ce", show_default=True, help="Fusion mode of the run (emb, ce, add, norm_add...).")
-@click.option("--k", "k", type=int, default=None, help="Rerank depth of the run (default: inferred).")
+@click.option("--mode", type=click.Choice(RUN_MODES, case_sensitive=False), default=None,
+              help="Rank the stored scores with this mode (default: the run's own).")
+@click.option("--k", "k", type=click.IntRange(min=1), default=None,
+              help="Rerank depth, at most the run's k (default: the run's own).")
+@click.option("--lam", type=float, default=None,
+              help="add / norm_add weight of the BE score (default: the run's, else 0.5).")
+@click.option("--label", default=None,
+              help="The mode column of metrics.csv and the JSON name (default: the mode, e.g. co or add_0.5).")
 @click.option("--collection-size", type=int, default=None,
-              help="Candidate pool size to record (default: gold images; set it for distractor pools).")
+              help="Candidate pool size to record (default: the run's t2i pool).")
 @click.option("--tag", "tags", multiple=True, help="Extra key=value column (repeatable).")
-def main(rankings, staged, output, collection, split, model, mode, k, collection_size, tags):
-    """Recall@1/5/10 in both directions and mR of a rankings run."""
+def main(rankings, staged, output, collection, split, model, mode, k, lam, label, collection_size, tags):
+    """Recall@1/5/10 and mR of a rankings run, for its own or a re-derived mode, k and lam."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from pipelines.common import cli_errors, makedirs, open_file, write_atomic, write_json_atomic
-    from retrieval_core.store import StagedDataset
+    from pipelines.common import cli_errors, makedirs, write_atomic, write_json_atomic
 
     t0 = time.time()
     tag_map = parse_tags(tags)
     with cli_errors(EvaluationError):  # a missing staged / rankings dir or bad rankings: one line, exit 1
-        dataset = StagedDataset(staged, opener=open_file)
-        if collection is None:
-            if len(dataset.collections) != 1:
-                raise click.UsageError(f"--collection is required: {staged} holds {dataset.collections}")
-            collection = dataset.collections[0]
-        caption_to_image, image_to_captions = dataset.gold(collection, split)
-        if not caption_to_image:
-            raise click.ClickException(f"no {split!r} captions for collection {collection!r} in {staged}")
-        df = read_rankings(rankings).to_pandas()
-        result = evaluate_rankings(df, caption_to_image, image_to_captions)
+        result = evaluate_run(rankings, staged, k=k, mode=mode, lam=lam, collection=collection, split=split)
     if collection_size is not None:
         result["collection_size"] = int(collection_size)
-    k = infer_k(df) if k is None else k
+    collection, split, k = result["collection"], result["split"], result["k"]
+    label = label or mode_label(result["mode"], result["lam"])
 
     makedirs(output)
     csv_path = os.path.join(output, METRICS_CSV)
     existing = pd.read_csv(csv_path) if os.path.exists(csv_path) else None
-    merged = merge_csv(existing, csv_rows(result, collection=collection, split=split, model=model, mode=mode,
+    merged = merge_csv(existing, csv_rows(result, collection=collection, split=split, model=model, mode=label,
                                           k=k, tags=tag_map), list(tag_map))
     buf = io.StringIO()
     merged.to_csv(buf, index=False)
     write_atomic(csv_path, buf.getvalue().encode("utf-8"))
-    json_path = os.path.join(output, f"{_safe(collection)}_{_safe(model)}_{_safe(mode)}_k{k}.json")
-    extra = {"split": split, "mode": mode, "k": k, "mR": result["mR"],
+    json_path = os.path.join(output, f"{_safe(collection)}_{_safe(model)}_{_safe(label)}_k{k}.json")
+    extra = {"split": split, "mode": result["mode"], "label": label, "k": k, "lam": result["lam"], "mR": result["mR"],
              "queries": {"t2i": result["t2i_queries"], "i2t": result["i2t_queries"]},
              "collection_size": result["collection_size"], "tags": tag_map}
     write_json_atomic(json_path, clip_benchmark_json(result, collection=collection, model=model,
                                                      ks=DEFAULT_KS, extra=extra))
-    click.echo(f"{collection}/{split} {model} mode={mode} k={k}: "
-               + " ".join(f"{key}={result[key]:.2f}" for key in result if "_R@" in key)
+    click.echo(f"{collection}/{split} {model} {label} k={k}: "
+               + " ".join(f"{key}={result[key]:.2f}" for key in result
+                          if "_R@" in key and result[f"{key.split('_')[0]}_queries"])
                + f" mR={result['mR']:.2f} (t2i {result['t2i_queries']} / i2t {result['i2t_queries']} queries, "
                f"{result['collection_size']} images) in {time.time() - t0:.1f} s")
     click.echo(f"wrote {csv_path} and {json_path}")

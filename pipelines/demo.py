@@ -79,7 +79,7 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...]) -> pd.DataFrame
         timings[f"rerank {label}"] = time.time() - t0
         for mode, row_label, model in (("emb", "EMB", be), ("co", label, result_model(be, ce))):
             _run(_py("benchmarks.evaluate", "--rankings", out, "--staged", staged, "--output", results,
-                     "--split", "test", "--model", model, "--mode", mode, "--k", str(k)))
+                     "--split", "test", "--model", model, "--mode", mode, "--k", str(k), "--label", row_label))
             rows += table_rows(out, staged, mode, k, model, row_label)
 
     table = pd.DataFrame(rows)

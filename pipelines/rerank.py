@@ -87,10 +87,9 @@ log = logging.getLogger(__name__)
 
 T2I, I2T = schema.DIRECTION_T2I, schema.DIRECTION_I2T
 DIRECTIONS = (T2I, I2T)
-CLI_MODES = ("emb", "co", "ce", "add", "norm_add")
-FUSION_MODES = ("add", "norm_add")
-#: CLI mode -> retrieval_core.rerank mode ("co" and exhaustive "ce" both rank by the CE score).
-RANK_MODE = {"emb": "emb", "co": "ce", "ce": "ce", "add": "add", "norm_add": "norm_add"}
+CLI_MODES = rr.RUN_MODES
+FUSION_MODES = rr.FUSION_MODES
+RANK_MODE = rr.RUN_TO_RANK_MODE  # "co" and exhaustive "ce" both rank by the CE score
 DEVICES = ("cpu", "cuda")
 _HANDLER_DEVICE = {"cpu": "CPU", "cuda": "GPU"}  # pipelines.handlers' spelling
 RANKINGS_SUBDIR = rr.RANKINGS_SUBDIR
@@ -575,9 +574,53 @@ def _split_query_ids(ds, direction: str, collection: Optional[str], split: Optio
     return np.sort(np.concatenate(parts).astype(np.int64)) if parts else np.zeros(0, dtype=np.int64)
 
 
-def _read_queries_file(plan: RerankPlan, split_ids: Mapping[str, np.ndarray]) -> tuple[dict, Optional[dict]]:
-    """Placeholder for --queries: every query of the split."""
-    return dict(split_ids), None
+def _read_queries_file(plan: RerankPlan, split_ids: Mapping[str, np.ndarray]
+                       ) -> tuple[dict[str, np.ndarray], Optional[dict]]:
+    """The queries of the run per direction: every query of the collection/split, or those --queries lists
+    (a Parquet file with columns direction, query_id), which must all be queries of that collection/split.
+    Also returns the manifest's record of the file (path, sha256, per-direction counts)."""
+    if plan.queries is None:
+        return dict(split_ids), None
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = plan.queries
+    if not common.exists(path):
+        raise RerankError(f"--queries {path}: file not found")
+    data = common.read_bytes(path)
+    try:
+        table = pq.read_table(io.BytesIO(data))
+    except (pa.ArrowException, OSError) as exc:
+        raise RerankError(f"--queries {path}: not a Parquet file ({exc})") from None
+    missing = [c for c in ("direction", "query_id") if c not in table.column_names]
+    if missing:
+        raise RerankError(f"--queries {path}: missing column(s) {missing} (needs direction, query_id)")
+    if not pa.types.is_integer(table.schema.field("query_id").type) or table.column("query_id").null_count             or table.column("direction").null_count:
+        raise RerankError(f"--queries {path}: query_id must be non-null integers (int64) and direction non-null, "
+                          f"got {table.schema.field('query_id').type}")
+    directions = np.asarray(table.column("direction").to_pylist(), dtype=object)
+    ids = table.column("query_id").to_numpy().astype(np.int64)
+    unknown = sorted(set(directions.tolist()) - set(DIRECTIONS))
+    if unknown:
+        raise RerankError(f"--queries {path}: unknown direction(s) {unknown} (expected {T2I!r} / {I2T!r})")
+    extra = sorted(set(directions.tolist()) - set(plan.directions))
+    if extra:
+        raise RerankError(f"--queries {path} lists {extra} queries but --directions is {','.join(plan.directions)}")
+    out, what = {}, {T2I: "captions", I2T: "images"}
+    for d in plan.directions:
+        wanted = ids[directions == d]
+        if len(wanted) == 0:
+            raise RerankError(f"--queries {path} lists no {d} queries; leave {d} out of --directions")
+        uniq = np.unique(wanted)
+        if len(uniq) != len(wanted):
+            raise RerankError(f"--queries {path}: duplicate {d} query id(s)")
+        strangers = np.setdiff1d(uniq, split_ids[d])
+        if len(strangers):
+            raise RerankError(f"--queries {path}: {len(strangers)} {d} query id(s) are not {what[d]} of "
+                              f"collection={plan.collection}, split={plan.split} in {plan.staged} "
+                              f"(e.g. {strangers[:5].tolist()})")
+        out[d] = uniq
+    return out, {"path": path, "sha256": common.sha256_bytes(data), "counts": {d: len(q) for d, q in out.items()}}
 
 
 def resolve(plan: RerankPlan) -> Resolved:
@@ -734,8 +777,9 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
     for d in plan.directions:
         print(f"{d}: {manifest['queries'][d]} queries ranked ({res.described[d]}, pool {res.pools[d]})")
     if plan.mode != "emb":
-        print(f"CE: {counts['ce_pairs_scored']} unique pairs scored for {counts['ce_pairs_requested']} requested "
-              f"(t2i/i2t overlap scored once)")
+        overlap = " (t2i/i2t overlap scored once)" if len(plan.directions) == 2 else ""
+        print(f"CE: {counts['ce_pairs_scored']} unique pairs scored for {counts['ce_pairs_requested']} "
+              f"requested{overlap}")
     print(f"rankings: {common.join(plan.output, RANKINGS_SUBDIR)} ({len(names)} shard(s): {len(finished)} kept from "
           f"an earlier run of this plan, {len(names) - len(finished)} computed in {waves_run} wave(s)); "
           f"wall time {manifest['wall_s']:.1f} s")

@@ -112,6 +112,32 @@ def first_hit_ranks(ranked_ids: RankedIds, gold: Sequence[Collection[int]]) -> n
     return out
 
 
+def direction_recall(direction: str, ranked_ids: RankedIds, query_ids: Sequence[int],
+                     caption_to_image: Mapping[int, int], image_to_captions: Mapping[int, Collection[int]],
+                     ks: Sequence[int] = DEFAULT_KS) -> dict:
+    """R@k of one direction ("t2i": caption queries, gold = its image; "i2t": image queries, gold = any of
+    its captions). Keys ``<direction>_R@<k>`` and ``<direction>_queries``. A query without gold (unknown id,
+    or an image with no captions) raises ValueError naming it; so does a duplicate query id."""
+    if direction not in ("t2i", "i2t"):
+        raise ValueError(f"direction must be 't2i' or 'i2t', got {direction!r}")
+    ks = _check_ks(ks)
+    gold = []
+    for q in _query_list(query_ids, ranked_ids, direction):
+        if direction == "t2i":
+            if q not in caption_to_image:
+                raise ValueError(f"t2i query (caption) {q} has no gold image")
+            gold.append((int(caption_to_image[q]),))
+        else:
+            caps = image_to_captions.get(q)
+            if not caps:
+                raise ValueError(f"i2t query (image) {q} has no gold captions")
+            gold.append(caps)
+    recall = recall_at_k(ranked_ids, gold, ks)
+    result: dict = {f"{direction}_R@{k}": recall[k] for k in ks}
+    result[f"{direction}_queries"] = len(gold)
+    return result
+
+
 def bidirectional_recall(t2i_ranked_ids: RankedIds, t2i_query_ids: Sequence[int],
                          i2t_ranked_ids: RankedIds, i2t_query_ids: Sequence[int],
                          caption_to_image: Mapping[int, int],
@@ -124,25 +150,13 @@ def bidirectional_recall(t2i_ranked_ids: RankedIds, t2i_query_ids: Sequence[int]
     duplicate query ids raise too (they would be counted twice).
     """
     ks = _check_ks(ks)
-    t2i_gold = []
-    for q in _query_list(t2i_query_ids, t2i_ranked_ids, "t2i"):
-        if q not in caption_to_image:
-            raise ValueError(f"t2i query (caption) {q} has no gold image")
-        t2i_gold.append((int(caption_to_image[q]),))
-    i2t_gold = []
-    for q in _query_list(i2t_query_ids, i2t_ranked_ids, "i2t"):
-        caps = image_to_captions.get(q)
-        if not caps:
-            raise ValueError(f"i2t query (image) {q} has no gold captions")
-        i2t_gold.append(caps)
-
-    t2i = recall_at_k(t2i_ranked_ids, t2i_gold, ks)
-    i2t = recall_at_k(i2t_ranked_ids, i2t_gold, ks)
-    result: dict = {f"t2i_R@{k}": t2i[k] for k in ks}
-    result.update({f"i2t_R@{k}": i2t[k] for k in ks})
-    result["mR"] = float(np.mean([*t2i.values(), *i2t.values()]))
-    result["t2i_queries"] = len(t2i_gold)
-    result["i2t_queries"] = len(i2t_gold)
+    t2i = direction_recall("t2i", t2i_ranked_ids, t2i_query_ids, caption_to_image, image_to_captions, ks)
+    i2t = direction_recall("i2t", i2t_ranked_ids, i2t_query_ids, caption_to_image, image_to_captions, ks)
+    result: dict = {f"t2i_R@{k}": t2i[f"t2i_R@{k}"] for k in ks}
+    result.update({f"i2t_R@{k}": i2t[f"i2t_R@{k}"] for k in ks})
+    result["mR"] = float(np.mean([result[f"{d}_R@{k}"] for d in ("t2i", "i2t") for k in ks]))
+    result["t2i_queries"] = t2i["t2i_queries"]
+    result["i2t_queries"] = i2t["i2t_queries"]
     return result
 
 

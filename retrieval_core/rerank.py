@@ -36,6 +36,11 @@ import pyarrow as pa
 from retrieval_core import schema
 
 MODES = ("emb", "ce", "add", "norm_add")
+#: The modes a run is made and evaluated with (pipelines.rerank / benchmarks.evaluate --mode): "co" reranks
+#: the BE top-k with the CE, "ce" is exhaustive CE over the whole pool; both rank by the CE score.
+RUN_MODES = ("emb", "co", "ce", "add", "norm_add")
+RUN_TO_RANK_MODE = {"emb": "emb", "co": "ce", "ce": "ce", "add": "add", "norm_add": "norm_add"}
+FUSION_MODES = ("add", "norm_add")
 #: A rankings run directory (written by pipelines.rerank, read by benchmarks.evaluate): the shards are
 #: ``<run>/rankings/*.parquet``; ``<run>/rankings_manifest.json`` lists the ones that belong to the run.
 RANKINGS_SUBDIR = "rankings"

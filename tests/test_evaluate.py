@@ -77,37 +77,135 @@ def _staged_dir(root):
     return root
 
 
+def write_run(run_dir, tables, *, mode="emb", k=3, lam=None, queries_file=None, schema_version=None):
+    """A run directory as pipelines.rerank leaves it: rankings/ shards + rankings_manifest.json (the fields
+    benchmarks.evaluate reads)."""
+    import hashlib
+
+    (run_dir / "rankings").mkdir(parents=True, exist_ok=True)
+    shards = []
+    for t in tables:
+        d = t.column("direction")[0].as_py()
+        name = f"{d}-00000-of-00001.parquet"
+        pq.write_table(t, run_dir / "rankings" / name)
+        shards.append({"direction": d, "name": name, "queries": len(set(t.column("query_id").to_pylist())),
+                       "rows": t.num_rows, "sha256": hashlib.sha256((run_dir / "rankings" / name).read_bytes())
+                       .hexdigest()})
+    directions = [s["direction"] for s in shards]
+    manifest = {"schema_version": schema_version or schema.RANKINGS_SCHEMA_VERSION, "mode": mode, "k": k,
+                "lam": lam, "directions": directions, "collection": "toy", "split": "test",
+                "ce_depth": {d: 0 if mode == "emb" else k for d in directions},
+                "pool_size": {"t2i": 3, "i2t": 6}, "queries_file": queries_file, "shards": shards}
+    (run_dir / "rankings_manifest.json").write_text(json.dumps(manifest))
+    return run_dir
+
+
 def test_cli_writes_csv_and_json_and_merges(tmp_path):
     staged = _staged_dir(tmp_path / "staged")
-    rank_dir = tmp_path / "rankings"
-    rank_dir.mkdir()
-    for i, t in enumerate(_table()):
-        pq.write_table(t, rank_dir / f"part-{i}.parquet")
+    run_dir = write_run(tmp_path / "run", _table())
     out = tmp_path / "results"
     runner = CliRunner()
-    args = ["--rankings", str(rank_dir), "--staged", str(staged), "--output", str(out), "--model", "toy-m",
-            "--mode", "emb", "--tag", "hardware=cpu"]
+    args = ["--rankings", str(run_dir / "rankings"), "--staged", str(staged), "--output", str(out),
+            "--model", "toy-m", "--tag", "hardware=cpu"]
     res = runner.invoke(main, args)
     assert res.exit_code == 0, res.output
     df = pd.read_csv(out / "metrics.csv")
     assert list(df["direction"]) == ["t2i", "i2t"]
     t2i = df[df["direction"] == "t2i"].iloc[0]
     assert t2i["R@1"] == pytest.approx(50.0) and t2i["queries"] == 6 and t2i["collection_size"] == 3
-    assert t2i["collection"] == "toy" and t2i["k"] == 0 and t2i["hardware"] == "cpu"
+    # the run's own mode and k (an EMB run used to be recorded as k=0 and, without --mode, as "ce")
+    assert t2i["collection"] == "toy" and t2i["mode"] == "emb" and t2i["k"] == 3 and t2i["hardware"] == "cpu"
     i2t = df[df["direction"] == "i2t"].iloc[0]
     assert i2t["R@5"] == pytest.approx(200 / 3, abs=1e-3)
-    payload = json.loads((out / "toy_toy-m_emb_k0.json").read_text())
+    payload = json.loads((out / "toy_toy-m_emb_k3.json").read_text())
     assert payload["task"] == "zeroshot_retrieval" and payload["dataset"] == "toy"
     assert payload["metrics"]["image_retrieval_recall@1"] == pytest.approx(0.5)
     assert payload["metrics"]["text_retrieval_recall@5"] == pytest.approx(2 / 3)
+    assert payload["mode"] == "emb" and payload["k"] == 3 and payload["lam"] is None
 
-    # rerun with the same config replaces its rows; a new mode adds rows
+    # rerun with the same config replaces its rows; another label adds rows
     assert runner.invoke(main, args).exit_code == 0
     assert len(pd.read_csv(out / "metrics.csv")) == 2
-    assert runner.invoke(main, args[:-4] + ["--mode", "ce", "--tag", "hardware=cpu"]).exit_code == 0
+    assert runner.invoke(main, args + ["--label", "EMB"]).exit_code == 0
     assert len(pd.read_csv(out / "metrics.csv")) == 4
 
-    # a rankings run missing a gold query fails loudly
-    pq.write_table(_table(t2i={q: v for q, v in T2I.items() if q != 2})[0], rank_dir / "part-0.parquet")
+    # CE modes on an EMB run, a deeper k, and a missing gold query are one-line errors
+    res = runner.invoke(main, args + ["--mode", "co"])
+    assert res.exit_code == 1 and "EMB run" in res.output
+    res = runner.invoke(main, args + ["--k", "5"])
+    assert res.exit_code == 1 and "k=5 is deeper than" in res.output
+    write_run(run_dir, _table(t2i={q: v for q, v in T2I.items() if q != 2}))
     res = runner.invoke(main, args)
-    assert res.exit_code != 0 and "query 2 is missing" in res.output
+    assert res.exit_code == 1 and "query 2 is missing" in res.output
+
+
+def test_evaluate_run_refuses_old_rankings_and_unlisted_or_changed_shards(tmp_path):
+    from benchmarks.evaluate import evaluate_run
+
+    staged = _staged_dir(tmp_path / "staged")
+    with pytest.raises(ValueError, match="rankings path not found"):
+        evaluate_run(str(tmp_path / "nowhere"), str(staged))
+    run_dir = write_run(tmp_path / "old", _table(), schema_version="1")
+    with pytest.raises(ValueError, match="rankings schema 1.*rerun pipelines.rerank"):
+        evaluate_run(str(run_dir), str(staged))
+    run_dir = write_run(tmp_path / "run", [t.drop_columns(["be_rank"]) for t in _table()])
+    with pytest.raises(ValueError, match="without be_rank.*rerun pipelines.rerank"):
+        evaluate_run(str(run_dir), str(staged))
+    run_dir = write_run(tmp_path / "changed", _table())
+    pq.write_table(_table()[0].slice(0, 3), run_dir / "rankings" / "t2i-00000-of-00001.parquet")
+    with pytest.raises(ValueError, match="changed since"):
+        evaluate_run(str(run_dir), str(staged))
+
+
+def _ce_tables(k=3):
+    """A CO run of the toy gold: BE lists T2I / I2T, CE scores that put the last of the top k first."""
+    parts = []
+    for direction, runs in ((schema.DIRECTION_T2I, T2I), (schema.DIRECTION_I2T, I2T)):
+        results = [rank_query(np.array(items), np.linspace(1, 0, len(items)), np.arange(k, dtype=float), k=k,
+                              mode="ce") for items in runs.values()]
+        parts.append(rankings_table(direction, list(runs), results))
+    return parts
+
+
+def test_evaluate_run_derives_modes_k_and_lam_from_stored_scores(tmp_path):
+    from benchmarks.evaluate import evaluate_run
+
+    staged = _staged_dir(tmp_path / "staged")
+    co = write_run(tmp_path / "co", _ce_tables(), mode="co", k=3)
+    own = evaluate_run(str(co), str(staged))
+    assert (own["mode"], own["k"], own["lam"]) == ("co", 3, None)
+    # CE reverses each BE top-3: t2i first hits are at BE ranks 1,2,1,3,-,1 -> reversed 3,2,3,1,-,3
+    assert own["t2i_R@1"] == pytest.approx(100 / 6)
+    emb = evaluate_run(str(co), str(staged), mode="emb")  # the BE order, from the same stored rows
+    assert emb["t2i_R@1"] == pytest.approx(50.0) and emb["i2t_R@1"] == pytest.approx(100 / 3)
+    assert (emb["mode"], emb["k"]) == ("emb", 3)
+    k1 = evaluate_run(str(co), str(staged), k=1)  # CO at k'=1 keeps the BE order
+    assert k1["t2i_R@1"] == pytest.approx(50.0) and k1["k"] == 1
+    add = evaluate_run(str(co), str(staged), mode="add")
+    assert add["lam"] == 0.5 and add["mode"] == "add"
+    heavy_be = evaluate_run(str(co), str(staged), mode="norm_add", lam=1.0)  # all BE weight: the BE order
+    assert heavy_be["t2i_R@1"] == pytest.approx(50.0)
+    with pytest.raises(ValueError, match="needs a --mode ce run"):
+        evaluate_run(str(co), str(staged), mode="ce")
+    with pytest.raises(ValueError, match="k=4 is deeper than"):
+        evaluate_run(str(co), str(staged), k=4)
+    with pytest.raises(ValueError, match="--lam applies to add / norm_add only"):
+        evaluate_run(str(co), str(staged), lam=0.3)
+
+
+def test_evaluate_run_of_restricted_queries_and_one_direction(tmp_path):
+    from benchmarks.evaluate import evaluate_run
+
+    staged = _staged_dir(tmp_path / "staged")
+    t2i = {q: T2I[q] for q in (1, 2, 5)}  # R@1: 1 hit, 2 miss, 5 miss
+    run = write_run(tmp_path / "sample", _table(t2i=t2i), queries_file={"path": "q.parquet", "sha256": "x",
+                                                                        "counts": {"t2i": 3, "i2t": 3}})
+    res = evaluate_run(str(run), str(staged))
+    assert res["t2i_queries"] == 3 and res["t2i_R@1"] == pytest.approx(100 / 3) and res["i2t_queries"] == 3
+    # without --queries every gold query must be ranked
+    with pytest.raises(ValueError, match="missing from the rankings"):
+        evaluate_run(str(write_run(tmp_path / "partial", _table(t2i=t2i))), str(staged))
+    only_t2i = write_run(tmp_path / "t2i", _table()[:1])
+    res = evaluate_run(str(only_t2i), str(staged))
+    assert res["i2t_queries"] == 0 and np.isnan(res["i2t_R@1"])
+    assert res["mR"] == pytest.approx(np.mean([50, 500 / 6, 500 / 6]))

@@ -253,3 +253,90 @@ def test_nprobe_sets_ivf_search_depth_and_is_recorded(assets, tmp_path):
                           directions=("t2i",), ef_search=64)
     with pytest.raises(rerank.RerankError, match="--index"):  # exact search has no parameters
         run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb", directions=("t2i",), nprobe=2)
+
+
+def read_run(out: str):
+    """Every ranking row of a run, in (direction, query, rank) order."""
+    import pyarrow as pa
+
+    names = sorted(f for f in os.listdir(os.path.join(out, "rankings")) if f.endswith(".parquet"))
+    return in_rank_order(pa.concat_tables([pq.read_table(os.path.join(out, "rankings", n)) for n in names]))
+
+
+def in_rank_order(table):
+    return table.sort_by([("direction", "ascending"), ("query_id", "ascending"), ("rank", "ascending")])
+
+
+def test_score_once_evaluate_many_gives_exactly_the_fresh_runs(assets, tmp_path):
+    """CO at k'=10 derived from a k=20 run's stored scores is exactly a k=10 run, and EMB derived from it is
+    the EMB run. CE batches of one pair (--batch-size 1) make a pair's CE score independent of the other
+    pairs a run scores, so the comparison can be exact (in batches of 16, 9 of these 180 pairs' scores move by
+    up to 7e-9, and this tiny random CE's scores are that close)."""
+    from benchmarks.evaluate import evaluate_run
+    from retrieval_core.rerank import derive_rankings
+
+    root, staged, model_dir, emb_dir = assets
+    out = {name: str(tmp_path / name) for name in ("co20", "co10", "emb")}
+    one = dict(directions=("i2t",), batch_size=1)  # i2t: 6 queries over a 48-caption pool
+    run_rerank(staged, emb_dir, out["co20"], mode="co", k=20, ce_model=model_dir, **one)
+    run_rerank(staged, emb_dir, out["co10"], mode="co", k=10, ce_model=model_dir, **one)
+    run_rerank(staged, emb_dir, out["emb"], mode="emb", k=20, **one)
+    stored = read_run(out["co20"])
+    assert stored.num_rows == 6 * 20 and stored.column("ce_score").null_count == 0  # all CE-scored
+    assert in_rank_order(derive_rankings(stored, 10, "ce")).equals(read_run(out["co10"]))
+    assert in_rank_order(derive_rankings(stored, 20, "emb")).equals(read_run(out["emb"]))
+
+    def metrics(run_dir, **derive):  # a direction the run lacks has NaN recalls
+        return {key: None if v != v else v for key, v in evaluate_run(run_dir, staged, **derive).items()}
+
+    derived = metrics(out["co20"], k=10)
+    assert derived == metrics(out["co10"]) and (derived["mode"], derived["k"]) == ("co", 10)
+    assert metrics(out["co20"], mode="emb") == metrics(out["emb"])
+    with pytest.raises(ValueError, match="EMB run"):
+        evaluate_run(out["emb"], staged, mode="add")
+
+
+def write_queries(path, rows):
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"direction": pa.array([d for d, _ in rows], pa.string()),
+                             "query_id": pa.array([q for _, q in rows], pa.int64())}), path)
+    return str(path)
+
+
+def test_queries_file_restricts_the_run_and_evaluate_to_those_queries(assets, tmp_path):
+    from benchmarks.evaluate import evaluate_run
+
+    root, staged, _, emb_dir = assets
+    ds = StagedDataset(staged)
+    captions = ds.captions(split="test")["caption_id"].tolist()
+    images = ds.images_meta(split="test")["item_id"].tolist()
+    chosen = [("t2i", q) for q in captions[:5]] + [("i2t", q) for q in images[:2]]
+    queries = write_queries(tmp_path / "sample.parquet", chosen)
+    out = str(tmp_path / "run")
+    manifest = run_rerank(staged, emb_dir, out, mode="emb", k=10, queries=queries)
+    assert manifest["queries"] == {"t2i": 5, "i2t": 2}
+    assert manifest["queries_file"]["counts"] == {"t2i": 5, "i2t": 2}
+    assert manifest["queries_file"]["sha256"] == common_sha256(queries)
+    ranked = read_run(out).to_pandas()
+    assert set(ranked.loc[ranked["direction"] == "t2i", "query_id"]) == set(captions[:5])
+    res = evaluate_run(out, staged)  # the gold of the ranked queries only
+    assert res["t2i_queries"] == 5 and res["i2t_queries"] == 2
+
+    train_caption = int(ds.captions(split="train")["caption_id"].iloc[0])
+    for rows, message in (
+            (chosen + [("t2i", train_caption)], "not captions of collection=None, split=test"),
+            (chosen + [("x2y", 1)], "unknown direction"),
+            (chosen + chosen[:1], "duplicate t2i"),
+            (chosen[:5], "lists no i2t queries")):
+        with pytest.raises(rerank.RerankError, match=message):
+            run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb",
+                       queries=write_queries(tmp_path / "bad.parquet", rows))
+    assert not os.path.exists(tmp_path / "bad")  # refused before anything was written
+
+
+def common_sha256(path):
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
