@@ -110,6 +110,7 @@ def write_jobs_csv(path: str, rows: Sequence[Mapping]) -> str:
     bad = [sorted(set(r) ^ set(JOB_COLUMNS)) for r in rows if set(r) != set(JOB_COLUMNS)]
     if bad:
         raise KeyError(f"job rows must have exactly {JOB_COLUMNS}; differing columns: {bad[0]}")
+    rows = [{c: ("true" if v else "false") if isinstance(v, bool) else v for c, v in r.items()} for r in rows]
     return write_csv(path, rows, JOB_COLUMNS)
 
 
