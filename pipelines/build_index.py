@@ -20,6 +20,10 @@ list).
 sub-pool). Every id must have an embedding of the modality, else the run stops before it starts. The manifest
 records the file's path, sha256 and count.
 
+Memory: the launcher holds the ids (8 bytes each), the training sample and one embedding shard at a time; a
+worker holds one embedding shard, its index shard, the trained index and the id list. Nothing holds the
+collection's vectors (a Flat index shard is as large as its embedding shard).
+
 A rerun with the same configuration keeps every shard whose file still matches the previous manifest (and
 whose source shard, trained index and id list are unchanged), and rebuilds the rest.
 """

@@ -352,3 +352,20 @@ def refuse_local_dry_run(options: PipelineOptions) -> None:
     would run the job, so it is refused there (one line) instead of writing outputs the launcher skips."""
     if is_dry_run(options) and runner_name(options) != "DataflowRunner":
         raise click.UsageError(f"--dry_run is a DataflowRunner option; {runner_name(options)} would run the job")
+
+
+def write_atomic_stream(path: str, src, chunk: int = 1 << 22) -> str:
+    """:func:`write_atomic` for a file too large to hold in memory: copies the binary stream ``src`` to a temp
+    name and renames it to ``path``; returns the sha256 of what was written."""
+    parent = path.rsplit("/", 1)[0] if "/" in path else "."
+    makedirs(parent)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+    h = hashlib.sha256()
+    with FileSystems.create(tmp) as f:
+        while block := src.read(chunk):
+            h.update(block)
+            f.write(block)
+    if FileSystems.exists(path):
+        FileSystems.delete([path])
+    FileSystems.rename([tmp], [path])
+    return h.hexdigest()

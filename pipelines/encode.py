@@ -2,32 +2,38 @@
 
 Graph (one branch per modality)::
 
-    Create(staged shard list) -> FlatMap(read shard -> ((collection, id), example))
-      -> RunInference(KeyedModelHandler(VLModelHandler)).with_exception_handling()
-           ok:   -> key (modality, collection, id % N) -> GroupByKey -> write one Parquet shard atomically
-           dead: -> one dead-letter row per element of a failed batch, with the reason
-      -> one run report (shard entries + dead letters) that the launcher turns into
+    Create(staged shards holding items of output shards still to encode) -> Reshuffle
+      -> read batches: one staged shard -> its items per output shard, sorted by (length, id), cut into
+         --batch-size batches (the same batches on every runner, whatever the bundles)
+      -> RunInference(KeyedModelHandler(VLModelHandler(dead_letter=True)).with_no_batching())
+      -> encoded: key (modality, collection, item_id % N) -> GroupByKey -> write one Parquet shard atomically,
+                  then its completion record
+         failed:  one dead-letter row per element of a failed batch, with the reason
+      -> one run report (common.WriteRunReport: shard entries + dead letters) that the launcher turns into
          embeddings_manifest.json and dead_letter.jsonl
 
 Output: ``<output>/embeddings/<modality>/<collection>-0000i-of-0000N.parquet`` (rows sorted by item_id),
-``<output>/embeddings_manifest.json`` and ``<output>/dead_letter.jsonl``. The shard of an item is
-``item_id % N`` (ids are hashes, so shards come out even and never depend on input order), N =
-ceil(count / --images-per-shard or --texts-per-shard).
+``<output>/embeddings_manifest.json``, ``<output>/dead_letter.jsonl`` and ``<output>/_completed/<modality>/
+<shard>.json``. The shard of an item is ``item_id % N`` (ids are hashes, so shards come out even and never
+depend on input order), N = ceil(count / --images-per-shard or --texts-per-shard).
 
-Rerun: a shard whose file matches the manifest's sha256 and holds every item planned for it is skipped
-(its items are not even encoded); an incomplete shard (some items dead-lettered) is redone. A changed
-model, embedding dim or staged summary invalidates everything.
+Resume: each shard gets a completion record as soon as it is written (its rows, sha256 and the key it was
+encoded under: model sha256, dim, modality, collection, split, N and the sha256 of the staged shards it was
+read from). A rerun -- after a finished run or a killed one, whose manifest was never written -- keeps every
+shard whose record matches the current key and whose file matches the record, and encodes only the others.
+Re-staging byte-identical shards keeps the key (it is built from the staged shards' checksums, not from
+summary.json, which holds timings). A shard with dead-lettered items gets no record and is redone.
 
-Runners: DirectRunner (default) and Dataflow. Not DaskRunner: Beam 2.77's DaskRunner drops output emitted
-in finish_bundle (which RunInference's BatchElements relies on) and does not separate tagged outputs
-(the dead-letter queue); ``pipelines.rerank`` is written for it, this job is not.
+Runners: DirectRunner, DaskRunner (byte-identical shards: batches are fixed by the data, and there are no
+tagged outputs or finish_bundle outputs, which DaskRunner drops) and Dataflow. No process holds a
+collection's features or captions: the launcher reads only the staged id columns, a worker one staged shard.
 
 Examples::
 
     python -m pipelines.encode                       # the embedded demo collection and model
     python -m pipelines.encode --staged runs/staged/coco --model runs/models/join/best \\
         --output runs/emb/coco --split test --batch-size 128
-    python -m pipelines.encode ... --runner DataflowRunner --device GPU --model-copies 1 --project ... \\
+    python -m pipelines.encode ... --runner DataflowRunner --device cuda --model-copies 1 --project ... \\
         --region ... --temp_location gs://... --sdk_container_image ...
 """
 from __future__ import annotations
@@ -47,7 +53,7 @@ import numpy as np
 from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 
 from pipelines import common
-from pipelines.handlers import TASK_EMBED_IMAGE, TASK_EMBED_TEXT, VLModelHandler
+from pipelines.handlers import TASK_EMBED_IMAGE, TASK_EMBED_TEXT, FailedBatch, VLModelHandler, element_length
 from retrieval_core import embeddings as emb
 from retrieval_core import schema
 
@@ -56,8 +62,11 @@ log = logging.getLogger(__name__)
 MODALITY_IMAGE = schema.KIND_IMAGE  # "image"
 MODALITY_TEXT = "text"
 MODALITY_TASK = {MODALITY_IMAGE: TASK_EMBED_IMAGE, MODALITY_TEXT: TASK_EMBED_TEXT}
+STAGED_KIND = {MODALITY_IMAGE: "images", MODALITY_TEXT: "captions"}  # summary.json / StagedDataset kind
+STAGED_ID = {MODALITY_IMAGE: schema.ITEM_ID, MODALITY_TEXT: "caption_id"}
+MODALITY_CHOICES = (MODALITY_IMAGE, MODALITY_TEXT, "both")
 DEAD_LETTER_FILE = "dead_letter.jsonl"
-RUN_REPORT_DIR = "_run"  # per-run scratch: the pipeline's report to the launcher
+COMPLETED_DIR = "_completed"  # per-shard completion records: what a rerun keeps
 CREATED_BY = "pipelines.encode"
 MODEL_FILES = ("model.safetensors", "config.json", "rr_model.json", "tokenizer.json", "vocab.txt",
                "tokenizer_config.json")
@@ -65,6 +74,42 @@ MODEL_FILES = ("model.safetensors", "config.json", "rr_model.json", "tokenizer.j
 
 class EncodeError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class EncodePlan:
+    """Everything one encode run needs, validated when built."""
+    staged: str
+    model: str
+    output: str
+    modality: str = "both"  # image | text | both
+    batch_size: int = 64
+    device: str = "cpu"  # cpu | cuda
+    collection: Optional[str] = None
+    split: Optional[str] = None
+    images_per_shard: int = 10_000
+    texts_per_shard: int = 50_000
+    model_copies: Optional[int] = None
+    threads: Optional[int] = None  # torch intra-op threads per model
+
+    def __post_init__(self):
+        for name in ("staged", "model", "output"):
+            if not getattr(self, name):
+                raise EncodeError(f"{name} must be a path, got {getattr(self, name)!r}")
+        common.check_choice("modality", self.modality, MODALITY_CHOICES)
+        object.__setattr__(self, "device", str(self.device).lower())
+        common.check_choice("device", self.device, common.DEVICES)
+        for name in ("batch_size", "images_per_shard", "texts_per_shard"):
+            common.check_positive(name, getattr(self, name))
+        for name in ("model_copies", "threads"):
+            common.check_positive(name, getattr(self, name), allow_none=True)
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        return (MODALITY_IMAGE, MODALITY_TEXT) if self.modality == "both" else (self.modality,)
+
+    def per_shard(self, modality: str) -> int:
+        return self.images_per_shard if modality == MODALITY_IMAGE else self.texts_per_shard
 
 
 # ------------------------------------------------------------------------------------ fingerprints
@@ -86,6 +131,18 @@ def model_embedding_dim(model_dir: str) -> int:
     return int(common.read_json(common.join(model_dir, "config.json"))["hidden_size"])
 
 
+def staged_inputs_sha256(ds, modality: str, collection: str) -> str:
+    """sha256 over the (name, sha256) of the staged shards a modality of a collection is read from (image
+    shards and their HDF5 feature shards, or caption shards): re-staging byte-identical shards keeps it,
+    unlike summary.json (which records timings). A shard without a recorded checksum is hashed here."""
+    src = ds.summary["collections"][collection][STAGED_KIND[modality]]
+    parts = []
+    for s in list(src.get("shards", [])) + list(src.get("feature_shards") or []):
+        sha = s.get("sha256") or common.sha256_file(common.join(ds.root, s["name"]))
+        parts.append(f"{s['name']}:{sha}")
+    return common.sha256_bytes("\n".join(sorted(parts)).encode("utf-8"))
+
+
 # ----------------------------------------------------------------------------------------- planning
 @dataclass
 class ShardPlan:
@@ -94,6 +151,7 @@ class ShardPlan:
     collection: str
     num_shards: int
     expected_rows: list[int]  # per shard
+    key: dict  # what the shards are encoded under: a completion record must match it to be kept
     redo: set[int] = field(default_factory=set)  # shard indices this run (re)writes
 
     def name(self, index: int) -> str:
@@ -103,56 +161,91 @@ class ShardPlan:
         return int(item_id) % self.num_shards
 
 
-def plan_shards(modality: str, collection: str, ids: np.ndarray, per_shard: int) -> Optional[ShardPlan]:
+def plan_shards(modality: str, collection: str, ids: np.ndarray, per_shard: int, key: dict) -> Optional[ShardPlan]:
     if len(ids) == 0:
         return None
-    if per_shard < 1:
-        raise click.BadParameter(f"items per shard must be >= 1, got {per_shard}")
     n = max(1, math.ceil(len(ids) / per_shard))
     counts = np.bincount(np.asarray(ids, dtype=np.int64) % n, minlength=n)
-    return ShardPlan(modality, collection, n, [int(c) for c in counts], set(range(n)))
+    return ShardPlan(modality, collection, n, [int(c) for c in counts], dict(key, num_shards=n),
+                     {i for i in range(n) if counts[i]})
 
 
-def reusable_entries(output: str, manifest: Optional[dict], plans: list[ShardPlan], model_sha: str, dim: int,
-                     inputs: dict) -> dict[str, list[dict]]:
-    """Marks shards that an earlier run finished (same model, dim, inputs; checksum matches; every planned
-    row present) as not to redo, and returns the manifest entries to keep, per modality."""
+def staged_ids(ds, modality: str, collection: str, split: Optional[str]) -> np.ndarray:
+    """Ids of one modality of a collection, read one id column per staged shard (no features, no text)."""
+    col = STAGED_ID[modality]
+    parts = [ds.read_shard_columns(rel, (col,), split).column(col).to_numpy().astype(np.int64)
+             for rel in ds.shard_names(STAGED_KIND[modality], collection)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def record_path(output: str, modality: str, name: str) -> str:
+    return common.join(output, COMPLETED_DIR, modality, f"{name}.json")
+
+
+def _read_record(output: str, modality: str, name: str) -> Optional[dict]:
+    path = record_path(output, modality, name)
+    if not common.exists(path):
+        return None
+    try:
+        return common.read_json(path)
+    except (OSError, ValueError):
+        return None  # a damaged record: the shard is redone
+
+
+def keep_finished(output: str, plans: list[ShardPlan]) -> dict[str, list[dict]]:
+    """Drops from ``redo`` every shard an earlier run finished (completion record with this plan's key and
+    row count, file matching its checksum); returns their manifest entries per modality."""
     keep: dict[str, list[dict]] = {}
-    if manifest is None:
+    for plan in plans:
+        for i in sorted(plan.redo):
+            rec = _read_record(output, plan.modality, plan.name(i))
+            path = common.join(output, emb.shard_relpath(plan.modality, plan.name(i)))
+            if rec and rec.get("key") == plan.key and int(rec.get("rows", -1)) == plan.expected_rows[i] \
+                    and common.shard_is_valid(path, rec.get("sha256")):
+                plan.redo.discard(i)
+                keep.setdefault(plan.modality, []).append({k: rec[k] for k in ("name", "rows", "sha256")})
+    return keep
+
+
+def keep_other_modalities(output: str, old: Optional[dict], planned: tuple[str, ...], model_sha: str, dim: int,
+                          current_key) -> dict[str, list[dict]]:
+    """Shards of modalities this run does not encode (e.g. --modality image now, text from an earlier run):
+    kept in the manifest when each still has a completion record matching the current model and staged
+    inputs, and its file matches; the whole modality is dropped otherwise (never a partial one)."""
+    keep: dict[str, list[dict]] = {}
+    if not old or old.get("model", {}).get("sha256") != model_sha or int(old.get("dim", -1)) != dim:
         return keep
-    same_run = (manifest.get("model", {}).get("sha256") == model_sha and int(manifest.get("dim", -1)) == dim
-                and manifest.get("inputs") == inputs)
-    if not same_run:
-        log.info("existing manifest is from another model/inputs: re-encoding everything")
-        return keep
-    planned_modalities = {p.modality for p in plans}
-    for modality, entry in manifest["modalities"].items():
-        by_name = {s["name"]: s for s in entry["shards"]}
-        if modality not in planned_modalities:  # e.g. --modality image now, text from an earlier run
-            keep[modality] = [s for s in entry["shards"]
-                              if common.shard_is_valid(common.join(output, emb.shard_relpath(modality, s["name"])),
-                                                       s["sha256"])]
+    for modality, entry in old.get("modalities", {}).items():
+        if modality in planned:
             continue
-        for plan in (p for p in plans if p.modality == modality):
-            for i in sorted(plan.redo):
-                s = by_name.get(plan.name(i))
-                path = common.join(output, emb.shard_relpath(modality, plan.name(i)))
-                if s and int(s["rows"]) == plan.expected_rows[i] and common.shard_is_valid(path, s["sha256"]):
-                    plan.redo.discard(i)
-                    keep.setdefault(modality, []).append(s)
+        ok = []
+        for s in entry.get("shards", []):
+            rec = _read_record(output, modality, s["name"])
+            path = common.join(output, emb.shard_relpath(modality, s["name"]))
+            if not rec or not isinstance(rec.get("key"), dict) or rec.get("sha256") != s["sha256"] \
+                    or rec["key"] != current_key(modality, rec["key"]) or not common.shard_is_valid(path, s["sha256"]):
+                ok = None
+                break
+            ok.append({k: s[k] for k in ("name", "rows", "sha256")})
+        if ok:
+            keep[modality] = ok
     return keep
 
 
 # ---------------------------------------------------------------------------------------- reading
 class StagedShardReader:
-    """Reads one staged shard into keyed examples, keeping only items whose output shard is redone.
+    """One staged shard -> fixed batches of keyed examples for the output shards still to encode.
 
-    Uses StagedDataset's public per-shard readers so that the Parquet and HDF5 feature layouts both work."""
+    A batch holds items of one output shard only, sorted by (padded length, id) and cut every
+    ``batch_size``: little padding, and the same batches on every runner (float results depend on the
+    batch), so a shard's bytes never depend on bundles or on which other shards are redone."""
 
-    def __init__(self, staged_dir: str, split: Optional[str], plans: dict[tuple[str, str], ShardPlan]):
+    def __init__(self, staged_dir: str, split: Optional[str], plans: dict[tuple[str, str], ShardPlan],
+                 batch_size: int):
         self.staged_dir = staged_dir
         self.split = split
         self.plans = plans
+        self.batch_size = batch_size
         self._ds = None
 
     def _dataset(self):
@@ -161,89 +254,86 @@ class StagedShardReader:
             self._ds = StagedDataset(self.staged_dir, opener=common.open_file)
         return self._ds
 
-    def _wanted(self, modality: str, collection: str, item_id: int) -> bool:
-        plan = self.plans.get((modality, collection))
-        return plan is not None and plan.shard_of(item_id) in plan.redo
-
-    def images(self, task: tuple[str, str]) -> Iterable[tuple[tuple[str, int], tuple[np.ndarray, np.ndarray]]]:
-        collection, rel = task
-        table = self._dataset().read_image_shard(rel, None, self.split)
-        if table is None:
-            return
-        for i, item_id in enumerate(table.item_ids.tolist()):
-            if self._wanted(MODALITY_IMAGE, collection, item_id):
+    def _examples(self, modality: str, collection: str, rel: str):
+        if modality == MODALITY_IMAGE:
+            table = self._dataset().read_image_shard(rel, None, self.split)
+            if table is None:
+                return
+            for i, item_id in enumerate(table.item_ids.tolist()):
                 feats, boxes = table.regions(i)
-                yield (collection, item_id), (feats.copy(), boxes.copy())
+                yield int(item_id), (feats.copy(), boxes.copy())
+        else:
+            table = self._dataset().read_shard_columns(rel, ("caption_id", "text"), self.split)
+            for cid, text in zip(table.column("caption_id").to_pylist(), table.column("text").to_pylist()):
+                yield int(cid), text
 
-    def captions(self, task: tuple[str, str]) -> Iterable[tuple[tuple[str, int], str]]:
-        collection, rel = task
-        table = self._dataset().read_shard_columns(rel, ("caption_id", "text"), self.split)
-        for cid, text in zip(table.column("caption_id").to_pylist(), table.column("text").to_pylist()):
-            if self._wanted(MODALITY_TEXT, collection, cid):
-                yield (collection, int(cid)), text
-
-
-def staged_shards(ds, kind: str, collections: list[str]) -> list[tuple[str, str]]:
-    """(collection, shard path relative to the staged dir) of every staged shard of ``kind``."""
-    return [(c, name) for c in collections for name in ds.shard_names(kind, c)]
+    def batches(self, task: tuple[str, str, str]) -> Iterable[list]:
+        modality, collection, rel = task
+        plan = self.plans[(modality, collection)]
+        by_shard: dict[int, list] = {}
+        for item_id, example in self._examples(modality, collection, rel):
+            if plan.shard_of(item_id) in plan.redo:
+                by_shard.setdefault(plan.shard_of(item_id), []).append(((collection, item_id), example))
+        length = MODALITY_TASK[modality]
+        for index in sorted(by_shard):
+            items = sorted(by_shard[index], key=lambda kv: (element_length(length, kv[1]), kv[0][1]))
+            for start in range(0, len(items), self.batch_size):
+                yield items[start:start + self.batch_size]
 
 
 # ---------------------------------------------------------------------------------------- writing
+def encoded_rows(result, modality: str, plans: dict[tuple[str, str], ShardPlan]):
+    """(key, PredictionResult) -> ((modality, collection, shard), (item_id, vector)); failed ones are dropped
+    here and recorded by :func:`dead_letter_rows`."""
+    (collection, item_id), prediction = result
+    if not isinstance(prediction.inference, FailedBatch):
+        yield (modality, collection, plans[(modality, collection)].shard_of(item_id)), (item_id, prediction.inference)
+
+
+def dead_letter_rows(result, modality: str):
+    (collection, item_id), prediction = result
+    failed = prediction.inference
+    if isinstance(failed, FailedBatch):
+        yield {"kind": "dead", "modality": modality, "collection": collection, "item_id": int(item_id),
+               "reason": failed.reason, "traceback": failed.traceback}
+
+
 def write_shard(group, output: str, plans: dict[tuple[str, str], ShardPlan]) -> dict:
+    """Write one output shard, then (if it holds every planned item) its completion record."""
     (modality, collection, index), rows = group
     rows = sorted(rows, key=lambda r: r[0])
     ids = np.array([r[0] for r in rows], dtype=np.int64)
     vectors = np.stack([r[1] for r in rows]).astype(np.float32)
     data = emb.embedding_shard_bytes(ids, vectors)
-    name = plans[(modality, collection)].name(index)
+    plan = plans[(modality, collection)]
+    name = plan.name(index)
     common.write_atomic(common.join(output, emb.shard_relpath(modality, name)), data)
-    return {"kind": "shard", "modality": modality, **emb.shard_info(name, data, len(ids))}
-
-
-def dead_letter_rows(failed, modality: str) -> Iterable[dict]:
-    """One row per element of a failed batch: ((key, example) list, (exc_type, repr, traceback))."""
-    batch, (exc_type, exc_repr, tb) = failed
-    reason = f"{getattr(exc_type, '__name__', exc_type)}: {exc_repr}"
-    for key, _example in batch:
-        collection, item_id = key
-        yield {"kind": "dead", "modality": modality, "collection": collection, "item_id": int(item_id),
-               "reason": reason, "traceback": "".join(tb[-3:]) if tb else ""}
-
-
-def write_run_report(items: list[dict], path: str) -> int:
-    common.write_json_atomic(path, sorted(items, key=lambda r: json.dumps(r, sort_keys=True)))
-    return len(items)
+    info = emb.shard_info(name, data, len(ids))
+    if len(ids) == plan.expected_rows[index]:  # after the shard: a kill in between only costs a redo
+        common.write_json_atomic(record_path(output, modality, name), {**info, "key": plan.key})
+    return {"kind": "shard", "modality": modality, **info}
 
 
 # ----------------------------------------------------------------------------------------- graph
-def build_pipeline(p: beam.Pipeline, *, staged: str, model: str, output: str, split: Optional[str],
-                   plans: dict[tuple[str, str], ShardPlan], shard_tasks: dict[str, list[tuple[str, str]]],
-                   batch_size: int, device: str, model_copies: Optional[int], num_threads: Optional[int],
-                   report_path: str) -> None:
-    reader = StagedShardReader(staged, split, plans)
+def build_graph(p: beam.Pipeline, plan: EncodePlan, shard_plans: dict[tuple[str, str], ShardPlan],
+                tasks: dict[str, list[tuple[str, str, str]]]) -> None:
+    reader = StagedShardReader(plan.staged, plan.split, shard_plans, plan.batch_size)
     report_parts = []
-    for modality, tasks in shard_tasks.items():
-        read = reader.images if modality == MODALITY_IMAGE else reader.captions
-        handler = VLModelHandler(model, MODALITY_TASK[modality], device=device, max_batch_size=batch_size,
-                                 min_batch_size=batch_size, model_copies=model_copies, num_threads=num_threads)
-        examples = (p | f"{modality}: staged shards" >> beam.Create(tasks)
-                    | f"{modality}: read" >> beam.FlatMap(read)
-                    | f"{modality}: spread" >> beam.Reshuffle())
-        ok, dead = (examples | f"{modality}: encode"
-                    >> RunInference(KeyedModelHandler(handler)).with_exception_handling())
-        shards = (ok
-                  | f"{modality}: key by shard" >> beam.Map(
-                      lambda kv, m=modality: ((m, kv[0][0], plans[(m, kv[0][0])].shard_of(kv[0][1])),
-                                              (kv[0][1], kv[1].inference)))
+    for modality, todo in tasks.items():
+        handler = VLModelHandler(plan.model, MODALITY_TASK[modality], device=common.beam_device(plan.device),
+                                 max_batch_size=plan.batch_size, model_copies=plan.model_copies,
+                                 num_threads=plan.threads, dead_letter=True)
+        results = (p | f"{modality}: staged shards" >> beam.Create(todo)
+                   | f"{modality}: spread" >> beam.Reshuffle()  # shard names only: features never shuffle
+                   | f"{modality}: read batches" >> beam.FlatMap(reader.batches)
+                   | f"{modality}: encode" >> RunInference(KeyedModelHandler(handler).with_no_batching()))
+        shards = (results
+                  | f"{modality}: encoded" >> beam.FlatMap(encoded_rows, modality, shard_plans)
                   | f"{modality}: group shards" >> beam.GroupByKey()
-                  | f"{modality}: write shards" >> beam.Map(write_shard, output, plans))
-        dead_rows = dead.failed_inferences | f"{modality}: dead letters" >> beam.FlatMap(dead_letter_rows, modality)
-        report_parts += [shards, dead_rows]
-    if not report_parts:
-        report_parts.append(p | "nothing to encode" >> beam.Create([]))
-    _ = (report_parts | "all results" >> beam.Flatten()
-         | "collect" >> beam.combiners.ToList()
-         | "write run report" >> beam.Map(write_run_report, report_path))
+                  | f"{modality}: write shards" >> beam.Map(write_shard, plan.output, shard_plans))
+        dead = results | f"{modality}: dead letters" >> beam.FlatMap(dead_letter_rows, modality)
+        report_parts += [shards, dead]
+    common.WriteRunReport.apply(report_parts, plan.output)  # the last step: DaskRunner computes only its graph
 
 
 # -------------------------------------------------------------------------------------- metrics
@@ -254,7 +344,7 @@ def inference_metrics(result, namespace: str) -> dict:
     try:
         res = result.metrics().query(MetricsFilter().with_namespace(namespace))
     except (NotImplementedError, AttributeError) as exc:
-        log.warning("runner reports no metrics (%s)", exc)
+        log.info("runner reports no metrics (%s)", exc)
         return {}
     out: dict = {}
     for c in res.get("counters", []):
@@ -282,86 +372,91 @@ def throughput_line(modality: str, metrics: dict, device: str) -> str:
 
 
 # ------------------------------------------------------------------------------------- launcher
-def run_encode(staged: str, model: str, output: str, modality: str = "both", batch_size: int = 64,
-               device: str = "CPU", collection: Optional[str] = None, split: Optional[str] = None,
-               images_per_shard: int = 10_000, texts_per_shard: int = 50_000, model_copies: Optional[int] = None,
-               num_threads: Optional[int] = None, beam_args: tuple[str, ...] = ()) -> dict:
-    """Encode, write shards + manifest + dead letters; returns a report dict (counts, shards, metrics)."""
+def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
+    """Encode, write shards + completion records + manifest + dead letters; returns a report dict (counts,
+    shards, metrics), or None on a dry run."""
     from retrieval_core.store import StagedDataset
 
     t0 = time.time()
-    if any("DaskRunner" in a for a in beam_args):
-        raise EncodeError("pipelines.encode does not run on DaskRunner (see the module docstring); "
-                          "use DirectRunner (optionally --direct_running_mode multi_processing) or Dataflow")
-    modalities = [MODALITY_IMAGE, MODALITY_TEXT] if modality == "both" else [modality]
-    ds = StagedDataset(staged, opener=common.open_file)
-    collections = [collection] if collection else list(ds.collections)
-    if collection and collection not in ds.collections:
-        raise EncodeError(f"collection {collection!r} is not staged in {staged} (have {ds.collections})")
-    model_sha = model_fingerprint(model)
-    dim = model_embedding_dim(model)
-    inputs = {"staged_summary_sha256": common.sha256_bytes(json.dumps(ds.summary, sort_keys=True).encode()),
-              "collections": collections, "split": split}
+    options = common.task_pipeline_options(beam_args)
+    ds = StagedDataset(plan.staged, opener=common.open_file)
+    collections = [plan.collection] if plan.collection else list(ds.collections)
+    if plan.collection and plan.collection not in ds.collections:
+        raise EncodeError(f"collection {plan.collection!r} is not staged in {plan.staged} (have {ds.collections})")
+    model_sha = model_fingerprint(plan.model)
+    dim = model_embedding_dim(plan.model)
+
+    def key_of(modality: str, collection: str, split: Optional[str]) -> dict:
+        return {"model_sha256": model_sha, "dim": dim, "modality": modality, "collection": collection,
+                "split": split, "staged_sha256": staged_inputs_sha256(ds, modality, collection)}
 
     plans: dict[tuple[str, str], ShardPlan] = {}
-    for m in modalities:
+    for m in plan.modalities:
         for c in collections:
-            if m == MODALITY_IMAGE:
-                ids = ds.images_meta(c, split)["item_id"].to_numpy(np.int64)
-                plan = plan_shards(m, c, ids, images_per_shard)
-            else:
-                ids = ds.captions(c, split)["caption_id"].to_numpy(np.int64)
-                plan = plan_shards(m, c, ids, texts_per_shard)
-            if plan is not None:
-                plans[(m, c)] = plan
+            shard_plan = plan_shards(m, c, staged_ids(ds, m, c, plan.split), plan.per_shard(m),
+                                     key_of(m, c, plan.split))
+            if shard_plan is not None:
+                plans[(m, c)] = shard_plan
     if not plans:
-        raise EncodeError(f"nothing to encode: no {'/'.join(modalities)} items in {staged} "
-                          f"(collection={collection}, split={split})")
+        raise EncodeError(f"nothing to encode: no {'/'.join(plan.modalities)} items in {plan.staged} "
+                          f"(collection={plan.collection}, split={plan.split})")
 
-    manifest_file = common.join(output, emb.EMBEDDINGS_MANIFEST)
+    manifest_file = common.join(plan.output, emb.EMBEDDINGS_MANIFEST)
     old = common.read_json(manifest_file) if common.exists(manifest_file) else None
-    keep = reusable_entries(output, old, list(plans.values()), model_sha, dim, inputs)
+    keep = keep_finished(plan.output, list(plans.values()))
+
+    def recorded_key_now(modality: str, recorded: dict) -> Optional[dict]:
+        """The key a record of an earlier run would have today (None: its collection is no longer staged)."""
+        if recorded.get("collection") not in ds.collections:
+            return None
+        return dict(key_of(modality, recorded["collection"], recorded.get("split")),
+                    num_shards=recorded.get("num_shards"))
+
+    keep.update(keep_other_modalities(plan.output, old, plan.modalities, model_sha, dim, recorded_key_now))
     planned_in = {m: sum(sum(p.expected_rows[i] for i in p.redo) for p in plans.values() if p.modality == m)
-                  for m in modalities}
-    skipped = {m: sum(int(s["rows"]) for s in keep.get(m, [])) for m in modalities}
-    for m in modalities:
-        n_valid = len(keep.get(m, []))
-        if n_valid:
-            print(f"{m}: {n_valid} shard(s) with {skipped[m]} items already valid, skipped")
+                  for m in plan.modalities}
+    skipped = {m: sum(int(s["rows"]) for s in keep.get(m, [])) for m in plan.modalities}
+    for m in plan.modalities:
+        if keep.get(m):
+            print(f"{m}: {len(keep[m])} shard(s) with {skipped[m]} items already valid, skipped")
 
-    kinds = {MODALITY_IMAGE: "images", MODALITY_TEXT: "captions"}
-    shard_tasks = {m: [t for t in staged_shards(ds, kinds[m], collections) if plans.get((m, t[0])) and
-                       plans[(m, t[0])].redo] for m in modalities}
-    shard_tasks = {m: t for m, t in shard_tasks.items() if t}
-    report_path = common.join(output, RUN_REPORT_DIR, "report.json")
-    common.makedirs(output)
+    tasks = {m: [(m, c, rel) for c in collections if plans.get((m, c)) and plans[(m, c)].redo
+                 for rel in ds.shard_names(STAGED_KIND[m], c)] for m in plan.modalities}
+    tasks = {m: t for m, t in tasks.items() if t}
 
-    result = None
-    if shard_tasks:
-        options = common.pipeline_options(beam_args)
+    result, report = None, []
+    if tasks:
         p = beam.Pipeline(options=options)
-        build_pipeline(p, staged=staged, model=model, output=output, split=split, plans=plans,
-                       shard_tasks=shard_tasks, batch_size=batch_size, device=device, model_copies=model_copies,
-                       num_threads=num_threads, report_path=report_path)
-        result = p.run()
-        result.wait_until_finish()
-        report = common.read_json(report_path)
-    else:
-        report = []
+        build_graph(p, plan, plans, tasks)
+        if common.is_dry_run(options):
+            common.run_pipeline(p)
+            print(common.dry_run_message("encode", options))
+            return None
+        common.makedirs(plan.output)
+        common.clear_run_dir(plan.output)
+        result = common.run_pipeline(p)
+        report = common.read_run_report(plan.output)
+        common.clear_run_dir(plan.output)
+    elif common.is_dry_run(options):
+        print(common.dry_run_message("encode", options))
+        return None
 
     written = [r for r in report if r["kind"] == "shard"]
-    dead = [r for r in report if r["kind"] == "dead"]
-    by_modality: dict[str, list[dict]] = {m: list(keep.get(m, [])) for m in set(keep) | set(modalities)}
+    dead = sorted((r for r in report if r["kind"] == "dead"), key=lambda r: (r["modality"], r["item_id"]))
+    by_modality: dict[str, list[dict]] = {m: list(keep.get(m, [])) for m in set(keep) | set(plan.modalities)}
     for r in written:
         by_modality[r["modality"]].append({k: r[k] for k in ("name", "rows", "sha256")})
-    dim_check = {m: s for m, s in by_modality.items() if s}
-    manifest = emb.make_embeddings_manifest(model, model_sha, dim, dim_check, CREATED_BY)
-    manifest["inputs"] = inputs
+    manifest = emb.make_embeddings_manifest(plan.model, model_sha, dim, {m: s for m, s in by_modality.items() if s},
+                                            CREATED_BY)
+    manifest["inputs"] = {"collections": collections, "split": plan.split,
+                          "staged_sha256": {f"{m}/{c}": p.key["staged_sha256"] for (m, c), p in sorted(plans.items())}}
+    common.makedirs(plan.output)
     common.write_json_atomic(manifest_file, manifest)
-    common.write_jsonl_atomic(common.join(output, DEAD_LETTER_FILE), dead)
+    common.write_jsonl_atomic(common.join(plan.output, DEAD_LETTER_FILE), dead)
 
-    summary = {"output": output, "modalities": {}, "wall_s": None, "device": device}
-    for m in modalities:
+    summary = {"output": plan.output, "modalities": {}, "wall_s": None, "device": plan.device,
+               "runner": common.runner_name(options)}
+    for m in plan.modalities:
         encoded = sum(r["rows"] for r in written if r["modality"] == m)
         n_dead = sum(1 for r in dead if r["modality"] == m)
         line = (f"{m}: {planned_in[m]} inputs = {encoded} encoded + {n_dead} dead-lettered"
@@ -369,21 +464,23 @@ def run_encode(staged: str, model: str, output: str, modality: str = "both", bat
         print(line)
         if planned_in[m] != encoded + n_dead:
             raise EncodeError(f"{m}: counts do not reconcile: {line}")
-        metrics = inference_metrics(result, VLModelHandler(model, MODALITY_TASK[m]).get_metrics_namespace()) \
-            if result is not None and m in shard_tasks else {}
+        metrics = inference_metrics(result, VLModelHandler(plan.model, MODALITY_TASK[m]).get_metrics_namespace()) \
+            if result is not None and m in tasks else {}
         if metrics:
-            print(throughput_line(m, metrics, device))
+            print(throughput_line(m, metrics, plan.device))
         summary["modalities"][m] = {"inputs": planned_in[m], "encoded": encoded, "dead_lettered": n_dead,
-                                    "reused": skipped[m], "metrics": {k: v for k, v in metrics.items()}}
-    if common.exists(report_path):
-        from apache_beam.io.filesystems import FileSystems
-        FileSystems.delete([common.join(output, RUN_REPORT_DIR)])
+                                    "reused": skipped[m], "metrics": metrics}
     summary["wall_s"] = time.time() - t0
-    print(f"embeddings: {output} (manifest {emb.EMBEDDINGS_MANIFEST}); wall time {summary['wall_s']:.1f} s")
+    print(f"embeddings: {plan.output} (manifest {emb.EMBEDDINGS_MANIFEST}); wall time {summary['wall_s']:.1f} s")
     if dead:
-        print(f"{len(dead)} item(s) dead-lettered, reasons in {common.join(output, DEAD_LETTER_FILE)}; "
+        print(f"{len(dead)} item(s) dead-lettered, reasons in {common.join(plan.output, DEAD_LETTER_FILE)}; "
               f"a rerun retries their shards")
     return summary
+
+
+def run_encode(staged: str, model: str, output: str, beam_args=(), **options) -> Optional[dict]:
+    """Keyword form kept for existing callers (tests/test_rerank_pipeline.py): ``run(EncodePlan(...))``."""
+    return run(EncodePlan(staged, model, output, **options), beam_args)
 
 
 # ------------------------------------------------------------------------------------------- CLI
@@ -397,24 +494,26 @@ def demo_assets(beam_args: tuple[str, ...] = ()) -> tuple[str, str]:
 @click.option("--staged", help="staged directory (pipelines.stage output); default: the embedded demo")
 @click.option("--model", "model_dir", help="VLRetrievalModel folder; default: the embedded demo model")
 @click.option("--output", help="embeddings directory; default <demo>/embeddings for the demo")
-@click.option("--modality", type=click.Choice(["image", "text", "both"]), default="both", show_default=True)
-@click.option("--batch-size", type=int, default=64, show_default=True, help="RunInference batch size")
-@click.option("--device", type=click.Choice(["CPU", "GPU"], case_sensitive=False), default="CPU", show_default=True)
+@click.option("--modality", type=click.Choice(MODALITY_CHOICES), default="both", show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
+              help="items per model call")
+@click.option("--device", type=common.DEVICE_CHOICE, default="cpu", show_default=True)
 @click.option("--collection", help="encode only this staged collection")
 @click.option("--split", help="encode only this split (e.g. test)")
-@click.option("--images-per-shard", type=int, default=10_000, show_default=True)
-@click.option("--texts-per-shard", type=int, default=50_000, show_default=True)
-@click.option("--model-copies", type=int, help="model copies per worker machine (Dataflow GPU: 1)")
-@click.option("--num-threads", type=int, help="torch intra-op threads per model")
+@click.option("--images-per-shard", type=click.IntRange(min=1), default=10_000, show_default=True)
+@click.option("--texts-per-shard", type=click.IntRange(min=1), default=50_000, show_default=True)
+@click.option("--model-copies", type=click.IntRange(min=1), help="model copies per worker machine (Dataflow GPU: 1)")
+@click.option("--threads", type=click.IntRange(min=1), help="torch intra-op threads per model")
 @click.pass_context
 def main(ctx, staged, model_dir, output, modality, batch_size, device, collection, split, images_per_shard,
-         texts_per_shard, model_copies, num_threads):
+         texts_per_shard, model_copies, threads):
     """Encode staged images and captions with the bi-encoder into checksummed embedding shards.
     Unknown --flags go to Beam (--runner, --direct_num_workers, Dataflow options...)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     beam_args = tuple(ctx.args)
     if (staged is None) != (model_dir is None):
         raise click.UsageError("pass both --staged and --model, or neither (the embedded demo)")
+    common.pipeline_options(beam_args)  # an unknown flag is an error before the demo assets are built
     if staged is None:
         from pipelines import demo_assets as demo
         staged, model_dir = demo_assets(beam_args)
@@ -422,9 +521,10 @@ def main(ctx, staged, model_dir, output, modality, batch_size, device, collectio
     if output is None:
         raise click.UsageError("--output is required with --staged/--model")
     with common.cli_errors(EncodeError):
-        summary = run_encode(staged, model_dir, output, modality, batch_size, device.upper(), collection, split,
-                             images_per_shard, texts_per_shard, model_copies, num_threads, beam_args)
-    if any(v["dead_lettered"] for v in summary["modalities"].values()):
+        plan = EncodePlan(staged, model_dir, output, modality, batch_size, device, collection, split,
+                          images_per_shard, texts_per_shard, model_copies, threads)
+        summary = run(plan, beam_args)
+    if summary is not None and any(v["dead_lettered"] for v in summary["modalities"].values()):
         ctx.exit(1)
 
 

@@ -12,6 +12,11 @@ so batches may mix lengths freely. Wrap it in ``KeyedModelHandler`` to keep ids 
     handler = KeyedModelHandler(VLModelHandler(model_dir, "embed_image", max_batch_size=64))
     keyed_embeddings = keyed_regions | RunInference(handler)   # (item_id, PredictionResult)
 
+Dead letters: with ``dead_letter=True`` a batch whose inference raises does not fail the job: each of its
+elements comes back as ``PredictionResult(example, FailedBatch(reason, traceback))`` in the one output (Beam's
+``with_exception_handling`` would need a tagged second output, which DaskRunner does not separate); the caller
+records them (pipelines.encode writes dead_letter.jsonl and exits non-zero).
+
 Device: "CPU" or "GPU". Asking for "GPU" where CUDA is unusable raises in ``load_model`` instead of quietly
 running on CPU (Beam's PyTorch handlers fall back silently). On Dataflow GPU workers (one SDK process per
 vCPU) pass ``model_copies=1`` (or ``large_model=True``) so one copy per GPU is shared across processes.
@@ -19,6 +24,8 @@ vCPU) pass ``model_copies=1`` (or ``large_model=True``) so one copy per GPU is s
 from __future__ import annotations
 
 import logging
+import traceback
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
@@ -41,6 +48,13 @@ class DeviceUnavailableError(RuntimeError):
     """GPU was requested but torch sees no usable CUDA device."""
 
 
+@dataclass(frozen=True)
+class FailedBatch:
+    """The inference of a dead-lettered element: why its batch failed (``dead_letter=True`` handlers)."""
+    reason: str
+    traceback: str = ""
+
+
 def element_length(task: str, example: Any) -> int:
     """Padded-length proxy of one element: word count for text, region count for images, both for pairs.
     Used to sort elements so that a batch holds similar lengths (little padding)."""
@@ -57,7 +71,7 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
 
     def __init__(self, model_dir: str, task: str, *, device: str = "CPU", max_batch_size: int = 64,
                  min_batch_size: int = 1, model_copies: Optional[int] = None, large_model: bool = False,
-                 num_threads: Optional[int] = None):
+                 num_threads: Optional[int] = None, dead_letter: bool = False):
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
         device = device.upper()
@@ -72,6 +86,7 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
         self.task = task
         self.device = device
         self.num_threads = num_threads
+        self.dead_letter = dead_letter
 
     def __repr__(self) -> str:
         return f"VLModelHandler({self.model_dir!r}, {self.task!r}, device={self.device!r})"
@@ -92,11 +107,21 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
 
     def run_inference(self, batch: Sequence[Any], model, inference_args: Optional[dict] = None
                       ) -> Iterable[PredictionResult]:
-        import torch
-
         batch = list(batch)
         if not batch:
             return []
+        if not self.dead_letter:
+            return self._infer(batch, model)
+        try:
+            return self._infer(batch, model)
+        except Exception as exc:  # noqa: BLE001 -- recorded per element, never dropped (module docstring)
+            failed = FailedBatch(f"{type(exc).__name__}: {exc}", "".join(traceback.format_exc().splitlines(True)[-3:]))
+            log.warning("%s: a batch of %d failed and is dead-lettered: %s", self, len(batch), failed.reason)
+            return [PredictionResult(example, failed) for example in batch]
+
+    def _infer(self, batch: list, model) -> list[PredictionResult]:
+        import torch
+
         tensors = self.collate(batch, model)
         dev = model.device
         with torch.inference_mode():

@@ -1,14 +1,21 @@
 """Stage a data manifest into checksummed shards: ``python -m pipelines.stage --manifest demo --output DIR``.
 
-Graph (all collections in one pipeline)::
+Graph (all collections in one pipeline; every step has one output, elements tagged (tag, payload))::
 
-    Create(read tasks) -> Reshuffle -> ParDo(read + stage_image/stage_caption; features -> task spill file)
-        images   -> key (collection, item_id % num_shards) -> GroupByKey -> dedupe + read back the features
-                    of the kept rows from the spill files + write shard -> staged ids
+    Create(read tasks) -> Reshuffle -> ReadAndStage (read + stage_image/stage_caption; features -> task spill file)
+        images   -> count per collection (or the planned count) -> shards per collection
+                 -> join the count on (collection, item_id % 64) -> key (collection, item_id % num_shards)
+                 -> GroupByKey -> dedupe + read back the features of the kept rows from the spill files
+                 -> write shard -> staged ids (with the shard count) + a caption-shard marker
         captions -> CoGroupByKey(image_item_id, staged ids) -> key by shard -> GroupByKey -> write shard
         rejects  -> GroupByKey(collection, kind) -> rejects/<collection>-{images,captions}.jsonl
         ids      -> GroupByKey(item_id) -> hash collisions across collections and kinds
-        counts + shard infos + reject infos -> one run-info JSON that the launcher turns into summary.json
+        counts + shard infos + reject infos -> common.WriteRunReport, which the launcher turns into summary.json
+
+No side inputs and no tagged outputs: the same graph runs on DirectRunner, DaskRunner (byte-identical shards,
+rejects and summary but for timings and the runner: shard contents are sorted and keyed by id, never by
+bundle) and Dataflow. On a Dask cluster of several machines the output (and its spill folder) must be on a
+file system every worker sees.
 
 Duplicates of an image land in the same shard (the shard is a function of item_id), so the shard writer
 decides them (the copy with the smallest locator wins).
@@ -29,7 +36,12 @@ DirectRunner lost nothing.
 
 Resume: the shard contents are only known after reading every input, so a rerun recomputes all shards but
 rewrites only those whose bytes differ from the file on disk (missing, corrupt or changed); every write is
-temp-name + rename, so a killed run never leaves a partial file under a final name.
+temp-name + rename, so a killed run never leaves a partial file under a final name. ``<output>/_INCOMPLETE``
+(run id, start time) is written before the first shard can be replaced and removed only after summary.json:
+a folder holding it is mid-run or from a killed run, and readers refuse it.
+
+Empty sources: a collection's images or captions source that yields no records fails the run (after
+writing), naming the source, unless --allow-empty.
 """
 from __future__ import annotations
 
@@ -56,7 +68,8 @@ from retrieval_core.paths import is_url
 log = logging.getLogger("pipelines.stage")
 
 IMAGES_DIR, FEATURES_DIR, CAPTIONS_DIR, REJECTS_DIR = "images", "features", "captions", "rejects"
-RUN_INFO = "_stage_run_info.json"
+#: Present while a run may be replacing shards (run id, start time); removed after summary.json is written.
+INCOMPLETE_FILE = "_INCOMPLETE"
 SPILL_DIR = "_spill"
 
 
@@ -120,18 +133,15 @@ class _TaskSpill:
 
     def close(self) -> None:
         import os
-        import shutil
 
         self.spill.close()
         if not is_url(self.final):
+            # h5py writes the file in place (it seeks back), which Beam FileSystems' write-only streams cannot
+            # do: a local spill keeps its own temp name + os.replace.
             os.replace(self.local, self.final)
             return
-        tmp = f"{self.final}.tmp-{uuid.uuid4().hex[:12]}"
-        with open(self.local, "rb") as src, FileSystems.create(tmp) as dst:
-            shutil.copyfileobj(src, dst, 1 << 22)
-        if FileSystems.exists(self.final):
-            FileSystems.delete([self.final])
-        FileSystems.rename([tmp], [self.final])
+        with open(self.local, "rb") as src:
+            common.write_atomic_stream(self.final, src)
         os.remove(self.local)
 
 
@@ -160,8 +170,24 @@ def _remove_spill(output: str) -> None:
 
 
 # ------------------------------------------------------------------------------------- read + stage
+# Every step has ONE output: an element is (tag, payload) and the next steps pick their tag (DaskRunner does
+# not separate tagged outputs). Tags:
+T_IMAGE, T_CAPTION, T_REJECT, T_INFO = "image", "caption", "reject", "info"
+T_STAGED_ID, T_CAPTION_MARKER, T_KEYED = "staged_id", "caption_marker", "keyed"
+#: Image rows meet their collection's shard count in this many groups per collection (a join on
+#: (collection, item_id % ID_BUCKETS)): the count is never a side input, and no group holds a collection.
+ID_BUCKETS = 64
+
+
+def pick(element, tag: str):
+    """The payloads of one tag from a (tag, payload) PCollection."""
+    if element[0] == tag:
+        yield element[1]
+
+
 class ReadAndStage(beam.DoFn):
-    """One read task -> staged rows (main: images; tagged: captions, rejects, counts)."""
+    """One read task -> (tag, payload): T_IMAGE rows (features spilled), T_CAPTION rows, T_REJECT
+    (collection, reject dict) and one T_INFO record count."""
 
     def __init__(self, settings: Settings):
         self.s = settings
@@ -193,49 +219,73 @@ class ReadAndStage(beam.DoFn):
                 out = schema.Reject(source, "?", f"reader yielded {type(rec).__name__}", kind)
             if isinstance(out, schema.Reject):
                 self._rejected[kind].inc()
-                yield beam.pvalue.TaggedOutput("rejects", _reject_out(coll, out))
+                yield T_REJECT, _reject_out(coll, out)
             elif kind == schema.KIND_IMAGE:
                 self._staged[kind].inc()
                 if self.s.spill_dir:
                     if spill is None:
                         spill = _TaskSpill(self.s.spill_dir, task, self.s.feature_dim, self.s.feature_dtype)
                     out = spill.spill.append(out)
-                yield out
+                yield T_IMAGE, out
             else:
                 self._staged[kind].inc()
-                yield beam.pvalue.TaggedOutput("captions", out)
+                yield T_CAPTION, out
         if spill is not None:
             spill.close()  # before this bundle commits, i.e. before any shard writer can read it
         self._records[kind].inc(n_in)
         log.info("read %s %s task %s: %d records", coll, kind, getattr(task, "start", None) or source, n_in)
-        yield beam.pvalue.TaggedOutput("info", {"type": "in", "collection": coll, "kind": kind, "n": n_in})
+        yield T_INFO, {"type": "in", "collection": coll, "kind": kind, "n": n_in}
 
 
 # ----------------------------------------------------------------------------------------- shards
-def _key_image(row, s: Settings, counts: dict):
-    n = s.num_shards(row["collection"], counts)
-    return (row["collection"], int(row["item_id"]) % n), row
+def shard_counts(images, collections: list[str], settings: Settings):
+    """(collection, number of image shards) for every collection: from the planned image count where the
+    manifest knows it, else from the images that passed validation (at least one shard each)."""
+    zeros = images.pipeline | "NoImages" >> beam.Create([(c, 0) for c in collections])
+    counted = images | "ImageCollection" >> beam.FlatMap(
+        lambda r, planned: [(r["collection"], 1)] if r["collection"] not in planned else [],
+        dict(settings.expected_images))
+    return ((zeros, counted) | "FlattenCounts" >> beam.Flatten() | "CountImages" >> beam.CombinePerKey(sum)
+            | "NumShards" >> beam.MapTuple(lambda c, n: (c, settings.num_shards(c, {c: n}))))
 
 
-def _shard_markers(collection: str, s: Settings, counts: dict):
-    """One empty element per shard, so that every shard file exists even if no row hashes to it."""
-    for i in range(s.num_shards(collection, counts)):
-        yield (collection, i), None
+def _count_buckets(element):
+    coll, total = element
+    for b in range(ID_BUCKETS):
+        yield (coll, b), total
+
+
+def _image_shard_markers(element):
+    """One marker per shard, so that every shard file exists even if no row hashes to it."""
+    coll, total = element
+    for i in range(total):
+        yield (coll, i), (total, None)
+
+
+def _key_images(element):
+    """((collection, bucket), {rows, total}) -> ((collection, shard), (total, row))."""
+    (coll, _bucket), grouped = element
+    totals = list(grouped["total"])
+    for row in grouped["rows"]:
+        total = totals[0]
+        yield (coll, int(row["item_id"]) % total), (total, row)
 
 
 class WriteImageShard(beam.DoFn):
-    """(collection, shard index), rows -> dedupe, encode, write (or keep) the shard; emits shard info,
-    staged ids (item_id, (collection, split)) and rejects."""
+    """((collection, shard index), [(total, row or None)]) -> dedupe, encode, write (or keep) the shard;
+    emits (tag, payload): T_INFO shard info, T_STAGED_ID (item_id, (collection, split, total)), T_REJECT,
+    and one T_CAPTION_MARKER for the caption shard of the same index."""
 
     def __init__(self, settings: Settings):
         self.s = settings
 
-    def process(self, element, counts):
+    def process(self, element):
         (coll, idx), values = element
-        total = self.s.num_shards(coll, counts)
-        rows, rejects = staging.resolve_duplicates(v for v in values if v is not None)
+        values = list(values)
+        total = values[0][0]
+        rows, rejects = staging.resolve_duplicates(row for _, row in values if row is not None)
         for rej in rejects:
-            yield beam.pvalue.TaggedOutput("rejects", _reject_out(coll, rej))
+            yield T_REJECT, _reject_out(coll, rej)
         rows = staging.load_spilled(rows, _open_spill)  # features of the kept rows only
         info = {"type": "shard", "collection": coll, "kind": "images", "index": idx, "total": total,
                 "rows": len(rows), "cap": dict(Counter(r[staging.K_CAP_POLICY] for r in rows
@@ -257,42 +307,49 @@ class WriteImageShard(beam.DoFn):
                  "unchanged" if kept else f"{len(data) / 1e6:.1f} MB")
         Metrics.counter("stage", "image_shards_written" if not kept else "image_shards_kept").inc()
         for r in rows:
-            yield beam.pvalue.TaggedOutput("staged_ids", (int(r["item_id"]), (coll, r["split"])))
-        yield info
+            yield T_STAGED_ID, (int(r["item_id"]), (coll, r["split"], total))
+        yield T_CAPTION_MARKER, ((coll, idx), (total, None))
+        yield T_INFO, info
 
 
-def _join_captions(element, s: Settings, counts: dict):
-    """image_item_id, {captions, image} -> keyed caption rows, or rejects for captions of unknown images."""
+def _join_captions(element):
+    """image_item_id, {captions, image} -> T_KEYED ((collection, shard), (total, caption row)), or T_REJECT
+    for captions of images that were not staged."""
     image_item_id, grouped = element
     images = list(grouped["image"])
     for row in grouped["captions"]:
         coll = row["collection"]
         if not images:
             image_src = row["source_id"].rsplit("#", 1)[0]
-            yield beam.pvalue.TaggedOutput("rejects", _reject_out(coll, staging.unknown_image_reject(row, image_src)))
+            yield T_REJECT, _reject_out(coll, staging.unknown_image_reject(row, image_src))
             continue
+        _image_coll, split, total = images[0]
         if row["split"] is None:
-            row = dict(row, split=images[0][1])  # a caption inherits its image's split
-        yield (coll, image_item_id % s.num_shards(coll, counts)), row
+            row = dict(row, split=split)  # a caption inherits its image's split
+        yield T_KEYED, ((coll, image_item_id % total), (total, row))
 
 
 class WriteCaptionShard(beam.DoFn):
+    """((collection, shard index), [(total, row or None)]) -> (tag, payload): T_INFO, T_REJECT."""
+
     def __init__(self, settings: Settings):
         self.s = settings
 
-    def process(self, element, counts):
+    def process(self, element):
         (coll, idx), values = element
-        total = self.s.num_shards(coll, counts)
-        rows, rejects = staging.resolve_duplicates((v for v in values if v is not None), id_key="caption_id")
+        values = list(values)
+        total = values[0][0]
+        rows, rejects = staging.resolve_duplicates((row for _, row in values if row is not None),
+                                                   id_key="caption_id")
         for rej in rejects:
-            yield beam.pvalue.TaggedOutput("rejects", _reject_out(coll, rej))
+            yield T_REJECT, _reject_out(coll, rej)
         name = shard_rel(CAPTIONS_DIR, coll, idx, total, ".parquet")
         data = staging.caption_shard_parquet(rows)
         sha, kept = write_or_keep(common.join(self.s.output, name), data)
         log.info("%s %s: %d captions", "kept" if kept else "wrote", name, len(rows))
         Metrics.counter("stage", "caption_shards_written" if not kept else "caption_shards_kept").inc()
-        yield {"type": "shard", "collection": coll, "kind": "captions", "index": idx, "total": total,
-               "rows": len(rows), "name": name, "sha256": sha, "kept": kept, "bytes": len(data)}
+        yield T_INFO, {"type": "shard", "collection": coll, "kind": "captions", "index": idx, "total": total,
+                       "rows": len(rows), "name": name, "sha256": sha, "kept": kept, "bytes": len(data)}
 
 
 def _write_rejects(element, output: str):
@@ -312,49 +369,42 @@ def _collisions(element):
         yield {"type": "collision", **c}
 
 
-def _write_run_info(infos: list, path: str):
-    common.write_json_atomic(path, infos)
-
-
 # --------------------------------------------------------------------------------------- the graph
-def build_graph(p: beam.Pipeline, tasks: list, settings: Settings, collections: list[str], run_info_path: str):
+def build_graph(p: beam.Pipeline, tasks: list, settings: Settings, collections: list[str]) -> None:
+    """The staging graph; it ends in common.WriteRunReport (<output>/_run/report.json), which every write feeds."""
     staged = (p
               | "ReadTasks" >> beam.Create(tasks, reshuffle=False)
               | "Spread" >> beam.Reshuffle()
-              | "ReadAndStage" >> beam.ParDo(ReadAndStage(settings)).with_outputs(
-                  "captions", "rejects", "info", main="images"))
-    images, captions = staged.images, staged.captions
+              | "ReadAndStage" >> beam.ParDo(ReadAndStage(settings)))
+    images = staged | "Images" >> beam.FlatMap(pick, T_IMAGE)
+    captions = staged | "Captions" >> beam.FlatMap(pick, T_CAPTION)
 
-    if all(c in settings.expected_images for c in collections):
-        counts = {}  # shard counts known up front: keying fuses with staging (no buffering of the features)
-    else:  # count the images that passed validation (Beam then buffers them until the count is known)
-        counts = beam.pvalue.AsDict(
-            images
-            | "ImageCollection" >> beam.Map(lambda r: (r["collection"], 1))
-            | "CountImages" >> beam.CombinePerKey(sum))
-    names = p | "Collections" >> beam.Create(collections)
-
-    image_markers = names | "ImageShardKeys" >> beam.FlatMap(_shard_markers, settings, counts)
-    keyed_images = images | "KeyImages" >> beam.Map(_key_image, settings, counts)
+    counts = shard_counts(images, collections, settings)
+    keyed_images = ({"rows": images | "ByBucket" >> beam.Map(
+                         lambda r: ((r["collection"], int(r["item_id"]) % ID_BUCKETS), r)),
+                     "total": counts | "CountPerBucket" >> beam.FlatMap(_count_buckets)}
+                    | "JoinShardCounts" >> beam.CoGroupByKey()
+                    | "KeyImages" >> beam.FlatMap(_key_images))
+    image_markers = counts | "ImageShardKeys" >> beam.FlatMap(_image_shard_markers)
     image_shards = ((keyed_images, image_markers)
                     | "FlattenImages" >> beam.Flatten()
                     | "GroupImageShards" >> beam.GroupByKey()
-                    | "WriteImageShards" >> beam.ParDo(WriteImageShard(settings), counts).with_outputs(
-                        "staged_ids", "rejects", main="info"))
+                    | "WriteImageShards" >> beam.ParDo(WriteImageShard(settings)))
 
     joined = ({"captions": captions | "ByImage" >> beam.Map(lambda r: (int(r["image_item_id"]), r)),
-               "image": image_shards.staged_ids}
+               "image": image_shards | "StagedIds" >> beam.FlatMap(pick, T_STAGED_ID)}
               | "JoinCaptions" >> beam.CoGroupByKey()
-              | "CaptionsOfStagedImages" >> beam.FlatMap(_join_captions, settings, counts).with_outputs(
-                  "rejects", main="keyed"))
-    caption_markers = names | "CaptionShardKeys" >> beam.FlatMap(_shard_markers, settings, counts)
-    caption_info = ((joined.keyed, caption_markers)
-                    | "FlattenCaptions" >> beam.Flatten()
-                    | "GroupCaptionShards" >> beam.GroupByKey()
-                    | "WriteCaptionShards" >> beam.ParDo(WriteCaptionShard(settings), counts).with_outputs(
-                        "rejects", main="info"))
+              | "CaptionsOfStagedImages" >> beam.FlatMap(_join_captions))
+    caption_shards = ((joined | "KeyedCaptions" >> beam.FlatMap(pick, T_KEYED),
+                       image_shards | "CaptionShardKeys" >> beam.FlatMap(pick, T_CAPTION_MARKER))
+                      | "FlattenCaptions" >> beam.Flatten()
+                      | "GroupCaptionShards" >> beam.GroupByKey()
+                      | "WriteCaptionShards" >> beam.ParDo(WriteCaptionShard(settings)))
 
-    reject_info = ((staged.rejects, image_shards.rejects, joined.rejects, caption_info.rejects)
+    reject_info = ((staged | "ReadRejects" >> beam.FlatMap(pick, T_REJECT),
+                    image_shards | "ImageRejects" >> beam.FlatMap(pick, T_REJECT),
+                    joined | "JoinRejects" >> beam.FlatMap(pick, T_REJECT),
+                    caption_shards | "CaptionRejects" >> beam.FlatMap(pick, T_REJECT))
                    | "FlattenRejects" >> beam.Flatten()
                    | "KeyRejects" >> beam.Map(lambda cr: ((cr[0], cr[1]["kind"]), cr[1]))
                    | "GroupRejects" >> beam.GroupByKey()
@@ -370,10 +420,10 @@ def build_graph(p: beam.Pipeline, tasks: list, settings: Settings, collections: 
                       | "GroupOwners" >> beam.GroupByKey()
                       | "Collisions" >> beam.FlatMap(_collisions))
 
-    _ = ((staged.info, image_shards.info, caption_info.info, reject_info, collision_info)
-         | "FlattenInfo" >> beam.Flatten()
-         | "AllInfo" >> beam.combiners.ToList()
-         | "WriteRunInfo" >> beam.Map(_write_run_info, run_info_path))
+    common.WriteRunReport.apply([staged | "ReadInfo" >> beam.FlatMap(pick, T_INFO),
+                                 image_shards | "ImageShardInfo" >> beam.FlatMap(pick, T_INFO),
+                                 caption_shards | "CaptionShardInfo" >> beam.FlatMap(pick, T_INFO),
+                                 reject_info, collision_info], settings.output)
 
 
 # ------------------------------------------------------------------------------------------ summary
@@ -457,6 +507,47 @@ class StageError(Exception):
     """A user-facing error: printed as one message, exit status 2."""
 
 
+FEATURE_FORMATS = ("parquet", "hdf5")
+FEATURE_DTYPES = ("float32", "float16")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Everything one staging run needs, validated when built. None = the manifest's value."""
+    output: str
+    manifest: str = "demo"  # a data_manifests/<name>.yaml name or a YAML path
+    overrides: tuple[str, ...] = ()  # KEY=VALUE manifest overrides
+    feature_format: Optional[str] = None  # parquet | hdf5
+    feature_dtype: Optional[str] = None  # float32 | float16
+    max_regions: Optional[int] = None
+    images_per_shard: int = 500
+    max_reject_fraction: float = 0.01
+    chunk_size: Optional[int] = None  # records per read task; None: default_chunk_size(beam_args)
+    allow_empty: bool = False  # a source that yields no records is an error unless set
+
+    def __post_init__(self):
+        if not self.output:
+            raise StageError(f"output must be a path, got {self.output!r}")
+        if not self.manifest:
+            raise StageError("manifest must be a name or a path")
+        object.__setattr__(self, "overrides", tuple(self.overrides))
+        for o in self.overrides:
+            if "=" not in o:
+                raise StageError(f"manifest override {o!r} is not KEY=VALUE")
+        try:
+            if self.feature_format is not None:
+                common.check_choice("feature format", self.feature_format, FEATURE_FORMATS)
+            if self.feature_dtype is not None:
+                common.check_choice("feature dtype", self.feature_dtype, FEATURE_DTYPES)
+            common.check_positive("max_regions", self.max_regions, allow_none=True)
+            common.check_positive("images_per_shard", self.images_per_shard)
+            common.check_positive("chunk_size", self.chunk_size, allow_none=True)
+        except ValueError as exc:
+            raise StageError(str(exc)) from None
+        if not 0.0 <= float(self.max_reject_fraction) <= 1.0:
+            raise StageError(f"max_reject_fraction must be in [0, 1], got {self.max_reject_fraction!r}")
+
+
 def planned_images(manifest) -> dict[str, int]:
     """Image counts known before reading: expected_images, or num_images of a synthetic collection."""
     out = {}
@@ -489,20 +580,41 @@ def plan_tasks(manifest, chunk_size: int = 500) -> list:
     return tasks
 
 
-def run_stage(manifest_ref: str, output: str, *, overrides=(), feature_format=None, feature_dtype=None,
-              max_regions=None, images_per_shard=500, max_reject_fraction=0.01, beam_args=(),
-              chunk_size: int = 500) -> tuple[dict, list[str]]:
-    """Run the staging pipeline; returns (summary, problems). Raises StageError for bad input."""
+def _settings(plan: StagePlan, manifest) -> Settings:
+    return Settings(
+        output=plan.output,
+        feature_dim=int(manifest.feature_dim),
+        max_regions=int(plan.max_regions or getattr(manifest, "max_regions", None) or schema.DEFAULT_MAX_REGIONS),
+        feature_format=plan.feature_format or getattr(manifest, "feature_format", None) or "parquet",
+        feature_dtype=plan.feature_dtype or getattr(manifest, "feature_dtype", None) or "float32",
+        images_per_shard=int(plan.images_per_shard),
+        expected_images=planned_images(manifest),
+        spill_dir=common.join(plan.output, SPILL_DIR, uuid.uuid4().hex[:12]),
+    )
+
+
+def _mark_incomplete(output: str, run_id: str) -> str:
+    """Write <output>/_INCOMPLETE before any shard is touched: readers (StagedDataset) refuse the folder
+    until the run has written summary.json and removed the mark."""
+    path = common.join(output, INCOMPLETE_FILE)
+    common.write_json_atomic(path, {"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                    "created_by": "pipelines.stage"})
+    return path
+
+
+def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
+    """Stage ``plan.manifest`` into ``plan.output``; returns summary.json's dict (its ``problems`` list says
+    what fails the run), or None on a dry run. Raises StageError for bad input, before anything is written."""
     from retrieval_core.manifest import ManifestError, load_manifest
 
     t0 = time.time()
     try:
-        manifest = load_manifest(manifest_ref, overrides=tuple(overrides))
+        manifest = load_manifest(plan.manifest, overrides=plan.overrides)
     except ManifestError as exc:
-        raise StageError(f"invalid manifest {manifest_ref!r}: {exc}") from None
+        raise StageError(f"invalid manifest {plan.manifest!r}: {exc}") from None
     except FileNotFoundError as exc:
-        raise StageError(f"manifest {manifest_ref!r} not found: {exc}") from None
-    options = common.pipeline_options(beam_args)
+        raise StageError(f"manifest {plan.manifest!r} not found: {exc}") from None
+    options = common.task_pipeline_options(beam_args)
     # Planning lists gs:// inputs before the Pipeline exists: give FileSystems the options (project,
     # credentials) now; beam.Pipeline(options=...) sets the same ones again.
     FileSystems.set_options(options)
@@ -513,69 +625,85 @@ def run_stage(manifest_ref: str, output: str, *, overrides=(), feature_format=No
     if missing:
         raise StageError("input file(s) missing: " + ", ".join(map(str, missing))
                          + " (fix the manifest or override the path with --set / environment variables)")
-    settings = Settings(
-        output=output,
-        feature_dim=int(manifest.feature_dim),
-        max_regions=int(max_regions or getattr(manifest, "max_regions", None) or schema.DEFAULT_MAX_REGIONS),
-        feature_format=feature_format or getattr(manifest, "feature_format", None) or "parquet",
-        feature_dtype=feature_dtype or getattr(manifest, "feature_dtype", None) or "float32",
-        images_per_shard=int(images_per_shard),
-        expected_images=planned_images(manifest),
-        spill_dir=common.join(output, SPILL_DIR, uuid.uuid4().hex[:12]),
-    )
-    if settings.feature_format not in ("parquet", "hdf5"):
+    settings = _settings(plan, manifest)
+    if settings.feature_format not in FEATURE_FORMATS:
         raise StageError(f"feature format must be parquet or hdf5, got {settings.feature_format!r}")
-    if settings.feature_dtype not in ("float32", "float16"):
+    if settings.feature_dtype not in FEATURE_DTYPES:
         raise StageError(f"feature dtype must be float32 or float16, got {settings.feature_dtype!r}")
+    chunk_size = plan.chunk_size or default_chunk_size(beam_args)
     try:
         tasks = plan_tasks(manifest, chunk_size)
     except (OSError, ValueError) as exc:  # OSError: also Beam's BeamIOError listing a bucket
         raise StageError(f"cannot plan the reads: {exc}") from None
     collections = sorted(manifest.collections)
-    common.makedirs(output)
-    run_info = common.join(output, f"{RUN_INFO}.{uuid.uuid4().hex[:8]}")
     log.info("staging %s: %d collections, %d read tasks -> %s (%s, %s)", manifest.name, len(collections),
-             len(tasks), output, settings.feature_format, settings.feature_dtype)
+             len(tasks), plan.output, settings.feature_format, settings.feature_dtype)
 
     p = beam.Pipeline(options=options)
-    build_graph(p, tasks, settings, collections, run_info)
-    _remove_spill(output)  # spill files of a killed earlier run
+    build_graph(p, tasks, settings, collections)
+    if common.is_dry_run(options):
+        common.run_pipeline(p)
+        print(common.dry_run_message("stage", options))
+        return None
+    common.makedirs(plan.output)
+    incomplete = _mark_incomplete(plan.output, settings.spill_dir.rsplit("/", 1)[-1])
+    common.clear_run_dir(plan.output)
+    _remove_spill(plan.output)  # spill files of a killed earlier run
     try:
-        result = p.run()
-        result.wait_until_finish()
-        infos = common.read_json(run_info)
+        common.run_pipeline(p)
+        infos = common.read_run_report(plan.output)
     finally:
-        _remove_spill(output)
-        if common.exists(run_info):
-            FileSystems.delete([run_info])
+        _remove_spill(plan.output)
+        common.clear_run_dir(plan.output)
 
     summary = build_summary(manifest, settings, infos, {
-        "images_per_shard": settings.images_per_shard, "max_reject_fraction": max_reject_fraction,
-        "overrides": list(overrides), "beam_args": list(beam_args), "read_tasks": len(tasks),
+        "images_per_shard": settings.images_per_shard, "max_reject_fraction": plan.max_reject_fraction,
+        "overrides": list(plan.overrides), "beam_args": list(beam_args), "read_tasks": len(tasks),
+        "allow_empty": plan.allow_empty,
     }, time.time() - t0)
+    summary["runner"] = common.runner_name(options)
     keep = {s["name"] for c in summary["collections"].values() for k in ("images", "captions")
             for s in c[k]["shards"] + c[k].get("feature_shards", [])}
-    summary["resume"]["stale_removed"] = _remove_stale(output, collections, keep)
-    _ensure_reject_files(output, summary)
+    summary["resume"]["stale_removed"] = _remove_stale(plan.output, collections, keep)
+    _ensure_reject_files(plan.output, summary)
+    summary["problems"] = find_problems(summary, manifest, plan, plan.output)
+    summary["elapsed_s"] = round(time.time() - t0, 2)
+    common.write_json_atomic(common.join(plan.output, staging.SUMMARY_FILE), summary)
+    FileSystems.delete([incomplete])  # only now: the last shard and summary.json are in place
+    return summary
 
+
+def find_problems(summary: dict, manifest, plan: StagePlan, output: str) -> list[str]:
+    """What makes the run fail (exit 1) after everything is written: lost records, too many rejects, a source
+    that yielded nothing (unless --allow-empty), id collisions."""
     problems = []
     for name, c in summary["collections"].items():
-        for key in ("images", "captions"):
+        spec = manifest.collections[name]
+        for key, src_spec in (("images", spec.images), ("captions", spec.captions)):
             src = c[key]
+            if src_spec is not None and src["records_in"] == 0 and not plan.allow_empty:
+                problems.append(f"{name} {key}: the source {src['format']}:{src['path'] or '(generated)'} yielded "
+                                f"no records (wrong path or format? --allow-empty accepts it)")
             if src["records_in"] != src["staged"] + src["rejected"]:
                 problems.append(f"{name} {key}: {src['records_in']} records in but {src['staged']} staged + "
                                 f"{src['rejected']} rejected: records were lost by the runner")
             frac = src["rejected"] / max(src["records_in"], 1)
-            if frac > max_reject_fraction:
+            if frac > plan.max_reject_fraction:
                 problems.append(f"{name} {key}: {src['rejected']} of {src['records_in']} records rejected "
-                                f"({frac:.1%} > --max-reject-fraction {max_reject_fraction:.1%}); "
+                                f"({frac:.1%} > --max-reject-fraction {plan.max_reject_fraction:.1%}); "
                                 f"see {common.join(output, src['rejects_file'])}")
     if summary["id_collisions"]:
         problems.append(f"{len(summary['id_collisions'])} item_id hash collision(s); see summary.json")
-    summary["problems"] = problems
-    summary["elapsed_s"] = round(time.time() - t0, 2)
-    common.write_json_atomic(common.join(output, staging.SUMMARY_FILE), summary)
-    return summary, problems
+    return problems
+
+
+def run_stage(manifest_ref: str, output: str, *, beam_args=(), **options) -> tuple[dict, list[str]]:
+    """Keyword form kept for existing callers (tests, benchmarks): ``run(StagePlan(...))`` -> (summary,
+    problems)."""
+    summary = run(StagePlan(output, manifest_ref, **options), beam_args)
+    if summary is None:
+        raise StageError("a dry run stages nothing")
+    return summary, summary["problems"]
 
 
 def report_lines(summary: dict) -> list[str]:
@@ -606,9 +734,9 @@ def report_lines(summary: dict) -> list[str]:
 @click.option("--output", required=True, help="Staged directory to write (local path or gs://).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Manifest override, e.g. --set collections.coco.images.path=/data/coco.tsv (repeatable).")
-@click.option("--feature-format", type=click.Choice(["parquet", "hdf5"]), default=None,
+@click.option("--feature-format", type=click.Choice(FEATURE_FORMATS), default=None,
               help="Where features go: inline in Parquet, or HDF5 shards beside Parquet meta [manifest's].")
-@click.option("--feature-dtype", type=click.Choice(["float32", "float16"]), default=None,
+@click.option("--feature-dtype", type=click.Choice(FEATURE_DTYPES), default=None,
               help="On-disk feature dtype [manifest's].")
 @click.option("--max-regions", type=click.IntRange(min=1), default=None, help="Region cap per image [manifest's, 50].")
 @click.option("--images-per-shard", type=click.IntRange(min=1), default=500, show_default=True)
@@ -617,10 +745,11 @@ def report_lines(summary: dict) -> list[str]:
 @click.option("--chunk-size", type=click.IntRange(min=1), default=None,
               help="Records per read task for index-addressable sources (synthetic) "
                    "[500; 100 with --direct_running_mode=multi_processing, see the module doc].")
+@click.option("--allow-empty", is_flag=True, help="Accept a source (images or captions) that yields no records.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging and full tracebacks.")
 @click.pass_context
 def main(ctx, manifest_ref, output, overrides, feature_format, feature_dtype, max_regions, images_per_shard,
-         max_reject_fraction, chunk_size, verbose):
+         max_reject_fraction, chunk_size, allow_empty, verbose):
     """Validate, normalise and shard a data manifest's images and captions.
 
     Unknown options go to Beam, e.g. --direct_running_mode=multi_processing --direct_num_workers=2, or
@@ -633,13 +762,14 @@ def main(ctx, manifest_ref, output, overrides, feature_format, feature_dtype, ma
     for noisy in ("apache_beam", "h5py"):
         logging.getLogger(noisy).setLevel(logging.DEBUG if verbose else logging.WARNING)
     try:
-        summary, problems = run_stage(
-            manifest_ref, output, overrides=overrides, feature_format=feature_format, feature_dtype=feature_dtype,
-            max_regions=max_regions, images_per_shard=images_per_shard, max_reject_fraction=max_reject_fraction,
-            beam_args=ctx.args, chunk_size=chunk_size or default_chunk_size(ctx.args))
+        plan = StagePlan(output, manifest_ref, tuple(overrides), feature_format, feature_dtype, max_regions,
+                         images_per_shard, max_reject_fraction, chunk_size, allow_empty)
+        summary = run(plan, tuple(ctx.args))
     except StageError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
+    except click.ClickException:
+        raise  # usage errors (an unknown flag): click prints them
     except Exception as exc:  # noqa: BLE001 -- one clear line instead of a Beam traceback
         if verbose:
             raise
@@ -647,11 +777,13 @@ def main(ctx, manifest_ref, output, overrides, feature_format, feature_dtype, ma
         click.echo(f"error: staging failed: {type(exc).__name__}: {msg[-1] if msg else ''} "
                    f"(rerun with -v for the traceback)", err=True)
         sys.exit(1)
+    if summary is None:
+        return
     for line in report_lines(summary):
         click.echo(line)
     click.echo(f"summary: {common.join(output, staging.SUMMARY_FILE)}")
-    if problems:
-        for p in problems:
+    if summary["problems"]:
+        for p in summary["problems"]:
             click.echo(f"error: {p}", err=True)
         sys.exit(1)
 

@@ -107,3 +107,19 @@ def test_beam_plumbing(model_dir):
         VLModelHandler(model_dir, TASK_EMBED_TEXT, device="TPU")
     with pytest.raises(ValueError, match="inference_args"):
         h.validate_inference_args({"x": 1})
+
+
+def test_dead_letter_handler_returns_the_failure_per_element_instead_of_raising(model_dir):
+    from pipelines.handlers import FailedBatch
+
+    bad = [regions(2, 0)[0][:, :8], regions(2, 0)[1]]  # 8-d features for a 16-d model
+    batch = [tuple(bad), regions(3, 1)]
+    loud = VLModelHandler(model_dir, TASK_EMBED_IMAGE)
+    with pytest.raises(Exception, match="feature dim"):
+        loud.run_inference(batch, loud.load_model())
+    quiet = VLModelHandler(model_dir, TASK_EMBED_IMAGE, dead_letter=True)
+    out = quiet.run_inference(batch, quiet.load_model())
+    assert len(out) == 2 and all(isinstance(r.inference, FailedBatch) for r in out)
+    assert "feature dim" in out[0].inference.reason and out[1].example is batch[1]
+    good = quiet.run_inference([regions(3, 1)], quiet.load_model())
+    assert good[0].inference.shape == (quiet.load_model().embedding_dim,)

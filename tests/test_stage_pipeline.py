@@ -88,17 +88,19 @@ def test_read_and_stage_dofn_routes_rejects(tmp_path):
     settings = stage.Settings(output=str(tmp_path / "out"), feature_dim=F, max_regions=50, feature_format="parquet",
                               feature_dtype="float32", images_per_shard=10)
     with BeamTestPipeline() as p:
-        out = (p | beam.Create(tasks)
-               | beam.ParDo(stage.ReadAndStage(settings)).with_outputs("captions", "rejects", "info", main="images"))
-        assert_that(out.images | beam.Map(lambda r: r["source_id"]), equal_to(["a", "b", "c", "d", "a"]),
+        out = p | beam.Create(tasks) | beam.ParDo(stage.ReadAndStage(settings))  # one output of (tag, payload)
+        images = out | "images" >> beam.FlatMap(stage.pick, stage.T_IMAGE)
+        rejects = out | "rejects" >> beam.FlatMap(stage.pick, stage.T_REJECT)
+        info = out | "info" >> beam.FlatMap(stage.pick, stage.T_INFO)
+        assert_that(images | beam.Map(lambda r: r["source_id"]), equal_to(["a", "b", "c", "d", "a"]),
                     label="staged")
-        assert_that(out.rejects | beam.Map(lambda cr: (cr[0], staging.reason_category(cr[1]["reason"]))),
+        assert_that(rejects | beam.Map(lambda cr: (cr[0], staging.reason_category(cr[1]["reason"]))),
                     equal_to([("tsv", staging.R_FEATURE_DIM), ("tsv", staging.R_NOT_FINITE),
                               ("tsv", staging.R_NUM_BOXES),
                               ("tsv", "expected 6 tab-separated columns"),  # reader rejects
                               ("tsv", "column 'boxes' is not valid base64")]),
                     label="rejects")
-        assert_that(out.info, equal_to([{"type": "in", "collection": "tsv", "kind": "image", "n": 10}]), label="in")
+        assert_that(info, equal_to([{"type": "in", "collection": "tsv", "kind": "image", "n": 10}]), label="in")
 
 
 def test_image_shard_writer_dedupes_and_writes_atomically(tmp_path):
@@ -109,16 +111,20 @@ def test_image_shard_writer_dedupes_and_writes_atomically(tmp_path):
 
     settings = stage.Settings(output=str(tmp_path), feature_dim=F, max_regions=50, feature_format="hdf5",
                               feature_dtype="float16", images_per_shard=10, expected_images={"c": 3})
-    rows = [row("x", "s:2"), row("x", "s:1"), row("y", "s:3"), None]
+    rows = [(1, r) for r in (row("x", "s:2"), row("x", "s:1"), row("y", "s:3"), None)]  # (shard count, row)
     with BeamTestPipeline() as p:
-        out = (p | beam.Create([(("c", 0), rows)])
-               | beam.ParDo(stage.WriteImageShard(settings), {}).with_outputs("staged_ids", "rejects", main="info"))
+        out = p | beam.Create([(("c", 0), rows)]) | beam.ParDo(stage.WriteImageShard(settings))
         ids = sorted([schema.make_item_id("c", "image", s) for s in "xy"])
-        assert_that(out.staged_ids | beam.Map(lambda kv: kv[0]), equal_to(ids), label="ids")
-        assert_that(out.rejects | beam.Map(lambda cr: cr[1]["locator"] + " " + cr[1]["reason"]),
+        assert_that(out | "ids" >> beam.FlatMap(stage.pick, stage.T_STAGED_ID) | beam.Map(lambda kv: kv[0]),
+                    equal_to(ids), label="ids")
+        assert_that(out | "dups" >> beam.FlatMap(stage.pick, stage.T_REJECT)
+                    | beam.Map(lambda cr: cr[1]["locator"] + " " + cr[1]["reason"]),
                     equal_to(["s:2 duplicate image id: 'x' in collection 'c'; first seen at s:1"]), label="dups")
-        assert_that(out.info | beam.Map(lambda i: (i["name"], i["rows"], i["feature_shard"]["name"])),
+        assert_that(out | "info" >> beam.FlatMap(stage.pick, stage.T_INFO)
+                    | beam.Map(lambda i: (i["name"], i["rows"], i["feature_shard"]["name"])),
                     equal_to([("images/c-00000-of-00001.parquet", 2, "features/c-00000-of-00001.h5")]), label="info")
+        assert_that(out | "marker" >> beam.FlatMap(stage.pick, stage.T_CAPTION_MARKER),
+                    equal_to([(("c", 0), (1, None))]), label="caption marker")
     assert sorted(os.listdir(tmp_path / "features")) == ["c-00000-of-00001.h5"]  # no temp files left
 
 
@@ -249,8 +255,8 @@ def test_read_and_stage_spills_features_so_the_shuffle_carries_metadata_only(tmp
 
     inline = run(stage.Settings(**kw))
     spilled = run(stage.Settings(**kw, spill_dir=str(tmp_path / "spill")))
-    inline_rows = [r for r in inline if isinstance(r, dict) and "item_id" in r]
-    refs = [r for r in spilled if isinstance(r, dict) and "item_id" in r]
+    inline_rows = [r for tag, r in inline if tag == stage.T_IMAGE]
+    refs = [r for tag, r in spilled if tag == stage.T_IMAGE]
     assert len(refs) == len(inline_rows) == 5
     assert all("features" not in r and os.path.exists(r[staging.K_SPILL]) for r in refs)
     assert not [f for f in os.listdir(tmp_path / "spill") if ".tmp-" in f]  # published under its final name
@@ -385,3 +391,75 @@ def test_multi_processing_runner_stages_everything_with_smaller_read_tasks(tmp_p
     assert code == 0, output
     assert "demo images: 240 in = 240 staged + 0 rejected" in output
     assert "demo captions: 1200 in = 1200 staged + 0 rejected" in output
+
+
+# --------------------------------------------------------------------- run marks, empty sources, runners
+def test_incomplete_mark_stays_after_a_failed_run_and_goes_after_a_good_one(tmp_path):
+    manifest = write_inputs(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "captions").write_text("a file where the caption shards must go: every caption write fails")
+    code, output = run_cli("--manifest", manifest, "--output", str(out), "--max-reject-fraction", "1")
+    assert code == 1 and "staging failed" in output
+    mark = json.loads((out / stage.INCOMPLETE_FILE).read_text())
+    assert mark["run_id"] and mark["started"] and not (out / "summary.json").exists()
+    (out / "captions").unlink()
+    code, output = run_cli("--manifest", manifest, "--output", str(out), "--max-reject-fraction", "1")
+    assert code == 0, output
+    assert not (out / stage.INCOMPLETE_FILE).exists() and (out / "summary.json").exists()
+
+
+def test_a_source_that_yields_no_records_fails_unless_allowed(tmp_path):
+    (tmp_path / "empty.tsv").write_text("")
+    (tmp_path / "caps.json").write_text(json.dumps({"images": []}))
+    (tmp_path / "m.yaml").write_text(f"""
+name: empty
+feature_dim: {F}
+collections:
+  e:
+    images: {{format: butd_tsv, path: {tmp_path / 'empty.tsv'}}}
+    captions: {{format: karpathy_json, path: {tmp_path / 'caps.json'}, image_id: filename_stem}}
+""")
+    summary, problems = stage.run_stage(str(tmp_path / "m.yaml"), str(tmp_path / "o1"))
+    assert len(problems) == 2 and f"e images: the source butd_tsv:{tmp_path / 'empty.tsv'} yielded no records" \
+        in problems[0] and "e captions: the source karpathy_json:" in problems[1]
+    _, problems = stage.run_stage(str(tmp_path / "m.yaml"), str(tmp_path / "o2"), allow_empty=True)
+    assert problems == []
+
+
+def test_plan_values_are_checked_when_built(tmp_path):
+    with pytest.raises(stage.StageError, match="feature format must be one of parquet|hdf5, got 'npz'"):
+        stage.StagePlan(str(tmp_path), feature_format="npz")
+    with pytest.raises(stage.StageError, match="override 'coco' is not KEY=VALUE"):
+        stage.StagePlan(str(tmp_path), overrides=("coco",))
+    code, output = run_cli("--output", str(tmp_path / "o"), "--images_per_shard", "3")
+    assert code == 2 and "unknown option(s) --images_per_shard" in output and not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def dask_cluster():
+    from tests.helpers_dask import local_cluster
+
+    with local_cluster() as cluster:
+        yield cluster
+
+
+def test_direct_and_dask_runners_stage_identical_files(tmp_path, dask_cluster):
+    from tests.helpers_dask import assert_same_bytes, dask_args, relative_files
+
+    manifest = write_inputs(tmp_path)
+    outs, summaries = {}, {}
+    for runner, args in (("direct", ()), ("dask", dask_args(dask_cluster))):
+        outs[runner] = str(tmp_path / runner)
+        summaries[runner], _ = stage.run_stage(manifest, outs[runner], images_per_shard=20, max_reject_fraction=1,
+                                               feature_format="hdf5", feature_dtype="float16", chunk_size=25,
+                                               beam_args=args)
+    assert summaries["dask"]["runner"] == "DaskRunner"
+    files = relative_files(outs["direct"])
+    assert files == relative_files(outs["dask"])
+    assert len([f for f in files if f.startswith(("images/", "features/", "captions/"))]) == 12
+    assert_same_bytes(outs["direct"], outs["dask"], [f for f in files if f != "summary.json"])
+    for s in summaries.values():  # what may differ: timings and how the runner was named
+        s.pop("elapsed_s"), s.pop("runner"), s["options"].pop("beam_args")
+    assert summaries["direct"] == summaries["dask"]
+    assert summaries["dask"]["collections"]["syn"]["images"]["staged"] == 60
