@@ -544,7 +544,8 @@ def _searcher_spec(plan: RerankPlan, direction: str, emb_manifest: dict) -> tupl
         if manifest.get("modality", pool_modality) != pool_modality:
             raise RerankError(f"{direction} needs a {pool_modality} index; {index_dir} indexes "
                               f"{manifest.get('modality')}")
-        _check_index_source(index_dir, manifest, plan.embeddings, emb_manifest, pool_modality)
+        _check_index_source("--index" if direction == T2I else "--text-index", index_dir, manifest,
+                            plan.embeddings, emb_manifest, pool_modality)
         params = {name: v for name, v in (("nprobe", plan.nprobe), ("efSearch", plan.ef_search)) if v is not None}
         try:  # refuse a parameter the index lacks now, not in a worker after the job started
             check_search_params(manifest["factory"], int(manifest["d"]), manifest["metric"], **params)
@@ -560,9 +561,22 @@ def _searcher_spec(plan: RerankPlan, direction: str, emb_manifest: dict) -> tupl
     return spec, int(entry["count"]), f"exact search over {pool_modality} embeddings in {plan.embeddings}"
 
 
-def _check_index_source(index_dir: str, index_manifest: dict, emb_dir: str, emb_manifest: dict,
+def _check_index_source(flag: str, index_dir: str, index_manifest: dict, emb_dir: str, emb_manifest: dict,
                         modality: str) -> None:
-    """Placeholder: filled in by the index/embeddings consistency check."""
+    """Refuse an index built from other embeddings than --embeddings: its vectors would be compared with
+    query embeddings of another model or encoding (issue 14: such a run exited 0 and scored R@1 0.00).
+    build_index records each index shard's source embedding shard and its sha256: they must be the
+    --embeddings shards of that modality."""
+    built_from = {s.get("source"): s.get("source_sha256") for s in index_manifest.get("shards", [])}
+    have = {s["name"]: s["sha256"] for s in emb.modality_entry(emb_manifest, modality)["shards"]}
+    if built_from != have:
+        src = index_manifest.get("embeddings", {})
+        differ = len(set(built_from.items()) ^ set(have.items()))
+        raise RerankError(f"{flag} {index_dir} was built from the {modality} embeddings in {src.get('dir')} "
+                          f"(embeddings manifest sha256 {str(src.get('manifest_sha256'))[:12]}...), not from "
+                          f"--embeddings {emb_dir} (sha256 {_file_fingerprint(emb.manifest_path(emb_dir))[:12]}...;"
+                          f" {differ} shard entries differ): rebuild the index from --embeddings or pass the "
+                          f"embeddings it was built from")
 
 
 def _split_query_ids(ds, direction: str, collection: Optional[str], split: Optional[str]) -> np.ndarray:

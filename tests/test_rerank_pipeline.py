@@ -340,3 +340,66 @@ def common_sha256(path):
 
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_killed_run_resumes_its_unfinished_shards_only(assets, tmp_path):
+    """A killed run (no manifest, the shards of its last wave missing) rerun with the same plan keeps its
+    finished shards (checksum-verified) and computes only the missing ones, giving the uninterrupted run's
+    bytes; a shard that no longer matches its record is recomputed; another plan reuses nothing."""
+    root, staged, model_dir, emb_dir = assets
+    plan = dict(mode="co", k=3, ce_model=model_dir, batch_size=8, queries_per_shard=3, shards_per_wave=2)
+    whole = run_rerank(staged, emb_dir, str(tmp_path / "whole"), **plan)
+    # 6 shards in 3 waves: (i2t 0, i2t 1), (t2i 0, t2i 1), (t2i 2, t2i 3)
+    assert whole["waves_run"] == 3 and whole["shards_reused"] == 0 and len(whole["shards"]) == 6
+
+    out = str(tmp_path / "killed")
+    run_rerank(staged, emb_dir, out, **plan)
+    os.remove(os.path.join(out, rerank.RANKINGS_MANIFEST))  # killed during its last wave
+    lost = ["t2i-00002-of-00004.parquet", "t2i-00003-of-00004.parquet"]
+    for name in lost:
+        os.remove(os.path.join(out, "rankings", name))
+    resumed = run_rerank(staged, emb_dir, out, **plan)
+    assert resumed["shards_reused"] == 4 and resumed["waves_run"] == 1
+    assert resumed["shards"] == whole["shards"]  # the uninterrupted run's bytes
+    recomputed = sum(s["queries"] for s in whole["shards"] if s["name"] in lost)
+    assert resumed["ce_pairs_requested"] == recomputed * 3 < whole["ce_pairs_requested"]
+    assert 0 < resumed["ce_pairs_scored"] < whole["ce_pairs_scored"]
+
+    torn = "t2i-00001-of-00004.parquet"  # no longer matches its record: recomputed alone
+    with open(os.path.join(out, "rankings", torn), "ab") as f:
+        f.write(b"torn")
+    again = run_rerank(staged, emb_dir, out, **plan)
+    assert again["shards_reused"] == 5 and [s["name"] for s in again["shards"]] == [s["name"] for s in whole["shards"]]
+    # computed without the other shard of its wave, its CE batches differ: scores may move in the last bits
+    a = pq.read_table(os.path.join(out, "rankings", torn)).to_pandas().sort_values(["query_id", "item_id"])
+    b = pq.read_table(os.path.join(str(tmp_path / "whole"), "rankings", torn)).to_pandas().sort_values(
+        ["query_id", "item_id"])
+    assert a["item_id"].tolist() == b["item_id"].tolist()
+    np.testing.assert_allclose(a["ce_score"].to_numpy(float), b["ce_score"].to_numpy(float), atol=1e-6)
+
+    other = run_rerank(staged, emb_dir, out, **{**plan, "k": 4})  # another plan: nothing is reused
+    assert other["shards_reused"] == 0 and other["plan_fingerprint"] != whole["plan_fingerprint"]
+    assert sorted(os.listdir(os.path.join(out, rerank.PROGRESS_DIR))) == sorted(
+        s["name"] + ".json" for s in other["shards"])
+
+
+def test_index_built_from_other_embeddings_is_refused_naming_both(assets, tmp_path):
+    """Issue 14: an index of another model's embeddings used to run and score R@1 0.00."""
+    from click.testing import CliRunner
+
+    root, staged, _, emb_dir = assets
+    index_dir = str(tmp_path / "index")
+    build_index(emb_dir, index_dir, "image", "Flat", "ip", 1000, 0, 1, [])
+    other_model = write_tiny_model(str(tmp_path / "model1"), str(tmp_path), seed=1)
+    other_emb = str(tmp_path / "emb1")
+    encode.run_encode(staged, other_model, other_emb, batch_size=8)
+    with pytest.raises(rerank.RerankError, match=f"--index {index_dir} was built from the image embeddings in "
+                                                 f"{emb_dir} .* not from --embeddings {other_emb}"):
+        run_rerank(staged, other_emb, str(tmp_path / "run"), mode="emb", index=index_dir)
+    res = CliRunner().invoke(rerank.main, ["--staged", staged, "--embeddings", other_emb, "--index", index_dir,
+                                           "--mode", "emb", "--output", str(tmp_path / "run")])
+    assert res.exit_code == 1 and res.output.count("Error: --index") == 1, res.output
+    assert not os.path.exists(tmp_path / "run")
+    # the embeddings it was built from are accepted
+    assert run_rerank(staged, emb_dir, str(tmp_path / "ok"), mode="emb", index=index_dir,
+                      directions=("t2i",))["queries"] == {"t2i": 12}
