@@ -150,10 +150,11 @@ def run_job(job: Job, beam_args: Sequence[str] = (), log: Callable[[str], None] 
         t0 = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-c", _WAIT4, rss_file, *job.argv(beam_args)],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        tail: list[str] = []
+        tail: list[str] = []  # the job's own one-line error if it printed one, else its last line
         for line in proc.stdout:
             print("  | " + line, end="", flush=True)
-            tail = (tail + [line.rstrip()])[-1:]
+            if line.strip() and not (tail and tail[0].startswith("Error:")):
+                tail = [line.strip()]
         proc.wait()
         wall = time.perf_counter() - t0
         try:
