@@ -19,19 +19,22 @@ ratio paper-code / ours in ``speedup_vs_paper_code``.
 
 Total evaluation time (Table 4): a COCO-style collection of N images with 5 captions each, every caption a
 t2i query and every image an i2t query, encoding included. Settings whose estimate (from measured unit
-costs) fits the remaining ``eval_budget_s`` are run end to end through benchmarks.engine (measured=true);
-the others are extrapolated from the unit costs and marked measured=false with the formula in the notes.
+costs) fits the remaining ``eval_budget_s`` are run as the pipeline jobs a user would run (pipelines.encode,
+build_index, rerank with --mode emb / co / ce, then benchmarks.evaluate.evaluate_run); their row's wall_s
+is the sum of those jobs' wall times (staging excluded: it is data preparation, not evaluation),
+measured=true. The others are extrapolated from the unit costs and marked measured=false with the formula
+in the notes.
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import numpy as np
 
-from benchmarks import engine
+from benchmarks.jobs import JOB_START_S
 from benchmarks.report import PAPER_CODE_MODEL, set_threads
 
 EVAL_CAPTIONS_PER_IMAGE = 5
@@ -133,23 +136,23 @@ def measure_unit_costs(b: _Bench, ctx_log) -> None:
     n_img = len(b.images)
     texts = b.captions["text"].tolist()
     # warm-up: the first calls pay one-off costs (allocator, tokenizer caches, OpenMP pool start)
-    engine.call_with_supported(m.encode_text, texts[:8], batch_size=cfg.batch_size)
-    engine.call_with_supported(m.score, texts[:2], b.regions([0, 0]), batch_size=cfg.batch_size)
+    m.encode_text(texts[:8], batch_size=cfg.batch_size)
+    m.score(texts[:2], b.regions([0, 0]), batch_size=cfg.batch_size)
     t0 = time.perf_counter()
-    engine.call_with_supported(m.encode_image, b.images, batch_size=cfg.batch_size)
+    m.encode_image(b.images, batch_size=cfg.batch_size)
     b.unit["image_encode_s"] = (time.perf_counter() - t0) / n_img
     t0 = time.perf_counter()
-    engine.call_with_supported(m.encode_text, texts, batch_size=cfg.batch_size)
+    m.encode_text(texts, batch_size=cfg.batch_size)
     b.unit["caption_encode_s"] = (time.perf_counter() - t0) / len(texts)
     n_pairs = min(4 * cfg.batch_size, len(texts))
     pos = np.arange(n_pairs) % n_img
     t0 = time.perf_counter()
-    engine.call_with_supported(m.score, texts[:n_pairs], b.regions(pos), batch_size=cfg.batch_size)
+    m.score(texts[:n_pairs], b.regions(pos), batch_size=cfg.batch_size)
     b.unit["ce_pair_batched_s"] = (time.perf_counter() - t0) / n_pairs
     n_single = 30 if n_pairs >= 30 else n_pairs
     t0 = time.perf_counter()
     for i in range(n_single):
-        engine.call_with_supported(m.score, [texts[i]], b.regions([pos[i]]), batch_size=1)
+        m.score([texts[i]], b.regions([pos[i]]), batch_size=1)
     b.unit["ce_pair_single_s"] = (time.perf_counter() - t0) / n_single
     ctx_log("unit costs: " + ", ".join(f"{k}={v * 1000:.2f}ms" for k, v in b.unit.items()))
 
@@ -165,10 +168,9 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
     rng_q = np.random.default_rng(cfg.seed + 1)
     caption_texts = b.captions["text"].tolist()
     rq = min(cfg.recall_queries, len(caption_texts))
-    recall_q = engine.call_with_supported(m.encode_text, [caption_texts[i] for i in
-                                                           rng_q.choice(len(caption_texts), rq, replace=False)],
-                                          batch_size=cfg.batch_size)
-    enc = lambda i: engine.call_with_supported(m.encode_text, b.texts(i), batch_size=1)
+    recall_q = m.encode_text([caption_texts[i] for i in rng_q.choice(len(caption_texts), rq, replace=False)],
+                             batch_size=cfg.batch_size)
+    enc = lambda i: m.encode_text(b.texts(i), batch_size=1)
     loop_cost: dict[int, float] = {}  # k -> seconds of the paper code's k single-pair CE calls
     for n in cfg.sizes:
         log(f"latency: N={n:,}: building the collection and indexes")
@@ -177,11 +179,11 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
         note = (f"items: {cfg.base_images} real image embeddings + jitter sigma={cfg.jitter}, renormalised; "
                 f"query = one real caption encoded per query (included)")
         t0 = time.perf_counter()
-        flat = engine.build_index("Flat", ids, items)
+        flat = flat_or_ann_index("Flat", ids, items)
         flat_build = time.perf_counter() - t0
         fac = ann_factory(cfg.ann, n)
         t0 = time.perf_counter()
-        ann = engine.build_index(fac, ids, items, seed=cfg.seed)
+        ann = flat_or_ann_index(fac, ids, items, seed=cfg.seed)
         ann.set_params(**({"efSearch": cfg.ef_search} if fac.upper().startswith("HNSW") else {"nprobe": cfg.nprobe}))
         ann_build = time.perf_counter() - t0
         _, exact_i = flat.search(recall_q, 10)
@@ -220,14 +222,13 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
 
             def co(i, kk=kk):
                 q, (s, hit) = emb_flat(i, max(kk, 10))
-                ce = engine.call_with_supported(m.score, b.texts(i) * kk, b.regions(src[hit[0, :kk]]),
-                                                batch_size=cfg.batch_size)
+                ce = m.score(b.texts(i) * kk, b.regions(src[hit[0, :kk]]), batch_size=cfg.batch_size)
                 rerank.rank_query(hit[0], s[0], ce, k=kk, mode="ce")
 
             def paper_co(i, kk=kk):
                 top = paper_emb(i, kk)
                 for j in top.indices[0].tolist():  # one CE call per (query, candidate) pair
-                    engine.call_with_supported(m.score, b.texts(i), b.regions([src[j]]), batch_size=1)
+                    m.score(b.texts(i), b.regions([src[j]]), batch_size=1)
 
             t_co = _timed(co, cfg.reps, cfg.warmup)
             pnote = f"{note}; torch.mm + topk, then one CE call per candidate"
@@ -249,7 +250,7 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
         if est <= cfg.ce_measure_budget_s:
             def ce_all(i):
                 q = b.texts(i)
-                engine.call_with_supported(m.score, q * n, b.regions(src), batch_size=cfg.batch_size)
+                m.score(q * n, b.regions(src), batch_size=cfg.batch_size)
             t_ce = _timed(ce_all, 1, 0)
             rows.append(_row(b, mode="CE", k="all", **_percentiles(t_ce), **common, notes=f"{note}; one query, "
                              f"measured once", speedup_vs_paper_code=paper_est / t_ce[0]))
@@ -272,84 +273,209 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
     return rows
 
 
-def eval_time(b: _Bench, log) -> list[dict]:
-    """Table 4: total evaluation time of a COCO-style N-image collection, both directions."""
-    from benchmarks.suites import gold_of, synthetic_collection
-    from retrieval_core.synthetic import SyntheticSpec
+def eval_manifest(n: int) -> tuple[str, Optional[int]]:
+    """(manifest, images override) of the Table 4 collection of n images: the COCO 5k and 100k analogs as
+    staged for the recall suites (shared staging), any other n as synthetic_coco5k cut to n images."""
+    if n == 5_000:
+        return "synthetic_coco5k", None
+    if n == 100_000:
+        return "synthetic_100k", None
+    return "synthetic_coco5k", n
 
-    cfg, u = b.cfg, b.unit
-    rows = []
-    budget = cfg.eval_budget_s
-    k = 20 if 20 in cfg.ks else max(cfg.ks)
-    for n in cfg.eval_sizes:
-        n_cap = EVAL_CAPTIONS_PER_IMAGE * n
-        enc = n * u["image_encode_s"] + n_cap * u["caption_encode_s"]
-        co_pairs = (n_cap + n) * min(k, n)  # upper bound: t2i and i2t top-k pairs may overlap
-        ce_pairs = n * n_cap  # every (caption, image) pair once serves both directions
-        est = {"EMB": enc, "CO": enc + co_pairs * u["ce_pair_batched_s"], "CE": enc + ce_pairs * u["ce_pair_batched_s"]}
-        paper = {"EMB": enc, "CO": enc + co_pairs * u["ce_pair_single_s"], "CE": enc + ce_pairs * u["ce_pair_single_s"]}
-        measured: dict = {}
-        data = None
-        for method in ("EMB", "CO"):
-            if est[method] > budget:
-                continue
-            if data is None:
-                log(f"eval_time: N={n:,}: generating a synthetic collection")
-                spec = SyntheticSpec(f"eval{n}", n, seed=cfg.seed + 7, domain="coco",
-                                     feature_dim=b.model.feature_dim, captions_per_image=EVAL_CAPTIONS_PER_IMAGE)
-                images, caps = synthetic_collection(spec)
-                data = (engine.Pool(images, caps), gold_of(caps))
-            ref = engine.ModelRef(b.model, f"eval{n}", "JOIN")
-            t0 = time.perf_counter()
-            res = engine.evaluate_collection(ref, None if method == "EMB" else ref, data[0], data[1],
-                                             mode="emb" if method == "EMB" else "ce", k=k,
-                                             batch_size=cfg.batch_size, cache=engine.EvalCache(), progress=False)
-            measured[method] = (time.perf_counter() - t0, res)
-            budget -= measured[method][0]
-            log(f"  N={n:,} {method}: {measured[method][0]:.1f}s measured end to end")
+
+def _eval_estimates(n: int, k: int, u: dict) -> dict:
+    """Seconds and CE pairs of a whole evaluation of n images + 5n captions per method, from unit costs."""
+    n_cap = EVAL_CAPTIONS_PER_IMAGE * n
+    enc = n * u["image_encode_s"] + n_cap * u["caption_encode_s"]
+    co_pairs = (n_cap + n) * min(k, n)  # upper bound: t2i and i2t top-k pairs may overlap
+    ce_pairs = n * n_cap  # every (caption, image) pair once serves both directions
+    start = 3 * JOB_START_S  # encode, build_index, rerank
+    return {"EMB": (enc + start, 0), "CO": (enc + start + co_pairs * u["ce_pair_batched_s"], co_pairs),
+            "CE": (enc + start + ce_pairs * u["ce_pair_batched_s"], ce_pairs),
+            "paper": {"EMB": enc, "CO": enc + co_pairs * u["ce_pair_single_s"],
+                      "CE": enc + ce_pairs * u["ce_pair_single_s"]}, "encode": enc}
+
+
+def plan_eval_setting(p, n: int, method: str, k: int, pairs: int):
+    """Plan the jobs of one whole evaluation (stage, all queries, encode, build_index, rerank) -> (Row, jobs)."""
+    from benchmarks.suites import MODE_LABELS
+
+    manifest, images = eval_manifest(n)
+    st = p.stage(manifest, images=images)
+    coll = next(iter(st.manifest.collections))
+    join = p.cfg.models.join
+    q = p.select(st, coll, max_queries=0)
+    enc = p.encode(st, join)
+    idx = p.index(st, join, enc, "image")
+    mode = {"EMB": "emb", "CO": "co", "CE": "ce"}[method]
+    # --mode ce requests every (query, item) pair of both directions; t2i and i2t share each pair once
+    run = p.rerank(st, "JOIN", join, join, enc, q, mode=mode, k=k, index=idx, pairs=pairs, exhaustive_limit=2 * pairs)
+    timing = (("encode_s", enc.name), ("index_s", idx.name), ("rerank_s", run.name))
+    row = p.row(collection="eval_total(synthetic_coco)", model="JOIN", mode=MODE_LABELS[mode],
+                k="" if method == "EMB" else (k if method == "CO" else "all"), runs=(run.output,), staged=st.path,
+                eval_collection=coll, pool_images=st.images[coll], timing=timing,
+                notes=(f"pipeline jobs (encode + build_index + rerank --mode {mode} + evaluate; staging excluded), "
+                       f"every caption and image a query",))
+    return row, [st.job, q, enc, idx, run]
+
+
+def measured_units(model_dir: str, lcfg: LatencyConfig) -> dict:
+    """Seconds per image / caption encoded and per CE pair (batched, single), measured in-process now."""
+    from retrieval_core.model import VLRetrievalModel
+
+    set_threads(lcfg.threads)
+    return _bench(VLRetrievalModel.load(model_dir), lcfg, {}, lambda m: None).unit
+
+
+def plan_eval_time(cfg, lcfg: LatencyConfig, unit: dict):
+    """--plan: the Table 4 jobs the eval budget allows at the given unit costs (measured_units)."""
+    from benchmarks.suites import Planner
+
+    u = unit
+    p = Planner(replace(cfg, suite="latency"))
+    budget = lcfg.eval_budget_s
+    k = 20 if 20 in lcfg.ks else max(lcfg.ks)
+    for n in lcfg.eval_sizes:
+        est = _eval_estimates(n, k, u)
         for method in ("EMB", "CO", "CE"):
-            kcol = "" if method == "EMB" else (k if method == "CO" else "all")
-            base = dict(suite="latency", collection="eval_total(synthetic_coco)", collection_size=n, k=kcol,
-                        direction="both", queries=n_cap + n)
-            if method in measured:
-                wall, res = measured[method]
-                t = res.timings
-                rows.append(_row(b, **base, model="JOIN", mode=method, wall_s=wall, encode_s=t["encode_s"],
-                                 index_s=t["index_s"], search_s=t["search_s"], rerank_s=t["rerank_s"],
-                                 ce_pairs=t["ce_pairs"] or "", measured=True,
-                                 speedup_vs_paper_code=paper[method] / wall if method != "EMB" else "",
-                                 notes=f"end to end via benchmarks.engine, encoding included; mR={res.metrics['mR']:.1f}"))
+            if est[method][0] <= budget:
+                plan_eval_setting(p, n, method, k, est[method][1])
+                budget -= est[method][0]
+    return p.plan
+
+
+def eval_time(b: _Bench, cfg, beam_args, log) -> tuple[list[dict], list]:
+    """Table 4: total evaluation time of a COCO-style N-image collection, both directions, through the
+    pipeline jobs where the budget allows; extrapolated from the unit costs otherwise."""
+    from benchmarks import jobs as jb
+    from benchmarks.run import evaluate_row
+    from benchmarks.suites import Planner
+
+    lcfg, u = b.cfg, b.unit
+    rows = []
+    runner = jb.JobRunner(tuple(beam_args), log)
+    budget = lcfg.eval_budget_s
+    k = 20 if 20 in lcfg.ks else max(lcfg.ks)
+    p = Planner(replace(cfg, suite="latency"))
+    for n in lcfg.eval_sizes:
+        n_cap = EVAL_CAPTIONS_PER_IMAGE * n
+        est = _eval_estimates(n, k, u)
+        paper = est["paper"]
+        for method in ("EMB", "CO", "CE"):
+            base = dict(suite="latency", collection="eval_total(synthetic_coco)", collection_size=n, direction="both",
+                        k="" if method == "EMB" else (k if method == "CO" else "all"), queries=n_cap + n)
+            wall, pairs = est[method]
+            if wall <= budget:
+                log(f"eval_time: N={n:,} {method}: estimated {wall:.0f}s, running the pipeline jobs")
+                row, needed = plan_eval_setting(p, n, method, k, pairs)
+                spent = 0.0
+                for job in needed:
+                    res = runner.run(job)
+                    spent += 0.0 if res.reused else res.wall_s
+                budget -= spent
+                (r_t2i, r_i2t) = evaluate_row(row, runner.results, b.env)
+                job_wall = sum(runner.results[name].wall_s for _, name in row.timing)
+                rows.append(_row(b, **base, model="JOIN", mode=method, measured=True,
+                                 **{c: r_t2i[c] for c in ("wall_s", "encode_s", "index_s", "rerank_s", "ce_pairs",
+                                                          "peak_rss_mb")},
+                                 speedup_vs_paper_code=paper[method] / job_wall if method != "EMB" else "",
+                                 notes=f"{row.notes[0]}; mR={r_t2i['mR']:.1f}"))
+                log(f"  N={n:,} {method}: {r_t2i['wall_s']:.1f}s measured (jobs + evaluate)")
             else:
-                pairs = {"EMB": 0, "CO": co_pairs, "CE": ce_pairs}[method]
-                rows.append(_row(b, **base, model="JOIN", mode=method, wall_s=est[method], measured=False,
+                rows.append(_row(b, **base, model="JOIN", mode=method, wall_s=wall, measured=False,
                                  ce_pairs=pairs or "",
-                                 speedup_vs_paper_code=paper[method] / est[method] if method != "EMB" else "",
+                                 speedup_vs_paper_code=paper[method] / wall if method != "EMB" else "",
                                  notes=f"extrapolated: encode {n:,} images + {n_cap:,} captions at the measured "
-                                       f"per-item cost" + (f" + {pairs:,} CE pairs x "
-                                       f"{u['ce_pair_batched_s'] * 1000:.2f} ms (batched)" if pairs else "")))
-            pairs = {"EMB": 0, "CO": co_pairs, "CE": ce_pairs}[method]
+                                       f"per-item cost + {3 * JOB_START_S:.0f}s job start-up" + (
+                                           f" + {pairs:,} CE pairs x {u['ce_pair_batched_s'] * 1000:.2f} ms "
+                                           f"(batched)" if pairs else "")))
             rows.append(_row(b, **base, model=PAPER_CODE_MODEL, mode=method, wall_s=paper[method], measured=False,
-                             ce_pairs=pairs or "",
+                             ce_pairs=est[method][1] or "",
                              notes="extrapolated: same batched encoding" + (
-                                 f" + {pairs:,} single-pair CE calls x {u['ce_pair_single_s'] * 1000:.2f} ms"
-                                 if pairs else " (search time not included)")))
-    return rows
+                                 f" + {est[method][1]:,} single-pair CE calls x {u['ce_pair_single_s'] * 1000:.2f} ms"
+                                 if est[method][1] else " (search time not included)")))
+    return rows, list(runner.results.values())
 
 
-def run_latency(model, cfg: LatencyConfig, env: dict, log=print) -> list[dict]:
-    """All latency rows (per-query and total evaluation time) for one model (normally the JOIN model)."""
-    from benchmarks.suites import synthetic_collection
+# ------------------------------------------------------------------------------------------ helpers
+def flat_or_ann_index(factory: str, ids: np.ndarray, vectors: np.ndarray, seed: int = 0):
+    """A one-shard inner-product index over ``vectors`` (the library calls pipelines.build_index makes)."""
+    from retrieval_core import index as rindex
+
+    d = int(vectors.shape[1])
+    sample = rindex.training_sample(ids, vectors, min(len(ids), 100_000), seed=seed) \
+        if rindex.needs_training(factory, d, "ip") else None
+    trained = rindex.train_index(factory, d, "ip", sample, seed=seed)
+    return rindex.ShardedIndex([rindex.build_shard(trained, ids, vectors)])
+
+
+def synthetic_collection(spec):
+    """(ImageTable, captions DataFrame) of one synthetic collection in memory, validated with the stager's
+    per-record functions (no Beam): the real images and captions the per-query latency rows score."""
+    import pandas as pd
+
+    from retrieval_core import staging, synthetic
+    from retrieval_core.schema import DEFAULT_MAX_REGIONS, ImageTable, Reject
+
+    rows = []
+    for raw in synthetic.generate_images(spec):
+        r = staging.stage_image(raw, collection=spec.collection, feature_dim=spec.feature_dim,
+                                max_regions=DEFAULT_MAX_REGIONS, source="synthetic")
+        if isinstance(r, Reject):
+            raise ValueError(f"synthetic image rejected: {r.reason}")
+        rows.append(r)
+    caps = []
+    for raw in synthetic.generate_captions(spec):
+        r = staging.stage_caption(raw, collection=spec.collection, source="synthetic")
+        if isinstance(r, Reject):
+            raise ValueError(f"synthetic caption rejected: {r.reason}")
+        caps.append({"caption_id": r["caption_id"], "image_item_id": r["image_item_id"], "text": r["text"]})
+    table = ImageTable.from_lists([r["item_id"] for r in rows], [r["features"] for r in rows],
+                                  [r["boxes"] for r in rows])
+    return table, pd.DataFrame(caps).sort_values("caption_id").reset_index(drop=True)
+
+
+def _bench(model, lcfg: LatencyConfig, env: dict, log) -> _Bench:
     from retrieval_core.synthetic import SyntheticSpec
 
-    threads = set_threads(cfg.threads)
-    env = {**env, "threads": threads}
-    log(f"latency: {threads} threads; generating {cfg.base_images} base images")
-    spec = SyntheticSpec("latency_base", cfg.base_images, seed=cfg.seed + 3, domain="coco",
+    spec = SyntheticSpec("latency_base", lcfg.base_images, seed=lcfg.seed + 3, domain="coco",
                          feature_dim=model.feature_dim, captions_per_image=1)
     images, caps = synthetic_collection(spec)
-    base = engine.call_with_supported(model.encode_image, images, batch_size=cfg.batch_size)
-    b = _Bench(model, images, caps, np.asarray(base, dtype=np.float32), cfg, env)
+    base = model.encode_image(images, batch_size=lcfg.batch_size)
+    b = _Bench(model, images, caps, np.asarray(base, dtype=np.float32), lcfg, env)
     measure_unit_costs(b, log)
+    return b
+
+
+def sample_rates(model_dir: str, batch_size: int = 128, threads: Optional[int] = None, base_images: int = 200
+                 ) -> dict:
+    """Units per second measured in-process on a small synthetic sample: images and captions encoded, CE
+    pairs scored (batched) - for estimates when no earlier run recorded them."""
+    from retrieval_core.model import VLRetrievalModel
+
+    from retrieval_core.synthetic import SyntheticSpec
+
+    set_threads(threads)
+    model = VLRetrievalModel.load(model_dir)
+    spec = SyntheticSpec("stage_sample", base_images, seed=11, domain="coco", feature_dim=model.feature_dim)
+    t0 = time.perf_counter()  # generating + validating records: what a stage worker does besides writing
+    images, caps = synthetic_collection(spec)
+    stage_rate = (len(images) + len(caps)) / (time.perf_counter() - t0)
+    b = _bench(model, LatencyConfig(base_images=base_images, batch_size=batch_size), {}, lambda m: None)
+    return {"images_encoded": 1 / b.unit["image_encode_s"], "captions_encoded": 1 / b.unit["caption_encode_s"],
+            "ce_pairs": 1 / b.unit["ce_pair_batched_s"], "stage_records": stage_rate}
+
+
+def run_latency(cfg, lcfg: LatencyConfig, beam_args: Sequence[str] = (), log=print) -> tuple[list[dict], list]:
+    """All latency rows (per-query in-process; Table 4 through the pipeline jobs) for the JOIN model."""
+    from benchmarks.report import environment
+    from retrieval_core.model import VLRetrievalModel
+
+    threads = set_threads(lcfg.threads)
+    env = {**environment(cfg.device, lcfg.batch_size), "threads": threads}
+    log(f"latency: {threads} threads; generating {lcfg.base_images} base images")
+    model = VLRetrievalModel.load(cfg.models.join, device=cfg.device)
+    b = _bench(model, lcfg, env, log)
     rows = per_query_latency(b, log)
-    rows += eval_time(b, log)
-    return rows
+    more, results = eval_time(b, cfg, beam_args, log)
+    return rows + more, results

@@ -6,8 +6,8 @@ hardware and threads, plus library versions and whether the number was measured 
 from __future__ import annotations
 
 import csv
+import io
 import math
-import os
 import platform
 import re
 from typing import Iterable, Mapping, Optional, Sequence
@@ -19,7 +19,7 @@ PAPER_CODE_MODEL = "paper-code"
 CSV_COLUMNS = (
     "suite", "collection", "model", "mode", "k", "lam", "direction",
     "R@1", "R@5", "R@10", "mR", "queries", "collection_size",
-    "wall_s", "encode_s", "index_s", "search_s", "rerank_s", "ce_pairs",
+    "wall_s", "encode_s", "index_s", "search_s", "rerank_s", "ce_pairs", "peak_rss_mb",
     "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "ann_recall@10", "speedup_vs_paper_code",
     "split", "device", "cpu_model", "threads", "torch", "faiss", "transformers", "batch_size",
     "measured", "rankings", "notes",
@@ -38,8 +38,9 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def environment(device: str = "cpu", batch_size: Optional[int] = None) -> dict:
-    """Columns describing where and with what a row was measured."""
+def environment(device: str = "cpu", batch_size: Optional[int] = None, threads: Optional[int] = None) -> dict:
+    """Columns describing where and with what a row was measured (``threads``: what the jobs were given;
+    default this process's torch thread count, which the jobs inherit)."""
     import faiss
     import torch
     import transformers
@@ -50,7 +51,7 @@ def environment(device: str = "cpu", batch_size: Optional[int] = None) -> dict:
     return {
         "device": dev,
         "cpu_model": cpu_model(),
-        "threads": torch.get_num_threads(),
+        "threads": threads or torch.get_num_threads(),
         "torch": torch.__version__,
         "faiss": faiss.__version__,
         "transformers": transformers.__version__,
@@ -87,17 +88,30 @@ def normalise_row(row: Mapping) -> dict:
     return out
 
 
-def write_csv(path: str, rows: Iterable[Mapping]) -> str:
-    """Writes the rows (temp file + rename, so a crashed run never leaves a half CSV) and returns the path."""
-    rows = [normalise_row(r) for r in rows]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, path)
+def write_csv(path: str, rows: Iterable[Mapping], columns: Sequence[str] = CSV_COLUMNS) -> str:
+    """Writes the rows atomically (pipelines.common.write_atomic: a crashed run never leaves a half CSV) and
+    returns the path."""
+    from pipelines.common import write_atomic
+
+    rows = [normalise_row(r) for r in rows] if columns is CSV_COLUMNS else list(rows)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(columns))
+    w.writeheader()
+    w.writerows(rows)
+    write_atomic(path, buf.getvalue().encode("utf-8"))
     return path
+
+
+#: Columns of <suite>_jobs.csv: what every pipeline job of a suite run cost.
+JOB_COLUMNS = ("job", "step", "wall_s", "peak_rss_mb", "reused", "output", "command")
+
+
+def write_jobs_csv(path: str, rows: Sequence[Mapping]) -> str:
+    bad = [sorted(set(r) ^ set(JOB_COLUMNS)) for r in rows if set(r) != set(JOB_COLUMNS)]
+    if bad:
+        raise KeyError(f"job rows must have exactly {JOB_COLUMNS}; differing columns: {bad[0]}")
+    rows = [{c: ("true" if v else "false") if isinstance(v, bool) else v for c, v in r.items()} for r in rows]
+    return write_csv(path, rows, JOB_COLUMNS)
 
 
 def read_csv(path: str) -> list[dict]:

@@ -1,233 +1,314 @@
-"""Benchmark suites: ``python -m benchmarks.run --suite NAME``.
+"""Benchmark suites: ``python -m benchmarks.run --suite NAME [options] [Beam flags]``.
 
 Suites (paper tables in brackets):
   standard        synthetic_coco5k 5k + 1k (mean over 5 folds) and synthetic_f30k1k: EMB (SEP, JOIN),
                   SEP+CO, JOIN+CO, exhaustive CE within --ce-pair-budget                        [Table 1]
   distractor_20k  each task's queries/gold against pools enlarged with the other collections' images
                   and captions (synthetic_distractor20k)                                        [Table 5]
-  scale_100k      synthetic_100k: 5k t2i queries against all 100,000 images, CO end to end      [Table 4]
-  k_ablation      SEP+CO / JOIN+CO at k = 10, 20, 50 (synthetic_f30k1k)                        [Table 8]
-  combination     pure CE vs ADD_λ / NORM_ADD_λ, λ in 0.1/0.5/0.9 (synthetic_f30k1k)            [Table 11]
+  scale_100k      synthetic_100k: 5k caption queries against all 100,000 images and 5k image queries
+                  against all 500,000 captions, EMB and CO                                      [Table 4]
+  scale_1m        the same protocol on synthetic_1m (1M images / 5M captions): a cluster job; on one
+                  machine use --plan (the jobs and their estimated cost)
+  k_ablation      SEP+CO / JOIN+CO at k = 10, 20, 50 from one k = 50 run (synthetic_f30k1k)     [Table 8]
+  combination     CO vs ADD_λ / NORM_ADD_λ, λ in 0.1/0.5/0.9, from one CO run (synthetic_f30k1k) [Table 11]
   baseline        the training-free mapped baseline (fit on the demo train split) as an EMB row
-  latency         per-query latency 1k..1M and total evaluation time 1k/5k/100k, vs the paper's code
-                                                                                          [Tables 3, 4]
-Writes <output>/<suite>.csv (+ rankings/ and PNG plots) and prints a summary table.
+  latency         per-query latency 1k..1M (in-process) and total evaluation time 1k/5k/100k (pipeline
+                  jobs), vs the paper's code                                                    [Tables 3, 4]
 
-Models default to the demo assets (JOIN: pipelines.demo_assets.ensure_demo_assets; SEP:
-ensure_sep_models), trained on first use. Synthetic manifests are staged on demand with
-``python -m pipelines.stage`` into <workdir>/staged/<manifest>[-f<dim>][-quick] (reused when complete);
-when the model's feature_dim differs from a synthetic manifest's, the manifest is staged at the model's
-(``--set feature_dim=``): the synthetic world's codebooks depend only on (world_seed, feature_dim). A manifest
-with real (file) features and another feature_dim is refused with both dimensions named.
+Every recall number comes from the pipelines a user would run by hand: the suite is planned as a list of
+jobs (``pipelines.stage``, ``benchmarks.queries``, ``pipelines.encode``, ``pipelines.build_index``,
+``pipelines.rerank``), each run as ``python -m <module> <args> <the Beam flags given here>``, and its rows
+are read from the rerank runs by ``benchmarks.evaluate.evaluate_run``. Unknown ``--flags`` go to every
+pipeline job, so the same suite runs on Beam's DaskRunner or Dataflow::
+
+    python -m benchmarks.run --suite distractor_20k \\
+        --runner=apache_beam.runners.dask.dask_runner.DaskRunner --dask_client_address=127.0.0.1:8786
+
+Writes <output>/<suite>.csv (one row per collection, model, mode, k, λ and direction; timing columns from
+the jobs that produced the row, peak RSS included), <output>/<suite>_jobs.csv (every job: wall time, peak
+RSS, reused or run, command) and PNG plots; prints a summary table. Jobs write under <workdir>/bench/ and a
+finished job is reused by the next run (benchmarks.jobs). ``--plan`` prints the jobs without running any.
+
+Models default to the demo assets (JOIN: pipelines.demo_assets.ensure_demo_assets; SEP: ensure_sep_models),
+trained on first use. Synthetic manifests are staged at the model's feature_dim (``--set feature_dim=``);
+a manifest with real (file) features and another feature_dim is refused with both dimensions named.
 """
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Sequence
 
 import click
-import pandas as pd
+import numpy as np
 
-# Default query caps per direction: a CE pair costs ~10-25 ms on 2 CPU cores with the halved MiniLM, so the
-# full protocol (COCO 5k CO: ~550k pairs per model) takes hours there. Pools are never cut; --max-queries 0
-# runs every query (use it on a GPU).
-DEFAULT_MAX_QUERIES = {"standard": 500, "distractor_20k": 500, "k_ablation": 500, "combination": 500,
-                       "baseline": 0, "scale_100k": 0, "latency": 0}
-
-SUITES = ("standard", "distractor_20k", "scale_100k", "k_ablation", "combination", "baseline", "latency")
-
-# --quick: every collection shrunk to this many images (staged for real, through the same stage CLI).
-QUICK_IMAGES = {"synthetic_coco5k": 100, "synthetic_f30k1k": 40, "synthetic_cc14k": 60, "synthetic_100k": 300}
+from benchmarks import jobs as jb
+from benchmarks import report, suites
+from benchmarks.suites import DEFAULT_MAX_QUERIES, SUITES, Models, Plan, Row, SuiteConfig
 
 
-def stage(manifest: str, workdir: str, feature_dim: Optional[int], quick: bool) -> str:
-    """Staged dir of ``manifest`` (staged now unless a complete one exists)."""
-    from retrieval_core.manifest import load_manifest
+def unit_costs_path(cfg: SuiteConfig) -> str:
+    return os.path.join(cfg.root, "unit_costs.json")
 
-    m = load_manifest(manifest)
-    sets = []
-    suffix = ""
-    if feature_dim and feature_dim != m.feature_dim:
-        # Only generated features can be made at another dimension; restaging real features (read from files)
-        # with --set feature_dim would reject every image as having the wrong width.
-        real = sorted(name for name, c in m.collections.items() if c.images.format != "synthetic")
-        if real:
-            raise click.ClickException(
-                f"manifest {m.name!r} has {m.feature_dim}-d region features (collection(s) {', '.join(real)} "
-                f"read them from files), but the model expects {feature_dim}-d features; pass models trained on "
-                f"{m.feature_dim}-d features (--model, --be-model, --ce-model)")
-        sets.append(f"feature_dim={feature_dim}")
-        suffix += f"-f{feature_dim}"
-    if quick:
-        for name in m.collections:
-            n = QUICK_IMAGES.get(name, 50)
-            sets += [f"{name}.images.num_images={n}", f"{name}.expected_images=null",
-                     f"{name}.expected_captions=null"]
-        suffix += "-quick"
-    out = os.path.join(workdir, "staged", m.name + suffix)
-    if os.path.exists(os.path.join(out, "summary.json")):
-        return out
-    args = [sys.executable, "-m", "pipelines.stage", "--manifest", manifest, "--output", out]
-    for s in sets:
-        args += ["--set", s]
-    print("+ " + " ".join(args), flush=True)
-    subprocess.run(args, check=True)
+
+# -------------------------------------------------------------------------------------------- rows
+def _manifest(run_dir: str) -> dict:
+    import json
+
+    with open(os.path.join(run_dir, "rankings_manifest.json")) as f:
+        return json.load(f)
+
+
+def evaluate_row(row: Row, results: dict, env: dict) -> list[dict]:
+    """CSV rows (one per direction) of a planned Row, from its finished rerank run(s)."""
+    common = {"suite": row.suite, "collection": row.collection, "model": row.model, "mode": row.mode, "k": row.k,
+              "lam": row.lam, "collection_size": row.pool_images, "split": row.split or "", **env}
+    if row.skip:
+        return [{**common, "direction": "both", "measured": False, "notes": row.skip}]
+    from benchmarks.evaluate import evaluate_run
+
+    t0 = time.perf_counter()
+    metrics = [evaluate_run(run, row.staged, k=row.eval_k, mode=row.eval_mode, lam=row.eval_lam,
+                            collection=row.eval_collection, split=row.split) for run in row.runs]
+    eval_s = (time.perf_counter() - t0) / len(row.runs)
+    timing: dict[str, float] = {}
+    for col, name in row.timing:
+        timing[col] = timing.get(col, 0.0) + results[name].wall_s
+    if row.per_fold:
+        timing = {c: v / len(row.runs) if c != "encode_s" else v for c, v in timing.items()}
+    peak = max((results[name].peak_rss_mb for _, name in row.timing), default=0.0)
+    pairs = ""
+    if row.mode != "EMB":
+        pairs = int(round(np.mean([_manifest(r).get("ce_pairs_scored", 0) for r in row.runs])))
+    mean = lambda xs: float(np.mean(xs))  # noqa: E731
+    per_dir = {d: {f"R@{k}": mean([m[f"{d}_R@{k}"] for m in metrics]) for k in (1, 5, 10)}
+               for d in suites.DIRECTIONS}
+    m_r = mean([v for d in per_dir.values() for v in d.values()])
+    derived = f"k={metrics[0].get('k')} mode={metrics[0].get('mode')}" + \
+        (f" lam={metrics[0].get('lam')}" if row.eval_mode in ("add", "norm_add") else "")
+    reused = sorted({name for _, name in row.timing if results[name].reused})
+    notes = list(row.notes) + ([f"{len(reused)} job(s) reused from an earlier run (their cost as measured then)"]
+                               if reused else [])
+    out = []
+    for d in suites.DIRECTIONS:
+        out.append({**common, "direction": d, **per_dir[d], "mR": m_r,
+                    "queries": int(round(mean([m[f"{d}_queries"] for m in metrics]))),
+                    **{c: round(v, 3) for c, v in timing.items()},
+                    "wall_s": round(sum(timing.values()) + eval_s, 3), "ce_pairs": pairs,
+                    "peak_rss_mb": round(peak, 1), "measured": True,
+                    "rankings": ";".join(row.runs) + f" ({derived})", "notes": "; ".join(notes)})
     return out
 
 
-def tasks_for(suite: str, workdir: str, feature_dim: int, quick: bool, manifest: Optional[str]):
-    from benchmarks.suites import COCO_1K_FOLDS, COCO_1K_SIZE, StagedSource, Task
-    from retrieval_core.manifest import load_manifest
-
-    def single(name, folds=0):
-        m = load_manifest(name)
-        src = StagedSource(stage(name, workdir, feature_dim, quick))
-        q = m.benchmark.get("query_collection") or next(iter(m.collections))
-        fold_size = QUICK_IMAGES.get(q, 50) // COCO_1K_FOLDS if quick else COCO_1K_SIZE
-        return Task(m.name, src, q, m.benchmark.get("split", "test"), folds=folds, fold_size=fold_size)
-
-    if manifest:  # one user-chosen manifest, its own benchmark block
-        m = load_manifest(manifest)
-        if suite == "distractor_20k" or m.benchmark.get("distractor_collections"):
-            return _distractor_tasks(manifest, workdir, feature_dim, quick)
-        return [single(manifest)]
-    if suite == "standard":
-        return [single("synthetic_coco5k", folds=COCO_1K_FOLDS), single("synthetic_f30k1k")]
-    if suite == "distractor_20k":
-        return _distractor_tasks("synthetic_distractor20k", workdir, feature_dim, quick)
-    if suite == "scale_100k":
-        return [single("synthetic_100k")]
-    if suite in ("k_ablation", "combination"):
-        return [single("synthetic_f30k1k")]
-    if suite == "baseline":
-        return [single("synthetic_coco5k"), single("synthetic_f30k1k")]
-    raise click.UsageError(f"suite {suite!r} takes no tasks")
+def job_rows(results: Sequence[jb.JobResult], beam_args: Sequence[str]) -> list[dict]:
+    return [{"job": r.job.name, "step": r.job.module, "wall_s": round(r.wall_s, 3),
+             "peak_rss_mb": round(r.peak_rss_mb, 1), "reused": r.reused, "output": r.job.output,
+             "command": r.job.command(beam_args)} for r in results]
 
 
-def _distractor_tasks(manifest, workdir, feature_dim, quick):
-    """Each collection with captions of a COCO/Flickr kind is a task in turn; all others are distractors
-    (the paper rotates COCO and Flickr30k; CC dev only ever serves as distractors)."""
-    from benchmarks.suites import StagedSource, Task
-    from retrieval_core.manifest import load_manifest
+def execute(plan: Plan, beam_args: Sequence[str], costs: jb.UnitCosts, costs_path: str, env: dict,
+            log=print) -> tuple[list[dict], list[jb.JobResult]]:
+    """Run the plan's jobs in order (learning unit costs from each), then evaluate its rows."""
+    runner = jb.JobRunner(tuple(beam_args), log)
+    for job in plan.jobs:
+        res = runner.run(job)
+        if not res.reused:
+            if job.module == "pipelines.rerank":  # the pairs it really scored, not the planned upper bound
+                pairs = _manifest(job.output).get("ce_pairs_scored", 0)
+                res = jb.JobResult(jb.Job(**{**job.__dict__, "work": (("ce_pairs", pairs),) if pairs else ()}),
+                                   res.wall_s, res.peak_rss_kib)
+            costs.learn(res)
+            costs.save(costs_path)
+    rows = []
+    for row in plan.rows:
+        rows += evaluate_row(row, runner.results, env)
+    return rows, list(runner.results.values())
 
-    m = load_manifest(manifest)
-    src = StagedSource(stage(manifest, workdir, feature_dim, quick))
-    split = m.benchmark.get("split", "test")
-    first = m.benchmark.get("query_collection")
-    names = list(m.collections)
-    order = [first] + [n for n in names if n != first and "cc" not in n.lower()]
-    return [Task(f"{q}+distractors", src, q, split, distractors=tuple(n for n in names if n != q),
-                 distractor_split=split) for q in order]
+
+# --------------------------------------------------------------------------------------------- CLI
+@dataclass(frozen=True)
+class RunOptions:
+    """What main() does besides the suite plan itself."""
+    output: str
+    plan_only: bool
+    beam_args: tuple[str, ...]
+    ann: str = "IVF"
+    eval_budget_s: float = 600.0
 
 
-def _baseline_ref(ctx, workdir: str, staged_demo: str, be_dir: Optional[str], quick: bool):
-    """Fit (or load the cached) training-free mapped baseline on the demo train split."""
-    from benchmarks.engine import ModelRef
+def check_beam_args(beam_args: Sequence[str]) -> None:
+    """Refuse, before anything runs (training the demo models, staging), a flag no pipeline would take."""
+    from pipelines.common import UnknownFlagError, unknown_beam_flags
+
+    unknown = unknown_beam_flags(beam_args)
+    if unknown:
+        raise UnknownFlagError(f"unknown option(s) {' '.join(unknown)}: neither benchmarks.run nor Beam's "
+                               f"pipeline options know them (see --help)")
+    if any(a == "--dry_run" or a.startswith("--dry_run=") for a in beam_args):
+        raise click.UsageError("--dry_run would make every job write nothing for the next to read; use --plan "
+                               "to see the jobs without running them")
+
+
+def resolve_models(join_dir, be_dir, ce_dir, no_sep: bool, suite: str, plan_only: bool, beam_args) -> Models:
+    """Model folders: the given ones, else the demo assets (trained on first use; with --plan only named)."""
+    from pipelines import demo_assets
+
+    if plan_only:  # name the demo models' folders without training them
+        join_dir = join_dir or demo_assets.trained_model_path(demo_assets.model_dir())
+        if not no_sep and suite != "latency":
+            be_dir = be_dir or demo_assets.trained_model_path(demo_assets.sep_model_dir("be"))
+            ce_dir = ce_dir or demo_assets.trained_model_path(demo_assets.sep_model_dir("ce"))
+    else:
+        staged_demo = None
+        if join_dir is None:
+            staged_demo, join_dir = demo_assets.ensure_demo_assets(tuple(beam_args))
+        if not no_sep and suite != "latency" and (be_dir is None or ce_dir is None):
+            staged_demo = staged_demo or demo_assets.ensure_staged(tuple(beam_args))
+            d_be, d_ce = demo_assets.ensure_sep_models(staged_demo)
+            be_dir, ce_dir = be_dir or d_be, ce_dir or d_ce
+    return Models(join=os.path.abspath(join_dir), be=None if no_sep or not be_dir else os.path.abspath(be_dir),
+                  ce=None if no_sep or not ce_dir else os.path.abspath(ce_dir))
+
+
+def baseline_model(cfg: SuiteConfig, plan_only: bool) -> str:
+    """Fit (or reuse) the training-free mapped baseline on the demo train split; returns its folder."""
+    from pipelines import demo_assets
     from retrieval_core import baseline as bl
 
-    out = os.path.join(workdir, "baseline" + ("-quick" if quick else ""))
-    if bl.MappedBaseline.is_baseline_dir(out):
-        model = bl.MappedBaseline.load(out)
-        ctx.log(f"baseline: loaded {out}")
-    else:
-        from retrieval_core.store import StagedDataset
+    out = os.path.join(cfg.root, "baseline" + ("-quick" if cfg.quick else ""))
+    if plan_only or bl.MappedBaseline.is_baseline_dir(out):
+        return out
+    import pandas as pd
 
-        ds = StagedDataset(staged_demo)
-        caps = ds.captions(split="train")
-        if quick:  # a seeded subset of training images keeps the smoke run short
-            keep = pd.Series(caps["image_item_id"].unique()).sample(n=min(300, caps["image_item_id"].nunique()),
-                                                                    random_state=0)
-            caps = caps[caps["image_item_id"].isin(keep)].reset_index(drop=True)
-        images = ds.load_images(item_ids=caps["image_item_id"].unique().tolist())
-        ctx.log(f"baseline: fitting ({len(caps)} train pairs of the demo set) -> {out}")
-        model = bl.MappedBaseline.fit(caps, images, progress=True)
-        model.save(out)
-    label = f"MappedBaseline-{model.method}"
-    return ModelRef(model, os.path.abspath(out), label), f"training-free; fit on the demo train split ({out})"
+    from retrieval_core.store import StagedDataset
+
+    ds = StagedDataset(demo_assets.ensure_staged())
+    caps = ds.captions(split="train")
+    if cfg.quick:  # a seeded subset of training images keeps the smoke run short
+        keep = pd.Series(caps["image_item_id"].unique()).sample(n=min(300, caps["image_item_id"].nunique()),
+                                                                random_state=0)
+        caps = caps[caps["image_item_id"].isin(keep)].reset_index(drop=True)
+    images = ds.load_images(item_ids=caps["image_item_id"].unique().tolist())
+    print(f"baseline: fitting on {len(caps)} train pairs of the demo set -> {out}", flush=True)
+    bl.MappedBaseline.fit(caps, images, progress=True).save(out)
+    return out
 
 
-@click.command()
+def plan_costs(plan_jobs: Sequence[jb.Job], cfg: SuiteConfig) -> jb.UnitCosts:
+    """Unit costs for --plan: from earlier runs' JSON; missing model rates measured now on a small sample."""
+    costs = jb.UnitCosts.load(unit_costs_path(cfg))
+    missing = set(costs.missing(plan_jobs))
+    if missing and suites.model_feature_dim(cfg.models.join) is not None:
+        from benchmarks import latency
+
+        for unit, per_s in latency.sample_rates(cfg.models.join, cfg.batch_size, cfg.threads).items():
+            if unit in missing:
+                costs.set(unit, per_s, f"measured now on a small in-process sample ({cfg.models.join}, batch "
+                                       f"{cfg.batch_size}{'; generation + validation, no writes' if unit == 'stage_records' else ''})")
+        costs.save(unit_costs_path(cfg))
+    return costs
+
+
+@click.command(context_settings=dict(ignore_unknown_options=True, allow_extra_args=True,
+                                     help_option_names=["-h", "--help"]))
 @click.option("--suite", type=click.Choice(SUITES), required=True, help="Which benchmark suite to run.")
 @click.option("--manifest", default=None, help="Run the suite on this manifest instead of its default ones.")
 @click.option("--model", "join_dir", default=None, help="JOIN model folder [demo JOIN model].")
 @click.option("--be-model", "be_dir", default=None, help="SEP bi-encoder model folder [demo SEP BE model].")
 @click.option("--ce-model", "ce_dir", default=None, help="SEP cross-encoder model folder [demo SEP CE model].")
 @click.option("--no-sep", is_flag=True, help="Skip the SEP rows (do not train the SEP demo models).")
-@click.option("--output", default="results", show_default=True, help="Folder for <suite>.csv, rankings, plots.")
-@click.option("--workdir", default=None, help="Staged data and cached models [$RR_WORKDIR or ./runs].")
+@click.option("--output", default="results", show_default=True, help="Folder for <suite>.csv, <suite>_jobs.csv, plots.")
+@click.option("--workdir", default=None, help="Staged data, pipeline outputs, cached models [$RR_WORKDIR or ./runs].")
+@click.option("--plan", "plan_only", is_flag=True,
+              help="Print the jobs (and their estimated cost from measured unit costs) without running them.")
 @click.option("--quick", is_flag=True, help="Tiny sizes everywhere: a smoke run in a few minutes.")
 @click.option("--batch-size", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
-@click.option("--threads", default=None, type=click.IntRange(min=1), help="torch + faiss threads [torch default].")
+@click.option("--device", type=click.Choice(["cpu", "cuda"], case_sensitive=False), default="cpu", show_default=True)
+@click.option("--threads", default=None, type=click.IntRange(min=1), help="torch + faiss threads per job [default].")
 @click.option("--ce-pair-budget", default=200_000, show_default=True, type=click.IntRange(min=0),
-              help="Exhaustive CE rows only below this many (query, item) pairs; otherwise skipped with a note.")
+              help="Exhaustive CE rows only up to this many (query, item) pairs; otherwise skipped with a note.")
 @click.option("--max-queries", default=None, type=click.IntRange(min=0),
               help="Seeded sample of at most this many queries per direction, pools unchanged (noted in every "
                    "row); 0 = the full protocol. Default: per suite, sized for the 2-core CPU budgets "
-                   "(DEFAULT_MAX_QUERIES).")
-@click.option("--index-factory", default="Flat", show_default=True, help="FAISS factory for the BE search.")
+                   "(suites.DEFAULT_MAX_QUERIES).")
+@click.option("--index-factory", default="Flat", show_default=True, help="FAISS factory of every build_index job.")
 @click.option("--ann", default="IVF", show_default=True, help="latency: ANN index, IVF or HNSW32.")
-@click.option("--eval-budget", default=600.0, show_default=True,
-              help="latency: seconds of end-to-end Table 4 runs; larger settings are extrapolated.")
-def main(suite, manifest, join_dir, be_dir, ce_dir, no_sep, output, workdir, quick, batch_size, device, threads,
-         ce_pair_budget, max_queries, index_factory, ann, eval_budget):
-    """Run one benchmark suite and write <output>/<suite>.csv plus a terminal summary."""
-    from benchmarks import report, suites
+@click.option("--eval-budget", default=600.0, show_default=True, type=click.FloatRange(min=0),
+              help="latency: seconds of Table 4 pipeline runs; larger settings are extrapolated.")
+@click.pass_context
+def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, no_sep, output, workdir, plan_only, quick, batch_size,
+         device, threads, ce_pair_budget, max_queries, index_factory, ann, eval_budget):
+    """Run one benchmark suite through the pipeline jobs and write <output>/<suite>.csv plus a summary.
+    Unknown --flags go to every pipeline job (--runner, --dask_client_address, Dataflow options)."""
     from pipelines import demo_assets
 
+    beam_args = tuple(ctx.args)
+    check_beam_args(beam_args)
     if workdir:
         os.environ["RR_WORKDIR"] = os.path.abspath(workdir)
-    workdir = demo_assets.workdir()
-    os.makedirs(output, exist_ok=True)
-    report.set_threads(threads)
     t_start = time.time()
-
-    staged_demo = None
-    if join_dir is None:
-        staged_demo, join_dir = demo_assets.ensure_demo_assets()
-    if not no_sep and suite not in ("latency",) and (be_dir is None or ce_dir is None):
-        staged_demo = staged_demo or demo_assets.ensure_staged()
-        d_be, d_ce = demo_assets.ensure_sep_models(staged_demo)
-        be_dir, ce_dir = be_dir or d_be, ce_dir or d_ce
-    models = suites.ModelSet(join_dir, None if no_sep else be_dir, None if no_sep else ce_dir, device=device)
-    if max_queries is None:
-        max_queries = DEFAULT_MAX_QUERIES[suite]
-    ctx = suites.SuiteContext(output=output, models=models, batch_size=batch_size, device=device,
-                              ce_pair_budget=ce_pair_budget, max_queries=max_queries or None, quick=quick,
-                              index_factory=index_factory)
-    feature_dim = models.ref("join").model.feature_dim
-
-    if suite == "latency":
-        from benchmarks import latency
-
-        cfg = latency.quick_config() if quick else latency.LatencyConfig()
-        cfg.batch_size, cfg.threads, cfg.ann, cfg.eval_budget_s = batch_size, threads, ann, eval_budget
-        rows = latency.run_latency(models.ref("join").model, cfg, ctx.env(), log=ctx.log)
-        report.plot_latency([r for r in rows if r.get("collection", "").startswith("per_query")],
-                            os.path.join(output, "latency.png"))
-    else:
-        tasks = tasks_for(suite, workdir, feature_dim, quick, manifest)
-        if suite == "standard":
-            rows = suites.standard(ctx, tasks)
-        elif suite == "distractor_20k":
-            rows = suites.distractor(ctx, tasks)
-        elif suite == "scale_100k":
-            rows = suites.scale(ctx, tasks[0], num_queries=50 if quick else 5000)
-        elif suite == "k_ablation":
-            rows = suites.k_ablation(ctx, tasks)
-            report.plot_recall_vs_k(rows, os.path.join(output, "k_ablation.png"))
-        elif suite == "combination":
-            rows = suites.combination(ctx, tasks)
+    models = resolve_models(join_dir, be_dir, ce_dir, no_sep, suite, plan_only, beam_args)
+    feature_dim = suites.model_feature_dim(models.join) or _demo_feature_dim()
+    cfg = SuiteConfig(suite=suite, workdir=demo_assets.workdir(), models=models, feature_dim=feature_dim,
+                      quick=quick, manifest=manifest,
+                      max_queries=DEFAULT_MAX_QUERIES[suite] if max_queries is None else max_queries,
+                      ce_pair_budget=ce_pair_budget, index_factory=index_factory, batch_size=batch_size,
+                      device=device.lower(), threads=threads)
+    opts = RunOptions(output=output, plan_only=plan_only, beam_args=beam_args, ann=ann, eval_budget_s=eval_budget)
+    if not plan_only:
+        os.makedirs(output, exist_ok=True)
+    try:
+        if suite == "latency":
+            rows, results = run_latency_suite(cfg, opts)
         else:
-            staged_demo = staged_demo or demo_assets.ensure_staged()
-            ref, note = _baseline_ref(ctx, workdir, staged_demo, be_dir, quick)
-            rows = suites.baseline(ctx, tasks, ref, note)
+            plan = suites.plan_suite(cfg, baseline_model(cfg, plan_only) if suite == "baseline" else None)
+            if plan_only:
+                print(f"{suite}: {len(plan.jobs)} jobs, {len(plan.rows)} row groups")
+                print(jb.format_plan(plan.jobs, beam_args, plan_costs(plan.jobs, cfg)))
+                return
+            env = report.environment(cfg.device, cfg.batch_size, cfg.threads)
+            rows, results = execute(plan, beam_args, jb.UnitCosts.load(unit_costs_path(cfg)),
+                                    unit_costs_path(cfg), env)
+    except jb.JobFailed as exc:
+        raise click.ClickException(str(exc)) from None
+    if rows is None:
+        return
     path = report.write_csv(os.path.join(output, f"{suite}.csv"), rows)
+    report.write_jobs_csv(os.path.join(output, f"{suite}_jobs.csv"), job_rows(results, beam_args))
+    if suite == "k_ablation":
+        report.plot_recall_vs_k(rows, os.path.join(output, "k_ablation.png"))
     print(report.summary_table(rows, f"{suite} ({time.time() - t_start:.0f}s)"))
     print(f"wrote {path}")
+
+
+def _demo_feature_dim() -> int:
+    from pipelines import demo_assets
+    from retrieval_core.manifest import load_manifest
+
+    return load_manifest(demo_assets.DEMO_MANIFEST).feature_dim
+
+
+def run_latency_suite(cfg: SuiteConfig, opts: RunOptions):
+    """Per-query latency in-process; Table 4 (total evaluation time) through the pipeline jobs."""
+    from benchmarks import latency
+
+    lcfg = latency.quick_config() if cfg.quick else latency.LatencyConfig()
+    lcfg = latency.LatencyConfig(**{**lcfg.__dict__, "batch_size": cfg.batch_size, "threads": cfg.threads,
+                                    "ann": opts.ann, "eval_budget_s": opts.eval_budget_s})
+    if opts.plan_only:
+        if suites.model_feature_dim(cfg.models.join) is None:
+            raise click.ClickException(f"latency --plan measures unit costs with the JOIN model; {cfg.models.join} "
+                                       f"does not exist yet (pass --model, or run the demo first)")
+        plan = latency.plan_eval_time(cfg, lcfg, latency.measured_units(cfg.models.join, lcfg))
+        print(f"latency: per-query rows run in-process; Table 4 jobs within --eval-budget {lcfg.eval_budget_s:.0f}s:")
+        print(jb.format_plan(plan.jobs, opts.beam_args, plan_costs(plan.jobs, cfg)))
+        return None, []
+    rows, results = latency.run_latency(cfg, lcfg, opts.beam_args, log=lambda m: print(
+        f"[{time.strftime('%H:%M:%S')}] {m}", flush=True))
+    report.plot_latency([r for r in rows if str(r.get("collection", "")).startswith("per_query")],
+                        os.path.join(opts.output, "latency.png"))
+    return rows, results
 
 
 if __name__ == "__main__":

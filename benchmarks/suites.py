@@ -1,452 +1,550 @@
-"""The recall benchmark suites (paper Tables 1, 5, 8, 11 and the 100k setting), as plain functions.
+"""The recall benchmark suites (paper Tables 1, 5, 8, 11, the 100k and 1M settings) as plans of pipeline jobs.
 
-Each suite takes a :class:`SuiteContext` (models, output folder, cache, options) and :class:`Task` s (which
-collection's queries and gold, which collections fill the candidate pools, where the data comes from) and
-returns CSV rows (``benchmarks.report.CSV_COLUMNS``). ``benchmarks.run`` resolves tasks from manifests and
-staged directories; tests build them in memory from ``retrieval_core.synthetic``.
+A suite is planned first: a list of jobs (:mod:`benchmarks.jobs`: stage, benchmarks.queries, encode,
+build_index, rerank, each the CLI a user would run) and a list of :class:`Row` s, each naming the rerank
+run(s) it is read from and how (``benchmarks.evaluate.evaluate_run``: k, mode, lam). Score once, evaluate
+many: per (model family, pool) ONE rerank job at the suite's k_max stores the BE top-k_max with be_score and
+ce_score; the EMB row, the CO rows at every k <= k_max and every fusion (mode, lam) are derived from it, so
+k_ablation and combination cost no extra CE pairs.
 
-Every row's rankings are written to ``<output>/rankings/<suite>/<row>.parquet`` (several files, ';'-joined,
-for fold means) and named in the row's ``rankings`` column, so each number can be recomputed.
+Planning rules: per staged manifest, stage once; per (BE model, staged collection), encode once; per pool,
+build_index (1k folds and sub-pools with ``--ids``; a fold's caption pool with ``--modality text --ids`` and
+``--text-index``; a pool of every caption of the embeddings dir uses rerank's exact search); per (family,
+pool), one rerank with a ``--queries`` file from ``benchmarks.queries``. Everything lands under
+``<workdir>/bench/``; a job whose output is finished and unchanged is reused (``jobs.finished``).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
-import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Optional
 
-import numpy as np
-import pandas as pd
+from benchmarks import queries as sel
+from benchmarks.jobs import Job
+from retrieval_core.schema import DIRECTION_I2T, DIRECTION_T2I
 
-from benchmarks.engine import (DEFAULT_CE_PAIR_BUDGET, DIRECTIONS, EvalCache, EvalResult, ModelRef, Pool, SkipRow,
-                               direction_metrics, evaluate_collection)
-from benchmarks.report import environment
-from retrieval_core.schema import DIRECTION_I2T, DIRECTION_T2I, ImageTable
-
-# Method = (model family, method label). Model families: SEP (BE model + separate CE model), JOIN (one model).
-EMB, CO, CE = "EMB", "CO", "CE"
-MODE_LABELS = {"emb": EMB, "ce": CO, "add": "CO-ADD", "norm_add": "CO-NORM_ADD"}
+DIRECTIONS = (DIRECTION_T2I, DIRECTION_I2T)
 STANDARD_K = 20  # the paper's default rerank depth
+ABLATION_KS = (10, 20, 50)  # paper Table 8
+COMBINATION_LAMS = (0.1, 0.5, 0.9)  # paper Table 11
 COCO_1K_FOLDS = 5
 COCO_1K_SIZE = 1000
+SCALE_QUERIES = 5000
+SUITES = ("standard", "distractor_20k", "scale_100k", "scale_1m", "k_ablation", "combination", "baseline", "latency")
+#: Default query caps per direction: a CE pair costs ~2 ms on 2 CPU cores (halved MiniLM, batched), so the full
+#: COCO 5k CO protocol (~600k pairs per model) takes ~22 min there. Pools are never cut; 0 = every query.
+DEFAULT_MAX_QUERIES = {"standard": 500, "distractor_20k": 500, "k_ablation": 500, "combination": 500,
+                       "baseline": 0, "scale_100k": 0, "scale_1m": 0, "latency": 0}
+#: --quick: every collection shrunk to this many images (staged for real, through the same stage CLI).
+QUICK_IMAGES = {"synthetic_coco5k": 100, "synthetic_f30k1k": 40, "synthetic_cc14k": 60, "synthetic_100k": 300,
+                "synthetic_1m": 300}
+QUICK_SCALE_QUERIES = 50
+MODE_LABELS = {"emb": "EMB", "co": "CO", "add": "CO-ADD", "norm_add": "CO-NORM_ADD", "ce": "CE"}
 
 
-# ---------------------------------------------------------------------------------------------- data
-class DataSource:
-    """Where a task's images and captions come from."""
+# ------------------------------------------------------------------------------------------ config
+@dataclass(frozen=True)
+class Models:
+    """Model folders of the compared systems: SEP = be (BE objective) + ce (CE objective); JOIN = join."""
+    join: Optional[str] = None
+    be: Optional[str] = None
+    ce: Optional[str] = None
 
-    def load(self, collection: str, split: Optional[str]) -> tuple[ImageTable, pd.DataFrame]:
-        raise NotImplementedError
-
-
-class StagedSource(DataSource):
-    def __init__(self, staged_dir: str):
-        from retrieval_core.store import StagedDataset
-
-        self.ds = StagedDataset(staged_dir)
-
-    def load(self, collection, split):
-        # Keep the stored precision in memory (collate_images casts each batch to float32): a float16
-        # collection of 100k images is ~6 GB as stored and would be ~12 GB, twice over while loading, as float32.
-        dtype = np.float16 if self.ds.feature_dtype == "float16" else np.float32
-        return (self.ds.load_images(collection=collection, split=split, dtype=dtype),
-                self.ds.captions(collection, split))
+    def families(self) -> list[tuple[str, str, str]]:
+        """(family, BE model, CE model) of every family given."""
+        out = []
+        if self.be and self.ce:
+            out.append(("SEP", self.be, self.ce))
+        if self.join:
+            out.append(("JOIN", self.join, self.join))
+        if not out:
+            raise ValueError("no models: give --model (JOIN) and/or --be-model with --ce-model (SEP)")
+        return out
 
 
-class InMemorySource(DataSource):
-    """collection -> (ImageTable, captions DataFrame); ``split`` filters on the captions' split column."""
-
-    def __init__(self, data: dict):
-        self.data = data
-
-    def load(self, collection, split):
-        images, caps = self.data[collection]
-        if split is not None and "split" in caps:
-            caps = caps[caps["split"] == split].reset_index(drop=True)
-            keep = np.isin(images.item_ids, caps["image_item_id"].to_numpy(np.int64))
-            images = images.take(np.flatnonzero(keep))
-        return images, caps
-
-
-def synthetic_collection(spec) -> tuple[ImageTable, pd.DataFrame]:
-    """Generate + validate one synthetic collection in memory with the stager's own per-record functions
-    (no Beam): what ``pipelines.stage`` would write for it."""
-    from retrieval_core import staging, synthetic
-    from retrieval_core.schema import DEFAULT_MAX_REGIONS, Reject
-
-    rows = []
-    for raw in synthetic.generate_images(spec):
-        r = staging.stage_image(raw, collection=spec.collection, feature_dim=spec.feature_dim,
-                                max_regions=DEFAULT_MAX_REGIONS, source="synthetic")
-        if isinstance(r, Reject):
-            raise ValueError(f"synthetic image rejected: {r.reason}")
-        rows.append(r)
-    caps = []
-    for raw in synthetic.generate_captions(spec):
-        r = staging.stage_caption(raw, collection=spec.collection, source="synthetic")
-        if isinstance(r, Reject):
-            raise ValueError(f"synthetic caption rejected: {r.reason}")
-        caps.append({k: r[k] for k in ("caption_id", "image_item_id", "collection", "source_id", "text", "lang",
-                                       "split")})
-    table = ImageTable.from_lists([r["item_id"] for r in rows], [r["features"] for r in rows],
-                                  [r["boxes"] for r in rows])
-    return table, pd.DataFrame(caps).sort_values("caption_id").reset_index(drop=True)
-
-
-def concat_images(tables: Sequence[ImageTable]) -> ImageTable:
-    offsets = [np.zeros(1, dtype=np.int64)]
-    base = 0
-    for t in tables:
-        offsets.append(t.offsets[1:] + base)
-        base += int(t.offsets[-1])
-    return ImageTable(np.concatenate([t.item_ids for t in tables]).astype(np.int64), np.concatenate(offsets),
-                      np.concatenate([t.features for t in tables]), np.concatenate([t.boxes for t in tables]), {})
-
-
-def gold_of(captions: pd.DataFrame) -> tuple[dict, dict]:
-    """(caption_id -> image_id, image_id -> frozenset(caption_ids)), fresh dicts."""
-    cap = captions["caption_id"].to_numpy(np.int64).tolist()
-    img = captions["image_item_id"].to_numpy(np.int64).tolist()
-    groups: dict[int, list] = {}
-    for c, i in zip(cap, img):
-        groups.setdefault(i, []).append(c)
-    return dict(zip(cap, img)), {i: frozenset(cs) for i, cs in groups.items()}
-
-
-@dataclass
-class Task:
-    """One standard task: queries + gold from ``collection`` (``split``), candidates from it plus
-    ``distractors`` (other collections, all splits named in ``distractor_split``)."""
-    label: str
-    source: DataSource
-    collection: str
-    split: Optional[str] = "test"
-    distractors: tuple = ()
-    distractor_split: Optional[str] = None
-    folds: int = 0  # > 0: also report the mean over this many folds of fold_size images (COCO 1k)
-    fold_size: int = COCO_1K_SIZE
-
-
-# ------------------------------------------------------------------------------------------- models
-@dataclass
-class ModelSet:
-    """Model folders of the compared systems; loaded on first use. SEP = be_dir (BE objective only) +
-    ce_dir (CE objective only); JOIN = join_dir (both objectives, shared weights)."""
-    join_dir: Optional[str] = None
-    be_dir: Optional[str] = None
-    ce_dir: Optional[str] = None
-    baseline: Optional[ModelRef] = None
-    device: str = "cpu"
-    _loaded: dict = field(default_factory=dict)
-
-    def ref(self, which: str) -> ModelRef:
-        path = {"join": self.join_dir, "be": self.be_dir, "ce": self.ce_dir}[which]
-        if path is None:
-            raise ValueError(f"no {which!r} model given")
-        if path not in self._loaded:
-            from retrieval_core.model import VLRetrievalModel
-
-            self._loaded[path] = ModelRef(VLRetrievalModel.load(path, device=self.device), os.path.abspath(path),
-                                          which)
-        return self._loaded[path]
-
-    def pair(self, family: str) -> tuple[ModelRef, ModelRef]:
-        """(BE model, CE model) of a family."""
-        if family == "SEP":
-            return self.ref("be"), self.ref("ce")
-        if family == "JOIN":
-            j = self.ref("join")
-            return j, j
-        raise ValueError(f"unknown model family {family!r}")
-
-    def have(self, family: str) -> bool:
-        return bool(self.be_dir and self.ce_dir) if family == "SEP" else bool(self.join_dir)
-
-
-@dataclass
-class SuiteContext:
-    output: str
-    models: ModelSet
-    cache: EvalCache = field(default_factory=EvalCache)
+@dataclass(frozen=True)
+class SuiteConfig:
+    """Everything a suite plan depends on, typed (built by benchmarks.run's CLI)."""
+    suite: str
+    workdir: str
+    models: Models
+    feature_dim: int
+    quick: bool = False
+    manifest: Optional[str] = None
+    max_queries: int = 500
+    ce_pair_budget: int = 200_000
+    index_factory: str = "Flat"
     batch_size: int = 128
     device: str = "cpu"
-    ce_pair_budget: int = DEFAULT_CE_PAIR_BUDGET
-    max_queries: Optional[int] = None  # per direction; None = the full protocol
-    quick: bool = False
-    progress: bool = True
+    threads: Optional[int] = None
     seed: int = 0
-    index_factory: str = "Flat"
-    _env: Optional[dict] = None
 
-    def env(self) -> dict:
-        if self._env is None:
-            self._env = environment(self.device, self.batch_size)
-        return self._env
+    def __post_init__(self) -> None:
+        if self.suite not in SUITES:
+            raise ValueError(f"unknown suite {self.suite!r} (known: {', '.join(SUITES)})")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.max_queries < 0 or self.ce_pair_budget < 0 or self.batch_size < 1 or self.feature_dim < 1:
+            raise ValueError("max_queries and ce_pair_budget must be >= 0, batch_size and feature_dim >= 1")
 
-    def log(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-    def families(self) -> list[str]:
-        fams = [f for f in ("SEP", "JOIN") if self.models.have(f)]
-        if not fams:
-            raise ValueError("no models: give --model (JOIN) and/or --be-model with --ce-model (SEP)")
-        return fams
+    @property
+    def root(self) -> str:
+        return os.path.join(self.workdir, "bench")
 
 
-# ------------------------------------------------------------------------------------------- rows
+@dataclass(frozen=True)
+class Row:
+    """One CSV row group (one row per direction): ``runs`` (one rerank run, or one per fold: the mean) read
+    by evaluate_run with ``eval_k`` / ``eval_mode`` / ``eval_lam``; ``timing`` = ((CSV column, job name),
+    ...) whose wall times the row reports; ``skip`` = why the row was not run (then nothing else matters)."""
+    suite: str
+    collection: str
+    model: str
+    mode: str
+    k: object = ""
+    lam: object = ""
+    runs: tuple[str, ...] = ()
+    staged: str = ""
+    eval_collection: Optional[str] = None
+    split: Optional[str] = "test"
+    eval_k: Optional[int] = None
+    eval_mode: Optional[str] = None
+    eval_lam: Optional[float] = None
+    timing: tuple[tuple[str, str], ...] = ()
+    per_fold: bool = False  # index_s / rerank_s are per fold (means); encode_s is shared by the folds
+    pool_images: int = 0
+    notes: tuple[str, ...] = ()
+    skip: str = ""
+
+
+@dataclass
+class Plan:
+    jobs: list[Job] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
+
+    def add(self, job: Job) -> Job:
+        for j in self.jobs:
+            if j.name == job.name:
+                if j != job:
+                    raise ValueError(f"two different jobs are both named {job.name!r}")
+                return j
+        self.jobs.append(job)
+        return job
+
+
+# ------------------------------------------------------------------------------------------ helpers
 def _slug(*parts) -> str:
-    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", "__".join(str(p) for p in parts if p not in (None, "")))
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", "-".join(str(p) for p in parts if p not in (None, "")))
 
 
-def save_rankings(ctx: SuiteContext, suite: str, slug: str, table) -> str:
-    """Writes one rankings table as Parquet; returns its path relative to the output folder."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rel = os.path.join("rankings", suite, slug + ".parquet")
-    path = os.path.join(ctx.output, rel)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    if not isinstance(table, pa.Table):
-        table = pa.Table.from_pandas(table, preserve_index=False)
-    pq.write_table(table, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    return rel
+def model_key(path: str) -> str:
+    """A short, stable folder name for a model: its folder name(s) + a hash of its absolute path."""
+    path = os.path.abspath(path)
+    name = os.path.basename(path)
+    if name in ("best", "last"):
+        name = os.path.basename(os.path.dirname(path)) + "_" + name
+    return _slug(name) + "-" + hashlib.sha256(path.encode()).hexdigest()[:8]
 
 
-def make_rows(ctx: SuiteContext, suite: str, collection: str, model: str, mode: str, k, lam,
-              results: Sequence[EvalResult], directions: Sequence[str], collection_size: int, split: Optional[str],
-              rankings: Sequence[str], notes: Iterable[str] = ()) -> list[dict]:
-    """One row per direction; with several results (folds) every number is the mean over them. mR is the
-    mean of the six recalls of both directions (of one direction's three when only one was run)."""
-    notes = list(notes) + [n for r in results[:1] for n in r.notes]
-    per_dir = {d: [direction_metrics(r.metrics, d) for r in results] for d in directions}
-    mean = lambda xs: float(np.mean(xs))
-    m_r = mean([mean([m[f"R@{kk}"] for m in per_dir[d] for kk in (1, 5, 10)]) for d in directions])
-    timing = {c: mean([r.timings[c] for r in results]) for c in ("wall_s", "encode_s", "index_s", "search_s",
-                                                                   "rerank_s")}
-    pairs = mean([r.timings["ce_pairs"] for r in results])
-    rows = []
-    for d in directions:
-        rows.append({
-            "suite": suite, "collection": collection, "model": model, "mode": mode, "k": k, "lam": lam,
-            "direction": d, **{f"R@{kk}": mean([m[f"R@{kk}"] for m in per_dir[d]]) for kk in (1, 5, 10)},
-            "mR": m_r, "queries": int(round(mean([m["queries"] for m in per_dir[d]]))),
-            "collection_size": collection_size, **timing, "ce_pairs": int(round(pairs)) if pairs else "",
-            "split": split or "", **ctx.env(), "measured": True, "rankings": ";".join(rankings),
-            "notes": "; ".join(notes),
-        })
-    return rows
+def model_feature_dim(path: str) -> Optional[int]:
+    """The region feature width a model folder expects (VLRetrievalModel or MappedBaseline), None if absent."""
+    import json
 
-
-def skipped_row(ctx: SuiteContext, suite: str, collection: str, model: str, mode: str, k, reason: str,
-                collection_size: int, split: Optional[str]) -> dict:
-    return {"suite": suite, "collection": collection, "model": model, "mode": mode, "k": k, "direction": "both",
-            "collection_size": collection_size, "split": split or "", **ctx.env(), "measured": False,
-            "notes": str(reason)}
-
-
-# ------------------------------------------------------------------------------------------ running
-def subsample_queries(pool: Pool, gold: tuple, max_queries: Optional[int], seed: int
-                      ) -> tuple[Optional[np.ndarray], Optional[np.ndarray], list[str]]:
-    """Seeded per-direction query subsets when ``max_queries`` caps them (same subset for every row of a
-    task, so rows stay comparable); None = all queries."""
-    if not max_queries:
-        return None, None, []
-    cap2img, img2caps = gold
-    caps = np.array([c for c in pool.captions["caption_id"].to_numpy(np.int64).tolist() if c in cap2img])
-    imgs = np.array([i for i in pool.images.item_ids.tolist() if i in img2caps])
-    rng = np.random.default_rng(seed)
-    notes = []
-    if len(caps) > max_queries:
-        caps = np.sort(rng.choice(caps, max_queries, replace=False))
-        notes.append(f"t2i queries: seeded sample of {max_queries} (--max-queries)")
-    if len(imgs) > max_queries:
-        imgs = np.sort(rng.choice(imgs, max_queries, replace=False))
-        notes.append(f"i2t queries: seeded sample of {max_queries} (--max-queries)")
-    return caps.astype(np.int64), imgs.astype(np.int64), notes
-
-
-def run_setting(ctx: SuiteContext, suite: str, label: str, family: str, method: str, *,
-                pools: Sequence[tuple[Pool, tuple]], k=STANDARD_K, mode: str = "ce", lam: float = 0.0,
-                directions: Sequence[str] = DIRECTIONS, split: Optional[str] = "test",
-                queries: Optional[Sequence[tuple]] = None, notes: Iterable[str] = ()) -> list[dict]:
-    """Evaluate one (family, method, k, λ) on one pool (or the mean over several folds) -> CSV rows."""
-    be, ce = ctx.models.pair(family)
-    exhaustive = method == CE
-    emb = method == EMB
-    mode_label = CE if exhaustive else MODE_LABELS["emb" if emb else mode]
-    k_col = "all" if exhaustive else ("" if emb else k)
-    lam_col = lam if mode in ("add", "norm_add") and not emb else ""
-    size = len(pools[0][0].images)
-    notes = list(notes)
-    if not emb and not exhaustive and k > size:
-        notes.append(f"k={k} exceeds the {size}-image pool: the whole pool is reranked")
-    results, paths = [], []
-    ctx.log(f"{suite}: {label} {family}+{mode_label} k={k_col} lam={lam_col} ({len(pools)} pool(s) of {size} images)")
-    for f, (pool, gold) in enumerate(pools):
-        t2i_q, i2t_q = queries[f] if queries else (None, None)
+    for name in ("rr_model.json", "baseline.json"):
         try:
-            res = evaluate_collection(be, None if emb else ce, pool, gold, mode="emb" if emb else mode, k=k,
-                                      lam=lam, directions=directions, index_factory=ctx.index_factory,
-                                      batch_size=ctx.batch_size, cache=ctx.cache, t2i_queries=t2i_q,
-                                      i2t_queries=i2t_q, exhaustive=exhaustive, ce_pair_budget=ctx.ce_pair_budget,
-                                      device=ctx.device, progress=ctx.progress)
-        except SkipRow as why:
-            ctx.log(f"  {why}")
-            return [skipped_row(ctx, suite, label, family, mode_label, k_col, str(why), size, split)]
-        results.append(res)
-        slug = _slug(label, family, mode_label, f"k{k_col}", f"lam{lam_col}" if lam_col != "" else "",
-                     f"fold{f}" if len(pools) > 1 else "")
-        paths.append(save_rankings(ctx, suite, slug, res.rankings))
-    rows = make_rows(ctx, suite, label, family, mode_label, k_col, lam_col, results, directions, size, split,
-                     paths, notes)
-    for r in rows:
-        ctx.log(f"  {r['direction']}: R@1 {r['R@1']:.1f} R@5 {r['R@5']:.1f} R@10 {r['R@10']:.1f} "
-                f"mR {r['mR']:.1f} ({r['queries']} queries, {r['wall_s']:.1f}s)")
-    return rows
+            with open(os.path.join(path, name)) as f:
+                return int(json.load(f)["feature_dim"])
+        except (OSError, KeyError, ValueError):
+            continue
+    return None
 
 
-def _load_task_pool(task: Task) -> tuple[Pool, tuple, int]:
-    """(pool, task gold, number of distractor images) of a task."""
-    images, caps = task.source.load(task.collection, task.split)
-    if len(images) == 0 or len(caps) == 0:
-        raise ValueError(f"{task.label}: collection {task.collection!r} split {task.split!r} is empty")
-    gold = gold_of(caps)
-    if not task.distractors:
-        return Pool(images, caps), gold, 0
-    imgs, capss = [images], [caps]
-    for d in task.distractors:
-        di, dc = task.source.load(d, task.distractor_split)
-        imgs.append(di)
-        capss.append(dc)
-    n_dis = sum(len(t) for t in imgs[1:])
-    return Pool(concat_images(imgs), pd.concat(capss, ignore_index=True)), gold, n_dis
+def _model_inputs(path: str) -> tuple[str, ...]:
+    return tuple(os.path.join(path, n) for n in ("rr_model.json", "model.safetensors", "baseline.json"))
 
 
-def _folds(pool: Pool, n_folds: int, fold_size: int) -> list[tuple[Pool, tuple]]:
-    """The COCO 1k protocol: consecutive blocks of fold_size images (here in item_id order) with their
-    captions, each evaluated on its own."""
-    order = np.argsort(pool.images.item_ids, kind="stable")
-    out = []
-    for f in range(n_folds):
-        pos = order[f * fold_size:(f + 1) * fold_size]
-        if len(pos) < fold_size:
-            break
-        imgs = pool.images.take(pos)
-        caps = pool.captions[pool.captions["image_item_id"].isin(imgs.item_ids.tolist())].reset_index(drop=True)
-        out.append((Pool(imgs, caps), gold_of(caps)))
-    return out
+def _common_flags(cfg: SuiteConfig, batch: bool = True) -> list[str]:
+    out = ["--device", cfg.device] + (["--batch-size", str(cfg.batch_size)] if batch else [])
+    return out + (["--threads", str(cfg.threads)] if cfg.threads else [])
 
 
-# -------------------------------------------------------------------------------------------- suites
-def standard(ctx: SuiteContext, tasks: Sequence[Task], k: int = STANDARD_K) -> list[dict]:
-    """Table 1: EMB (SEP's BE, JOIN), SEP+CO, JOIN+CO and exhaustive CE (when under the pair budget), both
-    directions, on each task's full test set and, for tasks with folds, the mean over its 1k folds."""
-    rows = []
-    for task in tasks:
-        pool, gold, _ = _load_task_pool(task)
-        variants = [(task.label, [(pool, gold)], [])]
-        if task.folds:
-            folds = _folds(pool, task.folds, task.fold_size)
-            if folds:
-                variants.append((f"{task.label}/1k" if task.fold_size == COCO_1K_SIZE else
-                                 f"{task.label}/{task.fold_size}", folds,
-                                 [f"mean over {len(folds)} folds of {task.fold_size} images (the standard COCO 1k "
-                                  f"protocol; folds = consecutive blocks in item_id order); times are per fold"]))
-        for label, pools, notes in variants:
-            # folds share the query cap, so the mean over folds costs what the full-set row costs
-            cap = -(-ctx.max_queries // len(pools)) if ctx.max_queries else None
-            qs = [subsample_queries(p, g, cap, ctx.seed + f) for f, (p, g) in enumerate(pools)]
-            queries = [(a, b) for a, b, _ in qs]
-            notes = notes + qs[0][2]
-            for family in ctx.families():
-                for method in (EMB, CO, CE):
-                    rows += run_setting(ctx, "standard", label, family, method, pools=pools, k=k, split=task.split,
-                                        queries=queries, notes=notes)
-    return rows
+@dataclass(frozen=True)
+class Staged:
+    """A staged manifest as planned: its folder, stage job and per-collection sizes (from the manifest)."""
+    name: str
+    path: str
+    job: Job
+    manifest: object
+    images: dict  # collection -> images
+    captions: dict  # collection -> captions
+
+    @property
+    def summary(self) -> str:
+        return os.path.join(self.path, "summary.json")
 
 
-def distractor(ctx: SuiteContext, tasks: Sequence[Task], k: int = STANDARD_K) -> list[dict]:
-    """Table 5: each task's queries and gold unchanged, pools enlarged with the other collections' images
-    AND captions."""
-    rows = []
-    for task in tasks:
-        pool, gold, n_dis = _load_task_pool(task)
-        t2i, i2t, qnotes = subsample_queries(pool, gold, ctx.max_queries, ctx.seed)
-        notes = [f"queries+gold of {task.collection}; pool adds {n_dis} images and their captions from "
-                 f"{', '.join(task.distractors)} as distractors"] + qnotes
-        for family in ctx.families():
-            for method in (EMB, CO):
-                rows += run_setting(ctx, "distractor_20k", task.label, family, method, pools=[(pool, gold)], k=k,
-                                    split=task.split, queries=[(t2i, i2t)], notes=notes)
-    return rows
+def _collection_sizes(m) -> tuple[dict, dict]:
+    images, captions = {}, {}
+    for name, c in m.collections.items():
+        n = c.images.options.get("num_images") or c.expected_images or 0
+        per = c.captions.options.get("captions_per_image")
+        images[name] = int(n)
+        captions[name] = int(n * per) if per else int(c.expected_captions or 0)
+    return images, captions
 
 
-def scale(ctx: SuiteContext, task: Task, num_queries: int = 5000, k: int = STANDARD_K) -> list[dict]:
-    """The 100k setting: every image of the collection indexed; t2i queries = one caption each of a seeded
-    subset of ``num_queries`` images (LightningDOT's "full" setting is t2i too). CO measured end to end."""
-    pool, gold, _ = _load_task_pool(task)
-    rng = np.random.default_rng(ctx.seed)
-    with_caps = np.array(sorted(gold[1]), dtype=np.int64)
-    chosen = rng.choice(with_caps, min(num_queries, len(with_caps)), replace=False)
-    t2i = np.array(sorted(min(gold[1][int(i)]) for i in chosen), dtype=np.int64)  # smallest caption id each
-    # t2i only: the caption pool needs just the query captions (no i2t index over every caption).
-    qcaps = pool.captions[pool.captions["caption_id"].isin(t2i.tolist())].reset_index(drop=True)
-    qpool = Pool(pool.images, qcaps)
-    notes = [f"t2i only: {len(t2i)} queries (one caption each of a seeded {len(t2i)}-image subset) against "
-             f"all {len(pool.images)} images; measured end to end, encoding included"]
-    rows = []
-    for family in ctx.families():
-        for method in (EMB, CO):
-            rows += run_setting(ctx, "scale_100k", task.label, family, method, pools=[(qpool, gold)], k=k,
-                                directions=(DIRECTION_T2I,), split=task.split, queries=[(t2i, None)], notes=notes)
-    return rows
+def stage_job(cfg: SuiteConfig, manifest: str, images: Optional[int] = None) -> Staged:
+    """The stage job of ``manifest`` at the models' feature_dim (synthetic features only: real features are
+    read from files, so another width is refused naming both) and, with --quick, shrunk (QUICK_IMAGES);
+    ``images`` cuts every collection to that many images instead."""
+    import click
+
+    from retrieval_core.manifest import load_manifest
+
+    m = load_manifest(manifest)
+    sets, suffix = [], ""
+    if cfg.feature_dim != m.feature_dim:
+        real = sorted(name for name, c in m.collections.items() if c.images.format != "synthetic")
+        if real:
+            raise click.ClickException(
+                f"manifest {m.name!r} has {m.feature_dim}-d region features (collection(s) {', '.join(real)} "
+                f"read them from files), but the model expects {cfg.feature_dim}-d features; pass models trained "
+                f"on {m.feature_dim}-d features (--model, --be-model, --ce-model)")
+        sets.append(f"feature_dim={cfg.feature_dim}")
+        suffix += f"-f{cfg.feature_dim}"
+    if images or cfg.quick:
+        for name in m.collections:
+            sets += [f"{name}.images.num_images={images or QUICK_IMAGES.get(name, 50)}",
+                     f"{name}.expected_images=null", f"{name}.expected_captions=null"]
+        suffix += f"-n{images}" if images else "-quick"
+    m = load_manifest(manifest, overrides=sets)
+    images, captions = _collection_sizes(m)
+    out = os.path.join(cfg.root, "staged", m.name + suffix)
+    args = ["--manifest", manifest, "--output", out]
+    for s in sets:
+        args += ["--set", s]
+    job = Job(f"stage {m.name}{suffix}", "pipelines.stage", tuple(args), out, "summary.json",
+              (("stage_records", sum(images.values()) + sum(captions.values())),))
+    return Staged(m.name + suffix, out, job, m, images, captions)
 
 
-def k_ablation(ctx: SuiteContext, tasks: Sequence[Task], ks: Sequence[int] = (10, 20, 50)) -> list[dict]:
-    """Table 8: SEP+CO and JOIN+CO reranking the top-k for k in ``ks`` (CE scores cached across k)."""
-    rows = []
-    for task in tasks:
-        pool, gold, _ = _load_task_pool(task)
-        t2i, i2t, notes = subsample_queries(pool, gold, ctx.max_queries, ctx.seed)
-        for family in ctx.families():
-            for k in sorted(ks, reverse=True):  # largest k first: smaller k reuse its CE scores
-                rows += run_setting(ctx, "k_ablation", task.label, family, CO, pools=[(pool, gold)], k=k,
-                                    split=task.split, queries=[(t2i, i2t)], notes=notes)
-    return rows
+class Planner:
+    """Builds one suite's Plan; every job goes through here, so a shared step is planned once."""
+
+    def __init__(self, cfg: SuiteConfig):
+        self.cfg = cfg
+        self.plan = Plan()
+        self._staged: dict[str, Staged] = {}
+
+    # -- jobs
+    def stage(self, manifest: str, images: Optional[int] = None) -> Staged:
+        if (manifest, images) not in self._staged:
+            st = stage_job(self.cfg, manifest, images)
+            self.plan.add(st.job)
+            self._staged[(manifest, images)] = st
+        return self._staged[(manifest, images)]
+
+    def select(self, st: Staged, collection: str, *, max_queries: int = 0, fold: Optional[int] = None,
+               folds: int = 0, fold_size: int = 0, scale: int = 0, split: str = "test") -> Job:
+        seed = self.cfg.seed
+        if fold is not None:
+            what = f"fold{fold}of{folds}x{fold_size}-q{max_queries}"
+        elif scale:
+            what = f"scale{scale}"
+        else:
+            what = f"q{max_queries}" if max_queries else "all"
+        out = os.path.join(self.cfg.root, "queries", st.name, _slug(collection, split, what, f"seed{seed}"))
+        args = ["--staged", st.path, "--collection", collection, "--split", split, "--output", out,
+                "--max-queries", str(max_queries), "--seed", str(seed)]
+        if fold is not None:
+            args += ["--fold", str(fold), "--folds", str(folds), "--fold-size", str(fold_size)]
+        if scale:
+            args += ["--scale", str(scale)]
+        return self.plan.add(Job(f"queries {st.name}/{collection} {what}", "benchmarks.queries", tuple(args), out,
+                                 sel.SELECTION_FILE, beam=False, inputs=(st.summary,)))
+
+    def encode(self, st: Staged, model: str, split: str = "test") -> Job:
+        out = os.path.join(self.cfg.root, "embeddings", model_key(model), st.name)
+        args = ["--staged", st.path, "--model", model, "--output", out, "--split", split,
+                *_common_flags(self.cfg)]
+        work = (("images_encoded", sum(st.images.values())), ("captions_encoded", sum(st.captions.values())))
+        return self.plan.add(Job(f"encode {model_key(model)} {st.name}", "pipelines.encode", tuple(args), out,
+                                 "embeddings_manifest.json", work, inputs=(st.summary, *_model_inputs(model))))
+
+    def index(self, st: Staged, model: str, enc: Job, modality: str = "image", ids: Optional[Job] = None,
+              pool: str = "all") -> Job:
+        out = os.path.join(self.cfg.root, "index", model_key(model), st.name, _slug(pool, modality))
+        args = ["--embeddings", enc.output, "--output", out, "--modality", modality,
+                "--index-factory", self.cfg.index_factory]
+        inputs = [os.path.join(enc.output, "embeddings_manifest.json")]
+        if ids is not None:
+            ids_file = os.path.join(ids.output, sel.IMAGE_IDS_FILE if modality == "image" else sel.CAPTION_IDS_FILE)
+            args += ["--ids", ids_file]
+            inputs.append(ids_file)
+        if self.cfg.threads:
+            args += ["--threads", str(self.cfg.threads)]
+        return self.plan.add(Job(f"index {model_key(model)} {st.name}/{pool} {modality}", "pipelines.build_index",
+                                 tuple(args), out, "index_manifest.json", inputs=tuple(inputs)))
+
+    def rerank(self, st: Staged, family: str, be_model: str, ce_model: str, enc: Job, queries: Job, *, mode: str,
+               k: int, index: Optional[Job], text_index: Optional[Job] = None, pool: str = "all", pairs: int = 0,
+               split: str = "test", exhaustive_limit: int = 0) -> Job:
+        """``pairs``: CE pairs it will score (estimates); ``exhaustive_limit``: --max-exhaustive-pairs of a
+        --mode ce run (queries x pool summed over directions; default ``pairs``)."""
+        models = _slug(family, model_key(be_model), model_key(ce_model) if mode != "emb" else "")
+        out = os.path.join(self.cfg.root, "runs", st.name, _slug(pool, os.path.basename(queries.output)), models,
+                           f"{mode}-k{k}")
+        args = ["--staged", st.path, "--embeddings", enc.output, "--mode", mode, "--k", str(k), "--split", split,
+                "--queries", os.path.join(queries.output, sel.QUERIES_FILE), "--output", out,
+                *_common_flags(self.cfg)]
+        inputs = [st.summary, os.path.join(enc.output, "embeddings_manifest.json"),
+                  os.path.join(queries.output, sel.QUERIES_FILE)]
+        for flag, j in (("--index", index), ("--text-index", text_index)):
+            if j is not None:
+                args += [flag, j.output]
+                inputs.append(os.path.join(j.output, "index_manifest.json"))
+        if mode != "emb":
+            args += ["--ce-model", ce_model]
+            inputs += _model_inputs(ce_model)
+        if mode == "ce":
+            args += ["--max-exhaustive-pairs", str(max(exhaustive_limit or pairs, 1))]
+        return self.plan.add(Job(f"rerank {family} {mode} k={k} {st.name}/{pool}", "pipelines.rerank", tuple(args),
+                                 out, "rankings_manifest.json", (("ce_pairs", pairs),) if mode != "emb" else (),
+                                 inputs=tuple(inputs)))
+
+    # -- rows
+    def row(self, **kw) -> Row:
+        r = Row(suite=self.cfg.suite, **kw)
+        self.plan.rows.append(r)
+        return r
 
 
-def combination(ctx: SuiteContext, tasks: Sequence[Task], lams: Sequence[float] = (0.1, 0.5, 0.9),
-                k: int = STANDARD_K) -> list[dict]:
-    """Table 11: pure CE rerank vs ADD_λ and NORM_ADD_λ fusion of BE and CE scores."""
-    rows = []
-    for task in tasks:
-        pool, gold, _ = _load_task_pool(task)
-        t2i, i2t, notes = subsample_queries(pool, gold, ctx.max_queries, ctx.seed)
-        for family in ctx.families():
-            settings = [("ce", 0.0)] + [(m, lam) for m in ("add", "norm_add") for lam in lams]
-            for mode, lam in settings:
-                rows += run_setting(ctx, "combination", task.label, family, CO, pools=[(pool, gold)], k=k,
-                                    mode=mode, lam=lam, split=task.split, queries=[(t2i, i2t)], notes=notes)
-    return rows
+def _query_counts(n_caps: int, n_imgs: int, max_queries: int) -> tuple[int, int]:
+    cap = lambda n: min(n, max_queries) if max_queries else n  # noqa: E731
+    return cap(n_caps), cap(n_imgs)
 
 
-def baseline(ctx: SuiteContext, tasks: Sequence[Task], baseline_ref: ModelRef, baseline_notes: str = ""
-             ) -> list[dict]:
-    """The training-free mapped baseline as an EMB row, beside the trained EMB rows for reference."""
-    rows = []
-    for task in tasks:
-        pool, gold, _ = _load_task_pool(task)
-        t2i, i2t, notes = subsample_queries(pool, gold, ctx.max_queries, ctx.seed)
-        ctx.log(f"baseline: {task.label} {baseline_ref.label} EMB")
-        res = evaluate_collection(baseline_ref, None, pool, gold, mode="emb", directions=DIRECTIONS,
-                                  index_factory=ctx.index_factory, batch_size=ctx.batch_size, cache=ctx.cache,
-                                  t2i_queries=t2i, i2t_queries=i2t, device=ctx.device, progress=ctx.progress)
-        path = save_rankings(ctx, "baseline", _slug(task.label, baseline_ref.label, EMB), res.rankings)
-        rows += make_rows(ctx, "baseline", task.label, baseline_ref.label, EMB, "", "", [res], DIRECTIONS,
-                          len(pool.images), task.split, [path], notes + ([baseline_notes] if baseline_notes else []))
-        for family in ctx.families():
-            rows += run_setting(ctx, "baseline", task.label, family, EMB, pools=[(pool, gold)], split=task.split,
-                                queries=[(t2i, i2t)], notes=notes)
-    return rows
+# ------------------------------------------------------------------------------------- the setting
+def one_pool(p: Planner, st: Staged, collection: str, label: str, *, k: int, queries: Job, q_t2i: int, q_i2t: int,
+             pool_images: int, pool_captions: int, notes: tuple = (), rows=("EMB", "CO"), ks: tuple = (),
+             lams: tuple = (), exhaustive: bool = False, fold_jobs: Optional[list] = None,
+             text_index: bool = False) -> None:
+    """Plan every family on one pool (or on each fold of ``fold_jobs``: [(queries job, q_t2i, q_i2t)]) and the
+    rows read from its one rerank run per family."""
+    cfg = p.cfg
+    folds = fold_jobs or [(queries, q_t2i, q_i2t)]
+    exh_pairs = max(qt * pool_images + qi * pool_captions for _, qt, qi in folds)
+    run_exhaustive = exhaustive and exh_pairs <= cfg.ce_pair_budget
+    for family, be, ce in cfg.models.families():
+        enc = p.encode(st, be)
+        runs, ce_runs = [], []
+        index_t, co_t, ce_t = [], [], []
+        for f, (qjob, qt, qi) in enumerate(folds):
+            pool = f"fold{f}" if fold_jobs else "all"
+            if fold_jobs:  # the fold's images and captions only
+                img_idx = p.index(st, be, enc, "image", ids=qjob, pool=pool)
+                txt_idx = p.index(st, be, enc, "text", ids=qjob, pool=pool)
+                index_t += [("index_s", img_idx.name), ("index_s", txt_idx.name)]
+            else:  # every image; i2t: a caption index, or rerank's exact search over every caption embedding
+                img_idx = p.index(st, be, enc, "image")
+                txt_idx = p.index(st, be, enc, "text") if text_index else None
+                index_t += [("index_s", j.name) for j in (img_idx, txt_idx) if j is not None]
+            run = p.rerank(st, family, be, ce, enc, qjob, mode="co", k=k, index=img_idx, text_index=txt_idx,
+                           pool=pool, pairs=(qt + qi) * min(k, pool_images))
+            runs.append(run.output)
+            co_t.append(("rerank_s", run.name))
+            if run_exhaustive:
+                ce_run = p.rerank(st, family, be, ce, enc, qjob, mode="ce", k=k, index=img_idx, text_index=txt_idx,
+                                  pool=pool, pairs=qt * pool_images + qi * pool_captions)
+                ce_runs.append(ce_run.output)
+                ce_t.append(("rerank_s", ce_run.name))
+        enc_t = [("encode_s", enc.name)]
+        timing = tuple(enc_t + index_t + co_t)
+        base = dict(collection=label, model=family, runs=tuple(runs), staged=st.path, eval_collection=collection,
+                    per_fold=bool(fold_jobs), pool_images=pool_images, notes=tuple(notes))
+        if "EMB" in rows:
+            p.row(mode="EMB", eval_mode="emb", timing=tuple(enc_t + index_t), **{**base, **_note(
+                base, f"BE ranking derived from the stored BE scores of the CO k={k} run (search time inside its "
+                      f"rerank job)")})
+        if "CO" in rows:
+            for kk in (ks or (k,)):
+                extra = f"derived from the stored CE scores of the k={k} run (ce_pairs and rerank_s are that run's)" \
+                    if kk != k else ""
+                p.row(mode="CO", k=kk, eval_mode="co", eval_k=kk, timing=timing, **{**base, **_note(base, extra)})
+        for mode in ("add", "norm_add"):
+            for lam in lams:
+                p.row(mode=MODE_LABELS[mode], k=k, lam=lam, eval_mode=mode, eval_k=k, eval_lam=lam, timing=timing,
+                      **{**base, **_note(base, f"fused from the stored scores of the CO k={k} run")})
+        if exhaustive and run_exhaustive:
+            p.row(mode="CE", k="all", timing=tuple(enc_t + index_t + ce_t), **{**base, "runs": tuple(ce_runs)})
+        elif exhaustive:
+            p.row(mode="CE", k="all", skip=f"skipped: exhaustive CE needs {exh_pairs:,} pairs"
+                  f"{' per fold' if fold_jobs else ''}, over the pair budget {cfg.ce_pair_budget:,} "
+                  f"(--ce-pair-budget)", **{**base, "runs": ()})
+
+
+def _note(base: dict, extra: str) -> dict:
+    return {"notes": base["notes"] + ((extra,) if extra else ())}
+
+
+def _sampled_notes(n_caps: int, n_imgs: int, q_t2i: int, q_i2t: int) -> tuple:
+    notes = []
+    if q_t2i < n_caps:
+        notes.append(f"t2i queries: seeded sample of {q_t2i} of {n_caps} (--max-queries)")
+    if q_i2t < n_imgs:
+        notes.append(f"i2t queries: seeded sample of {q_i2t} of {n_imgs} (--max-queries)")
+    return tuple(notes)
+
+
+def single_task(p: Planner, manifest: str, *, k: int = STANDARD_K, folds: int = 0, **kw) -> None:
+    """Queries and pool from one collection (the manifest's query collection), and its 1k folds if asked."""
+    cfg = p.cfg
+    st = p.stage(manifest)
+    coll = st.manifest.benchmark.get("query_collection") or next(iter(st.manifest.collections))
+    split = st.manifest.benchmark.get("split", "test")
+    n_img, n_cap = st.images[coll], st.captions[coll]
+    q_t, q_i = _query_counts(n_cap, n_img, cfg.max_queries)
+    qjob = p.select(st, coll, max_queries=cfg.max_queries, split=split)
+    one_pool(p, st, coll, st.manifest.name, k=k, queries=qjob, q_t2i=q_t, q_i2t=q_i, pool_images=n_img,
+             pool_captions=n_cap, notes=_sampled_notes(n_cap, n_img, q_t, q_i), **kw)
+    if folds:
+        size = (QUICK_IMAGES.get(coll, 50) // folds) if cfg.quick else COCO_1K_SIZE
+        n_folds = min(folds, n_img // size)
+        per_fold = -(-cfg.max_queries // n_folds) if cfg.max_queries else 0  # the folds share the query cap
+        cpi = n_cap / max(n_img, 1)
+        fq = [(p.select(st, coll, max_queries=per_fold, fold=f, folds=n_folds, fold_size=size, split=split),
+               *_query_counts(int(size * cpi), size, per_fold)) for f in range(n_folds)]
+        label = f"{st.manifest.name}/1k" if size == COCO_1K_SIZE else f"{st.manifest.name}/{size}"
+        notes = (f"mean over {n_folds} folds of {size} images (the standard COCO 1k protocol; folds = consecutive "
+                 f"blocks in item_id order); index_s and rerank_s are per fold, encode_s is shared",
+                 *_sampled_notes(int(size * cpi), size, fq[0][1], fq[0][2]))
+        one_pool(p, st, coll, label, k=k, queries=qjob, q_t2i=q_t, q_i2t=q_i, pool_images=size,
+                 pool_captions=int(size * cpi), notes=notes, fold_jobs=fq, **kw)
+
+
+def distractor_tasks(p: Planner, manifest: str, k: int = STANDARD_K) -> None:
+    """Table 5: each COCO/Flickr-like collection in turn gives queries and gold; the pools hold every collection's
+    images and captions (the paper rotates COCO and Flickr30k; CC dev only ever serves as distractors)."""
+    cfg = p.cfg
+    st = p.stage(manifest)
+    split = st.manifest.benchmark.get("split", "test")
+    first = st.manifest.benchmark.get("query_collection") or next(iter(st.manifest.collections))
+    names = list(st.manifest.collections)
+    order = [first] + [n for n in names if n != first and "cc" not in n.lower()]
+    pool_images, pool_captions = sum(st.images.values()), sum(st.captions.values())
+    for q in order:
+        q_t, q_i = _query_counts(st.captions[q], st.images[q], cfg.max_queries)
+        others = [n for n in names if n != q]
+        notes = (f"queries+gold of {q}; pool adds {pool_images - st.images[q]} images and their captions from "
+                 f"{', '.join(others)} as distractors", *_sampled_notes(st.captions[q], st.images[q], q_t, q_i))
+        one_pool(p, st, q, f"{q}+distractors", k=k, queries=p.select(st, q, max_queries=cfg.max_queries, split=split),
+                 q_t2i=q_t, q_i2t=q_i, pool_images=pool_images, pool_captions=pool_captions, notes=notes)
+
+
+def scale_task(p: Planner, manifest: str, k: int = STANDARD_K, text_index: bool = False) -> None:
+    """Both directions against the full pools: N caption queries (one caption each of a seeded N-image subset)
+    against every image, and those N images as queries against every caption (``text_index``: through a
+    build_index caption index instead of rerank's exact search, which holds every caption vector in one
+    worker: 0.8 GB at 500k captions, 7.7 GB at 5M)."""
+    cfg = p.cfg
+    st = p.stage(manifest)
+    coll = next(iter(st.manifest.collections))
+    n = QUICK_SCALE_QUERIES if cfg.quick else SCALE_QUERIES
+    n_img, n_cap = st.images[coll], st.captions[coll]
+    q = min(n, n_img)
+    notes = (f"{q} queries per direction (a seeded {q}-image subset and one caption of each) against all "
+             f"{n_img:,} images / {n_cap:,} captions; encoding of the whole collection included in encode_s",)
+    one_pool(p, st, coll, st.manifest.name, k=k, queries=p.select(st, coll, scale=n), q_t2i=q, q_i2t=q,
+             pool_images=n_img, pool_captions=n_cap, notes=notes, text_index=text_index)
+
+
+def scale_1m(p: Planner) -> None:
+    """The 100k protocol at 1M images / 5M captions (data_manifests/synthetic_1m.yaml): a cluster job.
+
+    Work per model family (demo models, k = 20): stage 6M records once; encode 1M images + 5M captions; a
+    1M-image and a 5M-caption index; CE-score <= 200k pairs (5,000 queries per direction x 20). On 2 CPU
+    cores that is days (``--plan`` prints the estimate from measured unit costs); on one machine only
+    ``--plan`` is expected. On a Dask cluster (scheduler at HOST:8786, every worker with this repository
+    installed and the workdir on a shared filesystem)::
+
+        python -m benchmarks.run --suite scale_1m --workdir /shared/rr --index-factory IVF4096,Flat \
+            --runner=apache_beam.runners.dask.dask_runner.DaskRunner --dask_client_address=HOST:8786
+
+    On Dataflow (GPU workers for encode/rerank: see README; the workdir in a bucket)::
+
+        python -m benchmarks.run --suite scale_1m --workdir gs://BUCKET/rr --device cuda \
+            --index-factory IVF4096,Flat --runner=DataflowRunner --project=P --region=R \
+            --temp_location=gs://BUCKET/tmp --sdk_container_image=IMAGE \
+            --dataflow_service_options="worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver"
+
+    Every flag after the suite's own goes to every pipeline job unchanged (benchmarks.jobs)."""
+    scale_task(p, "synthetic_1m", text_index=True)
+
+
+def plan_suite(cfg: SuiteConfig, baseline_model: Optional[str] = None) -> Plan:
+    """The jobs and rows of one recall suite (latency plans its own Table 4 jobs, benchmarks.latency)."""
+    p = Planner(cfg)
+    s = cfg.suite
+    if cfg.manifest:  # one user-chosen manifest, its own benchmark block
+        from retrieval_core.manifest import load_manifest
+
+        m = load_manifest(cfg.manifest)
+        if s == "distractor_20k" or m.benchmark.get("distractor_collections"):
+            distractor_tasks(p, cfg.manifest)
+        elif s in ("scale_100k", "scale_1m"):
+            scale_task(p, cfg.manifest)
+        else:
+            _task_rows(p, s, cfg.manifest, baseline_model)
+        return p.plan
+    if s == "standard":
+        single_task(p, "synthetic_coco5k", folds=COCO_1K_FOLDS, exhaustive=True)
+        single_task(p, "synthetic_f30k1k", exhaustive=True)
+    elif s == "distractor_20k":
+        distractor_tasks(p, "synthetic_distractor20k")
+    elif s == "scale_100k":
+        scale_task(p, "synthetic_100k")
+    elif s == "scale_1m":
+        scale_1m(p)
+    elif s in ("k_ablation", "combination"):
+        _task_rows(p, s, "synthetic_f30k1k", baseline_model)
+    elif s == "baseline":
+        for m in ("synthetic_coco5k", "synthetic_f30k1k"):
+            _task_rows(p, s, m, baseline_model)
+    else:
+        raise ValueError(f"suite {s!r} has no recall plan")
+    return p.plan
+
+
+def _task_rows(p: Planner, suite: str, manifest: str, baseline_model: Optional[str]) -> None:
+    if suite == "k_ablation":  # one run at k_max = 50; k = 10, 20 derived from it
+        single_task(p, manifest, k=max(ABLATION_KS), rows=("CO",), ks=ABLATION_KS)
+    elif suite == "combination":
+        single_task(p, manifest, rows=("CO",), lams=COMBINATION_LAMS)
+    elif suite == "baseline":
+        baseline_rows(p, manifest, baseline_model)
+    else:
+        single_task(p, manifest, exhaustive=True)
+
+
+def baseline_rows(p: Planner, manifest: str, baseline_model: Optional[str]) -> None:
+    """EMB rows of the training-free mapped baseline and of every family's BE: one rerank --mode emb each."""
+    cfg = p.cfg
+    st = p.stage(manifest)
+    coll = st.manifest.benchmark.get("query_collection") or next(iter(st.manifest.collections))
+    n_img, n_cap = st.images[coll], st.captions[coll]
+    q_t, q_i = _query_counts(n_cap, n_img, cfg.max_queries)
+    qjob = p.select(st, coll, max_queries=cfg.max_queries)
+    bes = ([("MappedBaseline", baseline_model)] if baseline_model else []) + \
+        [(fam, be) for fam, be, _ in cfg.models.families()]
+    for label, be in bes:
+        enc = p.encode(st, be)
+        idx = p.index(st, be, enc, "image")
+        run = p.rerank(st, label, be, be, enc, qjob, mode="emb", k=10, index=idx)
+        notes = _sampled_notes(n_cap, n_img, q_t, q_i)
+        if label == "MappedBaseline":
+            notes += ("training-free; fit on the demo train split",)
+        p.row(collection=st.manifest.name, model=label, mode="EMB", runs=(run.output,), staged=st.path,
+              eval_collection=coll, eval_mode="emb", pool_images=n_img, notes=notes,
+              timing=(("encode_s", enc.name), ("index_s", idx.name), ("rerank_s", run.name)))

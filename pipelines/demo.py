@@ -3,8 +3,10 @@
     python -m pipelines.demo [--k 20] [--with-sep] [Beam options]
 
 Stages the synthetic demo collection, trains the demo JOIN model from the shipped all-MiniLM-L6-v2, encodes
-the test split, builds a FAISS index, retrieves and reranks (EMB and JOIN+CO; SEP+CO with --with-sep),
-evaluates, and prints the recall table. Every step runs the same CLI a user would run (printed with a
+the test split, builds a FAISS index, retrieves and reranks once per model family (JOIN+CO; SEP+CO with
+--with-sep), evaluates, and prints the recall table. Score once, evaluate many: the rerank run stores the BE
+top-k with its BE and CE scores, so the EMB row is derived from the same run (``benchmarks.evaluate --mode
+emb``) instead of a rerank run of its own. Every step runs the same CLI a user would run (printed with a
 leading '+'), so the demo doubles as a worked example. Everything lands under $RR_WORKDIR/demo
 (default ./runs/demo); finished steps are reused by a rerun.
 """
@@ -16,7 +18,6 @@ import sys
 import time
 
 import click
-import numpy as np
 import pandas as pd
 
 from pipelines import demo_assets
@@ -56,43 +57,34 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...]) -> pd.DataFrame
         timings["train SEP"] = time.time() - t0
 
     results = os.path.join(root, "results")
-    runs = []  # (label, be model, ce model or None)
-    runs.append(("EMB", "JOIN", None))
-    runs.append(("JOIN+CO", "JOIN", "JOIN"))
+    runs = [("JOIN+CO", "JOIN", "JOIN")]  # (label, BE model, CE model): one CO rerank run each
     if with_sep:
-        runs.append(("EMB", "SEP-BE", None))
         runs.append(("SEP+CO", "SEP-BE", "SEP-CE"))
 
-    for be_name in dict.fromkeys(r[1] for r in runs):
-        emb_dir = os.path.join(root, f"embeddings-{be_name}")
-        index_dir = os.path.join(root, f"index-{be_name}")
+    rows = []
+    for label, be, ce in runs:
+        emb_dir = os.path.join(root, f"embeddings-{be}")
+        index_dir = os.path.join(root, f"index-{be}")
         t0 = time.time()
-        _run(_py("pipelines.encode", "--staged", staged, "--model", models[be_name], "--output", emb_dir,
+        _run(_py("pipelines.encode", "--staged", staged, "--model", models[be], "--output", emb_dir,
                  "--split", "test", *beam_args))
         _run(_py("pipelines.build_index", "--embeddings", emb_dir, "--output", index_dir, "--modality", "image",
                  "--index-factory", "Flat", *beam_args))
-        timings[f"encode+index {be_name}"] = time.time() - t0
-        for label, be, ce in runs:
-            if be != be_name:
-                continue
-            out = os.path.join(root, f"rankings-{label}-{be_name}".replace("+", ""))
-            args = ["--staged", staged, "--embeddings", emb_dir, "--index", index_dir, "--split", "test",
-                    "--k", str(k), "--output", out]
-            args += ["--mode", "emb"] if ce is None else ["--mode", "co", "--ce-model", models[ce]]
-            t0 = time.time()
-            _run(_py("pipelines.rerank", *args, *beam_args))
-            timings[f"rerank {label} ({be_name})"] = time.time() - t0
-            _run(_py("benchmarks.evaluate", "--rankings", os.path.join(out, "rankings"), "--staged", staged,
-                     "--output", results, "--split", "test", "--model", result_model(be, ce),
-                     "--label", label))
+        timings[f"encode+index {be}"] = time.time() - t0
+        out = os.path.join(root, f"rankings-{label}".replace("+", ""))
+        t0 = time.time()
+        _run(_py("pipelines.rerank", "--staged", staged, "--embeddings", emb_dir, "--index", index_dir,
+                 "--split", "test", "--k", str(k), "--output", out, "--mode", "co", "--ce-model", models[ce],
+                 *beam_args))
+        timings[f"rerank {label}"] = time.time() - t0
+        for mode, row_label, model in (("emb", "EMB", be), ("co", label, result_model(be, ce))):
+            _run(_py("benchmarks.evaluate", "--rankings", out, "--staged", staged, "--output", results,
+                     "--split", "test", "--model", model, "--mode", mode, "--k", str(k), "--label", row_label))
+            rows += table_rows(out, staged, mode, k, model, row_label)
 
-    # metrics.csv keeps the rows of earlier runs (another --k, --with-sep): show this run's rows only.
-    table = this_run_rows(pd.read_csv(os.path.join(results, "metrics.csv")), k,
-                          [(result_model(be, ce), label) for label, be, ce in runs])
-    cols = [c for c in ("model", "mode", "k", "direction", "R@1", "R@5", "R@10", "mR", "queries",
-                        "collection_size") if c in table.columns]
+    table = pd.DataFrame(rows)
     print("\nDemo results (synthetic demo collection, test split; recall in %, NOTES.md section 2 convention):")
-    print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     for line in r1_changes(table):
         print(line)
     print("\nwall time per step (s): " + ", ".join(f"{name} {sec:.0f}" for name, sec in timings.items()))
@@ -105,16 +97,18 @@ def result_model(be: str, ce: str | None) -> str:
     return be if ce is None else f"{be}/{ce}"
 
 
-def this_run_rows(table: pd.DataFrame, k: int, runs: list[tuple[str, str]]) -> pd.DataFrame:
-    """The metrics.csv rows of one demo run: test split, rerank depth ``k`` and the (model, mode) pairs in
-    ``runs``. The results folder is shared by every demo run, and benchmarks.evaluate only replaces rows of
-    the same configuration, so rows of an earlier --k or --with-sep run are still in the file."""
-    wanted = set(runs)
-    keep = (table["k"] == k) & np.array([(m, md) in wanted for m, md in zip(table["model"], table["mode"])],
-                                        dtype=bool)
-    if "split" in table.columns:
-        keep &= table["split"] == "test"
-    return table[keep].reset_index(drop=True)
+def table_rows(run: str, staged: str, mode: str, k: int, model: str, label: str) -> list[dict]:
+    """The demo table's two rows (t2i, i2t) of one rerank run evaluated in ``mode`` (benchmarks.evaluate's
+    evaluate_run: EMB is derived from the run's stored BE scores)."""
+    import json
+
+    from benchmarks.evaluate import evaluate_run
+
+    res = evaluate_run(run, staged, k=k, mode=mode, split="test")
+    with open(os.path.join(run, "rankings_manifest.json")) as f:
+        pool = json.load(f)["pool_size"]["t2i"]
+    return [{"model": model, "mode": label, "k": k, "direction": d, **{f"R@{kk}": res[f"{d}_R@{kk}"] for kk in (1, 5, 10)},
+             "mR": res["mR"], "queries": res[f"{d}_queries"], "collection_size": pool} for d in ("t2i", "i2t")]
 
 
 def r1_changes(table: pd.DataFrame) -> list[str]:

@@ -1,4 +1,4 @@
-"""benchmarks.run.stage(): which manifests may be restaged at the model's feature_dim."""
+"""benchmarks.suites.stage_job(): which manifests may be restaged at the model's feature_dim, and how."""
 from __future__ import annotations
 
 import os
@@ -6,32 +6,41 @@ import os
 import click
 import pytest
 
-from benchmarks.run import stage
+from benchmarks.suites import Models, SuiteConfig, stage_job
 
 
-def _staged(workdir, name):
-    """A finished staged dir under the name stage() would choose (stage() then reuses it, staging nothing)."""
-    out = os.path.join(workdir, "staged", name)
-    os.makedirs(out)
-    open(os.path.join(out, "summary.json"), "w").close()
-    return out
+def _cfg(tmp_path, feature_dim, quick=False):
+    return SuiteConfig(suite="standard", workdir=str(tmp_path), models=Models(join="unused"),
+                       feature_dim=feature_dim, quick=quick)
 
 
 def test_synthetic_manifest_is_restaged_at_the_models_feature_dim(tmp_path):
     # synthetic_f30k1k is 1024-d; its generator makes features of any dimension
-    expected = _staged(str(tmp_path), "synthetic_f30k1k-f16")
-    assert stage("synthetic_f30k1k", str(tmp_path), 16, quick=False) == expected
+    st = stage_job(_cfg(tmp_path, 16), "synthetic_f30k1k")
+    assert st.path == os.path.join(str(tmp_path), "bench", "staged", "synthetic_f30k1k-f16")
+    assert st.job.module == "pipelines.stage" and "feature_dim=16" in st.job.args
+    assert st.images == {"synthetic_f30k1k": 1000} and st.captions == {"synthetic_f30k1k": 5000}
+    assert st.job.work == (("stage_records", 6000),)
+
+
+def test_quick_and_cut_collections_get_their_own_folders(tmp_path):
+    quick = stage_job(_cfg(tmp_path, 1024, quick=True), "synthetic_f30k1k")
+    assert quick.path.endswith("synthetic_f30k1k-quick") and quick.images == {"synthetic_f30k1k": 40}
+    cut = stage_job(_cfg(tmp_path, 1024), "synthetic_coco5k", images=1000)
+    assert cut.path.endswith("synthetic_coco5k-n1000") and cut.captions == {"synthetic_coco5k": 5000}
+    assert "synthetic_coco5k.images.num_images=1000" in cut.job.args
 
 
 def test_real_manifest_with_another_feature_dim_is_refused_naming_both(tmp_path):
     # coco_5k holds 2048-d region features from files; restaging them at 1024 would reject every image
     with pytest.raises(click.ClickException) as err:
-        stage("coco_5k", str(tmp_path), 1024, quick=False)
+        stage_job(_cfg(tmp_path, 1024), "coco_5k")
     message = err.value.format_message()
     assert "coco_5k" in message and "2048" in message and "1024" in message
-    assert not os.path.exists(os.path.join(str(tmp_path), "staged"))  # nothing was staged
+    assert not os.path.exists(os.path.join(str(tmp_path), "bench"))  # nothing was staged
 
 
 def test_real_manifest_with_the_models_feature_dim_is_staged_as_is(tmp_path):
-    expected = _staged(str(tmp_path), "coco_5k")
-    assert stage("coco_5k", str(tmp_path), 2048, quick=False) == expected
+    st = stage_job(_cfg(tmp_path, 2048), "coco_5k")
+    assert st.path == os.path.join(str(tmp_path), "bench", "staged", "coco_5k")
+    assert not any(a.startswith("feature_dim=") for a in st.job.args)

@@ -1,0 +1,175 @@
+"""Which queries a benchmark run ranks, and which items its pools hold: ``python -m benchmarks.queries``.
+
+    python -m benchmarks.queries --staged S --collection C --output DIR [--max-queries 500] [--seed 0]
+    python -m benchmarks.queries ... --fold 2 --folds 5 --fold-size 1000     # the COCO 1k protocol
+    python -m benchmarks.queries ... --scale 5000                          # the 100k setting
+
+Writes into DIR:
+  queries.parquet       columns direction ("t2i"/"i2t"), query_id (int64): ``pipelines.rerank --queries``
+  image_ids.parquet     column item_id: ``pipelines.build_index --modality image --ids`` (folds only)
+  caption_ids.parquet   column item_id: ``pipelines.build_index --modality text --ids`` (folds only)
+  selection.json        what was selected and how (written last: the job's manifest)
+
+Selections (all seeded, ids sorted; only ids are read, shard by shard, never features or texts):
+  sample  every caption (t2i) and image (i2t) of the collection's split, or a seeded sample of at most
+          --max-queries per direction (the same sample the in-process suites drew: captions first, then
+          images, from one numpy Generator(seed) over the sorted ids);
+  fold    images [f * size, (f + 1) * size) in item_id order and their captions; queries sampled within the
+          fold (at most --max-queries per direction, seed + f);
+  scale   a seeded subset of N images: i2t queries = those images, t2i queries = the smallest caption id
+          of each (one caption per image).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+from typing import Optional
+
+import click
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from retrieval_core import schema
+from retrieval_core.schema import DIRECTION_I2T, DIRECTION_T2I
+
+QUERIES_FILE = "queries.parquet"
+IMAGE_IDS_FILE = "image_ids.parquet"
+CAPTION_IDS_FILE = "caption_ids.parquet"
+SELECTION_FILE = "selection.json"
+ITEM_ID = "item_id"
+
+
+def staged_ids(staged: str, collection: str, split: Optional[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(image ids, caption ids, the caption's image ids) of one collection and split, sorted by id; read one
+    shard at a time, id columns only."""
+    from pipelines.common import open_file
+    from retrieval_core.store import StagedDataset
+
+    ds = StagedDataset(staged, opener=open_file)
+    imgs = [ds.read_shard_columns(s, [ITEM_ID], split).column(ITEM_ID).to_numpy()
+            for s in ds.shard_names("images", collection)]
+    caps = [ds.read_shard_columns(s, ["caption_id", "image_item_id"], split)
+            for s in ds.shard_names("captions", collection)]
+    img = np.sort(np.concatenate(imgs).astype(np.int64)) if imgs else np.zeros(0, np.int64)
+    cap = np.concatenate([c.column("caption_id").to_numpy() for c in caps]).astype(np.int64) if caps else \
+        np.zeros(0, np.int64)
+    cap_img = np.concatenate([c.column("image_item_id").to_numpy() for c in caps]).astype(np.int64) if caps else \
+        np.zeros(0, np.int64)
+    order = np.argsort(cap, kind="stable")
+    return img, cap[order], cap_img[order]
+
+
+def sample(captions: np.ndarray, images: np.ndarray, max_queries: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """At most ``max_queries`` of each (0 = all), drawn from one Generator: captions first, then images."""
+    rng = np.random.default_rng(seed)
+    if max_queries and len(captions) > max_queries:
+        captions = np.sort(rng.choice(captions, max_queries, replace=False))
+    if max_queries and len(images) > max_queries:
+        images = np.sort(rng.choice(images, max_queries, replace=False))
+    return captions, images
+
+
+def select(staged: str, collection: str, split: Optional[str], *, max_queries: int = 0, seed: int = 0,
+           fold: Optional[int] = None, folds: int = 0, fold_size: int = 0, scale: int = 0) -> dict:
+    """The selection as arrays: {"t2i", "i2t", "image_ids"?, "caption_ids"?} plus "pool_images" and notes."""
+    img, cap, cap_img = staged_ids(staged, collection, split)
+    if len(img) == 0 or len(cap) == 0:
+        raise click.ClickException(f"collection {collection!r} split {split!r} of {staged} has no images or no "
+                                   f"captions")
+    out: dict = {"notes": []}
+    if fold is not None:
+        if not 0 <= fold < folds or fold_size < 1:
+            raise click.UsageError(f"--fold {fold} must be in [0, --folds {folds}) with --fold-size >= 1")
+        if (fold + 1) * fold_size > len(img):
+            raise click.ClickException(f"fold {fold} needs images up to {(fold + 1) * fold_size}; {collection} "
+                                       f"has {len(img)}")
+        pool = img[fold * fold_size:(fold + 1) * fold_size]
+        in_fold = np.isin(cap_img, pool)
+        out["image_ids"], out["caption_ids"] = pool, cap[in_fold]
+        out["t2i"], out["i2t"] = sample(cap[in_fold], pool, max_queries, seed + fold)
+        out["pool_images"] = len(pool)
+        out["notes"].append(f"fold {fold} of {folds}: images {fold * fold_size}..{(fold + 1) * fold_size - 1} "
+                            f"in item_id order and their {int(in_fold.sum())} captions")
+    elif scale:
+        has_caps = np.unique(cap_img)
+        rng = np.random.default_rng(seed)
+        chosen = rng.choice(has_caps, min(scale, len(has_caps)), replace=False)
+        first = {}
+        for c, i in zip(cap.tolist(), cap_img.tolist()):  # cap is sorted: the first seen is the smallest
+            first.setdefault(i, c)
+        out["t2i"] = np.sort(np.array([first[int(i)] for i in chosen], dtype=np.int64))
+        out["i2t"] = np.sort(chosen.astype(np.int64))
+        out["pool_images"] = len(img)
+        out["notes"].append(f"{len(chosen)} queries per direction: a seeded {len(chosen)}-image subset (i2t) and "
+                            f"one caption of each (t2i), against all {len(img)} images / {len(cap)} captions")
+    else:
+        out["t2i"], out["i2t"] = sample(cap, img, max_queries, seed)
+        out["pool_images"] = len(img)
+    for d, pool_n in ((DIRECTION_T2I, len(out.get("caption_ids", cap))), (DIRECTION_I2T, len(out.get("image_ids", img)))):
+        if not scale and len(out[d]) < pool_n:
+            out["notes"].append(f"{d} queries: seeded sample of {len(out[d])} of {pool_n} (--max-queries)")
+    return out
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return buf.getvalue()
+
+
+def write_selection(output: str, sel: dict, params: dict) -> dict:
+    from pipelines.common import write_atomic, write_json_atomic
+
+    q = pa.table({"direction": pa.array([DIRECTION_T2I] * len(sel["t2i"]) + [DIRECTION_I2T] * len(sel["i2t"]),
+                                        pa.string()),
+                  "query_id": pa.array(np.concatenate([sel["t2i"], sel["i2t"]]), pa.int64())})
+    write_atomic(os.path.join(output, QUERIES_FILE), _parquet_bytes(q))
+    files = {"queries": QUERIES_FILE}
+    for key, name in (("image_ids", IMAGE_IDS_FILE), ("caption_ids", CAPTION_IDS_FILE)):
+        if key in sel:
+            write_atomic(os.path.join(output, name), _parquet_bytes(pa.table({ITEM_ID: pa.array(sel[key], pa.int64())})))
+            files[key] = name
+    info = {"params": params, "files": files, "queries": {DIRECTION_T2I: len(sel["t2i"]), DIRECTION_I2T: len(sel["i2t"])},
+            "pool_images": int(sel["pool_images"]), "pool_captions": int(len(sel["caption_ids"])) if "caption_ids" in sel
+            else None, "notes": sel["notes"], "schema_version": schema.SCHEMA_VERSION}
+    write_json_atomic(os.path.join(output, SELECTION_FILE), info)
+    return info
+
+
+def read_selection(output: str) -> dict:
+    with open(os.path.join(output, SELECTION_FILE)) as f:
+        return json.load(f)
+
+
+@click.command(context_settings=dict(help_option_names=["-h", "--help"]))
+@click.option("--staged", required=True, help="Staged directory (pipelines.stage output).")
+@click.option("--collection", required=True, help="Collection whose queries (and fold pools) are selected.")
+@click.option("--split", default="test", show_default=True)
+@click.option("--output", required=True, help="Folder for queries.parquet (+ id files) and selection.json.")
+@click.option("--max-queries", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Seeded sample of at most this many queries per direction; 0 = all.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--fold", default=None, type=click.IntRange(min=0), help="Select fold F (with --folds, --fold-size).")
+@click.option("--folds", default=0, type=click.IntRange(min=0))
+@click.option("--fold-size", default=0, type=click.IntRange(min=0))
+@click.option("--scale", default=0, type=click.IntRange(min=0),
+              help="N queries per direction: N seeded images and one caption of each.")
+def main(staged, collection, split, output, max_queries, seed, fold, folds, fold_size, scale):
+    """Write the queries file (and fold id files) a benchmark's rerank and build_index jobs read."""
+    from pipelines.common import cli_errors
+
+    if fold is not None and scale:
+        raise click.UsageError("--fold and --scale exclude each other")
+    params = dict(staged=staged, collection=collection, split=split, max_queries=max_queries, seed=seed, fold=fold,
+                  folds=folds, fold_size=fold_size, scale=scale)
+    with cli_errors():
+        sel = select(staged, collection, split, max_queries=max_queries, seed=seed, fold=fold, folds=folds,
+                     fold_size=fold_size, scale=scale)
+        info = write_selection(output, sel, params)
+    click.echo(f"selected {info['queries']} queries (pool {info['pool_images']} images) -> {output}")
+
+
+if __name__ == "__main__":
+    main()
