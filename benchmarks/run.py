@@ -12,6 +12,8 @@ Suites (paper tables in brackets):
   k_ablation      SEP+CO / JOIN+CO at k = 10, 20, 50 from one k = 50 run (synthetic_f30k1k)     [Table 8]
   combination     CO vs ADD_λ / NORM_ADD_λ, λ in 0.1/0.5/0.9, from one CO run (synthetic_f30k1k) [Table 11]
   baseline        the training-free mapped baseline (fit on the demo train split) as an EMB row
+  memory          peak RSS of every pipeline job at 20k, 100k and 200k images (synthetic_memory; EMB and CO
+                  rows too): memory must stay flat as collections grow (--memory-sizes)
   latency         per-query latency 1k..1M (in-process) and total evaluation time 1k/5k/100k (pipeline
                   jobs), vs the paper's code                                                    [Tables 3, 4]
 
@@ -38,7 +40,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import click
 import numpy as np
@@ -233,12 +235,14 @@ def plan_costs(plan_jobs: Sequence[jb.Job], cfg: SuiteConfig) -> jb.UnitCosts:
                    "row); 0 = the full protocol. Default: per suite, sized for the 2-core CPU budgets "
                    "(suites.DEFAULT_MAX_QUERIES).")
 @click.option("--index-factory", default="Flat", show_default=True, help="FAISS factory of every build_index job.")
+@click.option("--memory-sizes", default=None, metavar="N,N,...",
+              help="memory: collection sizes in images [20000,100000,200000; --quick: 200,400].")
 @click.option("--ann", default="IVF", show_default=True, help="latency: ANN index, IVF or HNSW32.")
 @click.option("--eval-budget", default=600.0, show_default=True, type=click.FloatRange(min=0),
               help="latency: seconds of Table 4 pipeline runs; larger settings are extrapolated.")
 @click.pass_context
 def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, no_sep, output, workdir, plan_only, quick, batch_size,
-         device, threads, ce_pair_budget, max_queries, index_factory, ann, eval_budget):
+         device, threads, ce_pair_budget, max_queries, index_factory, memory_sizes, ann, eval_budget):
     """Run one benchmark suite through the pipeline jobs and write <output>/<suite>.csv plus a summary.
     Unknown --flags go to every pipeline job (--runner, --dask_client_address, Dataflow options)."""
     from pipelines import demo_assets
@@ -254,7 +258,7 @@ def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, no_sep, output, workdir
                       quick=quick, manifest=manifest,
                       max_queries=DEFAULT_MAX_QUERIES[suite] if max_queries is None else max_queries,
                       ce_pair_budget=ce_pair_budget, index_factory=index_factory, batch_size=batch_size,
-                      device=device.lower(), threads=threads)
+                      device=device.lower(), threads=threads, memory_sizes=_sizes(memory_sizes, suite))
     opts = RunOptions(output=output, plan_only=plan_only, beam_args=beam_args, ann=ann, eval_budget_s=eval_budget)
     if not plan_only:
         os.makedirs(output, exist_ok=True)
@@ -276,10 +280,52 @@ def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, no_sep, output, workdir
         return
     path = report.write_csv(os.path.join(output, f"{suite}.csv"), rows)
     report.write_jobs_csv(os.path.join(output, f"{suite}_jobs.csv"), job_rows(results, beam_args))
+    if suite == "memory":
+        print(memory_table(results, cfg, beam_args))
     if suite == "k_ablation":
         report.plot_recall_vs_k(rows, os.path.join(output, "k_ablation.png"))
     print(report.summary_table(rows, f"{suite} ({time.time() - t_start:.0f}s)"))
     print(f"wrote {path}")
+
+
+def _sizes(text: Optional[str], suite: str) -> tuple[int, ...]:
+    if text is None:
+        return ()
+    if suite != "memory":
+        raise click.UsageError("--memory-sizes is for --suite memory")
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise click.UsageError(f"--memory-sizes takes comma-separated image counts, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise click.UsageError(f"--memory-sizes needs positive image counts, got {text!r}")
+    return sizes
+
+
+def memory_table(results: Sequence[jb.JobResult], cfg: SuiteConfig, beam_args: Sequence[str]) -> str:
+    """Peak RSS (MB) of each pipeline step per collection size, as a Markdown table (the memory suite's
+    summary; every number is one job's peak RSS from benchmarks.jobs, a reused job's from when it ran)."""
+    steps = ("pipelines.stage", "pipelines.encode", "pipelines.build_index", "pipelines.rerank")
+    table: dict[str, dict[str, float]] = {}
+    for r in results:
+        if r.job.module in steps:
+            size = r.job.name.split("-n", 1)[1].split()[0].split("/")[0] if "-n" in r.job.name else "?"
+            cell = table.setdefault(size, {})
+            cell[r.job.module] = max(cell.get(r.job.module, 0.0), r.peak_rss_mb)
+    env = report.environment(cfg.device, cfg.batch_size, cfg.threads)
+    lines = [f"peak RSS per job (MB), {runner_of(beam_args)}, CPU {env.get('cpu_model', '?')}, "
+             f"threads {env.get('threads', '?')} (max over the jobs of a step, e.g. image and caption indexes)",
+             "| images | " + " | ".join(s.split(".")[1] for s in steps) + " |",
+             "|---" * (len(steps) + 1) + "|"]
+    for size in sorted(table, key=lambda x: int(x) if x.isdigit() else 0):
+        lines.append(f"| {int(size):,} | " + " | ".join(f"{table[size].get(s, float('nan')):,.0f}" for s in steps)
+                     + " |")
+    return "\n".join(lines)
+
+
+def runner_of(beam_args: Sequence[str]) -> str:
+    return next((a.split("=", 1)[1].rsplit(".", 1)[-1] for a in beam_args if a.startswith("--runner=")),
+                "DirectRunner")
 
 
 def _demo_feature_dim() -> int:

@@ -19,7 +19,7 @@ import hashlib
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from benchmarks import queries as sel
 from benchmarks.jobs import Job
@@ -32,11 +32,17 @@ COMBINATION_LAMS = (0.1, 0.5, 0.9)  # paper Table 11
 COCO_1K_FOLDS = 5
 COCO_1K_SIZE = 1000
 SCALE_QUERIES = 5000
-SUITES = ("standard", "distractor_20k", "scale_100k", "scale_1m", "k_ablation", "combination", "baseline", "latency")
+SUITES = ("standard", "distractor_20k", "scale_100k", "scale_1m", "k_ablation", "combination", "baseline", "latency",
+          "memory")
+#: memory: collection sizes (images) whose per-job peak RSS is compared; --quick uses QUICK_MEMORY_SIZES.
+MEMORY_SIZES = (20_000, 100_000, 200_000)
+QUICK_MEMORY_SIZES = (200, 400)
+MEMORY_QUERIES = 500
 #: Default query caps per direction: a CE pair costs ~2 ms on 2 CPU cores (halved MiniLM, batched), so the full
 #: COCO 5k CO protocol (~600k pairs per model) takes ~22 min there. Pools are never cut; 0 = every query.
 DEFAULT_MAX_QUERIES = {"standard": 500, "distractor_20k": 500, "k_ablation": 500, "combination": 500,
-                       "baseline": 0, "scale_100k": 0, "scale_1m": 0, "latency": 0}
+                       "baseline": 0, "scale_100k": 0, "scale_1m": 0, "latency": 0,
+                       "memory": 0}
 #: --quick: every collection shrunk to this many images (staged for real, through the same stage CLI).
 QUICK_IMAGES = {"synthetic_coco5k": 100, "synthetic_f30k1k": 40, "synthetic_cc14k": 60, "synthetic_100k": 300,
                 "synthetic_1m": 300}
@@ -80,6 +86,7 @@ class SuiteConfig:
     device: str = "cpu"
     threads: Optional[int] = None
     seed: int = 0
+    memory_sizes: tuple[int, ...] = ()  # memory suite: collection sizes (default MEMORY_SIZES)
 
     def __post_init__(self) -> None:
         if self.suite not in SUITES:
@@ -483,6 +490,21 @@ def scale_1m(p: Planner) -> None:
     scale_task(p, "synthetic_1m", text_index=True)
 
 
+def memory_task(p: Planner, sizes: Sequence[int]) -> None:
+    """Peak RSS per pipeline job as the collection grows: synthetic_memory (1 caption and 12 regions per image)
+    staged at each size, encoded, indexed and reranked (EMB and CO, k = 20) with MEMORY_QUERIES queries per
+    direction against the whole pool. The jobs CSV holds each job's peak RSS; the recall rows come free."""
+    n_q = QUICK_SCALE_QUERIES if p.cfg.quick else MEMORY_QUERIES
+    for n in sizes:
+        st = p.stage("synthetic_memory", images=int(n))
+        coll = next(iter(st.manifest.collections))
+        n_img, n_cap = st.images[coll], st.captions[coll]
+        q = min(n_q, n_img)
+        notes = (f"memory scaling: {q} queries per direction against all {n_img:,} images / {n_cap:,} captions",)
+        one_pool(p, st, coll, st.name, k=STANDARD_K, queries=p.select(st, coll, scale=n_q), q_t2i=q, q_i2t=q,
+                 pool_images=n_img, pool_captions=n_cap, notes=notes)
+
+
 def plan_suite(cfg: SuiteConfig, baseline_model: Optional[str] = None) -> Plan:
     """The jobs and rows of one recall suite (latency plans its own Table 4 jobs, benchmarks.latency)."""
     p = Planner(cfg)
@@ -507,6 +529,8 @@ def plan_suite(cfg: SuiteConfig, baseline_model: Optional[str] = None) -> Plan:
         scale_task(p, "synthetic_100k")
     elif s == "scale_1m":
         scale_1m(p)
+    elif s == "memory":
+        memory_task(p, cfg.memory_sizes or (QUICK_MEMORY_SIZES if cfg.quick else MEMORY_SIZES))
     elif s in ("k_ablation", "combination"):
         _task_rows(p, s, "synthetic_f30k1k", baseline_model)
     elif s == "baseline":

@@ -323,3 +323,34 @@ def test_cli_help_lists_suites():
     assert res.exit_code == 0
     for s in suites.SUITES + ("--quick", "--plan", "--threads", "--device"):
         assert s in res.output
+
+
+def test_memory_plan_runs_every_pipeline_at_each_size(model, tmp_path):
+    res = _bench("--suite", "memory", "--plan", "--no-sep", "--model", model, "--workdir", str(tmp_path / "w"),
+                 "--memory-sizes", "300,600", timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    commands = [line.strip() for line in res.stdout.splitlines() if line.strip().startswith("python -m ")]
+    steps = ["pipelines.stage", "benchmarks.queries", "pipelines.encode", "pipelines.build_index", "pipelines.rerank"]
+    assert [c.split()[2] for c in commands] == steps * 2
+    assert "synthetic_memory.images.num_images=300" in commands[0]
+    assert "synthetic_memory.images.num_images=600" in commands[5]
+    bad = _bench("--suite", "standard", "--plan", "--no-sep", "--model", model, "--memory-sizes", "300", timeout=120)
+    assert bad.returncode == 2 and "--memory-sizes is for --suite memory" in bad.stderr
+
+
+def test_memory_table_reports_each_steps_peak_rss_per_size(tmp_path):
+    from benchmarks.run import memory_table
+    from benchmarks.suites import Models, SuiteConfig
+
+    def result(name, module, mb):
+        return jb.JobResult(jb.Job(name, module, (), str(tmp_path), "m.json"), 1.0, int(mb * 1024))
+
+    results = [result("stage synthetic_memory-n300", "pipelines.stage", 500),
+               result("index m synthetic_memory-n300/all image", "pipelines.build_index", 300),
+               result("index m synthetic_memory-n300/all text", "pipelines.build_index", 350),
+               result("rerank JOIN co k=20 synthetic_memory-n300/all", "pipelines.rerank", 900),
+               result("encode m synthetic_memory-n600", "pipelines.encode", 700)]
+    cfg = SuiteConfig(suite="memory", workdir=str(tmp_path), models=Models(join="m"), feature_dim=16)
+    table = memory_table(results, cfg, ())
+    assert "| 300 | 500 | nan | 350 | 900 |" in table  # the larger of the two index jobs
+    assert "| 600 | nan | 700 | nan | nan |" in table and "DirectRunner" in table
