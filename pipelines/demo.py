@@ -7,9 +7,9 @@ the test split, builds a FAISS index, retrieves and reranks once per model famil
 --with-sep), evaluates, prints the recall table, and ends by writing the inspection page of EMB vs JOIN+CO
 (``benchmarks.inspect``: the queries whose gold item the reranker moved) and printing its path. Score once,
 evaluate many: the rerank run stores the BE top-k with its BE and CE scores, so the EMB row is derived from
-the same run (``benchmarks.evaluate --mode emb``) instead of a rerank run of its own. Every step runs the same CLI a user would run (printed with a
-leading '+'), so the demo doubles as a worked example. Everything lands under $RR_WORKDIR/demo
-(default ./runs/demo); finished steps are reused by a rerun.
+the same run (``benchmarks.evaluate --mode emb``) instead of a rerank run of its own.
+Every step runs the same CLI a user would run (printed with a leading '+'), so the demo doubles as a worked
+example. Everything lands under $RR_WORKDIR/demo (default ./runs/demo); finished steps are reused by a rerun.
 """
 from __future__ import annotations
 
