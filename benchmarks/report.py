@@ -2,6 +2,12 @@
 
 Every row records what NOTES.md section 2 asks for: split, model, k, collection size, number of queries,
 hardware and threads, plus library versions and whether the number was measured or extrapolated.
+:func:`write_csv` writes ``<name>.schema.json`` beside each CSV: every column with its description
+(``COLUMN_DOCS``), so a CSV read without this code still says what its columns mean.
+
+Plots: ``k_ablation.png`` (:func:`plot_recall_vs_k`), ``latency.png`` (:func:`plot_latency`) and
+``recall_vs_size.png`` (:func:`plot_recall_vs_size_from`: R@1 of EMB and CO against the collection size over
+every suite CSV of an output folder: 1k/5k from standard, 20k from distractor_20k, 100k from scale_100k).
 """
 from __future__ import annotations
 
@@ -24,6 +30,70 @@ CSV_COLUMNS = (
     "split", "device", "cpu_model", "threads", "torch", "faiss", "transformers", "batch_size",
     "measured", "rankings", "notes",
 )
+
+
+#: Column order of <suite>_jobs.csv: what every pipeline job of a suite run cost.
+JOB_COLUMNS = ("job", "step", "wall_s", "peak_rss_mb", "reused", "output", "command")
+
+#: What every column of the suite CSVs and the jobs CSVs holds (written as <name>.schema.json by write_csv).
+COLUMN_DOCS = {
+    "suite": "benchmark suite that wrote the row (benchmarks.run --suite)",
+    "collection": "evaluated collection or pool label (e.g. synthetic_coco5k_1k, or per_query_<n> latency rows)",
+    "model": "model family: JOIN, SEP, a baseline, or paper-code (the paper's code path, latency rows)",
+    "mode": "ranking: EMB (bi-encoder only), CO (CE reranks the BE top k), CE (exhaustive CE), ADD / NORM_ADD "
+            "(score fusion); latency rows name the index too",
+    "k": "rerank depth: how many BE candidates the CE scored ('all' for exhaustive CE; empty for EMB)",
+    "lam": "weight of the BE score in ADD / NORM_ADD fusion (empty for other modes)",
+    "direction": "t2i (caption query, images ranked), i2t (image query, captions ranked), or both (a skipped row)",
+    "R@1": "recall at 1, percent of queries with a gold item at rank 1",
+    "R@5": "recall at 5, percent",
+    "R@10": "recall at 10, percent",
+    "mR": "mean of R@1/5/10 over the evaluated directions, percent",
+    "queries": "number of queries evaluated in this direction",
+    "collection_size": "candidate pool size in images (the t2i pool)",
+    "wall_s": "seconds of the jobs behind the row (encode + index + rerank + evaluation), as measured",
+    "encode_s": "seconds of the encode job(s)",
+    "index_s": "seconds of the build_index job(s)",
+    "search_s": "seconds of ANN search (latency rows)",
+    "rerank_s": "seconds of the rerank job(s) (retrieval + CE scoring + ranking)",
+    "ce_pairs": "(query, item) pairs the CE scored for the row's run",
+    "peak_rss_mb": "peak resident memory of the row's jobs, MiB",
+    "latency_p50_ms": "median per-query latency, milliseconds",
+    "latency_p95_ms": "95th percentile per-query latency, milliseconds",
+    "latency_p99_ms": "99th percentile per-query latency, milliseconds",
+    "ann_recall@10": "share of the exact top 10 that the ANN index returns (fraction, latency rows)",
+    "speedup_vs_paper_code": "paper-code time divided by this row's time (same setting)",
+    "split": "split of the queries (e.g. test)",
+    "device": "cpu or cuda (with the GPU name)",
+    "cpu_model": "CPU name from /proc/cpuinfo",
+    "threads": "torch + faiss threads the jobs were given",
+    "torch": "torch version",
+    "faiss": "faiss version",
+    "transformers": "transformers version",
+    "batch_size": "model batch size of the jobs",
+    "measured": "true: measured in this run; false: extrapolated or skipped (see notes)",
+    "rankings": "rerank run dir(s) the recall was read from, with the derived k / mode / lam",
+    "notes": "what else a reader needs: derivations, reused jobs, query samples, skip reasons",
+    # <suite>_jobs.csv
+    "job": "job name (unique within the suite)",
+    "step": "module the job ran (python -m <step>)",
+    "reused": "true: a finished output was reused (its cost as measured when it ran)",
+    "output": "the job's output folder",
+    "command": "the full command line, Beam flags included",
+}
+
+
+def schema_path(csv_path: str) -> str:
+    """``x.csv`` -> ``x.schema.json``: the column documentation beside a CSV."""
+    return (csv_path[:-4] if csv_path.endswith(".csv") else csv_path) + ".schema.json"
+
+
+def column_schema(columns: Sequence[str]) -> dict:
+    """{"columns": [{"name", "description"}]} for ``columns``; a column without a description is an error."""
+    undocumented = [c for c in columns if c not in COLUMN_DOCS]
+    if undocumented:
+        raise KeyError(f"CSV column(s) {undocumented} have no description; add them to report.COLUMN_DOCS")
+    return {"columns": [{"name": c, "description": COLUMN_DOCS[c]} for c in columns]}
 
 
 def cpu_model() -> str:
@@ -90,9 +160,14 @@ def normalise_row(row: Mapping) -> dict:
 
 def write_csv(path: str, rows: Iterable[Mapping], columns: Sequence[str] = CSV_COLUMNS) -> str:
     """Writes the rows atomically (pipelines.common.write_atomic: a crashed run never leaves a half CSV) and
-    returns the path."""
+    its column documentation beside it (:func:`schema_path`); returns the CSV's path."""
+    import json
+
     from pipelines.common import write_atomic
 
+    doc = column_schema(columns)  # before writing anything: an undocumented column is refused
+    write_atomic(schema_path(path), (json.dumps({"csv": path.rsplit("/", 1)[-1], **doc}, indent=1) + "\n")
+                 .encode("utf-8"))
     rows = [normalise_row(r) for r in rows] if columns is CSV_COLUMNS else list(rows)
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(columns))
@@ -100,10 +175,6 @@ def write_csv(path: str, rows: Iterable[Mapping], columns: Sequence[str] = CSV_C
     w.writerows(rows)
     write_atomic(path, buf.getvalue().encode("utf-8"))
     return path
-
-
-#: Columns of <suite>_jobs.csv: what every pipeline job of a suite run cost.
-JOB_COLUMNS = ("job", "step", "wall_s", "peak_rss_mb", "reused", "output", "command")
 
 
 def write_jobs_csv(path: str, rows: Sequence[Mapping]) -> str:
@@ -225,27 +296,129 @@ def plot_latency(rows: Sequence[Mapping], path: str, title: str = "Per-query lat
     return path
 
 
-def plot_recall_vs_k(rows: Sequence[Mapping], path: str, title: str = "Recall@K vs k") -> Optional[str]:
-    """R@1/5/10 against the rerank depth k, one line per (collection, model, direction, metric)."""
-    rows = [normalise_row(r) for r in rows if r.get("R@1", "") not in ("", None) and r.get("k", "") not in ("", None)]
+def _size_label(n: int) -> str:
+    return f"{n // 1_000_000}M" if n >= 1_000_000 and n % 1_000_000 == 0 else \
+        f"{n // 1000}k" if n >= 1000 and n % 1000 == 0 else str(n)
+
+
+def _by_direction(plt, rows: Sequence[Mapping], title: str):
+    """A figure with one panel per direction present (shared y axis); returns (fig, {direction: axis})."""
+    directions = [d for d in ("t2i", "i2t") if any(r["direction"] == d for r in rows)]
+    fig, axes = plt.subplots(1, len(directions), figsize=(5.2 * len(directions) + 2.6, 4.4), sharey=True,
+                             squeeze=False)
+    fig.suptitle(title)
+    names = {"t2i": "text -> image (t2i)", "i2t": "image -> text (i2t)"}
+    out = {}
+    for d, ax in zip(directions, axes[0]):
+        ax.set_title(names[d], fontsize=10)
+        ax.grid(True, alpha=0.3)
+        out[d] = ax
+    axes[0][0].set_ylabel("recall (%)")
+    return fig, out
+
+
+def _finish(fig, axes: Mapping, path: str) -> str:
+    """One legend for the figure, right of the panels (never on the data), then save."""
+    handles, labels = {}, []
+    for ax in axes.values():
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in handles:
+                handles[lab] = h
+                labels.append(lab)
+    fig.legend([handles[lab] for lab in labels], labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
+               frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def plot_recall_vs_k(rows: Sequence[Mapping], path: str, title: str = "Recall@K vs rerank depth k") -> Optional[str]:
+    """R@1/5/10 against the rerank depth k: one panel per direction, one colour per (collection,) model and
+    mode, one line style per metric; the x ticks are the k values measured (10, 20, 50)."""
+    rows = [normalise_row(r) for r in rows if r.get("R@1", "") not in ("", None) and r.get("k", "") not in ("", None)
+            and str(r.get("k")).isdigit()]
     if not rows:
         return None
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 5))
-    series: dict[str, list] = {}
+    collections = sorted({str(r["collection"]) for r in rows})
+    one = len(collections) == 1
+    fig, axes = _by_direction(plt, rows, title + (f": {collections[0]}" if one else ""))
+    series: dict[tuple, list] = {}
     for r in rows:
+        key = (str(r["model"]) + ("+" + str(r["mode"]) if r["mode"] != "EMB" else " EMB")
+               if one else f"{r['collection']} {r['model']}+{r['mode']}")
         for metric in ("R@1", "R@5", "R@10"):
-            label = f"{r['collection']} {r['model']}+{r['mode']} {r['direction']} {metric}"
-            series.setdefault(label, []).append((int(r["k"]), float(r[metric])))
-    for label, pts in sorted(series.items()):
+            series.setdefault((r["direction"], key, metric), []).append((int(r["k"]), float(r[metric])))
+    keys = sorted({k for _, k, _ in series})
+    colours = plt.get_cmap("tab10").colors
+    styles = {"R@1": "o-", "R@5": "s--", "R@10": "^:"}
+    ks = sorted({p[0] for pts in series.values() for p in pts})
+    order = {m: i for i, m in enumerate(styles)}  # legend: R@1, R@5, R@10 (not string order)
+    for (d, key, metric), pts in sorted(series.items(), key=lambda kv: (kv[0][0], kv[0][1], order[kv[0][2]])):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
-    ax.set_xlabel("rerank depth k")
-    ax.set_ylabel("recall (%)")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        axes[d].plot([p[0] for p in pts], [p[1] for p in pts], styles[metric],
+                     color=colours[keys.index(key) % len(colours)], label=f"{key} {metric}")
+    for ax in axes.values():
+        ax.set_xscale("log")
+        ax.set_xticks(ks)
+        ax.set_xticklabels([str(k) for k in ks])
+        ax.minorticks_off()
+        ax.set_xlabel("rerank depth k")
+    return _finish(fig, axes, path)
+
+
+#: Suites whose EMB / CO rows span collection sizes: 1k and 5k (standard), 20k (distractor_20k), 100k (scale_100k)
+SIZE_SUITES = ("standard", "distractor_20k", "scale_100k")
+
+
+def plot_recall_vs_size(rows: Sequence[Mapping], path: str, title: str = "R@1 vs collection size") -> Optional[str]:
+    """R@1 of EMB and CO against the candidate pool size (log x, ticks at the measured sizes), one panel per
+    direction, one line per model and mode (and k where CO rows of several k exist). Rows of one size (e.g. the
+    coco 1k folds and f30k 1k) are averaged; the point says how many rows it averages when more than one."""
+    rows = [normalise_row(r) for r in rows if r.get("R@1", "") not in ("", None) and r.get("mode") in ("EMB", "CO")
+            and r.get("collection_size", "") not in ("", None)]
+    if not rows:
+        return None
+    several_k = len({str(r["k"]) for r in rows if r["mode"] == "CO"}) > 1
+    plt = _pyplot()
+    fig, axes = _by_direction(plt, rows, title)
+    points: dict[tuple, dict[int, list]] = {}
+    for r in rows:
+        label = f"{r['model']} {r['mode']}" + (f" k={r['k']}" if several_k and r["mode"] == "CO" else "")
+        points.setdefault((r["direction"], label), {}).setdefault(int(r["collection_size"]), []).append(float(r["R@1"]))
+    labels = sorted({lab for _, lab in points})
+    colours = plt.get_cmap("tab10").colors
+    sizes = sorted({n for per in points.values() for n in per})
+    for (d, label), per in sorted(points.items()):
+        xs = sorted(per)
+        ys = [sum(per[x]) / len(per[x]) for x in xs]
+        style = "--" if " EMB" in label else "-"
+        axes[d].plot(xs, ys, "o" + style, color=colours[labels.index(label) % len(colours)], label=label)
+        for x, y in zip(xs, ys):
+            if len(per[x]) > 1:
+                axes[d].annotate(f"mean of {len(per[x])}", (x, y), textcoords="offset points", xytext=(4, 4),
+                                 fontsize=6)
+    for ax in axes.values():
+        ax.set_xscale("log")
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([_size_label(n) for n in sizes])
+        ax.minorticks_off()
+        ax.set_xlabel("collection size (images in the pool)")
+    return _finish(fig, axes, path)
+
+
+def plot_recall_vs_size_from(output_dir: str, suites: Sequence[str] = SIZE_SUITES,
+                             name: str = "recall_vs_size.png") -> Optional[str]:
+    """The recall-vs-size plot from the suite CSVs in ``output_dir`` that exist (``<suite>.csv``); None when
+    none of them holds an EMB or CO recall row. benchmarks.run calls it after a recall suite."""
+    import os
+
+    rows = []
+    for suite in suites:
+        csv_path = os.path.join(output_dir, f"{suite}.csv")
+        if os.path.exists(csv_path):
+            rows += [r for r in read_csv(csv_path) if r.get("measured") == "true"]
+    return plot_recall_vs_size(rows, os.path.join(output_dir, name)) if rows else None

@@ -4,11 +4,12 @@
 
 Stages the synthetic demo collection, trains the demo JOIN model from the shipped all-MiniLM-L6-v2, encodes
 the test split, builds a FAISS index, retrieves and reranks once per model family (JOIN+CO; SEP+CO with
---with-sep), evaluates, and prints the recall table. Score once, evaluate many: the rerank run stores the BE
-top-k with its BE and CE scores, so the EMB row is derived from the same run (``benchmarks.evaluate --mode
-emb``) instead of a rerank run of its own. Every step runs the same CLI a user would run (printed with a
-leading '+'), so the demo doubles as a worked example. Everything lands under $RR_WORKDIR/demo
-(default ./runs/demo); finished steps are reused by a rerun.
+--with-sep), evaluates, prints the recall table, and ends by writing the inspection page of EMB vs JOIN+CO
+(``benchmarks.inspect``: the queries whose gold item the reranker moved) and printing its path. Score once,
+evaluate many: the rerank run stores the BE top-k with its BE and CE scores, so the EMB row is derived from
+the same run (``benchmarks.evaluate --mode emb``) instead of a rerank run of its own.
+Every step runs the same CLI a user would run (printed with a leading '+'), so the demo doubles as a worked
+example. Everything lands under $RR_WORKDIR/demo (default ./runs/demo); finished steps are reused by a rerun.
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...]) -> pd.DataFrame
         runs.append(("SEP+CO", "SEP-BE", "SEP-CE"))
 
     rows = []
+    run_dirs = {}
     for label, be, ce in runs:
         emb_dir = os.path.join(root, f"embeddings-{be}")
         index_dir = os.path.join(root, f"index-{be}")
@@ -72,6 +74,7 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...]) -> pd.DataFrame
                  "--index-factory", "Flat", *beam_args))
         timings[f"encode+index {be}"] = time.time() - t0
         out = os.path.join(root, f"rankings-{label}".replace("+", ""))
+        run_dirs[label] = out
         t0 = time.time()
         _run(_py("pipelines.rerank", "--staged", staged, "--embeddings", emb_dir, "--index", index_dir,
                  "--split", "test", "--k", str(k), "--output", out, "--mode", "co", "--ce-model", models[ce],
@@ -89,6 +92,11 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...]) -> pd.DataFrame
         print(line)
     print("\nwall time per step (s): " + ", ".join(f"{name} {sec:.0f}" for name, sec in timings.items()))
     print(f"total {time.time() - t_start:.0f} s on {os.cpu_count()} CPU cores; outputs under {root}")
+    # the queries behind the numbers: where JOIN+CO moved the gold item relative to EMB (same run, two modes)
+    page = os.path.join(results, "inspect_JOIN-CO_vs_EMB.html")
+    _run(_py("benchmarks.inspect", "--rankings", run_dirs["JOIN+CO"], "--mode", "co", "--against-mode", "emb",
+             "--staged", staged, "--output", page))
+    print(f"inspection page (EMB vs JOIN+CO, query by query): {page}")
     return table
 
 
