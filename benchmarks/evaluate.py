@@ -19,10 +19,11 @@ A run of one direction reports that direction only (mR = mean of its recalls).
 Outputs in ``--output``:
   metrics.csv   one row per (collection, split, model, mode label, k, direction, tags); rerunning the same
                 configuration replaces its rows, other rows are kept. Recalls in percent.
-  <collection>_<model>_<label>_k<k>.json   CLIP_benchmark layout ("dataset", "model", "task":
-                "zeroshot_retrieval", "metrics": {"image_retrieval_recall@1": ...}); like CLIP_benchmark,
-                recalls there are fractions in [0, 1]. image_retrieval = text->image, text_retrieval =
-                image->text.
+  <collection>_<model>_<label>_k<k>.json   a CLIP_benchmark result file ("dataset", "model", "pretrained",
+                "task": "zeroshot_retrieval", "metrics": {"image_retrieval_recall@1": ...}, "language"), which
+                ``clip_benchmark build`` accepts, plus our own keys (split, mode, k, lam, ...); like
+                CLIP_benchmark, recalls there are fractions in [0, 1], rounded to 4 decimals.
+                image_retrieval = text->image, text_retrieval = image->text.
 """
 from __future__ import annotations
 
@@ -305,15 +306,29 @@ def merge_csv(existing: Optional[pd.DataFrame], new_rows: list[dict], tag_keys: 
     return pd.concat([kept, new], ignore_index=True)
 
 
-def clip_benchmark_json(result: dict, *, collection: str, model: str, ks: Sequence[int], extra: dict) -> dict:
+#: The keys of a CLIP_benchmark result file (clip_benchmark.cli writes them, its ``build`` step reads them: it
+#: flattens ``metrics`` into the row and names the model ``model + " " + pretrained``).
+CLIP_BENCHMARK_KEYS = ("dataset", "model", "pretrained", "task", "metrics", "language")
+#: Decimals of the JSON's numbers: CLIP_benchmark's published results carry 4 (acc1 0.9074); more is float noise.
+CLIP_BENCHMARK_DECIMALS = 4
+
+
+def clip_benchmark_json(result: dict, *, collection: str, model: str, pretrained: str, ks: Sequence[int],
+                        extra: dict, language: str = "en") -> dict:
+    """A CLIP_benchmark ``zeroshot_retrieval`` result (recall as a fraction, rounded) plus ``extra`` keys of ours."""
+    clash = sorted(set(extra) & set(CLIP_BENCHMARK_KEYS))
+    if clash:
+        raise ValueError(f"extra keys {clash} would overwrite CLIP_benchmark's own")
+    r = lambda x: round(float(x) / 100.0, CLIP_BENCHMARK_DECIMALS)  # noqa: E731 -- percent -> fraction
     metrics = {}
     for kk in ks:
         if result.get("t2i_queries"):
-            metrics[f"image_retrieval_recall@{kk}"] = result[f"t2i_R@{kk}"] / 100.0
+            metrics[f"image_retrieval_recall@{kk}"] = r(result[f"t2i_R@{kk}"])
         if result.get("i2t_queries"):
-            metrics[f"text_retrieval_recall@{kk}"] = result[f"i2t_R@{kk}"] / 100.0
-    metrics["mean_recall"] = result["mR"] / 100.0
-    return {"dataset": collection, "model": model, "task": "zeroshot_retrieval", "metrics": metrics, **extra}
+            metrics[f"text_retrieval_recall@{kk}"] = r(result[f"i2t_R@{kk}"])
+    metrics["mean_recall"] = r(result["mR"])
+    return {"dataset": collection, "model": model, "pretrained": pretrained, "task": "zeroshot_retrieval",
+            "metrics": metrics, "language": language, **extra}
 
 
 def _safe(name: str) -> str:
@@ -352,7 +367,12 @@ def parse_tags(tags: Sequence[str]) -> dict[str, str]:
 @click.option("--collection-size", type=int, default=None,
               help="Candidate pool size to record (default: the run's t2i pool).")
 @click.option("--tag", "tags", multiple=True, help="Extra key=value column (repeatable).")
-def main(rankings, staged, output, collection, split, model, mode, k, lam, label, collection_size, tags):
+@click.option("--pretrained", default=None,
+              help="The JSON's CLIP_benchmark 'pretrained' key (default: <label>_k<k>, the retrieval configuration; "
+                   "CLIP_benchmark's build names a row '<model> <pretrained>').")
+@click.option("--language", default="en", show_default=True, help="The JSON's CLIP_benchmark 'language' key.")
+def main(rankings, staged, output, collection, split, model, mode, k, lam, label, collection_size, tags, pretrained,
+         language):
     """Recall@1/5/10 and mR of a rankings run, for its own or a re-derived mode, k and lam."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from pipelines.common import cli_errors, makedirs, write_atomic, write_json_atomic
@@ -375,11 +395,13 @@ def main(rankings, staged, output, collection, split, model, mode, k, lam, label
     merged.to_csv(buf, index=False)
     write_atomic(csv_path, buf.getvalue().encode("utf-8"))
     json_path = os.path.join(output, f"{_safe(collection)}_{_safe(model)}_{_safe(label)}_k{k}.json")
-    extra = {"split": split, "mode": result["mode"], "label": label, "k": k, "lam": result["lam"], "mR": result["mR"],
+    extra = {"split": split, "mode": result["mode"], "label": label, "k": k, "lam": result["lam"],
+             "mR": round(result["mR"], CLIP_BENCHMARK_DECIMALS),
              "queries": {"t2i": result["t2i_queries"], "i2t": result["i2t_queries"]},
              "collection_size": result["collection_size"], "tags": tag_map}
     write_json_atomic(json_path, clip_benchmark_json(result, collection=collection, model=model,
-                                                     ks=DEFAULT_KS, extra=extra))
+                                                     pretrained=pretrained or f"{label}_k{k}", ks=DEFAULT_KS,
+                                                     extra=extra, language=language))
     click.echo(f"{collection}/{split} {model} {label} k={k}: "
                + " ".join(f"{key}={result[key]:.2f}" for key in result
                           if "_R@" in key and result[f"{key.split('_')[0]}_queries"])

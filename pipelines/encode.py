@@ -68,8 +68,6 @@ MODALITY_CHOICES = (MODALITY_IMAGE, MODALITY_TEXT, "both")
 DEAD_LETTER_FILE = "dead_letter.jsonl"
 COMPLETED_DIR = "_completed"  # per-shard completion records: what a rerun keeps
 CREATED_BY = "pipelines.encode"
-MODEL_FILES = ("model.safetensors", "config.json", "rr_model.json", "tokenizer.json", "vocab.txt",
-               "tokenizer_config.json")
 
 
 class EncodeError(RuntimeError):
@@ -113,22 +111,28 @@ class EncodePlan:
 
 
 # ------------------------------------------------------------------------------------ fingerprints
+def _model_folder(model_dir: str):
+    """The folder's kind and files (retrieval_core.checkpoints), refused unless it has a BE head."""
+    from retrieval_core.checkpoints import CheckpointError, inspect_model_folder
+    try:
+        return inspect_model_folder(model_dir).require(("be",))
+    except CheckpointError as exc:
+        raise EncodeError(str(exc)) from None
+
+
 def model_fingerprint(model_dir: str) -> str:
-    """sha256 over the weights, configs and tokenizer files of a model folder (what decides its outputs)."""
+    """sha256 over the files that decide a model folder's outputs (weights, configs, tokenizer; for the
+    training-free baseline also its text encoder's), of any kind ``checkpoints.inspect_model_folder`` knows."""
     h = hashlib.sha256()
-    found = False
-    for name in MODEL_FILES:
-        path = common.join(model_dir, name)
-        if common.exists(path):
-            h.update(f"{name}:{common.sha256_file(path)}\n".encode())
-            found = found or name == "model.safetensors"
-    if not found:
-        raise EncodeError(f"{model_dir} has no model.safetensors: not a VLRetrievalModel folder")
+    folder = _model_folder(model_dir)
+    for path in folder.files:
+        name = os.path.relpath(path, model_dir) if path.startswith(os.path.join(model_dir, "")) else path
+        h.update(f"{name}:{common.sha256_file(path)}\n".encode())
     return h.hexdigest()
 
 
 def model_embedding_dim(model_dir: str) -> int:
-    return int(common.read_json(common.join(model_dir, "config.json"))["hidden_size"])
+    return _model_folder(model_dir).embedding_dim
 
 
 def staged_inputs_sha256(ds, modality: str, collection: str) -> str:
@@ -492,7 +496,9 @@ def demo_assets(beam_args: tuple[str, ...] = ()) -> tuple[str, str]:
 
 @click.command(context_settings=common.BEAM_CLI_CONTEXT)
 @click.option("--staged", help="staged directory (pipelines.stage output); default: the embedded demo")
-@click.option("--model", "model_dir", help="VLRetrievalModel folder; default: the embedded demo model")
+@click.option("--model", "model_dir", help="Model folder with a BE head: ours (rr_model.json), MMT-Retrieval "
+                                          "(modules.json), OSCAR, or a training-free baseline; default: the "
+                                          "embedded demo model")
 @click.option("--output", help="embeddings directory; default <demo>/embeddings for the demo")
 @click.option("--modality", type=click.Choice(MODALITY_CHOICES), default="both", show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,

@@ -38,6 +38,7 @@ TASK_EMBED_IMAGE = "embed_image"
 TASK_SCORE_PAIRS = "score_pairs"
 TASKS = (TASK_EMBED_TEXT, TASK_EMBED_IMAGE, TASK_SCORE_PAIRS)
 DEVICES = ("CPU", "GPU")
+TASK_HEAD = {TASK_EMBED_TEXT: "be", TASK_EMBED_IMAGE: "be", TASK_SCORE_PAIRS: "ce"}  # the head a task runs
 
 #: RunInference metrics (num_inferences, inference_batch_latency_micro_secs, inference_request_batch_size,
 #: load_model_latency_milli_secs) land in ``<METRICS_NAMESPACE>_<task>``, one namespace per task.
@@ -67,7 +68,8 @@ def element_length(task: str, example: Any) -> int:
 
 
 class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
-    """ModelHandler for one task of a VLRetrievalModel folder (see module docstring)."""
+    """ModelHandler for one task of a model folder (see module docstring): any folder that
+    ``retrieval_core.checkpoints.load_model_folder`` loads and that has the task's head."""
 
     def __init__(self, model_dir: str, task: str, *, device: str = "CPU", max_batch_size: int = 64,
                  min_batch_size: int = 1, model_copies: Optional[int] = None, large_model: bool = False,
@@ -95,15 +97,16 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
     def load_model(self):
         import torch
 
-        from retrieval_core.model import VLRetrievalModel
+        from retrieval_core.checkpoints import load_model_folder
 
         if self.device == "GPU" and not torch.cuda.is_available():
             raise DeviceUnavailableError("device GPU was requested but torch.cuda.is_available() is False "
                                          f"(torch {torch.__version__}); use --device CPU or a CUDA worker")
         if self.num_threads:
             torch.set_num_threads(int(self.num_threads))
-        model = VLRetrievalModel.load(self.model_dir, device="cuda" if self.device == "GPU" else "cpu")
-        return model.eval()
+        # any model folder (ours, MMT-Retrieval, OSCAR, the training-free baseline), refused if it lacks the head
+        return load_model_folder(self.model_dir, need=(TASK_HEAD[self.task],),
+                                 device="cuda" if self.device == "GPU" else "cpu")
 
     def run_inference(self, batch: Sequence[Any], model, inference_args: Optional[dict] = None
                       ) -> Iterable[PredictionResult]:
@@ -122,12 +125,20 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
     def _infer(self, batch: list, model) -> list[PredictionResult]:
         import torch
 
+        if not hasattr(model, "cfg"):  # retrieval_core.baseline.MappedBaseline: numpy in, numpy out
+            return [PredictionResult(example, out) for example, out in zip(batch, self._baseline(batch, model))]
         tensors = self.collate(batch, model)
         dev = model.device
         with torch.inference_mode():
             tensors = {k: v.to(dev, non_blocking=True) for k, v in tensors.items()}
             out = getattr(model, self.task)(tensors).float().cpu().numpy()
         return [PredictionResult(example, out[i]) for i, example in enumerate(batch)]
+
+    def _baseline(self, batch: list, model) -> np.ndarray:
+        device = "cuda" if self.device == "GPU" else "cpu"
+        if self.task == TASK_EMBED_TEXT:
+            return model.encode_text(batch, batch_size=len(batch), device=device)
+        return model.encode_image([_regions(f, b) for f, b in batch])
 
     def collate(self, batch: Sequence[Any], model) -> dict:
         """The batch as model inputs, padded to its own longest text / region count."""

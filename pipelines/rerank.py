@@ -508,18 +508,23 @@ def build_graph(p: beam.Pipeline, res: Resolved, wave: Mapping[str, frozenset]) 
 
 
 # ------------------------------------------------------------------------------------- launcher
-def _model_max_regions(model_dir: str) -> int:
-    """Regions per image the CE model reads (rr_model.json); more would be cut by its collator anyway."""
-    from retrieval_core.model import MODEL_JSON, VLModelConfig
+def _ce_model_folder(model_dir: str):
+    """The CE model folder (retrieval_core.checkpoints: ours, MMT-Retrieval, OSCAR), refused without a CE head."""
+    from retrieval_core.checkpoints import CheckpointError, inspect_model_folder
+    try:
+        return inspect_model_folder(model_dir).require(("ce",))
+    except CheckpointError as exc:
+        raise RerankError(f"CE model: {exc}") from None
 
-    path = common.join(model_dir, MODEL_JSON)
-    if not common.exists(path):
-        raise RerankError(f"CE model {model_dir} is not a model folder (no {MODEL_JSON})")
-    return int(VLModelConfig.from_json(common.read_json(path)).max_regions)
+
+def _model_max_regions(model_dir: str) -> int:
+    """Regions per image the CE model reads; more would be cut by its collator anyway."""
+    return _ce_model_folder(model_dir).max_regions
 
 
 def _model_fingerprint(model_dir: str) -> str:
     from pipelines.encode import EncodeError, model_fingerprint
+    _ce_model_folder(model_dir)
     try:
         return model_fingerprint(model_dir)
     except EncodeError as exc:
@@ -682,6 +687,7 @@ def resolve(plan: RerankPlan) -> Resolved:
         "candidates": candidates, "ce_k": ce_k, "embeddings": _file_fingerprint(emb_manifest_path),
         "search": {d: {"kind": s.kind, "fingerprint": s.fingerprint, "params": s.params} for d, s in searchers.items()},
         "ce_model": _model_fingerprint(ce_model) if ce_model else None, "ce_max_regions": ce_max_regions,
+        "ce_score": _ce_model_folder(ce_model).ce_score if ce_model else None,
         "staged": _file_fingerprint(common.join(plan.staged, "summary.json")),
         "batch_size": plan.batch_size, "search_batch_size": plan.search_batch_size, "device": plan.device,
         "queries_per_shard": plan.queries_per_shard, "shards_per_wave": plan.shards_per_wave,
@@ -820,6 +826,8 @@ def _manifest(res: Resolved, shards: list[dict], reused: int, waves_run: int, co
         "ce_depth": {d: min(res.ce_k, res.pools[d]) for d in plan.directions},
         "collection": plan.collection, "split": plan.split, "staged": plan.staged, "embeddings": plan.embeddings,
         "be_model": dict(res.be_model), "ce_model": plan.cross_encoder,
+        # the CE score key the ce_score column holds (model.CE_SCORES: logit_diff = log-odds, logit1 = MMT's)
+        "ce_score_key": _ce_model_folder(plan.cross_encoder).ce_score if plan.cross_encoder else None,
         "search": dict(res.described),
         "search_params": {"nprobe": plan.nprobe, "efSearch": plan.ef_search}, "pool_size": dict(res.pools),
         "queries": {d: len(q) for d, q in res.query_ids.items()}, "queries_file": res.queries_file,
@@ -855,7 +863,8 @@ def _delete_unlisted(output: str, keep: set[str]) -> None:
 @click.option("--index", help="image FAISS index for t2i, built from --embeddings (default: exact search)")
 @click.option("--text-index", help="caption FAISS index for i2t, built from --embeddings (default: exact search)")
 @click.option("--be-model", help="BE model folder (not needed: embeddings exist; used as CE for JOIN models)")
-@click.option("--ce-model", help="CE model folder (SEP+CO); default --be-model (JOIN+CO)")
+@click.option("--ce-model", help="CE model folder (SEP+CO): ours, MMT-Retrieval or OSCAR; default --be-model "
+                                 "(JOIN+CO)")
 @click.option("--mode", type=click.Choice(CLI_MODES, case_sensitive=False), default="co", show_default=True)
 @click.option("--lam", type=float, default=0.5, show_default=True, help="ADD/NORM_ADD weight of the BE score")
 @click.option("--k", type=int, default=20, show_default=True,

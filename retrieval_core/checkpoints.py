@@ -1,5 +1,10 @@
-"""Building a `VLRetrievalModel` from other people's checkpoints.
+"""Building a `VLRetrievalModel` from other people's checkpoints, and the one loader of any model folder.
 
+* ``load_model_folder(path, need=...)``: what every CLI that takes a model folder uses (train ``--base-model``,
+  encode ``--model``, rerank ``--ce-model``, the RunInference handler). ``inspect_model_folder`` tells the kind
+  without reading weights: ``native`` (rr_model.json), ``mmt_retrieval`` (modules.json), ``oscar`` (config.json
+  with img_feature_dim) or ``mapped_baseline`` (rr_baseline.json, BE only); a folder lacking a head that ``need``
+  names ("be", "ce") is refused with the reason, never given a random head.
 * ``from_text_backbone``: a plain HF BERT-family folder (all-MiniLM-L6-v2, ``minilm_path()``); the image
   projection and CE classifier are new, the CE pooler starts from the backbone's BertPooler when it has one.
 * ``load_mmt_retrieval``: the paper's released sentence-transformers folders (UKPLab/MMT-Retrieval).
@@ -13,13 +18,14 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, BertConfig
 
-from retrieval_core.model import VLModelConfig, VLRetrievalModel
+from retrieval_core.model import CE_SCORES, MODEL_JSON, VLModelConfig, VLRetrievalModel
 from retrieval_core.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS
 
 #: Source keys we deliberately drop: non-persistent buffers some versions serialised, and BERT
@@ -39,6 +45,13 @@ KEY_TABLE = (
     (re.compile(r"^pooler\.dense\.(weight|bias)$"), r"ce_pooler.\1"),  # BertPooler feeds the CE head
     (re.compile(r"^classifier\.(weight|bias)$"), r"ce_classifier.\1"),  # Linear(hidden, 2)
 )
+
+
+#: MMT-Retrieval's OSCAR module: max_seq_length counts word pieces without [CLS] and [SEP] (our max_text_len counts
+#: them), 128 when sentence_bert_config.json does not say.
+MMT_DEFAULT_MAX_SEQ_LENGTH = 128
+#: MMT-Retrieval ranks CE pairs by logit 1 (the "match" logit), not by logit1 - logit0.
+MMT_CE_SCORE = "logit1"
 
 
 class CheckpointError(ValueError):
@@ -186,23 +199,41 @@ def load_oscar(folder: str, max_text_len: int = DEFAULT_MAX_TEXT_TOKENS,
     return model.eval()
 
 
-def load_mmt_retrieval(folder: str) -> VLRetrievalModel:
-    """The paper's released checkpoints (sentence-transformers layout): modules.json, an OSCAR module folder
-    (HF BERT config with img_feature_dim, weights incl. img_embedding, optionally pooler), an optional
-    ClassificationHead folder (class_head.pt / weights with classifier.* and maybe pooler.dense.*) and an
-    optional Pooling folder (mean pooling only). A model without a head gets a fresh CE head (recorded in
-    provenance ``heads_trained``)."""
-    modules = _read_json(os.path.join(folder, "modules.json"))
+def _mmt_modules(folder: str) -> dict[str, str]:
+    """{module type (OSCAR, ClassificationHead, Pooling): its folder} of an MMT-Retrieval folder's modules.json."""
+    path = os.path.join(folder, "modules.json")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{folder} is not an MMT-Retrieval folder: no modules.json")
     by_type = {}
-    for m in modules:
+    for m in _read_json(path):
         by_type[m["type"].rsplit(".", 1)[-1]] = os.path.join(folder, m["path"])
     unknown = set(by_type) - {"OSCAR", "ClassificationHead", "Pooling"}
     if "OSCAR" not in by_type or unknown:
         raise CheckpointError(f"{folder}: modules.json must have an OSCAR module and only ClassificationHead/"
                               f"Pooling besides; found {sorted(by_type)}")
+    return by_type
+
+
+def _mmt_oscar_config(oscar_dir: str) -> dict:
+    path = os.path.join(oscar_dir, "sentence_bert_config.json")
+    return _read_json(path) if os.path.isfile(path) else {}
+
+
+def _mmt_max_text_len(st_cfg: dict) -> int:
+    return int(st_cfg.get("max_seq_length", MMT_DEFAULT_MAX_SEQ_LENGTH)) + 2  # + [CLS] and [SEP]
+
+
+def load_mmt_retrieval(folder: str, ce_score: str = MMT_CE_SCORE) -> VLRetrievalModel:
+    """The paper's released checkpoints (sentence-transformers layout): modules.json, an OSCAR module folder
+    (HF BERT config with img_feature_dim, weights incl. img_embedding, optionally pooler), an optional
+    ClassificationHead folder (class_head.pt / weights with classifier.* and maybe pooler.dense.*) and an
+    optional Pooling folder (mean pooling only). A model without a head gets a fresh CE head (recorded in
+    provenance ``heads_trained``; ``load_model_folder(need=("ce",))`` refuses such a folder). Captions are cut
+    as MMT cuts them (``max_seq_length`` word pieces plus [CLS] and [SEP]) and CE pairs score by MMT's key
+    (``ce_score="logit1"``) unless told otherwise."""
+    by_type = _mmt_modules(folder)
     oscar_dir = by_type["OSCAR"]
-    st_cfg_path = os.path.join(oscar_dir, "sentence_bert_config.json")
-    st_cfg = _read_json(st_cfg_path) if os.path.isfile(st_cfg_path) else {}
+    st_cfg = _mmt_oscar_config(oscar_dir)
     heads = []
     if "Pooling" in by_type:
         pool = _read_json(os.path.join(by_type["Pooling"], "config.json"))
@@ -227,12 +258,121 @@ def load_mmt_retrieval(folder: str) -> VLRetrievalModel:
             weights[k] = v
         heads.append("ce")
     bert_config = BertConfig.from_pretrained(oscar_dir)
-    model = _oscar_model(oscar_dir, bert_config, int(st_cfg.get("max_seq_length", DEFAULT_MAX_TEXT_TOKENS)),
+    model = _oscar_model(oscar_dir, bert_config, _mmt_max_text_len(st_cfg),
                          int(st_cfg.get("max_image_seq_len", DEFAULT_MAX_REGIONS)), ce_pooler,
                          {"init": "mmt_retrieval", "source": os.path.abspath(folder), "heads_trained": heads})
+    model.cfg.ce_score = _check_ce_score(ce_score)
     if not ce_pooler:
         weights = {k: v for k, v in weights.items() if not re.match(r"^(bert\.)?pooler\.", k)}
     missing = _load_into(model, map_state_dict(weights), allowed_missing=() if "ce" in heads else ("ce_",))
     if missing:
         model.cfg.provenance["newly_initialised"] = sorted({k.split(".")[0] for k in missing})
     return model.eval()
+
+
+# ------------------------------------------------------------------------------- any model folder
+KIND_NATIVE = "native"
+KIND_MMT = "mmt_retrieval"
+KIND_OSCAR = "oscar"
+KIND_BASELINE = "mapped_baseline"
+HEADS = ("be", "ce")
+
+
+@dataclass(frozen=True)
+class ModelFolder:
+    """What a model folder is, read from its small JSON files only (no weights)."""
+    path: str
+    kind: str
+    heads: tuple[str, ...]  # heads with trained weights
+    files: tuple[str, ...]  # the files that decide its outputs (fingerprinted by the pipelines), sorted
+    embedding_dim: int
+    max_regions: int  # regions per image the model reads
+    ce_score: Optional[str]  # the CE score key (model.CE_SCORES), None without a CE head
+
+    def require(self, need: Sequence[str]) -> "ModelFolder":
+        """Refuses the folder when a head in ``need`` is missing (a random head would score silently)."""
+        for head in need:
+            if head not in HEADS:
+                raise ValueError(f"need must name heads of {HEADS}, got {head!r}")
+        missing = [h for h in need if h not in self.heads]
+        if missing:
+            what = {"be": "a bi-encoder (embedding) head", "ce": "a cross-encoder (classification) head"}
+            raise CheckpointError(f"{self.path} ({self.kind}) has no trained {' or '.join(what[h] for h in missing)}"
+                                  f"; it has {', '.join(self.heads) or 'none'}: use a folder that has one")
+        return self
+
+
+def _check_ce_score(ce_score: str) -> str:
+    if ce_score not in CE_SCORES:
+        raise CheckpointError(f"ce_score must be one of {CE_SCORES}, got {ce_score!r}")
+    return ce_score
+
+
+def _files_under(folder: str) -> tuple[str, ...]:
+    return tuple(sorted(os.path.join(root, f) for root, _, names in os.walk(folder) for f in names))
+
+
+def inspect_model_folder(path: str) -> ModelFolder:
+    """The kind, trained heads and fingerprinted files of a model folder; a clear error for anything else."""
+    from retrieval_core.baseline import BASELINE_JSON, BASELINE_TENSORS
+
+    if path == "minilm" or not os.path.isdir(path):
+        raise CheckpointError(f"model folder {path!r} does not exist" if path != "minilm" else
+                              "'minilm' is a text backbone, not a retrieval model folder (train one first)")
+    own = lambda *names: tuple(os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n)))  # noqa: E731
+    if os.path.isfile(os.path.join(path, MODEL_JSON)):
+        cfg = VLModelConfig.from_json(_read_json(os.path.join(path, MODEL_JSON)))
+        heads = tuple(cfg.provenance.get("heads_trained", HEADS))
+        files = own("model.safetensors", "config.json", MODEL_JSON, "tokenizer.json", "vocab.txt",
+                    "tokenizer_config.json")
+        for name in ("model.safetensors", "config.json"):
+            if not os.path.isfile(os.path.join(path, name)):
+                raise CheckpointError(f"{path} has {MODEL_JSON} but no {name}")
+        hidden = int(_read_json(os.path.join(path, "config.json"))["hidden_size"])
+        return ModelFolder(path, KIND_NATIVE, heads, files, hidden, int(cfg.max_regions),
+                           cfg.ce_score if "ce" in heads else None)
+    if os.path.isfile(os.path.join(path, BASELINE_JSON)):
+        meta = _read_json(os.path.join(path, BASELINE_JSON))
+        text = meta.get("text_model", "")
+        text_dir = minilm_path() if text == "minilm" else text
+        text_files = tuple(os.path.join(text_dir, n) for n in ("model.safetensors", "pytorch_model.bin", "config.json",
+                                                               "vocab.txt") if os.path.isfile(os.path.join(text_dir, n)))
+        return ModelFolder(path, KIND_BASELINE, ("be",), own(BASELINE_JSON, BASELINE_TENSORS) + text_files,
+                           int(meta["embedding_dim"]), DEFAULT_MAX_REGIONS, None)
+    if os.path.isfile(os.path.join(path, "modules.json")):
+        by_type = _mmt_modules(path)
+        heads = tuple(h for h, t in (("be", "Pooling"), ("ce", "ClassificationHead")) if t in by_type)
+        st_cfg = _mmt_oscar_config(by_type["OSCAR"])
+        hidden = int(_read_json(os.path.join(by_type["OSCAR"], "config.json"))["hidden_size"])
+        return ModelFolder(path, KIND_MMT, heads, _files_under(path), hidden,
+                           int(st_cfg.get("max_image_seq_len", DEFAULT_MAX_REGIONS)),
+                           MMT_CE_SCORE if "ce" in heads else None)
+    config = os.path.join(path, "config.json")
+    if os.path.isfile(config) and "img_feature_dim" in _read_json(config):
+        return ModelFolder(path, KIND_OSCAR, ("ce",), _files_under(path), int(_read_json(config)["hidden_size"]),
+                           DEFAULT_MAX_REGIONS, "logit_diff")  # OSCAR ranks by softmax P(match): same order
+    raise CheckpointError(f"{path} is not a model folder: it has none of {MODEL_JSON} (trained here), modules.json "
+                          f"(MMT-Retrieval), config.json with img_feature_dim (OSCAR) or {BASELINE_JSON} "
+                          f"(training-free baseline)")
+
+
+def load_model_folder(path: str, need: Sequence[str] = (), device: str = "cpu", ce_score: Optional[str] = None):
+    """The model of any folder ``inspect_model_folder`` knows: a VLRetrievalModel, or a MappedBaseline (BE only).
+
+    ``need`` names the heads the caller uses ("be", "ce"); a folder without one is refused. ``ce_score``
+    overrides the folder's CE score key (e.g. "logit1" to rank a native CE by MMT's key)."""
+    info = inspect_model_folder(path).require(need)
+    if info.kind == KIND_BASELINE:
+        from retrieval_core.baseline import MappedBaseline
+        if ce_score is not None:
+            raise CheckpointError(f"{path} is a training-free baseline: it has no CE to score with {ce_score!r}")
+        return MappedBaseline.load(path)
+    if info.kind == KIND_NATIVE:
+        model = VLRetrievalModel.load(path)
+    elif info.kind == KIND_MMT:
+        model = load_mmt_retrieval(path)
+    else:
+        model = load_oscar(path)
+    if ce_score is not None:
+        model.cfg.ce_score = _check_ce_score(ce_score)
+    return model.to(device).eval()

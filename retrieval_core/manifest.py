@@ -10,6 +10,10 @@ relative paths resolved against ``RR_DATA_ROOT`` (else the current directory; it
 stager reports unreadable ones); :meth:`Manifest.missing_paths` lists the ones that do not exist (URLs only
 when given a file access that reaches them: no Beam here).
 
+Size overrides: when a CLI override changes a synthetic collection's generator options (``demo.images.
+num_images=200``) and does not set its ``expected_images`` / ``expected_captions``, those checks follow the
+generator's new counts (they guard the YAML's own numbers); ``expected_*`` set by an override are checked.
+
 Format options are checked against the reader functions' keyword-only parameters
 (``retrieval_core.readers``), so the readers stay the one place that defines them.
 """
@@ -181,10 +185,9 @@ def load_manifest(path_or_name: str, overrides: Sequence[str] = (), env: Optiona
     collections = raw.get("collections")
     if isinstance(collections, dict):
         _apply_env_paths(collections, env)
-    for item in overrides:
-        _apply_override(raw, item, fail)
+    touched = [_apply_override(raw, item, fail) for item in overrides]
     raw = _expand(raw, env, "", fail)
-    manifest = _validate(raw, path, fail)
+    manifest = _validate(raw, path, fail, _expected_that_follow(touched))
     root = env.get("RR_DATA_ROOT") or os.getcwd()
     for coll in manifest.collections.values():
         for src in (coll.images, coll.captions):
@@ -208,7 +211,24 @@ def _apply_env_paths(collections: dict, env: Mapping[str, str]) -> None:
                 coll[kind]["path"] = value
 
 
-def _apply_override(raw: dict, item: str, fail) -> None:
+def _expected_that_follow(touched: Sequence[list[str]]) -> dict[str, set[str]]:
+    """{collection: the expected_* keys that follow its generator}: those of collections whose images/captions
+    an override changed, less the expected_* an override set itself (or a whole-collection override)."""
+    sized, explicit = set(), set()
+    for parts in touched:
+        if parts[0] != "collections" or len(parts) < 2:
+            continue
+        if len(parts) == 2:  # the whole collection block: its expected_* are the user's
+            explicit |= {(parts[1], "expected_images"), (parts[1], "expected_captions")}
+        elif parts[2] in ("images", "captions"):
+            sized.add(parts[1])
+        elif parts[2] in ("expected_images", "expected_captions"):
+            explicit.add((parts[1], parts[2]))
+    return {c: {k for k in ("expected_images", "expected_captions") if (c, k) not in explicit} for c in sized}
+
+
+def _apply_override(raw: dict, item: str, fail) -> list[str]:
+    """Applies ``key.path=value`` to ``raw``; returns the key path from the top level (collections.<c>...)."""
     if "=" not in item:
         fail("", f"override {item!r} is not of the form key.path=value")
     key, value = item.split("=", 1)
@@ -234,6 +254,7 @@ def _apply_override(raw: dict, item: str, fail) -> None:
             fail(".".join(parts[:i + 1]), f"override {item!r} goes through a non-mapping value")
         node = nxt
     node[parts[-1]] = parsed
+    return parts
 
 
 def _expand(value: Any, env: Mapping[str, str], key: str, fail) -> Any:
@@ -328,7 +349,8 @@ def _source(block, kind: str, key: str, fail) -> SourceSpec:
     return SourceSpec(fmt, path, options)
 
 
-def _collection(cname, block, feature_dim: int, fail) -> CollectionSpec:
+def _collection(cname, block, feature_dim: int, fail, follow: frozenset = frozenset()) -> CollectionSpec:
+    """``follow``: the expected_* keys set to the generator's counts instead of checked (size overrides)."""
     key = f"collections.{cname}"
     if not isinstance(cname, str) or not _NAME.match(cname):
         fail(key, "collection names use letters, digits, '_' and '-' only (they appear in ids and env vars)")
@@ -369,11 +391,17 @@ def _collection(cname, block, feature_dim: int, fail) -> CollectionSpec:
         images = SourceSpec("synthetic", None, opts)
         if captions.format == "synthetic":
             captions = SourceSpec("synthetic", None, dict(opts))  # the generator needs the image options too
+            if exp_c is not None and "expected_captions" in follow:
+                exp_c = spec.num_captions
             if exp_c is not None and exp_c != spec.num_captions:
                 fail(f"{key}.expected_captions", f"{exp_c} but the generator makes {spec.num_images} x "
-                                                 f"{spec.captions_per_image} = {spec.num_captions}")
+                                                 f"{spec.captions_per_image} = {spec.num_captions} (set "
+                                                 f"{cname}.expected_captions={spec.num_captions} or remove it)")
+        if exp_i is not None and "expected_images" in follow:
+            exp_i = spec.num_images
         if exp_i is not None and exp_i != spec.num_images:
-            fail(f"{key}.expected_images", f"{exp_i} but images.num_images is {spec.num_images}")
+            fail(f"{key}.expected_images", f"{exp_i} but images.num_images is {spec.num_images} (set "
+                                           f"{cname}.expected_images={spec.num_images} or remove it)")
     return CollectionSpec(cname, images, captions, exp_i, exp_c, role)
 
 
@@ -405,7 +433,7 @@ def _benchmark(block, collections: dict, fail) -> dict:
     return out
 
 
-def _validate(raw: dict, path: str, fail) -> Manifest:
+def _validate(raw: dict, path: str, fail, follow: Optional[Mapping[str, set[str]]] = None) -> Manifest:
     unknown = sorted(set(raw) - set(TOP_LEVEL_KEYS))
     if unknown:
         fail(str(unknown[0]), f"unknown top-level key(s) {', '.join(map(str, unknown))} "
@@ -425,7 +453,8 @@ def _validate(raw: dict, path: str, fail) -> Manifest:
     colls = raw.get("collections")
     if not isinstance(colls, dict) or not colls:
         fail("collections", "missing or empty (a mapping: name -> {images:, captions:})")
-    collections = {c: _collection(c, b, feature_dim, fail) for c, b in colls.items()}
+    follow = follow or {}
+    collections = {c: _collection(c, b, feature_dim, fail, frozenset(follow.get(c, ()))) for c, b in colls.items()}
     benchmark = _benchmark(raw.get("benchmark"), collections, fail)
     return Manifest(name=name, path=str(path), description=description, feature_dim=feature_dim,
                     collections=collections, max_regions=max_regions, feature_format=feature_format,

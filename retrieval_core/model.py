@@ -9,8 +9,10 @@ Image tokens = Linear(feature_dim + 6 -> hidden) of each region's features and n
 
 BE: attention-masked mean over all output tokens, L2-normalised (cosine = dot product).
 CE: BertPooler-style dense+tanh on the [CLS] output -> dropout -> Linear(hidden, 2). ``score_pairs`` returns
-the match log-odds ``logit[:,1] - logit[:,0]``, so ``sigmoid(score) = softmax(logits)[1] = P(match)``; that makes
-the paper's ADD_λ fusion (λ·e + (1-λ)·sigmoid(c)) meaningful on our scores.
+the model's CE score key (``VLModelConfig.ce_score``): by default (``logit_diff``) the match log-odds
+``logit[:,1] - logit[:,0]``, so ``sigmoid(score) = softmax(logits)[1] = P(match)``; that makes the paper's ADD_λ
+fusion (λ·e + (1-λ)·sigmoid(c)) meaningful on our scores. ``logit1`` is MMT-Retrieval's own ranking key (its
+released folders load with it), so CE-only rankings reproduce MMT's; it is not a log-odds.
 
 One object carries both heads: SEP = two models trained separately, JOIN = one trained on both objectives.
 """
@@ -32,6 +34,8 @@ from retrieval_core.schema import (BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEX
                                    ImageTable)
 
 MODEL_JSON = "rr_model.json"
+#: CE score keys: ``logit_diff`` = logit1 - logit0 (log-odds of a match), ``logit1`` = MMT-Retrieval's key.
+CE_SCORES = ("logit_diff", "logit1")
 WEIGHTS_FILE = "model.safetensors"
 
 #: A batched inference call's progress: its own tqdm bar (True), none (False), or a callback given the number of
@@ -53,8 +57,13 @@ class VLModelConfig:
     image_layer_norm_eps: float = 1e-12
     # CE head on pooler(dense+tanh)([CLS]) (MMT input_key "pooled_cls_token_embeddings") or on raw [CLS].
     ce_pooler: bool = True
+    ce_score: str = "logit_diff"  # one of CE_SCORES: what score_pairs returns
     schema_version: str = SCHEMA_VERSION
     provenance: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.ce_score not in CE_SCORES:
+            raise ValueError(f"ce_score must be one of {CE_SCORES}, got {self.ce_score!r}")
 
     @staticmethod
     def from_json(d: dict) -> "VLModelConfig":
@@ -168,8 +177,10 @@ class VLRetrievalModel(nn.Module):
         return self.ce_classifier(self.ce_dropout(cls))
 
     def score_pairs(self, batch: dict) -> torch.Tensor:
-        """(B,) match log-odds; sigmoid(score) = P(match)."""
+        """(B,) CE scores under ``cfg.ce_score``: match log-odds (sigmoid(score) = P(match)) or MMT's logit1."""
         logits = self.ce_logits(batch).float()
+        if self.cfg.ce_score == "logit1":
+            return logits[:, 1]
         return logits[:, 1] - logits[:, 0]
 
     # ------------------------------------------------------------------ numpy convenience (inference)

@@ -430,7 +430,11 @@ class Trainer:
         """Writes to a temp folder and renames, so a crash never leaves a half-written checkpoint."""
         tmp = directory + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.cfg.provenance["training"] = {**asdict(self.cfg), "step": self.step}
+        prov = self.model.cfg.provenance
+        prov["training"] = {**asdict(self.cfg), "step": self.step}
+        if "heads_trained" in prov:  # a converted checkpoint that lacked a head has it once trained here
+            trained = ("be", "ce") if self.cfg.objective == "joint" else (self.cfg.objective,)
+            prov["heads_trained"] = sorted(set(prov["heads_trained"]) | set(trained))
         self.model.save(tmp)
         for name, obj in (extra_files or {}).items():
             with open(os.path.join(tmp, name), "w") as f:
@@ -483,23 +487,32 @@ class Trainer:
 
 # ----------------------------------------------------------------------------------------- CLI
 def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int) -> VLRetrievalModel:
-    """``minilm``, an existing VLRetrievalModel folder (continue fine-tuning) or a plain HF BERT folder."""
-    from retrieval_core.checkpoints import from_text_backbone, minilm_path
+    """``minilm``, a plain HF BERT folder, or any retrieval model folder ``checkpoints.load_model_folder`` knows
+    (ours, MMT-Retrieval, OSCAR: continue fine-tuning; a head it lacks starts fresh and is trained here)."""
+    from retrieval_core.checkpoints import (KIND_BASELINE, CheckpointError, from_text_backbone,
+                                            inspect_model_folder, load_model_folder, minilm_path)
 
     if base_model != "minilm":
         if not os.path.isdir(base_model):
             raise FileNotFoundError(f"base model {base_model!r}: no such folder (give 'minilm', a plain HF BERT "
-                                    f"folder or a VLRetrievalModel folder)")
-        if not (VLRetrievalModel.is_model_dir(base_model) or os.path.isfile(os.path.join(base_model, "config.json"))):
-            raise ValueError(f"base model {base_model!r} is neither a VLRetrievalModel folder (rr_model.json) nor "
-                             f"a HF BERT folder (config.json)")
-    if base_model != "minilm" and VLRetrievalModel.is_model_dir(base_model):
-        if halve_layers:
-            raise ValueError("--halve-layers applies to a text backbone, not to an existing VLRetrievalModel")
-        model = VLRetrievalModel.load(base_model)
-        if model.feature_dim != feature_dim:
-            raise ValueError(f"{base_model} expects {model.feature_dim}-d features, the staged data has {feature_dim}")
-        return model
+                                    f"folder or a retrieval model folder: ours, MMT-Retrieval or OSCAR)")
+        try:
+            info = inspect_model_folder(base_model)
+        except CheckpointError:
+            info = None  # not a retrieval model: a plain BERT folder, or an error below
+        if info is not None:
+            if info.kind == KIND_BASELINE:
+                raise ValueError(f"base model {base_model!r} is a training-free baseline; it cannot be fine-tuned")
+            if halve_layers:
+                raise ValueError("--halve-layers applies to a text backbone, not to an existing retrieval model")
+            model = load_model_folder(base_model)
+            if model.feature_dim != feature_dim:
+                raise ValueError(f"{base_model} expects {model.feature_dim}-d features, the staged data has "
+                                 f"{feature_dim}")
+            return model
+        if not os.path.isfile(os.path.join(base_model, "config.json")):
+            raise ValueError(f"base model {base_model!r} is neither a retrieval model folder (rr_model.json, "
+                             f"modules.json, OSCAR config.json) nor a HF BERT folder (config.json)")
     path = minilm_path() if base_model == "minilm" else base_model
     try:
         return from_text_backbone(path, feature_dim, keep_every_other_layer=halve_layers, seed=seed)

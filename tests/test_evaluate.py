@@ -120,7 +120,7 @@ def test_cli_writes_csv_and_json_and_merges(tmp_path):
     payload = json.loads((out / "toy_toy-m_emb_k3.json").read_text())
     assert payload["task"] == "zeroshot_retrieval" and payload["dataset"] == "toy"
     assert payload["metrics"]["image_retrieval_recall@1"] == pytest.approx(0.5)
-    assert payload["metrics"]["text_retrieval_recall@5"] == pytest.approx(2 / 3)
+    assert payload["metrics"]["text_retrieval_recall@5"] == 0.6667  # rounded like CLIP_benchmark
     assert payload["mode"] == "emb" and payload["k"] == 3 and payload["lam"] is None
 
     # rerun with the same config replaces its rows; another label adds rows
@@ -209,3 +209,54 @@ def test_evaluate_run_of_restricted_queries_and_one_direction(tmp_path):
     res = evaluate_run(str(only_t2i), str(staged))
     assert res["i2t_queries"] == 0 and np.isnan(res["i2t_R@1"])
     assert res["mR"] == pytest.approx(np.mean([50, 500 / 6, 500 / 6]))
+
+
+def _clip_benchmark_build_rows(paths):
+    """What ``clip_benchmark build`` does with result files (clip_benchmark/cli.py main_build, restated): the
+    metrics flattened into the row, the top-level keys over them, a full name from model and pretrained, one
+    CSV over the union of the fields."""
+    import csv
+    import io
+
+    rows, fields = [], set()
+    for path in paths:
+        data = json.load(open(path))
+        row = dict(data["metrics"])
+        row.update(data)
+        del row["metrics"]
+        row["model_fullname"] = row["model"] + " " + row["pretrained"]
+        fields.update(row)
+        rows.append(row)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=sorted(fields))
+    writer.writeheader()
+    writer.writerows(rows)
+    return list(csv.DictReader(io.StringIO(buf.getvalue())))
+
+
+def test_json_is_read_by_clip_benchmark_build(tmp_path):
+    staged = _staged_dir(tmp_path / "staged")
+    run_dir = write_run(tmp_path / "run", _table())
+    out = tmp_path / "results"
+    res = CliRunner().invoke(main, ["--rankings", str(run_dir), "--staged", str(staged), "--output", str(out),
+                                    "--model", "toy-m"])
+    assert res.exit_code == 0, res.output
+    (path,) = out.glob("*.json")
+    payload = json.loads(path.read_text())
+    assert {"dataset", "model", "pretrained", "task", "metrics", "language"} <= set(payload)
+    # rounded like CLIP_benchmark's published numbers: 2/3 is 0.6667, not 0.6666666666666666
+    assert payload["metrics"]["text_retrieval_recall@5"] == 0.6667
+    assert all(len(repr(v).split(".")[-1]) <= 4 for v in payload["metrics"].values())
+    (row,) = _clip_benchmark_build_rows([path])
+    assert row["model_fullname"] == "toy-m emb_k3" and row["language"] == "en"
+    assert row["task"] == "zeroshot_retrieval" and float(row["image_retrieval_recall@1"]) == 0.5
+
+
+def test_clip_benchmark_json_refuses_extra_keys_that_clash():
+    from benchmarks.evaluate import clip_benchmark_json
+
+    result = {"t2i_queries": 1, "i2t_queries": 0, "t2i_R@1": 2.24, "mR": 2.24}
+    out = clip_benchmark_json(result, collection="c", model="m", pretrained="p", ks=[1], extra={"k": 1})
+    assert out["metrics"] == {"image_retrieval_recall@1": 0.0224, "mean_recall": 0.0224}
+    with pytest.raises(ValueError, match="pretrained"):
+        clip_benchmark_json(result, collection="c", model="m", pretrained="p", ks=[1], extra={"pretrained": "x"})

@@ -256,3 +256,21 @@ def test_real_caption_files_resolve_via_data_root():
     assert coco.missing_paths() == [coco.collections["coco_5k"].images.path]
     with open(coco.collections["coco_5k"].captions.path, "rb") as f:
         assert sum(1 for _ in f) == coco.collections["coco_5k"].expected_captions
+
+
+def test_size_overrides_move_the_expected_counts_unless_set_explicitly():
+    # the README's own example: the generator's new size, no need to edit the checks too
+    m = load_manifest("demo", ["demo.images.num_images=200"])
+    demo = m.collections["demo"]
+    cpi = int(demo.images.options.get("captions_per_image", 5))
+    assert (demo.expected_images, demo.expected_captions) == (200, 200 * cpi)
+    m = load_manifest("demo", ["demo.captions.captions_per_image=2", "demo.images.num_images=10"])
+    assert (m.collections["demo"].expected_images, m.collections["demo"].expected_captions) == (10, 20)
+    # expected counts given by the user are checked, and the error says what to set
+    with pytest.raises(ManifestError, match="demo.expected_images=200"):
+        load_manifest("demo", ["demo.images.num_images=200", "demo.expected_images=300"])
+    m = load_manifest("demo", ["demo.images.num_images=200", f"demo.expected_captions={200 * cpi}"])
+    assert m.collections["demo"].expected_captions == 200 * cpi
+    # without a size override the YAML's own numbers are still checked
+    with pytest.raises(ManifestError, match="expected_images"):
+        load_manifest("demo", ["demo.expected_images=7"])

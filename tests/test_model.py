@@ -172,6 +172,9 @@ def test_load_mmt_retrieval_layout_reproduces_outputs(tmp_path, data):
               open(root / "modules.json", "w"))
     loaded = load_mmt_retrieval(str(root))
     assert loaded.feature_dim == F and loaded.cfg.provenance["heads_trained"] == ["be", "ce"]
+    # MMT's max_seq_length of 70 word pieces excludes [CLS] and [SEP]; MMT ranks CE pairs by logit 1
+    assert loaded.cfg.max_text_len == 72 and loaded.cfg.ce_score == "logit1"
+    orig.cfg.max_text_len, orig.cfg.ce_score = 72, "logit1"
     for x, y in zip(_outputs(orig, data), _outputs(loaded, data)):
         np.testing.assert_array_equal(x, y)
 

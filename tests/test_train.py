@@ -239,7 +239,7 @@ def test_cli_bad_input_is_one_line_not_a_traceback(tmp_path, cli_inputs):
     runner = CliRunner()
     common = ["--staged", staged, "--output", str(tmp_path / "o"), "--no-progress", "--steps", "2"]
     for extra, expected in ((["--base-model", str(tmp_path / "nope")], "no such folder"),
-                            (["--base-model", str(tmp_path)], "neither a VLRetrievalModel folder"),
+                            (["--base-model", str(tmp_path)], "neither a retrieval model folder"),
                             (["--max-regions", "0"], "--max-regions must be >= 1, got 0"),
                             (["--batch-size", "1"], "need steps >= 1 and batch_size >= 2"),
                             (["--device", "gpu"], "'gpu' is not one of 'cpu', 'cuda'")):
