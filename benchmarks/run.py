@@ -279,6 +279,8 @@ def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, no_sep, output, workdir
     if rows is None:
         return
     path = report.write_csv(os.path.join(output, f"{suite}.csv"), rows)
+    if suite in report.SIZE_SUITES:  # R@1 vs collection size across whichever suite CSVs exist
+        report.plot_recall_vs_size_from(output)
     report.write_jobs_csv(os.path.join(output, f"{suite}_jobs.csv"), job_rows(results, beam_args))
     if suite == "memory":
         print(memory_table(results, cfg, beam_args))

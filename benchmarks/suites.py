@@ -159,7 +159,7 @@ def model_feature_dim(path: str) -> Optional[int]:
     """The region feature width a model folder expects (VLRetrievalModel or MappedBaseline), None if absent."""
     import json
 
-    for name in ("rr_model.json", "baseline.json"):
+    for name in ("rr_model.json", "rr_baseline.json"):
         try:
             with open(os.path.join(path, name)) as f:
                 return int(json.load(f)["feature_dim"])
@@ -169,7 +169,7 @@ def model_feature_dim(path: str) -> Optional[int]:
 
 
 def _model_inputs(path: str) -> tuple[str, ...]:
-    return tuple(os.path.join(path, n) for n in ("rr_model.json", "model.safetensors", "baseline.json"))
+    return tuple(os.path.join(path, n) for n in ("rr_model.json", "model.safetensors", "rr_baseline.json"))
 
 
 def _common_flags(cfg: SuiteConfig, batch: bool = True) -> list[str]:
