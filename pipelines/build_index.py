@@ -263,7 +263,7 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
         if not common.shard_is_valid(trained_path, trained_sha):
             common.write_atomic(trained_path, trained)
         common.clear_run_dir(plan.output)  # a killed run's report must not enter this manifest
-        with common.Progress.running(sum(int(s["rows"]) for s in todo), "vectors", "build_index"):
+        with common.Progress.running(sum(int(s["rows"]) for s in todo), "vectors", "build_index", options):
             result = common.run_pipeline(p)
         print(common.counter_line(METRICS_NAMESPACE, common.counter_values(result, METRICS_NAMESPACE),
                                   common.runner_name(options)))

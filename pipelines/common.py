@@ -373,9 +373,10 @@ PROGRESS_ENV = "RR_PROGRESS"
 #: What every pipeline CLI's --help says about progress (appended to its docstring).
 PROGRESS_HELP = (
     "Progress: on DirectRunner (in-memory, the default) a bar on stderr shows items done, rate and "
-    "ETA; RR_PROGRESS=0 turns it off (outputs do not change). Other runners show the Beam counters of the "
-    "namespace below in their dashboard (Dataflow, Dask). The counters' final values are printed after "
-    "the run as one 'counters[...]' line. RR_DEBUG=1: full tracebacks.")
+    "ETA; RR_PROGRESS=0 turns it off (outputs do not change). Elsewhere the steps run in other processes: "
+    "Dataflow's job page shows the Beam counters of the namespace below, Dask's dashboard its tasks (DaskRunner "
+    "collects no Beam metrics). The counters' final values are printed after the run as one "
+    "'counters[...]' line. RR_DEBUG=1: full tracebacks.")
 
 
 class Progress:
@@ -391,9 +392,16 @@ class Progress:
 
     @classmethod
     @contextlib.contextmanager
-    def running(cls, total: int, unit: str, desc: str) -> Iterator[None]:
+    def running(cls, total: int, unit: str, desc: str, options: Optional[PipelineOptions] = None) -> Iterator[None]:
+        """A bar over ``total`` ``unit`` while the block runs; none when the DoFns of ``options``' runner run in
+        other processes (a bar stuck at 0 would mislead: the counters are the progress there)."""
         if os.environ.get(PROGRESS_ENV, "1") == "0" or cls._bar is not None or total <= 0:
             yield  # off, already running (a nested launcher), or nothing to count
+            return
+        if options is not None and not runs_in_process(options):
+            log.info("%s: progress is in the Beam counters of %s (its steps run in other processes)",
+                     desc, runner_name(options))
+            yield
             return
         import sys
 
@@ -416,6 +424,15 @@ class Progress:
         bar = cls._bar
         if bar is not None and n:
             bar.update(n)
+
+
+def runs_in_process(options: PipelineOptions) -> bool:
+    """True when the runner executes the DoFns in this process: DirectRunner in its in-memory or
+    multi-threading mode (not --direct_running_mode=multi_processing, not Dask or Dataflow)."""
+    from apache_beam.options.pipeline_options import DirectOptions
+
+    mode = getattr(options.view_as(DirectOptions), "direct_running_mode", "in_memory") or "in_memory"
+    return runner_name(options) in ("DirectRunner", "BundleBasedDirectRunner") and mode != "multi_processing"
 
 
 def counter_values(result, namespace: str) -> Optional[dict[str, int]]:

@@ -444,7 +444,7 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
             return None
         common.makedirs(plan.output)
         common.clear_run_dir(plan.output)
-        with common.Progress.running(sum(planned_in[m] for m in tasks), "items", "encode"):
+        with common.Progress.running(sum(planned_in[m] for m in tasks), "items", "encode", options):
             result = common.run_pipeline(p)
         print(common.counter_line(METRICS_NAMESPACE, common.counter_values(result, METRICS_NAMESPACE),
                                   common.runner_name(options)))

@@ -766,8 +766,8 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
             from apache_beam.io.filesystems import FileSystems
             FileSystems.delete([manifest_path])
     shards, counts, waves_run = dict(finished), {"ce_pairs_requested": 0, "ce_pairs_scored": 0}, 0
-    progress = contextlib.nullcontext() if dry_run else common.Progress.running(*_progress_total(res, expected,
-                                                                                               finished))
+    progress = contextlib.nullcontext() if dry_run else \
+        common.Progress.running(*_progress_total(res, expected, finished), options)
     beam_counters = None  # summed over the waves; None when the runner reports no metrics
     with progress:
         for wave_names in waves:

@@ -660,7 +660,7 @@ def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
     common.clear_run_dir(plan.output)
     _remove_spill(plan.output)  # spill files of a killed earlier run
     try:
-        with common.Progress.running(len(tasks), "read tasks", "stage"):
+        with common.Progress.running(len(tasks), "read tasks", "stage", options):
             result = common.run_pipeline(p)
         print(common.counter_line("stage", common.counter_values(result, "stage"), common.runner_name(options)))
         infos = common.read_run_report(plan.output)
