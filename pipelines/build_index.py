@@ -324,7 +324,7 @@ def main(ctx, emb_dir, output, modality, factory, metric, train_sample, seed, th
                f"in {summary['seconds']:.1f} s -> {output}")
 
 
-main.help += "\n\n" + common.PROGRESS_HELP
+common.add_progress_help(main)
 
 if __name__ == "__main__":
     main()

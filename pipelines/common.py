@@ -374,7 +374,7 @@ PROGRESS_ENV = "RR_PROGRESS"
 PROGRESS_HELP = (
     "Progress: on DirectRunner (in-memory, the default) a bar on stderr shows items done, rate and "
     "ETA; RR_PROGRESS=0 turns it off (outputs do not change). Elsewhere the steps run in other processes: "
-    "Dataflow's job page shows the Beam counters of the namespace below, Dask's dashboard its tasks (DaskRunner "
+    "Dataflow's job page shows the Beam counters of the namespace above, Dask's dashboard its tasks (DaskRunner "
     "collects no Beam metrics). The counters' final values are printed after the run as one "
     "'counters[...]' line. RR_DEBUG=1: full tracebacks.")
 
@@ -424,6 +424,14 @@ class Progress:
         bar = cls._bar
         if bar is not None and n:
             bar.update(n)
+
+
+def add_progress_help(command: click.Command) -> click.Command:
+    """Append :data:`PROGRESS_HELP` to a CLI's --help (its docstring, dedented first so both wrap alike)."""
+    import inspect
+
+    command.help = inspect.cleandoc(command.help or "") + "\n\n" + PROGRESS_HELP
+    return command
 
 
 def runs_in_process(options: PipelineOptions) -> bool:

@@ -543,7 +543,7 @@ def main(ctx, staged, model_dir, output, modality, batch_size, device, collectio
         ctx.exit(1)
 
 
-main.help += "\n\n" + common.PROGRESS_HELP
+common.add_progress_help(main)
 
 if __name__ == "__main__":
     main()

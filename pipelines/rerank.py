@@ -940,7 +940,7 @@ def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, l
         run(plan, tuple(ctx.args))
 
 
-main.help += "\n\n" + common.PROGRESS_HELP
+common.add_progress_help(main)
 
 if __name__ == "__main__":
     main()

@@ -797,7 +797,7 @@ def main(ctx, manifest_ref, output, overrides, feature_format, feature_dtype, ma
         sys.exit(1)
 
 
-main.help += "\n\n" + common.PROGRESS_HELP
+common.add_progress_help(main)
 
 if __name__ == "__main__":
     main()

@@ -122,3 +122,22 @@ collections:
     assert len(errors) == 1 and "caps.json: not valid JSON" in errors[0], res.stderr
     debug = run_cli("pipelines.stage", *args, **{DEBUG_ENV: "1"})
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_the_bar_exists_only_where_the_steps_run_in_this_process(monkeypatch, capsys):
+    from pipelines.common import Progress, counter_line, pipeline_options
+
+    monkeypatch.setenv(PROGRESS_ENV, "1")
+    with Progress.running(10, "items", "elsewhere", pipeline_options(["--direct_running_mode=multi_processing"])):
+        assert Progress._bar is None  # a bar stuck at 0 would mislead: the counters are the progress there
+        Progress.advance(3)  # a no-op, not an error
+    with Progress.running(10, "items", "here", pipeline_options([])):
+        Progress.advance(10)
+    assert Progress._bar is None and bar_lines(capsys.readouterr().err, "here")[-1].startswith("here: 10/10 items")
+    monkeypatch.setenv(PROGRESS_ENV, "0")
+    with Progress.running(10, "items", "off", pipeline_options([])):
+        assert Progress._bar is None
+    assert counter_line("encode", None, "DaskRunner") == \
+        "counters[encode]: not reported by DaskRunner (see its dashboard)"
+    assert counter_line("rerank", {"queries_ranked": 4, "ce_pairs_scored": 9}) == \
+        "counters[rerank]: ce_pairs_scored=9 queries_ranked=4"
