@@ -38,6 +38,7 @@ from typing import Optional
 
 import apache_beam as beam
 import click
+from apache_beam.metrics import Metrics
 import numpy as np
 
 from pipelines import common
@@ -46,6 +47,10 @@ from retrieval_core import index as ix
 
 log = logging.getLogger("pipelines.build_index")
 CREATED_BY = "pipelines.build_index"
+
+
+#: Beam counters (namespace "build_index"): vectors_added, shards_built.
+METRICS_NAMESPACE = "build_index"
 
 
 class IndexBuildError(ValueError):
@@ -119,6 +124,9 @@ class BuildShard(beam.DoFn):
         name = ix.shard_file_name(entry["name"])
         sha = common.write_atomic(common.join(self.plan.output, ix.SHARDS_SUBDIR, name), ix.index_bytes(shard))
         log.info("built %s: %d vectors in %.1f s", name, shard.ntotal, time.time() - t0)
+        Metrics.counter(METRICS_NAMESPACE, "vectors_added").inc(int(shard.ntotal))
+        Metrics.counter(METRICS_NAMESPACE, "shards_built").inc()
+        common.Progress.advance(int(entry["rows"]))  # the embedding vectors this shard read
         yield {"name": name, "rows": int(shard.ntotal), "sha256": sha,
                "source": entry["name"], "source_sha256": entry["sha256"]}
 
@@ -255,7 +263,10 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
         if not common.shard_is_valid(trained_path, trained_sha):
             common.write_atomic(trained_path, trained)
         common.clear_run_dir(plan.output)  # a killed run's report must not enter this manifest
-        common.run_pipeline(p)
+        with common.Progress.running(sum(int(s["rows"]) for s in todo), "vectors", "build_index", options):
+            result = common.run_pipeline(p)
+        print(common.counter_line(METRICS_NAMESPACE, common.counter_values(result, METRICS_NAMESPACE),
+                                  common.runner_name(options)))
         built = common.read_run_report(plan.output)
         common.clear_run_dir(plan.output)
     elif dry:
@@ -298,8 +309,10 @@ def build_index(emb_dir: str, output: str, modality: str, factory: str, metric: 
               help="Parquet file with an int64 item_id column: index only these items (a fold, a sub-pool).")
 @click.pass_context
 def main(ctx, emb_dir, output, modality, factory, metric, train_sample, seed, threads, ids_path):
-    """Build a sharded FAISS index (one shard per embedding shard). Unknown --flags go to Beam."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Build a sharded FAISS index (one shard per embedding shard). Unknown --flags go to Beam.
+
+    Counters namespace: build_index (vectors_added, shards_built)."""
+    common.configure_logging(fmt="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with common.cli_errors():
         plan = IndexPlan(emb_dir, output, modality, factory, metric, train_sample, seed, threads, ids_path)
         summary = run(plan, tuple(ctx.args))
@@ -310,6 +323,8 @@ def main(ctx, emb_dir, output, modality, factory, metric, train_sample, seed, th
                f"{subset} in {summary['shards']} shards ({summary['built']} built, {summary['kept']} kept) "
                f"in {summary['seconds']:.1f} s -> {output}")
 
+
+common.add_progress_help(main)
 
 if __name__ == "__main__":
     main()

@@ -99,12 +99,15 @@ def run_pipeline(p) -> Optional[object]:
     """Run ``p`` to completion; the one place every launcher runs its graph.
 
     Returns the PipelineResult, or None for ``--dry_run`` (the graph was translated, nothing ran: the
-    launcher must not look for outputs). Closes the distributed.Client DaskRunner leaves open."""
-    result = p.run()
-    if is_dry_run(p.options):
-        log.info("dry run: the pipeline was translated for %s and not submitted", runner_name(p.options))
-        return None
-    result.wait_until_finish()
+    launcher must not look for outputs). Closes the distributed.Client DaskRunner leaves open. A step that
+    fails re-raises its exception here, once, without Beam's logged copy of the traceback (see
+    :func:`quiet_worker_tracebacks`): the CLI's cli_errors reports it in one line."""
+    with quiet_worker_tracebacks():
+        result = p.run()
+        if is_dry_run(p.options):
+            log.info("dry run: the pipeline was translated for %s and not submitted", runner_name(p.options))
+            return None
+        result.wait_until_finish()
     client = getattr(result, "client", None)  # DaskRunner leaves its distributed.Client open
     if client is not None:
         client.close()
@@ -361,3 +364,154 @@ def write_atomic_stream(path: str, src, chunk: int = 1 << 22) -> str:
         FileSystems.delete([path])
     FileSystems.rename([tmp], [path])
     return h.hexdigest()
+
+
+# ------------------------------------------------------------------- progress, counters, logging, errors
+#: RR_PROGRESS=0 turns the terminal progress bar off; counters, outputs and exit codes do not change.
+PROGRESS_ENV = "RR_PROGRESS"
+
+#: What every pipeline CLI's --help says about progress (appended to its docstring).
+PROGRESS_HELP = (
+    "Progress: on DirectRunner (in-memory, the default) a bar on stderr shows items done, rate and "
+    "ETA; RR_PROGRESS=0 turns it off (outputs do not change). Elsewhere the steps run in other processes: "
+    "Dataflow's job page shows the Beam counters of the namespace above, Dask's dashboard its tasks (DaskRunner "
+    "collects no Beam metrics). The counters' final values are printed after the run as one "
+    "'counters[...]' line. RR_DEBUG=1: full tracebacks.")
+
+
+class Progress:
+    """The one terminal progress bar of this process: items done, rate and ETA on stderr.
+
+    The launcher opens it with the total it planned (``with Progress.running(total, "pairs", "rerank CE"):
+    run_pipeline(p)``) and the DoFns call :meth:`advance`. DirectRunner's default in-memory mode runs the DoFns
+    in the launcher's process, so they find the bar; on DaskRunner/Dataflow (and in Beam worker processes) no
+    bar exists there, ``advance`` does nothing and the Beam counters (:func:`counter_values`, the runner's
+    dashboard) are what shows progress. The bar only writes to stderr: it never changes an output."""
+
+    _bar = None
+
+    @classmethod
+    @contextlib.contextmanager
+    def running(cls, total: int, unit: str, desc: str, options: Optional[PipelineOptions] = None) -> Iterator[None]:
+        """A bar over ``total`` ``unit`` while the block runs; none when the DoFns of ``options``' runner run in
+        other processes (a bar stuck at 0 would mislead: the counters are the progress there)."""
+        if os.environ.get(PROGRESS_ENV, "1") == "0" or cls._bar is not None or total <= 0:
+            yield  # off, already running (a nested launcher), or nothing to count
+            return
+        if options is not None and not runs_in_process(options):
+            log.info("%s: progress is in the Beam counters of %s (its steps run in other processes)",
+                     desc, runner_name(options))
+            yield
+            return
+        import sys
+
+        from tqdm import tqdm
+
+        # A terminal redraws in place twice a second; a log file gets a line every 30 s, not a flood of \r.
+        tty = sys.stderr.isatty()
+        cls._bar = tqdm(total=int(total), unit=unit, desc=desc, file=sys.stderr, dynamic_ncols=tty,
+                        mininterval=0.5 if tty else 30.0, smoothing=0.1, leave=True, disable=False,
+                        bar_format="{desc}: {n_fmt}/{total_fmt} {unit} ({percentage:3.0f}%) "
+                                   "| {rate_fmt} | elapsed {elapsed} | ETA {remaining}")
+        try:
+            yield
+        finally:
+            bar, cls._bar = cls._bar, None
+            bar.close()
+
+    @classmethod
+    def advance(cls, n: int = 1) -> None:
+        bar = cls._bar
+        if bar is not None and n:
+            bar.update(n)
+
+
+def add_progress_help(command: click.Command) -> click.Command:
+    """Append :data:`PROGRESS_HELP` to a CLI's --help (its docstring, dedented first so both wrap alike)."""
+    import inspect
+
+    command.help = inspect.cleandoc(command.help or "") + "\n\n" + PROGRESS_HELP
+    return command
+
+
+def runs_in_process(options: PipelineOptions) -> bool:
+    """True when the runner executes the DoFns in this process: DirectRunner in its in-memory or
+    multi-threading mode (not --direct_running_mode=multi_processing, not Dask or Dataflow)."""
+    from apache_beam.options.pipeline_options import DirectOptions
+
+    mode = getattr(options.view_as(DirectOptions), "direct_running_mode", "in_memory") or "in_memory"
+    return runner_name(options) in ("DirectRunner", "BundleBasedDirectRunner") and mode != "multi_processing"
+
+
+def counter_values(result, namespace: str) -> Optional[dict[str, int]]:
+    """{name: value} of the Beam counters of ``namespace`` in a finished run (committed, else attempted), or
+    None when the runner does not report metrics (DaskRunner in Beam 2.77)."""
+    from apache_beam.metrics.metric import MetricsFilter
+
+    if result is None:
+        return None
+    try:
+        found = result.metrics().query(MetricsFilter().with_namespace(namespace))["counters"]
+    except (NotImplementedError, AttributeError, KeyError):
+        return None
+    out: dict[str, int] = {}
+    for c in found:
+        value = c.committed if c.committed is not None else c.attempted
+        out[c.key.metric.name] = out.get(c.key.metric.name, 0) + int(value or 0)
+    return out
+
+
+def add_counters(total: Optional[dict], more: Optional[dict]) -> Optional[dict]:
+    """Sum the counters of several jobs (rerank's waves); None stays None (no runner reported any)."""
+    if more is None:
+        return total
+    out = dict(total or {})
+    for name, value in more.items():
+        out[name] = out.get(name, 0) + value
+    return out
+
+
+def counter_line(namespace: str, values: Optional[dict], runner: str = "") -> str:
+    """The one line a launcher prints after its run: ``counters[encode]: captions_encoded=12 ...``."""
+    if values is None:
+        return f"counters[{namespace}]: not reported by {runner or 'this runner'} (see its dashboard)"
+    return f"counters[{namespace}]: " + (" ".join(f"{k}={v}" for k, v in sorted(values.items())) or "none")
+
+
+#: Loggers of this project; Beam and h5py chatter stays at WARNING unless -v.
+OWN_LOGGERS = ("pipelines", "retrieval_core", "benchmarks", "__main__")
+NOISY_LOGGERS = ("apache_beam", "h5py")
+
+
+def configure_logging(verbose: bool = False, fmt: str = "%(levelname)s %(name)s: %(message)s") -> None:
+    """Every pipeline CLI's logging: our loggers at INFO (DEBUG with -v), Beam's INFO lines muted. Our loggers
+    get their own level because Beam resets the root logger's level while a pipeline runs."""
+    level = logging.DEBUG if verbose else logging.INFO
+    logging.basicConfig(level=level, format=fmt)
+    for name in OWN_LOGGERS:
+        logging.getLogger(name).setLevel(level)
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(level if verbose else logging.WARNING)
+
+
+class _DropWorkerTraceback(logging.Filter):
+    """Beam logs a failing DoFn's traceback at ERROR (``apache_beam.runners.common``) and then re-raises the
+    exception with the step appended (``... [while running 'read batches']``): the launcher reports that one
+    line, so the logged copy of the traceback is dropped (RR_DEBUG=1 keeps it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and "[while running" in record.getMessage())
+
+
+@contextlib.contextmanager
+def quiet_worker_tracebacks() -> Iterator[None]:
+    if os.environ.get(DEBUG_ENV) == "1":
+        yield
+        return
+    drop = _DropWorkerTraceback()
+    logger = logging.getLogger("apache_beam.runners.common")  # a filter sees only its own logger's records
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)

@@ -50,6 +50,7 @@ from typing import Iterable, Optional
 import apache_beam as beam
 import click
 import numpy as np
+from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 
 from pipelines import common
@@ -68,6 +69,12 @@ MODALITY_CHOICES = (MODALITY_IMAGE, MODALITY_TEXT, "both")
 DEAD_LETTER_FILE = "dead_letter.jsonl"
 COMPLETED_DIR = "_completed"  # per-shard completion records: what a rerun keeps
 CREATED_BY = "pipelines.encode"
+
+
+#: Beam counters (namespace "encode"): images_encoded, captions_encoded, images_dead_lettered, ...
+METRICS_NAMESPACE = "encode"
+_ENCODED = {m: Metrics.counter(METRICS_NAMESPACE, f"{STAGED_KIND[m]}_encoded") for m in STAGED_KIND}
+_DEAD = {m: Metrics.counter(METRICS_NAMESPACE, f"{STAGED_KIND[m]}_dead_lettered") for m in STAGED_KIND}
 
 
 class EncodeError(RuntimeError):
@@ -290,7 +297,9 @@ def encoded_rows(result, modality: str, plans: dict[tuple[str, str], ShardPlan])
     """(key, PredictionResult) -> ((modality, collection, shard), (item_id, vector)); failed ones are dropped
     here and recorded by :func:`dead_letter_rows`."""
     (collection, item_id), prediction = result
+    common.Progress.advance(1)  # every item passes here once, encoded or failed
     if not isinstance(prediction.inference, FailedBatch):
+        _ENCODED[modality].inc()
         yield (modality, collection, plans[(modality, collection)].shard_of(item_id)), (item_id, prediction.inference)
 
 
@@ -298,6 +307,7 @@ def dead_letter_rows(result, modality: str):
     (collection, item_id), prediction = result
     failed = prediction.inference
     if isinstance(failed, FailedBatch):
+        _DEAD[modality].inc()
         yield {"kind": "dead", "modality": modality, "collection": collection, "item_id": int(item_id),
                "reason": failed.reason, "traceback": failed.traceback}
 
@@ -438,7 +448,10 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
             return None
         common.makedirs(plan.output)
         common.clear_run_dir(plan.output)
-        result = common.run_pipeline(p)
+        with common.Progress.running(sum(planned_in[m] for m in tasks), "items", "encode", options):
+            result = common.run_pipeline(p)
+        print(common.counter_line(METRICS_NAMESPACE, common.counter_values(result, METRICS_NAMESPACE),
+                                  common.runner_name(options)))
         report = common.read_run_report(plan.output)
         common.clear_run_dir(plan.output)
     elif common.is_dry_run(options):
@@ -514,8 +527,10 @@ def demo_assets(beam_args: tuple[str, ...] = ()) -> tuple[str, str]:
 def main(ctx, staged, model_dir, output, modality, batch_size, device, collection, split, images_per_shard,
          texts_per_shard, model_copies, threads):
     """Encode staged images and captions with the bi-encoder into checksummed embedding shards.
-    Unknown --flags go to Beam (--runner, --direct_num_workers, Dataflow options...)."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    Unknown --flags go to Beam (--runner, --direct_num_workers, Dataflow options...).
+
+    Counters namespace: encode (images_encoded, captions_encoded, *_dead_lettered)."""
+    common.configure_logging()
     beam_args = tuple(ctx.args)
     if (staged is None) != (model_dir is None):
         raise click.UsageError("pass both --staged and --model, or neither (the embedded demo)")
@@ -533,6 +548,8 @@ def main(ctx, staged, model_dir, output, modality, batch_size, device, collectio
     if summary is not None and any(v["dead_lettered"] for v in summary["modalities"].values()):
         ctx.exit(1)
 
+
+common.add_progress_help(main)
 
 if __name__ == "__main__":
     main()

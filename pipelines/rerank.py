@@ -63,6 +63,7 @@ fails fails the job (no silent gaps in a ranking).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -75,6 +76,7 @@ from typing import Mapping, Optional
 import apache_beam as beam
 import click
 import numpy as np
+from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 
 from pipelines import common
@@ -96,6 +98,14 @@ RANKINGS_SUBDIR = rr.RANKINGS_SUBDIR
 RANKINGS_MANIFEST = rr.RANKINGS_MANIFEST
 PROGRESS_DIR = "_progress"  # <output>/_progress/<shard>.json: one record per finished ranking shard
 CREATED_BY = "pipelines.rerank"
+#: Beam counters (namespace "rerank"): queries_searched, ce_pairs_scored (unique pairs), ce_pair_requests,
+#: queries_ranked, ranking_shards_written.
+METRICS_NAMESPACE = "rerank"
+_SEARCHED = Metrics.counter(METRICS_NAMESPACE, "queries_searched")
+_PAIRS_SCORED = Metrics.counter(METRICS_NAMESPACE, "ce_pairs_scored")
+_PAIR_REQUESTS = Metrics.counter(METRICS_NAMESPACE, "ce_pair_requests")
+_RANKED = Metrics.counter(METRICS_NAMESPACE, "queries_ranked")
+_SHARDS_WRITTEN = Metrics.counter(METRICS_NAMESPACE, "ranking_shards_written")
 _MIX = 0x9E3779B97F4A7C15  # 64-bit golden-ratio multiplier: spreads ids over groups deterministically
 
 
@@ -266,6 +276,7 @@ class SearchBatch(beam.DoFn):
             # search_scores: BE scores are higher-is-better (an L2 index's distances come back negated).
             scores, ids = searcher.search_scores(np.stack([v for _, v in chunk]).astype(np.float32),
                                                  self.candidates[direction])
+            _SEARCHED.inc(len(chunk))
             for (qid, _), s, i in zip(chunk, scores, ids):
                 valid = i >= 0  # faiss pads with -1 when the pool is smaller than n
                 yield (direction, qid), (i[valid].astype(np.int64), s[valid].astype(np.float32))
@@ -382,6 +393,9 @@ def scores_to_queries(element):
     (pair, requesters), prediction = element
     caption_id, image_id = pair
     score = float(prediction.inference)  # float32 from the handler: stored exactly in the rankings
+    _PAIRS_SCORED.inc()
+    _PAIR_REQUESTS.inc(len(requesters))
+    common.Progress.advance(len(requesters))  # CE modes count (query, pair) requests: the launcher's total
     for direction, qid in requesters:
         yield (direction, qid), (image_id if direction == T2I else caption_id, score)
 
@@ -389,6 +403,8 @@ def scores_to_queries(element):
 # ---------------------------------------------------------------------------------------- ranking
 def rank_emb(element, k: int):
     key, (ids, scores) = element
+    _RANKED.inc()
+    common.Progress.advance(1)  # EMB counts queries
     return key, rr.rank_query(ids, scores, None, k, "emb", keep=len(ids))
 
 
@@ -400,6 +416,7 @@ def rank_with_ce(element, k: int, mode: str, lam: float):
         raise RerankError(f"{direction} query {qid}: {len(cands)} candidate lists")
     ids, be = cands[0]
     ce = rr.ce_scores_of(ids, k, dict(grouped["ce"]), f"{direction} query {qid}")
+    _RANKED.inc()
     return (direction, qid), rr.rank_query(ids, be, ce, k, mode, lam=lam, keep=len(ids))
 
 
@@ -426,6 +443,7 @@ def write_rankings_shard(element, output: str, shards: Mapping[str, int], finger
     (direction, index), rows = element
     rows = sorted(rows, key=lambda r: r[0])
     name = common.shard_name(direction, index, shards[direction], ".parquet")
+    _SHARDS_WRITTEN.inc()
     return write_shard(output, name, direction, [q for q, _ in rows], [r for _, r in rows], fingerprint)
 
 
@@ -754,34 +772,42 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
             from apache_beam.io.filesystems import FileSystems
             FileSystems.delete([manifest_path])
     shards, counts, waves_run = dict(finished), {"ce_pairs_requested": 0, "ce_pairs_scored": 0}, 0
-    for wave_names in waves:
-        todo = [name for name in wave_names if name not in finished]
-        for name in [n for n in todo if len(expected[n][1]) == 0]:  # no query hashed here (tiny runs)
-            if not dry_run:
-                shards[name] = write_shard(plan.output, name, expected[name][0], [], [], res.fingerprint)
-        todo = [name for name in todo if len(expected[name][1])]
-        if not todo:
-            continue
-        wave: dict[str, set] = {}
-        for name in todo:
-            d, ids = expected[name]
-            wave.setdefault(d, set()).update(ids.tolist())
-        report = _run_wave(options, res, {d: frozenset(ids) for d, ids in wave.items()})
-        if report is None:
-            return None
-        waves_run += 1
-        for item in report:
-            if item["kind"] == "count":
-                counts[item["name"]] += int(item["value"])
-            elif item["kind"] == "shard":
-                shards[item["name"]] = item
-        for name in todo:
-            got = shards.get(name, {}).get("queries")
-            if got != len(expected[name][1]):
-                raise RerankError(f"{name}: {got} queries ranked, {len(expected[name][1])} expected")
+    progress = contextlib.nullcontext() if dry_run else \
+        common.Progress.running(*_progress_total(res, expected, finished), options)
+    beam_counters = None  # summed over the waves; None when the runner reports no metrics
+    with progress:
+        for wave_names in waves:
+            todo = [name for name in wave_names if name not in finished]
+            for name in [n for n in todo if len(expected[n][1]) == 0]:  # no query hashed here (tiny runs)
+                if not dry_run:
+                    shards[name] = write_shard(plan.output, name, expected[name][0], [], [], res.fingerprint)
+            todo = [name for name in todo if len(expected[name][1])]
+            if not todo:
+                continue
+            wave: dict[str, set] = {}
+            for name in todo:
+                d, ids = expected[name]
+                wave.setdefault(d, set()).update(ids.tolist())
+            ran = _run_wave(options, res, {d: frozenset(ids) for d, ids in wave.items()})
+            if ran is None:
+                return None
+            report, wave_counters = ran
+            beam_counters = common.add_counters(beam_counters, wave_counters)
+            waves_run += 1
+            for item in report:
+                if item["kind"] == "count":
+                    counts[item["name"]] += int(item["value"])
+                elif item["kind"] == "shard":
+                    shards[item["name"]] = item
+            for name in todo:
+                got = shards.get(name, {}).get("queries")
+                if got != len(expected[name][1]):
+                    raise RerankError(f"{name}: {got} queries ranked, {len(expected[name][1])} expected")
     if dry_run:
         print("dry run: no shard has queries; nothing to translate")
         return None
+    if waves_run:
+        print(common.counter_line(METRICS_NAMESPACE, beam_counters, common.runner_name(options)))
 
     manifest = _manifest(res, [shards[name] for name in names], len(finished), waves_run, counts,
                          common.runner_name(options), time.time() - t0)
@@ -799,8 +825,18 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
     return manifest
 
 
-def _run_wave(options, res: Resolved, wave: Mapping[str, frozenset]) -> Optional[list[dict]]:
-    """One Beam job over the queries ``wave``; its run report, or None for a dry run (nothing ran)."""
+def _progress_total(res: Resolved, expected: Mapping[str, tuple[str, np.ndarray]],
+                    finished: Mapping[str, dict]) -> tuple[int, str, str]:
+    """(total, unit, label) of the terminal bar over every wave: queries for EMB, else the (query, pair) CE
+    requests of the unfinished shards (an upper bound when an index returns fewer than k candidates)."""
+    todo = [expected[name] for name in expected if name not in finished]
+    if res.plan.mode == "emb":
+        return sum(len(ids) for _, ids in todo), "queries", "rerank"
+    return sum(len(ids) * min(res.ce_k, res.pools[d]) for d, ids in todo), "pairs", "rerank CE"
+
+
+def _run_wave(options, res: Resolved, wave: Mapping[str, frozenset]) -> Optional[tuple[list[dict], Optional[dict]]]:
+    """One Beam job over the queries ``wave``: its run report and Beam counters, or None for a dry run."""
     output = res.plan.output
     p = beam.Pipeline(options=options)
     build_graph(p, res, wave)
@@ -809,11 +845,12 @@ def _run_wave(options, res: Resolved, wave: Mapping[str, frozenset]) -> Optional
               f"{common.runner_name(options)}; nothing runs")
     else:
         common.clear_run_dir(output)  # a killed run's report must not be read as this one's
-    if common.run_pipeline(p) is None:
+    result = common.run_pipeline(p)
+    if result is None:
         return None
     report = common.read_run_report(output)
     common.clear_run_dir(output)
-    return report
+    return report, common.counter_values(result, METRICS_NAMESPACE)
 
 
 def _manifest(res: Resolved, shards: list[dict], reused: int, waves_run: int, counts: dict, runner: str,
@@ -895,8 +932,11 @@ def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, l
          split, queries_file, output, batch_size, search_batch_size, device, threads, nprobe, ef_search,
          model_copies, max_exhaustive_pairs, queries_per_shard, shards_per_wave):
     """BE retrieval (+ CE reranking) of every query of a split, in both directions, as Beam jobs.
-    Unknown --flags go to Beam (--runner, --dask_client_address, ...)."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    Unknown --flags go to Beam (--runner, --dask_client_address, ...).
+
+    Counters namespace: rerank (queries_searched, ce_pairs_scored, ce_pair_requests, queries_ranked,
+    ranking_shards_written)."""
+    common.configure_logging()
     with common.cli_errors(RerankError):
         plan = RerankPlan(
             staged=staged, embeddings=embeddings, output=output, mode=mode, k=k, lam=lam,
@@ -908,6 +948,8 @@ def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, l
             ef_search=ef_search)
         run(plan, tuple(ctx.args))
 
+
+common.add_progress_help(main)
 
 if __name__ == "__main__":
     main()

@@ -239,6 +239,7 @@ class ReadAndStage(beam.DoFn):
         if spill is not None:
             spill.close()  # before this bundle commits, i.e. before any shard writer can read it
         self._records[kind].inc(n_in)
+        common.Progress.advance(1)  # read tasks done (the launcher's bar, when this runs in its process)
         log.info("read %s %s task %s: %d records", coll, kind, getattr(task, "start", None) or source, n_in)
         yield T_INFO, {"type": "in", "collection": coll, "kind": kind, "n": n_in}
 
@@ -659,7 +660,9 @@ def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
     common.clear_run_dir(plan.output)
     _remove_spill(plan.output)  # spill files of a killed earlier run
     try:
-        common.run_pipeline(p)
+        with common.Progress.running(len(tasks), "read tasks", "stage", options):
+            result = common.run_pipeline(p)
+        print(common.counter_line("stage", common.counter_values(result, "stage"), common.runner_name(options)))
         infos = common.read_run_report(plan.output)
     finally:
         _remove_spill(plan.output)
@@ -763,13 +766,10 @@ def main(ctx, manifest_ref, output, overrides, feature_format, feature_dtype, ma
 
     Unknown options go to Beam, e.g. --direct_running_mode=multi_processing --direct_num_workers=2, or
     --runner=DataflowRunner --project=... --temp_location=gs://...
+
+    Counters namespace: stage ({image,caption}_records_in, _staged_valid, _rejected; *_shards_written/kept).
     """
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Beam resets the root level to WARNING while it runs: give our logger its own level (shard progress)
-    logging.getLogger("pipelines").setLevel(logging.DEBUG if verbose else logging.INFO)
-    for noisy in ("apache_beam", "h5py"):
-        logging.getLogger(noisy).setLevel(logging.DEBUG if verbose else logging.WARNING)
+    common.configure_logging(verbose, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         plan = StagePlan(output, manifest_ref, tuple(overrides), feature_format, feature_dtype, max_regions,
                          images_per_shard, max_reject_fraction, chunk_size, allow_empty)
@@ -796,6 +796,8 @@ def main(ctx, manifest_ref, output, overrides, feature_format, feature_dtype, ma
             click.echo(f"error: {p}", err=True)
         sys.exit(1)
 
+
+common.add_progress_help(main)
 
 if __name__ == "__main__":
     main()
