@@ -245,6 +245,12 @@ def evaluate_run(run_dir: str, staged: str, *, k: Optional[int] = None, mode: Op
     if collection not in dataset.collections:
         raise EvaluationError(f"collection {collection!r} is not staged in {staged} (have {dataset.collections})")
     split = split if split is not None else manifest.get("split")
+    recorded = (manifest.get("staged_sha256") or {}).get(f"captions/{collection}")
+    if recorded and recorded != dataset.content_sha256("captions", collection):
+        raise EvaluationError(f"{manifest_path} ranked the captions/{collection} shards of another staging (sha256 "
+                              f"{recorded[:12]}...) than --staged {staged} holds "
+                              f"({dataset.content_sha256('captions', collection)[:12]}...): its gold would not be "
+                              f"the run's; pass the staged folder the run used ({manifest.get('staged')})")
     caption_to_image, image_to_captions = dataset.gold(collection, split)
     if not caption_to_image:
         raise EvaluationError(f"no {split!r} captions for collection {collection!r} in {staged}")

@@ -143,15 +143,9 @@ def model_embedding_dim(model_dir: str) -> int:
 
 
 def staged_inputs_sha256(ds, modality: str, collection: str) -> str:
-    """sha256 over the (name, sha256) of the staged shards a modality of a collection is read from (image
-    shards and their HDF5 feature shards, or caption shards): re-staging byte-identical shards keeps it,
-    unlike summary.json (which records timings). A shard without a recorded checksum is hashed here."""
-    src = ds.summary["collections"][collection][STAGED_KIND[modality]]
-    parts = []
-    for s in list(src.get("shards", [])) + list(src.get("feature_shards") or []):
-        sha = s.get("sha256") or common.sha256_file(common.join(ds.root, s["name"]))
-        parts.append(f"{s['name']}:{sha}")
-    return common.sha256_bytes("\n".join(sorted(parts)).encode("utf-8"))
+    """The staged content a modality of a collection is read from (StagedDataset.content_sha256): the key
+    encode's shards are recorded under, and what rerank checks embeddings against."""
+    return ds.content_sha256(STAGED_KIND[modality], collection)
 
 
 # ----------------------------------------------------------------------------------------- planning

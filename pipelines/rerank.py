@@ -466,6 +466,7 @@ class Resolved:
     be_model: Mapping[str, str]  # the embeddings manifest's model entry
     queries_file: Optional[Mapping]  # {path, sha256, counts} of --queries
     fingerprint: str  # what a finished shard must have been computed under to be reused
+    staged_sha256: Mapping[str, str] = None  # staged_fingerprints(): recorded for benchmarks.evaluate
 
 
 def build_graph(p: beam.Pipeline, res: Resolved, wave: Mapping[str, frozenset]) -> None:
@@ -656,6 +657,33 @@ def _read_queries_file(plan: RerankPlan, split_ids: Mapping[str, np.ndarray]
     return out, {"path": path, "sha256": common.sha256_bytes(data), "counts": {d: len(q) for d, q in out.items()}}
 
 
+def staged_fingerprints(ds) -> dict[str, str]:
+    """{"<images|captions>/<collection>": content sha256} of a staged folder: what a rankings manifest records
+    and benchmarks.evaluate compares with the --staged it is given."""
+    return {f"{kind}/{c}": ds.content_sha256(kind, c) for c in ds.collections for kind in ("images", "captions")}
+
+
+def _check_embeddings_match_staged(plan: RerankPlan, ds, emb_manifest: dict) -> None:
+    """Refuse embeddings encoded from other staged shards than --staged: their ids could match while the
+    captions and regions the CE reads are other ones (a silently wrong ranking)."""
+    from pipelines.encode import staged_inputs_sha256
+
+    recorded = (emb_manifest.get("inputs") or {}).get("staged_sha256")
+    if not recorded:
+        log.warning("%s records no staged fingerprint (encoded before fingerprints): not checked against %s",
+                    plan.embeddings, plan.staged)
+        return
+    for key, sha in sorted(recorded.items()):
+        modality, collection = key.split("/", 1)
+        if collection not in ds.collections:
+            continue  # a collection --staged lacks: its ids would be missing, which resolve reports
+        here = staged_inputs_sha256(ds, modality, collection)
+        if here != sha:
+            raise RerankError(f"--embeddings {plan.embeddings} were encoded from other {key} shards (sha256 "
+                              f"{sha[:12]}...) than --staged {plan.staged} holds ({here[:12]}...); re-encode, or "
+                              f"pass the staged folder they were encoded from")
+
+
 def resolve(plan: RerankPlan) -> Resolved:
     """Check the plan against its inputs (staged dir, embeddings, indexes, models, --queries) and fix
     everything the graph needs; every inconsistency is a one-line RerankError / ValueError here, before
@@ -670,6 +698,7 @@ def resolve(plan: RerankPlan) -> Resolved:
 
     emb_manifest_path = emb.manifest_path(plan.embeddings)
     emb_manifest = emb.load_embeddings_manifest(plan.embeddings)
+    _check_embeddings_match_staged(plan, ds, emb_manifest)
     searchers, pools, described, query_shards = {}, {}, {}, []
     for d in plan.directions:
         if len(query_ids[d]) == 0:
@@ -717,7 +746,7 @@ def resolve(plan: RerankPlan) -> Resolved:
         caption_shards=tuple(ds.shard_names("captions", plan.collection) if ce_model else ()),
         image_shards=tuple(ds.shard_names("images", plan.collection) if ce_model else ()),
         ce_max_regions=ce_max_regions, be_model=emb_manifest["model"], queries_file=queries_file,
-        fingerprint=fingerprint)
+        fingerprint=fingerprint, staged_sha256=staged_fingerprints(ds))
 
 
 def _expected_shards(res: Resolved) -> dict[str, tuple[str, np.ndarray]]:
@@ -861,7 +890,8 @@ def _manifest(res: Resolved, shards: list[dict], reused: int, waves_run: int, co
         "mode": plan.mode, "k": plan.k, "lam": plan.applied_lam, "directions": list(plan.directions),
         "candidates": {d: min(res.candidates[d], res.pools[d]) for d in plan.directions},
         "ce_depth": {d: min(res.ce_k, res.pools[d]) for d in plan.directions},
-        "collection": plan.collection, "split": plan.split, "staged": plan.staged, "embeddings": plan.embeddings,
+        "collection": plan.collection, "split": plan.split, "staged": plan.staged,
+        "staged_sha256": dict(res.staged_sha256 or {}), "embeddings": plan.embeddings,
         "be_model": dict(res.be_model), "ce_model": plan.cross_encoder,
         # the CE score key the ce_score column holds (model.CE_SCORES: logit_diff = log-odds, logit1 = MMT's)
         "ce_score_key": _ce_model_folder(plan.cross_encoder).ce_score if plan.cross_encoder else None,

@@ -133,6 +133,23 @@ class StagedDataset:
     def __repr__(self) -> str:
         return f"StagedDataset({self.root!r}, collections={self.collections}, F={self.feature_dim})"
 
+    def content_sha256(self, kind: str, collection: str) -> str:
+        """sha256 over the (name, sha256) of one collection's staged shards of ``kind`` ("images", with their
+        HDF5 feature shards, or "captions"): what an artifact made from them records, and what its consumers
+        compare (re-staging byte-identical shards keeps it; summary.json itself records timings). A shard the
+        summary lists without a checksum is hashed here."""
+        if collection not in self.summary["collections"]:
+            raise StagedDataError(f"collection {collection!r} is not staged in {self.root} (have {self.collections})")
+        block = self.summary["collections"][collection].get(kind) or {}
+        parts = []
+        for shard in list(block.get("shards") or []) + list(block.get("feature_shards") or []):
+            sha = shard.get("sha256")
+            if not sha:
+                with self._open(join_path(self.root, shard["name"])) as f:
+                    sha = hashlib.sha256(f.read()).hexdigest()
+            parts.append(f"{shard['name']}:{sha}")
+        return hashlib.sha256("\n".join(sorted(parts)).encode("utf-8")).hexdigest()
+
     def _file_exists(self, path: str) -> bool:
         if not is_url(path):
             return os.path.exists(path)

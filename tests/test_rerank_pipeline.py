@@ -403,3 +403,24 @@ def test_index_built_from_other_embeddings_is_refused_naming_both(assets, tmp_pa
     # the embeddings it was built from are accepted
     assert run_rerank(staged, emb_dir, str(tmp_path / "ok"), mode="emb", index=index_dir,
                       directions=("t2i",))["queries"] == {"t2i": 12}
+
+
+def test_embeddings_or_gold_of_another_staging_are_refused(assets, tmp_path):
+    """Issue 14: artifacts carry the fingerprint of the staged shards they came from. Embeddings encoded from
+    one staging and a --staged folder of another (same ids, other captions and regions) used to rerank
+    silently; a run evaluated against another staging's gold likewise."""
+    from benchmarks.evaluate import EvaluationError, evaluate_run
+
+    root, staged, _, emb_dir = assets
+    other = write_tiny_staged(str(tmp_path / "other"), num_images=NUM_IMAGES, seed=1)
+    assert sorted(StagedDataset(other).images_meta()["item_id"]) == sorted(StagedDataset(staged).images_meta()["item_id"])
+    with pytest.raises(rerank.RerankError, match=r"--embeddings .* were encoded from other (image|text)/tiny shards "
+                                                 r".* than --staged .*other holds"):
+        run_rerank(other, emb_dir, str(tmp_path / "run"), mode="emb")
+    assert not os.path.exists(tmp_path / "run")
+    out = str(tmp_path / "ok")
+    manifest = run_rerank(staged, emb_dir, out, mode="emb", directions=("t2i",))
+    assert set(manifest["staged_sha256"]) == {"images/tiny", "captions/tiny"}
+    assert evaluate_run(out, staged)["t2i_queries"] == 12
+    with pytest.raises(EvaluationError, match="ranked the captions/tiny shards of another staging"):
+        evaluate_run(out, other)
