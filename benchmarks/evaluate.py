@@ -223,6 +223,19 @@ def resolve_derivation(manifest: dict, k: Optional[int] = None, mode: Optional[s
     return int(k), mode, lam
 
 
+def ranked_as(manifest_path: str, manifest: dict, k: int, mode: str, lam: Optional[float]) -> pa.Table:
+    """A run's verified rankings, re-ranked for (k, mode, lam) from its stored scores when they are not the
+    run's own (``resolve_derivation`` has checked they can be derived): what evaluate and inspect read."""
+    table = read_run_rankings(manifest_path, manifest)
+    if (k, mode, lam) == (int(manifest["k"]), manifest["mode"], manifest.get("lam")):
+        return table
+    rank_k = max(int(v) for v in manifest["ce_depth"].values()) if mode == "ce" else k
+    try:
+        return derive_rankings(table, rank_k, RUN_TO_RANK_MODE[mode], lam if lam is not None else DEFAULT_LAM)
+    except ValueError as exc:
+        raise EvaluationError(f"{manifest_path}: {exc}") from None
+
+
 def evaluate_run(run_dir: str, staged: str, *, k: Optional[int] = None, mode: Optional[str] = None,
                  lam: Optional[float] = None, collection: Optional[str] = None, split: Optional[str] = None) -> dict:
     """Recall of a pipelines.rerank run, re-derived for (k, mode, lam) (default: the run's own).
@@ -255,13 +268,7 @@ def evaluate_run(run_dir: str, staged: str, *, k: Optional[int] = None, mode: Op
     if not caption_to_image:
         raise EvaluationError(f"no {split!r} captions for collection {collection!r} in {staged}")
 
-    table = read_run_rankings(manifest_path, manifest)
-    if (k, mode, lam) != (int(manifest["k"]), manifest["mode"], manifest.get("lam")):
-        rank_k = max(int(v) for v in manifest["ce_depth"].values()) if mode == "ce" else k
-        try:
-            table = derive_rankings(table, rank_k, RUN_TO_RANK_MODE[mode], lam if lam is not None else DEFAULT_LAM)
-        except ValueError as exc:
-            raise EvaluationError(f"{manifest_path}: {exc}") from None
+    table = ranked_as(manifest_path, manifest, k, mode, lam)
     directions = tuple(d for d in DIRECTIONS if d in manifest.get("directions", DIRECTIONS))
     if manifest.get("queries_file"):  # a restricted run: the gold of its ranked queries only
         df = table.to_pandas()

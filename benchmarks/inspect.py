@@ -33,11 +33,11 @@ import click
 import numpy as np
 import pandas as pd
 
-from benchmarks.evaluate import (DEFAULT_LAM, DIRECTIONS, EvaluationError, _check_queries, read_run_manifest,
-                                 read_run_rankings, resolve_derivation)
+from benchmarks.evaluate import (DIRECTIONS, EvaluationError, _check_queries, ranked_as,
+                                 read_run_manifest, resolve_derivation)
 from retrieval_core import schema
 from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
-from retrieval_core.rerank import RUN_MODES, RUN_TO_RANK_MODE, derive_rankings
+from retrieval_core.rerank import RUN_MODES
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +75,7 @@ def load_side(run: str, mode: Optional[str] = None, k: Optional[int] = None, lam
     re-derived the way benchmarks.evaluate does."""
     manifest_path, manifest = read_run_manifest(run)
     k, mode, lam = resolve_derivation(manifest, k, mode, lam, where=os.path.dirname(manifest_path))
-    table = read_run_rankings(manifest_path, manifest)
-    if (k, mode, lam) != (int(manifest["k"]), manifest["mode"], manifest.get("lam")):
-        rank_k = max(int(v) for v in manifest["ce_depth"].values()) if mode == "ce" else k
-        try:
-            table = derive_rankings(table, rank_k, RUN_TO_RANK_MODE[mode], lam if lam is not None else DEFAULT_LAM)
-        except ValueError as exc:
-            raise InspectError(f"{manifest_path}: {exc}") from None
+    table = ranked_as(manifest_path, manifest, k, mode, lam)
     rows = table.to_pandas().sort_values(["direction", "query_id", "rank"], kind="stable").reset_index(drop=True)
     return Side(run=run, mode=mode, k=k, lam=lam, manifest=manifest, rows=rows)
 
