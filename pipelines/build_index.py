@@ -313,6 +313,7 @@ def main(ctx, emb_dir, output, modality, factory, metric, train_sample, seed, th
 
     Counters namespace: build_index (vectors_added, shards_built)."""
     common.configure_logging(fmt="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    common.check_beam_flags(ctx.args)
     with common.cli_errors():
         plan = IndexPlan(emb_dir, output, modality, factory, metric, train_sample, seed, threads, ids_path)
         summary = run(plan, tuple(ctx.args))

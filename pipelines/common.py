@@ -62,6 +62,12 @@ def unknown_beam_flags(beam_args: Sequence[str]) -> list[str]:
     return [a for a in unknown if a.startswith("-")] or list(unknown)
 
 
+def check_beam_flags(beam_args: Sequence[str]) -> None:
+    """Refuse the leftover CLI args a launcher would hand to Beam, first thing in every pipeline CLI: an
+    unknown flag is reported before a plan error or any work (see :func:`pipeline_options`)."""
+    pipeline_options(beam_args)
+
+
 def pipeline_options(beam_args: Sequence[str], default_runner: str = "DirectRunner") -> PipelineOptions:
     """PipelineOptions from the leftover CLI args; DirectRunner unless --runner says otherwise.
 

@@ -151,6 +151,9 @@ def r1_changes(table: pd.DataFrame) -> list[str]:
 @click.pass_context
 def main(ctx: click.Context, k: int, with_sep: bool) -> None:
     """Run the whole retrieve-and-rerank demo on the embedded synthetic default. Extra --flags go to Beam."""
+    from pipelines.common import check_beam_flags
+
+    check_beam_flags(ctx.args)
     try:
         run_demo(k, with_sep, tuple(ctx.args))
     except subprocess.CalledProcessError as exc:

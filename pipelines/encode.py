@@ -528,7 +528,7 @@ def main(ctx, staged, model_dir, output, modality, batch_size, device, collectio
     beam_args = tuple(ctx.args)
     if (staged is None) != (model_dir is None):
         raise click.UsageError("pass both --staged and --model, or neither (the embedded demo)")
-    common.pipeline_options(beam_args)  # an unknown flag is an error before the demo assets are built
+    common.check_beam_flags(beam_args)  # an unknown flag is an error before the demo assets are built
     if staged is None:
         from pipelines import demo_assets as demo
         staged, model_dir = demo_assets(beam_args)

@@ -967,6 +967,7 @@ def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, l
     Counters namespace: rerank (queries_searched, ce_pairs_scored, ce_pair_requests, queries_ranked,
     ranking_shards_written)."""
     common.configure_logging()
+    common.check_beam_flags(ctx.args)
     with common.cli_errors(RerankError):
         plan = RerankPlan(
             staged=staged, embeddings=embeddings, output=output, mode=mode, k=k, lam=lam,

@@ -770,6 +770,7 @@ def main(ctx, manifest_ref, output, overrides, feature_format, feature_dtype, ma
     Counters namespace: stage ({image,caption}_records_in, _staged_valid, _rejected; *_shards_written/kept).
     """
     common.configure_logging(verbose, "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    common.check_beam_flags(ctx.args)
     try:
         plan = StagePlan(output, manifest_ref, tuple(overrides), feature_format, feature_dtype, max_regions,
                          images_per_shard, max_reject_fraction, chunk_size, allow_empty)

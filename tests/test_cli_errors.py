@@ -71,3 +71,28 @@ def test_evaluate_missing_rankings_dir(tmp_path, staged):
     res = run_cli("benchmarks.evaluate", "--rankings", missing, "--staged", staged, "--output",
                   str(tmp_path / "results"))
     assert_clean_failure(res, missing, "rankings path not found")
+
+
+@pytest.mark.parametrize("module,args,flag", [
+    ("pipelines.rerank", ["--staged", "S", "--embeddings", "E", "--output", "{out}", "--top-k", "3"], "--top-k"),
+    ("pipelines.build_index", ["--embeddings", "E", "--output", "{out}", "--index_factory", "HNSW32"],
+     "--index_factory"),
+])
+def test_the_issues_mistyped_flags_are_refused_before_anything_runs(module, args, flag, tmp_path):
+    """Issue 14: `--top-k 3` used to run with k = 20 and `--index_factory HNSW32` built a Flat index, both
+    exit 0 (Beam only logged "Discarding unparseable args"). Now: one line, exit 2, nothing written."""
+    out = str(tmp_path / "out")
+    res = run_cli(module, *[a.format(out=out) for a in args])
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert [line for line in res.stderr.splitlines() if line.startswith("Error: ")] == \
+        [line for line in res.stderr.splitlines() if f"unknown option(s) {flag}" in line]
+    assert not os.path.exists(out)
+
+
+def test_real_beam_and_dask_flags_are_not_unknown():
+    from pipelines.common import unknown_beam_flags
+
+    assert unknown_beam_flags(["--runner=DirectRunner", "--direct_num_workers=2", "--dask_client_address=h:1",
+                               "--direct_running_mode", "multi_processing", "--project=p", "--dry_run=True"]) == []
+    assert unknown_beam_flags(["--direct_num_worker=2", "--dask-client-address=h:1"]) == \
+        ["--direct_num_worker=2", "--dask-client-address=h:1"]
