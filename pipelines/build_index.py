@@ -255,9 +255,7 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
     if todo:
         p = beam.Pipeline(options=options)
         build_graph(p, todo, BuildShard(plan, dim, _Blob(trained_path, trained_sha), ids_blob), plan.output)
-        if dry:
-            common.run_pipeline(p)
-            print(common.dry_run_message("build_index", options))
+        if common.translated_only(p, "build_index"):
             return None
         common.makedirs(plan.output)
         if not common.shard_is_valid(trained_path, trained_sha):

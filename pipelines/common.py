@@ -348,6 +348,16 @@ def dry_run_message(pipeline: str, options: PipelineOptions) -> str:
     return f"dry run: {pipeline} translated for {runner_name(options)}, nothing written"
 
 
+def translated_only(p, pipeline: str) -> bool:
+    """On ``--dry_run``: translate ``p`` (nothing runs), print the one dry-run line and return True, so the
+    launcher returns before it writes or reads anything; otherwise False."""
+    if not is_dry_run(p.options):
+        return False
+    run_pipeline(p)
+    print(dry_run_message(pipeline, p.options))
+    return True
+
+
 def refuse_local_dry_run(options: PipelineOptions) -> None:
     """``--dry_run`` only means "translate, do not submit" on DataflowRunner; the local runners ignore it and
     would run the job, so it is refused there (one line) instead of writing outputs the launcher skips."""

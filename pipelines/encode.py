@@ -436,9 +436,7 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
     if tasks:
         p = beam.Pipeline(options=options)
         build_graph(p, plan, plans, tasks)
-        if common.is_dry_run(options):
-            common.run_pipeline(p)
-            print(common.dry_run_message("encode", options))
+        if common.translated_only(p, "encode"):
             return None
         common.makedirs(plan.output)
         common.clear_run_dir(plan.output)

@@ -651,9 +651,7 @@ def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
 
     p = beam.Pipeline(options=options)
     build_graph(p, tasks, settings, collections)
-    if common.is_dry_run(options):
-        common.run_pipeline(p)
-        print(common.dry_run_message("stage", options))
+    if common.translated_only(p, "stage"):
         return None
     common.makedirs(plan.output)
     incomplete = _mark_incomplete(plan.output, settings.spill_dir.rsplit("/", 1)[-1])
