@@ -223,6 +223,20 @@ def resolve_derivation(manifest: dict, k: Optional[int] = None, mode: Optional[s
     return int(k), mode, lam
 
 
+def run_collection(manifest: dict, dataset, collection: Optional[str] = None) -> str:
+    """The staged collection whose gold a run is scored against: the given one, else the run's, else the
+    staged folder's only one."""
+    collection = collection or manifest.get("collection")
+    if collection is None:
+        if len(dataset.collections) != 1:
+            raise EvaluationError(f"--collection is required: {dataset.root} holds {dataset.collections}")
+        collection = dataset.collections[0]
+    if collection not in dataset.collections:
+        raise EvaluationError(f"collection {collection!r} is not staged in {dataset.root} "
+                              f"(have {dataset.collections})")
+    return collection
+
+
 def ranked_as(manifest_path: str, manifest: dict, k: int, mode: str, lam: Optional[float]) -> pa.Table:
     """A run's verified rankings, re-ranked for (k, mode, lam) from its stored scores when they are not the
     run's own (``resolve_derivation`` has checked they can be derived): what evaluate and inspect read."""
@@ -250,13 +264,7 @@ def evaluate_run(run_dir: str, staged: str, *, k: Optional[int] = None, mode: Op
     dataset = StagedDataset(staged, opener=open_file)
     manifest_path, manifest = read_run_manifest(run_dir)
     k, mode, lam = resolve_derivation(manifest, k, mode, lam, where=os.path.dirname(manifest_path))
-    collection = collection or manifest.get("collection")
-    if collection is None:
-        if len(dataset.collections) != 1:
-            raise EvaluationError(f"--collection is required: {staged} holds {dataset.collections}")
-        collection = dataset.collections[0]
-    if collection not in dataset.collections:
-        raise EvaluationError(f"collection {collection!r} is not staged in {staged} (have {dataset.collections})")
+    collection = run_collection(manifest, dataset, collection)
     split = split if split is not None else manifest.get("split")
     recorded = (manifest.get("staged_sha256") or {}).get(f"captions/{collection}")
     if recorded and recorded != dataset.content_sha256("captions", collection):

@@ -33,7 +33,7 @@ import click
 import numpy as np
 import pandas as pd
 
-from benchmarks.evaluate import (DIRECTIONS, EvaluationError, _check_queries, ranked_as,
+from benchmarks.evaluate import (DIRECTIONS, EvaluationError, _check_queries, ranked_as, run_collection,
                                  read_run_manifest, resolve_derivation)
 from retrieval_core import schema
 from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
@@ -406,13 +406,7 @@ def inspect(rankings: str, staged: str, output: str, *, against: Optional[str] =
     a = load_side(rankings, mode, k, lam)
     b = load_side(against or rankings, against_mode, against_k if against_k is not None else k, against_lam)
     dataset = StagedDataset(staged, opener=open_file)
-    collection = a.manifest.get("collection")
-    if collection is None:
-        if len(dataset.collections) != 1:
-            raise InspectError(f"{rankings} records no collection and {staged} holds {dataset.collections}")
-        collection = dataset.collections[0]
-    if collection not in dataset.collections:
-        raise InspectError(f"collection {collection!r} is not staged in {staged} (have {dataset.collections})")
+    collection = run_collection(a.manifest, dataset)
     split = a.manifest.get("split")
     cmp = compare(a, b, dataset.gold(collection, split), collection, split)
     page = render(cmp, ItemViews(dataset, manifest, images), per_group, show)
