@@ -253,15 +253,9 @@ def read_bytes(path: str) -> bytes:
 
 def write_atomic(path: str, data: bytes) -> str:
     """Write ``data`` to ``path`` via a temp name + rename; returns the sha256 of ``data``."""
-    parent = path.rsplit("/", 1)[0] if "/" in path else "."
-    makedirs(parent)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-    with FileSystems.create(tmp) as f:
-        f.write(data)
-    if FileSystems.exists(path):
-        FileSystems.delete([path])
-    FileSystems.rename([tmp], [path])
-    return sha256_bytes(data)
+    import io
+
+    return write_atomic_stream(path, io.BytesIO(data))
 
 
 def write_json_atomic(path: str, obj) -> str:
@@ -366,8 +360,8 @@ def refuse_local_dry_run(options: PipelineOptions) -> None:
 
 
 def write_atomic_stream(path: str, src, chunk: int = 1 << 22) -> str:
-    """:func:`write_atomic` for a file too large to hold in memory: copies the binary stream ``src`` to a temp
-    name and renames it to ``path``; returns the sha256 of what was written."""
+    """The one atomic write: copies the binary stream ``src`` to a temp name and renames it to ``path`` (a
+    killed job never leaves a partial file under a final name); returns the sha256 of what was written."""
     parent = path.rsplit("/", 1)[0] if "/" in path else "."
     makedirs(parent)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
