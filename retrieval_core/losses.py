@@ -81,17 +81,64 @@ class HardNegatives:
         return np.where(hi > lo, self.caption_order[np.minimum(pick, len(self.caption_order) - 1)], -1)
 
 
+class MinedNegatives:
+    """CE negatives from the bi-encoder's own top-k (what the CE will rerank): per caption, the images the BE
+    ranks highest that are not its gold image (t2i); per image, the captions the BE ranks highest that are not
+    its own (i2t). Built by :func:`retrieval_core.train.mine_be_negatives` for the captions of the coming steps.
+
+    ``caption_keys`` (sorted caption positions) with ``caption_images`` (n, k) image positions, ``image_keys``
+    (sorted image positions) with ``image_captions`` (m, k) caption positions; -1 pads a short row."""
+
+    def __init__(self, caption_keys: np.ndarray, caption_images: np.ndarray, image_keys: np.ndarray,
+                 image_captions: np.ndarray):
+        self.caption_keys = np.asarray(caption_keys, dtype=np.int64)
+        self.caption_images = np.asarray(caption_images, dtype=np.int64)
+        self.image_keys = np.asarray(image_keys, dtype=np.int64)
+        self.image_captions = np.asarray(image_captions, dtype=np.int64)
+        for keys, rows in ((self.caption_keys, self.caption_images), (self.image_keys, self.image_captions)):
+            if rows.ndim != 2 or len(rows) != len(keys) or np.any(np.diff(keys) <= 0):
+                raise ValueError("mined negatives need sorted unique keys and one (k,) row per key")
+
+    @staticmethod
+    def _draw(rng: np.random.Generator, keys: np.ndarray, rows: np.ndarray, query: np.ndarray) -> np.ndarray:
+        pos = np.searchsorted(keys, query)
+        pos = np.minimum(pos, max(len(keys) - 1, 0))
+        known = (len(keys) > 0) & (keys[pos] == query) if len(keys) else np.zeros(len(query), dtype=bool)
+        out = np.full(len(query), -1, dtype=np.int64)
+        if rows.shape[1] == 0 or not known.any():
+            return out
+        picked = rows[pos[known], rng.integers(0, rows.shape[1], size=int(known.sum()))]
+        out[known] = picked
+        return out
+
+    def images(self, rng: np.random.Generator, caption_pos: np.ndarray) -> np.ndarray:
+        """A BE-confusable wrong image per caption (-1 for a caption that was not mined)."""
+        return self._draw(rng, self.caption_keys, self.caption_images, np.asarray(caption_pos, dtype=np.int64))
+
+    def captions(self, rng: np.random.Generator, image_pos: np.ndarray) -> np.ndarray:
+        """A BE-confusable wrong caption per image (-1 for an image that was not mined)."""
+        return self._draw(rng, self.image_keys, self.image_captions, np.asarray(image_pos, dtype=np.int64))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"caption_keys": self.caption_keys, "caption_images": self.caption_images,
+                "image_keys": self.image_keys, "image_captions": self.image_captions}
+
+
 def sample_ce_groups(rng: np.random.Generator, caption_idx: np.ndarray, image_pos_of_caption: np.ndarray,
                      num_images: int, num_captions: int, num_negatives: int = 1, p_replace_image: float = 0.5,
-                     hard: Optional[HardNegatives] = None, p_hard: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+                     hard: Optional[HardNegatives] = None, p_hard: float = 0.0,
+                     mined: Optional[MinedNegatives] = None, p_mined: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Per caption of the batch, one group: the positive (caption, its gold image) and ``num_negatives`` negatives.
 
     ``caption_idx`` (B,) are caption positions; ``image_pos_of_caption`` (num_captions,) maps every caption
     position to its image position. A group's negatives replace the image (probability ``p_replace_image``, per
     group) with other images, or the caption with captions of other images; a draw that hits the gold image is
     redrawn (O(1) expected per item). With ``hard`` and probability ``p_hard`` per negative, the replacement comes
-    from the gold image's nearest images (or their captions) instead of the whole set. Returns (caption positions,
-    image positions), each (B, 1 + num_negatives), column 0 the positive.
+    from the gold image's nearest images (or their captions) instead of the whole set. With ``mined`` and
+    probability ``p_mined`` per negative (drawn after the hard ones, so it takes precedence), it comes from the
+    BE's top-k instead: a wrong image the BE ranks high for the caption, or a wrong caption the BE ranks high for
+    the gold image. Returns (caption positions, image positions), each (B, 1 + num_negatives), column 0 the
+    positive.
     """
     caption_idx = np.asarray(caption_idx, dtype=np.int64)
     image_pos_of_caption = np.asarray(image_pos_of_caption, dtype=np.int64)
@@ -117,6 +164,13 @@ def sample_ce_groups(rng: np.random.Generator, caption_idx: np.ndarray, image_po
             imgs[r[hi], c[hi]] = hard.images(rng, gold[r[hi]])
             drawn = hard.captions(rng, gold[r[hc]])
             caps[r[hc], c[hc]] = np.where(drawn >= 0, drawn, caps[r[hc], c[hc]])
+        if mined is not None and p_mined > 0:
+            use_mined = rng.random(len(r)) < p_mined
+            mi, mc = ri & use_mined, rc & use_mined
+            drawn = mined.images(rng, caption_idx[r[mi]])
+            imgs[r[mi], c[mi]] = np.where(drawn >= 0, drawn, imgs[r[mi], c[mi]])
+            drawn = mined.captions(rng, gold[r[mc]])
+            caps[r[mc], c[mc]] = np.where(drawn >= 0, drawn, caps[r[mc], c[mc]])
         # a negative is a real mismatch: the pair's image is not the gold image of the pair's caption
         todo = todo[image_pos_of_caption[caps[r, c]] == imgs[r, c]]
         if len(todo) == 0:

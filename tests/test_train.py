@@ -311,3 +311,48 @@ def test_lstsq_image_embedding_is_a_training_free_start(tmp_path, data):
     cfg = TrainConfig(objective="be", steps=1, batch_size=8, image_init="lstsq", progress=False)
     Trainer(tiny_model(str(tmp_path / "c"), feature_dim=F), train, cfg, str(tmp_path / "out")).train()
     assert _log(tmp_path / "out")[0]["image_init"] == "lstsq"
+
+
+def test_mined_negatives_are_the_be_top_k_wrong_items_in_both_directions(tmp_path, data):
+    """mine_be_negatives against a brute-force ranking by the model's own embeddings: per caption its k best
+    wrong images (t2i), per gold image its k best wrong captions in the pool (i2t); never a positive."""
+    from retrieval_core.train import mine_be_negatives
+
+    train, _ = data
+    model = tiny_model(str(tmp_path / "m"), feature_dim=F)
+    caps = np.arange(0, len(train), 7)
+    mined, record = mine_be_negatives(model, train, caps, k=3, pool_size=len(train), seed=0)
+    img_pos = np.unique(train.image_pos)
+    img_emb = model.encode_image(train.images.take(img_pos))
+    txt_emb = model.encode_text(train.texts)
+    for row, c in enumerate(mined.caption_keys):
+        gold = train.image_pos[c]
+        order = [p for p in img_pos[np.argsort(-(img_emb @ txt_emb[c]), kind="stable")] if p != gold]
+        assert mined.caption_images[row].tolist() == order[:3]
+    for row, i in enumerate(mined.image_keys):
+        order = [c for c in np.argsort(-(txt_emb @ img_emb[np.searchsorted(img_pos, i)]), kind="stable")
+                 if train.image_pos[c] != i]
+        assert mined.image_captions[row].tolist() == order[:3]
+    assert set(mined.image_keys) == set(train.image_pos[caps]) and record["mined_captions"] == len(caps)
+    rng = np.random.default_rng(0)
+    assert np.all(train.image_pos[caps] != mined.images(rng, caps))
+    assert np.all(train.image_pos[mined.captions(rng, mined.image_keys)] != mined.image_keys)
+
+
+def test_joint_training_with_mined_negatives_resumes_identically(tmp_path, data):
+    """Negatives mined by the model at its window start are part of the trainer state: a run killed inside a
+    window and resumed trains exactly like an uninterrupted one; the log records every mining."""
+    train, _ = data
+    cfg = TrainConfig(objective="joint", steps=8, batch_size=8, lr=1e-3, ce_negatives=2, ce_loss="listwise",
+                      mined_negative_prob=0.7, mine_k=3, mine_every=3, mine_pool=40, checkpoint_every=100,
+                      progress=False)
+    straight = Trainer(tiny_model(str(tmp_path / "a"), feature_dim=F), train, cfg, str(tmp_path / "straight"))
+    straight.train()
+    Trainer(tiny_model(str(tmp_path / "b"), feature_dim=F), train, cfg, str(tmp_path / "resumed")).train(stop_at=4)
+    Trainer(tiny_model(str(tmp_path / "c"), feature_dim=F, seed=5), train, cfg,
+            str(tmp_path / "resumed")).train(resume=True)
+    a = load_file(str(tmp_path / "straight" / "last" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "last" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    minings = [r for r in _log(tmp_path / "straight") if "mined" in r]
+    assert [r["step"] for r in minings] == [0, 3, 6] and minings[0]["mined"]["until_step"] == 3
