@@ -237,10 +237,10 @@ def run_collection(manifest: dict, dataset, collection: Optional[str] = None) ->
     return collection
 
 
-def ranked_as(manifest_path: str, manifest: dict, k: int, mode: str, lam: Optional[float]) -> pa.Table:
-    """A run's verified rankings, re-ranked for (k, mode, lam) from its stored scores when they are not the
-    run's own (``resolve_derivation`` has checked they can be derived): what evaluate and inspect read."""
-    table = read_run_rankings(manifest_path, manifest)
+def derived_table(table: pa.Table, manifest_path: str, manifest: dict, k: int, mode: str,
+                  lam: Optional[float]) -> pa.Table:
+    """A run's rankings re-ranked for (k, mode, lam) from its stored scores when they are not the run's own
+    (``resolve_derivation`` has checked they can be derived)."""
     if (k, mode, lam) == (int(manifest["k"]), manifest["mode"], manifest.get("lam")):
         return table
     rank_k = max(int(v) for v in manifest["ce_depth"].values()) if mode == "ce" else k
@@ -248,6 +248,11 @@ def ranked_as(manifest_path: str, manifest: dict, k: int, mode: str, lam: Option
         return derive_rankings(table, rank_k, RUN_TO_RANK_MODE[mode], lam if lam is not None else DEFAULT_LAM)
     except ValueError as exc:
         raise EvaluationError(f"{manifest_path}: {exc}") from None
+
+
+def ranked_as(manifest_path: str, manifest: dict, k: int, mode: str, lam: Optional[float]) -> pa.Table:
+    """A run's verified rankings, re-ranked for (k, mode, lam): what inspect reads."""
+    return derived_table(read_run_rankings(manifest_path, manifest), manifest_path, manifest, k, mode, lam)
 
 
 def evaluate_run(run_dir: str, staged: str, *, k: Optional[int] = None, mode: Optional[str] = None,
@@ -258,37 +263,84 @@ def evaluate_run(run_dir: str, staged: str, *, k: Optional[int] = None, mode: Op
     a direction the run did not rank has NaN recalls and 0 queries) plus ``k``, ``mode``, ``lam`` as applied,
     ``collection``, ``split``, ``collection_size`` (the t2i candidate pool, else the gold images) and
     ``ranked_depth``."""
-    from pipelines.common import open_file
-    from retrieval_core.store import StagedDataset
+    run = LoadedRun.read(run_dir, staged, collection, split)
+    return run.evaluate(k, mode, lam)
 
-    dataset = StagedDataset(staged, opener=open_file)
-    manifest_path, manifest = read_run_manifest(run_dir)
-    k, mode, lam = resolve_derivation(manifest, k, mode, lam, where=os.path.dirname(manifest_path))
-    collection = run_collection(manifest, dataset, collection)
-    split = split if split is not None else manifest.get("split")
-    recorded = (manifest.get("staged_sha256") or {}).get(f"captions/{collection}")
-    if recorded and recorded != dataset.content_sha256("captions", collection):
-        raise EvaluationError(f"{manifest_path} ranked the captions/{collection} shards of another staging (sha256 "
-                              f"{recorded[:12]}...) than --staged {staged} holds "
-                              f"({dataset.content_sha256('captions', collection)[:12]}...): its gold would not be "
-                              f"the run's; pass the staged folder the run used ({manifest.get('staged')})")
-    caption_to_image, image_to_captions = dataset.gold(collection, split)
-    if not caption_to_image:
-        raise EvaluationError(f"no {split!r} captions for collection {collection!r} in {staged}")
 
-    table = ranked_as(manifest_path, manifest, k, mode, lam)
-    directions = tuple(d for d in DIRECTIONS if d in manifest.get("directions", DIRECTIONS))
-    if manifest.get("queries_file"):  # a restricted run: the gold of its ranked queries only
-        df = table.to_pandas()
-        ranked = {d: set(df.loc[df["direction"] == d, "query_id"].tolist()) for d in directions}
-        caption_to_image = {q: i for q, i in caption_to_image.items() if q in ranked.get(schema.DIRECTION_T2I, ())}
-        image_to_captions = {q: c for q, c in image_to_captions.items() if q in ranked.get(schema.DIRECTION_I2T, ())}
-    result = evaluate_rankings(table, caption_to_image, image_to_captions, directions=directions)
-    pool = manifest.get("pool_size", {}).get(schema.DIRECTION_T2I)
-    if pool is not None:
-        result["collection_size"] = int(pool)
-    result.update(k=k, mode=mode, lam=lam, collection=collection, split=split)
-    return result
+class LoadedRun:
+    """A verified rerank run with the gold of its queries, read once: ``evaluate`` re-derives any (k, mode,
+    lam) from its stored scores (evaluate_run for one setting, choose_fusion for a grid of them)."""
+
+    def __init__(self, manifest_path: str, manifest: dict, table: pa.Table, collection: str, split: Optional[str],
+                 caption_to_image: dict, image_to_captions: dict, directions: tuple[str, ...]):
+        self.manifest_path, self.manifest, self.table = manifest_path, manifest, table
+        self.collection, self.split, self.directions = collection, split, directions
+        self.caption_to_image, self.image_to_captions = caption_to_image, image_to_captions
+
+    @classmethod
+    def read(cls, run_dir: str, staged: str, collection: Optional[str] = None,
+             split: Optional[str] = None) -> "LoadedRun":
+        from pipelines.common import open_file
+        from retrieval_core.store import StagedDataset
+
+        dataset = StagedDataset(staged, opener=open_file)
+        manifest_path, manifest = read_run_manifest(run_dir)
+        collection = run_collection(manifest, dataset, collection)
+        split = split if split is not None else manifest.get("split")
+        recorded = (manifest.get("staged_sha256") or {}).get(f"captions/{collection}")
+        if recorded and recorded != dataset.content_sha256("captions", collection):
+            raise EvaluationError(f"{manifest_path} ranked the captions/{collection} shards of another staging "
+                                  f"(sha256 {recorded[:12]}...) than --staged {staged} holds "
+                                  f"({dataset.content_sha256('captions', collection)[:12]}...): its gold would not "
+                                  f"be the run's; pass the staged folder the run used ({manifest.get('staged')})")
+        caption_to_image, image_to_captions = dataset.gold(collection, split)
+        if not caption_to_image:
+            raise EvaluationError(f"no {split!r} captions for collection {collection!r} in {staged}")
+        table = read_run_rankings(manifest_path, manifest)
+        directions = tuple(d for d in DIRECTIONS if d in manifest.get("directions", DIRECTIONS))
+        if manifest.get("queries_file"):  # a restricted run: the gold of its ranked queries only
+            df = table.select(["direction", "query_id"]).to_pandas()
+            ranked = {d: set(df.loc[df["direction"] == d, "query_id"].tolist()) for d in directions}
+            caption_to_image = {q: i for q, i in caption_to_image.items()
+                                if q in ranked.get(schema.DIRECTION_T2I, ())}
+            image_to_captions = {q: c for q, c in image_to_captions.items()
+                                 if q in ranked.get(schema.DIRECTION_I2T, ())}
+        return cls(manifest_path, manifest, table, collection, split, caption_to_image, image_to_captions,
+                   directions)
+
+    def evaluate(self, k: Optional[int] = None, mode: Optional[str] = None, lam: Optional[float] = None) -> dict:
+        where = os.path.dirname(self.manifest_path)
+        k, mode, lam = resolve_derivation(self.manifest, k, mode, lam, where=where)
+        table = derived_table(self.table, self.manifest_path, self.manifest, k, mode, lam)
+        result = evaluate_rankings(table, self.caption_to_image, self.image_to_captions, directions=self.directions)
+        pool = self.manifest.get("pool_size", {}).get(schema.DIRECTION_T2I)
+        if pool is not None:
+            result["collection_size"] = int(pool)
+        result.update(k=k, mode=mode, lam=lam, collection=self.collection, split=self.split)
+        return result
+
+
+#: ``--mode auto``'s candidates besides CO: both fusions at these BE weights (the paper's Table 6 grid).
+AUTO_LAMS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def choose_fusion(dev_run: str, staged: str, k: int, lams: Sequence[float] = AUTO_LAMS,
+                  collection: Optional[str] = None) -> dict:
+    """The fusion with the best mR on a dev run (a CE-scored pipelines.rerank run on a held-out split): CO,
+    ADD_lam and NORM_ADD_lam for every lam, each derived at depth ``k`` from the run's stored scores.
+
+    CO, the paper's setting, wins ties: a fusion is chosen only where it measures better. Returns
+    ``{"mode", "lam", "label", "dev_mR": {label: mR}, "dev_run", "dev_split", "k"}``."""
+    run = LoadedRun.read(dev_run, staged, collection)
+    candidates = [("co", None)] + [(m, float(lam)) for m in FUSION_MODES for lam in lams]
+    scores = {mode_label(m, lam): run.evaluate(k, m, lam)["mR"] for m, lam in candidates}
+    best = candidates[0]
+    for m, lam in candidates[1:]:
+        if scores[mode_label(m, lam)] > scores[mode_label(*best)] + 1e-9:
+            best = (m, lam)
+    return {"mode": best[0], "lam": best[1], "label": mode_label(*best),
+            "dev_mR": {label: round(v, 4) for label, v in scores.items()},
+            "dev_run": os.path.dirname(run.manifest_path), "dev_split": run.split, "k": int(k)}
 
 
 def mode_label(mode: str, lam: Optional[float]) -> str:

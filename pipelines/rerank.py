@@ -26,7 +26,9 @@ follow the run's own mode. ``benchmarks.evaluate`` re-derives any k' <= k, mode 
 
 Modes: ``emb`` BE only; ``co`` CE rerank of the BE top-k (items below k keep BE order); ``add`` / ``norm_add``
 fuse BE and CE scores in the top-k (--lam); ``ce`` exhaustive CE over the whole pool (refused above
---max-exhaustive-pairs query x pool pairs).
+--max-exhaustive-pairs query x pool pairs); ``auto`` (with --tune-on DEV_RUN) picks co, add_lam or norm_add_lam by
+the best mR on a CE-scored dev run of the same models (``benchmarks.evaluate.choose_fusion``; CO wins ties), runs
+as that mode and records the choice and every candidate's dev mR in the manifest's ``fusion_choice``.
 
 Candidate pools: t2i searches --index (a FAISS image index from pipelines.build_index, refused when it was
 built from other embeddings than --embeddings); i2t searches --text-index when given, otherwise an exact
@@ -69,8 +71,9 @@ import io
 import json
 import logging
 import math
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional
 
 import apache_beam as beam
@@ -89,7 +92,9 @@ log = logging.getLogger(__name__)
 
 T2I, I2T = schema.DIRECTION_T2I, schema.DIRECTION_I2T
 DIRECTIONS = (T2I, I2T)
-CLI_MODES = rr.RUN_MODES
+#: "auto": the fusion (co, add_lam, norm_add_lam) with the best mR on a dev run (--tune-on), then run as that mode
+AUTO = "auto"
+CLI_MODES = rr.RUN_MODES + (AUTO,)
 FUSION_MODES = rr.FUSION_MODES
 RANK_MODE = rr.RUN_TO_RANK_MODE  # "co" and exhaustive "ce" both rank by the CE score
 DEVICES = ("cpu", "cuda")
@@ -154,6 +159,7 @@ class RerankPlan:
     shards_per_wave: int = 10
     nprobe: Optional[int] = None
     ef_search: Optional[int] = None
+    tune_on: Optional[str] = None  # --mode auto: the dev run (CE-scored, same models) the fusion is chosen on
 
     def __post_init__(self):
         for name in ("staged", "embeddings", "output"):
@@ -178,6 +184,10 @@ class RerankPlan:
             _check_int(name, getattr(self, name), 1, optional=True)
         if isinstance(self.lam, bool) or not isinstance(self.lam, (int, float)) or not 0.0 <= self.lam <= 1.0:
             raise RerankError(f"lam must be a number in [0, 1], got {self.lam!r}")
+        if (mode == AUTO) != bool(self.tune_on):
+            raise RerankError("--mode auto chooses the fusion on a dev run: pass --tune-on DEV_RUN (a pipelines.rerank "
+                              "--mode co run of the same models on a held-out split)" if mode == AUTO else
+                              f"--tune-on applies to --mode auto only, not to --mode {mode}")
         if mode != "emb" and not (self.ce_model or self.be_model):
             raise RerankError(f"mode {mode!r} needs --ce-model (or --be-model for a JOIN model)")
         if (self.nprobe is not None or self.ef_search is not None) and not self.uses_index:
@@ -749,6 +759,44 @@ def resolve(plan: RerankPlan) -> Resolved:
         fingerprint=fingerprint, staged_sha256=staged_fingerprints(ds))
 
 
+def resolve_auto(plan: RerankPlan) -> tuple[RerankPlan, Optional[dict]]:
+    """--mode auto: the plan with the mode and lam that give the best mR on the --tune-on dev run
+    (benchmarks.evaluate.choose_fusion, derived from the dev run's stored BE and CE scores at this run's k),
+    and the record of that choice for the manifest. Other plans pass through unchanged (record None).
+
+    The dev run must rank another split (or collection) than this run - a fusion tuned on the evaluated
+    queries would report an optimistic recall - with the same bi-encoder (embeddings model sha256) and
+    cross-encoder (folder fingerprint), at a depth >= k."""
+    if plan.mode != AUTO:
+        return plan, None
+    from benchmarks.evaluate import EvaluationError, choose_fusion, read_run_manifest
+
+    try:
+        _, dev = read_run_manifest(plan.tune_on)
+    except EvaluationError as exc:
+        raise RerankError(f"--tune-on: {exc}") from None
+    if (dev.get("split"), dev.get("collection")) == (plan.split, plan.collection) and \
+            os.path.abspath(str(dev.get("staged"))) == os.path.abspath(plan.staged):
+        raise RerankError(f"--tune-on {plan.tune_on} ranked the same queries (split {plan.split!r}) this run "
+                          f"evaluates: choose the fusion on a held-out split (e.g. a --split dev run)")
+    emb_model = emb.load_embeddings_manifest(plan.embeddings)["model"]
+    if dev.get("be_model", {}).get("sha256") != emb_model.get("sha256"):
+        raise RerankError(f"--tune-on {plan.tune_on} was retrieved by another bi-encoder "
+                          f"({dev.get('be_model', {}).get('path')}) than --embeddings ({emb_model.get('path')})")
+    if not dev.get("ce_model") or _model_fingerprint(dev["ce_model"]) != _model_fingerprint(plan.cross_encoder):
+        raise RerankError(f"--tune-on {plan.tune_on} was reranked by another cross-encoder ({dev.get('ce_model')}) "
+                          f"than {plan.cross_encoder}")
+    try:
+        choice = choose_fusion(plan.tune_on, dev["staged"], plan.k)
+    except EvaluationError as exc:
+        raise RerankError(f"--tune-on: {exc}") from None
+    print(f"--mode auto: {choice['label']} (dev mR {choice['dev_mR'][choice['label']]:.2f} on {plan.tune_on}, "
+          f"split {choice['dev_split']}; co {choice['dev_mR']['co']:.2f})", flush=True)
+    chosen = replace(plan, mode=choice["mode"], lam=choice["lam"] if choice["lam"] is not None else plan.lam,
+                     tune_on=None)
+    return chosen, choice
+
+
 def _expected_shards(res: Resolved) -> dict[str, tuple[str, np.ndarray]]:
     """{shard name: (direction, its query ids)} of every ranking shard of the run, in name order."""
     out = {}
@@ -787,6 +835,7 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
     and nothing ran; no output is read or written)."""
     t0 = time.time()
     options = common.pipeline_options(beam_args)
+    plan, fusion_choice = resolve_auto(plan)
     res = resolve(plan)
     expected = _expected_shards(res)
     dry_run = common.is_dry_run(options)
@@ -840,6 +889,7 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
 
     manifest = _manifest(res, [shards[name] for name in names], len(finished), waves_run, counts,
                          common.runner_name(options), time.time() - t0)
+    manifest["fusion_choice"] = fusion_choice
     common.write_json_atomic(common.join(plan.output, RANKINGS_MANIFEST), manifest)
     _delete_unlisted(plan.output, set(names))
     for d in plan.directions:
@@ -934,6 +984,8 @@ def _delete_unlisted(output: str, keep: set[str]) -> None:
                                  "(JOIN+CO)")
 @click.option("--mode", type=click.Choice(CLI_MODES, case_sensitive=False), default="co", show_default=True)
 @click.option("--lam", type=float, default=0.5, show_default=True, help="ADD/NORM_ADD weight of the BE score")
+@click.option("--tune-on", help="--mode auto: a CE-scored rerank run of the same models on a held-out split; "
+                                "the fusion (co, add_lam, norm_add_lam) with its best mR is used and recorded")
 @click.option("--k", type=int, default=20, show_default=True,
               help="rerank depth; every query stores its BE top max(k, 10)")
 @click.option("--directions", default="t2i,i2t", show_default=True)
@@ -958,7 +1010,7 @@ def _delete_unlisted(output: str, keep: set[str]) -> None:
               help="ranking shards per Beam job: a killed run loses at most its current wave "
                    "(on Dataflow, where each job starts workers, raise it)")
 @click.pass_context
-def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, lam, k, directions, collection,
+def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, lam, tune_on, k, directions, collection,
          split, queries_file, output, batch_size, search_batch_size, device, threads, nprobe, ef_search,
          model_copies, max_exhaustive_pairs, queries_per_shard, shards_per_wave):
     """BE retrieval (+ CE reranking) of every query of a split, in both directions, as Beam jobs.
@@ -976,7 +1028,7 @@ def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, l
             queries=queries_file, batch_size=batch_size, search_batch_size=search_batch_size, device=device,
             threads=threads, model_copies=model_copies, max_exhaustive_pairs=max_exhaustive_pairs,
             queries_per_shard=queries_per_shard, shards_per_wave=shards_per_wave, nprobe=nprobe,
-            ef_search=ef_search)
+            ef_search=ef_search, tune_on=tune_on)
         run(plan, tuple(ctx.args))
 
 

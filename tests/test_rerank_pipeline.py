@@ -424,3 +424,42 @@ def test_embeddings_or_gold_of_another_staging_are_refused(assets, tmp_path):
     assert evaluate_run(out, staged)["t2i_queries"] == 12
     with pytest.raises(EvaluationError, match="ranked the captions/tiny shards of another staging"):
         evaluate_run(out, other)
+
+
+def test_mode_auto_runs_the_fusion_with_the_best_dev_mr_and_records_it(assets, tmp_path):
+    """--mode auto --tune-on DEV: every candidate's dev mR is what evaluate gives for that derivation of the
+    dev run, the chosen one is the best (CO on ties), and the run is exactly a run of the chosen mode/lam."""
+    from benchmarks.evaluate import AUTO_LAMS, evaluate_run, mode_label
+
+    root, staged, model_dir, emb_dir = assets
+    one = dict(k=5, ce_model=model_dir, batch_size=1)  # batch 1: CE scores independent of the batch
+    dev, test_auto = str(tmp_path / "dev"), str(tmp_path / "auto")
+    run_rerank(staged, emb_dir, dev, mode="co", split="train", **one)
+    manifest = run_rerank(staged, emb_dir, test_auto, mode="auto", tune_on=dev, split="test", **one)
+    choice = manifest["fusion_choice"]
+    expected = {mode_label(m, lam): round(evaluate_run(dev, staged, k=5, mode=m, lam=lam)["mR"], 4)
+                for m, lam in [("co", None)] + [(m, lam) for m in ("add", "norm_add") for lam in AUTO_LAMS]}
+    assert choice["dev_mR"] == expected and choice["dev_split"] == "train"
+    best = max(expected.values())
+    assert expected[choice["label"]] == best and (choice["label"] == "co" or expected["co"] < best)
+    assert (manifest["mode"], manifest["lam"]) == (choice["mode"], choice["lam"])
+    fixed = run_rerank(staged, emb_dir, str(tmp_path / "fixed"), mode=choice["mode"],
+                       lam=choice["lam"] if choice["lam"] is not None else 0.5, split="test", **one)
+    assert read_run(test_auto).equals(read_run(str(tmp_path / "fixed"))) and fixed["fusion_choice"] is None
+
+
+def test_mode_auto_refuses_a_dev_run_of_the_evaluated_split_or_other_models(assets, tmp_path):
+    root, staged, model_dir, emb_dir = assets
+    with pytest.raises(rerank.RerankError, match="--tune-on"):
+        rerank.RerankPlan(staged, emb_dir, str(tmp_path / "x"), mode="auto", ce_model=model_dir)
+    same = str(tmp_path / "same")
+    run_rerank(staged, emb_dir, same, mode="co", k=3, split="test", ce_model=model_dir, directions=("i2t",))
+    with pytest.raises(rerank.RerankError, match="held-out split"):
+        run_rerank(staged, emb_dir, str(tmp_path / "a"), mode="auto", tune_on=same, k=3, split="test",
+                   ce_model=model_dir)
+    other = write_tiny_model(str(tmp_path / "other_model"), str(tmp_path), seed=1)
+    dev = str(tmp_path / "dev")
+    run_rerank(staged, emb_dir, dev, mode="co", k=3, split="train", ce_model=model_dir, directions=("i2t",))
+    with pytest.raises(rerank.RerankError, match="another cross-encoder"):
+        run_rerank(staged, emb_dir, str(tmp_path / "b"), mode="auto", tune_on=dev, k=3, split="test",
+                   ce_model=other)
