@@ -68,10 +68,17 @@ def evaluate_row(row: Row, results: dict, env: dict) -> list[dict]:
               "lam": row.lam, "collection_size": row.pool_images, "split": row.split or "", **env}
     if row.skip:
         return [{**common, "direction": "both", "measured": False, "notes": row.skip}]
-    from benchmarks.evaluate import evaluate_run
+    from benchmarks.evaluate import choose_fusion, evaluate_run
 
     t0 = time.perf_counter()
-    metrics = [evaluate_run(run, row.staged, k=row.eval_k, mode=row.eval_mode, lam=row.eval_lam,
+    eval_mode, eval_lam, chosen = row.eval_mode, row.eval_lam, ""
+    if eval_mode == "auto":  # what pipelines.rerank --mode auto --tune-on would run, from the stored scores
+        choice = choose_fusion(row.tune_on, row.tune_staged, row.eval_k)
+        eval_mode, eval_lam = choice["mode"], choice["lam"]
+        chosen = f"chosen on {choice['dev_split']}: {choice['label']} (dev mR {choice['dev_mR'][choice['label']]:.2f}, " \
+                 f"co {choice['dev_mR']['co']:.2f})"
+        common["lam"] = eval_lam if eval_lam is not None else ""
+    metrics = [evaluate_run(run, row.staged, k=row.eval_k, mode=eval_mode, lam=eval_lam,
                             collection=row.eval_collection, split=row.split) for run in row.runs]
     eval_s = (time.perf_counter() - t0) / len(row.runs)
     timing: dict[str, float] = {}
@@ -88,10 +95,10 @@ def evaluate_row(row: Row, results: dict, env: dict) -> list[dict]:
                for d in suites.DIRECTIONS}
     m_r = mean([v for d in per_dir.values() for v in d.values()])
     derived = f"k={metrics[0].get('k')} mode={metrics[0].get('mode')}" + \
-        (f" lam={metrics[0].get('lam')}" if row.eval_mode in ("add", "norm_add") else "")
+        (f" lam={metrics[0].get('lam')}" if eval_mode in ("add", "norm_add") else "")
     reused = sorted({name for _, name in row.timing if results[name].reused})
-    notes = list(row.notes) + ([f"{len(reused)} job(s) reused from an earlier run (their cost as measured then)"]
-                               if reused else [])
+    notes = list(row.notes) + ([chosen] if chosen else []) + \
+        ([f"{len(reused)} job(s) reused from an earlier run (their cost as measured then)"] if reused else [])
     out = []
     for d in suites.DIRECTIONS:
         out.append({**common, "direction": d, **per_dir[d], "mR": m_r,

@@ -48,6 +48,9 @@ QUICK_IMAGES = {"synthetic_coco5k": 100, "synthetic_f30k1k": 40, "synthetic_cc14
                 "synthetic_1m": 300}
 QUICK_SCALE_QUERIES = 50
 MODE_LABELS = {"emb": "EMB", "co": "CO", "add": "CO-ADD", "norm_add": "CO-NORM_ADD", "ce": "CE"}
+# The AUTO rows (pipelines.rerank --mode auto's choice, benchmarks.evaluate.choose_fusion) choose on this split:
+# the demo collection's dev split, held out from the demo models' training and from every suite's test data.
+TUNE_MANIFEST, TUNE_SPLIT = "demo", "dev"
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -119,6 +122,8 @@ class Row:
     eval_k: Optional[int] = None
     eval_mode: Optional[str] = None
     eval_lam: Optional[float] = None
+    tune_on: str = ""  # eval_mode "auto": the dev run (and its staged folder) the fusion is chosen on
+    tune_staged: str = ""
     timing: tuple[tuple[str, str], ...] = ()
     per_fold: bool = False  # index_s / rerank_s are per fold (means); encode_s is shared by the folds
     pool_images: int = 0
@@ -202,6 +207,16 @@ def _collection_sizes(m) -> tuple[dict, dict]:
     return images, captions
 
 
+def split_share(manifest, split: str) -> float:
+    """The share of a manifest's images in ``split`` (its collections' ``splits`` fractions; 1.0 when a
+    collection is not split): what an encode of that split costs relative to the whole collection."""
+    shares = []
+    for c in manifest.collections.values():
+        fractions = c.images.options.get("splits")
+        shares.append(float(fractions.get(split, 0.0)) / sum(fractions.values()) if fractions else 1.0)
+    return max(shares) if shares else 1.0
+
+
 def stage_job(cfg: SuiteConfig, manifest: str, images: Optional[int] = None) -> Staged:
     """The stage job of ``manifest`` at the models' feature_dim (synthetic features only: real features are
     read from files, so another width is refused naming both) and, with --quick, shrunk (QUICK_IMAGES);
@@ -273,11 +288,15 @@ class Planner:
                                  sel.SELECTION_FILE, beam=False, inputs=(st.summary,)))
 
     def encode(self, st: Staged, model: str, split: str = "test") -> Job:
-        out = os.path.join(self.cfg.root, "embeddings", model_key(model), st.name)
+        out = os.path.join(self.cfg.root, "embeddings", model_key(model), st.name + ("" if split == "test" else
+                                                                                     f"-{split}"))
         args = ["--staged", st.path, "--model", model, "--output", out, "--split", split,
                 *_common_flags(self.cfg)]
-        work = (("images_encoded", sum(st.images.values())), ("captions_encoded", sum(st.captions.values())))
-        return self.plan.add(Job(f"encode {model_key(model)} {st.name}", "pipelines.encode", tuple(args), out,
+        share = split_share(st.manifest, split)
+        work = (("images_encoded", round(share * sum(st.images.values()))),
+                ("captions_encoded", round(share * sum(st.captions.values()))))
+        return self.plan.add(Job(f"encode {model_key(model)} {st.name}{'' if split == 'test' else '/' + split}",
+                                 "pipelines.encode", tuple(args), out,
                                  "embeddings_manifest.json", work, inputs=(st.summary, *_model_inputs(model))))
 
     def index(self, st: Staged, model: str, enc: Job, modality: str = "image", ids: Optional[Job] = None,
@@ -321,6 +340,19 @@ class Planner:
                                  out, "rankings_manifest.json", (("ce_pairs", pairs),) if mode != "emb" else (),
                                  inputs=tuple(inputs)))
 
+    def dev_run(self, family: str, be_model: str, ce_model: str, k: int) -> tuple[Job, Staged]:
+        """The CO run on the dev split of TUNE_MANIFEST (held out from the demo models' training) that the AUTO
+        rows choose their fusion on: one per family and k, shared by every suite row."""
+        st = self.stage(TUNE_MANIFEST)
+        coll = next(iter(st.manifest.collections))
+        n = self.cfg.max_queries
+        qjob = self.select(st, coll, max_queries=n, split=TUNE_SPLIT)
+        enc = self.encode(st, be_model, split=TUNE_SPLIT)
+        idx = self.index(st, be_model, enc, "image", pool=f"{TUNE_SPLIT}-all")
+        run = self.rerank(st, family, be_model, ce_model, enc, qjob, mode="co", k=k, index=idx, split=TUNE_SPLIT,
+                          pool=TUNE_SPLIT, pairs=2 * (n or 500) * k)
+        return run, st
+
     # -- rows
     def row(self, **kw) -> Row:
         r = Row(suite=self.cfg.suite, **kw)
@@ -337,9 +369,9 @@ def _query_counts(n_caps: int, n_imgs: int, max_queries: int) -> tuple[int, int]
 def one_pool(p: Planner, st: Staged, collection: str, label: str, *, k: int, queries: Job, q_t2i: int, q_i2t: int,
              pool_images: int, pool_captions: int, notes: tuple = (), rows=("EMB", "CO"), ks: tuple = (),
              lams: tuple = (), exhaustive: bool = False, fold_jobs: Optional[list] = None,
-             text_index: bool = False) -> None:
+             text_index: bool = False, auto: bool = False) -> None:
     """Plan every family on one pool (or on each fold of ``fold_jobs``: [(queries job, q_t2i, q_i2t)]) and the
-    rows read from its one rerank run per family."""
+    rows read from its one rerank run per family; ``auto``: plus the AUTO row (the dev-chosen fusion)."""
     cfg = p.cfg
     folds = fold_jobs or [(queries, q_t2i, q_i2t)]
     exh_pairs = max(qt * pool_images + qi * pool_captions for _, qt, qi in folds)
@@ -380,6 +412,12 @@ def one_pool(p: Planner, st: Staged, collection: str, label: str, *, k: int, que
                 extra = f"derived from the stored CE scores of the k={k} run (ce_pairs and rerank_s are that run's)" \
                     if kk != k else ""
                 p.row(mode="CO", k=kk, eval_mode="co", eval_k=kk, timing=timing, **{**base, **_note(base, extra)})
+        if auto and "CO" in rows and not ks and not lams:  # the dev-chosen fusion beside CO, same stored scores
+            dev, dev_st = p.dev_run(family, be, ce, k)
+            p.row(mode="AUTO", k=k, eval_mode="auto", eval_k=k, tune_on=dev.output, tune_staged=dev_st.path,
+                  timing=timing + (("rerank_s", dev.name),), **{**base, **_note(
+                      base, f"fusion chosen by dev mR on {TUNE_MANIFEST}/{TUNE_SPLIT} (rerank --mode auto's "
+                            f"choose_fusion), applied to the stored scores of the CO k={k} run")})
         for mode in ("add", "norm_add"):
             for lam in lams:
                 p.row(mode=MODE_LABELS[mode], k=k, lam=lam, eval_mode=mode, eval_k=k, eval_lam=lam, timing=timing,
@@ -415,7 +453,7 @@ def single_task(p: Planner, manifest: str, *, k: int = STANDARD_K, folds: int = 
     q_t, q_i = _query_counts(n_cap, n_img, cfg.max_queries)
     qjob = p.select(st, coll, max_queries=cfg.max_queries, split=split)
     one_pool(p, st, coll, st.manifest.name, k=k, queries=qjob, q_t2i=q_t, q_i2t=q_i, pool_images=n_img,
-             pool_captions=n_cap, notes=_sampled_notes(n_cap, n_img, q_t, q_i), **kw)
+             pool_captions=n_cap, notes=_sampled_notes(n_cap, n_img, q_t, q_i), auto=True, **kw)
     if folds:
         size = (QUICK_IMAGES.get(coll, 50) // folds) if cfg.quick else COCO_1K_SIZE
         n_folds = min(folds, n_img // size)
@@ -428,7 +466,7 @@ def single_task(p: Planner, manifest: str, *, k: int = STANDARD_K, folds: int = 
                  f"blocks in item_id order); index_s and rerank_s are per fold, encode_s is shared",
                  *_sampled_notes(int(size * cpi), size, fq[0][1], fq[0][2]))
         one_pool(p, st, coll, label, k=k, queries=qjob, q_t2i=q_t, q_i2t=q_i, pool_images=size,
-                 pool_captions=int(size * cpi), notes=notes, fold_jobs=fq, **kw)
+                 pool_captions=int(size * cpi), notes=notes, fold_jobs=fq, auto=True, **kw)
 
 
 def distractor_tasks(p: Planner, manifest: str, k: int = STANDARD_K) -> None:
@@ -447,7 +485,7 @@ def distractor_tasks(p: Planner, manifest: str, k: int = STANDARD_K) -> None:
         notes = (f"queries+gold of {q}; pool adds {pool_images - st.images[q]} images and their captions from "
                  f"{', '.join(others)} as distractors", *_sampled_notes(st.captions[q], st.images[q], q_t, q_i))
         one_pool(p, st, q, f"{q}+distractors", k=k, queries=p.select(st, q, max_queries=cfg.max_queries, split=split),
-                 q_t2i=q_t, q_i2t=q_i, pool_images=pool_images, pool_captions=pool_captions, notes=notes)
+                 q_t2i=q_t, q_i2t=q_i, pool_images=pool_images, pool_captions=pool_captions, notes=notes, auto=True)
 
 
 def scale_task(p: Planner, manifest: str, k: int = STANDARD_K, text_index: bool = False) -> None:

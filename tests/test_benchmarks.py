@@ -84,12 +84,15 @@ def _staged_gold(staged: str) -> dict:
 # -------------------------------------------------------------------------------------------- suites
 def test_quick_suite_runs_the_pipeline_jobs_and_rows_match_their_rankings(quick):
     steps = [j["step"] for j in quick["jobs"]]
-    assert steps == ["pipelines.stage", "benchmarks.queries", "pipelines.encode", "pipelines.build_index",
-                     "pipelines.rerank"]  # ONE rerank job: EMB and CO both come from it
+    one_pool = ["pipelines.stage", "benchmarks.queries", "pipelines.encode", "pipelines.build_index",
+                "pipelines.rerank"]
+    assert steps == one_pool * 2  # ONE rerank job for EMB and CO; then the demo dev run AUTO chooses on
+    assert [j["job"] for j in quick["jobs"]][5].startswith("stage demo") and "/dev" in quick["jobs"][7]["job"]
     assert all(float(j["peak_rss_mb"]) > 0 and float(j["wall_s"]) > 0 and j["reused"] == "false"
                for j in quick["jobs"])
     rows = {(r["mode"], r["direction"]): r for r in quick["rows"]}
-    assert set(rows) == {("EMB", "t2i"), ("EMB", "i2t"), ("CO", "t2i"), ("CO", "i2t"), ("CE", "both")}
+    assert set(rows) == {("EMB", "t2i"), ("EMB", "i2t"), ("CO", "t2i"), ("CO", "i2t"), ("AUTO", "t2i"),
+                         ("AUTO", "i2t"), ("CE", "both")}
     ce = rows[("CE", "both")]
     assert ce["measured"] == "false" and "over the pair budget 0" in ce["notes"]
 
@@ -113,6 +116,18 @@ def test_quick_suite_runs_the_pipeline_jobs_and_rows_match_their_rankings(quick)
     assert float(co["rerank_s"]) > 0 and int(co["ce_pairs"]) > 0
     assert float(co["wall_s"]) >= float(co["encode_s"]) + float(co["index_s"]) + float(co["rerank_s"])
     assert rows[("EMB", "t2i")]["ce_pairs"] == "" and "derived from the stored BE scores" in rows[("EMB", "t2i")]["notes"]
+
+    # AUTO: the fusion chosen on the demo dev run, applied to the same CO run's stored scores
+    from benchmarks.evaluate import choose_fusion, evaluate_run
+    dev_run = [j["output"] for j in quick["jobs"] if j["step"] == "pipelines.rerank"][1]
+    dev_staged = [j["output"] for j in quick["jobs"] if j["step"] == "pipelines.stage"][1]
+    choice = choose_fusion(dev_run, dev_staged, K)
+    auto = rows[("AUTO", "t2i")]
+    assert f"chosen on dev: {choice['label']}" in auto["notes"]
+    want = evaluate_run(run_dir, os.path.join(quick["work"], "bench", "staged", "synthetic_f30k1k-f16-quick"),
+                        k=K, mode=choice["mode"], lam=choice["lam"])
+    for d in ("t2i", "i2t"):
+        assert float(rows[("AUTO", d)]["R@1"]) == pytest.approx(want[f"{d}_R@1"], abs=1e-4)
 
 
 def test_pipeline_rankings_equal_a_reference_from_retrieval_core(quick):
@@ -160,7 +175,7 @@ def test_a_rerun_reuses_every_finished_job(quick):
     res = _bench(*quick["args"])
     assert res.returncode == 0, res.stderr[-2000:]
     jobs = report.read_csv(os.path.join(quick["out"], "standard_jobs.csv"))
-    assert [j["reused"] for j in jobs] == ["true"] * 5
+    assert [j["reused"] for j in jobs] == ["true"] * 10
     rows = report.read_csv(os.path.join(quick["out"], "standard.csv"))
     # the same numbers, and the job costs as measured by the first run (only evaluate's time is new)
     key = lambda r: (r["mode"], r["direction"], r["R@1"], r["R@5"], r["R@10"], r["encode_s"], r["rerank_s"])  # noqa: E731
@@ -195,7 +210,8 @@ def test_standard_plan_wires_each_fold_through_ids_and_its_own_queries(model, tm
         assert arg(img_idx, "--ids") == os.path.join(qdir, queries.IMAGE_IDS_FILE) and arg(img_idx, "--modality") == "image"
         assert arg(txt_idx, "--ids") == os.path.join(qdir, queries.CAPTION_IDS_FILE) and arg(txt_idx, "--modality") == "text"
     # one encode per (model, staged collection), shared by the 5k pool and every fold
-    assert sum(j.module == "pipelines.encode" for j in plan.jobs) == 2  # synthetic_coco5k, synthetic_f30k1k
+    # (+ the demo dev split the AUTO rows choose their fusion on)
+    assert sum(j.module == "pipelines.encode" for j in plan.jobs) == 3  # synthetic_coco5k, synthetic_f30k1k, demo
 
 
 def test_k_ablation_and_combination_plan_one_rerank_per_family(model, tmp_path):
