@@ -198,12 +198,19 @@ class Staged:
 
 
 def _collection_sizes(m) -> tuple[dict, dict]:
+    """Planned (images, captions) per collection: a synthetic generator's counts, else the manifest's expected
+    counts of the benchmark split (per-split checks) or in all (0 where unknown)."""
+    split = m.benchmark.get("split", "test")
+
+    def expected(value) -> int:
+        return int(value.get(split, 0)) if isinstance(value, dict) else int(value or 0)
+
     images, captions = {}, {}
     for name, c in m.collections.items():
-        n = c.images.options.get("num_images") or c.expected_images or 0
+        n = c.images.options.get("num_images") or expected(c.expected_images)
         per = c.captions.options.get("captions_per_image")
         images[name] = int(n)
-        captions[name] = int(n * per) if per else int(c.expected_captions or 0)
+        captions[name] = int(n * per) if per else expected(c.expected_captions)
     return images, captions
 
 

@@ -673,6 +673,14 @@ def staged_fingerprints(ds) -> dict[str, str]:
     return {f"{kind}/{c}": ds.content_sha256(kind, c) for c in ds.collections for kind in ("images", "captions")}
 
 
+def _pool_collections(ds, emb_manifest: dict) -> list[str]:
+    """The staged collections whose items can be candidates: those the embeddings were encoded from (the
+    pools), not only --collection's (which picks the queries): in a distractor run the CE scores the other
+    collections' images and captions too. Embeddings that record no inputs: every staged collection."""
+    encoded = (emb_manifest.get("inputs") or {}).get("collections")
+    return [c for c in ds.collections if c in encoded] if encoded else list(ds.collections)
+
+
 def _check_embeddings_match_staged(plan: RerankPlan, ds, emb_manifest: dict) -> None:
     """Refuse embeddings encoded from other staged shards than --staged: their ids could match while the
     captions and regions the CE reads are other ones (a silently wrong ranking)."""
@@ -736,6 +744,7 @@ def resolve(plan: RerankPlan) -> Resolved:
         ce_k = 0 if plan.mode == "emb" else plan.k
     ce_model = plan.cross_encoder
     ce_max_regions = _model_max_regions(ce_model) if ce_model else 0
+    pool_collections = _pool_collections(ds, emb_manifest)
     out_shards = {d: max(1, math.ceil(len(q) / plan.queries_per_shard)) for d, q in query_ids.items()}
     fingerprint_of = {
         "rankings_schema": schema.RANKINGS_SCHEMA_VERSION, "mode": plan.mode, "k": plan.k,
@@ -753,8 +762,8 @@ def resolve(plan: RerankPlan) -> Resolved:
     return Resolved(
         plan=plan, query_ids=query_ids, pools=pools, candidates=candidates, ce_k=ce_k, searchers=searchers,
         described=described, query_shards=tuple(query_shards), out_shards=out_shards,
-        caption_shards=tuple(ds.shard_names("captions", plan.collection) if ce_model else ()),
-        image_shards=tuple(ds.shard_names("images", plan.collection) if ce_model else ()),
+        caption_shards=tuple(s for c in pool_collections for s in ds.shard_names("captions", c)) if ce_model else (),
+        image_shards=tuple(s for c in pool_collections for s in ds.shard_names("images", c)) if ce_model else (),
         ce_max_regions=ce_max_regions, be_model=emb_manifest["model"], queries_file=queries_file,
         fingerprint=fingerprint, staged_sha256=staged_fingerprints(ds))
 

@@ -26,8 +26,8 @@ Features never travel through a shuffle: each read task writes its regions once 
 and a pointer into it (``staging.FeatureSpill``). Beam's local runners keep a GroupByKey in memory, so
 shuffling the features put the whole collection in RAM (100k synthetic images: killed at 24 GB); now a
 worker holds one task's write buffer and one shard. The spill directory is removed when the run ends.
-num_shards = ceil(count / --images-per-shard), count = expected_images (or a synthetic num_images), else the number of
-images that passed validation.
+num_shards = ceil(count / --images-per-shard), count = a synthetic collection's num_images, else the number of
+images that passed validation (a file source's expected_images is only checked).
 
 Runner note: with ``--direct_running_mode=multi_processing`` and 500-image read tasks, Beam 2.77 was seen to
 drop a contiguous run of one task's outputs (89 of 5,000 demo images); 100-image tasks avoided it, so that mode
@@ -43,10 +43,16 @@ a folder holding it is mid-run or from a killed run, and readers refuse it.
 
 Empty sources: a collection's images or captions source that yields no records fails the run (after
 writing), naming the source, unless --allow-empty.
+
+``uncaptioned_images: skip``: a read task of such a collection's images first reads the collection's caption
+source (once per worker process, ``readers.caption_image_splits``) and stages only the images a caption names,
+each in its captions' split, before any feature is spilled; the others are counted as skipped
+(``records_in = staged + rejected + skipped``). No side input: the captions are small beside the features.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import re
@@ -86,8 +92,11 @@ class Settings:
     feature_format: str
     feature_dtype: str
     images_per_shard: int
-    expected_images: dict = field(default_factory=dict)  # collection -> count known up front (or absent)
+    expected_images: dict = field(default_factory=dict)  # collection -> count known up front (synthetic only)
     spill_dir: str = ""  # where read tasks spill features (run_stage sets <output>/_spill/<run id>)
+    #: collection -> its caption source (format, path, options) for ``uncaptioned_images: skip``: only the images
+    #: those captions name are staged, each in its captions' split
+    caption_filters: dict = field(default_factory=dict)
 
     def num_shards(self, collection: str, counts: dict) -> int:
         count = self.expected_images.get(collection) or counts.get(collection, 0)
@@ -207,12 +216,21 @@ class ReadAndStage(beam.DoFn):
 
         coll, source = task.collection, _task_source(task)
         kind = schema.KIND_CAPTION if task.kind in ("caption", "captions") else schema.KIND_IMAGE
-        n_in = 0
+        n_in = skipped = 0
         spill = None
+        # uncaptioned_images: skip -- the images the collection's captions name, and their split, known before
+        # any feature is spilled (a 123k-image trainval TSV staged for the 5k test split spills 5k images)
+        splits = _caption_splits(coll, self.s.caption_filters[coll]) \
+            if kind == schema.KIND_IMAGE and coll in self.s.caption_filters else None
         # allow_empty: an empty source is judged by the launcher from records_in (find_problems, one line,
         # --allow-empty), not by a reader exception inside a worker (a Beam traceback).
         for rec in read_task(task, files=common.BEAM_FILES, allow_empty=True):  # inputs may be gs:// anywhere
             n_in += 1
+            if splits is not None and isinstance(rec, schema.RawImage):
+                rec = staging.with_caption_split(rec, splits.get(rec.source_id), source)
+                if rec is None:
+                    skipped += 1
+                    continue
             if isinstance(rec, schema.RawImage):
                 out = staging.stage_image(rec, collection=coll, feature_dim=self.s.feature_dim,
                                           max_regions=self.s.max_regions, source=source)
@@ -241,13 +259,28 @@ class ReadAndStage(beam.DoFn):
         self._records[kind].inc(n_in)
         common.Progress.advance(1)  # read tasks done (the launcher's bar, when this runs in its process)
         log.info("read %s %s task %s: %d records", coll, kind, getattr(task, "start", None) or source, n_in)
-        yield T_INFO, {"type": "in", "collection": coll, "kind": kind, "n": n_in}
+        info = {"type": "in", "collection": coll, "kind": kind, "n": n_in}
+        if splits is not None:
+            info["skipped"] = skipped
+        yield T_INFO, info
+
+
+@functools.lru_cache(maxsize=8)
+def _caption_splits(collection: str, source: tuple) -> dict:
+    """{image source id: its captions' splits} of a caption source (format, path, frozen options), read once per
+    worker process (a collection's image files are read by several tasks)."""
+    from retrieval_core.readers import caption_image_splits
+
+    fmt, path, options = source
+    # allow_empty: an empty caption source fails the run from its own read task (find_problems), in one line
+    return caption_image_splits(collection, fmt, list(path) if isinstance(path, tuple) else path, dict(options),
+                                files=common.BEAM_FILES, allow_empty=True)
 
 
 # ----------------------------------------------------------------------------------------- shards
 def shard_counts(images, collections: list[str], settings: Settings):
-    """(collection, number of image shards) for every collection: from the planned image count where the
-    manifest knows it, else from the images that passed validation (at least one shard each)."""
+    """(collection, number of image shards) for every collection: from a synthetic collection's planned
+    count, else from the images that passed validation (at least one shard each)."""
     zeros = images.pipeline | "NoImages" >> beam.Create([(c, 0) for c in collections])
     counted = images | "ImageCollection" >> beam.FlatMap(
         lambda r, planned: [(r["collection"], 1)] if r["collection"] not in planned else [],
@@ -296,7 +329,8 @@ class WriteImageShard(beam.DoFn):
         rows = staging.load_spilled(rows, _open_spill)  # features of the kept rows only
         info = {"type": "shard", "collection": coll, "kind": "images", "index": idx, "total": total,
                 "rows": len(rows), "cap": dict(Counter(r[staging.K_CAP_POLICY] for r in rows
-                                                    if r[staging.K_CAP_POLICY]))}
+                                                    if r[staging.K_CAP_POLICY])),
+                "splits": staging.split_counts(rows)}
         name = shard_rel(IMAGES_DIR, coll, idx, total, ".parquet")
         if self.s.feature_format == "hdf5":
             h5_name = shard_rel(FEATURES_DIR, coll, idx, total, ".h5")
@@ -356,7 +390,8 @@ class WriteCaptionShard(beam.DoFn):
         log.info("%s %s: %d captions", "kept" if kept else "wrote", name, len(rows))
         Metrics.counter("stage", "caption_shards_written" if not kept else "caption_shards_kept").inc()
         yield T_INFO, {"type": "shard", "collection": coll, "kind": "captions", "index": idx, "total": total,
-                       "rows": len(rows), "name": name, "sha256": sha, "kept": kept, "bytes": len(data)}
+                       "rows": len(rows), "name": name, "sha256": sha, "kept": kept, "bytes": len(data),
+                       "splits": staging.split_counts(rows)}
 
 
 def _write_rejects(element, output: str):
@@ -444,9 +479,11 @@ def build_summary(manifest, settings: Settings, infos: list, options: dict, elap
             mine = [i for i in infos if i.get("collection") == name]
             shards = [i for i in mine if i["type"] == "shard" and i["kind"] == key]
             rej = [i for i in mine if i["type"] == "rejects" and i["kind"] == kind]
-            reasons = Counter()
+            reasons, by_split = Counter(), Counter()
             for r in rej:
                 reasons.update(r["reasons"])
+            for sh in shards:
+                by_split.update(sh.get("splits", {}))
             cap = None
             feature_shards = None
             if kind == schema.KIND_IMAGE:
@@ -462,7 +499,9 @@ def build_summary(manifest, settings: Settings, infos: list, options: dict, elap
                 staged=sum(s["rows"] for s in shards), rejects=reasons,
                 shards=[{k: s[k] for k in ("name", "rows", "sha256", "kept", "bytes")} for s in shards],
                 expected=expected, rejects_file=f"{REJECTS_DIR}/{name}-{key}.jsonl",
-                region_cap=cap, feature_shards=feature_shards)
+                region_cap=cap, feature_shards=feature_shards,
+                skipped=sum(i.get("skipped", 0) for i in mine if i["type"] == "in" and i["kind"] == kind),
+                staged_by_split=dict(by_split), expected_key=f"{name}.expected_{key}")
         c["num_shards"] = len(c["images"]["shards"])
         colls[name] = c
     all_shards = [s for c in colls.values() for k in ("images", "captions") for s in
@@ -556,14 +595,11 @@ class StagePlan:
 
 
 def planned_images(manifest) -> dict[str, int]:
-    """Image counts known before reading: expected_images, or num_images of a synthetic collection."""
-    out = {}
-    for name, c in manifest.collections.items():
-        if getattr(c, "expected_images", None):
-            out[name] = int(c.expected_images)
-        elif c.images.format == "synthetic" and c.images.options.get("num_images"):
-            out[name] = int(c.images.options["num_images"])
-    return out
+    """Image counts known before reading: num_images of a synthetic collection. A file source's
+    expected_images is a check, not a fact (a subset, an override, skipped uncaptioned images): its shards
+    are sized by the images that passed validation (a 40-image file checked against 123,287 got 247 shards)."""
+    return {name: int(c.images.options["num_images"]) for name, c in manifest.collections.items()
+            if c.images.format == "synthetic" and c.images.options.get("num_images")}
 
 
 def default_chunk_size(beam_args) -> int:
@@ -596,8 +632,21 @@ def _settings(plan: StagePlan, manifest) -> Settings:
         feature_dtype=plan.feature_dtype or getattr(manifest, "feature_dtype", None) or "float32",
         images_per_shard=int(plan.images_per_shard),
         expected_images=planned_images(manifest),
+        caption_filters={name: _caption_source(c) for name, c in manifest.collections.items()
+                         if c.uncaptioned_images == "skip"},
         spill_dir=common.join(plan.output, SPILL_DIR, uuid.uuid4().hex[:12]),
     )
+
+
+def _frozen(value):
+    """A YAML option value made hashable (lists -> tuples), for the cached caption-split lookup."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _caption_source(coll) -> tuple:
+    """(format, path, options) of a collection's captions, hashable: the key of ``_caption_splits``."""
+    src = coll.captions
+    return (src.format, _frozen(src.path), tuple(sorted((k, _frozen(v)) for k, v in src.options.items())))
 
 
 def _mark_incomplete(output: str, run_id: str) -> str:
@@ -694,12 +743,14 @@ def find_problems(summary: dict, manifest, plan: StagePlan, output: str) -> list
             if src_spec is not None and src["records_in"] == 0 and not plan.allow_empty:
                 problems.append(f"{name} {key}: the source {src['format']}:{src['path'] or '(generated)'} yielded "
                                 f"no records (wrong path or format? --allow-empty accepts it)")
-            if src["records_in"] != src["staged"] + src["rejected"]:
+            if src["records_in"] != src["staged"] + src["rejected"] + src.get("skipped", 0):
                 problems.append(f"{name} {key}: {src['records_in']} records in but {src['staged']} staged + "
-                                f"{src['rejected']} rejected: records were lost by the runner")
-            frac = src["rejected"] / max(src["records_in"], 1)
+                                f"{src['rejected']} rejected" + (f" + {src['skipped']} skipped" if src.get("skipped")
+                                                                 else "") + ": records were lost by the runner")
+            considered = src["records_in"] - src.get("skipped", 0)  # skipped images were never candidates
+            frac = src["rejected"] / max(considered, 1)
             if frac > plan.max_reject_fraction:
-                problems.append(f"{name} {key}: {src['rejected']} of {src['records_in']} records rejected "
+                problems.append(f"{name} {key}: {src['rejected']} of {considered} records rejected "
                                 f"({frac:.1%} > --max-reject-fraction {plan.max_reject_fraction:.1%}); "
                                 f"see {common.join(output, src['rejects_file'])}")
     if summary["id_collisions"]:

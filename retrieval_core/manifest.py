@@ -13,6 +13,10 @@ when given a file access that reaches them: no Beam here).
 Size overrides: when a CLI override changes a synthetic collection's generator options (``demo.images.
 num_images=200``) and does not set its ``expected_images`` / ``expected_captions``, those checks follow the
 generator's new counts (they guard the YAML's own numbers); ``expected_*`` set by an override are checked.
+A file source's ``expected_*`` (a count or ``{split: count}``) cannot follow an override: the stager checks
+them against what it staged and reports a mismatch as a warning naming the key to set, not as an error.
+
+``uncaptioned_images: skip`` (a collection key) stages only the images its captions name, each in their split.
 
 Format options are checked against the reader functions' keyword-only parameters
 (``retrieval_core.readers``), so the readers stay the one place that defines them.
@@ -45,7 +49,10 @@ EXTRA_REQUIRED = {"caption_lines": ("ids_path",)}
 
 TOP_LEVEL_KEYS = ("name", "description", "feature_dim", "max_regions", "feature_format", "feature_dtype",
                   "collections", "benchmark")
-COLLECTION_KEYS = ("images", "captions", "expected_images", "expected_captions", "role")
+COLLECTION_KEYS = ("images", "captions", "expected_images", "expected_captions", "role", "uncaptioned_images")
+#: ``uncaptioned_images``: keep = stage every image the image source holds; skip = stage only the images the
+#: collection's captions name, each in its captions' split (a trainval TSV + a Karpathy JSON -> train/val/test).
+UNCAPTIONED = ("keep", "skip")
 MANIFEST_DIR = Path(__file__).resolve().parent.parent / "data_manifests"
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -70,9 +77,15 @@ class CollectionSpec:
     name: str
     images: SourceSpec
     captions: SourceSpec
-    expected_images: Optional[int] = None
-    expected_captions: Optional[int] = None
+    expected_images: Optional[int | dict[str, int]] = None  # a count, or {split: count}
+    expected_captions: Optional[int | dict[str, int]] = None
     role: str = "query"
+    uncaptioned_images: str = "keep"
+
+    def expected_total(self, kind: str) -> Optional[int]:
+        """expected_images / expected_captions as one number (a per-split mapping summed), None if unknown."""
+        value = self.expected_images if kind == "images" else self.expected_captions
+        return sum(value.values()) if isinstance(value, dict) else value
 
 
 @dataclass
@@ -301,6 +314,19 @@ def _positive_int(value, key: str, fail, optional: bool = False) -> Optional[int
     return value
 
 
+def _expected(value, key: str, fail) -> Optional[int | dict[str, int]]:
+    """An expected count: null, a positive integer, or a mapping {split: positive integer}."""
+    if isinstance(value, dict):
+        if not value:
+            fail(key, "an empty mapping (give {split: count, ...}, a count, or null)")
+        for split, n in value.items():
+            if not isinstance(split, str) or not split:
+                fail(key, f"split names must be non-empty strings, got {split!r}")
+            _positive_int(n, f"{key}.{split}", fail, optional=False)
+        return dict(value)
+    return _positive_int(value, key, fail, optional=True)
+
+
 def _choice(value, choices, key: str, fail, what: str = "value") -> str:
     if value not in choices:
         fail(key, f"unknown {what} {value!r} (expected one of: {', '.join(choices)})")
@@ -365,14 +391,27 @@ def _collection(cname, block, feature_dim: int, fail, follow: frozenset = frozen
             fail(f"{key}.{part}", "missing")
     images = _source(block["images"], "images", f"{key}.images", fail)
     captions = _source(block["captions"], "captions", f"{key}.captions", fail)
-    exp_i = _positive_int(block.get("expected_images"), f"{key}.expected_images", fail, optional=True)
-    exp_c = _positive_int(block.get("expected_captions"), f"{key}.expected_captions", fail, optional=True)
+    exp_i = _expected(block.get("expected_images"), f"{key}.expected_images", fail)
+    exp_c = _expected(block.get("expected_captions"), f"{key}.expected_captions", fail)
     role = _choice(block.get("role", "query"), ROLES, f"{key}.role", fail, "role")
+    uncaptioned = _choice(block.get("uncaptioned_images", "keep"), UNCAPTIONED, f"{key}.uncaptioned_images", fail)
+    if uncaptioned == "skip":
+        if "synthetic" in (images.format, captions.format):
+            fail(f"{key}.uncaptioned_images", "skip selects file images by their captions; synthetic "
+                                              "collections are generated with their captions (remove it)")
+        if images.options.get("split") is not None:
+            fail(f"{key}.images.split", "with uncaptioned_images: skip each image takes its captions' split "
+                                        "(set the split on captions:, remove it here)")
 
     if captions.format == "synthetic" and images.format != "synthetic":
         fail(f"{key}.captions.format", "synthetic captions need synthetic images (they describe the generated scenes)")
     if images.format == "synthetic":
         from .synthetic import SyntheticSpec
+
+        for name, value in (("expected_images", exp_i), ("expected_captions", exp_c)):
+            if isinstance(value, dict):
+                fail(f"{key}.{name}", "per-split counts are checks of file sources; give a synthetic "
+                                      "collection's total (or null)")
 
         if captions.format == "synthetic":
             extra = sorted(set(captions.options) - {"captions_per_image"})
@@ -402,7 +441,7 @@ def _collection(cname, block, feature_dim: int, fail, follow: frozenset = frozen
         if exp_i is not None and exp_i != spec.num_images:
             fail(f"{key}.expected_images", f"{exp_i} but images.num_images is {spec.num_images} (set "
                                            f"{cname}.expected_images={spec.num_images} or remove it)")
-    return CollectionSpec(cname, images, captions, exp_i, exp_c, role)
+    return CollectionSpec(cname, images, captions, exp_i, exp_c, role, uncaptioned)
 
 
 def _benchmark(block, collections: dict, fail) -> dict:

@@ -13,6 +13,7 @@ return bytes, so a Beam DoFn can write them atomically through FileSystems. Enco
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import re
@@ -48,6 +49,7 @@ R_DUPLICATE_CAPTION = "duplicate caption id"
 R_ID_COLLISION = "item_id hash collision"
 R_NOT_UTF8 = "caption not UTF-8"
 R_EMPTY_CAPTION = "empty caption"
+R_SPLIT_CONFLICT = "captions in several splits"
 #: Decided by the caption/image join in the pipeline.
 R_UNKNOWN_IMAGE = "caption's image not staged"
 REASON_UNKNOWN_IMAGE = R_UNKNOWN_IMAGE + ": image {image_source_id!r} of collection {collection!r} is " \
@@ -182,6 +184,28 @@ def stage_image(raw: RawImage, *, collection: str, feature_dim: int, max_regions
         K_CAP_POLICY: policy,
         K_REGIONS_IN: int(n),
     }
+
+
+def with_caption_split(raw: RawImage, splits: Optional[frozenset], source: str) -> Optional[RawImage | Reject]:
+    """An image of a collection staged with ``uncaptioned_images: skip``, given the splits of the captions that
+    name it (``readers.caption_image_splits``): None when no caption names it (not staged; the stager counts
+    it as skipped), the image in its captions' split, or a Reject when its captions are in several splits."""
+    if not splits:
+        return None
+    if len(splits) > 1:
+        names = ", ".join(sorted(str(s) for s in splits))
+        return _reject(source, raw.locator, schema.KIND_IMAGE, R_SPLIT_CONFLICT,
+                       f"the captions of image {raw.source_id!r} are in splits {names}; an image is in one split")
+    (split,) = splits
+    return dataclasses.replace(raw, split=split)
+
+
+def split_counts(rows: Iterable[dict]) -> dict[str, int]:
+    """{split: rows} of staged rows (a row without a split counts under "(none)")."""
+    return dict(Counter(r["split"] if r["split"] is not None else NO_SPLIT for r in rows))
+
+
+NO_SPLIT = "(none)"
 
 
 # ---------------------------------------------------------------------------------------- captions
@@ -413,12 +437,17 @@ def cap_summary(max_regions: int, by_policy: dict[str, int]) -> dict:
 
 
 def source_summary(*, fmt: str, path: str, records_in: int, staged: int, rejects: Iterable[str] | Counter,
-                   shards: list[dict], expected: Optional[int], rejects_file: str,
-                   region_cap: Optional[dict] = None, feature_shards: Optional[list[dict]] = None) -> dict:
+                   shards: list[dict], expected, rejects_file: str,
+                   region_cap: Optional[dict] = None, feature_shards: Optional[list[dict]] = None,
+                   skipped: int = 0, staged_by_split: Optional[dict] = None,
+                   expected_key: str = "expected") -> dict:
     """Summary of one source (a collection's images or captions). ``rejects`` is the list of reasons (or
-    a Counter of categories already)."""
+    a Counter of categories already). ``expected``: None, a count, or {split: count} (checked against
+    ``staged_by_split``); a mismatch is a warning naming the manifest key to set (``expected_key``).
+    ``skipped``: images no caption named (``uncaptioned_images: skip``): read, neither staged nor rejected."""
     hist = rejects if isinstance(rejects, Counter) else Counter(reason_category(r) for r in rejects)
     rejected = int(sum(hist.values()))
+    by_split = {str(k): int(v) for k, v in sorted((staged_by_split or {}).items())}
     out = {
         "format": fmt, "path": path,
         "records_in": int(records_in), "staged": int(staged), "rejected": rejected,
@@ -426,12 +455,23 @@ def source_summary(*, fmt: str, path: str, records_in: int, staged: int, rejects
         "rejects_file": rejects_file,
         "shards": sorted(shards, key=lambda s: s["name"]),
         "expected": expected,
+        "staged_by_split": by_split,
     }
+    if skipped:
+        out["skipped"] = int(skipped)
     warnings = []
-    if records_in != staged + rejected:
-        warnings.append(f"records_in {records_in} != staged {staged} + rejected {rejected}")
-    if expected is not None and int(expected) != staged:
-        warnings.append(f"expected {expected} records but staged {staged}")
+    if records_in != staged + rejected + skipped:
+        warnings.append(f"records_in {records_in} != staged {staged} + rejected {rejected}"
+                        + (f" + skipped {skipped}" if skipped else ""))
+    if isinstance(expected, dict):
+        for split, n in sorted(expected.items()):
+            got = by_split.get(split, 0)
+            if int(n) != got:
+                warnings.append(f"expected {n} in split {split!r} but staged {got} (the manifest's check: set "
+                                f"{expected_key}.{split}={got}, or {expected_key}=null to drop the checks)")
+    elif expected is not None and int(expected) != staged:
+        warnings.append(f"expected {expected} records but staged {staged} (the manifest's check: set "
+                        f"{expected_key}={staged}, or null to drop it)")
     out["warnings"] = warnings
     if region_cap is not None:
         out["region_cap"] = region_cap
@@ -441,8 +481,14 @@ def source_summary(*, fmt: str, path: str, records_in: int, staged: int, rejects
 
 
 def in_equals_line(label: str, src: dict) -> str:
-    """'demo images: 5000 in = 5000 staged + 0 rejected'"""
-    return f"{label}: {src['records_in']} in = {src['staged']} staged + {src['rejected']} rejected"
+    """'demo images: 5000 in = 5000 staged + 0 rejected' (+ 'N skipped (no caption names them)' when any)"""
+    line = f"{label}: {src['records_in']} in = {src['staged']} staged + {src['rejected']} rejected"
+    if src.get("skipped"):
+        line += f" + {src['skipped']} skipped (no caption names them)"
+    by_split = src.get("staged_by_split") or {}
+    if len(by_split) > 1:
+        line += " [" + ", ".join(f"{k}: {v}" for k, v in by_split.items()) + "]"
+    return line
 
 
 # --------------------------------------------------------------------------- feature spill (temp files)

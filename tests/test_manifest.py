@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 
 import pytest
@@ -12,7 +13,8 @@ from retrieval_core.synthetic import split_of
 from tests.conftest import require_realdata
 
 SHIPPED = {"demo", "synthetic_coco5k", "synthetic_f30k1k", "synthetic_cc14k", "synthetic_distractor20k",
-           "synthetic_100k", "coco_5k", "flickr30k_1k", "cc_dev", "distractor_20k", "multi30k"}
+           "synthetic_100k", "coco_5k", "flickr30k_1k", "cc_dev", "distractor_20k", "multi30k", "coco_karpathy",
+           "flickr30k_karpathy"}
 
 
 def test_shipped_manifests_all_load():
@@ -23,6 +25,65 @@ def test_shipped_manifests_all_load():
         for c in m.collections.values():
             assert c.images.format in IMAGE_FORMATS and c.captions.format in CAPTION_FORMATS
             assert c.expected_captions is not None
+
+
+def test_karpathy_manifests_check_the_karpathy_sizes_per_split():
+    coco = load_manifest("coco_karpathy", env={}).collection("coco")
+    assert coco.expected_images == {"train": 113287, "val": 5000, "test": 5000}
+    assert coco.expected_total("images") == 123287 and coco.uncaptioned_images == "skip"
+    assert coco.expected_captions == {"train": 5 * 113287, "val": 25000, "test": 25000}
+    assert (coco.images.format, coco.captions.format, coco.captions.options) == \
+        ("butd_tsv", "karpathy_json", {"restval": "train"})
+    f30k = load_manifest("flickr30k_karpathy", env={}).collection("flickr30k")
+    assert f30k.expected_images == {"train": 29000, "val": 1014, "test": 1000}
+    assert f30k.expected_captions == {"train": 145000, "val": 5070, "test": 5000}
+    # overrides: one split's check, another feature format, restval out of train
+    m = load_manifest("coco_karpathy", ["coco.expected_images.train=82783", "coco.captions.restval=skip",
+                                        "coco.images.format=bua_npz", "coco.images.path=/npz/"], env={})
+    c = m.collection("coco")
+    assert c.expected_images == {"train": 82783, "val": 5000, "test": 5000}
+    assert c.captions.options["restval"] == "skip" and (c.images.format, c.images.path) == ("bua_npz", "/npz/")
+
+
+@pytest.mark.parametrize("block, error", [
+    ("expected_images: {}", "collections.c.expected_images: an empty mapping"),
+    ("expected_images: {test: 0}", "collections.c.expected_images.test: must be a positive integer"),
+    ("expected_images: [5]", "collections.c.expected_images: must be a positive integer"),
+    ("uncaptioned_images: drop", "collections.c.uncaptioned_images: unknown value 'drop'"),
+])
+def test_expected_counts_and_uncaptioned_images_are_validated(tmp_path, block, error):
+    path = tmp_path / "m.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        feature_dim: 8
+        collections:
+          c:
+            images: {{format: butd_tsv, path: x.tsv}}
+            captions: {{format: karpathy_json, path: d.json}}
+            {block}
+        """))
+    with pytest.raises(ManifestError, match=re.escape(error)):
+        load_manifest(str(path), env={})
+
+
+def test_uncaptioned_images_skip_takes_the_split_from_the_captions(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text(textwrap.dedent("""\
+        feature_dim: 8
+        collections:
+          c:
+            images: {format: butd_tsv, path: x.tsv, split: test}
+            captions: {format: karpathy_json, path: d.json}
+            uncaptioned_images: skip
+          syn:
+            images: {format: synthetic, num_images: 4}
+            captions: {format: synthetic}
+        """))
+    with pytest.raises(ManifestError, match=r"collections\.c\.images\.split: with uncaptioned_images: skip"):
+        load_manifest(str(path), env={})
+    with pytest.raises(ManifestError, match=r"collections\.syn\.uncaptioned_images: skip selects file images"):
+        load_manifest(str(path), ["c.images.split=null", "syn.uncaptioned_images=skip"], env={})
+    with pytest.raises(ManifestError, match=r"collections\.syn\.expected_images: per-split counts"):
+        load_manifest(str(path), ["c.images.split=null", "syn.expected_images={test: 4}"], env={})
 
 
 def test_demo_manifest_sizes():

@@ -256,6 +256,62 @@ def test_karpathy_json(tmp_path):
         list(readers.read_karpathy_json(str(tmp_path / "broken.json")))
 
 
+def _karpathy_splits_file(tmp_path):
+    doc = {"images": [{"cocoid": i, "filename": f"COCO_val2014_{i:012d}.jpg", "split": split,
+                       "sentences": [{"raw": f"caption {i}", "sentid": 10 * i}]}
+                      for i, split in enumerate(["train", "restval", "val", "test", "restval"], start=1)]}
+    path = tmp_path / "dataset_coco.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+@pytest.mark.parametrize("restval, split, want", [
+    ("train", None, {"1": "train", "2": "train", "3": "val", "4": "test", "5": "train"}),
+    ("restval", None, {"1": "train", "2": "restval", "3": "val", "4": "test", "5": "restval"}),
+    ("skip", None, {"1": "train", "3": "val", "4": "test"}),
+    ("train", "restval", {"1": "train", "2": "train", "5": "train"}),  # restval counts as train
+    ("restval", "train", {"1": "train"}),  # the 82,783 of train2014 only
+    ("train", ["val", "test"], {"3": "val", "4": "test"}),
+])
+def test_karpathy_json_restval_and_split_lists(tmp_path, restval, split, want):
+    got = list(readers.read_karpathy_json(_karpathy_splits_file(tmp_path), split=split, restval=restval))
+    assert {c.image_source_id: c.split for c in got} == want
+
+
+def test_karpathy_json_bad_restval_or_split_is_a_clear_error(tmp_path):
+    path = _karpathy_splits_file(tmp_path)
+    with pytest.raises(ValueError, match="restval must be one of train, restval, skip"):
+        list(readers.read_karpathy_json(path, restval="drop"))
+    with pytest.raises(ValueError, match="split must be a split name or a list"):
+        list(readers.read_karpathy_json(path, split=[]))
+
+
+def test_caption_image_splits_names_each_captioned_image_with_its_splits(tmp_path):
+    path = _karpathy_splits_file(tmp_path)
+    got = readers.caption_image_splits("c", "karpathy_json", path, {"split": ["train", "test"]})
+    assert got == {"1": frozenset({"train"}), "2": frozenset({"train"}), "4": frozenset({"test"}),
+                   "5": frozenset({"train"})}
+    # two caption files putting one image in two splits: both splits are reported (the stager rejects it)
+    (tmp_path / "a_caps.txt").write_text("one\n")
+    (tmp_path / "a_ids.txt").write_text("7\n")
+    (tmp_path / "b_caps.txt").write_text("two\n")
+    (tmp_path / "b_ids.txt").write_text("7\n")
+    lines = [{"path": str(tmp_path / f"{x}_caps.txt"), "ids_path": str(tmp_path / f"{x}_ids.txt"), "split": x}
+             for x in "ab"]
+    merged = {}
+    for spec in lines:
+        for sid, splits in readers.caption_image_splits("c", "caption_lines", spec["path"],
+                                                        {"ids_path": spec["ids_path"], "split": spec["split"]}).items():
+            merged.setdefault(sid, set()).update(splits)
+    assert merged == {"7": {"a", "b"}}
+    with pytest.raises(ValueError, match="synthetic captions describe every generated image"):
+        readers.caption_image_splits("c", "synthetic", None, {})
+    (tmp_path / "empty.json").write_text('{"images": []}')
+    with pytest.raises(readers.EmptySourceError):
+        readers.caption_image_splits("c", "karpathy_json", str(tmp_path / "empty.json"), {})
+    assert readers.caption_image_splits("c", "karpathy_json", str(tmp_path / "empty.json"), {}, allow_empty=True) == {}
+
+
 # ---------------------------------------------------------------------------------- caption lines
 def test_caption_lines_with_mapping_rejects_and_length_check(tmp_path):
     caps = [b"a dog .", b"a brown dog .", b"", b"caf\xe9", b"a cat ."]

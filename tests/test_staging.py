@@ -169,10 +169,39 @@ def test_shards_are_deterministic_and_sorted():
 def test_source_summary_counts_and_warnings():
     s = staging.source_summary(fmt="butd_tsv", path="x.tsv", records_in=10, staged=8,
                                rejects=["wrong feature dim: 3", "zero regions: x"], shards=[], expected=9,
-                               rejects_file="rejects/c-images.jsonl")
+                               rejects_file="rejects/c-images.jsonl", expected_key="c.expected_images")
     assert s["rejected"] == 2 and s["reject_reasons"] == {"wrong feature dim": 1, "zero regions": 1}
-    assert s["warnings"] == ["expected 9 records but staged 8"]
+    assert s["warnings"] == ["expected 9 records but staged 8 (the manifest's check: set c.expected_images=8, "
+                             "or null to drop it)"]
     assert staging.in_equals_line("c images", s) == "c images: 10 in = 8 staged + 2 rejected"
+
+
+def test_source_summary_checks_each_split_and_counts_skipped_images():
+    s = staging.source_summary(fmt="butd_tsv", path="x.tsv", records_in=20, staged=14, rejects=["zero regions: x"],
+                               shards=[], expected={"train": 8, "val": 3, "test": 3}, rejects_file="r.jsonl",
+                               skipped=5, staged_by_split={"train": 8, "val": 2, "test": 4},
+                               expected_key="coco.expected_images")
+    assert s["skipped"] == 5 and s["staged_by_split"] == {"test": 4, "train": 8, "val": 2}
+    assert s["warnings"] == [
+        "expected 3 in split 'test' but staged 4 (the manifest's check: set coco.expected_images.test=4, or "
+        "coco.expected_images=null to drop the checks)",
+        "expected 3 in split 'val' but staged 2 (the manifest's check: set coco.expected_images.val=2, or "
+        "coco.expected_images=null to drop the checks)"]
+    assert staging.in_equals_line("coco images", s) == \
+        "coco images: 20 in = 14 staged + 1 rejected + 5 skipped (no caption names them) [test: 4, train: 8, val: 2]"
+    lost = staging.source_summary(fmt="butd_tsv", path="x.tsv", records_in=20, staged=14, rejects=[], shards=[],
+                                  expected=None, rejects_file="r.jsonl", skipped=5)
+    assert lost["warnings"] == ["records_in 20 != staged 14 + rejected 0 + skipped 5"]
+
+
+def test_an_image_takes_its_captions_split_or_is_skipped_or_rejected():
+    raw = raw_image(source_id="42")
+    assert staging.with_caption_split(raw, None, "x.tsv") is None  # no caption names it: skipped
+    assert staging.with_caption_split(raw, frozenset({"val"}), "x.tsv").split == "val"
+    rej = staging.with_caption_split(raw, frozenset({"val", "test"}), "x.tsv")
+    assert isinstance(rej, Reject) and rej.kind == schema.KIND_IMAGE
+    assert rej.reason.startswith(staging.R_SPLIT_CONFLICT + ": ") and "test, val" in rej.reason
+    assert staging.split_counts([{"split": "a"}, {"split": None}, {"split": "a"}]) == {"a": 2, staging.NO_SPLIT: 1}
 
 
 # ------------------------------------------------------------------------------------- feature spill

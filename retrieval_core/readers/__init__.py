@@ -141,6 +141,22 @@ def read_task(task: ReadTask, files: Optional[FileAccess] = None, *,
                                f"allow empty inputs (pipelines.stage --allow-empty)")
 
 
+def caption_image_splits(collection: str, format: str, path, options: Optional[dict],
+                         files: Optional[FileAccess] = None, *, allow_empty: bool = False) -> dict[str, frozenset]:
+    """{image source id: the splits of its captions} over one caption source (every file of ``path``), for
+    staging only the images the captions name (manifest ``uncaptioned_images: skip``): an image's split is
+    then its captions' split. Rejected caption records name no image; a file with no record is an error
+    (EmptySourceError), as when the captions are staged, unless ``allow_empty``."""
+    if format == SYNTHETIC:
+        raise ValueError("synthetic captions describe every generated image: there is nothing to select")
+    found: dict[str, set] = {}
+    for task in plan_read_tasks(collection, KIND_CAPTION, format, path, options, 0, files=files):
+        for rec in read_task(task, files, allow_empty=allow_empty):
+            if isinstance(rec, RawCaption):
+                found.setdefault(rec.image_source_id, set()).add(rec.split)
+    return {sid: frozenset(splits) for sid, splits in found.items()}
+
+
 def _read(task: ReadTask, files: Optional[FileAccess]) -> Iterator[RawImage | RawCaption | Reject]:
     options = {k: v for k, v in task.options}
     if task.format == SYNTHETIC:
@@ -158,7 +174,8 @@ def _read(task: ReadTask, files: Optional[FileAccess]) -> Iterator[RawImage | Ra
 
 
 __all__ = [
-    "BUTD_COLUMNS", "CAPTION_READERS", "EmptySourceError", "FileAccess", "IMAGE_READERS", "LOCAL_FILES",
+    "BUTD_COLUMNS", "CAPTION_READERS", "caption_image_splits",
+    "EmptySourceError", "FileAccess", "IMAGE_READERS", "LOCAL_FILES",
     "LocalFileAccess", "ReadTask", "SYNTHETIC", "URLAccessError", "apply_source_id_pattern", "detector_frame_size",
     "file_stem", "image_size", "is_url", "list_inputs", "plan_read_tasks", "read_bua_npz", "read_butd_tsv",
     "read_caption_lines", "read_cc_tsv", "read_flickr30k_entities", "read_karpathy_json", "read_multi30k",

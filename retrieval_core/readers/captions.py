@@ -53,18 +53,36 @@ def _caption(line: bytes) -> str | bytes:
 
 
 # ------------------------------------------------------------------------------------ Karpathy JSON
-def _normalise_split(split: Optional[str]) -> Optional[str]:
-    return "train" if split == "restval" else split
+#: What ``restval`` (the 30,504 COCO val2014 images Karpathy's split leaves out of val and test) becomes:
+#: "train" (the usual training set: train + restval = 113,287 images, as in LAPS/SCAN's train_ids.txt),
+#: "restval" (a split of its own: ``split: train`` is then the 82,783 train2014 images), or "skip" (not read).
+KARPATHY_RESTVAL = ("train", "restval", "skip")
 
 
-def read_karpathy_json(path: str, files: Optional[FileAccess] = None, *, split: Optional[str] = None,
-                       image_id: str = "auto", source_id_pattern: Optional[str] = None) -> Iterator[CaptionRecord]:
+def _karpathy_split(split: Optional[str], restval: str) -> Optional[str]:
+    """The split an image of Karpathy split ``split`` is staged in; None = not read (restval: skip)."""
+    if split == "restval":
+        return None if restval == "skip" else restval
+    return split
+
+
+def read_karpathy_json(path: str, files: Optional[FileAccess] = None, *, split: Optional[str | list[str]] = None,
+                       restval: str = "train", image_id: str = "auto",
+                       source_id_pattern: Optional[str] = None) -> Iterator[CaptionRecord]:
     """Karpathy ``dataset_coco.json`` / ``dataset_flickr30k.json``.
 
-    ``split`` keeps only images of that split ("restval" counts as "train", and is recorded as "train");
-    None keeps all, each captioned with its own split. ``image_id``: "cocoid", "filename_stem", or "auto"
-    (cocoid when the image entry has one). caption_key = sentid; lang "en".
+    ``split``: keep only images of that split, or of those splits (a list); None keeps all, each captioned
+    with its own split. Karpathy's names are kept (train, val, test), except COCO's ``restval``, which
+    ``restval`` decides (KARPATHY_RESTVAL; default "train": restval images are train images, and
+    ``split: restval`` then selects them with the rest of train). ``image_id``: "cocoid", "filename_stem",
+    or "auto" (cocoid when the image entry has one). caption_key = sentid; lang "en".
     """
+    if restval not in KARPATHY_RESTVAL:
+        raise ValueError(f"karpathy_json restval must be one of {', '.join(KARPATHY_RESTVAL)}, got {restval!r}")
+    wanted = None if split is None else [split] if isinstance(split, str) else list(split)
+    if wanted is not None and (not wanted or not all(isinstance(w, str) and w for w in wanted)):
+        raise ValueError(f"karpathy_json split must be a split name or a list of them, got {split!r}")
+    want = None if wanted is None else {_karpathy_split(w, restval) for w in wanted} - {None}
     if image_id not in ("auto", "cocoid", "filename_stem"):
         raise ValueError(f"karpathy_json image_id must be 'auto', 'cocoid' or 'filename_stem', got {image_id!r}")
     try:  # surrogateescape: an undecodable caption becomes bytes later instead of failing the whole file
@@ -74,14 +92,14 @@ def read_karpathy_json(path: str, files: Optional[FileAccess] = None, *, split: 
     images = doc.get("images") if isinstance(doc, dict) else None
     if not isinstance(images, list):
         raise ValueError(f"{path}: expected a Karpathy split file {{'images': [...]}}")
-    want = _normalise_split(split)
     for i, img in enumerate(images):
         locator = f"{path}:images[{i}]"
         if not isinstance(img, dict):
             yield _reject(path, locator, "image entry is not an object")
             continue
-        img_split = _normalise_split(img.get("split"))
-        if want is not None and img_split != want:
+        raw_split = img.get("split")
+        img_split = _karpathy_split(raw_split, restval)
+        if (raw_split == "restval" and img_split is None) or (want is not None and img_split not in want):
             continue
         use_cocoid = image_id == "cocoid" or (image_id == "auto" and "cocoid" in img)
         if use_cocoid and "cocoid" not in img:
