@@ -1,9 +1,11 @@
 """The end-to-end demo on the embedded default (the README's main command).
 
-    python -m pipelines.demo [--k 20] [--with-sep] [Beam options]
+    python -m pipelines.demo [--k 10] [--queries 500] [--with-sep] [Beam options]
 
 Stages the synthetic demo collection, trains the demo JOIN model from the shipped all-MiniLM-L6-v2, encodes
-the test split, builds a FAISS index, retrieves and reranks once per model family (JOIN+CO; SEP+CO with
+the test split, builds a FAISS index, selects the queries (``benchmarks.queries --scale``: every test image and
+one caption of each, as the scale suites do; ``--queries 0`` ranks every test caption too), retrieves and
+reranks once per model family (JOIN+CO; SEP+CO with
 --with-sep), evaluates, prints the recall table, and ends by writing the inspection page of EMB vs JOIN+CO
 (``benchmarks.inspect``: the queries whose gold item the reranker moved) and printing its path. Score once,
 evaluate many: the rerank run stores the BE top-k with its BE and CE scores, so the EMB row is derived from
@@ -40,7 +42,7 @@ def _done(path: str) -> bool:
     return os.path.exists(path)
 
 
-def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...]) -> pd.DataFrame:
+def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 500) -> pd.DataFrame:
     t_start = time.time()
     root = demo_assets.demo_dir()
     timings: dict[str, float] = {}
@@ -64,6 +66,12 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...]) -> pd.DataFrame
 
     rows = []
     run_dirs = {}
+    query_args: list[str] = []
+    if queries:  # the CE cost is queries x k pairs: one caption per image keeps the demo within 10 minutes
+        query_dir = os.path.join(root, f"queries-test-{queries}")
+        _run(_py("benchmarks.queries", "--staged", staged, "--collection", demo_assets.DEMO_MANIFEST, "--split",
+                 "test", "--output", query_dir, "--scale", str(queries)))
+        query_args = ["--queries", os.path.join(query_dir, "queries.parquet")]
     for label, be, ce in runs:
         emb_dir = os.path.join(root, f"embeddings-{be}")
         index_dir = os.path.join(root, f"index-{be}")
@@ -73,12 +81,12 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...]) -> pd.DataFrame
         _run(_py("pipelines.build_index", "--embeddings", emb_dir, "--output", index_dir, "--modality", "image",
                  "--index-factory", "Flat", *beam_args))
         timings[f"encode+index {be}"] = time.time() - t0
-        out = os.path.join(root, f"rankings-{label}".replace("+", ""))
+        out = os.path.join(root, f"rankings-{label}-k{k}-q{queries or 'all'}".replace("+", ""))
         run_dirs[label] = out
         t0 = time.time()
         _run(_py("pipelines.rerank", "--staged", staged, "--embeddings", emb_dir, "--index", index_dir,
                  "--split", "test", "--k", str(k), "--output", out, "--mode", "co", "--ce-model", models[ce],
-                 *beam_args))
+                 *query_args, *beam_args))
         timings[f"rerank {label}"] = time.time() - t0
         for mode, row_label, model in (("emb", "EMB", be), ("co", label, result_model(be, ce))):
             _run(_py("benchmarks.evaluate", "--rankings", out, "--staged", staged, "--output", results,
@@ -146,16 +154,19 @@ def r1_changes(table: pd.DataFrame) -> list[str]:
 
 
 @click.command(context_settings=BEAM_CLI_CONTEXT)
-@click.option("--k", default=20, show_default=True, help="Rerank depth (the paper's k).")
+@click.option("--k", default=10, show_default=True, help="Rerank depth (the paper's k: 10 or 20).")
+@click.option("--queries", default=500, show_default=True, type=click.IntRange(min=0),
+              help="Queries per direction: N seeded test images and one caption of each (0: every test caption "
+                   "and image; ~5x the CE pairs).")
 @click.option("--with-sep", is_flag=True, help="Also train a separate BE and CE (SEP) and add SEP+CO rows.")
 @click.pass_context
-def main(ctx: click.Context, k: int, with_sep: bool) -> None:
+def main(ctx: click.Context, k: int, queries: int, with_sep: bool) -> None:
     """Run the whole retrieve-and-rerank demo on the embedded synthetic default. Extra --flags go to Beam."""
     from pipelines.common import check_beam_flags
 
     check_beam_flags(ctx.args)
     try:
-        run_demo(k, with_sep, tuple(ctx.args))
+        run_demo(k, with_sep, tuple(ctx.args), queries)
     except subprocess.CalledProcessError as exc:
         raise SystemExit(f"demo step failed (exit {exc.returncode}): {' '.join(map(str, exc.cmd))}")
 
