@@ -49,9 +49,11 @@ class LatencyConfig:
     warmup: int = 3
     paper_reps: int = 3  # the paper-code path is slow; fewer repetitions
     threads: Optional[int] = None  # None = keep torch's current setting
-    ann: str = "IVF"  # "IVF" (nlist from N) or "HNSW32"
-    nprobe: int = 32
-    ef_search: int = 128
+    anns: Sequence[str] = ("IVF-Flat", "IVF-SQ8", "HNSW32")  # ANN rows (ann_factory); IVF nlist from N
+    nprobes: Sequence[int] = (4, 8, 16, 32, 64, 128, 256)  # IVF sweep: the first reaching recall_target
+    ef_searches: Sequence[int] = (16, 32, 64, 128, 256, 512)  # HNSW sweep, likewise
+    recall_target: float = 0.99
+    hnsw_max_n: int = 100_000  # HNSW build is ~O(N log N) graph inserts: 1M on 2 cores is many minutes
     base_images: int = 2000
     jitter: float = 0.5  # noise norm relative to the unit base vector: larger = harder for ANN
     recall_queries: int = 200
@@ -83,11 +85,54 @@ def _timed(fn, n: int, warmup: int) -> list[float]:
     return out
 
 
-def ann_factory(kind: str, n: int) -> str:
-    if kind.upper().startswith("HNSW"):
-        return kind
+ANN_KINDS = ("IVF-Flat", "IVF-SQ8", "IVF-PQ", "HNSW<M>")
+
+
+def ann_factory(kind: str, n: int, d: int = 384) -> str:
+    """faiss factory of an ANN row: IVF-Flat / IVF-SQ8 / IVF-PQ (nlist from N, PQ with d/4 bytes per
+    vector) or HNSW<M> (e.g. HNSW32)."""
+    up = kind.upper()
+    if up.startswith("HNSW") and up[4:].isdigit():
+        return f"HNSW{int(up[4:])}"
+    codes = {"IVF-FLAT": "Flat", "IVF-SQ8": "SQ8", "IVF-PQ": f"PQ{max(1, d // 4)}x8"}
+    if up not in codes:
+        raise ValueError(f"ANN kind must be one of {ANN_KINDS}, got {kind!r}")
     nlist = int(max(1, min(1024, 4 * math.sqrt(n), n // 39)))  # >= 39 training points per list
-    return f"IVF{nlist},Flat"
+    return f"IVF{nlist},{codes[up]}"
+
+
+def read_bandwidth(arr: np.ndarray, reps: int = 5) -> float:
+    """Bytes/s of one full read of ``arr``: the fastest of a torch and a numpy sum over it (torch uses its
+    thread setting), best of ``reps``. The memory-bandwidth bound of an exact scan is arr.nbytes / this."""
+    import torch
+
+    view = torch.from_numpy(arr)
+    best = math.inf
+    for fn in (lambda: view.sum(), lambda: arr.sum(dtype=np.float32)):
+        fn()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+    return arr.nbytes / best
+
+
+def tune_ann(index, factory: str, queries: np.ndarray, exact_ids: np.ndarray, cfg: "LatencyConfig"
+             ) -> tuple[dict, float, list]:
+    """The smallest nprobe / efSearch of the sweep whose recall@10 against ``exact_ids`` reaches
+    cfg.recall_target (else the largest), its recall, and the sweep [(value, recall)]."""
+    from faiss.contrib.evaluation import knn_intersection_measure
+
+    name, values = ("efSearch", cfg.ef_searches) if factory.startswith("HNSW") else ("nprobe", cfg.nprobes)
+    sweep = []
+    for v in values:
+        index.set_params(**{name: v})
+        r = float(knn_intersection_measure(index.search(queries, 10)[1], exact_ids))
+        sweep.append((v, r))
+        if r >= cfg.recall_target:
+            break
+    index.set_params(**{name: sweep[-1][0]})
+    return {name: sweep[-1][0]}, sweep[-1][1], sweep
 
 
 def jittered_collection(base: np.ndarray, n: int, sigma: float, seed: int, chunk: int = 100_000
@@ -159,9 +204,9 @@ def measure_unit_costs(b: _Bench, ctx_log) -> None:
 
 def per_query_latency(b: _Bench, log) -> list[dict]:
     import torch
-    from faiss.contrib.evaluation import knn_intersection_measure
 
-    from retrieval_core import rerank
+    from retrieval_core import index as rindex
+    from retrieval_core import metrics, rerank
 
     cfg, m = b.cfg, b.model
     rows: list[dict] = []
@@ -172,51 +217,84 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
                              batch_size=cfg.batch_size)
     enc = lambda i: m.encode_text(b.texts(i), batch_size=1)
     loop_cost: dict[int, float] = {}  # k -> seconds of the paper code's k single-pair CE calls
+    q_pre = [enc(i) for i in range(cfg.warmup + max(cfg.reps, cfg.paper_reps, 3))]  # search-only timings
     for n in cfg.sizes:
         log(f"latency: N={n:,}: building the collection and indexes")
         items, src = jittered_collection(b.base_vecs, n, cfg.jitter, cfg.seed + n)
         ids = np.arange(n, dtype=np.int64)
         note = (f"items: {cfg.base_images} real image embeddings + jitter sigma={cfg.jitter}, renormalised; "
                 f"query = one real caption encoded per query (included)")
+        common = dict(collection="per_query(jittered)", collection_size=n, model="JOIN", measured=True)
+        bw = read_bandwidth(items)
+        bound_ms = items.nbytes / bw * 1000
+        bw_note = (f"bound = {items.nbytes / 1e6:.0f} MB of float32 items / {bw / 1e9:.1f} GB/s read bandwidth "
+                   f"(fastest torch/numpy sum over the same array, best of 5, this run)")
         t0 = time.perf_counter()
         flat = flat_or_ann_index("Flat", ids, items)
         flat_build = time.perf_counter() - t0
-        fac = ann_factory(cfg.ann, n)
-        t0 = time.perf_counter()
-        ann = flat_or_ann_index(fac, ids, items, seed=cfg.seed)
-        ann.set_params(**({"efSearch": cfg.ef_search} if fac.upper().startswith("HNSW") else {"nprobe": cfg.nprobe}))
-        ann_build = time.perf_counter() - t0
-        _, exact_i = flat.search(recall_q, 10)
-        _, ann_i = ann.search(recall_q, 10)
-        ann_recall = float(knn_intersection_measure(ann_i, exact_i))
+        _, exact_i = metrics.exact_topk(recall_q, items, ids, 10)
         items_t = torch.from_numpy(items)
 
         def emb_flat(i, k=10):
             q = enc(i)
             return q, flat.search(q, k)
 
-        def emb_ann(i):
-            ann.search(enc(i), 10)
-
         def paper_emb(i, k=10):
             q = torch.from_numpy(enc(i))
             s = torch.mm(q, items_t.T)  # cosine: both sides unit-normalised
             return torch.topk(s, k, dim=1)
 
-        common = dict(collection="per_query(jittered)", collection_size=n, model="JOIN", measured=True)
+        def searched(fn):  # the search alone, on pre-encoded queries
+            return float(np.median(_timed(lambda i: fn(q_pre[i % len(q_pre)]), cfg.reps, cfg.warmup))) * 1000
+
+        s_torch = searched(lambda q: torch.topk(torch.mm(torch.from_numpy(q), items_t.T), 10, dim=1))
+        s_flat = searched(lambda q: flat.search(q, 10))
+        s_exact = searched(lambda q: metrics.exact_topk(q, items, ids, 10))
+        search_cols = dict(bound_ms=bound_ms)
         paper_emb_t = _timed(paper_emb, max(cfg.paper_reps, 3), 1)
         t_flat = _timed(emb_flat, cfg.reps, cfg.warmup)
-        rows.append(_row(b, mode="EMB-Flat", k=10, **_percentiles(t_flat), index_s=flat_build,
-                         speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_flat), notes=note, **common))
-        t_ann = _timed(emb_ann, cfg.reps, cfg.warmup)
-        par = f"efSearch={cfg.ef_search}" if fac.upper().startswith("HNSW") else f"nprobe={cfg.nprobe}"
-        rows.append(_row(b, mode=f"EMB-{fac}", k=10, **_percentiles(t_ann), index_s=ann_build,
-                         **{"ann_recall@10": ann_recall},
-                         speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_ann),
-                         notes=f"{note}; {par}; ann_recall@10 = knn_intersection_measure vs Flat over {rq} "
-                               f"caption queries", **common))
-        rows.append(_row(b, mode="EMB", k=10, **_percentiles(paper_emb_t), **{**common, "model": PAPER_CODE_MODEL},
-                         notes=f"{note}; torch.mm + topk over all items"))
+        rows.append(_row(b, mode="EMB-Flat", k=10, **_percentiles(t_flat), index_s=flat_build, search_p50_ms=s_flat,
+                         speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_flat), notes=note,
+                         **search_cols, **common))
+        t_ex = _timed(lambda i: metrics.exact_topk(enc(i), items, ids, 10), cfg.reps, cfg.warmup)
+        rows.append(_row(b, mode="EMB-Exact", k=10, **_percentiles(t_ex), search_p50_ms=s_exact, **search_cols,
+                         speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_ex), **common,
+                         notes=f"{note}; retrieval_core.metrics.exact_topk (one query: the chunked scan kernel, "
+                               f"torch.mm + top-k per cache-sized chunk); "
+                               f"search alone {s_exact / bound_ms:.2f}x the bound; {bw_note}"))
+        rows.append(_row(b, mode="EMB-bound", k=10, latency_p50_ms=bound_ms, latency_p95_ms=bound_ms,
+                         latency_p99_ms=bound_ms, search_p50_ms=bound_ms, **search_cols, **common,
+                         notes=f"memory-bandwidth bound of one exact scan (no query encoding): {bw_note}"))
+        for kind in cfg.anns:
+            fac = ann_factory(kind, n, items.shape[1])
+            if fac.startswith("HNSW") and n > cfg.hnsw_max_n:
+                log(f"  N={n:,} {fac}: skipped (N > hnsw_max_n={cfg.hnsw_max_n:,}: build too slow on this machine)")
+                rows.append(_row(b, mode=f"EMB-{kind}", k=10, **{**common, "measured": False},
+                                 notes=f"{fac} not built: N > --hnsw-max-n {cfg.hnsw_max_n:,}"))
+                continue
+            t0 = time.perf_counter()
+            ann = flat_or_ann_index(fac, ids, items, seed=cfg.seed)
+            ann_build = time.perf_counter() - t0
+            params, ann_recall, sweep = tune_ann(ann, fac, recall_q, exact_i, cfg)
+            s_ann = searched(lambda q: ann.search(q, 10))
+            t_ann = _timed(lambda i: ann.search(enc(i), 10), cfg.reps, cfg.warmup)
+            par = ", ".join(f"{k}={v}" for k, v in params.items())
+            met = "meets" if ann_recall >= cfg.recall_target else "MISSES"
+            rows.append(_row(b, mode=f"EMB-{kind}", k=10, **_percentiles(t_ann), index_s=ann_build,
+                             **{"ann_recall@10": ann_recall}, search_p50_ms=s_ann,
+                             index_bytes=sum(len(rindex.index_bytes(x)) for x in ann.shards),
+                             speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_ann),
+                             notes=f"{note}; {fac}, {par} (smallest of the sweep "
+                                   f"{' '.join(f'{v}:{r:.3f}' for v, r in sweep)} that {met} recall@10 >= "
+                                   f"{cfg.recall_target}; tuned and measured on the same {rq} caption queries); "
+                                   f"search alone 1/{s_torch / s_ann:.0f} of torch brute force "
+                                   f"({s_torch:.1f} ms); ann_recall@10 = knn_intersection_measure vs exact",
+                             **common))
+            del ann
+        rows.append(_row(b, mode="EMB", k=10, **_percentiles(paper_emb_t), search_p50_ms=s_torch, **search_cols,
+                         **{**common, "model": PAPER_CODE_MODEL}, notes=f"{note}; torch.mm + topk over all items"))
+        log(f"  N={n:,} search alone p50: torch {s_torch:.2f} ms, faiss Flat {s_flat:.2f} ms, exact_topk "
+            f"{s_exact:.2f} ms, bound {bound_ms:.2f} ms ({bw / 1e9:.1f} GB/s)")
         for k in cfg.ks:
             kk = min(k, n)
 
@@ -265,11 +343,11 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
                          **{**common, "model": PAPER_CODE_MODEL, "measured": False},
                          notes=f"extrapolated: {n:,} x {b.unit['ce_pair_single_s'] * 1000:.2f} ms per single-pair "
                                f"CE call (measured) + torch.mm search"))
-        for r in rows[-(5 + 2 * len(cfg.ks)):]:
-            if r.get("latency_p50_ms") != "":
+        for r in rows[-(6 + len(cfg.anns) + 2 * len(cfg.ks)):]:
+            if r.get("latency_p50_ms", "") != "":
                 log(f"  N={n:,} {r['model']} {r['mode']} k={r.get('k', '')}: p50 {r['latency_p50_ms']:.1f} ms"
                     + (" (extrapolated)" if not r["measured"] else ""))
-        del flat, ann, items, items_t
+        del flat, items, items_t
     return rows
 
 
