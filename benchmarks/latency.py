@@ -6,8 +6,14 @@ synthetic images, each replicated with Gaussian jitter and renormalised, so the 
 cluster structure (pure random unit vectors would make every ANN index look useless) and every item maps
 to a real image whose regions the CE scores. Methods:
   EMB-Flat   query encode + exact FAISS inner-product top-10
-  EMB-<ANN>  query encode + IVF (or HNSW) top-10; its recall@10 against Flat is measured with other-modality
-             (caption) queries via faiss.contrib.evaluation.knn_intersection_measure
+  EMB-Exact  query encode + retrieval_core.metrics.exact_topk (the project's exact search, kernel by batch)
+  EMB-bound  the memory-bandwidth bound of one exact scan: collection bytes / read bandwidth measured in the
+             same run over the same array (read_bandwidth)
+  EMB-<ANN>  query encode + IVF-Flat / IVF-SQ8 / HNSW32 top-10, nprobe / efSearch the smallest of
+             index_choice's sweep reaching recall@10 >= recall_target against exact search, measured with
+             other-modality (caption) queries via faiss.contrib.evaluation.knn_intersection_measure; HNSW only
+             up to hnsw_max_n items (its build at 1M takes many minutes on 2 cores)
+Every EMB row also records ``search_p50_ms``: the search alone on pre-encoded queries.
   CO k       EMB-Flat top-k + one batched CE call over the k pairs + final ranking
   CE         CE over the whole collection: measured when it fits ``ce_measure_budget_s``, else extrapolated
              from the measured batched per-pair cost (measured=false)
@@ -50,9 +56,7 @@ class LatencyConfig:
     paper_reps: int = 3  # the paper-code path is slow; fewer repetitions
     threads: Optional[int] = None  # None = keep torch's current setting
     anns: Sequence[str] = ("IVF-Flat", "IVF-SQ8", "HNSW32")  # ANN rows (ann_factory); IVF nlist from N
-    nprobes: Sequence[int] = (4, 8, 16, 32, 64, 128, 256)  # IVF sweep: the first reaching recall_target
-    ef_searches: Sequence[int] = (16, 32, 64, 128, 256, 512)  # HNSW sweep, likewise
-    recall_target: float = 0.99
+    recall_target: float = 0.99  # nprobe / efSearch: the smallest of index_choice's sweep reaching it
     hnsw_max_n: int = 100_000  # HNSW build is ~O(N log N) graph inserts: 1M on 2 cores is many minutes
     base_images: int = 2000
     jitter: float = 0.5  # noise norm relative to the unit base vector: larger = harder for ANN
@@ -97,8 +101,9 @@ def ann_factory(kind: str, n: int, d: int = 384) -> str:
     codes = {"IVF-FLAT": "Flat", "IVF-SQ8": "SQ8", "IVF-PQ": f"PQ{max(1, d // 4)}x8"}
     if up not in codes:
         raise ValueError(f"ANN kind must be one of {ANN_KINDS}, got {kind!r}")
-    nlist = int(max(1, min(1024, 4 * math.sqrt(n), n // 39)))  # >= 39 training points per list
-    return f"IVF{nlist},{codes[up]}"
+    from retrieval_core.index_choice import ivf_nlist
+
+    return f"IVF{ivf_nlist(n)},{codes[up]}"
 
 
 def read_bandwidth(arr: np.ndarray, reps: int = 5) -> float:
@@ -115,24 +120,6 @@ def read_bandwidth(arr: np.ndarray, reps: int = 5) -> float:
             fn()
             best = min(best, time.perf_counter() - t0)
     return arr.nbytes / best
-
-
-def tune_ann(index, factory: str, queries: np.ndarray, exact_ids: np.ndarray, cfg: "LatencyConfig"
-             ) -> tuple[dict, float, list]:
-    """The smallest nprobe / efSearch of the sweep whose recall@10 against ``exact_ids`` reaches
-    cfg.recall_target (else the largest), its recall, and the sweep [(value, recall)]."""
-    from faiss.contrib.evaluation import knn_intersection_measure
-
-    name, values = ("efSearch", cfg.ef_searches) if factory.startswith("HNSW") else ("nprobe", cfg.nprobes)
-    sweep = []
-    for v in values:
-        index.set_params(**{name: v})
-        r = float(knn_intersection_measure(index.search(queries, 10)[1], exact_ids))
-        sweep.append((v, r))
-        if r >= cfg.recall_target:
-            break
-    index.set_params(**{name: sweep[-1][0]})
-    return {name: sweep[-1][0]}, sweep[-1][1], sweep
 
 
 def jittered_collection(base: np.ndarray, n: int, sigma: float, seed: int, chunk: int = 100_000
@@ -206,7 +193,7 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
     import torch
 
     from retrieval_core import index as rindex
-    from retrieval_core import metrics, rerank
+    from retrieval_core import index_choice, metrics, rerank
 
     cfg, m = b.cfg, b.model
     rows: list[dict] = []
@@ -275,7 +262,7 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
             t0 = time.perf_counter()
             ann = flat_or_ann_index(fac, ids, items, seed=cfg.seed)
             ann_build = time.perf_counter() - t0
-            params, ann_recall, sweep = tune_ann(ann, fac, recall_q, exact_i, cfg)
+            params, ann_recall, sweep = index_choice.tune_search(ann, fac, recall_q, exact_i, cfg.recall_target)
             s_ann = searched(lambda q: ann.search(q, 10))
             t_ann = _timed(lambda i: ann.search(enc(i), 10), cfg.reps, cfg.warmup)
             par = ", ".join(f"{k}={v}" for k, v in params.items())

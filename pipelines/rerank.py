@@ -32,9 +32,10 @@ Candidate pools: t2i searches --index (a FAISS image index from pipelines.build_
 built from other embeddings than --embeddings); i2t searches --text-index when given, otherwise an exact
 inner-product search over all text embeddings in --embeddings (``retrieval_core.metrics.exact_topk``; exact and
 cheap up to ~100k captions). Without --index, t2i is also an exact search over all image embeddings.
---nprobe (IVF) and --ef-search (HNSW) are set on every shard of an index (faiss' defaults otherwise) and
-recorded in the manifest's ``search_params``. --queries restricts the run to the queries a Parquet file lists
-(columns direction, query_id).
+--nprobe (IVF) and --ef-search (HNSW) are set on every shard of an index and recorded in the manifest's
+``search_params``; without them the parameters the index manifest records (``build_index --index-factory
+auto`` tunes them) are used, else faiss' defaults; ``search_params_used`` says which, per direction.
+--queries restricts the run to the queries a Parquet file lists (columns direction, query_id).
 
 Resume: output shards hold ~--queries-per-shard queries each (query_id % N) and are computed in waves of
 --shards-per-wave shards, one Beam job per wave (a GroupByKey is a barrier: within one job no shard is
@@ -567,6 +568,8 @@ def _searcher_spec(plan: RerankPlan, direction: str, emb_manifest: dict) -> tupl
         _check_index_source("--index" if direction == T2I else "--text-index", index_dir, manifest,
                             plan.embeddings, emb_manifest, pool_modality)
         params = {name: v for name, v in (("nprobe", plan.nprobe), ("efSearch", plan.ef_search)) if v is not None}
+        if not params:  # the parameters build_index --index-factory auto tuned and recorded, if any
+            params = {name: int(v) for name, v in (manifest.get("search_params") or {}).items()}
         try:  # refuse a parameter the index lacks now, not in a worker after the job started
             check_search_params(manifest["factory"], int(manifest["d"]), manifest["metric"], **params)
         except ValueError as exc:
@@ -882,6 +885,16 @@ def _run_wave(options, res: Resolved, wave: Mapping[str, frozenset]) -> Optional
     return report, common.counter_values(result, METRICS_NAMESPACE)
 
 
+def _params_used(plan: RerankPlan, spec: SearcherSpec) -> dict:
+    if spec.kind != "index":
+        source = "exact search"
+    elif plan.nprobe is not None or plan.ef_search is not None:
+        source = "command line"
+    else:
+        source = "index manifest" if spec.params else "faiss defaults"
+    return {"params": dict(spec.params), "source": source}
+
+
 def _manifest(res: Resolved, shards: list[dict], reused: int, waves_run: int, counts: dict, runner: str,
               wall_s: float) -> dict:
     plan = res.plan
@@ -896,7 +909,10 @@ def _manifest(res: Resolved, shards: list[dict], reused: int, waves_run: int, co
         # the CE score key the ce_score column holds (model.CE_SCORES: logit_diff = log-odds, logit1 = MMT's)
         "ce_score_key": _ce_model_folder(plan.cross_encoder).ce_score if plan.cross_encoder else None,
         "search": dict(res.described),
-        "search_params": {"nprobe": plan.nprobe, "efSearch": plan.ef_search}, "pool_size": dict(res.pools),
+        "search_params": {"nprobe": plan.nprobe, "efSearch": plan.ef_search},
+        # what each direction's search ran with, and where it came from
+        "search_params_used": {d: _params_used(plan, res.searchers[d]) for d in plan.directions},
+        "pool_size": dict(res.pools),
         "queries": {d: len(q) for d, q in res.query_ids.items()}, "queries_file": res.queries_file,
         "plan_fingerprint": res.fingerprint,
         "shards": [{key: s[key] for key in ("direction", "name", "queries", "rows", "sha256")} for s in shards],
@@ -947,9 +963,11 @@ def _delete_unlisted(output: str, keep: set[str]) -> None:
 @click.option("--device", type=click.Choice(DEVICES, case_sensitive=False), default="cpu", show_default=True)
 @click.option("--threads", type=int, help="pin torch/faiss threads per worker process (default: leave as is)")
 @click.option("--nprobe", type=click.IntRange(min=1),
-              help="IVF lists searched per query in every index shard (default: faiss' 1)")
+              help="IVF lists searched per query in every index shard (default: the index manifest's, recorded "
+                   "by build_index --index-factory auto; else faiss' 1)")
 @click.option("--ef-search", type=click.IntRange(min=1),
-              help="HNSW search breadth (efSearch) in every index shard (default: faiss' 16)")
+              help="HNSW search breadth (efSearch) in every index shard (default: the index manifest's; "
+                   "else faiss' 16)")
 @click.option("--model-copies", type=int, help="CE model copies per machine (Dataflow GPU: 1)")
 @click.option("--max-exhaustive-pairs", type=int, default=200_000, show_default=True)
 @click.option("--queries-per-shard", type=int, default=1_000, show_default=True,

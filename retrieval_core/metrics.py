@@ -8,6 +8,7 @@ Nothing here mutates its inputs: gold mappings may be read-only (MappingProxyTyp
 """
 from __future__ import annotations
 
+import warnings
 from typing import Collection, Mapping, Sequence, Union
 
 import numpy as np
@@ -59,7 +60,9 @@ def exact_topk(queries: np.ndarray, items: np.ndarray, item_ids: np.ndarray, k: 
     out_i = np.empty((n_q, k), dtype=np.int64)
     if k == 0 or n_q == 0:
         return out_s, out_i
-    items_t = torch.from_numpy(items)
+    with warnings.catch_warnings():  # read-only arrays (Arrow buffers) are fine: nothing writes to them
+        warnings.simplefilter("ignore", UserWarning)
+        items_t = torch.from_numpy(items)
     with torch.no_grad():
         for start in range(0, n_q, batch_size):
             q = queries[start:start + batch_size]
@@ -78,7 +81,9 @@ def _topk_block(q: np.ndarray, items: np.ndarray, items_t, item_ids: np.ndarray,
 
     b, n = len(q), len(items)
     rows = max(k, SCAN_CHUNK_SCORES // b) if b < SMALL_BATCH else max(k, GEMM_CHUNK_ROWS)
-    q_t = torch.from_numpy(q)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        q_t = torch.from_numpy(q)
     cand_s, cand_p, tie_kth = [], [], []
     for a in range(0, n, rows):
         s = torch.mm(q_t, items_t[a:a + rows].T)  # (b, r)

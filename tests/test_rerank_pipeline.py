@@ -253,6 +253,24 @@ def test_nprobe_sets_ivf_search_depth_and_is_recorded(assets, tmp_path):
                           directions=("t2i",), ef_search=64)
     with pytest.raises(rerank.RerankError, match="--index"):  # exact search has no parameters
         run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb", directions=("t2i",), nprobe=2)
+    assert manifests[1]["search_params_used"] == {"t2i": {"params": {"nprobe": 1}, "source": "command line"}}
+
+    # parameters recorded in the index manifest (as build_index --index-factory auto writes them) are used
+    # when no --nprobe is given; the run says where its parameters came from
+    path = os.path.join(index_dir, "index_manifest.json")
+    with open(path) as f:
+        im = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**im, "search_params": {"nprobe": nlist}}, f)
+    out = str(tmp_path / "recorded")
+    m = run_rerank(staged, emb_dir, out, mode="emb", k=10, index=index_dir, directions=("t2i",))
+    assert recall(out) == 1.0
+    assert m["search_params_used"] == {"t2i": {"params": {"nprobe": nlist}, "source": "index manifest"}}
+    out = str(tmp_path / "default")
+    with open(path, "w") as f:
+        json.dump(im, f)
+    m = run_rerank(staged, emb_dir, out, mode="emb", k=10, index=index_dir, directions=("t2i",))
+    assert recall(out) == recalls[1] and m["search_params_used"]["t2i"] == {"params": {}, "source": "faiss defaults"}
 
 
 def read_run(out: str):
