@@ -155,6 +155,7 @@ class RerankPlan:
     shards_per_wave: int = 10
     nprobe: Optional[int] = None
     ef_search: Optional[int] = None
+    quantize: str = "none"  # "int8": the CE's Linear layers dynamically quantised (CPU only)
 
     def __post_init__(self):
         for name in ("staged", "embeddings", "output"):
@@ -181,6 +182,13 @@ class RerankPlan:
             raise RerankError(f"lam must be a number in [0, 1], got {self.lam!r}")
         if mode != "emb" and not (self.ce_model or self.be_model):
             raise RerankError(f"mode {mode!r} needs --ce-model (or --be-model for a JOIN model)")
+        if self.quantize not in schema.QUANTIZE_CHOICES:
+            raise RerankError(f"quantize must be one of {'|'.join(schema.QUANTIZE_CHOICES)}, got {self.quantize!r}")
+        if self.quantize != "none" and device != "cpu":
+            raise RerankError(f"--quantize {self.quantize} (dynamic int8 Linear layers) runs on CPU only; "
+                              f"refused with --device {device}")
+        if self.quantize != "none" and mode == "emb":
+            raise RerankError(f"--quantize {self.quantize} quantises the CE: --mode emb scores nothing with it")
         if (self.nprobe is not None or self.ef_search is not None) and not self.uses_index:
             raise RerankError("--nprobe / --ef-search tune a FAISS index: pass --index (t2i) or --text-index "
                               "(i2t); the default exact search has no parameters")
@@ -502,7 +510,7 @@ def build_graph(p: beam.Pipeline, res: Resolved, wave: Mapping[str, frozenset]) 
                     | "read regions" >> beam.FlatMap(staged.regions_for_pairs, ce_groups, res.ce_max_regions))
         handler = VLModelHandler(plan.cross_encoder, TASK_SCORE_PAIRS, device=_HANDLER_DEVICE[plan.device],
                                  max_batch_size=plan.batch_size, num_threads=plan.threads,
-                                 model_copies=plan.model_copies)
+                                 model_copies=plan.model_copies, quantize=plan.quantize)
         scored = (examples
                   | "group CE pairs" >> beam.GroupByKey()
                   | "CE batches" >> beam.FlatMap(ce_batches, plan.batch_size)
@@ -741,6 +749,7 @@ def resolve(plan: RerankPlan) -> Resolved:
         "staged": _file_fingerprint(common.join(plan.staged, "summary.json")),
         "batch_size": plan.batch_size, "search_batch_size": plan.search_batch_size, "device": plan.device,
         "queries_per_shard": plan.queries_per_shard, "shards_per_wave": plan.shards_per_wave,
+        **({"quantize": plan.quantize} if plan.quantize != "none" else {}),  # fp32 runs keep their fingerprint
     }
     fingerprint = hashlib.sha256(json.dumps(fingerprint_of, sort_keys=True).encode()).hexdigest()
     return Resolved(
@@ -908,6 +917,7 @@ def _manifest(res: Resolved, shards: list[dict], reused: int, waves_run: int, co
         "be_model": dict(res.be_model), "ce_model": plan.cross_encoder,
         # the CE score key the ce_score column holds (model.CE_SCORES: logit_diff = log-odds, logit1 = MMT's)
         "ce_score_key": _ce_model_folder(plan.cross_encoder).ce_score if plan.cross_encoder else None,
+        "quantize": plan.quantize,  # "int8": CE scores from dynamically quantised Linear layers
         "search": dict(res.described),
         "search_params": {"nprobe": plan.nprobe, "efSearch": plan.ef_search},
         # what each direction's search ran with, and where it came from
@@ -969,6 +979,9 @@ def _delete_unlisted(output: str, keep: set[str]) -> None:
               help="HNSW search breadth (efSearch) in every index shard (default: the index manifest's; "
                    "else faiss' 16)")
 @click.option("--model-copies", type=int, help="CE model copies per machine (Dataflow GPU: 1)")
+@click.option("--quantize", type=click.Choice(schema.QUANTIZE_CHOICES), default="none", show_default=True,
+              help="int8: dynamic int8 quantisation of the CE's Linear layers (CPU only; faster, scores differ "
+                   "slightly); recorded in the rankings manifest.")
 @click.option("--max-exhaustive-pairs", type=int, default=200_000, show_default=True)
 @click.option("--queries-per-shard", type=int, default=1_000, show_default=True,
               help="queries per ranking shard (the unit a rerun of a killed job keeps)")
@@ -978,7 +991,7 @@ def _delete_unlisted(output: str, keep: set[str]) -> None:
 @click.pass_context
 def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, lam, k, directions, collection,
          split, queries_file, output, batch_size, search_batch_size, device, threads, nprobe, ef_search,
-         model_copies, max_exhaustive_pairs, queries_per_shard, shards_per_wave):
+         model_copies, quantize, max_exhaustive_pairs, queries_per_shard, shards_per_wave):
     """BE retrieval (+ CE reranking) of every query of a split, in both directions, as Beam jobs.
     Unknown --flags go to Beam (--runner, --dask_client_address, ...).
 
@@ -994,7 +1007,7 @@ def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, l
             queries=queries_file, batch_size=batch_size, search_batch_size=search_batch_size, device=device,
             threads=threads, model_copies=model_copies, max_exhaustive_pairs=max_exhaustive_pairs,
             queries_per_shard=queries_per_shard, shards_per_wave=shards_per_wave, nprobe=nprobe,
-            ef_search=ef_search)
+            ef_search=ef_search, quantize=quantize)
         run(plan, tuple(ctx.args))
 
 

@@ -1,5 +1,6 @@
 """Choosing a FAISS index and its search parameters under a memory and a query-time budget (autofaiss'
-approach, hand-written: autofaiss does not install offline here).
+approach, hand-written: autofaiss 2.18 pins numpy<2 and pandas<3, so installing it would downgrade this
+environment's numpy 2.4 -- pip install --dry-run autofaiss).
 
 Plain functions over numpy arrays (no Beam); ``pipelines.build_index --index-factory auto`` calls them.
 

@@ -442,3 +442,31 @@ def test_embeddings_or_gold_of_another_staging_are_refused(assets, tmp_path):
     assert evaluate_run(out, staged)["t2i_queries"] == 12
     with pytest.raises(EvaluationError, match="ranked the captions/tiny shards of another staging"):
         evaluate_run(out, other)
+
+
+def test_quantize_int8_scores_with_the_quantised_ce_and_is_recorded(assets, tmp_path):
+    """--quantize int8: the CE scores are the dynamically quantised model's (close to fp32, not equal), the
+    manifest says so, and it is refused where it cannot run (cuda) or has nothing to quantise (emb)."""
+    from retrieval_core.checkpoints import load_model_folder
+
+    root, staged, model_dir, emb_dir = assets
+    out = str(tmp_path / "int8")
+    manifest = run_rerank(staged, emb_dir, out, mode="co", k=4, ce_model=model_dir, directions=("t2i",),
+                          quantize="int8")
+    assert manifest["quantize"] == "int8"
+    ds = StagedDataset(staged)
+    texts = ds.captions().set_index("caption_id")["text"]
+    t2i = read_rankings(out, "t2i").dropna(subset=["ce_score"])
+    table = ds.load_images(t2i["item_id"].tolist())
+    q_texts = texts.loc[t2i["query_id"]].tolist()
+    int8 = load_model_folder(model_dir, need=("ce",), quantize="int8").score(q_texts, table, batch_size=32)
+    fp32 = VLRetrievalModel.load(model_dir).score(q_texts, table, batch_size=32)
+    got = t2i["ce_score"].to_numpy()
+    # activations are quantised per batch, so scores depend a little on the batch: close to the int8 model's
+    # and to fp32, but not fp32's (the CE really ran quantised)
+    assert np.abs(got - int8).max() < 2e-3 and np.abs(got - fp32).max() < 5e-3
+    assert np.abs(got - fp32).max() > 1e-5 and np.abs(int8 - fp32).max() > 1e-5
+    for bad, match in (({"device": "cuda"}, "CPU only"), ({"mode": "emb"}, "scores nothing")):
+        kw = {"mode": "co", "ce_model": model_dir, "quantize": "int8", **bad}
+        with pytest.raises(rerank.RerankError, match=match):
+            run_rerank(staged, emb_dir, str(tmp_path / "bad"), **kw)
