@@ -58,6 +58,8 @@ class LatencyConfig:
     anns: Sequence[str] = ("IVF-Flat", "IVF-SQ8", "HNSW32")  # ANN rows (ann_factory); IVF nlist from N
     recall_target: float = 0.99  # nprobe / efSearch: the smallest of index_choice's sweep reaching it
     hnsw_max_n: int = 100_000  # HNSW build is ~O(N log N) graph inserts: 1M on 2 cores is many minutes
+    roofline: bool = True  # CE/BE rates against the GEMM roofline, fp32 and int8
+    pipeline_overhead_images: int = 1_000  # pipelines.encode vs the raw model on this many images (0: skip)
     base_images: int = 2000
     jitter: float = 0.5  # noise norm relative to the unit base vector: larger = harder for ANN
     recall_queries: int = 200
@@ -69,7 +71,8 @@ class LatencyConfig:
 
 def quick_config() -> LatencyConfig:
     return LatencyConfig(sizes=(200, 2_000), eval_sizes=(20, 60), ks=(5, 10), reps=5, warmup=1, paper_reps=2,
-                         base_images=40, recall_queries=20, ce_measure_budget_s=5.0, eval_budget_s=60.0)
+                         base_images=40, recall_queries=20, ce_measure_budget_s=5.0, eval_budget_s=60.0,
+                         pipeline_overhead_images=60)
 
 
 def _percentiles(samples: Sequence[float]) -> dict:
@@ -338,6 +341,118 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
     return rows
 
 
+def gemm_rate(config, tokens: int, reps: int = 5) -> float:
+    """FLOP/s of one BERT layer's dense fp32 GEMMs (model.layer_gemm_shapes) over ``tokens`` rows, torch.mm
+    with torch's thread setting, best of ``reps``: the machine's attainable rate at the model's shapes."""
+    import torch
+
+    from retrieval_core.model import layer_gemm_shapes
+
+    shapes = layer_gemm_shapes(config, int(tokens))
+    g = torch.Generator().manual_seed(0)
+    mats = [(torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)) for m, k, n in shapes]
+    flops = sum(2.0 * m * k * n for m, k, n in shapes)
+    best = math.inf
+    for r in range(reps + 1):
+        t0 = time.perf_counter()
+        for a, w in mats:
+            torch.mm(a, w)
+        if r:  # the first pass warms the pool and the caches
+            best = min(best, time.perf_counter() - t0)
+    return flops / best
+
+
+def roofline_rows(b: _Bench, log) -> list[dict]:
+    """CE pairs/s and BE images/s, captions/s (fp32, and with int8 dynamic quantisation) as a fraction of
+    the roofline: the measured GEMM rate at the model's layer shapes / the model's FLOPs per unit, at the
+    average sequence lengths of the bench's captions and images."""
+    from retrieval_core.model import model_flops, quantize_model
+
+    m, cfg = b.model, b.cfg
+    config = m.bert.config
+    texts = b.captions["text"].tolist()
+    text_tokens = float(m.text_collator()(texts)["attention_mask"].sum(1).float().mean())
+    regions = float(np.minimum(b.images.num_boxes(), m.cfg.max_regions).mean())
+    units = {  # task -> (unit cost key, FLOPs per unit, tokens per unit)
+        "CE pairs": ("ce_pair_batched_s", model_flops(m, "pair", text_tokens, regions), text_tokens + regions),
+        "BE images": ("image_encode_s", model_flops(m, "image", regions=regions), 1 + regions),
+        "BE captions": ("caption_encode_s", model_flops(m, "text", text_tokens=text_tokens), text_tokens)}
+    t0 = time.perf_counter()
+    q = quantize_model(m, "int8")
+    qb = replace(b, model=q, unit={})
+    measure_unit_costs(qb, lambda msg: log(f"int8 {msg}"))
+    log(f"roofline: int8 dynamic quantisation took {time.perf_counter() - t0:.1f} s incl. its unit costs")
+    shape = (f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, intermediate "
+             f"{config.intermediate_size}; avg {text_tokens:.1f} caption tokens, {regions:.1f} regions")
+    rows = []
+    for task, (key, flops, seq) in units.items():
+        tokens = int(round(cfg.batch_size * seq))
+        rate = gemm_rate(config, tokens)
+        roof = rate / flops
+        for variant, unit in (("fp32", b.unit), ("int8", qb.unit)):
+            per_s = 1.0 / unit[key]
+            rows.append(_row(b, collection="roofline", collection_size="", model="JOIN",
+                             mode=f"{task} ({variant})", rate_per_s=per_s, roofline_fraction=per_s / roof,
+                             measured=True, notes=(
+                                 f"{flops / 1e6:.1f} MFLOP per unit ({shape}; dense GEMMs + attention, "
+                                 f"softmax/LayerNorm/GELU not counted); roofline {roof:,.0f}/s = fp32 GEMM rate "
+                                 f"{rate / 1e9:.1f} GFLOP/s at {tokens} x {config.hidden_size} x "
+                                 f"{config.intermediate_size}-class shapes (torch.mm, best of 5) / FLOPs; "
+                                 f"measured {per_s:,.0f}/s at batch {cfg.batch_size}"
+                                 + ("; int8 = torch.ao dynamic quantisation of the Linear layers, against the "
+                                    "fp32 roofline (int8 GEMMs can exceed it)" if variant == "int8" else ""))))
+            log(f"  roofline {task} {variant}: {per_s:,.0f}/s = {per_s / roof:.2f} of {roof:,.0f}/s "
+                f"({rate / 1e9:.1f} GFLOP/s, {flops / 1e6:.1f} MFLOP each)")
+    return rows
+
+
+def pipeline_overhead_rows(b: _Bench, cfg, beam_args, log, n: int = 1_000) -> list[dict]:
+    """pipelines.encode (images, Beam, in-process: what the job runs after its start-up) against the raw
+    model's encode_image on the same staged images, batch size and threads, back to back in one run."""
+    import tempfile
+
+    from benchmarks import jobs as jb
+    from benchmarks.suites import Planner
+    from pipelines import encode
+    from retrieval_core.store import StagedDataset
+
+    p = Planner(replace(cfg, suite="latency"))
+    manifest, images = eval_manifest(n)
+    st = p.stage(manifest, images=images)
+    jb.JobRunner(tuple(beam_args), log).run(st.job)
+    table = StagedDataset(st.path).load_images()
+    m, bs = b.model, b.cfg.batch_size
+    m.encode_image(table.take(range(min(len(table), bs))), batch_size=bs)  # warm-up, as the pipeline's load
+    t0 = time.perf_counter()
+    m.encode_image(table, batch_size=bs)
+    raw_s = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory(prefix="encode-overhead-", dir=cfg.root) as out:
+        t0 = time.perf_counter()
+        summary = encode.run(encode.EncodePlan(st.path, cfg.models.join, out, modality="image", batch_size=bs,
+                                               threads=b.env.get("threads")), tuple(beam_args))
+        beam_s = time.perf_counter() - t0
+    n_img = len(table)
+    if summary["modalities"]["image"]["encoded"] != n_img:
+        raise RuntimeError(f"pipeline overhead: encode wrote {summary['modalities']['image']['encoded']} of "
+                           f"{n_img} images")
+    raw, beam_rate = n_img / raw_s, n_img / beam_s
+    log(f"pipeline overhead: encode through Beam {beam_rate:,.0f} images/s vs raw model {raw:,.0f} images/s "
+        f"= {beam_rate / raw:.2f}x")
+    return [_row(b, collection="pipeline_overhead", collection_size=n_img, model="JOIN", mode="encode images (Beam)",
+                 rate_per_s=beam_rate, roofline_fraction=beam_rate / raw, wall_s=beam_s, measured=True,
+                 notes=(f"pipelines.encode.run (modality image, {common_runner(beam_args)}, in-process: no job "
+                        f"start-up; reads staged shards, writes embedding shards + manifest) vs "
+                        f"VLRetrievalModel.encode_image on the same {n_img:,} staged images already in memory "
+                        f"({raw:,.0f} images/s, {raw_s:.1f} s), batch {bs}, back to back; "
+                        f"roofline_fraction = Beam / raw; Beam - raw = {beam_s - raw_s:.1f} s (graph start, "
+                        f"reading and writing shards: a fixed part that larger runs amortise)"))]
+
+
+def common_runner(beam_args) -> str:
+    from pipelines import common
+    return common.runner_name(common.pipeline_options(list(beam_args)))
+
+
 def eval_manifest(n: int) -> tuple[str, Optional[int]]:
     """(manifest, images override) of the Table 4 collection of n images: the COCO 5k and 100k analogs as
     staged for the recall suites (shared staging), any other n as synthetic_coco5k cut to n images."""
@@ -541,6 +656,9 @@ def run_latency(cfg, lcfg: LatencyConfig, beam_args: Sequence[str] = (), log=pri
     log(f"latency: {threads} threads; generating {lcfg.base_images} base images")
     model = VLRetrievalModel.load(cfg.models.join, device=cfg.device)
     b = _bench(model, lcfg, env, log)
-    rows = per_query_latency(b, log)
+    rows = roofline_rows(b, log) if lcfg.roofline else []
+    if lcfg.pipeline_overhead_images:
+        rows += pipeline_overhead_rows(b, cfg, beam_args, log, lcfg.pipeline_overhead_images)
+    rows += per_query_latency(b, log)
     more, results = eval_time(b, cfg, beam_args, log)
     return rows + more, results

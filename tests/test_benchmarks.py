@@ -295,7 +295,7 @@ def test_unit_costs_learn_and_estimate():
 def test_latency_per_query_rows_and_extrapolated_totals(model, tmp_path):
     lcfg = latency.LatencyConfig(sizes=(100, 400), eval_sizes=(6,), ks=(4,), reps=3, warmup=1, paper_reps=1,
                                  base_images=12, recall_queries=8, ce_measure_budget_s=0.0, eval_budget_s=0.0,
-                                 batch_size=16, threads=1, hnsw_max_n=100)
+                                 batch_size=16, threads=1, hnsw_max_n=100, pipeline_overhead_images=0)
     cfg = suites.SuiteConfig(suite="latency", workdir=str(tmp_path), models=suites.Models(join=model), feature_dim=F)
     rows, results = latency.run_latency(cfg, lcfg, log=lambda m: None)
     assert results == []  # a zero budget runs no Table 4 job
@@ -317,6 +317,11 @@ def test_latency_per_query_rows_and_extrapolated_totals(model, tmp_path):
         assert 0 < p[0] <= p[1] <= p[2] and r["threads"] == "1"
         if r["mode"] == "CE":  # the budget is 0: whole-collection CE is extrapolated and says so
             assert r["measured"] == "false" and r["notes"].startswith("extrapolated")
+    roof = {r["mode"]: r for r in back if r["collection"] == "roofline"}
+    assert set(roof) == {f"{t} ({v})" for t in ("CE pairs", "BE images", "BE captions") for v in ("fp32", "int8")}
+    for r in roof.values():  # a measured rate below what the GEMMs at the model's shapes allow
+        assert float(r["rate_per_s"]) > 0 and 0 < float(r["roofline_fraction"]) and "MFLOP per unit" in r["notes"]
+    assert all(0 < float(roof[f"{t} (fp32)"]["roofline_fraction"]) < 1.5 for t in ("CE pairs", "BE images"))
     totals = [r for r in back if r["collection"].startswith("eval_total")]
     assert {(r["mode"], r["measured"]) for r in totals if r["model"] == "JOIN"} == \
         {("EMB", "false"), ("CO", "false"), ("CE", "false")}
