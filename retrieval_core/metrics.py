@@ -60,15 +60,23 @@ def exact_topk(queries: np.ndarray, items: np.ndarray, item_ids: np.ndarray, k: 
     out_i = np.empty((n_q, k), dtype=np.int64)
     if k == 0 or n_q == 0:
         return out_s, out_i
-    with warnings.catch_warnings():  # read-only arrays (Arrow buffers) are fine: nothing writes to them
-        warnings.simplefilter("ignore", UserWarning)
-        items_t = torch.from_numpy(items)
-    with torch.no_grad():
-        for start in range(0, n_q, batch_size):
-            q = queries[start:start + batch_size]
-            s, i = _topk_block(q, items, items_t, item_ids, k)
-            out_s[start:start + len(q)], out_i[start:start + len(q)] = s, i
+    items_t = _tensor(items)
+    for start in range(0, n_q, batch_size):  # tensors from numpy never require grad: no autograd context
+        q = queries[start:start + batch_size]
+        s, i = _topk_block(q, items, items_t, item_ids, k)
+        out_s[start:start + len(q)], out_i[start:start + len(q)] = s, i
     return out_s, out_i
+
+
+def _tensor(a: np.ndarray):
+    """A zero-copy torch view; read-only arrays (Arrow buffers) are fine: nothing writes to them."""
+    import torch
+
+    if a.flags.writeable:
+        return torch.from_numpy(a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
 
 
 def _topk_block(q: np.ndarray, items: np.ndarray, items_t, item_ids: np.ndarray, k: int
@@ -81,9 +89,7 @@ def _topk_block(q: np.ndarray, items: np.ndarray, items_t, item_ids: np.ndarray,
 
     b, n = len(q), len(items)
     rows = max(k, SCAN_CHUNK_SCORES // b) if b < SMALL_BATCH else max(k, GEMM_CHUNK_ROWS)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        q_t = torch.from_numpy(q)
+    q_t = _tensor(q)
     cand_s, cand_p, tie_kth = [], [], []
     for a in range(0, n, rows):
         s = torch.mm(q_t, items_t[a:a + rows].T)  # (b, r)
@@ -95,6 +101,9 @@ def _topk_block(q: np.ndarray, items: np.ndarray, items_t, item_ids: np.ndarray,
         cand_p.append(top.indices.numpy()[:, :kk] + a)
         if vals.shape[1] > kk:
             tie_kth.append(np.where(vals[:, kk] == vals[:, kk - 1], vals[:, kk - 1], np.nan))
+    if len(cand_s) == 1 and (not tie_kth or np.isnan(tie_kth[0]).all()) \
+            and (k == 1 or (cand_s[0][:, 1:] < cand_s[0][:, :-1]).all()):
+        return cand_s[0], item_ids[cand_p[0]]  # one chunk, no equal scores: torch.topk's order is the answer
     cs, cp = np.concatenate(cand_s, axis=1), np.concatenate(cand_p, axis=1)
     order = np.lexsort((item_ids[cp], -cs), axis=1)[:, :k]  # last key primary: score desc, then id asc
     pos = np.take_along_axis(cp, order, axis=1)
