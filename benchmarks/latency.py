@@ -6,8 +6,14 @@ synthetic images, each replicated with Gaussian jitter and renormalised, so the 
 cluster structure (pure random unit vectors would make every ANN index look useless) and every item maps
 to a real image whose regions the CE scores. Methods:
   EMB-Flat   query encode + exact FAISS inner-product top-10
-  EMB-<ANN>  query encode + IVF (or HNSW) top-10; its recall@10 against Flat is measured with other-modality
-             (caption) queries via faiss.contrib.evaluation.knn_intersection_measure
+  EMB-Exact  query encode + retrieval_core.metrics.exact_topk (the project's exact search, kernel by batch)
+  EMB-bound  the memory-bandwidth bound of one exact scan: collection bytes / read bandwidth measured in the
+             same run over the same array (read_bandwidth)
+  EMB-<ANN>  query encode + IVF-Flat / IVF-SQ8 / HNSW32 top-10, nprobe / efSearch the smallest of
+             index_choice's sweep reaching recall@10 >= recall_target against exact search, measured with
+             other-modality (caption) queries via faiss.contrib.evaluation.knn_intersection_measure; HNSW only
+             up to hnsw_max_n items (its build at 1M takes many minutes on 2 cores)
+Every EMB row also records ``search_p50_ms``: the search alone on pre-encoded queries.
   CO k       EMB-Flat top-k + one batched CE call over the k pairs + final ranking
   CE         CE over the whole collection: measured when it fits ``ce_measure_budget_s``, else extrapolated
              from the measured batched per-pair cost (measured=false)
@@ -49,9 +55,11 @@ class LatencyConfig:
     warmup: int = 3
     paper_reps: int = 3  # the paper-code path is slow; fewer repetitions
     threads: Optional[int] = None  # None = keep torch's current setting
-    ann: str = "IVF"  # "IVF" (nlist from N) or "HNSW32"
-    nprobe: int = 32
-    ef_search: int = 128
+    anns: Sequence[str] = ("IVF-Flat", "IVF-SQ8", "HNSW32")  # ANN rows (ann_factory); IVF nlist from N
+    recall_target: float = 0.99  # nprobe / efSearch: the smallest of index_choice's sweep reaching it
+    hnsw_max_n: int = 100_000  # HNSW build is ~O(N log N) graph inserts: 1M on 2 cores is many minutes
+    roofline: bool = True  # CE/BE rates against the GEMM roofline, fp32 and int8
+    pipeline_overhead_images: int = 1_000  # pipelines.encode vs the raw model on this many images (0: skip)
     base_images: int = 2000
     jitter: float = 0.5  # noise norm relative to the unit base vector: larger = harder for ANN
     recall_queries: int = 200
@@ -63,7 +71,8 @@ class LatencyConfig:
 
 def quick_config() -> LatencyConfig:
     return LatencyConfig(sizes=(200, 2_000), eval_sizes=(20, 60), ks=(5, 10), reps=5, warmup=1, paper_reps=2,
-                         base_images=40, recall_queries=20, ce_measure_budget_s=5.0, eval_budget_s=60.0)
+                         base_images=40, recall_queries=20, ce_measure_budget_s=5.0, eval_budget_s=60.0,
+                         pipeline_overhead_images=60)
 
 
 def _percentiles(samples: Sequence[float]) -> dict:
@@ -83,11 +92,37 @@ def _timed(fn, n: int, warmup: int) -> list[float]:
     return out
 
 
-def ann_factory(kind: str, n: int) -> str:
-    if kind.upper().startswith("HNSW"):
-        return kind
-    nlist = int(max(1, min(1024, 4 * math.sqrt(n), n // 39)))  # >= 39 training points per list
-    return f"IVF{nlist},Flat"
+ANN_KINDS = ("IVF-Flat", "IVF-SQ8", "IVF-PQ", "HNSW<M>")
+
+
+def ann_factory(kind: str, n: int, d: int = 384) -> str:
+    """faiss factory of an ANN row: IVF-Flat / IVF-SQ8 / IVF-PQ (nlist from N, PQ with d/4 bytes per
+    vector) or HNSW<M> (e.g. HNSW32)."""
+    up = kind.upper()
+    if up.startswith("HNSW") and up[4:].isdigit():
+        return f"HNSW{int(up[4:])}"
+    codes = {"IVF-FLAT": "Flat", "IVF-SQ8": "SQ8", "IVF-PQ": f"PQ{max(1, d // 4)}x8"}
+    if up not in codes:
+        raise ValueError(f"ANN kind must be one of {ANN_KINDS}, got {kind!r}")
+    from retrieval_core.index_choice import ivf_nlist
+
+    return f"IVF{ivf_nlist(n)},{codes[up]}"
+
+
+def read_bandwidth(arr: np.ndarray, reps: int = 5) -> float:
+    """Bytes/s of one full read of ``arr``: the fastest of a torch and a numpy sum over it (torch uses its
+    thread setting), best of ``reps``. The memory-bandwidth bound of an exact scan is arr.nbytes / this."""
+    import torch
+
+    view = torch.from_numpy(arr)
+    best = math.inf
+    for fn in (lambda: view.sum(), lambda: arr.sum(dtype=np.float32)):
+        fn()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+    return arr.nbytes / best
 
 
 def jittered_collection(base: np.ndarray, n: int, sigma: float, seed: int, chunk: int = 100_000
@@ -159,9 +194,9 @@ def measure_unit_costs(b: _Bench, ctx_log) -> None:
 
 def per_query_latency(b: _Bench, log) -> list[dict]:
     import torch
-    from faiss.contrib.evaluation import knn_intersection_measure
 
-    from retrieval_core import rerank
+    from retrieval_core import index as rindex
+    from retrieval_core import index_choice, metrics, rerank
 
     cfg, m = b.cfg, b.model
     rows: list[dict] = []
@@ -172,51 +207,84 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
                              batch_size=cfg.batch_size)
     enc = lambda i: m.encode_text(b.texts(i), batch_size=1)
     loop_cost: dict[int, float] = {}  # k -> seconds of the paper code's k single-pair CE calls
+    q_pre = [enc(i) for i in range(cfg.warmup + max(cfg.reps, cfg.paper_reps, 3))]  # search-only timings
     for n in cfg.sizes:
         log(f"latency: N={n:,}: building the collection and indexes")
         items, src = jittered_collection(b.base_vecs, n, cfg.jitter, cfg.seed + n)
         ids = np.arange(n, dtype=np.int64)
         note = (f"items: {cfg.base_images} real image embeddings + jitter sigma={cfg.jitter}, renormalised; "
                 f"query = one real caption encoded per query (included)")
+        common = dict(collection="per_query(jittered)", collection_size=n, model="JOIN", measured=True)
+        bw = read_bandwidth(items)
+        bound_ms = items.nbytes / bw * 1000
+        bw_note = (f"bound = {items.nbytes / 1e6:.0f} MB of float32 items / {bw / 1e9:.1f} GB/s read bandwidth "
+                   f"(fastest torch/numpy sum over the same array, best of 5, this run)")
         t0 = time.perf_counter()
         flat = flat_or_ann_index("Flat", ids, items)
         flat_build = time.perf_counter() - t0
-        fac = ann_factory(cfg.ann, n)
-        t0 = time.perf_counter()
-        ann = flat_or_ann_index(fac, ids, items, seed=cfg.seed)
-        ann.set_params(**({"efSearch": cfg.ef_search} if fac.upper().startswith("HNSW") else {"nprobe": cfg.nprobe}))
-        ann_build = time.perf_counter() - t0
-        _, exact_i = flat.search(recall_q, 10)
-        _, ann_i = ann.search(recall_q, 10)
-        ann_recall = float(knn_intersection_measure(ann_i, exact_i))
+        _, exact_i = metrics.exact_topk(recall_q, items, ids, 10)
         items_t = torch.from_numpy(items)
 
         def emb_flat(i, k=10):
             q = enc(i)
             return q, flat.search(q, k)
 
-        def emb_ann(i):
-            ann.search(enc(i), 10)
-
         def paper_emb(i, k=10):
             q = torch.from_numpy(enc(i))
             s = torch.mm(q, items_t.T)  # cosine: both sides unit-normalised
             return torch.topk(s, k, dim=1)
 
-        common = dict(collection="per_query(jittered)", collection_size=n, model="JOIN", measured=True)
+        def searched(fn):  # the search alone, on pre-encoded queries
+            return float(np.median(_timed(lambda i: fn(q_pre[i % len(q_pre)]), cfg.reps, cfg.warmup))) * 1000
+
+        s_torch = searched(lambda q: torch.topk(torch.mm(torch.from_numpy(q), items_t.T), 10, dim=1))
+        s_flat = searched(lambda q: flat.search(q, 10))
+        s_exact = searched(lambda q: metrics.exact_topk(q, items, ids, 10))
+        search_cols = dict(bound_ms=bound_ms)
         paper_emb_t = _timed(paper_emb, max(cfg.paper_reps, 3), 1)
         t_flat = _timed(emb_flat, cfg.reps, cfg.warmup)
-        rows.append(_row(b, mode="EMB-Flat", k=10, **_percentiles(t_flat), index_s=flat_build,
-                         speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_flat), notes=note, **common))
-        t_ann = _timed(emb_ann, cfg.reps, cfg.warmup)
-        par = f"efSearch={cfg.ef_search}" if fac.upper().startswith("HNSW") else f"nprobe={cfg.nprobe}"
-        rows.append(_row(b, mode=f"EMB-{fac}", k=10, **_percentiles(t_ann), index_s=ann_build,
-                         **{"ann_recall@10": ann_recall},
-                         speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_ann),
-                         notes=f"{note}; {par}; ann_recall@10 = knn_intersection_measure vs Flat over {rq} "
-                               f"caption queries", **common))
-        rows.append(_row(b, mode="EMB", k=10, **_percentiles(paper_emb_t), **{**common, "model": PAPER_CODE_MODEL},
-                         notes=f"{note}; torch.mm + topk over all items"))
+        rows.append(_row(b, mode="EMB-Flat", k=10, **_percentiles(t_flat), index_s=flat_build, search_p50_ms=s_flat,
+                         speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_flat), notes=note,
+                         **search_cols, **common))
+        t_ex = _timed(lambda i: metrics.exact_topk(enc(i), items, ids, 10), cfg.reps, cfg.warmup)
+        rows.append(_row(b, mode="EMB-Exact", k=10, **_percentiles(t_ex), search_p50_ms=s_exact, **search_cols,
+                         speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_ex), **common,
+                         notes=f"{note}; retrieval_core.metrics.exact_topk (one query: the chunked scan kernel, "
+                               f"torch.mm + top-k per cache-sized chunk); "
+                               f"search alone {s_exact / bound_ms:.2f}x the bound; {bw_note}"))
+        rows.append(_row(b, mode="EMB-bound", k=10, latency_p50_ms=bound_ms, latency_p95_ms=bound_ms,
+                         latency_p99_ms=bound_ms, search_p50_ms=bound_ms, **search_cols, **common,
+                         notes=f"memory-bandwidth bound of one exact scan (no query encoding): {bw_note}"))
+        for kind in cfg.anns:
+            fac = ann_factory(kind, n, items.shape[1])
+            if fac.startswith("HNSW") and n > cfg.hnsw_max_n:
+                log(f"  N={n:,} {fac}: skipped (N > hnsw_max_n={cfg.hnsw_max_n:,}: build too slow on this machine)")
+                rows.append(_row(b, mode=f"EMB-{kind}", k=10, **{**common, "measured": False},
+                                 notes=f"{fac} not built: N > --hnsw-max-n {cfg.hnsw_max_n:,}"))
+                continue
+            t0 = time.perf_counter()
+            ann = flat_or_ann_index(fac, ids, items, seed=cfg.seed)
+            ann_build = time.perf_counter() - t0
+            params, ann_recall, sweep = index_choice.tune_search(ann, fac, recall_q, exact_i, cfg.recall_target)
+            s_ann = searched(lambda q: ann.search(q, 10))
+            t_ann = _timed(lambda i: ann.search(enc(i), 10), cfg.reps, cfg.warmup)
+            par = ", ".join(f"{k}={v}" for k, v in params.items())
+            met = "meets" if ann_recall >= cfg.recall_target else "MISSES"
+            rows.append(_row(b, mode=f"EMB-{kind}", k=10, **_percentiles(t_ann), index_s=ann_build,
+                             **{"ann_recall@10": ann_recall}, search_p50_ms=s_ann,
+                             index_bytes=sum(len(rindex.index_bytes(x)) for x in ann.shards),
+                             speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_ann),
+                             notes=f"{note}; {fac}, {par} (smallest of the sweep "
+                                   f"{' '.join(f'{v}:{r:.3f}' for v, r in sweep)} that {met} recall@10 >= "
+                                   f"{cfg.recall_target}; tuned and measured on the same {rq} caption queries); "
+                                   f"search alone 1/{s_torch / s_ann:.0f} of torch brute force "
+                                   f"({s_torch:.1f} ms); ann_recall@10 = knn_intersection_measure vs exact",
+                             **common))
+            del ann
+        rows.append(_row(b, mode="EMB", k=10, **_percentiles(paper_emb_t), search_p50_ms=s_torch, **search_cols,
+                         **{**common, "model": PAPER_CODE_MODEL}, notes=f"{note}; torch.mm + topk over all items"))
+        log(f"  N={n:,} search alone p50: torch {s_torch:.2f} ms, faiss Flat {s_flat:.2f} ms, exact_topk "
+            f"{s_exact:.2f} ms, bound {bound_ms:.2f} ms ({bw / 1e9:.1f} GB/s)")
         for k in cfg.ks:
             kk = min(k, n)
 
@@ -265,12 +333,124 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
                          **{**common, "model": PAPER_CODE_MODEL, "measured": False},
                          notes=f"extrapolated: {n:,} x {b.unit['ce_pair_single_s'] * 1000:.2f} ms per single-pair "
                                f"CE call (measured) + torch.mm search"))
-        for r in rows[-(5 + 2 * len(cfg.ks)):]:
-            if r.get("latency_p50_ms") != "":
+        for r in rows[-(6 + len(cfg.anns) + 2 * len(cfg.ks)):]:
+            if r.get("latency_p50_ms", "") != "":
                 log(f"  N={n:,} {r['model']} {r['mode']} k={r.get('k', '')}: p50 {r['latency_p50_ms']:.1f} ms"
                     + (" (extrapolated)" if not r["measured"] else ""))
-        del flat, ann, items, items_t
+        del flat, items, items_t
     return rows
+
+
+def gemm_rate(config, tokens: int, reps: int = 5) -> float:
+    """FLOP/s of one BERT layer's dense fp32 GEMMs (model.layer_gemm_shapes) over ``tokens`` rows, torch.mm
+    with torch's thread setting, best of ``reps``: the machine's attainable rate at the model's shapes."""
+    import torch
+
+    from retrieval_core.model import layer_gemm_shapes
+
+    shapes = layer_gemm_shapes(config, int(tokens))
+    g = torch.Generator().manual_seed(0)
+    mats = [(torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)) for m, k, n in shapes]
+    flops = sum(2.0 * m * k * n for m, k, n in shapes)
+    best = math.inf
+    for r in range(reps + 1):
+        t0 = time.perf_counter()
+        for a, w in mats:
+            torch.mm(a, w)
+        if r:  # the first pass warms the pool and the caches
+            best = min(best, time.perf_counter() - t0)
+    return flops / best
+
+
+def roofline_rows(b: _Bench, log) -> list[dict]:
+    """CE pairs/s and BE images/s, captions/s (fp32, and with int8 dynamic quantisation) as a fraction of
+    the roofline: the measured GEMM rate at the model's layer shapes / the model's FLOPs per unit, at the
+    average sequence lengths of the bench's captions and images."""
+    from retrieval_core.model import model_flops, quantize_model
+
+    m, cfg = b.model, b.cfg
+    config = m.bert.config
+    texts = b.captions["text"].tolist()
+    text_tokens = float(m.text_collator()(texts)["attention_mask"].sum(1).float().mean())
+    regions = float(np.minimum(b.images.num_boxes(), m.cfg.max_regions).mean())
+    units = {  # task -> (unit cost key, FLOPs per unit, tokens per unit)
+        "CE pairs": ("ce_pair_batched_s", model_flops(m, "pair", text_tokens, regions), text_tokens + regions),
+        "BE images": ("image_encode_s", model_flops(m, "image", regions=regions), 1 + regions),
+        "BE captions": ("caption_encode_s", model_flops(m, "text", text_tokens=text_tokens), text_tokens)}
+    t0 = time.perf_counter()
+    q = quantize_model(m, "int8")
+    qb = replace(b, model=q, unit={})
+    measure_unit_costs(qb, lambda msg: log(f"int8 {msg}"))
+    log(f"roofline: int8 dynamic quantisation took {time.perf_counter() - t0:.1f} s incl. its unit costs")
+    shape = (f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, intermediate "
+             f"{config.intermediate_size}; avg {text_tokens:.1f} caption tokens, {regions:.1f} regions")
+    rows = []
+    for task, (key, flops, seq) in units.items():
+        tokens = int(round(cfg.batch_size * seq))
+        rate = gemm_rate(config, tokens)
+        roof = rate / flops
+        for variant, unit in (("fp32", b.unit), ("int8", qb.unit)):
+            per_s = 1.0 / unit[key]
+            rows.append(_row(b, collection="roofline", collection_size="", model="JOIN",
+                             mode=f"{task} ({variant})", rate_per_s=per_s, roofline_fraction=per_s / roof,
+                             measured=True, notes=(
+                                 f"{flops / 1e6:.1f} MFLOP per unit ({shape}; dense GEMMs + attention, "
+                                 f"softmax/LayerNorm/GELU not counted); roofline {roof:,.0f}/s = fp32 GEMM rate "
+                                 f"{rate / 1e9:.1f} GFLOP/s at {tokens} x {config.hidden_size} x "
+                                 f"{config.intermediate_size}-class shapes (torch.mm, best of 5) / FLOPs; "
+                                 f"measured {per_s:,.0f}/s at batch {cfg.batch_size}"
+                                 + ("; int8 = torch.ao dynamic quantisation of the Linear layers, against the "
+                                    "fp32 roofline (int8 GEMMs can exceed it)" if variant == "int8" else ""))))
+            log(f"  roofline {task} {variant}: {per_s:,.0f}/s = {per_s / roof:.2f} of {roof:,.0f}/s "
+                f"({rate / 1e9:.1f} GFLOP/s, {flops / 1e6:.1f} MFLOP each)")
+    return rows
+
+
+def pipeline_overhead_rows(b: _Bench, cfg, beam_args, log, n: int = 1_000) -> list[dict]:
+    """pipelines.encode (images, Beam, in-process: what the job runs after its start-up) against the raw
+    model's encode_image on the same staged images, batch size and threads, back to back in one run."""
+    import tempfile
+
+    from benchmarks import jobs as jb
+    from benchmarks.suites import Planner
+    from pipelines import encode
+    from retrieval_core.store import StagedDataset
+
+    p = Planner(replace(cfg, suite="latency"))
+    manifest, images = eval_manifest(n)
+    st = p.stage(manifest, images=images)
+    jb.JobRunner(tuple(beam_args), log).run(st.job)
+    table = StagedDataset(st.path).load_images()
+    m, bs = b.model, b.cfg.batch_size
+    m.encode_image(table.take(range(min(len(table), bs))), batch_size=bs)  # warm-up, as the pipeline's load
+    t0 = time.perf_counter()
+    m.encode_image(table, batch_size=bs)
+    raw_s = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory(prefix="encode-overhead-", dir=cfg.root) as out:
+        t0 = time.perf_counter()
+        summary = encode.run(encode.EncodePlan(st.path, cfg.models.join, out, modality="image", batch_size=bs,
+                                               threads=b.env.get("threads")), tuple(beam_args))
+        beam_s = time.perf_counter() - t0
+    n_img = len(table)
+    if summary["modalities"]["image"]["encoded"] != n_img:
+        raise RuntimeError(f"pipeline overhead: encode wrote {summary['modalities']['image']['encoded']} of "
+                           f"{n_img} images")
+    raw, beam_rate = n_img / raw_s, n_img / beam_s
+    log(f"pipeline overhead: encode through Beam {beam_rate:,.0f} images/s vs raw model {raw:,.0f} images/s "
+        f"= {beam_rate / raw:.2f}x")
+    return [_row(b, collection="pipeline_overhead", collection_size=n_img, model="JOIN", mode="encode images (Beam)",
+                 rate_per_s=beam_rate, roofline_fraction=beam_rate / raw, wall_s=beam_s, measured=True,
+                 notes=(f"pipelines.encode.run (modality image, {common_runner(beam_args)}, in-process: no job "
+                        f"start-up; reads staged shards, writes embedding shards + manifest) vs "
+                        f"VLRetrievalModel.encode_image on the same {n_img:,} staged images already in memory "
+                        f"({raw:,.0f} images/s, {raw_s:.1f} s), batch {bs}, back to back; "
+                        f"roofline_fraction = Beam / raw; Beam - raw = {beam_s - raw_s:.1f} s (graph start, "
+                        f"reading and writing shards: a fixed part that larger runs amortise)"))]
+
+
+def common_runner(beam_args) -> str:
+    from pipelines import common
+    return common.runner_name(common.pipeline_options(list(beam_args)))
 
 
 def eval_manifest(n: int) -> tuple[str, Optional[int]]:
@@ -476,6 +656,9 @@ def run_latency(cfg, lcfg: LatencyConfig, beam_args: Sequence[str] = (), log=pri
     log(f"latency: {threads} threads; generating {lcfg.base_images} base images")
     model = VLRetrievalModel.load(cfg.models.join, device=cfg.device)
     b = _bench(model, lcfg, env, log)
-    rows = per_query_latency(b, log)
+    rows = roofline_rows(b, log) if lcfg.roofline else []
+    if lcfg.pipeline_overhead_images:
+        rows += pipeline_overhead_rows(b, cfg, beam_args, log, lcfg.pipeline_overhead_images)
+    rows += per_query_latency(b, log)
     more, results = eval_time(b, cfg, beam_args, log)
     return rows + more, results

@@ -27,6 +27,7 @@ CSV_COLUMNS = (
     "R@1", "R@5", "R@10", "mR", "queries", "collection_size",
     "wall_s", "encode_s", "index_s", "search_s", "rerank_s", "ce_pairs", "peak_rss_mb",
     "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "ann_recall@10", "speedup_vs_paper_code",
+    "search_p50_ms", "bound_ms", "index_bytes", "rate_per_s", "roofline_fraction",
     "split", "device", "cpu_model", "threads", "torch", "faiss", "transformers", "batch_size",
     "measured", "rankings", "notes",
 )
@@ -63,6 +64,13 @@ COLUMN_DOCS = {
     "latency_p99_ms": "99th percentile per-query latency, milliseconds",
     "ann_recall@10": "share of the exact top 10 that the ANN index returns (fraction, latency rows)",
     "speedup_vs_paper_code": "paper-code time divided by this row's time (same setting)",
+    "search_p50_ms": "median time of the index search alone on pre-encoded queries, milliseconds (latency rows)",
+    "bound_ms": "memory-bandwidth bound of one exact scan: collection bytes / read bandwidth measured in the "
+                "same run, milliseconds (latency rows)",
+    "index_bytes": "serialized size of the row's index, bytes",
+    "rate_per_s": "measured throughput in the row's unit per second (latency roofline/pipeline rows: see notes)",
+    "roofline_fraction": "rate_per_s / the roofline rate from the measured GEMM rate and the model's FLOPs per "
+                         "unit (or, for pipeline rows, / the raw model's rate)",
     "split": "split of the queries (e.g. test)",
     "device": "cpu or cuda (with the GPU name)",
     "cpu_model": "CPU name from /proc/cpuinfo",

@@ -142,7 +142,8 @@ class RunOptions:
     output: str
     plan_only: bool
     beam_args: tuple[str, ...]
-    ann: str = "IVF"
+    anns: tuple[str, ...] = ("IVF-Flat", "IVF-SQ8", "HNSW32")
+    hnsw_max_n: int = 100_000
     eval_budget_s: float = 600.0
 
 
@@ -244,12 +245,15 @@ def plan_costs(plan_jobs: Sequence[jb.Job], cfg: SuiteConfig) -> jb.UnitCosts:
 @click.option("--index-factory", default="Flat", show_default=True, help="FAISS factory of every build_index job.")
 @click.option("--memory-sizes", default=None, metavar="N,N,...",
               help="memory: collection sizes in images [20000,100000,200000; --quick: 200,400].")
-@click.option("--ann", default="IVF", show_default=True, help="latency: ANN index, IVF or HNSW32.")
+@click.option("--ann", default="IVF-Flat,IVF-SQ8,HNSW32", show_default=True,
+              help="latency: ANN rows, comma-separated: IVF-Flat, IVF-SQ8, IVF-PQ, HNSW<M>.")
+@click.option("--hnsw-max-n", default=100_000, show_default=True, type=click.IntRange(min=0),
+              help="latency: build HNSW rows only up to this many items (1M takes many minutes on 2 cores).")
 @click.option("--eval-budget", default=600.0, show_default=True, type=click.FloatRange(min=0),
               help="latency: seconds of Table 4 pipeline runs; larger settings are extrapolated.")
 @click.pass_context
 def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, no_sep, output, workdir, plan_only, quick, batch_size,
-         device, threads, ce_pair_budget, max_queries, index_factory, memory_sizes, ann, eval_budget):
+         device, threads, ce_pair_budget, max_queries, index_factory, memory_sizes, ann, hnsw_max_n, eval_budget):
     """Run one benchmark suite through the pipeline jobs and write <output>/<suite>.csv plus a summary.
     Unknown --flags go to every pipeline job (--runner, --dask_client_address, Dataflow options)."""
     from pipelines import demo_assets
@@ -266,7 +270,8 @@ def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, no_sep, output, workdir
                       max_queries=DEFAULT_MAX_QUERIES[suite] if max_queries is None else max_queries,
                       ce_pair_budget=ce_pair_budget, index_factory=index_factory, batch_size=batch_size,
                       device=device.lower(), threads=threads, memory_sizes=_sizes(memory_sizes, suite))
-    opts = RunOptions(output=output, plan_only=plan_only, beam_args=beam_args, ann=ann, eval_budget_s=eval_budget)
+    opts = RunOptions(output=output, plan_only=plan_only, beam_args=beam_args, anns=_anns(ann),
+                      hnsw_max_n=hnsw_max_n, eval_budget_s=eval_budget)
     if not plan_only:
         os.makedirs(output, exist_ok=True)
     try:
@@ -344,13 +349,27 @@ def _demo_feature_dim() -> int:
     return load_manifest(demo_assets.DEMO_MANIFEST).feature_dim
 
 
+def _anns(spec: str) -> tuple[str, ...]:
+    """--ann "IVF-Flat,HNSW32" -> the kinds, each checked (benchmarks.latency.ann_factory)."""
+    from benchmarks import latency
+
+    kinds = tuple(k.strip() for k in spec.split(",") if k.strip())
+    for k in kinds:
+        try:
+            latency.ann_factory(k, 1000)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--ann") from None
+    return kinds
+
+
 def run_latency_suite(cfg: SuiteConfig, opts: RunOptions):
     """Per-query latency in-process; Table 4 (total evaluation time) through the pipeline jobs."""
     from benchmarks import latency
 
     lcfg = latency.quick_config() if cfg.quick else latency.LatencyConfig()
     lcfg = latency.LatencyConfig(**{**lcfg.__dict__, "batch_size": cfg.batch_size, "threads": cfg.threads,
-                                    "ann": opts.ann, "eval_budget_s": opts.eval_budget_s})
+                                    "anns": opts.anns, "hnsw_max_n": opts.hnsw_max_n,
+                                    "eval_budget_s": opts.eval_budget_s})
     if opts.plan_only:
         if suites.model_feature_dim(cfg.models.join) is None:
             raise click.ClickException(f"latency --plan measures unit costs with the JOIN model; {cfg.models.join} "

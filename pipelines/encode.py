@@ -96,6 +96,7 @@ class EncodePlan:
     texts_per_shard: int = 50_000
     model_copies: Optional[int] = None
     threads: Optional[int] = None  # torch intra-op threads per model
+    quantize: str = "none"  # "int8": the BE's Linear layers dynamically quantised (CPU only)
 
     def __post_init__(self):
         for name in ("staged", "model", "output"):
@@ -108,6 +109,10 @@ class EncodePlan:
             common.check_positive(name, getattr(self, name))
         for name in ("model_copies", "threads"):
             common.check_positive(name, getattr(self, name), allow_none=True)
+        common.check_choice("quantize", self.quantize, schema.QUANTIZE_CHOICES)
+        if self.quantize != "none" and self.device != "cpu":
+            raise EncodeError(f"--quantize {self.quantize} (dynamic int8 Linear layers) runs on CPU only; "
+                              f"refused with --device {self.device}")
 
     @property
     def modalities(self) -> tuple[str, ...]:
@@ -330,7 +335,7 @@ def build_graph(p: beam.Pipeline, plan: EncodePlan, shard_plans: dict[tuple[str,
     for modality, todo in tasks.items():
         handler = VLModelHandler(plan.model, MODALITY_TASK[modality], device=common.beam_device(plan.device),
                                  max_batch_size=plan.batch_size, model_copies=plan.model_copies,
-                                 num_threads=plan.threads, dead_letter=True)
+                                 num_threads=plan.threads, dead_letter=True, quantize=plan.quantize)
         results = (p | f"{modality}: staged shards" >> beam.Create(todo)
                    | f"{modality}: spread" >> beam.Reshuffle()  # shard names only: features never shuffle
                    | f"{modality}: read batches" >> beam.FlatMap(reader.batches)
@@ -396,7 +401,9 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
 
     def key_of(modality: str, collection: str, split: Optional[str]) -> dict:
         return {"model_sha256": model_sha, "dim": dim, "modality": modality, "collection": collection,
-                "split": split, "staged_sha256": staged_inputs_sha256(ds, modality, collection)}
+                "split": split, "staged_sha256": staged_inputs_sha256(ds, modality, collection),
+                # int8 vectors differ from fp32 ones: never kept across a change (fp32 keys stay as they were)
+                **({"quantize": plan.quantize} if plan.quantize != "none" else {})}
 
     plans: dict[tuple[str, str], ShardPlan] = {}
     for m in plan.modalities:
@@ -457,6 +464,7 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
         by_modality[r["modality"]].append({k: r[k] for k in ("name", "rows", "sha256")})
     manifest = emb.make_embeddings_manifest(plan.model, model_sha, dim, {m: s for m, s in by_modality.items() if s},
                                             CREATED_BY)
+    manifest["quantize"] = plan.quantize  # "int8": encoded by dynamically quantised Linear layers
     manifest["inputs"] = {"collections": collections, "split": plan.split,
                           "staged_sha256": {f"{m}/{c}": p.key["staged_sha256"] for (m, c), p in sorted(plans.items())}}
     common.makedirs(plan.output)
@@ -515,9 +523,12 @@ def demo_assets(beam_args: tuple[str, ...] = ()) -> tuple[str, str]:
 @click.option("--texts-per-shard", type=click.IntRange(min=1), default=50_000, show_default=True)
 @click.option("--model-copies", type=click.IntRange(min=1), help="model copies per worker machine (Dataflow GPU: 1)")
 @click.option("--threads", type=click.IntRange(min=1), help="torch intra-op threads per model")
+@click.option("--quantize", type=click.Choice(schema.QUANTIZE_CHOICES), default="none", show_default=True,
+              help="int8: dynamic int8 quantisation of the BE's Linear layers (CPU only; faster, vectors differ "
+                   "slightly); recorded in the embeddings manifest.")
 @click.pass_context
 def main(ctx, staged, model_dir, output, modality, batch_size, device, collection, split, images_per_shard,
-         texts_per_shard, model_copies, threads):
+         texts_per_shard, model_copies, threads, quantize):
     """Encode staged images and captions with the bi-encoder into checksummed embedding shards.
     Unknown --flags go to Beam (--runner, --direct_num_workers, Dataflow options...).
 
@@ -535,7 +546,7 @@ def main(ctx, staged, model_dir, output, modality, batch_size, device, collectio
         raise click.UsageError("--output is required with --staged/--model")
     with common.cli_errors(EncodeError):
         plan = EncodePlan(staged, model_dir, output, modality, batch_size, device, collection, split,
-                          images_per_shard, texts_per_shard, model_copies, threads)
+                          images_per_shard, texts_per_shard, model_copies, threads, quantize)
         summary = run(plan, beam_args)
     if summary is not None and any(v["dead_lettered"] for v in summary["modalities"].values()):
         ctx.exit(1)

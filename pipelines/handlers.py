@@ -73,7 +73,7 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
 
     def __init__(self, model_dir: str, task: str, *, device: str = "CPU", max_batch_size: int = 64,
                  min_batch_size: int = 1, model_copies: Optional[int] = None, large_model: bool = False,
-                 num_threads: Optional[int] = None, dead_letter: bool = False):
+                 num_threads: Optional[int] = None, dead_letter: bool = False, quantize: Optional[str] = None):
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
         device = device.upper()
@@ -89,6 +89,9 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
         self.device = device
         self.num_threads = num_threads
         self.dead_letter = dead_letter
+        if quantize not in (None, "none") and device != "CPU":  # refused at plan time, not in a worker
+            raise ValueError(f"--quantize {quantize} runs on CPU only; refused with device {device}")
+        self.quantize = quantize
 
     def __repr__(self) -> str:
         return f"VLModelHandler({self.model_dir!r}, {self.task!r}, device={self.device!r})"
@@ -106,7 +109,7 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
             torch.set_num_threads(int(self.num_threads))
         # any model folder (ours, MMT-Retrieval, OSCAR, the training-free baseline), refused if it lacks the head
         return load_model_folder(self.model_dir, need=(TASK_HEAD[self.task],),
-                                 device="cuda" if self.device == "GPU" else "cpu")
+                                 device="cuda" if self.device == "GPU" else "cpu", quantize=self.quantize)
 
     def run_inference(self, batch: Sequence[Any], model, inference_args: Optional[dict] = None
                       ) -> Iterable[PredictionResult]:

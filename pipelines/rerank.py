@@ -34,9 +34,10 @@ Candidate pools: t2i searches --index (a FAISS image index from pipelines.build_
 built from other embeddings than --embeddings); i2t searches --text-index when given, otherwise an exact
 inner-product search over all text embeddings in --embeddings (``retrieval_core.metrics.exact_topk``; exact and
 cheap up to ~100k captions). Without --index, t2i is also an exact search over all image embeddings.
---nprobe (IVF) and --ef-search (HNSW) are set on every shard of an index (faiss' defaults otherwise) and
-recorded in the manifest's ``search_params``. --queries restricts the run to the queries a Parquet file lists
-(columns direction, query_id).
+--nprobe (IVF) and --ef-search (HNSW) are set on every shard of an index and recorded in the manifest's
+``search_params``; without them the parameters the index manifest records (``build_index --index-factory
+auto`` tunes them) are used, else faiss' defaults; ``search_params_used`` says which, per direction.
+--queries restricts the run to the queries a Parquet file lists (columns direction, query_id).
 
 Resume: output shards hold ~--queries-per-shard queries each (query_id % N) and are computed in waves of
 --shards-per-wave shards, one Beam job per wave (a GroupByKey is a barrier: within one job no shard is
@@ -160,6 +161,7 @@ class RerankPlan:
     nprobe: Optional[int] = None
     ef_search: Optional[int] = None
     tune_on: Optional[str] = None  # --mode auto: the dev run (CE-scored, same models) the fusion is chosen on
+    quantize: str = "none"  # "int8": the CE's Linear layers dynamically quantised (CPU only)
 
     def __post_init__(self):
         for name in ("staged", "embeddings", "output"):
@@ -190,6 +192,13 @@ class RerankPlan:
                               f"--tune-on applies to --mode auto only, not to --mode {mode}")
         if mode != "emb" and not (self.ce_model or self.be_model):
             raise RerankError(f"mode {mode!r} needs --ce-model (or --be-model for a JOIN model)")
+        if self.quantize not in schema.QUANTIZE_CHOICES:
+            raise RerankError(f"quantize must be one of {'|'.join(schema.QUANTIZE_CHOICES)}, got {self.quantize!r}")
+        if self.quantize != "none" and device != "cpu":
+            raise RerankError(f"--quantize {self.quantize} (dynamic int8 Linear layers) runs on CPU only; "
+                              f"refused with --device {device}")
+        if self.quantize != "none" and mode == "emb":
+            raise RerankError(f"--quantize {self.quantize} quantises the CE: --mode emb scores nothing with it")
         if (self.nprobe is not None or self.ef_search is not None) and not self.uses_index:
             raise RerankError("--nprobe / --ef-search tune a FAISS index: pass --index (t2i) or --text-index "
                               "(i2t); the default exact search has no parameters")
@@ -511,7 +520,7 @@ def build_graph(p: beam.Pipeline, res: Resolved, wave: Mapping[str, frozenset]) 
                     | "read regions" >> beam.FlatMap(staged.regions_for_pairs, ce_groups, res.ce_max_regions))
         handler = VLModelHandler(plan.cross_encoder, TASK_SCORE_PAIRS, device=_HANDLER_DEVICE[plan.device],
                                  max_batch_size=plan.batch_size, num_threads=plan.threads,
-                                 model_copies=plan.model_copies)
+                                 model_copies=plan.model_copies, quantize=plan.quantize)
         scored = (examples
                   | "group CE pairs" >> beam.GroupByKey()
                   | "CE batches" >> beam.FlatMap(ce_batches, plan.batch_size)
@@ -577,6 +586,8 @@ def _searcher_spec(plan: RerankPlan, direction: str, emb_manifest: dict) -> tupl
         _check_index_source("--index" if direction == T2I else "--text-index", index_dir, manifest,
                             plan.embeddings, emb_manifest, pool_modality)
         params = {name: v for name, v in (("nprobe", plan.nprobe), ("efSearch", plan.ef_search)) if v is not None}
+        if not params:  # the parameters build_index --index-factory auto tuned and recorded, if any
+            params = {name: int(v) for name, v in (manifest.get("search_params") or {}).items()}
         try:  # refuse a parameter the index lacks now, not in a worker after the job started
             check_search_params(manifest["factory"], int(manifest["d"]), manifest["metric"], **params)
         except ValueError as exc:
@@ -757,6 +768,7 @@ def resolve(plan: RerankPlan) -> Resolved:
         "staged": _file_fingerprint(common.join(plan.staged, "summary.json")),
         "batch_size": plan.batch_size, "search_batch_size": plan.search_batch_size, "device": plan.device,
         "queries_per_shard": plan.queries_per_shard, "shards_per_wave": plan.shards_per_wave,
+        **({"quantize": plan.quantize} if plan.quantize != "none" else {}),  # fp32 runs keep their fingerprint
     }
     fingerprint = hashlib.sha256(json.dumps(fingerprint_of, sort_keys=True).encode()).hexdigest()
     return Resolved(
@@ -795,6 +807,9 @@ def resolve_auto(plan: RerankPlan) -> tuple[RerankPlan, Optional[dict]]:
     if not dev.get("ce_model") or _model_fingerprint(dev["ce_model"]) != _model_fingerprint(plan.cross_encoder):
         raise RerankError(f"--tune-on {plan.tune_on} was reranked by another cross-encoder ({dev.get('ce_model')}) "
                           f"than {plan.cross_encoder}")
+    if dev.get("quantize", "none") != plan.quantize:
+        raise RerankError(f"--tune-on {plan.tune_on} scored with --quantize {dev.get('quantize', 'none')}, this run "
+                          f"with {plan.quantize}: the fusion would be chosen on other CE scores")
     try:
         choice = choose_fusion(plan.tune_on, dev["staged"], plan.k)
     except EvaluationError as exc:
@@ -941,6 +956,16 @@ def _run_wave(options, res: Resolved, wave: Mapping[str, frozenset]) -> Optional
     return report, common.counter_values(result, METRICS_NAMESPACE)
 
 
+def _params_used(plan: RerankPlan, spec: SearcherSpec) -> dict:
+    if spec.kind != "index":
+        source = "exact search"
+    elif plan.nprobe is not None or plan.ef_search is not None:
+        source = "command line"
+    else:
+        source = "index manifest" if spec.params else "faiss defaults"
+    return {"params": dict(spec.params), "source": source}
+
+
 def _manifest(res: Resolved, shards: list[dict], reused: int, waves_run: int, counts: dict, runner: str,
               wall_s: float) -> dict:
     plan = res.plan
@@ -954,8 +979,12 @@ def _manifest(res: Resolved, shards: list[dict], reused: int, waves_run: int, co
         "be_model": dict(res.be_model), "ce_model": plan.cross_encoder,
         # the CE score key the ce_score column holds (model.CE_SCORES: logit_diff = log-odds, logit1 = MMT's)
         "ce_score_key": _ce_model_folder(plan.cross_encoder).ce_score if plan.cross_encoder else None,
+        "quantize": plan.quantize,  # "int8": CE scores from dynamically quantised Linear layers
         "search": dict(res.described),
-        "search_params": {"nprobe": plan.nprobe, "efSearch": plan.ef_search}, "pool_size": dict(res.pools),
+        "search_params": {"nprobe": plan.nprobe, "efSearch": plan.ef_search},
+        # what each direction's search ran with, and where it came from
+        "search_params_used": {d: _params_used(plan, res.searchers[d]) for d in plan.directions},
+        "pool_size": dict(res.pools),
         "queries": {d: len(q) for d, q in res.query_ids.items()}, "queries_file": res.queries_file,
         "plan_fingerprint": res.fingerprint,
         "shards": [{key: s[key] for key in ("direction", "name", "queries", "rows", "sha256")} for s in shards],
@@ -1008,10 +1037,15 @@ def _delete_unlisted(output: str, keep: set[str]) -> None:
 @click.option("--device", type=click.Choice(DEVICES, case_sensitive=False), default="cpu", show_default=True)
 @click.option("--threads", type=int, help="pin torch/faiss threads per worker process (default: leave as is)")
 @click.option("--nprobe", type=click.IntRange(min=1),
-              help="IVF lists searched per query in every index shard (default: faiss' 1)")
+              help="IVF lists searched per query in every index shard (default: the index manifest's, recorded "
+                   "by build_index --index-factory auto; else faiss' 1)")
 @click.option("--ef-search", type=click.IntRange(min=1),
-              help="HNSW search breadth (efSearch) in every index shard (default: faiss' 16)")
+              help="HNSW search breadth (efSearch) in every index shard (default: the index manifest's; "
+                   "else faiss' 16)")
 @click.option("--model-copies", type=int, help="CE model copies per machine (Dataflow GPU: 1)")
+@click.option("--quantize", type=click.Choice(schema.QUANTIZE_CHOICES), default="none", show_default=True,
+              help="int8: dynamic int8 quantisation of the CE's Linear layers (CPU only; faster, scores differ "
+                   "slightly); recorded in the rankings manifest.")
 @click.option("--max-exhaustive-pairs", type=int, default=200_000, show_default=True)
 @click.option("--queries-per-shard", type=int, default=1_000, show_default=True,
               help="queries per ranking shard (the unit a rerun of a killed job keeps)")
@@ -1021,7 +1055,7 @@ def _delete_unlisted(output: str, keep: set[str]) -> None:
 @click.pass_context
 def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, lam, tune_on, k, directions, collection,
          split, queries_file, output, batch_size, search_batch_size, device, threads, nprobe, ef_search,
-         model_copies, max_exhaustive_pairs, queries_per_shard, shards_per_wave):
+         model_copies, quantize, max_exhaustive_pairs, queries_per_shard, shards_per_wave):
     """BE retrieval (+ CE reranking) of every query of a split, in both directions, as Beam jobs.
     Unknown --flags go to Beam (--runner, --dask_client_address, ...).
 
@@ -1037,7 +1071,7 @@ def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, l
             queries=queries_file, batch_size=batch_size, search_batch_size=search_batch_size, device=device,
             threads=threads, model_copies=model_copies, max_exhaustive_pairs=max_exhaustive_pairs,
             queries_per_shard=queries_per_shard, shards_per_wave=shards_per_wave, nprobe=nprobe,
-            ef_search=ef_search, tune_on=tune_on)
+            ef_search=ef_search, tune_on=tune_on, quantize=quantize)
         run(plan, tuple(ctx.args))
 
 

@@ -356,16 +356,23 @@ def inspect_model_folder(path: str) -> ModelFolder:
                           f"(training-free baseline)")
 
 
-def load_model_folder(path: str, need: Sequence[str] = (), device: str = "cpu", ce_score: Optional[str] = None):
+def load_model_folder(path: str, need: Sequence[str] = (), device: str = "cpu", ce_score: Optional[str] = None,
+                      quantize: Optional[str] = None):
     """The model of any folder ``inspect_model_folder`` knows: a VLRetrievalModel, or a MappedBaseline (BE only).
 
     ``need`` names the heads the caller uses ("be", "ce"); a folder without one is refused. ``ce_score``
-    overrides the folder's CE score key (e.g. "logit1" to rank a native CE by MMT's key)."""
+    overrides the folder's CE score key (e.g. "logit1" to rank a native CE by MMT's key). ``quantize="int8"``:
+    dynamic int8 Linear layers (model.quantize_model; CPU only)."""
+    from retrieval_core.model import quantize_model
+
     info = inspect_model_folder(path).require(need)
     if info.kind == KIND_BASELINE:
         from retrieval_core.baseline import MappedBaseline
         if ce_score is not None:
             raise CheckpointError(f"{path} is a training-free baseline: it has no CE to score with {ce_score!r}")
+        if quantize not in (None, "none"):
+            raise CheckpointError(f"{path} is a training-free baseline (numpy mapping): --quantize {quantize} "
+                                  f"applies to transformer models")
         return MappedBaseline.load(path)
     if info.kind == KIND_NATIVE:
         model = VLRetrievalModel.load(path)
@@ -375,4 +382,4 @@ def load_model_folder(path: str, need: Sequence[str] = (), device: str = "cpu", 
         model = load_oscar(path)
     if ce_score is not None:
         model.cfg.ce_score = _check_ce_score(ce_score)
-    return model.to(device).eval()
+    return quantize_model(model, quantize, device).to(device).eval()

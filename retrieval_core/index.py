@@ -153,6 +153,11 @@ def train_index(factory: str, d: int, metric: str, sample: Optional[np.ndarray],
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
         ivf.cp.seed = int(seed)
+        ivf = faiss.downcast_index(ivf)  # try_extract_index_ivf hands back the IndexIVF base class
+        if isinstance(ivf, faiss.IndexIVFPQ):
+            # polysemous training (simulated annealing over PQ code orderings) serves only polysemous
+            # Hamming-filtered search, which nothing here uses; it took minutes on 500 vectors of d=384
+            ivf.do_polysemous_training = False
     index.train(sample)
     return index_bytes(index)
 

@@ -8,6 +8,7 @@ Nothing here mutates its inputs: gold mappings may be read-only (MappingProxyTyp
 """
 from __future__ import annotations
 
+import warnings
 from typing import Collection, Mapping, Sequence, Union
 
 import numpy as np
@@ -18,13 +19,30 @@ RankedIds = Union[np.ndarray, Sequence[Sequence[int]]]
 
 
 # ---------------------------------------------------------------------------------------- exact top-k
+#: Below this many queries a search is a scan bound by memory bandwidth (GEMV-like: every item row is read
+#: for a handful of dot products), so the items are scanned in cache-sized chunks whose top-k is selected
+#: while their scores are still in cache. From this size on it is compute-bound: GEMM over query blocks x
+#: large item chunks. (faiss Flat switches to BLAS at 20 queries too, but below that it scans one query per
+#: thread, which leaves a core idle for a single query: the latency suite's EMB-Flat row.)
+SMALL_BATCH = 20
+#: Scores per chunk of a small-batch scan: 512 KiB of float32, resident in L2 while top-k is taken.
+SCAN_CHUNK_SCORES = 1 << 17
+#: Item rows per chunk of a large-batch GEMM (enough columns for BLAS to reach its peak).
+GEMM_CHUNK_ROWS = 8192
+
+
 def exact_topk(queries: np.ndarray, items: np.ndarray, item_ids: np.ndarray, k: int,
                batch_size: int = 4096) -> tuple[np.ndarray, np.ndarray]:
-    """Exact inner-product top-k of every query over ``items``.
+    """Exact inner-product top-k of every query over ``items``: the one exact search of the project
+    (pipelines.rerank's exact searcher, training's dev evaluation, the latency suite's exact rows).
 
     Returns ``(scores, ids)``, both (Q, k'), best first, where k' = min(k, N). Equal scores are ordered by
-    the smaller item_id, so the result does not depend on the order of ``items``.
+    the smaller item_id, so the result does not depend on the order of ``items``. The kernel depends on the
+    query batch (:data:`SMALL_BATCH`); both are torch.mm (zero-copy views of the float32 arrays, torch's
+    thread setting) with the top-k taken chunk by chunk, so the scores of all N items never exist at once.
     """
+    import torch
+
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     items = np.ascontiguousarray(items, dtype=np.float32)
     item_ids = np.asarray(item_ids, dtype=np.int64)
@@ -42,41 +60,62 @@ def exact_topk(queries: np.ndarray, items: np.ndarray, item_ids: np.ndarray, k: 
     out_i = np.empty((n_q, k), dtype=np.int64)
     if k == 0 or n_q == 0:
         return out_s, out_i
-
-    # Order items by id once: then "smaller position" means "smaller id" for every tie-break below.
-    order = np.argsort(item_ids, kind="stable")
-    items, sorted_ids = items[order], item_ids[order]
-
-    for start in range(0, n_q, batch_size):
-        scores = queries[start:start + batch_size] @ items.T  # (B, N)
-        pos = _topk_positions(scores, k)
-        out_i[start:start + len(pos)] = sorted_ids[pos]
-        out_s[start:start + len(pos)] = np.take_along_axis(scores, pos, axis=1)
+    items_t = _tensor(items)
+    for start in range(0, n_q, batch_size):  # tensors from numpy never require grad: no autograd context
+        q = queries[start:start + batch_size]
+        s, i = _topk_block(q, items, items_t, item_ids, k)
+        out_s[start:start + len(q)], out_i[start:start + len(q)] = s, i
     return out_s, out_i
 
 
-def _topk_positions(scores: np.ndarray, k: int) -> np.ndarray:
-    """Positions of the k best scores per row, best first, ties by smaller position."""
-    b, n = scores.shape
-    if k == n:
-        cand = np.broadcast_to(np.arange(n), (b, n))
-    else:
-        cand = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-    cand_scores = np.take_along_axis(scores, cand, axis=1)
-    # lexsort: last key is primary -> score descending, then position ascending.
-    order = np.lexsort((cand, -cand_scores), axis=1)
-    pos = np.take_along_axis(cand, order, axis=1)
-    if k == n:
-        return pos
-    # argpartition picks arbitrary members of a tie at the k-th score: redo those rows exactly.
-    kth = np.take_along_axis(scores, pos[:, -1:], axis=1)
-    tied_rows = np.flatnonzero((scores >= kth).sum(axis=1) > k)
-    for r in tied_rows:
-        row = scores[r]
-        idx = np.flatnonzero(row >= kth[r, 0])  # ascending positions
-        best = idx[np.argsort(-row[idx], kind="stable")[:k]]
-        pos[r] = best
-    return pos
+def _tensor(a: np.ndarray):
+    """A zero-copy torch view; read-only arrays (Arrow buffers) are fine: nothing writes to them."""
+    import torch
+
+    if a.flags.writeable:
+        return torch.from_numpy(a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
+def _topk_block(q: np.ndarray, items: np.ndarray, items_t, item_ids: np.ndarray, k: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k of one query block: per chunk torch.topk candidates, then the best k of the candidates by
+    (score desc, id asc). A chunk whose k-th score is tied with a score it left out (its (k+1)-th) is noted;
+    a row whose final k-th score equals such a chunk's k-th is recomputed over all items (exact ties: rare
+    with real embeddings, common with quantised ones)."""
+    import torch
+
+    b, n = len(q), len(items)
+    rows = max(k, SCAN_CHUNK_SCORES // b) if b < SMALL_BATCH else max(k, GEMM_CHUNK_ROWS)
+    q_t = _tensor(q)
+    cand_s, cand_p, tie_kth = [], [], []
+    for a in range(0, n, rows):
+        s = torch.mm(q_t, items_t[a:a + rows].T)  # (b, r)
+        kk = min(k, s.shape[1])
+        # one more than needed: the (k+1)-th equal to the k-th means a tied item was left out
+        top = torch.topk(s, min(kk + 1, s.shape[1]), dim=1)
+        vals = top.values.numpy()
+        cand_s.append(vals[:, :kk])
+        cand_p.append(top.indices.numpy()[:, :kk] + a)
+        if vals.shape[1] > kk:
+            tie_kth.append(np.where(vals[:, kk] == vals[:, kk - 1], vals[:, kk - 1], np.nan))
+    if len(cand_s) == 1 and (not tie_kth or np.isnan(tie_kth[0]).all()) \
+            and (k == 1 or (cand_s[0][:, 1:] < cand_s[0][:, :-1]).all()):
+        return cand_s[0], item_ids[cand_p[0]]  # one chunk, no equal scores: torch.topk's order is the answer
+    cs, cp = np.concatenate(cand_s, axis=1), np.concatenate(cand_p, axis=1)
+    order = np.lexsort((item_ids[cp], -cs), axis=1)[:, :k]  # last key primary: score desc, then id asc
+    pos = np.take_along_axis(cp, order, axis=1)
+    scores = np.take_along_axis(cs, order, axis=1)
+    if tie_kth:
+        redo = np.flatnonzero((np.stack(tie_kth, axis=1) == scores[:, -1:]).any(axis=1))
+        for r in redo:  # some item tied with the k-th best was left out by a chunk: select over all items
+            row = items @ q[r]
+            idx = np.flatnonzero(row >= np.partition(row, n - k)[n - k])  # the k-th of this same pass
+            best = idx[np.lexsort((item_ids[idx], -row[idx]))[:k]]
+            pos[r], scores[r] = best, row[best]
+    return scores, item_ids[pos]
 
 
 # --------------------------------------------------------------------------------------------- recall

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoTokenizer, BertConfig, BertModel
 
+from retrieval_core import schema
 from retrieval_core.collate import Regions, TextCollator, collate_images, collate_pairs
 from retrieval_core.schema import (BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS, SCHEMA_VERSION,
                                    ImageTable)
@@ -289,3 +290,53 @@ def _autocast(device: torch.device, amp_dtype: Optional[str]):
     if amp_dtype not in dtypes:
         raise ValueError(f"amp_dtype must be one of {sorted(dtypes)}, got {amp_dtype!r}")
     return torch.autocast(device_type="cuda", dtype=dtypes[amp_dtype])
+
+
+# ----------------------------------------------------------------------------- CPU int8, FLOP counts
+def quantize_model(model: nn.Module, quantize: Optional[str], device: str = "cpu") -> nn.Module:
+    """``model`` with its nn.Linear layers dynamically quantised to int8 (weights int8, activations quantised
+    per batch: torch.ao.quantization.quantize_dynamic; a copy) for ``quantize="int8"``; the model itself for
+    None / "none". int8 dynamic kernels exist on CPU only: refused on any other device."""
+    if quantize in (None, "none"):
+        return model
+    if quantize not in schema.QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {'|'.join(schema.QUANTIZE_CHOICES)}, got {quantize!r}")
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"--quantize {quantize} (dynamic int8 Linear layers) runs on CPU only; refused on "
+                         f"{device}")
+    import warnings
+    with warnings.catch_warnings():  # torch.ao.quantization is deprecated in favour of torchao, not installed
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(model.to("cpu"), {nn.Linear}, dtype=torch.qint8).eval()
+
+
+def layer_gemm_shapes(config, tokens: int) -> list[tuple[int, int, int]]:
+    """(M, K, N) of one BERT layer's dense GEMMs over ``tokens`` rows: Q, K, V, attention output,
+    intermediate, output."""
+    h, i = int(config.hidden_size), int(config.intermediate_size)
+    return [(tokens, h, h)] * 4 + [(tokens, h, i), (tokens, i, h)]
+
+
+def sequence_flops(config, length: float) -> float:
+    """Multiply-add FLOPs (2 per MAC) of the encoder layers over one sequence of ``length`` tokens: the dense
+    GEMMs (layer_gemm_shapes) and attention's QK^T and AV; softmax, LayerNorm and GELU are left out."""
+    h, i, n = int(config.hidden_size), int(config.intermediate_size), int(config.num_hidden_layers)
+    dense = 2 * length * (4 * h * h + 2 * h * i)
+    attention = 2 * 2 * length * length * h
+    return n * (dense + attention)
+
+
+def model_flops(model: "VLRetrievalModel", task: str, text_tokens: float = 0.0, regions: float = 0.0) -> float:
+    """FLOPs of one unit of ``task`` from the model's config and the given average lengths:
+    "pair" (CE: text tokens + regions in one sequence, region projection, pooler and classifier), "image"
+    (BE: [CLS] + regions) or "text" (BE: the caption's tokens)."""
+    cfg, h = model.bert.config, int(model.bert.config.hidden_size)
+    region_proj = 2 * regions * (model.cfg.feature_dim + model.cfg.box_dim) * h
+    if task == "pair":
+        head = (2 * h * h if model.ce_pooler is not None else 0) + 2 * h * 2
+        return sequence_flops(cfg, text_tokens + regions) + region_proj + head
+    if task == "image":
+        return sequence_flops(cfg, 1 + regions) + region_proj
+    if task == "text":
+        return sequence_flops(cfg, text_tokens)
+    raise ValueError(f"task must be pair, image or text, got {task!r}")

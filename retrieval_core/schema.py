@@ -256,3 +256,8 @@ class ImageTable:
         feats = np.concatenate(features_list).astype(np.float32, copy=False)
         boxes = np.concatenate(boxes_list).astype(np.float32, copy=False)
         return ImageTable(np.asarray(item_ids, dtype=np.int64), offsets, feats, boxes, meta or {})
+
+
+#: Model-loading options of the inference CLIs (--quantize): none, or int8 dynamic quantisation of the
+#: Linear layers (retrieval_core.model.quantize_model; CPU only).
+QUANTIZE_CHOICES = ("none", "int8")

@@ -311,19 +311,33 @@ def test_unit_costs_learn_and_estimate():
 def test_latency_per_query_rows_and_extrapolated_totals(model, tmp_path):
     lcfg = latency.LatencyConfig(sizes=(100, 400), eval_sizes=(6,), ks=(4,), reps=3, warmup=1, paper_reps=1,
                                  base_images=12, recall_queries=8, ce_measure_budget_s=0.0, eval_budget_s=0.0,
-                                 batch_size=16, threads=1)
+                                 batch_size=16, threads=1, hnsw_max_n=100, pipeline_overhead_images=0)
     cfg = suites.SuiteConfig(suite="latency", workdir=str(tmp_path), models=suites.Models(join=model), feature_dim=F)
     rows, results = latency.run_latency(cfg, lcfg, log=lambda m: None)
     assert results == []  # a zero budget runs no Table 4 job
     back = report.read_csv(report.write_csv(str(tmp_path / "latency.csv"), rows))
     per_q = [r for r in back if r["collection"].startswith("per_query")]
-    assert {(r["model"], r["mode"]) for r in per_q} >= {("JOIN", "EMB-Flat"), ("JOIN", "CO"), ("JOIN", "CE"),
-                                                        ("paper-code", "EMB"), ("paper-code", "CO")}
+    assert {(r["model"], r["mode"]) for r in per_q} >= {
+        ("JOIN", "EMB-Flat"), ("JOIN", "EMB-Exact"), ("JOIN", "EMB-bound"), ("JOIN", "EMB-IVF-Flat"),
+        ("JOIN", "EMB-IVF-SQ8"), ("JOIN", "CO"), ("JOIN", "CE"), ("paper-code", "EMB"), ("paper-code", "CO")}
     for r in per_q:
+        if r["mode"] == "EMB-HNSW32" and r["collection_size"] == "400":  # above hnsw_max_n: a marked skip
+            assert r["measured"] == "false" and "hnsw-max-n" in r["notes"]
+            continue
+        if r["mode"].startswith("EMB"):  # search alone beside the whole query, and the bandwidth bound
+            assert float(r["search_p50_ms"]) > 0 and float(r["bound_ms"] or r["search_p50_ms"]) > 0
+        if r["mode"].startswith(("EMB-IVF", "EMB-HNSW")):
+            assert 0 <= float(r["ann_recall@10"]) <= 1 and int(r["index_bytes"]) > 0
+            assert ("efSearch=" if "HNSW" in r["mode"] else "nprobe=") in r["notes"]
         p = [float(r[c]) for c in ("latency_p50_ms", "latency_p95_ms", "latency_p99_ms")]
         assert 0 < p[0] <= p[1] <= p[2] and r["threads"] == "1"
         if r["mode"] == "CE":  # the budget is 0: whole-collection CE is extrapolated and says so
             assert r["measured"] == "false" and r["notes"].startswith("extrapolated")
+    roof = {r["mode"]: r for r in back if r["collection"] == "roofline"}
+    assert set(roof) == {f"{t} ({v})" for t in ("CE pairs", "BE images", "BE captions") for v in ("fp32", "int8")}
+    for r in roof.values():  # a measured rate below what the GEMMs at the model's shapes allow
+        assert float(r["rate_per_s"]) > 0 and 0 < float(r["roofline_fraction"]) and "MFLOP per unit" in r["notes"]
+    assert all(0 < float(roof[f"{t} (fp32)"]["roofline_fraction"]) < 1.5 for t in ("CE pairs", "BE images"))
     totals = [r for r in back if r["collection"].startswith("eval_total")]
     assert {(r["mode"], r["measured"]) for r in totals if r["model"] == "JOIN"} == \
         {("EMB", "false"), ("CO", "false"), ("CE", "false")}

@@ -99,3 +99,23 @@ def test_bidirectional_recall_errors_name_the_query():
         bidirectional_recall([[100]], [1], [[1]], [300], c2i, i2c)
     with pytest.raises(ValueError, match="more than once"):
         bidirectional_recall([[100], [100]], [1, 1], [[1]], [100], c2i, i2c)
+
+
+@pytest.mark.parametrize("n_q", [1, 3, 45])  # the small-batch scan (< SMALL_BATCH queries) and the GEMM path
+def test_exact_topk_chunked_kernels_keep_ties_exact(monkeypatch, n_q):
+    # Chunks of a few items: ties at the k-th score straddle chunks, so a chunk's top-k leaves tied items out.
+    from retrieval_core import metrics
+    monkeypatch.setattr(metrics, "SCAN_CHUNK_SCORES", 36)
+    monkeypatch.setattr(metrics, "GEMM_CHUNK_ROWS", 11)
+    rng = np.random.default_rng(2)
+    q = rng.integers(-1, 2, size=(n_q, 4)).astype(np.float32)
+    x = rng.integers(-1, 2, size=(101, 4)).astype(np.float32)
+    ids = rng.permutation(5000)[:101].astype(np.int64)
+    s, i = exact_topk(q, x, ids, 7, batch_size=20)
+    bs, bi = _brute_topk(q, x, ids, 7)
+    np.testing.assert_array_equal(i, bi)
+    np.testing.assert_array_equal(s, bs)
+    # float data, many chunks: the same as one brute-force pass
+    q, x = rng.normal(size=(n_q, 16)).astype(np.float32), rng.normal(size=(300, 16)).astype(np.float32)
+    s, i = exact_topk(q, x, np.arange(300), 10)
+    np.testing.assert_array_equal(i, _brute_topk(q, x, np.arange(300), 10)[1])

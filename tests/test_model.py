@@ -222,3 +222,23 @@ def test_minilm_backbone_loads():
     assert "ce_pooler" not in m.cfg.provenance["newly_initialised"]  # initialised from MiniLM's pooler
     e = m.encode_text(["a dog on a beach", "a red bus"])
     assert e.shape == (2, 384) and abs(float(e[0] @ e[1])) < 0.99
+
+
+def test_quantize_refused_off_cpu_and_flop_count_of_a_layer():
+    from types import SimpleNamespace
+
+    from pipelines.encode import EncodeError, EncodePlan
+    from retrieval_core.model import layer_gemm_shapes, quantize_model, sequence_flops
+
+    lin = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert quantize_model(lin, "none") is lin
+    with pytest.raises(ValueError, match="CPU only"):
+        quantize_model(lin, "int8", device="cuda")
+    with pytest.raises(ValueError, match="quantize must be"):
+        quantize_model(lin, "int4")
+    with pytest.raises(EncodeError, match="CPU only"):
+        EncodePlan("s", "m", "o", device="cuda", quantize="int8")
+    cfg = SimpleNamespace(hidden_size=8, intermediate_size=32, num_hidden_layers=2)
+    # per layer: the dense GEMMs' 2*M*K*N plus QK^T and AV (2 * 2 * L^2 * h)
+    dense = sum(2 * m * k * n for m, k, n in layer_gemm_shapes(cfg, 5))
+    assert sequence_flops(cfg, 5) == 2 * (dense + 4 * 25 * 8)

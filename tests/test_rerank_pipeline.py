@@ -253,6 +253,24 @@ def test_nprobe_sets_ivf_search_depth_and_is_recorded(assets, tmp_path):
                           directions=("t2i",), ef_search=64)
     with pytest.raises(rerank.RerankError, match="--index"):  # exact search has no parameters
         run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb", directions=("t2i",), nprobe=2)
+    assert manifests[1]["search_params_used"] == {"t2i": {"params": {"nprobe": 1}, "source": "command line"}}
+
+    # parameters recorded in the index manifest (as build_index --index-factory auto writes them) are used
+    # when no --nprobe is given; the run says where its parameters came from
+    path = os.path.join(index_dir, "index_manifest.json")
+    with open(path) as f:
+        im = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**im, "search_params": {"nprobe": nlist}}, f)
+    out = str(tmp_path / "recorded")
+    m = run_rerank(staged, emb_dir, out, mode="emb", k=10, index=index_dir, directions=("t2i",))
+    assert recall(out) == 1.0
+    assert m["search_params_used"] == {"t2i": {"params": {"nprobe": nlist}, "source": "index manifest"}}
+    out = str(tmp_path / "default")
+    with open(path, "w") as f:
+        json.dump(im, f)
+    m = run_rerank(staged, emb_dir, out, mode="emb", k=10, index=index_dir, directions=("t2i",))
+    assert recall(out) == recalls[1] and m["search_params_used"]["t2i"] == {"params": {}, "source": "faiss defaults"}
 
 
 def read_run(out: str):
@@ -463,3 +481,31 @@ def test_mode_auto_refuses_a_dev_run_of_the_evaluated_split_or_other_models(asse
     with pytest.raises(rerank.RerankError, match="another cross-encoder"):
         run_rerank(staged, emb_dir, str(tmp_path / "b"), mode="auto", tune_on=dev, k=3, split="test",
                    ce_model=other)
+
+
+def test_quantize_int8_scores_with_the_quantised_ce_and_is_recorded(assets, tmp_path):
+    """--quantize int8: the CE scores are the dynamically quantised model's (close to fp32, not equal), the
+    manifest says so, and it is refused where it cannot run (cuda) or has nothing to quantise (emb)."""
+    from retrieval_core.checkpoints import load_model_folder
+
+    root, staged, model_dir, emb_dir = assets
+    out = str(tmp_path / "int8")
+    manifest = run_rerank(staged, emb_dir, out, mode="co", k=4, ce_model=model_dir, directions=("t2i",),
+                          quantize="int8")
+    assert manifest["quantize"] == "int8"
+    ds = StagedDataset(staged)
+    texts = ds.captions().set_index("caption_id")["text"]
+    t2i = read_rankings(out, "t2i").dropna(subset=["ce_score"])
+    table = ds.load_images(t2i["item_id"].tolist())
+    q_texts = texts.loc[t2i["query_id"]].tolist()
+    int8 = load_model_folder(model_dir, need=("ce",), quantize="int8").score(q_texts, table, batch_size=32)
+    fp32 = VLRetrievalModel.load(model_dir).score(q_texts, table, batch_size=32)
+    got = t2i["ce_score"].to_numpy()
+    # activations are quantised per batch, so scores depend a little on the batch: close to the int8 model's
+    # and to fp32, but not fp32's (the CE really ran quantised)
+    assert np.abs(got - int8).max() < 2e-3 and np.abs(got - fp32).max() < 5e-3
+    assert np.abs(got - fp32).max() > 1e-5 and np.abs(int8 - fp32).max() > 1e-5
+    for bad, match in (({"device": "cuda"}, "CPU only"), ({"mode": "emb"}, "scores nothing")):
+        kw = {"mode": "co", "ce_model": model_dir, "quantize": "int8", **bad}
+        with pytest.raises(rerank.RerankError, match=match):
+            run_rerank(staged, emb_dir, str(tmp_path / "bad"), **kw)
