@@ -83,7 +83,8 @@ def evaluate_row(row: Row, results: dict, env: dict) -> list[dict]:
     eval_s = (time.perf_counter() - t0) / len(row.runs)
     timing: dict[str, float] = {}
     for col, name in row.timing:
-        timing[col] = timing.get(col, 0.0) + results[name].wall_s
+        # the stamps keep wall_s to the millisecond: summing those keeps a reused row equal to its first run
+        timing[col] = timing.get(col, 0.0) + round(results[name].wall_s, 3)
     if row.per_fold:
         timing = {c: v / len(row.runs) if c != "encode_s" else v for c, v in timing.items()}
     peak = max((results[name].peak_rss_mb for _, name in row.timing), default=0.0)
