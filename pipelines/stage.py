@@ -72,7 +72,7 @@ log = logging.getLogger("pipelines.stage")
 IMAGES_DIR, FEATURES_DIR, CAPTIONS_DIR, REJECTS_DIR = "images", "features", "captions", "rejects"
 #: Present while a run may be replacing shards (run id, start time); removed after summary.json is written.
 INCOMPLETE_FILE = "_INCOMPLETE"
-SPILL_DIR = "_spill"
+SPILL_DIR = common.SPILL_DIR
 #: Dask partitions the read tasks are cut into, unless --dask_npartitions/--dask_partition_size say otherwise.
 DASK_READ_PARTITIONS = 4
 
@@ -159,18 +159,6 @@ def _open_spill(name: str):
     else:  # h5py reads the few chunks it needs through the seekable FileSystems stream (not yet run on GCS)
         with FileSystems.open(name, compression_type=CompressionTypes.UNCOMPRESSED) as raw, h5py.File(raw, "r") as f:
             yield f
-
-
-def _remove_spill(output: str) -> None:
-    """Delete <output>/_spill (this run's spill files, or those a killed run left behind)."""
-    root = common.join(output, SPILL_DIR)
-    if not is_url(root):
-        import shutil
-        shutil.rmtree(root, ignore_errors=True)
-        return
-    found = [m.path for m in FileSystems.match([common.join(root, "**")])[0].metadata_list]
-    if found:
-        FileSystems.delete(found)
 
 
 # ------------------------------------------------------------------------------------- read + stage
@@ -656,14 +644,14 @@ def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
     common.makedirs(plan.output)
     incomplete = _mark_incomplete(plan.output, settings.spill_dir.rsplit("/", 1)[-1])
     common.clear_run_dir(plan.output)
-    _remove_spill(plan.output)  # spill files of a killed earlier run
+    common.remove_spill(plan.output)  # spill files of a killed earlier run
     try:
         with common.Progress.running(len(tasks), "read tasks", "stage", options):
             result = common.run_pipeline(p)
         print(common.counter_line("stage", common.counter_values(result, "stage"), common.runner_name(options)))
         infos = common.read_run_report(plan.output)
     finally:
-        _remove_spill(plan.output)
+        common.remove_spill(plan.output)
         common.clear_run_dir(plan.output)
 
     summary = build_summary(manifest, settings, infos, {
