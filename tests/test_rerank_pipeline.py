@@ -424,3 +424,26 @@ def test_embeddings_or_gold_of_another_staging_are_refused(assets, tmp_path):
     assert evaluate_run(out, staged)["t2i_queries"] == 12
     with pytest.raises(EvaluationError, match="ranked the captions/tiny shards of another staging"):
         evaluate_run(out, other)
+
+
+def test_pairs_are_routed_to_the_staged_shard_holding_them_and_strangers_are_refused(assets):
+    """RouteToShard (what replaced the joins that shuffled every caption's text and every image id): each id
+    goes to the one staged shard that holds it; an id no shard holds, or two shards hold, fails the job in
+    one line."""
+    _, staged, _, _ = assets
+    ds = StagedDataset(staged)
+    reader = rerank.StagedReader(staged)
+    for kind, column, what in (("images", "item_id", "image"), ("captions", "caption_id", "caption")):
+        rels = tuple(ds.shard_names(kind))
+        fn = rerank.RouteToShard(reader, rels, column, what)
+        fn.setup()
+        for rel in rels:
+            for item_id in ds.read_shard_columns(rel, (column,)).column(column).to_pylist()[:3]:
+                assert list(fn.process((item_id, "v"))) == [(rel, (item_id, "v"))]
+        with pytest.raises(rerank.RerankError, match=f"{what} 12345 is not staged in --staged"):
+            list(fn.process((12345, "v")))
+        twice = rerank.RouteToShard(reader, rels + rels[:1], column, what)
+        twice.setup()
+        first = ds.read_shard_columns(rels[0], (column,)).column(column).to_pylist()[0]
+        with pytest.raises(rerank.RerankError, match=f"{what} {first} is staged twice"):
+            list(twice.process((first, "v")))
