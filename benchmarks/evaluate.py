@@ -39,6 +39,7 @@ import click
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from retrieval_core import schema
@@ -272,17 +273,16 @@ def evaluate_run(run_dir: str, staged: str, *, k: Optional[int] = None, mode: Op
                               f"{recorded[:12]}...) than --staged {staged} holds "
                               f"({dataset.content_sha256('captions', collection)[:12]}...): its gold would not be "
                               f"the run's; pass the staged folder the run used ({manifest.get('staged')})")
-    caption_to_image, image_to_captions = dataset.gold(collection, split)
-    if not caption_to_image:
-        raise EvaluationError(f"no {split!r} captions for collection {collection!r} in {staged}")
-
     table = ranked_as(manifest_path, manifest, k, mode, lam)
     directions = tuple(d for d in DIRECTIONS if d in manifest.get("directions", DIRECTIONS))
-    if manifest.get("queries_file"):  # a restricted run: the gold of its ranked queries only
-        df = table.to_pandas()
-        ranked = {d: set(df.loc[df["direction"] == d, "query_id"].tolist()) for d in directions}
-        caption_to_image = {q: i for q, i in caption_to_image.items() if q in ranked.get(schema.DIRECTION_T2I, ())}
-        image_to_captions = {q: c for q, c in image_to_captions.items() if q in ranked.get(schema.DIRECTION_I2T, ())}
+    restrict = {}
+    if manifest.get("queries_file"):  # a restricted run: the gold of its ranked queries only (read as such)
+        ranked = {d: set(pc.unique(table.filter(pc.equal(table.column("direction"), d)).column("query_id"))
+                         .to_pylist()) for d in directions}
+        restrict = {"captions": ranked.get(schema.DIRECTION_T2I, set()), "images": ranked.get(schema.DIRECTION_I2T, set())}
+    caption_to_image, image_to_captions = dataset.gold(collection, split, **restrict)
+    if not caption_to_image and not restrict:
+        raise EvaluationError(f"no {split!r} captions for collection {collection!r} in {staged}")
     result = evaluate_rankings(table, caption_to_image, image_to_captions, directions=directions)
     pool = manifest.get("pool_size", {}).get(schema.DIRECTION_T2I)
     if pool is not None:
