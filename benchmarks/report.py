@@ -441,21 +441,31 @@ def _images_of(job_name: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-def memory_table(job_rows: Sequence[Mapping], rows: Sequence[Mapping]) -> str:
+def memory_table(job_rows: Sequence[Mapping], rows: Sequence[Mapping],
+                 remeasured: Sequence[Sequence[Mapping]] = ()) -> str:
     """Markdown table of peak RSS (MiB) per step and collection size, from the memory suite's CSVs
     (``memory_jobs.csv``: one row per job; ``memory.csv``: the recall rows, for the launcher's high-water mark
     and the environment), with the growth between the two largest sizes. A step with several jobs at one size
-    (image and caption indexes) shows the larger."""
-    table: dict[int, dict[str, float]] = {}
-    for r in job_rows:
-        n = _images_of(str(r["job"]))
-        if r["step"] in MEMORY_STEPS and n is not None and str(r["peak_rss_mb"]) not in ("", "0", "0.0"):
-            cell = table.setdefault(n, {})
-            cell[r["step"]] = max(cell.get(r["step"], 0.0), float(r["peak_rss_mb"]))
+    (image and caption indexes) shows the larger. ``remeasured``: jobs CSVs of later runs of some of the same
+    jobs (after a fix); their cells replace the suite's and are marked ``*``."""
+    def cells(jobs: Sequence[Mapping]) -> dict:
+        out: dict[tuple[int, str], float] = {}
+        for r in jobs:
+            n = _images_of(str(r["job"]))
+            if r["step"] in MEMORY_STEPS and n is not None and str(r["peak_rss_mb"]) not in ("", "0", "0.0"):
+                out[(n, r["step"])] = max(out.get((n, r["step"]), 0.0), float(r["peak_rss_mb"]))
+        return out
+
+    table = cells(job_rows)
+    marked = set()
+    for later in remeasured:
+        again = cells(later)
+        table.update(again)
+        marked |= set(again)
     for r in rows:
         if str(r.get("launcher_peak_rss_mb", "")) not in ("",) and str(r.get("collection_size", "")).isdigit():
-            cell = table.setdefault(int(r["collection_size"]), {})
-            cell["launcher"] = max(cell.get("launcher", 0.0), float(r["launcher_peak_rss_mb"]))
+            key = (int(r["collection_size"]), "launcher")
+            table[key] = max(table.get(key, 0.0), float(r["launcher_peak_rss_mb"]))
     cols = [*MEMORY_STEPS, "launcher"]
     runner = next((c.split("--runner=", 1)[1].split()[0].rsplit(".", 1)[-1] for c in (r["command"] for r in job_rows)
                    if "--runner=" in c), "DirectRunner")
@@ -465,27 +475,34 @@ def memory_table(job_rows: Sequence[Mapping], rows: Sequence[Mapping]) -> str:
              f"{first.get('threads', '?')}, batch {first.get('batch_size', '?')}: each job's ru_maxrss from wait4 "
              f"(the largest single process of its tree, not a sum), the larger of a step's jobs at one size; "
              f"launcher = benchmarks.run's own high-water mark after evaluating that size's rows"
-             + (f"; {reused} job(s) reused, their RSS as measured when they ran" if reused else ""),
+             + (f"; {reused} job(s) reused, their RSS as measured when they ran" if reused else "")
+             + ("; * = re-measured in a later run of the same job" if marked else ""),
              "",
              "| images | " + " | ".join(c.split(".")[-1] for c in cols) + " |",
              "|---:" * (len(cols) + 1) + "|"]
-    sizes = sorted(table)
+    sizes = sorted({n for n, _ in table})
+
+    def fmt(n: int, c: str) -> str:
+        return f"{table[(n, c)]:,.0f}" + ("*" if (n, c) in marked else "") if (n, c) in table else "-"
+
     for n in sizes:
-        lines.append(f"| {n:,} | " + " | ".join(f"{table[n][c]:,.0f}" if c in table[n] else "-" for c in cols) + " |")
+        lines.append(f"| {n:,} | " + " | ".join(fmt(n, c) for c in cols) + " |")
     if len(sizes) >= 2:
         a, b = sizes[-2], sizes[-1]
-        growth = [f"{(table[b][c] / table[a][c] - 1) * 100:+.0f} %" if c in table[a] and c in table[b] else "-"
-                  for c in cols]
+        growth = [f"{(table[(b, c)] / table[(a, c)] - 1) * 100:+.0f} %" if (a, c) in table and (b, c) in table
+                  else "-" for c in cols]
         lines.append(f"| growth {_size_label(a)} -> {_size_label(b)} | " + " | ".join(growth) + " |")
     return "\n".join(lines)
 
 
-def memory_table_from(output_dir: str, suite: str = "memory") -> str:
-    """:func:`memory_table` of the CSVs a memory suite run wrote to ``output_dir``."""
+def memory_table_from(output_dir: str, *remeasured_dirs: str, suite: str = "memory") -> str:
+    """:func:`memory_table` of the CSVs a memory suite run wrote to ``output_dir``; the ``<suite>_jobs.csv`` of
+    each of ``remeasured_dirs`` (later runs of some of its jobs) replaces their cells."""
     import os
 
     return memory_table(read_csv(os.path.join(output_dir, f"{suite}_jobs.csv")),
-                        read_csv(os.path.join(output_dir, f"{suite}.csv")))
+                        read_csv(os.path.join(output_dir, f"{suite}.csv")),
+                        [read_csv(os.path.join(d, f"{suite}_jobs.csv")) for d in remeasured_dirs])
 
 
 @click.group()
@@ -495,9 +512,11 @@ def main():
 
 @main.command("memory-table")
 @click.argument("output_dir", type=click.Path(exists=True, file_okay=False))
-def memory_table_cmd(output_dir):
-    """Print the memory suite's peak-RSS table (Markdown) from OUTPUT_DIR/memory.csv and memory_jobs.csv."""
-    click.echo(memory_table_from(output_dir))
+@click.argument("remeasured_dirs", nargs=-1, type=click.Path(exists=True, file_okay=False))
+def memory_table_cmd(output_dir, remeasured_dirs):
+    """Print the memory suite's peak-RSS table (Markdown) from OUTPUT_DIR/memory.csv and memory_jobs.csv;
+    the memory_jobs.csv in each REMEASURED_DIR (later runs of some of the same jobs) replaces their cells."""
+    click.echo(memory_table_from(output_dir, *remeasured_dirs))
 
 
 if __name__ == "__main__":

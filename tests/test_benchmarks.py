@@ -360,3 +360,9 @@ def test_memory_table_reports_each_steps_peak_rss_per_size_and_growth_from_the_c
     assert "| 600 | 550 | - | 700 | - | - | 420 |" in table
     assert "| growth 300 -> 600 | +10 % | - | - | - | - | +5 % |" in table
     assert "DirectRunner" in table and "CPU X" in table and "threads 2" in table
+    again = tmp_path / "again"  # a later run of the 600-image stage job replaces that cell, marked
+    again.mkdir()
+    report.write_jobs_csv(str(again / "memory_jobs.csv"), job_rows([result("stage synthetic_memory-n600",
+                                                                           "pipelines.stage", 660)], ()))
+    table = report.memory_table_from(str(tmp_path), str(again))
+    assert "| 600 | 660* | - | 700 | - | - | 420 |" in table and "| growth 300 -> 600 | +32 % |" in table
