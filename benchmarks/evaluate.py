@@ -39,6 +39,7 @@ import click
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from retrieval_core import schema
@@ -293,18 +294,17 @@ class LoadedRun:
                                   f"(sha256 {recorded[:12]}...) than --staged {staged} holds "
                                   f"({dataset.content_sha256('captions', collection)[:12]}...): its gold would not "
                                   f"be the run's; pass the staged folder the run used ({manifest.get('staged')})")
-        caption_to_image, image_to_captions = dataset.gold(collection, split)
-        if not caption_to_image:
-            raise EvaluationError(f"no {split!r} captions for collection {collection!r} in {staged}")
         table = read_run_rankings(manifest_path, manifest)
         directions = tuple(d for d in DIRECTIONS if d in manifest.get("directions", DIRECTIONS))
-        if manifest.get("queries_file"):  # a restricted run: the gold of its ranked queries only
-            df = table.select(["direction", "query_id"]).to_pandas()
-            ranked = {d: set(df.loc[df["direction"] == d, "query_id"].tolist()) for d in directions}
-            caption_to_image = {q: i for q, i in caption_to_image.items()
-                                if q in ranked.get(schema.DIRECTION_T2I, ())}
-            image_to_captions = {q: c for q, c in image_to_captions.items()
-                                 if q in ranked.get(schema.DIRECTION_I2T, ())}
+        restrict = {}
+        if manifest.get("queries_file"):  # a restricted run: the gold of its ranked queries only (read as such)
+            ranked = {d: set(pc.unique(table.filter(pc.equal(table.column("direction"), d)).column("query_id"))
+                             .to_pylist()) for d in directions}
+            restrict = {"captions": ranked.get(schema.DIRECTION_T2I, set()),
+                        "images": ranked.get(schema.DIRECTION_I2T, set())}
+        caption_to_image, image_to_captions = dataset.gold(collection, split, **restrict)
+        if not caption_to_image and not restrict:
+            raise EvaluationError(f"no {split!r} captions for collection {collection!r} in {staged}")
         return cls(manifest_path, manifest, table, collection, split, caption_to_image, image_to_captions,
                    directions)
 

@@ -18,6 +18,8 @@ import platform
 import re
 from typing import Iterable, Mapping, Optional, Sequence
 
+import click
+
 #: ``model`` of the rows that measure the paper's code path (benchmarks.latency)
 PAPER_CODE_MODEL = "paper-code"
 
@@ -25,7 +27,7 @@ PAPER_CODE_MODEL = "paper-code"
 CSV_COLUMNS = (
     "suite", "collection", "model", "mode", "k", "lam", "direction",
     "R@1", "R@5", "R@10", "mR", "queries", "collection_size",
-    "wall_s", "encode_s", "index_s", "search_s", "rerank_s", "ce_pairs", "peak_rss_mb",
+    "wall_s", "encode_s", "index_s", "search_s", "rerank_s", "ce_pairs", "peak_rss_mb", "launcher_peak_rss_mb",
     "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "ann_recall@10", "speedup_vs_paper_code",
     "search_p50_ms", "bound_ms", "index_bytes", "rate_per_s", "roofline_fraction",
     "split", "device", "cpu_model", "threads", "torch", "faiss", "transformers", "batch_size",
@@ -58,7 +60,10 @@ COLUMN_DOCS = {
     "search_s": "seconds of ANN search (latency rows)",
     "rerank_s": "seconds of the rerank job(s) (retrieval + CE scoring + ranking)",
     "ce_pairs": "(query, item) pairs the CE scored for the row's run",
-    "peak_rss_mb": "peak resident memory of the row's jobs, MiB",
+    "peak_rss_mb": "peak resident memory of the row's jobs (the largest job's ru_maxrss, benchmarks.jobs), MiB",
+    "launcher_peak_rss_mb": "high-water resident memory of the benchmarks.run process itself once this row was "
+                            "evaluated (planning, running the jobs as subprocesses, reading rankings and gold; "
+                            "rows are evaluated in plan order), MiB",
     "latency_p50_ms": "median per-query latency, milliseconds",
     "latency_p95_ms": "95th percentile per-query latency, milliseconds",
     "latency_p99_ms": "99th percentile per-query latency, milliseconds",
@@ -430,3 +435,97 @@ def plot_recall_vs_size_from(output_dir: str, suites: Sequence[str] = SIZE_SUITE
         if os.path.exists(csv_path):
             rows += [r for r in read_csv(csv_path) if r.get("measured") == "true"]
     return plot_recall_vs_size(rows, os.path.join(output_dir, name)) if rows else None
+
+
+# -------------------------------------------------------------------------------------- memory table
+#: The memory suite's columns: the pipeline steps (one process per job), then the launcher itself.
+MEMORY_STEPS = ("pipelines.stage", "benchmarks.queries", "pipelines.encode", "pipelines.build_index",
+                "pipelines.rerank")
+
+
+def _images_of(job_name: str) -> Optional[int]:
+    """Collection size of a memory-suite job, from its staged folder's name (``synthetic_memory-n<N>``)."""
+    m = re.search(r"-n(\d+)(?:\b|/)", job_name)
+    return int(m.group(1)) if m else None
+
+
+def memory_table(job_rows: Sequence[Mapping], rows: Sequence[Mapping],
+                 remeasured: Sequence[Sequence[Mapping]] = ()) -> str:
+    """Markdown table of peak RSS (MiB) per step and collection size, from the memory suite's CSVs
+    (``memory_jobs.csv``: one row per job; ``memory.csv``: the recall rows, for the launcher's high-water mark
+    and the environment), with the growth between the two largest sizes. A step with several jobs at one size
+    (image and caption indexes) shows the larger. ``remeasured``: jobs CSVs of later runs of some of the same
+    jobs (after a fix); their cells replace the suite's and are marked ``*``."""
+    def cells(jobs: Sequence[Mapping]) -> dict:
+        out: dict[tuple[int, str], float] = {}
+        for r in jobs:
+            n = _images_of(str(r["job"]))
+            if r["step"] in MEMORY_STEPS and n is not None and str(r["peak_rss_mb"]) not in ("", "0", "0.0"):
+                out[(n, r["step"])] = max(out.get((n, r["step"]), 0.0), float(r["peak_rss_mb"]))
+        return out
+
+    table = cells(job_rows)
+    marked = set()
+    for later in remeasured:
+        again = cells(later)
+        table.update(again)
+        marked |= set(again)
+    for r in rows:
+        if str(r.get("launcher_peak_rss_mb", "")) not in ("",) and str(r.get("collection_size", "")).isdigit():
+            key = (int(r["collection_size"]), "launcher")
+            table[key] = max(table.get(key, 0.0), float(r["launcher_peak_rss_mb"]))
+    cols = [*MEMORY_STEPS, "launcher"]
+    runner = next((c.split("--runner=", 1)[1].split()[0].rsplit(".", 1)[-1] for c in (r["command"] for r in job_rows)
+                   if "--runner=" in c), "DirectRunner")
+    first = rows[0] if rows else {}
+    reused = sum(1 for r in job_rows if str(r.get("reused")) == "true")
+    lines = [f"Peak RSS (MiB) per process, {runner}, CPU {first.get('cpu_model', '?')}, threads "
+             f"{first.get('threads', '?')}, batch {first.get('batch_size', '?')}: each job's ru_maxrss from wait4 "
+             f"(the largest single process of its tree, not a sum), the larger of a step's jobs at one size; "
+             f"launcher = benchmarks.run's own high-water mark after evaluating that size's rows"
+             + (f"; {reused} job(s) reused, their RSS as measured when they ran" if reused else "")
+             + ("; * = re-measured in a later run of the same job" if marked else ""),
+             "",
+             "| images | " + " | ".join(c.split(".")[-1] for c in cols) + " |",
+             "|---:" * (len(cols) + 1) + "|"]
+    sizes = sorted({n for n, _ in table})
+
+    def fmt(n: int, c: str) -> str:
+        return f"{table[(n, c)]:,.0f}" + ("*" if (n, c) in marked else "") if (n, c) in table else "-"
+
+    for n in sizes:
+        lines.append(f"| {n:,} | " + " | ".join(fmt(n, c) for c in cols) + " |")
+    if len(sizes) >= 2:
+        a, b = sizes[-2], sizes[-1]
+        growth = [f"{(table[(b, c)] / table[(a, c)] - 1) * 100:+.0f} %" if (a, c) in table and (b, c) in table
+                  else "-" for c in cols]
+        lines.append(f"| growth {_size_label(a)} -> {_size_label(b)} | " + " | ".join(growth) + " |")
+    return "\n".join(lines)
+
+
+def memory_table_from(output_dir: str, *remeasured_dirs: str, suite: str = "memory") -> str:
+    """:func:`memory_table` of the CSVs a memory suite run wrote to ``output_dir``; the ``<suite>_jobs.csv`` of
+    each of ``remeasured_dirs`` (later runs of some of its jobs) replaces their cells."""
+    import os
+
+    return memory_table(read_csv(os.path.join(output_dir, f"{suite}_jobs.csv")),
+                        read_csv(os.path.join(output_dir, f"{suite}.csv")),
+                        [read_csv(os.path.join(d, f"{suite}_jobs.csv")) for d in remeasured_dirs])
+
+
+@click.group()
+def main():
+    """Tables from benchmark CSVs already written."""
+
+
+@main.command("memory-table")
+@click.argument("output_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("remeasured_dirs", nargs=-1, type=click.Path(exists=True, file_okay=False))
+def memory_table_cmd(output_dir, remeasured_dirs):
+    """Print the memory suite's peak-RSS table (Markdown) from OUTPUT_DIR/memory.csv and memory_jobs.csv;
+    the memory_jobs.csv in each REMEASURED_DIR (later runs of some of the same jobs) replaces their cells."""
+    click.echo(memory_table_from(output_dir, *remeasured_dirs))
+
+
+if __name__ == "__main__":
+    main()

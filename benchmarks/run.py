@@ -132,8 +132,17 @@ def execute(plan: Plan, beam_args: Sequence[str], costs: jb.UnitCosts, costs_pat
             costs.save(costs_path)
     rows = []
     for row in plan.rows:
-        rows += evaluate_row(row, runner.results, env)
+        got = evaluate_row(row, runner.results, env)
+        peak = round(_own_peak_rss_mb(), 1)  # after reading this row's rankings and gold
+        rows += [{**r, "launcher_peak_rss_mb": peak} for r in got]
     return rows, list(runner.results.values())
+
+
+def _own_peak_rss_mb() -> float:
+    """This process's high-water RSS (ru_maxrss, KiB on Linux); the jobs are children and not included."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 # --------------------------------------------------------------------------------------------- CLI
@@ -295,8 +304,8 @@ def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, no_sep, output, workdir
     if suite in report.SIZE_SUITES:  # R@1 vs collection size across whichever suite CSVs exist
         report.plot_recall_vs_size_from(output)
     report.write_jobs_csv(os.path.join(output, f"{suite}_jobs.csv"), job_rows(results, beam_args))
-    if suite == "memory":
-        print(memory_table(results, cfg, beam_args))
+    if suite == "memory":  # from the CSVs just written: `python -m benchmarks.report memory-table` prints it again
+        print(report.memory_table_from(output))
     if suite == "k_ablation":
         report.plot_recall_vs_k(rows, os.path.join(output, "k_ablation.png"))
     print(report.summary_table(rows, f"{suite} ({time.time() - t_start:.0f}s)"))
@@ -315,32 +324,6 @@ def _sizes(text: Optional[str], suite: str) -> tuple[int, ...]:
     if not sizes or min(sizes) < 1:
         raise click.UsageError(f"--memory-sizes needs positive image counts, got {text!r}")
     return sizes
-
-
-def memory_table(results: Sequence[jb.JobResult], cfg: SuiteConfig, beam_args: Sequence[str]) -> str:
-    """Peak RSS (MB) of each pipeline step per collection size, as a Markdown table (the memory suite's
-    summary; every number is one job's peak RSS from benchmarks.jobs, a reused job's from when it ran)."""
-    steps = ("pipelines.stage", "pipelines.encode", "pipelines.build_index", "pipelines.rerank")
-    table: dict[str, dict[str, float]] = {}
-    for r in results:
-        if r.job.module in steps:
-            size = r.job.name.split("-n", 1)[1].split()[0].split("/")[0] if "-n" in r.job.name else "?"
-            cell = table.setdefault(size, {})
-            cell[r.job.module] = max(cell.get(r.job.module, 0.0), r.peak_rss_mb)
-    env = report.environment(cfg.device, cfg.batch_size, cfg.threads)
-    lines = [f"peak RSS per job (MB), {runner_of(beam_args)}, CPU {env.get('cpu_model', '?')}, "
-             f"threads {env.get('threads', '?')} (max over the jobs of a step, e.g. image and caption indexes)",
-             "| images | " + " | ".join(s.split(".")[1] for s in steps) + " |",
-             "|---" * (len(steps) + 1) + "|"]
-    for size in sorted(table, key=lambda x: int(x) if x.isdigit() else 0):
-        lines.append(f"| {int(size):,} | " + " | ".join(f"{table[size].get(s, float('nan')):,.0f}" for s in steps)
-                     + " |")
-    return "\n".join(lines)
-
-
-def runner_of(beam_args: Sequence[str]) -> str:
-    return next((a.split("=", 1)[1].rsplit(".", 1)[-1] for a in beam_args if a.startswith("--runner=")),
-                "DirectRunner")
 
 
 def _demo_feature_dim() -> int:

@@ -498,8 +498,8 @@ def distractor_tasks(p: Planner, manifest: str, k: int = STANDARD_K) -> None:
 def scale_task(p: Planner, manifest: str, k: int = STANDARD_K, text_index: bool = False) -> None:
     """Both directions against the full pools: N caption queries (one caption each of a seeded N-image subset)
     against every image, and those N images as queries against every caption (``text_index``: through a
-    build_index caption index instead of rerank's exact search, which holds every caption vector in one
-    worker: 0.8 GB at 500k captions, 7.7 GB at 5M)."""
+    build_index caption index instead of rerank's exact search, which reads every caption embedding shard once
+    per query group: no worker holds them, but at 5M captions that is 7.7 GB read per group)."""
     cfg = p.cfg
     st = p.stage(manifest)
     coll = next(iter(st.manifest.collections))

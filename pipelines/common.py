@@ -150,6 +150,24 @@ class WriteRunReport:
                 | f"{label}: write" >> beam.MapTuple(lambda _, items: write_report(list(items), path)))
 
 
+#: Per-run scratch folder under a pipeline's output for data on its way through a shuffle (stage: region
+#: features; encode: encoded batches): the shuffle carries file names, the files hold the bulk. Beam's local
+#: runners keep a GroupByKey's whole input in memory, so bulk data must never be shuffled.
+SPILL_DIR = "_spill"
+
+
+def remove_spill(output: str) -> None:
+    """Delete ``<output>/_spill`` (this run's spill files, or those a killed run left behind)."""
+    root = join(output, SPILL_DIR)
+    if not is_url(root):
+        import shutil
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    found = [m.path for m in FileSystems.match([join(root, "**")])[0].metadata_list]
+    if found:
+        FileSystems.delete(found)
+
+
 def read_run_report(output: str) -> list[dict]:
     return read_json(join(output, RUN_REPORT))
 

@@ -6,8 +6,9 @@ Graph (one branch per modality)::
       -> read batches: one staged shard -> its items per output shard, sorted by (length, id), cut into
          --batch-size batches (the same batches on every runner, whatever the bundles)
       -> RunInference(KeyedModelHandler(VLModelHandler(dead_letter=True)).with_no_batching())
-      -> encoded: key (modality, collection, item_id % N) -> GroupByKey -> write one Parquet shard atomically,
-                  then its completion record
+      -> encoded: each finished batch written to a spill piece (<output>/_spill/<modality>/) -> (key (modality,
+                  collection, item_id % N), piece name) -> GroupByKey -> read the shard's pieces, write one
+                  Parquet shard atomically, then its completion record
          failed:  one dead-letter row per element of a failed batch, with the reason
       -> one run report (common.WriteRunReport: shard entries + dead letters) that the launcher turns into
          embeddings_manifest.json and dead_letter.jsonl
@@ -25,8 +26,14 @@ Re-staging byte-identical shards keeps the key (it is built from the staged shar
 summary.json, which holds timings). A shard with dead-lettered items gets no record and is redone.
 
 Runners: DirectRunner, DaskRunner (byte-identical shards: batches are fixed by the data, and there are no
-tagged outputs or finish_bundle outputs, which DaskRunner drops) and Dataflow. No process holds a
-collection's features or captions: the launcher reads only the staged id columns, a worker one staged shard.
+tagged outputs or finish_bundle outputs, which DaskRunner drops) and Dataflow.
+
+Memory: no process holds a collection's features, captions or embeddings. The launcher reads only the staged
+id columns; a worker holds one staged shard, one batch's vectors and, when it writes, one output shard.
+Vectors never travel through the GroupByKey that gathers a shard (Beam's local runners keep a GroupByKey's
+whole input in memory: that was every embedding of the collection, ~1.6 KB each at d=384): each batch is
+written to a spill piece as soon as RunInference has returned all of it, and the shuffle carries the
+piece's name. The spill folder is removed when the run ends (and at the start, after a killed run).
 
 Examples::
 
@@ -278,32 +285,73 @@ class StagedShardReader:
                 yield int(cid), text
 
     def batches(self, task: tuple[str, str, str]) -> Iterable[list]:
+        """Keyed examples in batches; the key (collection, item_id, batch tag, batch size) lets
+        :class:`SpillBatches` tell when RunInference has returned the whole batch."""
         modality, collection, rel = task
         plan = self.plans[(modality, collection)]
         by_shard: dict[int, list] = {}
         for item_id, example in self._examples(modality, collection, rel):
             if plan.shard_of(item_id) in plan.redo:
-                by_shard.setdefault(plan.shard_of(item_id), []).append(((collection, item_id), example))
+                by_shard.setdefault(plan.shard_of(item_id), []).append((item_id, example))
         length = MODALITY_TASK[modality]
         for index in sorted(by_shard):
-            items = sorted(by_shard[index], key=lambda kv: (element_length(length, kv[1]), kv[0][1]))
+            items = sorted(by_shard[index], key=lambda kv: (element_length(length, kv[1]), kv[0]))
             for start in range(0, len(items), self.batch_size):
-                yield items[start:start + self.batch_size]
+                batch = items[start:start + self.batch_size]
+                tag = f"{rel}#{index}#{start}"  # unique in the run: staged shard, output shard, position
+                yield [((collection, item_id, tag, len(batch)), example) for item_id, example in batch]
 
 
 # ---------------------------------------------------------------------------------------- writing
-def encoded_rows(result, modality: str, plans: dict[tuple[str, str], ShardPlan]):
-    """(key, PredictionResult) -> ((modality, collection, shard), (item_id, vector)); failed ones are dropped
-    here and recorded by :func:`dead_letter_rows`."""
-    (collection, item_id), prediction = result
-    common.Progress.advance(1)  # every item passes here once, encoded or failed
-    if not isinstance(prediction.inference, FailedBatch):
-        _ENCODED[modality].inc()
-        yield (modality, collection, plans[(modality, collection)].shard_of(item_id)), (item_id, prediction.inference)
+def spill_piece_path(output: str, modality: str, collection: str, tag: str) -> str:
+    """Where one encoded batch waits for its shard writer (a retried bundle rewrites the same name)."""
+    digest = hashlib.sha1(f"{collection}\0{tag}".encode("utf-8")).hexdigest()[:20]
+    return common.join(output, common.SPILL_DIR, modality, f"{digest}.parquet")
+
+
+class SpillBatches(beam.DoFn):
+    """RunInference's (key, PredictionResult) elements -> one ((modality, collection, shard), (piece, rows))
+    per encoded batch, once the whole batch has come back: its vectors go to a spill piece (an embedding
+    shard file), so the GroupByKey that gathers a shard carries names, never vectors. Failed elements are
+    counted towards their batch and left to :func:`dead_letter_rows`.
+
+    RunInference returns a batch's results from the one call that computed them, so a batch never spans
+    bundles; a runner that split one would leave a batch unfinished at the end of the bundle, which fails
+    the job here rather than losing items."""
+
+    def __init__(self, output: str, modality: str, plans: dict[tuple[str, str], ShardPlan]):
+        self.output, self.modality, self.plans = output, modality, plans
+
+    def start_bundle(self):
+        self._open: dict[str, list] = {}
+
+    def process(self, result):
+        (collection, item_id, tag, size), prediction = result
+        common.Progress.advance(1)  # every item passes here once, encoded or failed
+        batch = self._open.setdefault(tag, [])
+        batch.append((int(item_id), prediction.inference))
+        if len(batch) < size:
+            return
+        del self._open[tag]
+        done = sorted(((i, v) for i, v in batch if not isinstance(v, FailedBatch)), key=lambda r: r[0])
+        if not done:
+            return
+        _ENCODED[self.modality].inc(len(done))
+        ids = np.array([i for i, _ in done], dtype=np.int64)
+        shard = self.plans[(self.modality, collection)].shard_of(ids[0])  # a batch holds one output shard
+        path = spill_piece_path(self.output, self.modality, collection, tag)
+        common.write_atomic(path, emb.embedding_shard_bytes(ids, np.stack([v for _, v in done])))
+        yield (self.modality, collection, shard), (path, len(ids))
+
+    def finish_bundle(self):
+        if self._open:
+            tag, got = next(iter(self._open.items()))
+            raise EncodeError(f"{len(self._open)} encoded batch(es) incomplete at the end of a bundle (e.g. {tag}: "
+                              f"{len(got)} of its items): the runner split RunInference's output of one batch")
 
 
 def dead_letter_rows(result, modality: str):
-    (collection, item_id), prediction = result
+    (collection, item_id, _tag, _size), prediction = result
     failed = prediction.inference
     if isinstance(failed, FailedBatch):
         _DEAD[modality].inc()
@@ -312,11 +360,18 @@ def dead_letter_rows(result, modality: str):
 
 
 def write_shard(group, output: str, plans: dict[tuple[str, str], ShardPlan]) -> dict:
-    """Write one output shard, then (if it holds every planned item) its completion record."""
-    (modality, collection, index), rows = group
-    rows = sorted(rows, key=lambda r: r[0])
-    ids = np.array([r[0] for r in rows], dtype=np.int64)
-    vectors = np.stack([r[1] for r in rows]).astype(np.float32)
+    """Write one output shard from its spill pieces (rows sorted by id), then (if it holds every planned
+    item) its completion record."""
+    (modality, collection, index), pieces = group
+    parts = []
+    for path, rows in sorted(pieces):
+        ids, vectors = emb.read_embedding_shard(common.read_bytes(path))
+        if len(ids) != rows:
+            raise EncodeError(f"spill piece {path} holds {len(ids)} rows, {rows} were written")
+        parts.append((ids, vectors))
+    ids = np.concatenate([p[0] for p in parts])
+    order = np.argsort(ids, kind="stable")
+    ids, vectors = ids[order], np.concatenate([p[1] for p in parts])[order]
     data = emb.embedding_shard_bytes(ids, vectors)
     plan = plans[(modality, collection)]
     name = plan.name(index)
@@ -341,7 +396,7 @@ def build_graph(p: beam.Pipeline, plan: EncodePlan, shard_plans: dict[tuple[str,
                    | f"{modality}: read batches" >> beam.FlatMap(reader.batches)
                    | f"{modality}: encode" >> RunInference(KeyedModelHandler(handler).with_no_batching()))
         shards = (results
-                  | f"{modality}: encoded" >> beam.FlatMap(encoded_rows, modality, shard_plans)
+                  | f"{modality}: spill batches" >> beam.ParDo(SpillBatches(plan.output, modality, shard_plans))
                   | f"{modality}: group shards" >> beam.GroupByKey()
                   | f"{modality}: write shards" >> beam.Map(write_shard, plan.output, shard_plans))
         dead = results | f"{modality}: dead letters" >> beam.FlatMap(dead_letter_rows, modality)
@@ -447,8 +502,12 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
             return None
         common.makedirs(plan.output)
         common.clear_run_dir(plan.output)
-        with common.Progress.running(sum(planned_in[m] for m in tasks), "items", "encode", options):
-            result = common.run_pipeline(p)
+        common.remove_spill(plan.output)  # pieces of a killed earlier run
+        try:
+            with common.Progress.running(sum(planned_in[m] for m in tasks), "items", "encode", options):
+                result = common.run_pipeline(p)
+        finally:
+            common.remove_spill(plan.output)
         print(common.counter_line(METRICS_NAMESPACE, common.counter_values(result, METRICS_NAMESPACE),
                                   common.runner_name(options)))
         report = common.read_run_report(plan.output)

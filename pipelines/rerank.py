@@ -9,8 +9,9 @@ Graph (one per wave of output shards, see *Resume*)::
       CO/ADD/NORM_ADD/CE:
          -> each query's top-k as (caption_id, image_id) pairs (rr.query_pairs) -> GroupByKey on the pair, so
             a t2i and an i2t request for the same pair are scored once (rr.merge_requesters)
-         -> join the caption text (CoGroupByKey on caption_id); route pairs to the staged shard of their image
-            (CoGroupByKey on image_id with the shards' id columns) and read each needed shard once
+         -> route each pair to the staged caption shard holding its text (RouteToShard: an id -> shard table
+            per worker, built from the shards' id columns) -> GroupByKey -> read the asked-for texts; then
+            the same to the image shard holding its regions: each needed shard is read once
          -> deterministic length-sorted CE batches -> RunInference(KeyedModelHandler(score_pairs)) ->
             scores back to every query that asked (CoGroupByKey with the candidate lists)
          -> rr.ce_scores_of + rr.rank_query
@@ -32,8 +33,13 @@ as that mode and records the choice and every candidate's dev mR in the manifest
 
 Candidate pools: t2i searches --index (a FAISS image index from pipelines.build_index, refused when it was
 built from other embeddings than --embeddings); i2t searches --text-index when given, otherwise an exact
-inner-product search over all text embeddings in --embeddings (``retrieval_core.metrics.exact_topk``; exact and
-cheap up to ~100k captions). Without --index, t2i is also an exact search over all image embeddings.
+inner-product search over all text embeddings in --embeddings (``retrieval_core.metrics.exact_topk_shards``).
+Without --index, t2i is also an exact search over all image embeddings.
+
+Memory: no worker holds the pool. Both kinds of search read the index (``retrieval_core.index.StreamedIndex``)
+or embedding shards one at a time, once per query group (~4 x --search-batch-size queries), and keep each
+query's best n; the pairs meet their caption text and image regions through shuffles of the pairs only.
+A worker's id -> staged shard tables take 12 bytes per caption and per image.
 --nprobe (IVF) and --ef-search (HNSW) are set on every shard of an index and recorded in the manifest's
 ``search_params``; without them the parameters the index manifest records (``build_index --index-factory
 auto`` tunes them) are used, else faiss' defaults; ``search_params_used`` says which, per direction.
@@ -239,28 +245,45 @@ _SEARCHERS: dict = {}  # per worker process: SearcherSpec -> loaded searcher
 
 
 class ExactSearcher:
-    """Exact inner-product top-n over all embeddings of one modality (ties: smaller id first)."""
+    """Exact inner-product top-n over all embeddings of one modality (ties: smaller id first), read one
+    embedding shard at a time on every search (checksums verified): a worker never holds the collection's
+    embeddings (``retrieval_core.metrics.exact_topk_shards``)."""
 
     def __init__(self, emb_dir: str, modality: str):
-        self.ids, self.vectors = emb.read_embeddings(emb_dir, modality)
+        self.emb_dir, self.modality = emb_dir, modality
+        manifest = emb.load_embeddings_manifest(emb_dir)
+        self.dim = int(manifest["dim"])
+        self.shards = emb.modality_entry(manifest, modality)["shards"]
+        self.ntotal = sum(int(s["rows"]) for s in self.shards)
 
-    @property
-    def ntotal(self) -> int:
-        return len(self.ids)
+    def _read(self):
+        for s in self.shards:
+            path = common.join(self.emb_dir, emb.shard_relpath(self.modality, s["name"]))
+            data = common.read_bytes(path)
+            emb.verify_shard_bytes(data, s, path)
+            ids, vectors = emb.read_embedding_shard(data)
+            emb.check_shard_contents(ids, vectors, s, self.dim, path)
+            yield ids, vectors
 
-    def search(self, queries: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        from retrieval_core.metrics import exact_topk
-        return exact_topk(queries, self.vectors, self.ids, n)
+    def search_scores_batches(self, batches, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """[(scores, ids)] per query batch, in one pass over the shards (inner products: higher is better)."""
+        from retrieval_core.metrics import exact_topk, merge_topk
 
-    search_scores = search  # inner products are already higher-is-better
+        best: list = [None] * len(batches)
+        for ids, vectors in self._read():
+            for b, q in enumerate(batches):
+                part = exact_topk(q, vectors, ids, n)
+                best[b] = part if best[b] is None else merge_topk([best[b], part], n)
+        return best
 
 
 def get_searcher(spec: SearcherSpec):
-    """The searcher of ``spec``, loaded once per process."""
+    """The searcher of ``spec``, opened (and checked) once per process; neither kind holds the pool's vectors:
+    a search reads them one shard at a time."""
     if spec not in _SEARCHERS:
         if spec.kind == "index":
-            from retrieval_core.index import load_sharded_index
-            searcher = load_sharded_index(spec.path)
+            from retrieval_core.index import StreamedIndex
+            searcher = StreamedIndex(spec.path)
             searcher.set_params(**dict(spec.params))  # otherwise faiss' defaults: nprobe=1, efSearch=16
             _SEARCHERS[spec] = searcher
         else:
@@ -289,12 +312,12 @@ class SearchBatch(beam.DoFn):
     def process(self, element):
         (direction, _group), queries = element
         queries = sorted(queries, key=lambda q: q[0])
-        searcher = self._loaded[direction]
-        for start in range(0, len(queries), self.batch_size):
-            chunk = queries[start:start + self.batch_size]
-            # search_scores: BE scores are higher-is-better (an L2 index's distances come back negated).
-            scores, ids = searcher.search_scores(np.stack([v for _, v in chunk]).astype(np.float32),
-                                                 self.candidates[direction])
+        chunks = [queries[start:start + self.batch_size] for start in range(0, len(queries), self.batch_size)]
+        # One pass over the pool's shards for the whole group; higher-is-better BE scores (an L2 index's
+        # distances come back negated).
+        found = self._loaded[direction].search_scores_batches(
+            [np.stack([v for _, v in chunk]).astype(np.float32) for chunk in chunks], self.candidates[direction])
+        for chunk, (scores, ids) in zip(chunks, found):
             _SEARCHED.inc(len(chunk))
             for (qid, _), s, i in zip(chunk, scores, ids):
                 valid = i >= 0  # faiss pads with -1 when the pool is smaller than n
@@ -329,25 +352,33 @@ class StagedReader:
             self._ds = StagedDataset(self.staged_dir, opener=common.open_file)
         return self._ds
 
-    def captions(self, rel: str):
-        table = self._dataset().read_shard_columns(rel, ("caption_id", "text"))
-        for cid, text in zip(table.column("caption_id").to_pylist(), table.column("text").to_pylist()):
-            yield int(cid), text
+    def id_column(self, rel: str, column: str) -> np.ndarray:
+        """One id column of one staged shard (no text, no features)."""
+        return self._dataset().read_shard_columns(rel, (column,)).column(column).to_numpy().astype(np.int64)
 
-    def image_ids(self, rel: str):
-        """(image_id, shard) of every image of one shard: only the id column is read."""
-        table = self._dataset().read_shard_columns(rel, ("item_id",))
-        for item_id in table.column("item_id").to_pylist():
-            yield int(item_id), rel
+    def texts_for_pairs(self, element):
+        """(caption shard, [(caption_id, (pair, requesters))]) -> (image_id, (pair, requesters, text)): the
+        shard's text is read for the requested captions only."""
+        rel, wanted = element
+        table = self._dataset().read_shard_columns(rel, ("caption_id", "text"))
+        need = {cid for cid, _ in wanted}
+        text_of = {int(cid): text for cid, text in zip(table.column("caption_id").to_pylist(),
+                                                       table.column("text").to_pylist()) if int(cid) in need}
+        for caption_id, (pair, requesters) in sorted(wanted, key=lambda w: w[1][0]):
+            yield pair[1], (pair, requesters, text_of[caption_id])
 
     def regions_for_pairs(self, element, batch_groups: int, max_regions: int):
-        """(shard, [(image_id, pairs)]) -> one keyed CE group item per image: (image_id, features, boxes, pairs).
+        """(image shard, [(image_id, (pair, requesters, text))]) -> one keyed CE group item per image:
+        (image_id, features, boxes, its pairs sorted).
 
         Regions travel once per image, not once per pair (a pair copy of every image's regions was ~200 KB x
         the number of pairs, which exhausted memory on the demo), and only the ``max_regions`` the CE model
         uses (the stager keeps regions in confidence order, so the cut is lossless)."""
-        rel, wanted = element
-        wanted = sorted(wanted, key=lambda w: w[0])
+        rel, requested = element
+        by_image: dict[int, list] = {}
+        for image_id, pair in requested:
+            by_image.setdefault(int(image_id), []).append(pair)
+        wanted = [(i, sorted(by_image[i], key=lambda p: p[0])) for i in sorted(by_image)]
         ids = np.array([i for i, _ in wanted], dtype=np.int64)
         table = self._dataset().read_image_shard(rel, ids)
         pos = table.position_of() if table is not None else {}
@@ -372,29 +403,33 @@ def by_caption(element):
     return pair[0], (pair, rr.merge_requesters(requesters))
 
 
-def attach_text(element):
-    caption_id, grouped = element
-    pairs, texts = list(grouped["pairs"]), list(grouped["text"])
-    if not pairs:
-        return
-    if len(texts) != 1:
-        raise RerankError(f"caption {caption_id} is {'not staged' if not texts else 'staged twice'} in --staged; "
-                          f"its CE pairs cannot be scored")
-    for pair, requesters in pairs:
-        yield pair[1], (pair, requesters, texts[0])
+class RouteToShard(beam.DoFn):
+    """(id, value) -> (the staged shard holding that caption / image, (id, value)).
 
+    The id -> shard table is built once per worker from one id column per staged shard (12 bytes per item),
+    so the pairs reach the shards that hold their text and regions without a join: a CoGroupByKey with the
+    staged side shuffled every caption's text (or every image id) of the collection, and Beam's local
+    runners keep a GroupByKey's whole input in memory."""
 
-def route_to_shard(element):
-    """(image_id, {"pairs", "shard"}) -> (staged shard, (image_id, its pairs)): regions are then read per
-    shard for the images that are needed, instead of shuffling every staged feature through a join."""
-    image_id, grouped = element
-    pairs, shard = list(grouped["pairs"]), list(grouped["shard"])
-    if not pairs:
-        return
-    if len(shard) != 1:
-        raise RerankError(f"image {image_id} is {'not staged' if not shard else 'staged twice'} in --staged; "
-                          f"its CE pairs cannot be scored")
-    yield shard[0], (image_id, sorted(pairs, key=lambda p: p[0]))
+    def __init__(self, staged: "StagedReader", rels: tuple[str, ...], column: str, what: str):
+        self.staged, self.rels, self.column, self.what = staged, tuple(rels), column, what
+
+    def setup(self):
+        ids = [self.staged.id_column(rel, self.column) for rel in self.rels]
+        where = [np.full(len(part), n, dtype=np.int32) for n, part in enumerate(ids)]
+        ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+        order = np.argsort(ids, kind="stable")
+        self._ids = ids[order]
+        self._where = np.concatenate(where)[order] if where else np.zeros(0, dtype=np.int32)
+
+    def process(self, element):
+        item_id, value = element
+        pos = int(np.searchsorted(self._ids, item_id))
+        found = pos < len(self._ids) and self._ids[pos] == item_id
+        if not found or (pos + 1 < len(self._ids) and self._ids[pos + 1] == item_id):
+            raise RerankError(f"{self.what} {item_id} is {'staged twice' if found else 'not staged'} in --staged; "
+                              f"its CE pairs cannot be scored")
+        yield self.rels[self._where[pos]], (item_id, value)
 
 
 def ce_batches(element, batch_size: int):
@@ -507,15 +542,15 @@ def build_graph(p: beam.Pipeline, res: Resolved, wave: Mapping[str, frozenset]) 
         staged = StagedReader(plan.staged)
         requests = cands | "pairs" >> beam.FlatMap(pair_requests, res.ce_k)
         unique = requests | "dedupe pairs" >> beam.GroupByKey()
-        texts = (p | "caption shards" >> beam.Create(res.caption_shards)
-                 | "read captions" >> beam.FlatMap(staged.captions))
-        with_text = ({"pairs": unique | "key by caption" >> beam.Map(by_caption), "text": texts}
-                     | "join text" >> beam.CoGroupByKey() | "attach text" >> beam.FlatMap(attach_text))
-        image_shard_of = (p | "image shards" >> beam.Create(res.image_shards)
-                          | "read image ids" >> beam.FlatMap(staged.image_ids))
-        examples = ({"pairs": with_text, "shard": image_shard_of}
-                    | "join image shards" >> beam.CoGroupByKey()
-                    | "route to shard" >> beam.FlatMap(route_to_shard)
+        # Pairs go to the caption shard holding their text, then to the image shard holding their regions:
+        # each staged shard is read once, for the items asked for (shuffles carry pairs, not the collection).
+        with_text = (unique | "key by caption" >> beam.Map(by_caption)
+                     | "route to caption shard" >> beam.ParDo(RouteToShard(staged, res.caption_shards,
+                                                                           "caption_id", "caption"))
+                     | "group by caption shard" >> beam.GroupByKey()
+                     | "read texts" >> beam.FlatMap(staged.texts_for_pairs))
+        examples = (with_text
+                    | "route to image shard" >> beam.ParDo(RouteToShard(staged, res.image_shards, "item_id", "image"))
                     | "group by shard" >> beam.GroupByKey()
                     | "read regions" >> beam.FlatMap(staged.regions_for_pairs, ce_groups, res.ce_max_regions))
         handler = VLModelHandler(plan.cross_encoder, TASK_SCORE_PAIRS, device=_HANDLER_DEVICE[plan.device],

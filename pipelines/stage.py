@@ -2,30 +2,35 @@
 
 Graph (all collections in one pipeline; every step has one output, elements tagged (tag, payload))::
 
-    Create(read tasks) -> Reshuffle -> ReadAndStage (read + stage_image/stage_caption; features -> task spill file)
-        images   -> count per collection (or the planned count) -> shards per collection
-                 -> join the count on (collection, item_id % 64) -> key (collection, item_id % num_shards)
-                 -> GroupByKey -> dedupe + read back the features of the kept rows from the spill files
-                 -> write shard -> staged ids (with the shard count) + a caption-shard marker
-        captions -> CoGroupByKey(image_item_id, staged ids) -> key by shard -> GroupByKey -> write shard
-        rejects  -> GroupByKey(collection, kind) -> rejects/<collection>-{images,captions}.jsonl
-        ids      -> GroupByKey(item_id) -> hash collisions across collections and kinds
-        counts + shard infos + reject infos -> common.WriteRunReport, which the launcher turns into summary.json
+    Create(read tasks) -> Reshuffle -> ReadAndStage: read + stage_image/stage_caption; every staged row (and an
+        image's regions) goes to the task's spill file; emits refs (spill key, id, row number) per id bucket
+    image refs   -> join the collection's shard count on (collection, item_id % 64) -> key (collection,
+                 item_id % num_shards) -> GroupByKey -> read the rows back, dedupe, read the kept rows' regions
+                 -> write shard -> its staged (item_id, split) list
+    caption refs -> (bucketed by their image's id) the same join -> key (collection, image_item_id %
+                 num_shards) -> CoGroupByKey with the image shard of that index -> read the rows back, reject
+                 those whose image was not staged, dedupe -> write shard
+    rejects      -> GroupByKey(collection, kind) -> rejects/<collection>-{images,captions}.jsonl
+    owners       -> (item_id, collection, kind, source_id) per id bucket -> GroupByKey -> hash collisions
+    counts + shard infos + reject infos -> common.WriteRunReport, which the launcher turns into summary.json
 
 No side inputs and no tagged outputs: the same graph runs on DirectRunner, DaskRunner (byte-identical shards,
 rejects and summary but for timings and the runner: shard contents are sorted and keyed by id, never by
 bundle) and Dataflow. On DaskRunner the read tasks form DASK_READ_PARTITIONS (4) dask partitions unless
---dask_npartitions/--dask_partition_size are given. On a Dask cluster of several machines the output (and its spill folder) must be on a
-file system every worker sees.
+--dask_npartitions/--dask_partition_size are given. On a Dask cluster of several machines the output (and its
+spill folder) must be on a file system every worker sees.
 
 Duplicates of an image land in the same shard (the shard is a function of item_id), so the shard writer
-decides them (the copy with the smallest locator wins).
+decides them (the copy with the smallest locator wins); a caption's shard is its image's.
 
-Features never travel through a shuffle: each read task writes its regions once to a spill file
-(``<output>/_spill/<run>/``, HDF5, the output dtype) and the image rows that are grouped carry only metadata
-and a pointer into it (``staging.FeatureSpill``). Beam's local runners keep a GroupByKey in memory, so
-shuffling the features put the whole collection in RAM (100k synthetic images: killed at 24 GB); now a
-worker holds one task's write buffer and one shard. The spill directory is removed when the run ends.
+Memory: rows never travel through a shuffle. Beam's local runners keep a GroupByKey's whole input in
+memory: shuffling the features put the whole collection in RAM (100k synthetic images: killed at 24 GB), and
+shuffling the staged rows without them still grew the stager by ~7 KB per image and caption (0.7 GB at 20k
+images). Each read task writes its rows (JSON, one HDF5 vlen string each) and regions once to a spill file
+(``<output>/_spill/<run>/``, ``staging.FeatureSpill``); the shuffles carry ~20-byte refs and the owner tuples
+of the collision check. A worker holds one task's write buffer and one shard. The spill directory is removed
+when the run ends.
+
 num_shards = ceil(count / --images-per-shard), count = a synthetic collection's num_images, else the number of
 images that passed validation (a file source's expected_images is only checked).
 
@@ -78,7 +83,7 @@ log = logging.getLogger("pipelines.stage")
 IMAGES_DIR, FEATURES_DIR, CAPTIONS_DIR, REJECTS_DIR = "images", "features", "captions", "rejects"
 #: Present while a run may be replacing shards (run id, start time); removed after summary.json is written.
 INCOMPLETE_FILE = "_INCOMPLETE"
-SPILL_DIR = "_spill"
+SPILL_DIR = common.SPILL_DIR
 #: Dask partitions the read tasks are cut into, unless --dask_npartitions/--dask_partition_size say otherwise.
 DASK_READ_PARTITIONS = 4
 
@@ -126,6 +131,11 @@ def _reject_out(collection: str, rej: schema.Reject) -> tuple[str, dict]:
     return collection, rej.to_dict()
 
 
+def spill_path(spill_dir: str, collection: str, key: int) -> str:
+    """The spill file of one read task (``key``: from the task's identity, so a retried task overwrites)."""
+    return common.join(spill_dir, f"{collection}-{key:016x}.h5")
+
+
 class _TaskSpill:
     """A read task's spill file: written locally (in place for a local output, else in a temp folder and
     uploaded on close), published under its final name only when complete, so a retried task overwrites."""
@@ -134,9 +144,10 @@ class _TaskSpill:
         import hashlib
         import tempfile
 
-        key = hashlib.sha1(repr((task.collection, task.kind, _task_source(task), task.start, task.stop))
-                           .encode("utf-8")).hexdigest()[:16]
-        self.final = common.join(spill_dir, f"{task.collection}-{key}.h5")
+        digest = hashlib.sha1(repr((task.collection, task.kind, _task_source(task), task.start, task.stop))
+                              .encode("utf-8")).hexdigest()[:16]
+        self.key = int(digest, 16)  # what a ref carries instead of the path (spill_path rebuilds it)
+        self.final = spill_path(spill_dir, task.collection, self.key)
         if not is_url(self.final):
             common.makedirs(spill_dir)
             self.local = f"{self.final}.tmp-{uuid.uuid4().hex[:12]}"
@@ -170,25 +181,15 @@ def _open_spill(name: str):
             yield f
 
 
-def _remove_spill(output: str) -> None:
-    """Delete <output>/_spill (this run's spill files, or those a killed run left behind)."""
-    root = common.join(output, SPILL_DIR)
-    if not is_url(root):
-        import shutil
-        shutil.rmtree(root, ignore_errors=True)
-        return
-    found = [m.path for m in FileSystems.match([common.join(root, "**")])[0].metadata_list]
-    if found:
-        FileSystems.delete(found)
-
-
 # ------------------------------------------------------------------------------------- read + stage
 # Every step has ONE output: an element is (tag, payload) and the next steps pick their tag (DaskRunner does
-# not separate tagged outputs). Tags:
-T_IMAGE, T_CAPTION, T_REJECT, T_INFO = "image", "caption", "reject", "info"
-T_STAGED_ID, T_CAPTION_MARKER, T_KEYED = "staged_id", "caption_marker", "keyed"
-#: Image rows meet their collection's shard count in this many groups per collection (a join on
-#: (collection, item_id % ID_BUCKETS)): the count is never a side input, and no group holds a collection.
+# not separate tagged outputs). Rows never travel through a shuffle (Beam's local runners keep a shuffle's
+# whole input in memory): a read task spills them, and the shuffles carry refs (spill key, id, row number),
+# ~20 bytes each. Tags:
+T_IMAGE_REFS, T_CAPTION_REFS, T_COUNT, T_OWNERS = "image_refs", "caption_refs", "count", "owners"
+T_REJECT, T_INFO, T_STAGED = "reject", "info", "staged"
+#: Refs are grouped by (collection, id % ID_BUCKETS) on their way to their shard, where they meet the
+#: collection's shard count (a join, never a side input); ids are checked for collisions per bucket.
 ID_BUCKETS = 64
 
 
@@ -198,11 +199,21 @@ def pick(element, tag: str):
         yield element[1]
 
 
+def pick_all(elements, tag: str) -> list:
+    """:func:`pick` over a list of (tag, payload) elements (a DoFn's outputs, in tests and tools)."""
+    return [payload for t, payload in elements if t == tag]
+
+
 class ReadAndStage(beam.DoFn):
-    """One read task -> (tag, payload): T_IMAGE rows (features spilled), T_CAPTION rows, T_REJECT
-    (collection, reject dict) and one T_INFO record count."""
+    """One read task -> (tag, payload). Its staged rows (and an image's regions) go to the task's spill file;
+    it emits per id bucket T_IMAGE_REFS / T_CAPTION_REFS ((collection, bucket), [(spill key, id, row)]) --
+    captions bucketed by their image's id, the shard they will join --, T_OWNERS (bucket, [(id, collection,
+    kind, source_id)]) for the collision check, T_REJECT (collection, reject dict), and T_INFO (records in)
+    and T_COUNT (collection, images staged) once each."""
 
     def __init__(self, settings: Settings):
+        if not settings.spill_dir:
+            raise ValueError("ReadAndStage needs Settings.spill_dir: staged rows are spilled, never shuffled")
         self.s = settings
 
     def setup(self):
@@ -216,8 +227,10 @@ class ReadAndStage(beam.DoFn):
 
         coll, source = task.collection, _task_source(task)
         kind = schema.KIND_CAPTION if task.kind in ("caption", "captions") else schema.KIND_IMAGE
-        n_in = skipped = 0
+        n_in = n_staged = skipped = 0
         spill = None
+        refs: dict[int, list] = {}
+        owners: dict[int, list] = {}
         # uncaptioned_images: skip -- the images the collection's captions name, and their split, known before
         # any feature is spilled (a 123k-image trainval TSV staged for the 5k test split spills 5k images)
         splits = _caption_splits(coll, self.s.caption_filters[coll]) \
@@ -244,18 +257,26 @@ class ReadAndStage(beam.DoFn):
             if isinstance(out, schema.Reject):
                 self._rejected[kind].inc()
                 yield T_REJECT, _reject_out(coll, out)
-            elif kind == schema.KIND_IMAGE:
-                self._staged[kind].inc()
-                if self.s.spill_dir:
-                    if spill is None:
-                        spill = _TaskSpill(self.s.spill_dir, task, self.s.feature_dim, self.s.feature_dtype)
-                    out = spill.spill.append(out)
-                yield T_IMAGE, out
+                continue
+            self._staged[kind].inc()
+            n_staged += 1
+            if spill is None:
+                spill = _TaskSpill(self.s.spill_dir, task, self.s.feature_dim, self.s.feature_dtype)
+            if kind == schema.KIND_IMAGE:
+                own_id = shard_id = int(out["item_id"])
+                row = spill.spill.add_row(spill.spill.append(out))  # regions, then the row pointing to them
             else:
-                self._staged[kind].inc()
-                yield T_CAPTION, out
+                own_id, shard_id = int(out["caption_id"]), int(out["image_item_id"])
+                row = spill.spill.add_row(out)
+            refs.setdefault(shard_id % ID_BUCKETS, []).append((spill.key, shard_id, row))
+            owners.setdefault(own_id % ID_BUCKETS, []).append((own_id, coll, kind, str(out["source_id"])))
         if spill is not None:
             spill.close()  # before this bundle commits, i.e. before any shard writer can read it
+        tag = T_IMAGE_REFS if kind == schema.KIND_IMAGE else T_CAPTION_REFS
+        for bucket in sorted(refs):
+            yield tag, ((coll, bucket), refs[bucket])
+        for bucket in sorted(owners):
+            yield T_OWNERS, (bucket, owners[bucket])
         self._records[kind].inc(n_in)
         common.Progress.advance(1)  # read tasks done (the launcher's bar, when this runs in its process)
         log.info("read %s %s task %s: %d records", coll, kind, getattr(task, "start", None) or source, n_in)
@@ -263,6 +284,8 @@ class ReadAndStage(beam.DoFn):
         if splits is not None:
             info["skipped"] = skipped
         yield T_INFO, info
+        if kind == schema.KIND_IMAGE:
+            yield T_COUNT, (coll, n_staged)
 
 
 @functools.lru_cache(maxsize=8)
@@ -278,13 +301,12 @@ def _caption_splits(collection: str, source: tuple) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- shards
-def shard_counts(images, collections: list[str], settings: Settings):
+def shard_counts(counts, collections: list[str], settings: Settings):
     """(collection, number of image shards) for every collection: from a synthetic collection's planned
-    count, else from the images that passed validation (at least one shard each)."""
-    zeros = images.pipeline | "NoImages" >> beam.Create([(c, 0) for c in collections])
-    counted = images | "ImageCollection" >> beam.FlatMap(
-        lambda r, planned: [(r["collection"], 1)] if r["collection"] not in planned else [],
-        dict(settings.expected_images))
+    count, else from the images that passed validation (T_COUNT per read task; at least one shard each)."""
+    zeros = counts.pipeline | "NoImages" >> beam.Create([(c, 0) for c in collections])
+    counted = counts | "UnplannedCounts" >> beam.Filter(lambda cn, planned: cn[0] not in planned,
+                                                        dict(settings.expected_images))
     return ((zeros, counted) | "FlattenCounts" >> beam.Flatten() | "CountImages" >> beam.CombinePerKey(sum)
             | "NumShards" >> beam.MapTuple(lambda c, n: (c, settings.num_shards(c, {c: n}))))
 
@@ -302,19 +324,30 @@ def _image_shard_markers(element):
         yield (coll, i), (total, None)
 
 
-def _key_images(element):
-    """((collection, bucket), {rows, total}) -> ((collection, shard), (total, row))."""
+def _route_refs(element):
+    """((collection, bucket), {refs: [[(spill key, id, row)]], total: [shard count]}) -> one
+    ((collection, shard), (total, refs)) per shard the bucket's refs go to (shard = id % total)."""
     (coll, _bucket), grouped = element
-    totals = list(grouped["total"])
-    for row in grouped["rows"]:
-        total = totals[0]
-        yield (coll, int(row["item_id"]) % total), (total, row)
+    total = list(grouped["total"])[0]
+    by_shard: dict[int, list] = {}
+    for block in grouped["refs"]:
+        for ref in block:
+            by_shard.setdefault(ref[1] % total, []).append(tuple(ref))
+    for shard in sorted(by_shard):
+        yield (coll, shard), (total, by_shard[shard])
+
+
+def _load_rows(settings: Settings, coll: str, refs) -> list[dict]:
+    """The spilled rows the refs [(spill key, id, row)] name (each task's file opened once)."""
+    return staging.load_spilled_rows(((spill_path(settings.spill_dir, coll, key), row) for key, _, row in refs),
+                                     _open_spill)
 
 
 class WriteImageShard(beam.DoFn):
-    """((collection, shard index), [(total, row or None)]) -> dedupe, encode, write (or keep) the shard;
-    emits (tag, payload): T_INFO shard info, T_STAGED_ID (item_id, (collection, split, total)), T_REJECT,
-    and one T_CAPTION_MARKER for the caption shard of the same index."""
+    """((collection, shard index), [(total, refs or None)]) -> read the rows, dedupe, read back the regions of
+    the kept ones, encode, write (or keep) the shard; emits (tag, payload): T_INFO shard info, T_REJECT, and
+    T_STAGED ((collection, shard index), (total, [(item_id, split)])) for the caption shard of the same
+    index (every shard emits it, empty or not)."""
 
     def __init__(self, settings: Settings):
         self.s = settings
@@ -323,7 +356,8 @@ class WriteImageShard(beam.DoFn):
         (coll, idx), values = element
         values = list(values)
         total = values[0][0]
-        rows, rejects = staging.resolve_duplicates(row for _, row in values if row is not None)
+        refs = sorted(ref for _, block in values if block for ref in block)
+        rows, rejects = staging.resolve_duplicates(_load_rows(self.s, coll, refs))
         for rej in rejects:
             yield T_REJECT, _reject_out(coll, rej)
         rows = staging.load_spilled(rows, _open_spill)  # features of the kept rows only
@@ -347,41 +381,36 @@ class WriteImageShard(beam.DoFn):
         log.info("%s %s: %d images (%s)", "kept" if kept else "wrote", name, len(rows),
                  "unchanged" if kept else f"{len(data) / 1e6:.1f} MB")
         Metrics.counter("stage", "image_shards_written" if not kept else "image_shards_kept").inc()
-        for r in rows:
-            yield T_STAGED_ID, (int(r["item_id"]), (coll, r["split"], total))
-        yield T_CAPTION_MARKER, ((coll, idx), (total, None))
+        yield T_STAGED, ((coll, idx), (total, sorted((int(r["item_id"]), r["split"]) for r in rows)))
         yield T_INFO, info
 
 
-def _join_captions(element):
-    """image_item_id, {captions, image} -> T_KEYED ((collection, shard), (total, caption row)), or T_REJECT
-    for captions of images that were not staged."""
-    image_item_id, grouped = element
-    images = list(grouped["image"])
-    for row in grouped["captions"]:
-        coll = row["collection"]
-        if not images:
-            image_src = row["source_id"].rsplit("#", 1)[0]
-            yield T_REJECT, _reject_out(coll, staging.unknown_image_reject(row, image_src))
-            continue
-        _image_coll, split, total = images[0]
-        if row["split"] is None:
-            row = dict(row, split=split)  # a caption inherits its image's split
-        yield T_KEYED, ((coll, image_item_id % total), (total, row))
-
-
 class WriteCaptionShard(beam.DoFn):
-    """((collection, shard index), [(total, row or None)]) -> (tag, payload): T_INFO, T_REJECT."""
+    """((collection, shard index), {captions: [(total, refs)], staged: [(total, [(item_id, split)])]}) ->
+    (tag, payload): T_INFO, T_REJECT. A caption whose image is not in the image shard of the same index (the
+    shard its image would be in) is rejected; one without a split inherits its image's."""
 
     def __init__(self, settings: Settings):
         self.s = settings
 
     def process(self, element):
-        (coll, idx), values = element
-        values = list(values)
-        total = values[0][0]
-        rows, rejects = staging.resolve_duplicates((row for _, row in values if row is not None),
-                                                   id_key="caption_id")
+        (coll, idx), grouped = element
+        staged = list(grouped["staged"])
+        if len(staged) != 1:
+            raise RuntimeError(f"caption shard {coll}/{idx}: {len(staged)} image shards of that index")
+        total, image_split = staged[0][0], dict(staged[0][1])
+        refs = sorted(ref for _, block in grouped["captions"] for ref in block)
+        joined = []
+        for row in _load_rows(self.s, coll, refs):
+            image_id = int(row["image_item_id"])
+            if image_id not in image_split:
+                image_src = row["source_id"].rsplit("#", 1)[0]
+                yield T_REJECT, _reject_out(coll, staging.unknown_image_reject(row, image_src))
+                continue
+            if row["split"] is None:
+                row = dict(row, split=image_split[image_id])  # a caption inherits its image's split
+            joined.append(row)
+        rows, rejects = staging.resolve_duplicates(joined, id_key="caption_id")
         for rej in rejects:
             yield T_REJECT, _reject_out(coll, rej)
         name = shard_rel(CAPTIONS_DIR, coll, idx, total, ".parquet")
@@ -405,9 +434,15 @@ def _write_rejects(element, output: str):
 
 
 def _collisions(element):
-    item_id, owners = element
-    found = staging.find_id_collisions((item_id, tuple(o)) for o in owners)
-    for c in found:
+    """(bucket, [[(id, collection, kind, source_id)]]) -> a collision record per id claimed by more than one
+    (collection, kind, source_id); duplicates of one record are not collisions (the writers dedupe them)."""
+    _bucket, blocks = element
+    owners: dict[int, set] = {}
+    for block in blocks:
+        for item_id, coll, kind, source_id in block:
+            owners.setdefault(int(item_id), set()).add((coll, kind, source_id))
+    claimed = ((i, tuple(o)) for i in sorted(owners) if len(owners[i]) > 1 for o in sorted(owners[i]))
+    for c in staging.find_id_collisions(claimed):
         yield {"type": "collision", **c}
 
 
@@ -418,47 +453,35 @@ def build_graph(p: beam.Pipeline, tasks: list, settings: Settings, collections: 
               | "ReadTasks" >> beam.Create(tasks, reshuffle=False)
               | "Spread" >> beam.Reshuffle()
               | "ReadAndStage" >> beam.ParDo(ReadAndStage(settings)))
-    images = staged | "Images" >> beam.FlatMap(pick, T_IMAGE)
-    captions = staged | "Captions" >> beam.FlatMap(pick, T_CAPTION)
+    counts = shard_counts(staged | "ImageCounts" >> beam.FlatMap(pick, T_COUNT), collections, settings)
+    bucket_totals = counts | "CountPerBucket" >> beam.FlatMap(_count_buckets)
 
-    counts = shard_counts(images, collections, settings)
-    keyed_images = ({"rows": images | "ByBucket" >> beam.Map(
-                         lambda r: ((r["collection"], int(r["item_id"]) % ID_BUCKETS), r)),
-                     "total": counts | "CountPerBucket" >> beam.FlatMap(_count_buckets)}
-                    | "JoinShardCounts" >> beam.CoGroupByKey()
-                    | "KeyImages" >> beam.FlatMap(_key_images))
-    image_markers = counts | "ImageShardKeys" >> beam.FlatMap(_image_shard_markers)
-    image_shards = ((keyed_images, image_markers)
+    image_shards = (({"refs": staged | "ImageRefs" >> beam.FlatMap(pick, T_IMAGE_REFS), "total": bucket_totals}
+                     | "JoinShardCounts" >> beam.CoGroupByKey()
+                     | "KeyImages" >> beam.FlatMap(_route_refs),
+                     counts | "ImageShardKeys" >> beam.FlatMap(_image_shard_markers))
                     | "FlattenImages" >> beam.Flatten()
                     | "GroupImageShards" >> beam.GroupByKey()
                     | "WriteImageShards" >> beam.ParDo(WriteImageShard(settings)))
 
-    joined = ({"captions": captions | "ByImage" >> beam.Map(lambda r: (int(r["image_item_id"]), r)),
-               "image": image_shards | "StagedIds" >> beam.FlatMap(pick, T_STAGED_ID)}
-              | "JoinCaptions" >> beam.CoGroupByKey()
-              | "CaptionsOfStagedImages" >> beam.FlatMap(_join_captions))
-    caption_shards = ((joined | "KeyedCaptions" >> beam.FlatMap(pick, T_KEYED),
-                       image_shards | "CaptionShardKeys" >> beam.FlatMap(pick, T_CAPTION_MARKER))
-                      | "FlattenCaptions" >> beam.Flatten()
-                      | "GroupCaptionShards" >> beam.GroupByKey()
+    keyed_captions = ({"refs": staged | "CaptionRefs" >> beam.FlatMap(pick, T_CAPTION_REFS),
+                       "total": bucket_totals}
+                      | "JoinCaptionCounts" >> beam.CoGroupByKey()
+                      | "KeyCaptions" >> beam.FlatMap(_route_refs))
+    caption_shards = ({"captions": keyed_captions,
+                       "staged": image_shards | "StagedIds" >> beam.FlatMap(pick, T_STAGED)}
+                      | "JoinCaptionShards" >> beam.CoGroupByKey()
                       | "WriteCaptionShards" >> beam.ParDo(WriteCaptionShard(settings)))
 
     reject_info = ((staged | "ReadRejects" >> beam.FlatMap(pick, T_REJECT),
                     image_shards | "ImageRejects" >> beam.FlatMap(pick, T_REJECT),
-                    joined | "JoinRejects" >> beam.FlatMap(pick, T_REJECT),
                     caption_shards | "CaptionRejects" >> beam.FlatMap(pick, T_REJECT))
                    | "FlattenRejects" >> beam.Flatten()
                    | "KeyRejects" >> beam.Map(lambda cr: ((cr[0], cr[1]["kind"]), cr[1]))
                    | "GroupRejects" >> beam.GroupByKey()
                    | "WriteRejects" >> beam.FlatMap(_write_rejects, settings.output))
 
-    image_owners = images | "ImageOwners" >> beam.Map(
-        lambda r: (int(r["item_id"]), (r["collection"], schema.KIND_IMAGE, r["source_id"])))
-    caption_owners = captions | "CaptionOwners" >> beam.Map(
-        lambda r: (int(r["caption_id"]), (r["collection"], schema.KIND_CAPTION, r["source_id"])))
-    collision_info = ((image_owners, caption_owners)
-                      | "FlattenOwners" >> beam.Flatten()
-                      | "DistinctOwners" >> beam.Distinct()
+    collision_info = (staged | "Owners" >> beam.FlatMap(pick, T_OWNERS)
                       | "GroupOwners" >> beam.GroupByKey()
                       | "Collisions" >> beam.FlatMap(_collisions))
 
@@ -705,14 +728,14 @@ def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
     common.makedirs(plan.output)
     incomplete = _mark_incomplete(plan.output, settings.spill_dir.rsplit("/", 1)[-1])
     common.clear_run_dir(plan.output)
-    _remove_spill(plan.output)  # spill files of a killed earlier run
+    common.remove_spill(plan.output)  # spill files of a killed earlier run
     try:
         with common.Progress.running(len(tasks), "read tasks", "stage", options):
             result = common.run_pipeline(p)
         print(common.counter_line("stage", common.counter_values(result, "stage"), common.runner_name(options)))
         infos = common.read_run_report(plan.output)
     finally:
-        _remove_spill(plan.output)
+        common.remove_spill(plan.output)
         common.clear_run_dir(plan.output)
 
     summary = build_summary(manifest, settings, infos, {

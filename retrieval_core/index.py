@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import warnings
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import faiss
 import numpy as np
@@ -261,11 +261,7 @@ class ShardedIndex:
 
     def all_ids(self) -> np.ndarray:
         """Sorted ids of all shards; raises on an id stored in more than one place."""
-        ids = np.sort(np.concatenate([index_ids(s) for s in self.shards]))
-        if len(ids) > 1 and np.any(ids[1:] == ids[:-1]):
-            dup = np.unique(ids[1:][ids[1:] == ids[:-1]])[:5].tolist()
-            raise IndexIntegrityError(f"item_id(s) {dup} are stored more than once across shards")
-        return ids
+        return _sorted_unique_ids([index_ids(s) for s in self.shards])
 
     def id_set(self) -> frozenset:
         return frozenset(self.all_ids().tolist())
@@ -330,17 +326,8 @@ def load_index_manifest(index_dir: str) -> dict:
     return manifest
 
 
-def load_sharded_index(index_dir: str, verify: bool = True, embeddings_dir: Optional[str] = None,
-                       check_id_set: bool = True) -> ShardedIndex:
-    """Load every shard listed in the index manifest.
-
-    With ``verify``: shard checksums, per-shard and total counts, d and metric, and the ids against the
-    embeddings the index was built from — the count always; when the embeddings directory (recorded in the
-    manifest, or ``embeddings_dir``) is readable, also its manifest checksum and, with ``check_id_set``,
-    the exact id set (one Parquet column per shard, cheap). Any mismatch raises IndexIntegrityError.
-    """
-    manifest = load_index_manifest(index_dir)
-    shards = []
+def iter_index_shards(index_dir: str, manifest: dict, verify: bool = True) -> Iterator[faiss.Index]:
+    """The shards ``manifest`` lists, read one at a time (with ``verify``: checksum and row count)."""
     for s in manifest["shards"]:
         path = os.path.join(index_dir, SHARDS_SUBDIR, s["name"])
         if not os.path.exists(path):
@@ -353,25 +340,54 @@ def load_sharded_index(index_dir: str, verify: bool = True, embeddings_dir: Opti
                 raise IndexIntegrityError(f"{path}: sha256 {digest[:12]}... does not match the manifest "
                                           f"({s['sha256'][:12]}...); the shard was changed or truncated")
         index = index_from_bytes(data)
+        del data
         if verify and index.ntotal != int(s["rows"]):
             raise IndexIntegrityError(f"{path}: holds {index.ntotal} vectors, manifest says {s['rows']}")
-        shards.append(index)
-    sharded = ShardedIndex(shards)
-    if not verify:
-        return sharded
+        yield index
 
-    if sharded.ntotal != int(manifest["ntotal"]):
-        raise IndexIntegrityError(f"{index_dir}: shards hold {sharded.ntotal} vectors, manifest says "
+
+def load_sharded_index(index_dir: str, verify: bool = True, embeddings_dir: Optional[str] = None,
+                       check_id_set: bool = True) -> ShardedIndex:
+    """Load every shard listed in the index manifest (the whole index in memory; :class:`StreamedIndex`
+    searches one shard at a time).
+
+    With ``verify``: shard checksums, per-shard and total counts, d and metric, and the ids against the
+    embeddings the index was built from — the count always; when the embeddings directory (recorded in the
+    manifest, or ``embeddings_dir``) is readable, also its manifest checksum and, with ``check_id_set``,
+    the exact id set (one Parquet column per shard, cheap). Any mismatch raises IndexIntegrityError.
+    """
+    manifest = load_index_manifest(index_dir)
+    sharded = ShardedIndex(list(iter_index_shards(index_dir, manifest, verify)))
+    if verify:
+        _verify_whole(index_dir, manifest, sharded.ntotal, sharded.d, sharded.metric_type, sharded.all_ids,
+                      embeddings_dir, check_id_set)
+    return sharded
+
+
+def _sorted_unique_ids(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """Sorted ids of several shards; raises on an id stored in more than one place."""
+    ids = np.sort(np.concatenate(parts)) if len(parts) else np.zeros(0, dtype=np.int64)
+    if len(ids) > 1 and np.any(ids[1:] == ids[:-1]):
+        dup = np.unique(ids[1:][ids[1:] == ids[:-1]])[:5].tolist()
+        raise IndexIntegrityError(f"item_id(s) {dup} are stored more than once across shards")
+    return ids
+
+
+def _verify_whole(index_dir: str, manifest: dict, ntotal: int, d: int, metric: int, all_ids,
+                  embeddings_dir: Optional[str], check_id_set: bool) -> None:
+    """The whole-index checks of load_sharded_index (``all_ids()``: the sorted ids of every shard)."""
+    if ntotal != int(manifest["ntotal"]):
+        raise IndexIntegrityError(f"{index_dir}: shards hold {ntotal} vectors, manifest says "
                                   f"{manifest['ntotal']}")
-    if sharded.d != int(manifest["d"]) or sharded.metric_type != metric_type(manifest["metric"]):
-        raise IndexIntegrityError(f"{index_dir}: shards have d={sharded.d}, metric={sharded.metric_type}; "
+    if d != int(manifest["d"]) or metric != metric_type(manifest["metric"]):
+        raise IndexIntegrityError(f"{index_dir}: shards have d={d}, metric={metric}; "
                                   f"manifest says d={manifest['d']}, metric={manifest['metric']}")
     src, subset = manifest["embeddings"], manifest.get("ids")
-    if subset and int(subset.get("count", -1)) != sharded.ntotal:
-        raise IndexIntegrityError(f"{index_dir}: index holds {sharded.ntotal} vectors but its id list "
+    if subset and int(subset.get("count", -1)) != ntotal:
+        raise IndexIntegrityError(f"{index_dir}: index holds {ntotal} vectors but its id list "
                                   f"{subset.get('path')} holds {subset.get('count')}")
-    if not subset and int(src.get("count", -1)) != sharded.ntotal:
-        raise IndexIntegrityError(f"{index_dir}: index holds {sharded.ntotal} vectors but the embeddings it was "
+    if not subset and int(src.get("count", -1)) != ntotal:
+        raise IndexIntegrityError(f"{index_dir}: index holds {ntotal} vectors but the embeddings it was "
                                   f"built from hold {src.get('count')}")
     emb_dir = embeddings_dir or src.get("dir")
     if emb_dir and os.path.exists(emb.manifest_path(emb_dir)):
@@ -382,7 +398,7 @@ def load_sharded_index(index_dir: str, verify: bool = True, embeddings_dir: Opti
                                       f"was built (sha256 {digest[:12]}... != {src['manifest_sha256'][:12]}...)")
         if check_id_set:
             expected = _expected_ids(index_dir, manifest, emb_dir)
-            got = sharded.all_ids()
+            got = all_ids()
             if expected is not None and (len(expected) != len(got) or not np.array_equal(expected, got)):
                 missing = np.setdiff1d(expected, got)[:5].tolist()
                 extra = np.setdiff1d(got, expected)[:5].tolist()
@@ -390,7 +406,65 @@ def load_sharded_index(index_dir: str, verify: bool = True, embeddings_dir: Opti
                                           f"(missing e.g. {missing}, unexpected e.g. {extra})")
     else:
         log.warning("embeddings of %s not readable (%s); checked the id count only", index_dir, emb_dir)
-    return sharded
+
+
+class StreamedIndex:
+    """A sharded index searched without holding it: a search reads the shards one at a time (checksums
+    verified), searches each and merges as :meth:`ShardedIndex.search` does, so the results are the same
+    bits. Memory: one shard and the results, whatever the collection size (a Flat index is every vector of
+    the collection). Opening it runs load_sharded_index's checks, reading one shard at a time."""
+
+    def __init__(self, index_dir: str, embeddings_dir: Optional[str] = None, check_id_set: bool = True):
+        self.index_dir = index_dir
+        self.manifest = load_index_manifest(index_dir)
+        ntotal, dims, ids = 0, set(), []
+        for shard in iter_index_shards(index_dir, self.manifest):
+            ntotal += int(shard.ntotal)
+            dims.add((int(shard.d), int(shard.metric_type)))
+            if check_id_set:
+                ids.append(index_ids(shard))
+        if len(dims) != 1:
+            raise IndexIntegrityError(f"{index_dir}: shards disagree on (d, metric): {sorted(dims)}")
+        (self.d, self.metric_type), = dims
+        _verify_whole(index_dir, self.manifest, ntotal, self.d, self.metric_type, lambda: _sorted_unique_ids(ids),
+                      embeddings_dir, check_id_set)
+        self.ntotal = ntotal
+        self._params: dict = {}
+
+    @property
+    def keep_max(self) -> bool:
+        return self.metric_type == faiss.METRIC_INNER_PRODUCT
+
+    def set_params(self, nprobe: Optional[int] = None, efSearch: Optional[int] = None) -> None:
+        """Search-time parameters, set on every shard as it is read (see ShardedIndex.set_params)."""
+        self._params = {name: v for name, v in (("nprobe", nprobe), ("efSearch", efSearch)) if v is not None}
+
+    def search_batches(self, batches: Sequence[np.ndarray], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """ShardedIndex.search of every query batch, in one pass over the shards: [(scores, ids)] per batch."""
+        batches = [np.ascontiguousarray(q, dtype=np.float32) for q in batches]
+        for q in batches:
+            if q.ndim != 2 or q.shape[1] != self.d:
+                raise ValueError(f"queries must be (Q, {self.d}), got {q.shape}")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        found: list[list] = [[] for _ in batches]
+        for shard in iter_index_shards(self.index_dir, self.manifest):
+            ShardedIndex([shard]).set_params(**self._params)
+            for b, q in enumerate(batches):
+                found[b].append(shard.search(q, k))
+            del shard
+        out = []
+        for results in found:
+            if len(results) == 1:
+                out.append(results[0])
+            else:
+                out.append(faiss.merge_knn_results(np.stack([r[0] for r in results]), np.stack([r[1] for r in results]),
+                                                   keep_max=self.keep_max))
+        return out
+
+    def search_scores_batches(self, batches: Sequence[np.ndarray], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`search_batches` with higher-is-better scores (L2 distances negated, as ShardedIndex.search_scores)."""
+        return [(s if self.keep_max else -s, i) for s, i in self.search_batches(batches, k)]
 
 
 def _expected_ids(index_dir: str, manifest: dict, emb_dir: str) -> Optional[np.ndarray]:

@@ -118,6 +118,32 @@ def _topk_block(q: np.ndarray, items: np.ndarray, items_t, item_ids: np.ndarray,
     return scores, item_ids[pos]
 
 
+def exact_topk_shards(queries: np.ndarray, shards, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`exact_topk` over items that come as ``shards``, an iterable of ``(item_ids, items)`` consumed one
+    at a time: only one shard (and each query's best k so far) is in memory. The same items, order and ties
+    (smaller id first) as exact_topk over all of them; a score can differ from it in the last bits (BLAS
+    sums a dot product in an order that depends on the matrix shapes)."""
+    best: tuple[np.ndarray, np.ndarray] | None = None
+    for item_ids, items in shards:
+        if len(item_ids) == 0:
+            continue
+        part = exact_topk(queries, items, item_ids, k)
+        best = part if best is None else merge_topk([best, part], k)
+    if best is None:
+        n_q = np.asarray(queries).shape[0]
+        return np.empty((n_q, 0), dtype=np.float32), np.empty((n_q, 0), dtype=np.int64)
+    return best
+
+
+def merge_topk(parts: Sequence[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The best k of several (scores, ids) top lists of the same queries over disjoint items: score
+    descending, ties by smaller id (exact_topk's order)."""
+    scores = np.concatenate([p[0] for p in parts], axis=1)
+    ids = np.concatenate([p[1] for p in parts], axis=1)
+    order = np.lexsort((ids, -scores), axis=1)[:, :k]  # last key is primary
+    return np.take_along_axis(scores, order, axis=1), np.take_along_axis(ids, order, axis=1)
+
+
 # --------------------------------------------------------------------------------------------- recall
 def recall_at_k(ranked_ids: RankedIds, gold: Sequence[Collection[int]],
                 ks: Sequence[int] = DEFAULT_KS) -> dict[int, float]:

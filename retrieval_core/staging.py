@@ -491,23 +491,25 @@ def in_equals_line(label: str, src: dict) -> str:
     return line
 
 
-# --------------------------------------------------------------------------- feature spill (temp files)
-# A shuffle that carries region features holds the whole collection in memory on a local runner (staging
-# 100k synthetic images was OOM-killed at 24 GB). The staging pipeline therefore writes each read task's
-# features once to a spill file and shuffles only metadata rows that point into it (K_SPILL, K_SPILL_AT);
-# the shard writer reads back the regions of its own rows. Memory per worker is then one task's write
-# buffer plus one shard, whatever the collection size.
+# ----------------------------------------------------------------------------------- spill (temp files)
+# Beam's local runners keep a shuffle's whole input in memory: shuffling region features put the whole
+# collection in RAM (staging 100k synthetic images was OOM-killed at 24 GB), and shuffling the staged rows
+# still grew the stager by ~7 KB per image and caption. The staging pipeline therefore writes each read
+# task's rows (and an image task's regions) once to a spill file, and shuffles only (id, row number) refs into
+# it; a shard writer reads back the rows (and regions) of its own ids. Memory per worker is then one task's
+# write buffer plus one shard, whatever the collection size.
 K_SPILL = "_spill"  # spill file path
 K_SPILL_AT = "_spill_at"  # first region row of this image in that file
 
 
 class FeatureSpill:
-    """Append-only HDF5 file of region features (``feature_dtype``) and boxes (float32), written in blocks
-    of ``flush_regions`` so a task of any size streams through bounded memory. ``append`` returns the
-    metadata row that replaces the staged row in the shuffle."""
+    """Append-only HDF5 file of one read task's staged rows (JSON, ``rows``) and, for images, region features
+    (``feature_dtype``) and boxes (float32), written in blocks so a task of any size streams through bounded
+    memory. :meth:`append` spills an image's regions and returns the row that points to them; :meth:`add_row`
+    stores a row and returns its number, which :func:`load_spilled_rows` reads back."""
 
     def __init__(self, path: str, spill_name: str, feature_dim: int, feature_dtype: str = "float32",
-                 flush_regions: int = 8192):
+                 flush_regions: int = 8192, flush_rows: int = 512):
         import h5py
 
         self.name = spill_name  # what the reference rows record (may be a remote path)
@@ -518,11 +520,16 @@ class FeatureSpill:
                                              maxshape=(None, feature_dim), chunks=(32, feature_dim))
         self._boxes = self._f.create_dataset("boxes", (0, schema.BOX_DIM), dtype=np.float32,
                                              maxshape=(None, schema.BOX_DIM), chunks=(256, schema.BOX_DIM))
+        self._rows = self._f.create_dataset("rows", (0,), dtype=h5py.string_dtype("utf-8"), maxshape=(None,),
+                                            chunks=(64,))
         self._buf_f: list[np.ndarray] = []
         self._buf_b: list[np.ndarray] = []
+        self._buf_rows: list[str] = []
         self._buffered = 0
         self._flush_regions = flush_regions
+        self._flush_rows = flush_rows
         self.regions = 0  # regions appended so far (flushed or not)
+        self.rows = 0  # rows added so far (flushed or not)
 
     def append(self, row: dict) -> dict:
         at = self.regions
@@ -537,6 +544,16 @@ class FeatureSpill:
         ref[K_SPILL], ref[K_SPILL_AT] = self.name, at
         return ref
 
+    def add_row(self, row: dict) -> int:
+        """Store a row without arrays (JSON: ints, strings, None round-trip exactly); returns its number."""
+        import json
+
+        self._buf_rows.append(json.dumps(row, separators=(",", ":"), sort_keys=True))
+        self.rows += 1
+        if len(self._buf_rows) >= self._flush_rows:
+            self._flush_row_block()
+        return self.rows - 1
+
     def _flush(self) -> None:
         if not self._buf_f:
             return
@@ -547,9 +564,44 @@ class FeatureSpill:
             ds[start:start + len(block)] = block
         self._buf_f, self._buf_b, self._buffered = [], [], 0
 
+    def _flush_row_block(self) -> None:
+        if not self._buf_rows:
+            return
+        start = self._rows.shape[0]
+        self._rows.resize(start + len(self._buf_rows), axis=0)
+        self._rows[start:] = self._buf_rows
+        self._buf_rows = []
+
     def close(self) -> None:
         self._flush()
+        self._flush_row_block()
         self._f.close()
+
+
+def load_spilled_rows(refs: Iterable[tuple[str, int]], open_file=None) -> list[dict]:
+    """The rows ``refs`` = [(spill file, row number)] name, in that order; each file is opened once and read in
+    row order. ``open_file(name)`` returns an open ``h5py.File`` (default: opens the local path)."""
+    import json
+
+    import h5py
+
+    refs = list(refs)
+    by_file: dict[str, list[int]] = {}
+    for i, (name, _) in enumerate(refs):
+        by_file.setdefault(name, []).append(i)
+    out: list = [None] * len(refs)
+    for name, idx in sorted(by_file.items()):
+        idx = sorted(idx, key=lambda j: refs[j][1])
+        at = [int(refs[j][1]) for j in idx]
+        with (open_file(name) if open_file is not None else h5py.File(name, "r")) as f:
+            ds = f["rows"]
+            # h5py fancy indexing wants strictly increasing rows: read each distinct row once
+            uniq = sorted(set(at))
+            texts = ds[uniq] if len(uniq) > 1 else [ds[uniq[0]]]
+            by_row = {r: json.loads(t.decode("utf-8") if isinstance(t, bytes) else t) for r, t in zip(uniq, texts)}
+        for j, r in zip(idx, at):
+            out[j] = dict(by_row[r])
+    return out
 
 
 def load_spilled(rows: Sequence[dict], open_file=None) -> list[dict]:

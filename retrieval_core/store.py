@@ -39,7 +39,7 @@ import io
 import json
 import os
 import threading
-from typing import BinaryIO, Callable, Iterator, Optional, Sequence
+from typing import BinaryIO, Callable, Collection, Iterator, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -258,16 +258,28 @@ class StagedDataset:
             return pd.DataFrame({c: [] for c in schema.CAPTION_COLUMNS})
         return pa.concat_tables(tables).sort_by("caption_id").to_pandas().reset_index(drop=True)
 
-    def gold(self, collection: Optional[str] = None, split: Optional[str] = None
+    def gold(self, collection: Optional[str] = None, split: Optional[str] = None,
+             captions: Optional[Collection[int]] = None, images: Optional[Collection[int]] = None
              ) -> tuple[dict[int, int], dict[int, frozenset[int]]]:
         """(caption_id -> its image's item_id, image item_id -> frozenset of its caption ids). Freshly built
-        on every call: callers may modify the dicts without affecting anybody else."""
-        caps = self.captions(collection, split)
-        cap_ids = caps["caption_id"].to_numpy(np.int64)
-        img_ids = caps["image_item_id"].to_numpy(np.int64)
-        cap2img = {int(c): int(i) for c, i in zip(cap_ids, img_ids)}
+        on every call: callers may modify the dicts without affecting anybody else.
+
+        Reads two id columns per caption shard (never the text). ``captions`` / ``images`` keep only those
+        keys in the first / second dict (the queries a run ranked): the dicts are then as small as the query
+        set, whatever the collection size."""
+        parts = [self._read_parquet(s, ["caption_id", "image_item_id"], self._split_filter(split))
+                 for s in self._shards("captions", collection)]
+        cap_ids = np.concatenate([p.column("caption_id").to_numpy() for p in parts]).astype(np.int64) if parts \
+            else np.zeros(0, dtype=np.int64)
+        img_ids = np.concatenate([p.column("image_item_id").to_numpy() for p in parts]).astype(np.int64) if parts \
+            else np.zeros(0, dtype=np.int64)
+        order = np.argsort(cap_ids, kind="stable")  # caption_id order, as captions() returns them
+        cap_ids, img_ids = cap_ids[order], img_ids[order]
+        keep_c = np.ones(len(cap_ids), bool) if captions is None else np.isin(cap_ids, np.fromiter(captions, np.int64))
+        cap2img = {int(c): int(i) for c, i in zip(cap_ids[keep_c], img_ids[keep_c])}
+        keep_i = np.ones(len(cap_ids), bool) if images is None else np.isin(img_ids, np.fromiter(images, np.int64))
         groups: dict[int, list[int]] = {}
-        for c, i in zip(cap_ids.tolist(), img_ids.tolist()):
+        for c, i in zip(cap_ids[keep_i].tolist(), img_ids[keep_i].tolist()):
             groups.setdefault(i, []).append(c)
         return cap2img, {i: frozenset(cs) for i, cs in groups.items()}
 

@@ -368,9 +368,8 @@ def test_memory_plan_runs_every_pipeline_at_each_size(model, tmp_path):
     assert bad.returncode == 2 and "--memory-sizes is for --suite memory" in bad.stderr
 
 
-def test_memory_table_reports_each_steps_peak_rss_per_size(tmp_path):
-    from benchmarks.run import memory_table
-    from benchmarks.suites import Models, SuiteConfig
+def test_memory_table_reports_each_steps_peak_rss_per_size_and_growth_from_the_csvs(tmp_path):
+    from benchmarks.run import job_rows
 
     def result(name, module, mb):
         return jb.JobResult(jb.Job(name, module, (), str(tmp_path), "m.json"), 1.0, int(mb * 1024))
@@ -379,8 +378,21 @@ def test_memory_table_reports_each_steps_peak_rss_per_size(tmp_path):
                result("index m synthetic_memory-n300/all image", "pipelines.build_index", 300),
                result("index m synthetic_memory-n300/all text", "pipelines.build_index", 350),
                result("rerank JOIN co k=20 synthetic_memory-n300/all", "pipelines.rerank", 900),
+               result("stage synthetic_memory-n600", "pipelines.stage", 550),
                result("encode m synthetic_memory-n600", "pipelines.encode", 700)]
-    cfg = SuiteConfig(suite="memory", workdir=str(tmp_path), models=Models(join="m"), feature_dim=16)
-    table = memory_table(results, cfg, ())
-    assert "| 300 | 500 | nan | 350 | 900 |" in table  # the larger of the two index jobs
-    assert "| 600 | nan | 700 | nan | nan |" in table and "DirectRunner" in table
+    report.write_jobs_csv(str(tmp_path / "memory_jobs.csv"), job_rows(results, ()))
+    rows = [{"suite": "memory", "collection_size": n, "launcher_peak_rss_mb": mb, "cpu_model": "CPU X",
+             "threads": 2, "batch_size": 128, "direction": d} for n, mb in ((300, 400.0), (600, 420.0))
+            for d in ("t2i", "i2t")]
+    report.write_csv(str(tmp_path / "memory.csv"), rows)
+    table = report.memory_table_from(str(tmp_path))
+    assert "| 300 | 500 | - | - | 350 | 900 | 400 |" in table  # the larger of the two index jobs
+    assert "| 600 | 550 | - | 700 | - | - | 420 |" in table
+    assert "| growth 300 -> 600 | +10 % | - | - | - | - | +5 % |" in table
+    assert "DirectRunner" in table and "CPU X" in table and "threads 2" in table
+    again = tmp_path / "again"  # a later run of the 600-image stage job replaces that cell, marked
+    again.mkdir()
+    report.write_jobs_csv(str(again / "memory_jobs.csv"), job_rows([result("stage synthetic_memory-n600",
+                                                                           "pipelines.stage", 660)], ()))
+    table = report.memory_table_from(str(tmp_path), str(again))
+    assert "| 600 | 660* | - | 700 | - | - | 420 |" in table and "| growth 300 -> 600 | +32 % |" in table

@@ -106,6 +106,7 @@ def test_encode_matches_direct_model_output_and_rerun_skips(assets):
                                               "dead_lettered": 0, "reused": 0}
     assert summary["modalities"]["image"]["metrics"]["num_inferences"] == 24
     assert open(os.path.join(out, encode.DEAD_LETTER_FILE)).read() == ""
+    assert not os.path.exists(os.path.join(out, encode.common.SPILL_DIR))  # spill pieces removed at the end
 
     # Rerun: every shard valid -> nothing encoded. Then damage one shard -> only that one is redone.
     mtimes = {n: os.path.getmtime(os.path.join(out, emb.shard_relpath("image", n))) for n in names}
@@ -139,6 +140,35 @@ def test_failed_batches_are_dead_lettered_with_reason(assets, tmp_path):
     assert sorted(r["item_id"] for r in rows) == sorted(ids_test)
     manifest = emb.load_embeddings_manifest(out)
     assert "image" not in manifest["modalities"]
+
+
+def test_encoded_batches_reach_the_shard_shuffle_as_file_names(tmp_path):
+    """The GroupByKey gathering a shard gets (piece name, rows) per finished batch, never vectors (Beam's local
+    runners hold a GroupByKey's whole input in memory); a batch cut short at a bundle's end fails loudly."""
+    from apache_beam.ml.inference.base import PredictionResult
+
+    from pipelines.handlers import FailedBatch
+
+    plans = {("text", "c"): encode.plan_shards("text", "c", np.arange(10, 20), 5, {})}  # 2 shards: id % 2
+    fn = encode.SpillBatches(str(tmp_path), "text", plans)
+    vec = lambda i: np.full(4, i, np.float32)  # noqa: E731
+    batch = [((("c", i, "s#0#0", 3)), PredictionResult("t", vec(i))) for i in (14, 10, 12)]
+    fn.start_bundle()
+    out = [o for el in batch for o in fn.process(el)]
+    assert len(out) == 1 and out[0][0] == ("text", "c", 0)
+    path, rows = out[0][1]
+    assert isinstance(path, str) and rows == 3  # a name and a count: nothing of the vectors
+    ids, vectors = emb.read_embedding_shard(path)
+    np.testing.assert_array_equal(ids, [10, 12, 14])
+    np.testing.assert_array_equal(vectors, np.stack([vec(10), vec(12), vec(14)]))
+    failed = [(("c", 11, "s#1#0", 1), PredictionResult("t", FailedBatch("boom")))]
+    assert list(fn.process(failed[0])) == []  # dead-lettered: counted for its batch, nothing spilled
+    fn.finish_bundle()
+
+    fn.start_bundle()
+    assert list(fn.process((("c", 13, "s#1#5", 2), PredictionResult("t", vec(13))))) == []
+    with pytest.raises(encode.EncodeError, match="1 encoded batch.*incomplete at the end of a bundle"):
+        fn.finish_bundle()
 
 
 def test_metrics_namespace_is_per_task():

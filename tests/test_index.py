@@ -109,7 +109,8 @@ def _index_dir(tmp_path, ids, x, factory="Flat", parts=2):
     (emb_dir / "embeddings" / "image").mkdir(parents=True)
     (index_dir / "shards").mkdir(parents=True)
     emb_entries, idx_entries = [], []
-    trained = ix.train_index(factory, D, "ip", None)
+    sample = ix.training_sample(ids, x, len(ids), seed=0) if ix.needs_training(factory, D) else None
+    trained = ix.train_index(factory, D, "ip", sample)
     for i in range(parts):
         name = f"toy-{i:05d}-of-{parts:05d}.parquet"
         data = emb.embedding_shard_bytes(ids[i::parts], x[i::parts])
@@ -152,6 +153,32 @@ def test_load_sharded_index_verifies(tmp_path):
     emb_shard.write_bytes(emb_shard.read_bytes() + b"x")
     with pytest.raises(emb.EmbeddingsError, match="sha256"):
         emb.read_embeddings(str(emb_dir), "image")
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF4,Flat"])
+def test_streamed_index_gives_the_loaded_index_results_holding_one_shard(tmp_path, factory):
+    """StreamedIndex (what rerank workers search) returns ShardedIndex's exact bits, per query batch, while
+    reading one shard at a time; it runs the same checks when opened and re-verifies shards per search."""
+    ids, x = _data(n=200)
+    _, index_dir = _index_dir(tmp_path, ids, x, factory=factory)
+    loaded, streamed = ix.load_sharded_index(str(index_dir)), ix.StreamedIndex(str(index_dir))
+    assert streamed.ntotal == loaded.ntotal == 200 and streamed.keep_max
+    if "IVF" in factory:
+        loaded.set_params(nprobe=3)
+        streamed.set_params(nprobe=3)
+    batches = [x[:7], x[7:40] + 0.1, x[40:41]]
+    got = streamed.search_scores_batches(batches, 12)
+    for q, (scores, found) in zip(batches, got):
+        want_s, want_i = loaded.search_scores(q, 12)
+        np.testing.assert_array_equal(found, want_i)
+        np.testing.assert_array_equal(scores, want_s)
+
+    shard = index_dir / "shards" / "toy-00001-of-00002.faiss"
+    shard.write_bytes(shard.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(ix.IndexIntegrityError, match="sha256"):
+        streamed.search_batches(batches, 3)  # changed after opening: caught on the next read
+    with pytest.raises(ix.IndexIntegrityError, match="sha256"):
+        ix.StreamedIndex(str(index_dir))
 
 
 def test_load_sharded_index_detects_id_mismatch(tmp_path):

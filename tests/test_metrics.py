@@ -3,7 +3,7 @@ from types import MappingProxyType
 import numpy as np
 import pytest
 
-from retrieval_core.metrics import bidirectional_recall, exact_topk, recall_at_k
+from retrieval_core.metrics import bidirectional_recall, exact_topk, exact_topk_shards, recall_at_k
 
 
 def _brute_topk(queries, items, ids, k):
@@ -41,6 +41,22 @@ def test_exact_topk_ties_broken_by_smaller_id_and_order_independent():
     s2, i2 = exact_topk(q, x[perm], ids[perm], 7)
     np.testing.assert_array_equal(i, i2)
     np.testing.assert_array_equal(s, s2)
+
+
+def test_exact_topk_shards_equals_exact_topk_over_all_items_ties_included():
+    """Shard by shard (what rerank's exact search does, one embedding shard in memory): the same ids in the
+    same order as one exact_topk over every item, ties by smaller id across shards too."""
+    rng = np.random.default_rng(3)
+    q = rng.integers(-1, 2, size=(40, 4)).astype(np.float32)  # quantised: many ties, across shards
+    x = rng.integers(-1, 2, size=(90, 4)).astype(np.float32)
+    ids = rng.permutation(5000)[:90].astype(np.int64)
+    s, i = exact_topk(q, x, ids, 8)
+    parts = [(ids[a:b], x[a:b]) for a, b in ((0, 5), (5, 50), (50, 50), (50, 90))]  # one shard empty
+    s2, i2 = exact_topk_shards(q, iter(parts), 8)
+    np.testing.assert_array_equal(i2, i)
+    np.testing.assert_array_equal(s2, s)
+    s3, i3 = exact_topk_shards(q, [(ids[:3], x[:3])], 8)  # fewer items than k
+    assert i3.shape == (40, 3)
 
 
 def test_exact_topk_k_larger_than_collection():

@@ -509,3 +509,26 @@ def test_quantize_int8_scores_with_the_quantised_ce_and_is_recorded(assets, tmp_
         kw = {"mode": "co", "ce_model": model_dir, "quantize": "int8", **bad}
         with pytest.raises(rerank.RerankError, match=match):
             run_rerank(staged, emb_dir, str(tmp_path / "bad"), **kw)
+
+
+def test_pairs_are_routed_to_the_staged_shard_holding_them_and_strangers_are_refused(assets):
+    """RouteToShard (what replaced the joins that shuffled every caption's text and every image id): each id
+    goes to the one staged shard that holds it; an id no shard holds, or two shards hold, fails the job in
+    one line."""
+    _, staged, _, _ = assets
+    ds = StagedDataset(staged)
+    reader = rerank.StagedReader(staged)
+    for kind, column, what in (("images", "item_id", "image"), ("captions", "caption_id", "caption")):
+        rels = tuple(ds.shard_names(kind))
+        fn = rerank.RouteToShard(reader, rels, column, what)
+        fn.setup()
+        for rel in rels:
+            for item_id in ds.read_shard_columns(rel, (column,)).column(column).to_pylist()[:3]:
+                assert list(fn.process((item_id, "v"))) == [(rel, (item_id, "v"))]
+        with pytest.raises(rerank.RerankError, match=f"{what} 12345 is not staged in --staged"):
+            list(fn.process((12345, "v")))
+        twice = rerank.RouteToShard(reader, rels + rels[:1], column, what)
+        twice.setup()
+        first = ds.read_shard_columns(rels[0], (column,)).column(column).to_pylist()[0]
+        with pytest.raises(rerank.RerankError, match=f"{what} {first} is staged twice"):
+            list(twice.process((first, "v")))

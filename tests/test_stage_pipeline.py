@@ -6,11 +6,8 @@ import os
 import subprocess
 import sys
 
-import apache_beam as beam
 import numpy as np
 import pytest
-from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
-from apache_beam.testing.util import assert_that, equal_to
 from click.testing import CliRunner
 
 from pipelines import common, stage
@@ -82,25 +79,38 @@ def run_cli(*args):
 
 
 # ------------------------------------------------------------------------------------- Beam parts
+def _read_and_stage(settings, task) -> list:
+    dofn = stage.ReadAndStage(settings)
+    dofn.setup()
+    return list(dofn.process(task))
+
+
 def test_read_and_stage_dofn_routes_rejects(tmp_path):
     write_inputs(tmp_path)
     tasks = plan_read_tasks("tsv", "image", "butd_tsv", str(tmp_path / "feats.tsv"), {}, F)
     settings = stage.Settings(output=str(tmp_path / "out"), feature_dim=F, max_regions=50, feature_format="parquet",
-                              feature_dtype="float32", images_per_shard=10)
-    with BeamTestPipeline() as p:
-        out = p | beam.Create(tasks) | beam.ParDo(stage.ReadAndStage(settings))  # one output of (tag, payload)
-        images = out | "images" >> beam.FlatMap(stage.pick, stage.T_IMAGE)
-        rejects = out | "rejects" >> beam.FlatMap(stage.pick, stage.T_REJECT)
-        info = out | "info" >> beam.FlatMap(stage.pick, stage.T_INFO)
-        assert_that(images | beam.Map(lambda r: r["source_id"]), equal_to(["a", "b", "c", "d", "a"]),
-                    label="staged")
-        assert_that(rejects | beam.Map(lambda cr: (cr[0], staging.reason_category(cr[1]["reason"]))),
-                    equal_to([("tsv", staging.R_FEATURE_DIM), ("tsv", staging.R_NOT_FINITE),
-                              ("tsv", staging.R_NUM_BOXES),
-                              ("tsv", "expected 6 tab-separated columns"),  # reader rejects
-                              ("tsv", "column 'boxes' is not valid base64")]),
-                    label="rejects")
-        assert_that(info, equal_to([{"type": "in", "collection": "tsv", "kind": "image", "n": 10}]), label="in")
+                              feature_dtype="float32", images_per_shard=10, spill_dir=str(tmp_path / "spill"))
+    out = [el for task in tasks for el in _read_and_stage(settings, task)]  # one output of (tag, payload)
+    refs = [ref for (_coll, _bucket), block in stage.pick_all(out, stage.T_IMAGE_REFS) for ref in block]
+    assert sorted(r["source_id"] for r in stage._load_rows(settings, "tsv", refs)) == ["a", "a", "b", "c", "d"]
+    assert sorted((c, staging.reason_category(r["reason"])) for c, r in stage.pick_all(out, stage.T_REJECT)) == \
+        sorted([("tsv", staging.R_FEATURE_DIM), ("tsv", staging.R_NOT_FINITE), ("tsv", staging.R_NUM_BOXES),
+                ("tsv", "expected 6 tab-separated columns"),  # reader rejects
+                ("tsv", "column 'boxes' is not valid base64")])
+    assert stage.pick_all(out, stage.T_INFO) == [{"type": "in", "collection": "tsv", "kind": "image", "n": 10}]
+    assert stage.pick_all(out, stage.T_COUNT) == [("tsv", 5)]
+    owners = [o for _, block in stage.pick_all(out, stage.T_OWNERS) for o in block]
+    assert sorted(o[3] for o in owners) == ["a", "a", "b", "c", "d"] and {o[2] for o in owners} == {"image"}
+
+
+def _spilled_refs(tmp_path, settings, coll, rows, key=7):
+    """Rows written to a read task's spill file (as ReadAndStage does) and their refs."""
+    path = stage.spill_path(settings.spill_dir, coll, key)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    spill = staging.FeatureSpill(path, path, F, settings.feature_dtype)
+    refs = [(key, int(r["item_id"]), spill.add_row(spill.append(r))) for r in rows]
+    spill.close()
+    return refs
 
 
 def test_image_shard_writer_dedupes_and_writes_atomically(tmp_path):
@@ -110,21 +120,16 @@ def test_image_shard_writer_dedupes_and_writes_atomically(tmp_path):
         return staging.stage_image(raw, collection="c", feature_dim=F, max_regions=50, source="s")
 
     settings = stage.Settings(output=str(tmp_path), feature_dim=F, max_regions=50, feature_format="hdf5",
-                              feature_dtype="float16", images_per_shard=10, expected_images={"c": 3})
-    rows = [(1, r) for r in (row("x", "s:2"), row("x", "s:1"), row("y", "s:3"), None)]  # (shard count, row)
-    with BeamTestPipeline() as p:
-        out = p | beam.Create([(("c", 0), rows)]) | beam.ParDo(stage.WriteImageShard(settings))
-        ids = sorted([schema.make_item_id("c", "image", s) for s in "xy"])
-        assert_that(out | "ids" >> beam.FlatMap(stage.pick, stage.T_STAGED_ID) | beam.Map(lambda kv: kv[0]),
-                    equal_to(ids), label="ids")
-        assert_that(out | "dups" >> beam.FlatMap(stage.pick, stage.T_REJECT)
-                    | beam.Map(lambda cr: cr[1]["locator"] + " " + cr[1]["reason"]),
-                    equal_to(["s:2 duplicate image id: 'x' in collection 'c'; first seen at s:1"]), label="dups")
-        assert_that(out | "info" >> beam.FlatMap(stage.pick, stage.T_INFO)
-                    | beam.Map(lambda i: (i["name"], i["rows"], i["feature_shard"]["name"])),
-                    equal_to([("images/c-00000-of-00001.parquet", 2, "features/c-00000-of-00001.h5")]), label="info")
-        assert_that(out | "marker" >> beam.FlatMap(stage.pick, stage.T_CAPTION_MARKER),
-                    equal_to([(("c", 0), (1, None))]), label="caption marker")
+                              feature_dtype="float16", images_per_shard=10, expected_images={"c": 3},
+                              spill_dir=str(tmp_path / "_spill" / "run"))
+    refs = _spilled_refs(tmp_path, settings, "c", [row("x", "s:2"), row("x", "s:1"), row("y", "s:3")])
+    out = list(stage.WriteImageShard(settings).process((("c", 0), [(1, refs[:2]), (1, refs[2:]), (1, None)])))
+    ids = sorted([schema.make_item_id("c", "image", s) for s in "xy"])
+    assert stage.pick_all(out, stage.T_STAGED) == [(("c", 0), (1, [(i, "test") for i in ids]))]
+    assert [cr[1]["locator"] + " " + cr[1]["reason"] for cr in stage.pick_all(out, stage.T_REJECT)] == \
+        ["s:2 duplicate image id: 'x' in collection 'c'; first seen at s:1"]
+    assert [(i["name"], i["rows"], i["feature_shard"]["name"]) for i in stage.pick_all(out, stage.T_INFO)] == \
+        [("images/c-00000-of-00001.parquet", 2, "features/c-00000-of-00001.h5")]
     assert sorted(os.listdir(tmp_path / "features")) == ["c-00000-of-00001.h5"]  # no temp files left
 
 
@@ -243,26 +248,33 @@ def test_module_help():
     assert res.returncode == 0 and "--images-per-shard" in res.stdout and "--max-reject-fraction" in res.stdout
 
 
-def test_read_and_stage_spills_features_so_the_shuffle_carries_metadata_only(tmp_path):
+def test_read_and_stage_spills_rows_and_regions_so_shuffles_carry_refs_only(tmp_path):
+    """Beam's local runners keep a shuffle's whole input in memory: a read task's rows and regions go to its
+    spill file, and what it emits for the shuffles is (spill key, id, row number) refs and owner tuples, not
+    rows; the rows and regions read back are the staged ones."""
+    from retrieval_core.readers import read_task
+
     write_inputs(tmp_path)
     tasks = plan_read_tasks("tsv", "image", "butd_tsv", str(tmp_path / "feats.tsv"), {}, F)
-    kw = dict(output=str(tmp_path / "out"), feature_dim=F, max_regions=50, feature_format="parquet",
-              feature_dtype="float32", images_per_shard=10)
-    def run(settings):
-        dofn = stage.ReadAndStage(settings)
-        dofn.setup()
-        return list(dofn.process(tasks[0]))
-
-    inline = run(stage.Settings(**kw))
-    spilled = run(stage.Settings(**kw, spill_dir=str(tmp_path / "spill")))
-    inline_rows = [r for tag, r in inline if tag == stage.T_IMAGE]
-    refs = [r for tag, r in spilled if tag == stage.T_IMAGE]
-    assert len(refs) == len(inline_rows) == 5
-    assert all("features" not in r and os.path.exists(r[staging.K_SPILL]) for r in refs)
+    settings = stage.Settings(output=str(tmp_path / "out"), feature_dim=F, max_regions=50, feature_format="parquet",
+                              feature_dtype="float32", images_per_shard=10, spill_dir=str(tmp_path / "spill"))
+    out = _read_and_stage(settings, tasks[0])
+    refs = [ref for _, block in stage.pick_all(out, stage.T_IMAGE_REFS) for ref in block]
+    assert len(refs) == 5 and all(len(r) == 3 and all(isinstance(v, int) for v in r) for r in refs)
+    assert {tag for tag, _ in out} == {stage.T_IMAGE_REFS, stage.T_OWNERS, stage.T_REJECT, stage.T_INFO,
+                                       stage.T_COUNT}
     assert not [f for f in os.listdir(tmp_path / "spill") if ".tmp-" in f]  # published under its final name
-    for back, orig in zip(staging.load_spilled(refs), inline_rows):
-        np.testing.assert_array_equal(back["features"], orig["features"])
-        np.testing.assert_array_equal(back["boxes"], orig["boxes"])
+    direct = [staging.stage_image(r, collection="tsv", feature_dim=F, max_regions=50, source=str(tmp_path / "feats.tsv"))
+              for r in read_task(tasks[0]) if isinstance(r, schema.RawImage)]
+    direct = {r[staging.K_LOCATOR]: r for r in direct if isinstance(r, dict)}
+    back = staging.load_spilled(stage._load_rows(settings, "tsv", refs))
+    assert len(back) == len(direct) == 5
+    for r in back:
+        orig = direct[r[staging.K_LOCATOR]]
+        assert {k: v for k, v in r.items() if k not in ("features", "boxes")} == \
+            {k: v for k, v in orig.items() if k not in ("features", "boxes")}
+        np.testing.assert_array_equal(r["features"], orig["features"])
+        np.testing.assert_array_equal(r["boxes"], orig["boxes"])
 
 
 def test_staging_run_leaves_no_spill_files(staged):
