@@ -61,6 +61,10 @@ def exact_topk(queries: np.ndarray, items: np.ndarray, item_ids: np.ndarray, k: 
     out_i = np.empty((n_q, k), dtype=np.int64)
     if k == 0 or n_q == 0:
         return out_s, out_i
+    if n_q == 1 and n <= SCAN_CHUNK_SCORES:  # one query, one chunk: numpy alone (torch's per-call costs
+        s, i = _topk_one(queries[0], items, item_ids, k)  # would be most of it at this size)
+        out_s[0], out_i[0] = s, i
+        return out_s, out_i
     items_t = _tensor(items)
     for start in range(0, n_q, batch_size):  # tensors from numpy never require grad: no autograd context
         q = queries[start:start + batch_size]
@@ -78,6 +82,21 @@ def _tensor(a: np.ndarray):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(a)
+
+
+def _topk_one(q: np.ndarray, items: np.ndarray, item_ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k of one query over a few items: GEMV, the k+1 best by argpartition, ordered by (score desc, id
+    asc). If the (k+1)-th equals the k-th, argpartition may have dropped a tied item with a smaller id: the
+    tied scores are then ordered over all items."""
+    s = items @ q
+    n = len(s)
+    cand = np.argpartition(s, n - k - 1)[n - k - 1:] if k < n else np.arange(n)
+    cand = cand[np.lexsort((item_ids[cand], -s[cand]))]
+    if k < n and s[cand[k]] == s[cand[k - 1]]:
+        cand = np.flatnonzero(s >= s[cand[k - 1]])
+        cand = cand[np.lexsort((item_ids[cand], -s[cand]))]
+    best = cand[:k]
+    return s[best], item_ids[best]
 
 
 def _topk_block(q: np.ndarray, items: np.ndarray, items_t, item_ids: np.ndarray, k: int
