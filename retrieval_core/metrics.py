@@ -42,8 +42,6 @@ def exact_topk(queries: np.ndarray, items: np.ndarray, item_ids: np.ndarray, k: 
     (zero-copy views of the float32 arrays, torch's thread setting), with the top-k taken chunk by chunk, so the
     scores of all N items never exist at once.
     """
-    import torch
-
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     items = np.ascontiguousarray(items, dtype=np.float32)
     item_ids = np.asarray(item_ids, dtype=np.int64)
@@ -57,13 +55,12 @@ def exact_topk(queries: np.ndarray, items: np.ndarray, item_ids: np.ndarray, k: 
         raise ValueError(f"k must be >= 1, got {k}")
     n_q, n = queries.shape[0], items.shape[0]
     k = min(k, n)
+    if n_q == 1 and 0 < n <= SCAN_CHUNK_SCORES:  # one query, one chunk: numpy alone (torch's per-call costs
+        s, i = _topk_one(queries[0], items, item_ids, k)  # would be most of it at this size)
+        return s[None], i[None]
     out_s = np.empty((n_q, k), dtype=np.float32)
     out_i = np.empty((n_q, k), dtype=np.int64)
     if k == 0 or n_q == 0:
-        return out_s, out_i
-    if n_q == 1 and n <= SCAN_CHUNK_SCORES:  # one query, one chunk: numpy alone (torch's per-call costs
-        s, i = _topk_one(queries[0], items, item_ids, k)  # would be most of it at this size)
-        out_s[0], out_i[0] = s, i
         return out_s, out_i
     items_t = _tensor(items)
     for start in range(0, n_q, batch_size):  # tensors from numpy never require grad: no autograd context
