@@ -373,14 +373,17 @@ class StagedReader:
 
         Regions travel once per image, not once per pair (a pair copy of every image's regions was ~200 KB x
         the number of pairs, which exhausted memory on the demo), and only the ``max_regions`` the CE model
-        uses (the stager keeps regions in confidence order, so the cut is lossless)."""
+        uses (the stager keeps regions in confidence order, so the cut is lossless), in the staged dtype."""
         rel, requested = element
         by_image: dict[int, list] = {}
         for image_id, pair in requested:
             by_image.setdefault(int(image_id), []).append(pair)
         wanted = [(i, sorted(by_image[i], key=lambda p: p[0])) for i in sorted(by_image)]
         ids = np.array([i for i, _ in wanted], dtype=np.int64)
-        table = self._dataset().read_image_shard(rel, ids)
+        # in the staged dtype: float16 regions stay float16 through the shuffle that gathers a CE group (half
+        # the memory a local runner holds); collate widens them to float32 exactly as reading them would
+        ds = self._dataset()
+        table = ds.read_image_shard(rel, ids, dtype=np.dtype(ds.feature_dtype))
         pos = table.position_of() if table is not None else {}
         for image_id, pairs in wanted:
             if image_id not in pos:
