@@ -39,6 +39,16 @@ class TextCollator:
         return {"input_ids": enc["input_ids"].long(), "attention_mask": enc["attention_mask"].long()}
 
 
+def length_chunks(texts: Sequence[str], rows: int) -> list[np.ndarray]:
+    """Positions of ``texts`` cut into chunks of at most ``rows``, shortest first, so that each chunk is padded to
+    its own longest text instead of the whole batch's. Character length orders them, as inference does
+    (VLRetrievalModel.encode_text). ``rows`` < 1: one chunk in input order."""
+    if rows < 1:
+        return [np.arange(len(texts))]
+    order = np.argsort([len(t) for t in texts], kind="stable")
+    return [order[i:i + rows] for i in range(0, len(order), rows)]
+
+
 def collate_images(images: Sequence[Regions], max_regions: int = DEFAULT_MAX_REGIONS) -> dict[str, torch.Tensor]:
     """Pads a batch of images to the largest region count in the batch (capped at ``max_regions``).
 

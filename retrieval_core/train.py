@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from retrieval_core import metrics
 from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, device_option, threads_option
-from retrieval_core.collate import collate_images, collate_pairs
+from retrieval_core.collate import collate_images, collate_pairs, length_chunks
 from retrieval_core.losses import (HardNegatives, MinedNegatives, batch_hard_triplet_loss, ce_listwise_loss,
                                    ce_pair_loss, infonce_loss, sample_ce_groups)
 from retrieval_core.model import VLRetrievalModel, _autocast
@@ -96,6 +96,10 @@ class TrainConfig:
     device: str = "cpu"
     amp: bool = True  # bf16 autocast on CUDA; CPU is always exact float32
     eval_batch_size: int = 128
+    # Forward text and (caption, image) pairs in length-sorted chunks of this many rows (0: one batch padded to its
+    # longest caption). Demo captions are 20 word pieces on average but a batch pads to ~30, so chunks of 16 cut a
+    # step's FLOPs; attention masks keep each row's result that of the padded batch (up to float rounding).
+    length_chunk_rows: int = 16
     progress: bool = True
 
     def __post_init__(self):
@@ -124,6 +128,8 @@ class TrainConfig:
                              f"got {self.mined_negative_prob}, {self.mine_k}, {self.mine_every}, {self.mine_pool}")
         if self.mine_model is not None and not self.mined_negative_prob:
             raise ValueError("mine_model is the BE that mines CE negatives: set mined_negative_prob > 0 too")
+        if self.length_chunk_rows < 0:
+            raise ValueError(f"length_chunk_rows must be >= 0, got {self.length_chunk_rows}")
         if self.steps < 1 or self.batch_size < 2:
             raise ValueError(f"need steps >= 1 and batch_size >= 2, got {self.steps}, {self.batch_size}")
 
@@ -376,8 +382,10 @@ class Trainer:
         img_pos = self.data.image_pos[caps]
         uniq, inverse = np.unique(img_pos, return_inverse=True)  # encode each image once
         regions = [self.data.images.regions(int(p)) for p in uniq]
+        texts = [self.data.texts[i] for i in caps]
         with self._amp():
-            text = self.model.embed_text(self._to_device(self.collate_text([self.data.texts[i] for i in caps])))
+            text = self._by_length_chunks(texts, lambda idx: self.collate_text([texts[i] for i in idx]),
+                                          self.model.embed_text)
             imgs = self.model.embed_image(self._to_device(collate_images(regions, self.model.cfg.max_regions)))
         image_emb = imgs.float()[torch.from_numpy(inverse).to(self.device)]
         ids = torch.from_numpy(img_pos).to(self.device)
@@ -407,16 +415,28 @@ class Trainer:
                                                   len(self.data), self.cfg.ce_negatives, self.cfg.p_replace_image,
                                                   self.hard, self.cfg.hard_negative_prob,
                                                   self.mined, self.cfg.mined_negative_prob)
-        batch = collate_pairs(self.collate_text, [self.data.texts[i] for i in group_caps.reshape(-1)],
-                              [self.data.images.regions(int(p)) for p in group_imgs.reshape(-1)],
-                              self.model.cfg.max_regions)
+        texts = [self.data.texts[i] for i in group_caps.reshape(-1)]
+        regions = [self.data.images.regions(int(p)) for p in group_imgs.reshape(-1)]
+        mr = self.model.cfg.max_regions
         with self._amp():
-            logits = self.model.ce_logits(self._to_device(batch)).float()
+            logits = self._by_length_chunks(
+                texts, lambda idx: collate_pairs(self.collate_text, [texts[i] for i in idx], [regions[i] for i in idx],
+                                                 mr), self.model.ce_logits).float()
         if self.cfg.ce_loss == "listwise":
             return ce_listwise_loss((logits[:, 1] - logits[:, 0]).view(group_caps.shape))
         labels = np.zeros(group_caps.shape, dtype=np.int64)
         labels[:, 0] = 1
         return ce_pair_loss(logits, torch.from_numpy(labels.reshape(-1)).to(self.device))
+
+    def _by_length_chunks(self, texts: list[str], make_batch, forward) -> torch.Tensor:
+        """``forward`` over length-sorted chunks of the batch (cfg.length_chunk_rows), rows back in input order."""
+        chunks = length_chunks(texts, self.cfg.length_chunk_rows)
+        if len(chunks) == 1:
+            return forward(self._to_device(make_batch(np.arange(len(texts)))))
+        out = torch.cat([forward(self._to_device(make_batch(idx))) for idx in chunks])
+        inverse = np.empty(len(texts), dtype=np.int64)
+        inverse[np.concatenate(chunks)] = np.arange(len(texts))
+        return out[torch.from_numpy(inverse).to(self.device)]
 
     def _optimizer_step(self, loss: torch.Tensor, lr: float) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -714,6 +734,8 @@ _CHOICE = dict(case_sensitive=False)
               help="Dev evaluation every M steps (0: at the end).")
 @click.option("--checkpoint-every", type=int, default=0, show_default=True,
               help="Write output/last every N steps (0: at the end).")
+@click.option("--length-chunk-rows", type=click.IntRange(min=0), default=16, show_default=True,
+              help="Forward captions and CE pairs in length-sorted chunks of this many rows (0: one padded batch).")
 @click.option("--resume", is_flag=True, help="Continue from output/last/.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @device_option()
@@ -728,7 +750,8 @@ _CHOICE = dict(case_sensitive=False)
 def main(staged, manifest, objective, base_model, halve_layers, be_loss, steps, batch_size, lr, new_layers_lr_mult,
          image_init, margin, hard_negative_prob, hard_negative_k, mined_negative_prob, mine_k, mine_every, mine_pool,
          mine_model, freeze_word_embeddings, ce_loss, ce_negatives,
-         ce_batch_size, ce_start_step, output, eval_every, checkpoint_every, resume, seed, device, no_amp,
+         ce_batch_size, ce_start_step, output, eval_every, length_chunk_rows, checkpoint_every, resume, seed, device,
+         no_amp,
          max_regions, max_train_captions, train_split, dev_split, threads, no_progress) -> None:
     apply_device_and_threads(device, threads)
     with cli_errors():  # missing staged folder, bad model folder, bad value: one line, exit 1
@@ -739,7 +762,8 @@ def main(staged, manifest, objective, base_model, halve_layers, be_loss, steps, 
                           mine_every=mine_every, mine_pool=mine_pool, mine_model=mine_model, ce_loss=ce_loss, ce_negatives=ce_negatives,
                           ce_batch_size=ce_batch_size, ce_start_step=ce_start_step,
                           freeze_word_embeddings=freeze_word_embeddings, eval_every=eval_every,
-                          checkpoint_every=checkpoint_every, seed=seed, device=device, amp=not no_amp,
+                          checkpoint_every=checkpoint_every, length_chunk_rows=length_chunk_rows, seed=seed,
+                          device=device, amp=not no_amp,
                           progress=not no_progress)
         plan = TrainPlan(staged=staged, output=output, config=cfg, base_model=base_model, halve_layers=halve_layers,
                          max_regions=max_regions, max_train_captions=max_train_captions, train_split=train_split,

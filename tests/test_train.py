@@ -208,7 +208,8 @@ def test_cli_with_the_demo_flags_trains_exactly_what_the_library_trains(tmp_path
     args = ["--staged", staged, "--objective", "JOINT", "--base-model", base, "--halve-layers", "--be-loss", "infonce",
             "--image-init", "lstsq", "--new-layers-lr-mult", "20", "--max-regions", "3", "--ce-start-step", "3",
             "--ce-loss", "listwise", "--ce-negatives", "3", "--ce-batch-size", "6", "--hard-negative-prob", "0.5",
-            "--hard-negative-k", "4", "--freeze-word-embeddings", "--steps", "8", "--batch-size", "8", "--lr", "1e-4",
+            "--hard-negative-k", "4", "--mined-negative-prob", "0.5", "--mine-every", "3", "--length-chunk-rows", "4",
+            "--freeze-word-embeddings", "--steps", "8", "--batch-size", "8", "--lr", "1e-4",
             "--eval-every", "4", "--checkpoint-every", "2", "--dev-split", "test", "--seed", "3", "--threads", "1",
             "--no-progress", "--output", str(tmp_path / "cli")]
     res = CliRunner().invoke(main, args, catch_exceptions=False)
@@ -216,7 +217,8 @@ def test_cli_with_the_demo_flags_trains_exactly_what_the_library_trains(tmp_path
 
     cfg = TrainConfig(objective="joint", be_loss="infonce", image_init="lstsq", new_layers_lr_mult=20.0,
                       ce_start_step=3, ce_loss="listwise", ce_negatives=3, ce_batch_size=6, hard_negative_prob=0.5,
-                      hard_negative_k=4, freeze_word_embeddings=True, steps=8, batch_size=8, lr=1e-4, eval_every=4,
+                      hard_negative_k=4, mined_negative_prob=0.5, mine_every=3, length_chunk_rows=4,
+                      freeze_word_embeddings=True, steps=8, batch_size=8, lr=1e-4, eval_every=4,
                       checkpoint_every=2, seed=3, progress=False)
     ds = StagedDataset(staged)
     model = from_text_backbone(base, ds.feature_dim, keep_every_other_layer=True, seed=3)
@@ -224,8 +226,8 @@ def test_cli_with_the_demo_flags_trains_exactly_what_the_library_trains(tmp_path
     Trainer(model, load_split(ds, "train", seed=3), cfg, str(tmp_path / "lib"), load_split(ds, "test")).train()
     for name in ("best/model.safetensors", "last/model.safetensors", "last/trainer_state.safetensors"):
         assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "lib" / name).read_bytes(), name
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} | (
-        {"eval": {k: v for k, v in r["eval"].items() if k != "seconds"}} if "eval" in r else {}) for r in rows]
+    timeless = lambda d: {k: v for k, v in d.items() if k != "seconds"}
+    strip = lambda rows: [timeless(r) | {k: timeless(r[k]) for k in ("eval", "mined") if k in r} for r in rows]
     assert strip(_log(tmp_path / "cli")) == strip(_log(tmp_path / "lib"))
 
 
@@ -356,3 +358,31 @@ def test_joint_training_with_mined_negatives_resumes_identically(tmp_path, data)
     assert all(torch.equal(a[k], b[k]) for k in a)
     minings = [r for r in _log(tmp_path / "straight") if "mined" in r]
     assert [r["step"] for r in minings] == [0, 3, 6] and minings[0]["mined"]["until_step"] == 3
+
+
+def test_length_chunks_cover_the_batch_shortest_first():
+    from retrieval_core.collate import length_chunks
+
+    texts = ["a" * n for n in (9, 2, 7, 2, 5, 1, 8)]
+    chunks = length_chunks(texts, 3)
+    assert [len(c) for c in chunks] == [3, 3, 1]
+    flat = np.concatenate(chunks)
+    assert sorted(flat.tolist()) == list(range(len(texts)))
+    assert [len(texts[i]) for i in flat] == sorted(len(t) for t in texts)
+    assert np.array_equal(length_chunks(texts, 0)[0], np.arange(len(texts)))
+
+
+def test_length_chunked_losses_equal_one_padded_batch(tmp_path, data):
+    """Chunking by length only drops padding: with dropout off, the BE and CE losses are those of one batch."""
+    train, _ = data
+    losses = {}
+    for rows in (0, 4):
+        model = tiny_model(str(tmp_path / f"m{rows}"), feature_dim=F)
+        cfg = TrainConfig(objective="joint", steps=10, batch_size=16, ce_negatives=3, ce_loss="listwise",
+                          length_chunk_rows=rows, progress=False)
+        trainer = Trainer(model, train, cfg, str(tmp_path / f"out{rows}"))
+        model.eval()
+        caps = trainer._batch_indices(3)
+        with torch.no_grad():
+            losses[rows] = (float(trainer._be_loss(caps)), float(trainer._ce_loss(caps, 3)))
+    assert losses[4] == pytest.approx(losses[0], rel=1e-5, abs=1e-6)
