@@ -94,7 +94,10 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0: checkpoint only at the end
     seed: int = 0
     device: str = "cpu"
-    amp: bool = True  # bf16 autocast on CUDA; CPU is always exact float32
+    amp: bool = True  # bf16 autocast on CUDA
+    # bf16 autocast for training steps on the CPU too (dev evaluation and inference stay float32): worth it only
+    # where the CPU computes bf16 natively (avx512_bf16 / AMX); elsewhere it is slower than float32
+    cpu_bf16: bool = False
     eval_batch_size: int = 128
     # Forward text and (caption, image) pairs in length-sorted chunks of this many rows (0: one batch padded to its
     # longest caption). Demo captions are 20 word pieces on average but a batch pads to ~30, so chunks of 16 cut a
@@ -358,6 +361,8 @@ class Trainer:
         return torch.optim.AdamW(param_groups, lr=self.cfg.lr, fused=True)
 
     def _amp(self):
+        if self.device.type == "cpu" and self.cfg.cpu_bf16:
+            return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
         return _autocast(self.device, "bf16" if self.cfg.amp else None)
 
     def _lr_at(self, step: int) -> float:
@@ -740,6 +745,7 @@ _CHOICE = dict(case_sensitive=False)
 @click.option("--seed", type=int, default=0, show_default=True)
 @device_option()
 @click.option("--no-amp", is_flag=True, help="No bf16 autocast on CUDA.")
+@click.option("--cpu-bf16", is_flag=True, help="bf16 autocast for CPU training steps (CPUs with native bf16 only).")
 @click.option("--max-regions", type=int, help="Regions per image the model uses (kept with the model; fewer = "
                                                 "faster on CPU).")
 @click.option("--max-train-captions", type=int, help="Train on a seeded random subset of this many captions.")
@@ -751,7 +757,7 @@ def main(staged, manifest, objective, base_model, halve_layers, be_loss, steps, 
          image_init, margin, hard_negative_prob, hard_negative_k, mined_negative_prob, mine_k, mine_every, mine_pool,
          mine_model, freeze_word_embeddings, ce_loss, ce_negatives,
          ce_batch_size, ce_start_step, output, eval_every, length_chunk_rows, checkpoint_every, resume, seed, device,
-         no_amp,
+         no_amp, cpu_bf16,
          max_regions, max_train_captions, train_split, dev_split, threads, no_progress) -> None:
     apply_device_and_threads(device, threads)
     with cli_errors():  # missing staged folder, bad model folder, bad value: one line, exit 1
@@ -763,7 +769,7 @@ def main(staged, manifest, objective, base_model, halve_layers, be_loss, steps, 
                           ce_batch_size=ce_batch_size, ce_start_step=ce_start_step,
                           freeze_word_embeddings=freeze_word_embeddings, eval_every=eval_every,
                           checkpoint_every=checkpoint_every, length_chunk_rows=length_chunk_rows, seed=seed,
-                          device=device, amp=not no_amp,
+                          device=device, amp=not no_amp, cpu_bf16=cpu_bf16,
                           progress=not no_progress)
         plan = TrainPlan(staged=staged, output=output, config=cfg, base_model=base_model, halve_layers=halve_layers,
                          max_regions=max_regions, max_train_captions=max_train_captions, train_split=train_split,

@@ -386,3 +386,17 @@ def test_length_chunked_losses_equal_one_padded_batch(tmp_path, data):
         with torch.no_grad():
             losses[rows] = (float(trainer._be_loss(caps)), float(trainer._ce_loss(caps, 3)))
     assert losses[4] == pytest.approx(losses[0], rel=1e-5, abs=1e-6)
+
+
+def test_cpu_bf16_autocasts_training_steps_only(tmp_path, data):
+    """--cpu-bf16: the trainer's forward passes run in bf16 on the CPU; without it they stay float32."""
+    train, dev = data
+    for flag, dtype in ((False, torch.float32), (True, torch.bfloat16)):
+        model = tiny_model(str(tmp_path / f"m{flag}"), feature_dim=F)
+        cfg = TrainConfig(objective="joint", steps=2, batch_size=8, cpu_bf16=flag, progress=False)
+        trainer = Trainer(model, train, cfg, str(tmp_path / f"out{flag}"), dev)
+        with trainer._amp():
+            out = model.bert.encoder.layer[0].attention.self.query(torch.zeros(2, model.bert.config.hidden_size))
+        assert out.dtype == dtype
+        result = trainer.train()  # steps run and the dev evaluation (float32) still works
+        assert np.isfinite(result["best_eval"]["mR"])
