@@ -15,11 +15,18 @@ bi-encoder (cosine of the embeddings) and by the cross-encoder. Two tables, writ
   against the base, are both ``attribute``; two siblings differ by both changes, ``attribute+binding``);
   chance = 50 %.
 
+A third head, ``oracle``, is the ceiling the features allow: it decodes each region the CE sees to the
+(class, colour) it correlates with most in the generator's codebook (``synthetic.decode_regions``) and scores
+an image by how many of the caption's two focus (class, colour) pairs it contains (ties count as misses in
+``pairwise``). It separates binding siblings although mean pooling cannot: a miss of a learned head there is a
+learning failure, not missing information.
+
 This is what the recall tables cannot show: R@1 on a synthetic collection is decided inside families, and the
 per-change rows say which differences the CE resolves that the pooled BE does not.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -79,9 +86,18 @@ def probe(staged: StagedDataset, spec: synthetic.SyntheticSpec, be_model: VLRetr
     text_emb = be_model.encode_text(texts, batch_size=batch_size, device=device)
     img_emb = be_model.encode_image(regions, batch_size=batch_size, device=device)
     be = np.einsum("pd,pd->p", np.repeat(text_emb, [len(f) for f in members], axis=0), img_emb)
+    # The ceiling: how many of the caption's focus (class, colour) pairs the regions the CE sees contain
+    # (the codebook is drawn per (world_seed, feature width): take the width staged, which a --set may change)
+    codebook = dataclasses.replace(spec, feature_dim=int(regions[0][0].shape[1]))
+    decoded: dict[int, set] = {}
+    for i, (feats, _) in zip(flat, regions):
+        if i not in decoded:
+            decoded[i] = set(synthetic.decode_regions(codebook, feats[:ce_model.cfg.max_regions]))
+    oracle = np.array([len(synthetic.focus_pairs(scenes[gold]) & decoded[i])
+                       for fam, gold in zip(members, golds) for i in fam], dtype=np.float64)
 
     rows = []
-    for head, scores in (("BE", be), ("CE", ce)):
+    for head, scores in (("BE", be), ("CE", ce), ("oracle", oracle)):
         top1: dict[str, list[int]] = {}
         pairwise: dict[str, list[int]] = {}
         start = 0

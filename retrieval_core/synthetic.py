@@ -433,6 +433,26 @@ def generate_image(spec: SyntheticSpec, index: int) -> RawImage:
     )
 
 
+def decode_regions(spec: SyntheticSpec, features: np.ndarray) -> list[tuple[str, str]]:
+    """The (class, colour) each region feature correlates with most in the world codebook (centred features).
+
+    An oracle for what the features make recoverable, not an input to any model: which colour sits on which
+    object is in every single region, although the image's mean cannot show a binding swap
+    (benchmarks.family_probe's ``oracle`` head)."""
+    world = _world(spec.world_seed, spec.feature_dim)
+    f = np.asarray(features, dtype=np.float32)
+    f = f - f.mean(axis=1, keepdims=True)
+    classes, colours = list(world.class_row), list(world.colour_row)
+    c = np.argmax(f @ world.table[[world.class_row[k] for k in classes]].T, axis=1)
+    k = np.argmax(f @ world.table[[world.colour_row[k] for k in colours]].T, axis=1)
+    return [(classes[i], colours[j]) for i, j in zip(c, k)]
+
+
+def focus_pairs(scene: dict) -> set[tuple[str, str]]:
+    """The (class, colour) of the two focus groups: what every caption of the scene names."""
+    return {(scene["groups"][g]["class"], scene["groups"][g]["colour"]) for g in scene["focus"]}
+
+
 def generate_images(spec: SyntheticSpec, start: int = 0, stop: Optional[int] = None) -> Iterator[RawImage]:
     stop = spec.num_images if stop is None else min(stop, spec.num_images)
     for i in range(max(start, 0), stop):

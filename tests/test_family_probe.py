@@ -45,6 +45,9 @@ def test_probe_counts_and_accuracies_match_the_heads_scores(setup):
     # per family of 4 with 5 captions each: base-attribute pairs 2 x 2 x 5, base-binding 2 x 5, ...
     assert dict(pair["total"].drop("all")) == {"attribute": 240, "binding": 120, "attribute+attribute": 120,
                                                "attribute+binding": 240}
+    # the codebook oracle is scored on the same (caption, member) grid
+    oracle = rows[(rows["table"] == "pairwise") & (rows["head"] == "oracle")].set_index("change")
+    assert oracle["total"].to_dict() == pair["total"].to_dict()
 
     # recompute the CE top-1 accuracy of base captions from the model's own scores
     ds = StagedDataset(staged)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from retrieval_core.schema import RawCaption, RawImage
-from retrieval_core.synthetic import (COLOURS, COUNT_WORDS, DOMAINS, RELATION_WORDS, SyntheticSpec, describe_scene,
-                                      generate_captions, generate_captions_for, generate_image, generate_images,
-                                      image_source_id, split_of)
+from retrieval_core.synthetic import (COLOURS, COUNT_WORDS, DOMAINS, RELATION_WORDS, SyntheticSpec, decode_regions,
+                                      describe_scene, focus_pairs, generate_captions, generate_captions_for,
+                                      generate_image, generate_images, image_source_id, split_of)
 
 
 def _same(a: RawImage, b: RawImage) -> bool:
@@ -205,6 +205,23 @@ def test_binding_swap_is_invisible_to_mean_pooling():
         assert np.median(d) < np.percentile(unrelated, 5), change
     # An attribute sibling is as close as a binding one: one object's colour is a small share of the mean.
     assert np.median(by_change["attribute"]) < np.percentile(unrelated, 5)
+
+
+def test_binding_is_recoverable_from_single_regions():
+    """What a binding swap hides from the mean is in every region: decoding each of the 12 most confident
+    regions to its nearest (class, colour) codes finds both focus pairs of the caption in the gold image and
+    neither in its binding sibling (issue 17: a CE that misses binding fails to learn, it is not starved)."""
+    spec = SyntheticSpec("bind", 200, seed=5, feature_dim=256, sibling_changes=("attribute", "binding", "attribute"))
+    gold_found, sibling_found = [], []
+    for base in range(0, 200, 4):
+        want = focus_pairs(describe_scene(spec, base))
+        for i, found in ((base, gold_found), (base + 2, sibling_found)):
+            assert describe_scene(spec, i)["change"] == (None if i == base else "binding")
+            img = generate_image(spec, i)
+            top = np.argsort(-img.confidences, kind="stable")[:12]
+            found.append(len(want & set(decode_regions(spec, img.features[top]))))
+    assert np.mean(np.array(gold_found) == 2) >= 0.95, gold_found
+    assert np.mean(np.array(sibling_found) == 0) >= 0.95, sibling_found
 
 
 def test_from_options():
