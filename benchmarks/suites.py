@@ -343,7 +343,9 @@ class Planner:
             inputs += _model_inputs(ce_model)
         if mode == "ce":
             args += ["--max-exhaustive-pairs", str(max(exhaustive_limit or pairs, 1))]
-        return self.plan.add(Job(f"rerank {family} {mode} k={k} {st.name}/{pool}", "pipelines.rerank", tuple(args),
+        # the query selection is in the name: distractor_20k ranks two query sets against one pool
+        name = f"rerank {family} {mode} k={k} {st.name}/{pool} {os.path.basename(queries.output)}"
+        return self.plan.add(Job(name, "pipelines.rerank", tuple(args),
                                  out, "rankings_manifest.json", (("ce_pairs", pairs),) if mode != "emb" else (),
                                  inputs=tuple(inputs)))
 

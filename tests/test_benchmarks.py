@@ -396,3 +396,16 @@ def test_memory_table_reports_each_steps_peak_rss_per_size_and_growth_from_the_c
                                                                            "pipelines.stage", 660)], ()))
     table = report.memory_table_from(str(tmp_path), str(again))
     assert "| 600 | 660* | - | 700 | - | - | 420 |" in table and "| growth 300 -> 600 | +32 % |" in table
+
+
+def test_distractor_plan_ranks_each_task_in_its_own_job(model, tmp_path):
+    """distractor_20k ranks the COCO-like and the Flickr-like queries against one shared pool: two rerank jobs
+    per model and mode, told apart by their query selection (they once collided on one name and the suite
+    refused to plan)."""
+    res = _bench("--suite", "distractor_20k", "--plan", "--no-sep", "--model", model,
+                 "--workdir", str(tmp_path / "w"), timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    reranks = [line.split("--queries ")[1].split()[0] for line in res.stdout.splitlines()
+               if line.strip().startswith("python -m pipelines.rerank") and "--mode co" in line
+               and "/bench/runs/synthetic_distractor20k" in line]
+    assert len(reranks) == 2 and len(set(reranks)) == 2, res.stdout[-3000:]
