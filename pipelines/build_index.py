@@ -469,4 +469,4 @@ def main(ctx, emb_dir, output, modality, factory, metric, train_sample, seed, th
 common.add_progress_help(main)
 
 if __name__ == "__main__":
-    main()
+    common.main_as_module("pipelines.build_index")  # workers import pipelines.build_index, not __main__

@@ -543,3 +543,16 @@ def quiet_worker_tracebacks() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(drop)
+
+
+def main_as_module(module: str) -> None:
+    """``python -m pipelines.X``: run X's click command from the imported module, not from ``__main__``.
+
+    Functions and DoFns of ``__main__`` pickle by reference to ``__main__`` (an lru_cache wrapper always
+    does), which a Dask scheduler or worker -- a separate process started by ``dask worker`` -- resolves in
+    its own ``__main__``: the graph failed to deserialize ("Can't get attribute '_caption_splits' on
+    <module '__main__'>"). Imported under its own name, the module pickles as ``pipelines.X``, which every
+    worker with the project installed can import."""
+    import importlib
+
+    importlib.import_module(module).main()

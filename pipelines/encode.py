@@ -614,4 +614,4 @@ def main(ctx, staged, model_dir, output, modality, batch_size, device, collectio
 common.add_progress_help(main)
 
 if __name__ == "__main__":
-    main()
+    common.main_as_module("pipelines.encode")  # workers import pipelines.encode, not __main__

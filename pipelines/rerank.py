@@ -1116,4 +1116,4 @@ def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, l
 common.add_progress_help(main)
 
 if __name__ == "__main__":
-    main()
+    common.main_as_module("pipelines.rerank")  # workers import pipelines.rerank, not __main__

@@ -873,4 +873,4 @@ def main(ctx, manifest_ref, output, overrides, feature_format, feature_dtype, ma
 common.add_progress_help(main)
 
 if __name__ == "__main__":
-    main()
+    common.main_as_module("pipelines.stage")  # workers import pipelines.stage, not __main__

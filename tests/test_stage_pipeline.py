@@ -475,3 +475,27 @@ def test_direct_and_dask_runners_stage_identical_files(tmp_path, dask_cluster):
         s.pop("elapsed_s"), s.pop("runner"), s["options"].pop("beam_args")
     assert summaries["direct"] == summaries["dask"]
     assert summaries["dask"]["collections"]["syn"]["images"]["staged"] == 60
+
+
+def test_python_m_stage_runs_on_a_dask_cluster_in_other_processes(tmp_path, dask_cluster):
+    """The command a user runs: ``python -m pipelines.stage ... --runner=DaskRunner --dask_client_address=...``
+    in its own process. Run as __main__, the graph's functions pickled by reference to '__main__', which the
+    scheduler could not resolve ("Can't get attribute '_caption_splits' on <module '__main__'>");
+    common.main_as_module runs the CLI from pipelines.stage."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+    from tests.helpers_dask import assert_same_bytes, dask_args, relative_files
+
+    manifest = write_inputs(tmp_path)
+    opts = ["--images-per-shard", "20", "--max-reject-fraction", "1", "--chunk-size", "25"]
+    direct = str(tmp_path / "direct")
+    stage.run_stage(manifest, direct, images_per_shard=20, max_reject_fraction=1, chunk_size=25)
+    out = str(tmp_path / "dask")
+    res = subprocess.run([sys.executable, "-m", "pipelines.stage", "--manifest", manifest, "--output", out, *opts,
+                          *dask_args(dask_cluster)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    files = [f for f in relative_files(direct) if f != "summary.json"]
+    assert files == [f for f in relative_files(out) if f != "summary.json"]
+    assert_same_bytes(direct, out, files)
