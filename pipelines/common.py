@@ -215,15 +215,16 @@ def open_file(path: str):
 
 
 class BeamFileAccess:
-    """retrieval_core.readers.FileAccess over Beam FileSystems: the readers reach URL inputs (gs://, or any
-    scheme a registered Beam FileSystem serves) on the launcher (planning) and on the workers (reading).
+    """retrieval_core.paths.FileAccess over Beam FileSystems: the readers reach URL inputs (gs://, or any
+    scheme a registered Beam FileSystem serves) on the launcher (planning) and on the workers (reading), and
+    so do the embeddings, index and model-folder readers.
 
     Local paths go to the readers' local access unchanged, so local staging keeps its exact glob semantics
     and error messages (Beam's local match differs: ``*`` skips no dot files, a directory matches itself)."""
 
     @staticmethod
     def _local():
-        from retrieval_core.readers import LOCAL_FILES
+        from retrieval_core.paths import LOCAL_FILES
         return LOCAL_FILES
 
     def open(self, path: str):
@@ -258,6 +259,20 @@ class BeamFileAccess:
         if not is_url(path):
             return self._local().listdir(path)
         return self.match(path.rstrip("/") + "/*")  # Beam's "*" stops at "/": not recursive
+
+    def walk(self, path: str) -> list[tuple[str, int, str]]:
+        if not is_url(path):
+            return self._local().walk(path)
+        found = []
+        for m in FileSystems.match([path.rstrip("/") + "/**"])[0].metadata_list:
+            if m.path.endswith("/"):  # a zero-byte "folder" placeholder some bucket tools create
+                continue
+            try:  # the store's own checksum (GCS: CRC32C / MD5), no file read
+                checksum = FileSystems.checksum(m.path)
+            except NotImplementedError:
+                checksum = ""
+            found.append((m.path, int(m.size_in_bytes), f"{checksum}@{m.last_updated_in_seconds}"))
+        return sorted(found)
 
 
 #: The file access every pipeline passes to the readers.

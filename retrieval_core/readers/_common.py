@@ -8,79 +8,17 @@ caller's file access: the stage pipeline passes ``pipelines.common.BEAM_FILES`` 
 """
 from __future__ import annotations
 
-import glob
 import gzip
 import io
 import os
 import re
-from typing import BinaryIO, Iterator, Optional, Protocol, Sequence
+from typing import Iterator, Optional, Sequence
 
-from ..paths import is_url
+# The file access lives in paths (embeddings, index and checkpoints use it too); re-exported for the readers.
+from ..paths import LOCAL_FILES, FileAccess, LocalFileAccess, URLAccessError, is_url  # noqa: F401
 
 _GZIP_MAGIC = b"\x1f\x8b"
 _GLOB_CHARS = re.compile(r"[*?\[]")
-
-
-class FileAccess(Protocol):
-    """How the readers reach their input files. Paths are local paths or URLs (``scheme://...``).
-
-    ``open`` raises FileNotFoundError for a missing file (the readers add the path to the message);
-    ``match`` and ``listdir`` list files only (never directories), sorted."""
-
-    def open(self, path: str) -> BinaryIO:
-        """A binary read handle, the bytes exactly as stored (no transparent gunzip: the readers detect
-        gzip by its magic bytes themselves)."""
-
-    def match(self, pattern: str) -> list[str]:
-        """The files a glob pattern (``*``, ``?``, ``[...]``) matches."""
-
-    def exists(self, path: str) -> bool:
-        """Whether a file is at ``path``."""
-
-    def isdir(self, path: str) -> bool:
-        """Whether ``path`` is a directory (object stores: a prefix that holds files)."""
-
-    def listdir(self, path: str) -> list[str]:
-        """Full paths of the files directly in directory ``path`` (not recursive)."""
-
-
-class URLAccessError(ValueError):
-    """A URL path reached the local file access: the caller must pass a FileAccess for URLs. Readers let it
-    propagate (it is a setup error, never one record's reject)."""
-
-
-class LocalFileAccess:
-    """Python's own file access; refuses URLs with a message saying what to pass instead (rather than
-    treating ``gs://b/x`` as the local file ``gs:/b/x``)."""
-
-    @staticmethod
-    def _local(path: str) -> str:
-        path = os.fspath(path)
-        if is_url(path):
-            raise URLAccessError(f"{path} is a URL: the readers' default (local) file access cannot reach it; pass "
-                             f"files=<a FileAccess for URLs> (pipelines.stage passes pipelines.common.BEAM_FILES, "
-                             f"Beam FileSystems)")
-        return path
-
-    def open(self, path: str) -> BinaryIO:
-        return open(self._local(path), "rb")
-
-    def match(self, pattern: str) -> list[str]:
-        return sorted(p for p in glob.glob(self._local(pattern)) if os.path.isfile(p))
-
-    def exists(self, path: str) -> bool:
-        return os.path.isfile(self._local(path))
-
-    def isdir(self, path: str) -> bool:
-        return os.path.isdir(self._local(path))
-
-    def listdir(self, path: str) -> list[str]:
-        path = self._local(path)
-        return sorted(p for p in (os.path.join(path, n) for n in os.listdir(path)) if os.path.isfile(p))
-
-
-#: The default file access of every reader.
-LOCAL_FILES = LocalFileAccess()
 
 
 def _open_binary(path: str, files: Optional[FileAccess] = None):
