@@ -11,7 +11,9 @@ replaced shard instead of silently returning fewer vectors. Shard ``name`` is th
 ``embeddings/<modality>/``.
 
 Writing is byte-oriented (``embedding_shard_bytes``) so that Beam code can put the bytes anywhere through
-FileSystems; reading accepts a local path, bytes or a binary file object.
+FileSystems; reading accepts a local path, bytes or a binary file object. The directory readers take
+``files`` (a ``paths.FileAccess``, default local): the pipelines pass ``pipelines.common.BEAM_FILES``, so an
+embeddings directory can be a URL (gs://).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from retrieval_core import schema
+from retrieval_core.paths import FileAccess, is_url, join_path, read_file
 
 EMBEDDINGS_MANIFEST = "embeddings_manifest.json"
 EMBEDDINGS_SUBDIR = "embeddings"
@@ -141,15 +144,16 @@ def validate_embeddings_manifest(manifest: dict, where: str = "embeddings manife
 
 
 def manifest_path(emb_dir: str) -> str:
-    return os.path.join(emb_dir, EMBEDDINGS_MANIFEST)
+    return join_path(emb_dir, EMBEDDINGS_MANIFEST)
 
 
-def load_embeddings_manifest(emb_dir: str) -> dict:
+def load_embeddings_manifest(emb_dir: str, files: Optional[FileAccess] = None) -> dict:
     path = manifest_path(emb_dir)
-    if not os.path.exists(path):
-        raise EmbeddingsError(f"no {EMBEDDINGS_MANIFEST} in {emb_dir}")
-    with open(path, "rb") as f:
-        return validate_embeddings_manifest(json.loads(f.read().decode("utf-8")), where=path)
+    try:
+        data = read_file(path, files)
+    except FileNotFoundError:
+        raise EmbeddingsError(f"no {EMBEDDINGS_MANIFEST} in {emb_dir}") from None
+    return validate_embeddings_manifest(json.loads(data.decode("utf-8")), where=path)
 
 
 def modality_entry(manifest: dict, modality: str) -> dict:
@@ -168,11 +172,11 @@ def verify_shard_bytes(data: bytes, entry: dict, where: str) -> None:
                               f"({entry['sha256'][:12]}...); the shard was changed or truncated")
 
 
-def read_embeddings(emb_dir: str, modality: str, verify: bool = True,
-                    progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def read_embeddings(emb_dir: str, modality: str, verify: bool = True, progress: bool = False,
+                    files: Optional[FileAccess] = None) -> tuple[np.ndarray, np.ndarray]:
     """All shards of one modality, concatenated in manifest order, checked against the manifest
     (checksums, per-shard rows, total count, dimension, unique ids)."""
-    manifest = load_embeddings_manifest(emb_dir)
+    manifest = load_embeddings_manifest(emb_dir, files)
     entry = modality_entry(manifest, modality)
     dim = int(manifest["dim"])
     shards = entry["shards"]
@@ -181,11 +185,11 @@ def read_embeddings(emb_dir: str, modality: str, verify: bool = True,
         shards = tqdm(shards, desc=f"read {modality} embeddings", unit="shard")
     all_ids, all_vecs = [], []
     for s in shards:
-        path = os.path.join(emb_dir, shard_relpath(modality, s["name"]))
-        if not os.path.exists(path):
-            raise EmbeddingsError(f"embedding shard listed in the manifest is missing: {path}")
-        with open(path, "rb") as f:
-            data = f.read()
+        path = join_path(emb_dir, shard_relpath(modality, s["name"]))
+        try:
+            data = read_file(path, files)
+        except FileNotFoundError:
+            raise EmbeddingsError(f"embedding shard listed in the manifest is missing: {path}") from None
         if verify:
             verify_shard_bytes(data, s, path)
         ids, vecs = read_embedding_shard(data)
@@ -214,8 +218,10 @@ def check_unique_ids(ids: np.ndarray, where: str) -> None:
         raise EmbeddingsError(f"{where}: duplicate item_id(s) {dup}")
 
 
-def read_modality_ids(emb_dir: str, modality: str) -> np.ndarray:
+def read_modality_ids(emb_dir: str, modality: str, files: Optional[FileAccess] = None) -> np.ndarray:
     """Ids of all shards of one modality (item_id column only; no checksum pass), in manifest order."""
-    entry = modality_entry(load_embeddings_manifest(emb_dir), modality)
-    parts = [read_embedding_ids(os.path.join(emb_dir, shard_relpath(modality, s["name"]))) for s in entry["shards"]]
+    entry = modality_entry(load_embeddings_manifest(emb_dir, files), modality)
+    paths = [join_path(emb_dir, shard_relpath(modality, s["name"])) for s in entry["shards"]]
+    # a local shard is read by path (Parquet reads the one column); a URL's bytes come through ``files``
+    parts = [read_embedding_ids(read_file(p, files) if is_url(p) else p) for p in paths]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

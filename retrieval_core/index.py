@@ -13,6 +13,10 @@ Index directory layout::
                              for a sub-pool index the id list it holds (``ids``: path, sha256, count)
     trained.faiss            the trained empty index every shard started from
     shards/<name>.faiss      one serialized index per embedding shard
+
+Readers take ``files`` (a ``paths.FileAccess``, default local): index folders (and the embeddings and id
+list a manifest records) may be URLs when the caller passes one (the pipelines: Beam FileSystems). Shards are
+always deserialized from bytes (``faiss.read_index`` takes local paths only).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import numpy as np
 
 from retrieval_core import embeddings as emb
 from retrieval_core import schema
+from retrieval_core.paths import FileAccess, file_exists, join_path, read_file
 
 log = logging.getLogger(__name__)
 
@@ -314,26 +319,27 @@ def make_index_manifest(factory: str, d: int, metric: str, modality: str, shards
     }
 
 
-def load_index_manifest(index_dir: str) -> dict:
-    path = os.path.join(index_dir, INDEX_MANIFEST)
-    if not os.path.exists(path):
-        raise IndexIntegrityError(f"no {INDEX_MANIFEST} in {index_dir}")
-    with open(path, "rb") as f:
-        manifest = json.loads(f.read().decode("utf-8"))
+def load_index_manifest(index_dir: str, files: Optional[FileAccess] = None) -> dict:
+    path = join_path(index_dir, INDEX_MANIFEST)
+    try:
+        manifest = json.loads(read_file(path, files).decode("utf-8"))
+    except FileNotFoundError:
+        raise IndexIntegrityError(f"no {INDEX_MANIFEST} in {index_dir}") from None
     for key in ("factory", "d", "metric", "ntotal", "shards", "embeddings"):
         if key not in manifest:
             raise IndexIntegrityError(f"{path}: missing key {key!r}")
     return manifest
 
 
-def iter_index_shards(index_dir: str, manifest: dict, verify: bool = True) -> Iterator[faiss.Index]:
+def iter_index_shards(index_dir: str, manifest: dict, verify: bool = True,
+                      files: Optional[FileAccess] = None) -> Iterator[faiss.Index]:
     """The shards ``manifest`` lists, read one at a time (with ``verify``: checksum and row count)."""
     for s in manifest["shards"]:
-        path = os.path.join(index_dir, SHARDS_SUBDIR, s["name"])
-        if not os.path.exists(path):
-            raise IndexIntegrityError(f"index shard listed in the manifest is missing: {path}")
-        with open(path, "rb") as f:
-            data = f.read()
+        path = join_path(index_dir, f"{SHARDS_SUBDIR}/{s['name']}")
+        try:
+            data = read_file(path, files)
+        except FileNotFoundError:
+            raise IndexIntegrityError(f"index shard listed in the manifest is missing: {path}") from None
         if verify:
             digest = hashlib.sha256(data).hexdigest()
             if digest != s["sha256"]:
@@ -347,7 +353,7 @@ def iter_index_shards(index_dir: str, manifest: dict, verify: bool = True) -> It
 
 
 def load_sharded_index(index_dir: str, verify: bool = True, embeddings_dir: Optional[str] = None,
-                       check_id_set: bool = True) -> ShardedIndex:
+                       check_id_set: bool = True, files: Optional[FileAccess] = None) -> ShardedIndex:
     """Load every shard listed in the index manifest (the whole index in memory; :class:`StreamedIndex`
     searches one shard at a time).
 
@@ -356,11 +362,11 @@ def load_sharded_index(index_dir: str, verify: bool = True, embeddings_dir: Opti
     manifest, or ``embeddings_dir``) is readable, also its manifest checksum and, with ``check_id_set``,
     the exact id set (one Parquet column per shard, cheap). Any mismatch raises IndexIntegrityError.
     """
-    manifest = load_index_manifest(index_dir)
-    sharded = ShardedIndex(list(iter_index_shards(index_dir, manifest, verify)))
+    manifest = load_index_manifest(index_dir, files)
+    sharded = ShardedIndex(list(iter_index_shards(index_dir, manifest, verify, files)))
     if verify:
         _verify_whole(index_dir, manifest, sharded.ntotal, sharded.d, sharded.metric_type, sharded.all_ids,
-                      embeddings_dir, check_id_set)
+                      embeddings_dir, check_id_set, files)
     return sharded
 
 
@@ -374,7 +380,7 @@ def _sorted_unique_ids(parts: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def _verify_whole(index_dir: str, manifest: dict, ntotal: int, d: int, metric: int, all_ids,
-                  embeddings_dir: Optional[str], check_id_set: bool) -> None:
+                  embeddings_dir: Optional[str], check_id_set: bool, files: Optional[FileAccess]) -> None:
     """The whole-index checks of load_sharded_index (``all_ids()``: the sorted ids of every shard)."""
     if ntotal != int(manifest["ntotal"]):
         raise IndexIntegrityError(f"{index_dir}: shards hold {ntotal} vectors, manifest says "
@@ -390,14 +396,13 @@ def _verify_whole(index_dir: str, manifest: dict, ntotal: int, d: int, metric: i
         raise IndexIntegrityError(f"{index_dir}: index holds {ntotal} vectors but the embeddings it was "
                                   f"built from hold {src.get('count')}")
     emb_dir = embeddings_dir or src.get("dir")
-    if emb_dir and os.path.exists(emb.manifest_path(emb_dir)):
-        with open(emb.manifest_path(emb_dir), "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
+    if emb_dir and file_exists(emb.manifest_path(emb_dir), files):
+        digest = hashlib.sha256(read_file(emb.manifest_path(emb_dir), files)).hexdigest()
         if src.get("manifest_sha256") and digest != src["manifest_sha256"]:
             raise IndexIntegrityError(f"{index_dir}: the embeddings manifest in {emb_dir} changed since the index "
                                       f"was built (sha256 {digest[:12]}... != {src['manifest_sha256'][:12]}...)")
         if check_id_set:
-            expected = _expected_ids(index_dir, manifest, emb_dir)
+            expected = _expected_ids(index_dir, manifest, emb_dir, files)
             got = all_ids()
             if expected is not None and (len(expected) != len(got) or not np.array_equal(expected, got)):
                 missing = np.setdiff1d(expected, got)[:5].tolist()
@@ -414,11 +419,12 @@ class StreamedIndex:
     bits. Memory: one shard and the results, whatever the collection size (a Flat index is every vector of
     the collection). Opening it runs load_sharded_index's checks, reading one shard at a time."""
 
-    def __init__(self, index_dir: str, embeddings_dir: Optional[str] = None, check_id_set: bool = True):
-        self.index_dir = index_dir
-        self.manifest = load_index_manifest(index_dir)
+    def __init__(self, index_dir: str, embeddings_dir: Optional[str] = None, check_id_set: bool = True,
+                 files: Optional[FileAccess] = None):
+        self.index_dir, self.files = index_dir, files
+        self.manifest = load_index_manifest(index_dir, files)
         ntotal, dims, ids = 0, set(), []
-        for shard in iter_index_shards(index_dir, self.manifest):
+        for shard in iter_index_shards(index_dir, self.manifest, files=files):
             ntotal += int(shard.ntotal)
             dims.add((int(shard.d), int(shard.metric_type)))
             if check_id_set:
@@ -427,7 +433,7 @@ class StreamedIndex:
             raise IndexIntegrityError(f"{index_dir}: shards disagree on (d, metric): {sorted(dims)}")
         (self.d, self.metric_type), = dims
         _verify_whole(index_dir, self.manifest, ntotal, self.d, self.metric_type, lambda: _sorted_unique_ids(ids),
-                      embeddings_dir, check_id_set)
+                      embeddings_dir, check_id_set, files)
         self.ntotal = ntotal
         self._params: dict = {}
 
@@ -448,7 +454,7 @@ class StreamedIndex:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         found: list[list] = [[] for _ in batches]
-        for shard in iter_index_shards(self.index_dir, self.manifest):
+        for shard in iter_index_shards(self.index_dir, self.manifest, files=self.files):
             ShardedIndex([shard]).set_params(**self._params)
             for b, q in enumerate(batches):
                 found[b].append(shard.search(q, k))
@@ -467,17 +473,16 @@ class StreamedIndex:
         return [(s if self.keep_max else -s, i) for s, i in self.search_batches(batches, k)]
 
 
-def _expected_ids(index_dir: str, manifest: dict, emb_dir: str) -> Optional[np.ndarray]:
+def _expected_ids(index_dir: str, manifest: dict, emb_dir: str, files: Optional[FileAccess]) -> Optional[np.ndarray]:
     """Sorted ids the index must hold: its id list's (when readable) or every embedding's."""
     subset = manifest.get("ids")
     if not subset:
-        return np.sort(emb.read_modality_ids(emb_dir, manifest.get("modality", schema.KIND_IMAGE)))
+        return np.sort(emb.read_modality_ids(emb_dir, manifest.get("modality", schema.KIND_IMAGE), files))
     path = subset.get("path")
-    if not path or not os.path.exists(path):
+    if not path or not file_exists(path, files):
         log.warning("id list %s of %s not readable; checked the id count only", path, index_dir)
         return None
-    with open(path, "rb") as f:
-        data = f.read()
+    data = read_file(path, files)
     if hashlib.sha256(data).hexdigest() != subset.get("sha256"):
         raise IndexIntegrityError(f"{index_dir}: its id list {path} changed since the index was built")
     return read_id_list(data, path)
