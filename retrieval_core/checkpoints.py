@@ -12,13 +12,20 @@
 
 Every source goes through one explicit key table (``_map_key``); unknown or missing weights raise a
 ``CheckpointError`` listing them. ``.bin`` files are read with ``torch.load(weights_only=True)`` only.
+
+A model folder given as a URL (gs://...) is copied once into a local cache (``local_model_folder``, through
+the caller's ``files``: the pipelines pass Beam FileSystems) and inspected and loaded from there with the same
+loaders: transformers and safetensors read local folders only, and nothing new is unpickled.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass
+import shutil
+import tempfile
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -26,6 +33,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, BertConfig
 
 from retrieval_core.model import CE_SCORES, MODEL_JSON, VLModelConfig, VLRetrievalModel
+from retrieval_core.paths import FileAccess, is_url
 from retrieval_core.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS
 
 #: Source keys we deliberately drop: non-persistent buffers some versions serialised, and BERT
@@ -288,6 +296,12 @@ class ModelFolder:
     embedding_dim: int
     max_regions: int  # regions per image the model reads
     ce_score: Optional[str]  # the CE score key (model.CE_SCORES), None without a CE head
+    local: Optional[str] = None  # a URL folder's local copy, which ``files`` lie in (None: ``path`` is local)
+
+    @property
+    def local_dir(self) -> str:
+        """The local folder the files and weights are read from."""
+        return self.local or self.path
 
     def require(self, need: Sequence[str]) -> "ModelFolder":
         """Refuses the folder when a head in ``need`` is missing (a random head would score silently)."""
@@ -312,10 +326,17 @@ def _files_under(folder: str) -> tuple[str, ...]:
     return tuple(sorted(os.path.join(root, f) for root, _, names in os.walk(folder) for f in names))
 
 
-def inspect_model_folder(path: str) -> ModelFolder:
-    """The kind, trained heads and fingerprinted files of a model folder; a clear error for anything else."""
+def inspect_model_folder(path: str, files: Optional[FileAccess] = None) -> ModelFolder:
+    """The kind, trained heads and fingerprinted files of a model folder; a clear error for anything else.
+    A URL folder is read from its local copy (:func:`local_model_folder`, through ``files``)."""
     from retrieval_core.baseline import BASELINE_JSON, BASELINE_TENSORS
 
+    if is_url(path):
+        local = local_model_folder(path, files)
+        try:
+            return replace(inspect_model_folder(local), path=path, local=local)
+        except CheckpointError as exc:  # name the folder the user gave, not its cache copy
+            raise CheckpointError(str(exc).replace(local, path)) from None
     if path == "minilm" or not os.path.isdir(path):
         raise CheckpointError(f"model folder {path!r} does not exist" if path != "minilm" else
                               "'minilm' is a text backbone, not a retrieval model folder (train one first)")
@@ -357,15 +378,17 @@ def inspect_model_folder(path: str) -> ModelFolder:
 
 
 def load_model_folder(path: str, need: Sequence[str] = (), device: str = "cpu", ce_score: Optional[str] = None,
-                      quantize: Optional[str] = None):
+                      quantize: Optional[str] = None, files: Optional[FileAccess] = None):
     """The model of any folder ``inspect_model_folder`` knows: a VLRetrievalModel, or a MappedBaseline (BE only).
 
     ``need`` names the heads the caller uses ("be", "ce"); a folder without one is refused. ``ce_score``
     overrides the folder's CE score key (e.g. "logit1" to rank a native CE by MMT's key). ``quantize="int8"``:
-    dynamic int8 Linear layers (model.quantize_model; CPU only)."""
+    dynamic int8 Linear layers (model.quantize_model; CPU only). A URL folder is loaded from its local copy
+    (``files``: how to reach it, see :func:`local_model_folder`)."""
     from retrieval_core.model import quantize_model
 
-    info = inspect_model_folder(path).require(need)
+    info = inspect_model_folder(path, files).require(need)
+    local = info.local_dir
     if info.kind == KIND_BASELINE:
         from retrieval_core.baseline import MappedBaseline
         if ce_score is not None:
@@ -373,13 +396,79 @@ def load_model_folder(path: str, need: Sequence[str] = (), device: str = "cpu", 
         if quantize not in (None, "none"):
             raise CheckpointError(f"{path} is a training-free baseline (numpy mapping): --quantize {quantize} "
                                   f"applies to transformer models")
-        return MappedBaseline.load(path)
+        return MappedBaseline.load(local)
     if info.kind == KIND_NATIVE:
-        model = VLRetrievalModel.load(path)
+        model = VLRetrievalModel.load(local)
     elif info.kind == KIND_MMT:
-        model = load_mmt_retrieval(path)
+        model = load_mmt_retrieval(local)
     else:
-        model = load_oscar(path)
+        model = load_oscar(local)
     if ce_score is not None:
         model.cfg.ce_score = _check_ce_score(ce_score)
     return quantize_model(model, quantize, device).to(device).eval()
+
+
+# ------------------------------------------------------------------------------ URL folders, cached
+#: Where URL model folders are copied (default: <tempdir>/rr-model-cache); one copy per folder version.
+MODEL_CACHE_ENV = "RR_MODEL_CACHE"
+
+
+def model_cache_dir() -> str:
+    return os.environ.get(MODEL_CACHE_ENV) or os.path.join(tempfile.gettempdir(), "rr-model-cache")
+
+
+def _copy_is_complete(folder: str, listing: Sequence[tuple[str, int, str]]) -> bool:
+    """Every listed file is in ``folder`` with its listed size (a copy someone pruned is made again)."""
+    try:
+        return all(os.path.getsize(os.path.join(folder, *rel.split("/"))) == size for rel, size, _ in listing)
+    except OSError:
+        return False
+
+
+def local_model_folder(path: str, files: Optional[FileAccess] = None, cache_dir: Optional[str] = None) -> str:
+    """A local folder holding the model folder ``path``: ``path`` itself when it is local; for a URL, a copy
+    under ``cache_dir`` (default :func:`model_cache_dir`) made through ``files`` (``walk`` and ``open``).
+
+    The copy is named by the URL and every file's name, size and version (checksum / modification time as
+    the store reports them): a folder rewritten since is copied again, an unchanged one never (workers of one
+    machine share it; each call lists the folder, which costs no file reads). It is written to a temporary
+    folder and renamed into place, so a killed copy is never taken for a finished one."""
+    if not is_url(path):
+        return path
+    if files is None:
+        raise CheckpointError(f"model folder {path} is a URL: pass files=<a FileAccess for URLs> (the pipelines "
+                              f"pass pipelines.common.BEAM_FILES, Beam FileSystems)")
+    base = path.rstrip("/") + "/"
+    listing = []
+    for found, size, version in files.walk(path):
+        if not found.startswith(base):
+            raise CheckpointError(f"listing {path} returned {found}, which is not under it")
+        listing.append((found[len(base):], int(size), str(version)))
+    if not listing:
+        raise CheckpointError(f"model folder {path!r} does not exist (no files under it)")
+    key = hashlib.sha256(json.dumps([base, listing]).encode("utf-8")).hexdigest()[:32]
+    root = cache_dir or model_cache_dir()
+    final = os.path.join(root, key)
+    if _copy_is_complete(final, listing):
+        return final
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{key}-", dir=root)
+    try:
+        for rel, size, _ in listing:
+            target = os.path.join(tmp, *rel.split("/"))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with files.open(base + rel) as src, open(target, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 22)
+            if os.path.getsize(target) != size:
+                raise CheckpointError(f"{base + rel} changed while it was copied ({os.path.getsize(target)} bytes, "
+                                      f"listed with {size}); retry")
+        if os.path.isdir(final):  # an incomplete copy (files deleted from the cache): replaced
+            shutil.rmtree(final, ignore_errors=True)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process on this machine published the same version first
+            if not _copy_is_complete(final, listing):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
