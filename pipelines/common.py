@@ -156,9 +156,9 @@ class WriteRunReport:
 SPILL_DIR = "_spill"
 
 
-def remove_spill(output: str) -> None:
-    """Delete ``<output>/_spill`` (this run's spill files, or those a killed run left behind)."""
-    root = join(output, SPILL_DIR)
+def remove_tree(root: str) -> None:
+    """Delete the folder ``root`` and everything under it; on an object store (gs://), every object under the
+    prefix (a "folder" is no object there: FileSystems.exists says no and deleting it deletes nothing)."""
     if not is_url(root):
         import shutil
         shutil.rmtree(root, ignore_errors=True)
@@ -168,15 +168,18 @@ def remove_spill(output: str) -> None:
         FileSystems.delete(found)
 
 
+def remove_spill(output: str) -> None:
+    """Delete ``<output>/_spill`` (this run's spill files, or those a killed run left behind)."""
+    remove_tree(join(output, SPILL_DIR))
+
+
 def read_run_report(output: str) -> list[dict]:
     return read_json(join(output, RUN_REPORT))
 
 
 def clear_run_dir(output: str) -> None:
     """Remove ``<output>/_run`` (the report of this or an earlier, killed run)."""
-    path = join(output, RUN_DIR)
-    if FileSystems.exists(path):
-        FileSystems.delete([path])
+    remove_tree(join(output, RUN_DIR))
 
 
 def join(*parts: str) -> str:

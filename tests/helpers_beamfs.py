@@ -60,7 +60,9 @@ class RRTestFileSystem(LocalFileSystem):
         return super().open(self._local(path), *args, **kwargs)
 
     def exists(self, path):
-        return os.path.exists(self._local(path))
+        # files only, as on GCS, where a "directory" is a prefix and no object: code that asks whether a folder
+        # exists gets the answer it would get there
+        return os.path.isfile(self._local(path))
 
     def size(self, path):
         return os.path.getsize(self._local(path))
