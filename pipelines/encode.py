@@ -131,21 +131,24 @@ class EncodePlan:
 
 # ------------------------------------------------------------------------------------ fingerprints
 def _model_folder(model_dir: str):
-    """The folder's kind and files (retrieval_core.checkpoints), refused unless it has a BE head."""
+    """The folder's kind and files (retrieval_core.checkpoints), refused unless it has a BE head; a gs://
+    folder is read from its local copy (checkpoints.local_model_folder)."""
     from retrieval_core.checkpoints import CheckpointError, inspect_model_folder
     try:
-        return inspect_model_folder(model_dir).require(("be",))
+        return inspect_model_folder(model_dir, files=common.BEAM_FILES).require(("be",))
     except CheckpointError as exc:
         raise EncodeError(str(exc)) from None
 
 
 def model_fingerprint(model_dir: str) -> str:
     """sha256 over the files that decide a model folder's outputs (weights, configs, tokenizer; for the
-    training-free baseline also its text encoder's), of any kind ``checkpoints.inspect_model_folder`` knows."""
+    training-free baseline also its text encoder's), of any kind ``checkpoints.inspect_model_folder`` knows.
+    Files are named relative to the folder, so a URL folder's fingerprint is its local copy's."""
     h = hashlib.sha256()
     folder = _model_folder(model_dir)
+    local = folder.local_dir
     for path in folder.files:
-        name = os.path.relpath(path, model_dir) if path.startswith(os.path.join(model_dir, "")) else path
+        name = os.path.relpath(path, local) if path.startswith(os.path.join(local, "")) else path
         h.update(f"{name}:{common.sha256_file(path)}\n".encode())
     return h.hexdigest()
 

@@ -100,6 +100,7 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
     def load_model(self):
         import torch
 
+        from pipelines.common import BEAM_FILES
         from retrieval_core.checkpoints import load_model_folder
 
         if self.device == "GPU" and not torch.cuda.is_available():
@@ -107,9 +108,11 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
                                          f"(torch {torch.__version__}); use --device CPU or a CUDA worker")
         if self.num_threads:
             torch.set_num_threads(int(self.num_threads))
-        # any model folder (ours, MMT-Retrieval, OSCAR, the training-free baseline), refused if it lacks the head
+        # any model folder (ours, MMT-Retrieval, OSCAR, the training-free baseline), refused if it lacks the head;
+        # a gs:// folder is copied to this machine's model cache once and loaded from there
         return load_model_folder(self.model_dir, need=(TASK_HEAD[self.task],),
-                                 device="cuda" if self.device == "GPU" else "cpu", quantize=self.quantize)
+                                 device="cuda" if self.device == "GPU" else "cpu", quantize=self.quantize,
+                                 files=BEAM_FILES)
 
     def run_inference(self, batch: Sequence[Any], model, inference_args: Optional[dict] = None
                       ) -> Iterable[PredictionResult]:

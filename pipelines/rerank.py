@@ -94,6 +94,7 @@ from pipelines.handlers import TASK_SCORE_PAIRS, VLModelHandler, element_length
 from retrieval_core import embeddings as emb
 from retrieval_core import rerank as rr
 from retrieval_core import schema
+from retrieval_core.paths import is_url
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +252,7 @@ class ExactSearcher:
 
     def __init__(self, emb_dir: str, modality: str):
         self.emb_dir, self.modality = emb_dir, modality
-        manifest = emb.load_embeddings_manifest(emb_dir)
+        manifest = emb.load_embeddings_manifest(emb_dir, common.BEAM_FILES)
         self.dim = int(manifest["dim"])
         self.shards = emb.modality_entry(manifest, modality)["shards"]
         self.ntotal = sum(int(s["rows"]) for s in self.shards)
@@ -283,7 +284,7 @@ def get_searcher(spec: SearcherSpec):
     if spec not in _SEARCHERS:
         if spec.kind == "index":
             from retrieval_core.index import StreamedIndex
-            searcher = StreamedIndex(spec.path)
+            searcher = StreamedIndex(spec.path, files=common.BEAM_FILES)
             searcher.set_params(**dict(spec.params))  # otherwise faiss' defaults: nprobe=1, efSearch=16
             _SEARCHERS[spec] = searcher
         else:
@@ -588,7 +589,7 @@ def _ce_model_folder(model_dir: str):
     """The CE model folder (retrieval_core.checkpoints: ours, MMT-Retrieval, OSCAR), refused without a CE head."""
     from retrieval_core.checkpoints import CheckpointError, inspect_model_folder
     try:
-        return inspect_model_folder(model_dir).require(("ce",))
+        return inspect_model_folder(model_dir, files=common.BEAM_FILES).require(("ce",))
     except CheckpointError as exc:
         raise RerankError(f"CE model: {exc}") from None
 
@@ -617,7 +618,7 @@ def _searcher_spec(plan: RerankPlan, direction: str, emb_manifest: dict) -> tupl
     index_dir = plan.index_of(direction)
     if index_dir:
         from retrieval_core.index import INDEX_MANIFEST, check_search_params, load_index_manifest
-        manifest = load_index_manifest(index_dir)
+        manifest = load_index_manifest(index_dir, common.BEAM_FILES)
         if manifest.get("modality", pool_modality) != pool_modality:
             raise RerankError(f"{direction} needs a {pool_modality} index; {index_dir} indexes "
                               f"{manifest.get('modality')}")
@@ -764,14 +765,14 @@ def resolve(plan: RerankPlan) -> Resolved:
     query_ids, queries_file = _read_queries_file(plan, split_ids)
 
     emb_manifest_path = emb.manifest_path(plan.embeddings)
-    emb_manifest = emb.load_embeddings_manifest(plan.embeddings)
+    emb_manifest = emb.load_embeddings_manifest(plan.embeddings, common.BEAM_FILES)
     _check_embeddings_match_staged(plan, ds, emb_manifest)
     searchers, pools, described, query_shards = {}, {}, {}, []
     for d in plan.directions:
         if len(query_ids[d]) == 0:
             raise RerankError(f"{d}: no queries in {plan.staged} (collection={plan.collection}, split={plan.split})")
         q_modality = "text" if d == T2I else schema.KIND_IMAGE
-        have = emb.read_modality_ids(plan.embeddings, q_modality)
+        have = emb.read_modality_ids(plan.embeddings, q_modality, common.BEAM_FILES)
         missing = np.setdiff1d(query_ids[d], have)
         if len(missing):
             raise RerankError(f"{d}: {len(missing)} query id(s) have no {q_modality} embedding in "
@@ -835,10 +836,10 @@ def resolve_auto(plan: RerankPlan) -> tuple[RerankPlan, Optional[dict]]:
     except EvaluationError as exc:
         raise RerankError(f"--tune-on: {exc}") from None
     if (dev.get("split"), dev.get("collection")) == (plan.split, plan.collection) and \
-            os.path.abspath(str(dev.get("staged"))) == os.path.abspath(plan.staged):
+            _same_path(str(dev.get("staged")), plan.staged):
         raise RerankError(f"--tune-on {plan.tune_on} ranked the same queries (split {plan.split!r}) this run "
                           f"evaluates: choose the fusion on a held-out split (e.g. a --split dev run)")
-    emb_model = emb.load_embeddings_manifest(plan.embeddings)["model"]
+    emb_model = emb.load_embeddings_manifest(plan.embeddings, common.BEAM_FILES)["model"]
     if dev.get("be_model", {}).get("sha256") != emb_model.get("sha256"):
         raise RerankError(f"--tune-on {plan.tune_on} was retrieved by another bi-encoder "
                           f"({dev.get('be_model', {}).get('path')}) than --embeddings ({emb_model.get('path')})")
@@ -857,6 +858,12 @@ def resolve_auto(plan: RerankPlan) -> tuple[RerankPlan, Optional[dict]]:
     chosen = replace(plan, mode=choice["mode"], lam=choice["lam"] if choice["lam"] is not None else plan.lam,
                      tune_on=None)
     return chosen, choice
+
+
+def _same_path(a: str, b: str) -> bool:
+    """The same folder: local paths compared absolute, URLs as written (abspath would mangle them)."""
+    norm = lambda p: p.rstrip("/") if is_url(p) else os.path.abspath(p)  # noqa: E731
+    return norm(a) == norm(b)
 
 
 def _expected_shards(res: Resolved) -> dict[str, tuple[str, np.ndarray]]:
