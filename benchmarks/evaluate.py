@@ -4,11 +4,12 @@
     python -m benchmarks.evaluate --rankings RUN ... --mode add --lam 0.7 --k 10   # re-derived, not re-scored
 
 ``--rankings`` takes a pipelines.rerank run (its run dir or its rankings/ dir): the shards listed in its
-rankings_manifest.json are read, checksum-verified. Score once, evaluate many: the run stores, per query, its
-BE top-n with be_rank, be_score and (CE modes) the CE scores of its BE top-k, so ``--k`` (any k' <= the run's
-k), ``--mode`` (emb, co, add, norm_add; ce for an exhaustive run) and ``--lam`` re-rank the stored rows
-(``retrieval_core.rerank.derive_rankings``) exactly as a run with those settings would have; each defaults
-to the run's own (rankings_manifest.json). CE modes on an EMB run, k' > k, and runs written before be_rank
+rankings_manifest.json are read, checksum-verified. The run, --staged and --output may be URLs (gs://): they
+are read and written through Beam FileSystems (pipelines.common). Score once, evaluate many: the run stores,
+per query, its BE top-n with be_rank, be_score and (CE modes) the CE scores of its BE top-k, so ``--k`` (any
+k' <= the run's k), ``--mode`` (emb, co, add, norm_add; ce for an exhaustive run) and ``--lam`` re-rank the
+stored rows (``retrieval_core.rerank.derive_rankings``) exactly as a run with those settings would have; each
+defaults to the run's own (rankings_manifest.json). CE modes on an EMB run, k' > k, and runs written before be_rank
 existed are refused in one line.
 
 Every gold query of the run's collection/split must be ranked and every ranked query must be in the gold: a
@@ -28,9 +29,7 @@ Outputs in ``--output``:
 from __future__ import annotations
 
 import io
-import json
 import logging
-import os
 import re
 import time
 from typing import Collection, Mapping, Optional, Sequence, Union
@@ -44,6 +43,7 @@ import pyarrow.parquet as pq
 
 from retrieval_core import schema
 from retrieval_core.metrics import DEFAULT_KS, direction_recall
+from retrieval_core.paths import join_path, split_path
 from retrieval_core.rerank import (FUSION_MODES, RANKINGS_MANIFEST, RANKINGS_SUBDIR, RUN_MODES, RUN_TO_RANK_MODE,
                                    derive_rankings)
 
@@ -134,20 +134,28 @@ def evaluate_rankings(rankings: Union[pd.DataFrame, pa.Table], caption_to_image:
 # ------------------------------------------------------------------------------------------------ runs
 def run_manifest_path(src: str) -> str:
     """rankings_manifest.json of a pipelines.rerank run given as its run dir or its rankings/ dir."""
-    if not os.path.exists(src):
+    from pipelines.common import BEAM_FILES  # Beam's FileSystems: imported only when a run is read
+
+    if not (BEAM_FILES.isdir(src) or BEAM_FILES.exists(src)):
         raise EvaluationError(f"rankings path not found: {src}")
-    src = os.path.normpath(src)
-    for run_dir in (src, os.path.dirname(src) if os.path.basename(src) == RANKINGS_SUBDIR else None):
-        if run_dir is not None and os.path.isfile(os.path.join(run_dir, RANKINGS_MANIFEST)):
-            return os.path.join(run_dir, RANKINGS_MANIFEST)
+    parent, name = split_path(src)
+    for run_dir in (src, parent if name == RANKINGS_SUBDIR else None):
+        if run_dir is not None and BEAM_FILES.exists(join_path(run_dir, RANKINGS_MANIFEST)):
+            return join_path(run_dir, RANKINGS_MANIFEST)
     raise EvaluationError(f"{src}: no {RANKINGS_MANIFEST}: not a finished pipelines.rerank run (rerun it)")
+
+
+def run_dir_of(manifest_path: str) -> str:
+    """The run directory of a rankings manifest path (local or URL)."""
+    return split_path(manifest_path)[0]
 
 
 def read_run_manifest(src: str) -> tuple[str, dict]:
     """(path, manifest) of a run; refuses a manifest of another rankings schema version."""
+    from pipelines.common import read_json
+
     path = run_manifest_path(src)
-    with open(path, "rb") as f:
-        manifest = json.loads(f.read().decode("utf-8"))
+    manifest = read_json(path)
     version = str(manifest.get("schema_version"))
     if version != schema.RANKINGS_SCHEMA_VERSION:
         raise EvaluationError(f"{path}: rankings schema {version}, this evaluate reads "
@@ -156,29 +164,31 @@ def read_run_manifest(src: str) -> tuple[str, dict]:
     return path, manifest
 
 
-def listed_shards(manifest_path: str, manifest: dict) -> list[str]:
-    """Paths of the shards a rankings manifest lists, each checked against its recorded sha256."""
-    from pipelines.common import sha256_file  # Beam's FileSystems: imported only when a run is read
+def listed_shards(manifest_path: str, manifest: dict) -> list[tuple[str, bytes]]:
+    """(path, bytes) of the shards a rankings manifest lists, each checked against its recorded sha256 (read
+    once: a URL shard is not fetched twice)."""
+    from pipelines.common import exists, read_bytes, sha256_bytes
 
-    rank_dir = os.path.join(os.path.dirname(manifest_path), RANKINGS_SUBDIR)
-    files = []
+    rank_dir = join_path(run_dir_of(manifest_path), RANKINGS_SUBDIR)
+    found = []
     for shard in manifest.get("shards", []):
-        path = os.path.join(rank_dir, shard["name"])
-        if not os.path.isfile(path):
+        path = join_path(rank_dir, shard["name"])
+        if not exists(path):
             raise EvaluationError(f"{path} is listed in {manifest_path} but missing; rerun pipelines.rerank")
-        digest = sha256_file(path)
+        data = read_bytes(path)
+        digest = sha256_bytes(data)
         if digest != shard["sha256"]:
             raise EvaluationError(f"{path} changed since {manifest_path} was written (sha256 {digest[:12]}... != "
                                   f"{shard['sha256'][:12]}...); rerun pipelines.rerank")
-        files.append(path)
-    return files
+        found.append((path, data))
+    return found
 
 
 def read_run_rankings(manifest_path: str, manifest: dict) -> pa.Table:
     """Every ranking row of a run (its listed, verified shards)."""
     tables = []
-    for f in listed_shards(manifest_path, manifest):
-        t = pq.read_table(f)
+    for f, data in listed_shards(manifest_path, manifest):
+        t = pq.read_table(pa.BufferReader(data))
         if "be_rank" not in t.column_names:
             raise EvaluationError(f"{f}: rankings without be_rank (an older pipelines.rerank): rerun pipelines.rerank")
         missing = [c for c in schema.RANKING_COLUMNS if c not in t.column_names]
@@ -309,7 +319,7 @@ class LoadedRun:
                    directions)
 
     def evaluate(self, k: Optional[int] = None, mode: Optional[str] = None, lam: Optional[float] = None) -> dict:
-        where = os.path.dirname(self.manifest_path)
+        where = run_dir_of(self.manifest_path)
         k, mode, lam = resolve_derivation(self.manifest, k, mode, lam, where=where)
         table = derived_table(self.table, self.manifest_path, self.manifest, k, mode, lam)
         result = evaluate_rankings(table, self.caption_to_image, self.image_to_captions, directions=self.directions)
@@ -340,7 +350,7 @@ def choose_fusion(dev_run: str, staged: str, k: int, lams: Sequence[float] = AUT
             best = (m, lam)
     return {"mode": best[0], "lam": best[1], "label": mode_label(*best),
             "dev_mR": {label: round(v, 4) for label, v in scores.items()},
-            "dev_run": os.path.dirname(run.manifest_path), "dev_split": run.split, "k": int(k)}
+            "dev_run": run_dir_of(run.manifest_path), "dev_split": run.split, "k": int(k)}
 
 
 def mode_label(mode: str, lam: Optional[float]) -> str:
@@ -448,7 +458,7 @@ def main(rankings, staged, output, collection, split, model, mode, k, lam, label
          language):
     """Recall@1/5/10 and mR of a rankings run, for its own or a re-derived mode, k and lam."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from pipelines.common import cli_errors, makedirs, write_atomic, write_json_atomic
+    from pipelines.common import cli_errors, exists, join, makedirs, read_bytes, write_atomic, write_json_atomic
 
     t0 = time.time()
     tag_map = parse_tags(tags)
@@ -460,14 +470,14 @@ def main(rankings, staged, output, collection, split, model, mode, k, lam, label
     label = label or mode_label(result["mode"], result["lam"])
 
     makedirs(output)
-    csv_path = os.path.join(output, METRICS_CSV)
-    existing = pd.read_csv(csv_path) if os.path.exists(csv_path) else None
+    csv_path = join(output, METRICS_CSV)
+    existing = pd.read_csv(io.BytesIO(read_bytes(csv_path))) if exists(csv_path) else None
     merged = merge_csv(existing, csv_rows(result, collection=collection, split=split, model=model, mode=label,
                                           k=k, tags=tag_map), list(tag_map))
     buf = io.StringIO()
     merged.to_csv(buf, index=False)
     write_atomic(csv_path, buf.getvalue().encode("utf-8"))
-    json_path = os.path.join(output, f"{_safe(collection)}_{_safe(model)}_{_safe(label)}_k{k}.json")
+    json_path = join(output, f"{_safe(collection)}_{_safe(model)}_{_safe(label)}_k{k}.json")
     extra = {"split": split, "mode": result["mode"], "label": label, "k": k, "lam": result["lam"],
              "mR": round(result["mR"], CLIP_BENCHMARK_DECIMALS),
              "queries": {"t2i": result["t2i_queries"], "i2t": result["i2t_queries"]},

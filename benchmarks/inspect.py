@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from benchmarks.evaluate import (DIRECTIONS, EvaluationError, _check_queries, ranked_as, run_collection,
-                                 read_run_manifest, resolve_derivation)
+                                 read_run_manifest, resolve_derivation, run_dir_of)
 from retrieval_core import schema
 from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
 from retrieval_core.rerank import RUN_MODES
@@ -74,7 +74,7 @@ def load_side(run: str, mode: Optional[str] = None, k: Optional[int] = None, lam
     """A run's rankings as ranked by ``mode``/``k``/``lam`` (each default: the run's own), verified and
     re-derived the way benchmarks.evaluate does."""
     manifest_path, manifest = read_run_manifest(run)
-    k, mode, lam = resolve_derivation(manifest, k, mode, lam, where=os.path.dirname(manifest_path))
+    k, mode, lam = resolve_derivation(manifest, k, mode, lam, where=run_dir_of(manifest_path))
     table = ranked_as(manifest_path, manifest, k, mode, lam)
     rows = table.to_pandas().sort_values(["direction", "query_id", "rank"], kind="stable").reset_index(drop=True)
     return Side(run=run, mode=mode, k=k, lam=lam, manifest=manifest, rows=rows)
