@@ -1,0 +1,172 @@
+"""Every artifact by URL, as on Dataflow (gs://): encode -> build_index -> rerank -> evaluate with the model
+folder, staged data, embeddings, index and outputs all under the test-only ``rrtest://`` Beam FileSystem
+(tests/helpers_beamfs.py: a real FileSystem over local files) write the bytes the same chain writes on local
+paths, and their read-backs (resume, --tune-on, evaluate's CSV) work there too. A URL that reached a local file
+call (open, os.path.exists, faiss.read_index, from_pretrained) would fail: ``rrtest:///x`` is no local path.
+Also: the local cache of URL model folders (checkpoints.local_model_folder)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from benchmarks import evaluate
+from pipelines import build_index, common, encode, rerank
+from retrieval_core import embeddings as emb
+from retrieval_core import index as ix
+from retrieval_core.checkpoints import (MODEL_CACHE_ENV, CheckpointError, inspect_model_folder, load_model_folder,
+                                        local_model_folder)
+from tests.helpers_beamfs import PREFIX, url
+from tests.test_encode_pipeline import write_tiny_model, write_tiny_staged
+
+
+def local(path: str) -> str:
+    """The local file behind an rrtest:// URL (to compare bytes)."""
+    return path[len(PREFIX):] if path.startswith(PREFIX) else path
+
+
+def read(path: str) -> bytes:
+    with open(local(path), "rb") as f:
+        return f.read()
+
+
+def run_chain(staged: str, model: str, out: str, split: str = "test") -> dict:
+    """encode (every split) -> Flat image index -> JOIN+CO rerank of ``split`` -> recall: paths as given."""
+    emb_dir, index_dir, run_dir = (f"{out}/{name}" for name in ("emb", "index", "rank"))
+    encode.run(encode.EncodePlan(staged, model, emb_dir, batch_size=8, images_per_shard=10, texts_per_shard=20))
+    build_index.run(build_index.IndexPlan(emb_dir, index_dir, threads=1))
+    ranked = rerank.run(rerank.RerankPlan(staged, emb_dir, run_dir, mode="co", k=4, index=index_dir, ce_model=model,
+                                          split=split, batch_size=8, queries_per_shard=5))
+    return {"emb": emb_dir, "index": index_dir, "run": run_dir, "rankings": ranked,
+            "recall": evaluate.evaluate_run(run_dir, staged)}
+
+
+@pytest.fixture(scope="module")
+def chains(tmp_path_factory):
+    root = tmp_path_factory.mktemp("url")
+    staged = write_tiny_staged(str(root / "staged"))
+    model = write_tiny_model(str(root / "model"), str(root))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(MODEL_CACHE_ENV, str(root / "model_cache"))  # this module's copies of URL models
+        on_disk = run_chain(staged, model, str(root / "local"))
+        by_url = run_chain(url(staged), url(model), url(root / "remote"))
+        yield root, staged, model, on_disk, by_url
+
+
+def shard_entries(manifest: dict, keys=("name", "rows", "sha256")) -> list[dict]:
+    return [{k: s[k] for k in keys} for s in manifest["shards"]]
+
+
+def test_url_chain_writes_the_bytes_of_the_local_chain(chains):
+    root, _, _, on_disk, by_url = chains
+    emb_a, emb_b = (json.loads(read(emb.manifest_path(c["emb"]))) for c in (on_disk, by_url))
+    assert emb_b["model"]["sha256"] == emb_a["model"]["sha256"]  # fingerprinted from the cached copy
+    assert emb_b["model"]["path"].startswith(PREFIX)
+    for modality in ("image", "text"):
+        a, b = emb_a["modalities"][modality]["shards"], emb_b["modalities"][modality]["shards"]
+        assert a == b and len(a) == 3
+        for s in a:
+            rel = emb.shard_relpath(modality, s["name"])
+            assert read(f"{by_url['emb']}/{rel}") == read(f"{on_disk['emb']}/{rel}")
+
+    ix_a, ix_b = (json.loads(read(f"{c['index']}/{ix.INDEX_MANIFEST}")) for c in (on_disk, by_url))
+    keys = ("name", "rows", "sha256", "source", "source_sha256")
+    assert shard_entries(ix_b, keys) == shard_entries(ix_a, keys)
+    assert ix_b["trained"]["sha256"] == ix_a["trained"]["sha256"]
+    assert ix_b["embeddings"]["dir"] == by_url["emb"]
+
+    rank_a, rank_b = on_disk["rankings"], by_url["rankings"]
+    assert shard_entries(rank_b) == shard_entries(rank_a) and len(rank_a["shards"]) == 5
+    assert rank_b["queries"] == {"t2i": 12, "i2t": 6} and rank_b["ce_pairs_scored"] == rank_a["ce_pairs_scored"] > 0
+    assert "FAISS index rrtest://" in rank_b["search"]["t2i"] and "exact search" in rank_b["search"]["i2t"]
+    for s in rank_a["shards"]:
+        assert read(f"{by_url['run']}/rankings/{s['name']}") == read(f"{on_disk['run']}/rankings/{s['name']}")
+    assert by_url["recall"] == on_disk["recall"] and by_url["recall"]["t2i_queries"] == 12
+    assert os.listdir(root / "model_cache")  # the workers loaded the URL model from a local copy
+    for out in (by_url["emb"], by_url["index"], by_url["run"]):  # scratch files removed by URL too
+        assert [f for d in (common.RUN_DIR, common.SPILL_DIR) for f in common.BEAM_FILES.walk(f"{out}/{d}")] == []
+
+
+def test_url_reruns_resume_from_what_they_read_back(chains):
+    _, staged, model, _, by_url = chains
+    staged, model = url(staged), url(model)
+    again = encode.run(encode.EncodePlan(staged, model, by_url["emb"], batch_size=8, images_per_shard=10,
+                                         texts_per_shard=20))
+    assert {m: (v["encoded"], v["reused"]) for m, v in again["modalities"].items()} == {"image": (0, 24),
+                                                                                        "text": (0, 48)}
+    index = build_index.run(build_index.IndexPlan(by_url["emb"], by_url["index"], threads=1))
+    assert (index["built"], index["kept"]) == (0, 3)
+    ranked = rerank.run(rerank.RerankPlan(staged, by_url["emb"], by_url["run"], mode="co", k=4, index=by_url["index"],
+                                          ce_model=model, batch_size=8, queries_per_shard=5))
+    assert (ranked["shards_reused"], ranked["waves_run"]) == (5, 0) and ranked["shards"] == by_url["rankings"]["shards"]
+
+
+def test_mode_auto_tunes_on_a_url_run_as_on_the_local_one(chains):
+    """--tune-on a URL run (its manifest, CE model and stored scores read by URL) chooses what the same local
+    run gives; here the test-split run is the held-out one and the train split is ranked."""
+    _, staged, model, on_disk, by_url = chains
+    out = by_url["run"] + "_train_auto"
+    ranked = rerank.run(rerank.RerankPlan(url(staged), by_url["emb"], out, mode="auto", tune_on=by_url["run"], k=4,
+                                          index=by_url["index"], ce_model=url(model), split="train", batch_size=8))
+    expected = evaluate.choose_fusion(on_disk["run"], staged, 4)
+    chosen = ranked["fusion_choice"]
+    assert (chosen["mode"], chosen["lam"], chosen["dev_mR"]) == (expected["mode"], expected["lam"], expected["dev_mR"])
+    assert chosen["dev_run"] == by_url["run"] and ranked["queries"] == {"t2i": 36, "i2t": 18}
+
+
+def test_evaluate_cli_reads_and_merges_its_csv_by_url(chains):
+    from click.testing import CliRunner
+
+    root, staged, _, _, by_url = chains
+    out = url(root / "results")
+    for label in ("JOIN+CO", "EMB"):
+        args = ["--rankings", f"{by_url['run']}/rankings", "--staged", url(staged), "--output", out, "--model", "tiny",
+                "--label", label] + (["--mode", "emb"] if label == "EMB" else [])
+        res = CliRunner().invoke(evaluate.main, args)
+        assert res.exit_code == 0, (res.output, res.exception)
+    csv = read(f"{out}/{evaluate.METRICS_CSV}").decode().splitlines()
+    assert len(csv) == 1 + 4 and {line.split(",")[3] for line in csv[1:]} == {"JOIN+CO", "EMB"}  # rows merged
+    assert os.path.isfile(root / "results" / "tiny_tiny_JOIN_CO_k4.json")
+
+
+# ----------------------------------------------------------------------------------- model-folder cache
+def test_url_model_folder_is_copied_once_and_again_after_a_change(tmp_path, monkeypatch):
+    model = write_tiny_model(str(tmp_path / "model"), str(tmp_path))
+    cache = str(tmp_path / "cache")
+    names = sorted(os.listdir(model))
+
+    first = local_model_folder(url(model), common.BEAM_FILES, cache)
+    assert os.path.dirname(first) == cache and sorted(os.listdir(first)) == names
+    assert all(read(os.path.join(first, n)) == read(os.path.join(model, n)) for n in names)
+    stamps = {n: os.stat(os.path.join(first, n)) for n in names}
+    assert local_model_folder(url(model) + "/", common.BEAM_FILES, cache) == first  # unchanged: not copied again
+    assert all(os.stat(os.path.join(first, n)).st_mtime_ns == stamps[n].st_mtime_ns for n in names)
+    assert os.listdir(cache) == [os.path.basename(first)]  # no temporary folder left behind
+
+    config = json.loads(read(os.path.join(model, "rr_model.json")))
+    config["provenance"]["note"] = "fine-tuned again"
+    with open(os.path.join(model, "rr_model.json"), "w") as f:
+        json.dump(config, f)
+    changed = local_model_folder(url(model), common.BEAM_FILES, cache)
+    assert changed != first
+    assert read(os.path.join(changed, "rr_model.json")) == read(os.path.join(model, "rr_model.json"))
+
+    os.remove(os.path.join(changed, "model.safetensors"))  # a copy pruned from the cache is made again
+    assert local_model_folder(url(model), common.BEAM_FILES, cache) == changed
+    assert read(os.path.join(changed, "model.safetensors")) == read(os.path.join(model, "model.safetensors"))
+
+    monkeypatch.setenv(MODEL_CACHE_ENV, cache)  # inspect / load / fingerprint by URL read that same copy
+    info = inspect_model_folder(url(model), common.BEAM_FILES)
+    assert (info.path, info.local_dir, info.heads) == (url(model), changed, ("be", "ce"))
+    assert encode.model_fingerprint(url(model)) == encode.model_fingerprint(model)
+    by_url, on_disk = load_model_folder(url(model), need=("ce",), files=common.BEAM_FILES), load_model_folder(model)
+    assert all((by_url.state_dict()[k] == v).all() for k, v in on_disk.state_dict().items())
+
+    with pytest.raises(CheckpointError, match="rrtest://.*nothing' does not exist"):
+        local_model_folder(url(tmp_path / "nothing"), common.BEAM_FILES, cache)
+    with pytest.raises(CheckpointError, match="is a URL: pass files="):
+        inspect_model_folder(url(model))
+    os.remove(os.path.join(model, "config.json"))  # errors name the URL folder, not its cache copy
+    with pytest.raises(CheckpointError, match=f"^{url(model)} has rr_model.json but no config.json"):
+        inspect_model_folder(url(model), common.BEAM_FILES)
