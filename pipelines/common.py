@@ -270,7 +270,7 @@ class BeamFileAccess:
         for m in FileSystems.match([path.rstrip("/") + "/**"])[0].metadata_list:
             if m.path.endswith("/"):  # a zero-byte "folder" placeholder some bucket tools create
                 continue
-            try:  # the store's own checksum (GCS: CRC32C / MD5), no file read
+            try:  # the store's own checksum (GCS: the CRC32C of the object), no file read
                 checksum = FileSystems.checksum(m.path)
             except NotImplementedError:
                 checksum = ""
