@@ -1,5 +1,5 @@
-"""Every artifact by URL, as on Dataflow (gs://): encode -> build_index -> rerank -> evaluate with the model
-folder, staged data, embeddings, index and outputs all under the test-only ``rrtest://`` Beam FileSystem
+"""Every artifact by URL, as on Dataflow (gs://): stage -> encode -> build_index -> rerank -> evaluate with the
+model folder, staged data, embeddings, index and outputs all under the test-only ``rrtest://`` Beam FileSystem
 (tests/helpers_beamfs.py: a real FileSystem over local files) write the bytes the same chain writes on local
 paths, and their read-backs (resume, --tune-on, evaluate's CSV) work there too. A URL that reached a local file
 call (open, os.path.exists, faiss.read_index, from_pretrained) would fail: ``rrtest:///x`` is no local path.
@@ -12,13 +12,26 @@ import os
 import pytest
 
 from benchmarks import evaluate
-from pipelines import build_index, common, encode, rerank
+from pipelines import build_index, common, encode, rerank, stage
 from retrieval_core import embeddings as emb
 from retrieval_core import index as ix
 from retrieval_core.checkpoints import (MODEL_CACHE_ENV, CheckpointError, inspect_model_folder, load_model_folder,
                                         local_model_folder)
 from tests.helpers_beamfs import PREFIX, url
-from tests.test_encode_pipeline import write_tiny_model, write_tiny_staged
+from tests.test_encode_pipeline import FEATURE_DIM, write_tiny_model
+
+#: A synthetic collection the stager generates itself: 12 train and 12 test images, 2 captions each.
+MANIFEST = f"""
+name: url_tiny
+feature_dim: {FEATURE_DIM}
+max_regions: 12
+collections:
+  syn:
+    images: {{format: synthetic, num_images: 24, seed: 3, min_regions: 4, max_regions: 10,
+             splits: {{train: 0.5, test: 0.5}}}}
+    captions: {{format: synthetic, captions_per_image: 2}}
+    expected_images: 24
+"""
 
 
 def local(path: str) -> str:
@@ -31,27 +44,30 @@ def read(path: str) -> bytes:
         return f.read()
 
 
-def run_chain(staged: str, model: str, out: str, split: str = "test") -> dict:
-    """encode (every split) -> Flat image index -> JOIN+CO rerank of ``split`` -> recall: paths as given."""
-    emb_dir, index_dir, run_dir = (f"{out}/{name}" for name in ("emb", "index", "rank"))
+def run_chain(manifest: str, model: str, out: str) -> dict:
+    """stage -> encode (every split) -> Flat image index -> JOIN+CO rerank of the test split -> recall; the
+    outputs under ``out`` (a local folder or a URL)."""
+    staged, emb_dir, index_dir, run_dir = (f"{out}/{name}" for name in ("staged", "emb", "index", "rank"))
+    summary, problems = stage.run_stage(manifest, staged)
+    assert problems == []
     encode.run(encode.EncodePlan(staged, model, emb_dir, batch_size=8, images_per_shard=10, texts_per_shard=20))
     build_index.run(build_index.IndexPlan(emb_dir, index_dir, threads=1))
     ranked = rerank.run(rerank.RerankPlan(staged, emb_dir, run_dir, mode="co", k=4, index=index_dir, ce_model=model,
-                                          split=split, batch_size=8, queries_per_shard=5))
-    return {"emb": emb_dir, "index": index_dir, "run": run_dir, "rankings": ranked,
-            "recall": evaluate.evaluate_run(run_dir, staged)}
+                                          batch_size=8, queries_per_shard=5))
+    return {"staged": staged, "summary": summary, "emb": emb_dir, "index": index_dir, "run": run_dir,
+            "rankings": ranked, "recall": evaluate.evaluate_run(run_dir, staged)}
 
 
 @pytest.fixture(scope="module")
 def chains(tmp_path_factory):
     root = tmp_path_factory.mktemp("url")
-    staged = write_tiny_staged(str(root / "staged"))
+    (root / "url_tiny.yaml").write_text(MANIFEST)
     model = write_tiny_model(str(root / "model"), str(root))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(MODEL_CACHE_ENV, str(root / "model_cache"))  # this module's copies of URL models
-        on_disk = run_chain(staged, model, str(root / "local"))
-        by_url = run_chain(url(staged), url(model), url(root / "remote"))
-        yield root, staged, model, on_disk, by_url
+        on_disk = run_chain(str(root / "url_tiny.yaml"), model, str(root / "local"))
+        by_url = run_chain(str(root / "url_tiny.yaml"), url(model), url(root / "remote"))
+        yield root, model, on_disk, by_url
 
 
 def shard_entries(manifest: dict, keys=("name", "rows", "sha256")) -> list[dict]:
@@ -59,7 +75,10 @@ def shard_entries(manifest: dict, keys=("name", "rows", "sha256")) -> list[dict]
 
 
 def test_url_chain_writes_the_bytes_of_the_local_chain(chains):
-    root, _, _, on_disk, by_url = chains
+    root, _, on_disk, by_url = chains
+    for kind in ("images", "captions"):
+        a, b = (c["summary"]["collections"]["syn"][kind]["shards"] for c in (on_disk, by_url))
+        assert [(s["name"], s["sha256"]) for s in b] == [(s["name"], s["sha256"]) for s in a] and a
     emb_a, emb_b = (json.loads(read(emb.manifest_path(c["emb"]))) for c in (on_disk, by_url))
     assert emb_b["model"]["sha256"] == emb_a["model"]["sha256"]  # fingerprinted from the cached copy
     assert emb_b["model"]["path"].startswith(PREFIX)
@@ -77,20 +96,21 @@ def test_url_chain_writes_the_bytes_of_the_local_chain(chains):
     assert ix_b["embeddings"]["dir"] == by_url["emb"]
 
     rank_a, rank_b = on_disk["rankings"], by_url["rankings"]
-    assert shard_entries(rank_b) == shard_entries(rank_a) and len(rank_a["shards"]) == 5
-    assert rank_b["queries"] == {"t2i": 12, "i2t": 6} and rank_b["ce_pairs_scored"] == rank_a["ce_pairs_scored"] > 0
+    assert shard_entries(rank_b) == shard_entries(rank_a) and len(rank_a["shards"]) == 5 + 3
+    assert rank_b["queries"] == rank_a["queries"] == {"t2i": 24, "i2t": 12}
+    assert rank_b["ce_pairs_scored"] == rank_a["ce_pairs_scored"] > 0
     assert "FAISS index rrtest://" in rank_b["search"]["t2i"] and "exact search" in rank_b["search"]["i2t"]
     for s in rank_a["shards"]:
         assert read(f"{by_url['run']}/rankings/{s['name']}") == read(f"{on_disk['run']}/rankings/{s['name']}")
-    assert by_url["recall"] == on_disk["recall"] and by_url["recall"]["t2i_queries"] == 12
+    assert by_url["recall"] == on_disk["recall"] and by_url["recall"]["t2i_queries"] == 24
     assert os.listdir(root / "model_cache")  # the workers loaded the URL model from a local copy
-    for out in (by_url["emb"], by_url["index"], by_url["run"]):  # scratch files removed by URL too
+    for out in (by_url["staged"], by_url["emb"], by_url["index"], by_url["run"]):  # scratch files removed by URL too
         assert [f for d in (common.RUN_DIR, common.SPILL_DIR) for f in common.BEAM_FILES.walk(f"{out}/{d}")] == []
 
 
 def test_url_reruns_resume_from_what_they_read_back(chains):
-    _, staged, model, _, by_url = chains
-    staged, model = url(staged), url(model)
+    root, model, _, by_url = chains
+    staged, model = by_url["staged"], url(model)
     again = encode.run(encode.EncodePlan(staged, model, by_url["emb"], batch_size=8, images_per_shard=10,
                                          texts_per_shard=20))
     assert {m: (v["encoded"], v["reused"]) for m, v in again["modalities"].items()} == {"image": (0, 24),
@@ -99,35 +119,39 @@ def test_url_reruns_resume_from_what_they_read_back(chains):
     assert (index["built"], index["kept"]) == (0, 3)
     ranked = rerank.run(rerank.RerankPlan(staged, by_url["emb"], by_url["run"], mode="co", k=4, index=by_url["index"],
                                           ce_model=model, batch_size=8, queries_per_shard=5))
-    assert (ranked["shards_reused"], ranked["waves_run"]) == (5, 0) and ranked["shards"] == by_url["rankings"]["shards"]
+    assert (ranked["shards_reused"], ranked["waves_run"]) == (5 + 3, 0)
+    assert ranked["shards"] == by_url["rankings"]["shards"]
+    # last: re-staging rewrites summary.json (timings), which rerank's plan fingerprint includes
+    summary, _ = stage.run_stage(str(root / "url_tiny.yaml"), staged)
+    assert summary["resume"] == {"kept": 2, "written": 0, "stale_removed": 0}
 
 
 def test_mode_auto_tunes_on_a_url_run_as_on_the_local_one(chains):
     """--tune-on a URL run (its manifest, CE model and stored scores read by URL) chooses what the same local
     run gives; here the test-split run is the held-out one and the train split is ranked."""
-    _, staged, model, on_disk, by_url = chains
+    _, model, on_disk, by_url = chains
     out = by_url["run"] + "_train_auto"
-    ranked = rerank.run(rerank.RerankPlan(url(staged), by_url["emb"], out, mode="auto", tune_on=by_url["run"], k=4,
+    ranked = rerank.run(rerank.RerankPlan(by_url["staged"], by_url["emb"], out, mode="auto", tune_on=by_url["run"], k=4,
                                           index=by_url["index"], ce_model=url(model), split="train", batch_size=8))
-    expected = evaluate.choose_fusion(on_disk["run"], staged, 4)
+    expected = evaluate.choose_fusion(on_disk["run"], on_disk["staged"], 4)
     chosen = ranked["fusion_choice"]
     assert (chosen["mode"], chosen["lam"], chosen["dev_mR"]) == (expected["mode"], expected["lam"], expected["dev_mR"])
-    assert chosen["dev_run"] == by_url["run"] and ranked["queries"] == {"t2i": 36, "i2t": 18}
+    assert chosen["dev_run"] == by_url["run"] and ranked["queries"] == {"t2i": 24, "i2t": 12}
 
 
 def test_evaluate_cli_reads_and_merges_its_csv_by_url(chains):
     from click.testing import CliRunner
 
-    root, staged, _, _, by_url = chains
+    root, _, _, by_url = chains
     out = url(root / "results")
     for label in ("JOIN+CO", "EMB"):
-        args = ["--rankings", f"{by_url['run']}/rankings", "--staged", url(staged), "--output", out, "--model", "tiny",
-                "--label", label] + (["--mode", "emb"] if label == "EMB" else [])
+        args = ["--rankings", f"{by_url['run']}/rankings", "--staged", by_url["staged"], "--output", out,
+                "--model", "tiny", "--label", label] + (["--mode", "emb"] if label == "EMB" else [])
         res = CliRunner().invoke(evaluate.main, args)
         assert res.exit_code == 0, (res.output, res.exception)
     csv = read(f"{out}/{evaluate.METRICS_CSV}").decode().splitlines()
     assert len(csv) == 1 + 4 and {line.split(",")[3] for line in csv[1:]} == {"JOIN+CO", "EMB"}  # rows merged
-    assert os.path.isfile(root / "results" / "tiny_tiny_JOIN_CO_k4.json")
+    assert os.path.isfile(root / "results" / "syn_tiny_JOIN_CO_k4.json")
 
 
 # ----------------------------------------------------------------------------------- model-folder cache
