@@ -18,20 +18,8 @@ from retrieval_core import index as ix
 from retrieval_core.checkpoints import (MODEL_CACHE_ENV, CheckpointError, inspect_model_folder, load_model_folder,
                                         local_model_folder)
 from tests.helpers_beamfs import PREFIX, url
-from tests.test_encode_pipeline import FEATURE_DIM, write_tiny_model
-
-#: A synthetic collection the stager generates itself: 12 train and 12 test images, 2 captions each.
-MANIFEST = f"""
-name: url_tiny
-feature_dim: {FEATURE_DIM}
-max_regions: 12
-collections:
-  syn:
-    images: {{format: synthetic, num_images: 24, seed: 3, min_regions: 4, max_regions: 10,
-             splits: {{train: 0.5, test: 0.5}}}}
-    captions: {{format: synthetic, captions_per_image: 2}}
-    expected_images: 24
-"""
+from tests.test_dataflow import MANIFEST  # a synthetic collection of 16 images (8 test), 2 captions each
+from tests.test_encode_pipeline import write_tiny_model
 
 
 def local(path: str) -> str:
@@ -50,7 +38,7 @@ def run_chain(manifest: str, model: str, out: str) -> dict:
     staged, emb_dir, index_dir, run_dir = (f"{out}/{name}" for name in ("staged", "emb", "index", "rank"))
     summary, problems = stage.run_stage(manifest, staged)
     assert problems == []
-    encode.run(encode.EncodePlan(staged, model, emb_dir, batch_size=8, images_per_shard=10, texts_per_shard=20))
+    encode.run(encode.EncodePlan(staged, model, emb_dir, batch_size=8, images_per_shard=6, texts_per_shard=12))
     build_index.run(build_index.IndexPlan(emb_dir, index_dir, threads=1))
     ranked = rerank.run(rerank.RerankPlan(staged, emb_dir, run_dir, mode="co", k=4, index=index_dir, ce_model=model,
                                           batch_size=8, queries_per_shard=5))
@@ -61,12 +49,12 @@ def run_chain(manifest: str, model: str, out: str) -> dict:
 @pytest.fixture(scope="module")
 def chains(tmp_path_factory):
     root = tmp_path_factory.mktemp("url")
-    (root / "url_tiny.yaml").write_text(MANIFEST)
+    (root / "tiny.yaml").write_text(MANIFEST)
     model = write_tiny_model(str(root / "model"), str(root))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(MODEL_CACHE_ENV, str(root / "model_cache"))  # this module's copies of URL models
-        on_disk = run_chain(str(root / "url_tiny.yaml"), model, str(root / "local"))
-        by_url = run_chain(str(root / "url_tiny.yaml"), url(model), url(root / "remote"))
+        on_disk = run_chain(str(root / "tiny.yaml"), model, str(root / "local"))
+        by_url = run_chain(str(root / "tiny.yaml"), url(model), url(root / "remote"))
         yield root, model, on_disk, by_url
 
 
@@ -96,13 +84,13 @@ def test_url_chain_writes_the_bytes_of_the_local_chain(chains):
     assert ix_b["embeddings"]["dir"] == by_url["emb"]
 
     rank_a, rank_b = on_disk["rankings"], by_url["rankings"]
-    assert shard_entries(rank_b) == shard_entries(rank_a) and len(rank_a["shards"]) == 5 + 3
-    assert rank_b["queries"] == rank_a["queries"] == {"t2i": 24, "i2t": 12}
+    assert shard_entries(rank_b) == shard_entries(rank_a) and len(rank_a["shards"]) == 4 + 2
+    assert rank_b["queries"] == rank_a["queries"] == {"t2i": 16, "i2t": 8}
     assert rank_b["ce_pairs_scored"] == rank_a["ce_pairs_scored"] > 0
     assert "FAISS index rrtest://" in rank_b["search"]["t2i"] and "exact search" in rank_b["search"]["i2t"]
     for s in rank_a["shards"]:
         assert read(f"{by_url['run']}/rankings/{s['name']}") == read(f"{on_disk['run']}/rankings/{s['name']}")
-    assert by_url["recall"] == on_disk["recall"] and by_url["recall"]["t2i_queries"] == 24
+    assert by_url["recall"] == on_disk["recall"] and by_url["recall"]["t2i_queries"] == 16
     assert os.listdir(root / "model_cache")  # the workers loaded the URL model from a local copy
     for out in (by_url["staged"], by_url["emb"], by_url["index"], by_url["run"]):  # scratch files removed by URL too
         assert [f for d in (common.RUN_DIR, common.SPILL_DIR) for f in common.BEAM_FILES.walk(f"{out}/{d}")] == []
@@ -111,18 +99,18 @@ def test_url_chain_writes_the_bytes_of_the_local_chain(chains):
 def test_url_reruns_resume_from_what_they_read_back(chains):
     root, model, _, by_url = chains
     staged, model = by_url["staged"], url(model)
-    again = encode.run(encode.EncodePlan(staged, model, by_url["emb"], batch_size=8, images_per_shard=10,
-                                         texts_per_shard=20))
-    assert {m: (v["encoded"], v["reused"]) for m, v in again["modalities"].items()} == {"image": (0, 24),
-                                                                                        "text": (0, 48)}
+    again = encode.run(encode.EncodePlan(staged, model, by_url["emb"], batch_size=8, images_per_shard=6,
+                                         texts_per_shard=12))
+    assert {m: (v["encoded"], v["reused"]) for m, v in again["modalities"].items()} == {"image": (0, 16),
+                                                                                        "text": (0, 32)}
     index = build_index.run(build_index.IndexPlan(by_url["emb"], by_url["index"], threads=1))
     assert (index["built"], index["kept"]) == (0, 3)
     ranked = rerank.run(rerank.RerankPlan(staged, by_url["emb"], by_url["run"], mode="co", k=4, index=by_url["index"],
                                           ce_model=model, batch_size=8, queries_per_shard=5))
-    assert (ranked["shards_reused"], ranked["waves_run"]) == (5 + 3, 0)
+    assert (ranked["shards_reused"], ranked["waves_run"]) == (4 + 2, 0)
     assert ranked["shards"] == by_url["rankings"]["shards"]
     # last: re-staging rewrites summary.json (timings), which rerank's plan fingerprint includes
-    summary, _ = stage.run_stage(str(root / "url_tiny.yaml"), staged)
+    summary, _ = stage.run_stage(str(root / "tiny.yaml"), staged)
     assert summary["resume"] == {"kept": 2, "written": 0, "stale_removed": 0}
 
 
@@ -136,7 +124,7 @@ def test_mode_auto_tunes_on_a_url_run_as_on_the_local_one(chains):
     expected = evaluate.choose_fusion(on_disk["run"], on_disk["staged"], 4)
     chosen = ranked["fusion_choice"]
     assert (chosen["mode"], chosen["lam"], chosen["dev_mR"]) == (expected["mode"], expected["lam"], expected["dev_mR"])
-    assert chosen["dev_run"] == by_url["run"] and ranked["queries"] == {"t2i": 24, "i2t": 12}
+    assert chosen["dev_run"] == by_url["run"] and ranked["queries"] == {"t2i": 16, "i2t": 8}
 
 
 def test_evaluate_cli_reads_and_merges_its_csv_by_url(chains):
