@@ -93,13 +93,12 @@ def select(staged: str, collection: str, split: Optional[str], *, max_queries: i
         out["notes"].append(f"fold {fold} of {folds}: images {fold * fold_size}..{(fold + 1) * fold_size - 1} "
                             f"in item_id order and their {int(in_fold.sum())} captions")
     elif scale:
-        has_caps = np.unique(cap_img)
+        # cap is sorted, so an image's first position in cap_img holds its smallest caption id (vectorised: a
+        # dict over every caption grew this job's peak RSS by ~27 MiB from 100k to 200k captions)
+        has_caps, first = np.unique(cap_img, return_index=True)
         rng = np.random.default_rng(seed)
         chosen = rng.choice(has_caps, min(scale, len(has_caps)), replace=False)
-        first = {}
-        for c, i in zip(cap.tolist(), cap_img.tolist()):  # cap is sorted: the first seen is the smallest
-            first.setdefault(i, c)
-        out["t2i"] = np.sort(np.array([first[int(i)] for i in chosen], dtype=np.int64))
+        out["t2i"] = np.sort(cap[first[np.searchsorted(has_caps, chosen)]])
         out["i2t"] = np.sort(chosen.astype(np.int64))
         out["pool_images"] = len(img)
         out["notes"].append(f"{len(chosen)} queries per direction: a seeded {len(chosen)}-image subset (i2t) and "

@@ -30,9 +30,14 @@ CSV_COLUMNS = (
     "wall_s", "encode_s", "index_s", "search_s", "rerank_s", "ce_pairs", "peak_rss_mb", "launcher_peak_rss_mb",
     "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "ann_recall@10", "speedup_vs_paper_code",
     "search_p50_ms", "bound_ms", "index_bytes", "rate_per_s", "roofline_fraction",
-    "split", "device", "cpu_model", "threads", "torch", "faiss", "transformers", "batch_size",
-    "measured", "rankings", "notes",
+    "split", "recipe", "model_seed", "device", "cpu_model", "threads", "torch", "faiss", "transformers",
+    "batch_size", "measured", "rankings", "notes",
 )
+
+#: Column order of <suite>_seeds.csv: one row per suite row key, over the runs of several model seeds.
+SEED_KEY = ("suite", "collection", "model", "mode", "k", "lam", "direction")
+SEED_COLUMNS = SEED_KEY + ("seeds",) + tuple(f"{m}_{stat}" for m in ("R@1", "R@5", "R@10", "mR")
+                                              for stat in ("mean", "std", "min", "max")) + ("queries", "recipe")
 
 
 #: Column order of <suite>_jobs.csv: what every pipeline job of a suite run cost.
@@ -77,6 +82,9 @@ COLUMN_DOCS = {
     "roofline_fraction": "rate_per_s / the roofline rate from the measured GEMM rate and the model's FLOPs per "
                          "unit (or, for pipeline rows, / the raw model's rate)",
     "split": "split of the queries (e.g. test)",
+    "recipe": "training recipe of the cached models behind the row (pipelines.demo_assets: bench or demo; empty "
+              "when the model folders were given)",
+    "model_seed": "training seed of those cached models (empty when the model folders were given)",
     "device": "cpu or cuda (with the GPU name)",
     "cpu_model": "CPU name from /proc/cpuinfo",
     "threads": "torch + faiss threads the jobs were given",
@@ -87,6 +95,11 @@ COLUMN_DOCS = {
     "measured": "true: measured in this run; false: extrapolated or skipped (see notes)",
     "rankings": "rerank run dir(s) the recall was read from, with the derived k / mode / lam",
     "notes": "what else a reader needs: derivations, reused jobs, query samples, skip reasons",
+    # <suite>_seeds.csv
+    "seeds": "the model seeds the statistics are over (benchmarks.run --model-seed 0,1,2)",
+    **{f"{m}_{stat}": f"{m} over the seeds: {desc}" for m in ("R@1", "R@5", "R@10", "mR")
+       for stat, desc in (("mean", "mean"), ("std", "sample standard deviation"), ("min", "smallest"),
+                          ("max", "largest"))},
     # <suite>_jobs.csv
     "job": "job name (unique within the suite)",
     "step": "module the job ran (python -m <step>)",
@@ -265,6 +278,53 @@ def summary_table(rows: Sequence[Mapping], title: str = "") -> str:
 
 
 # ----------------------------------------------------------------------------------------- plots
+def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]]) -> list[dict]:
+    """<suite>_seeds.csv rows: per suite row key (SEED_KEY), R@1/5/10 and mR over the model seeds (mean, sample
+    std, min, max). A key missing from one seed's run is an error: the seeds must have run the same plan."""
+    import statistics
+
+    by_key: dict[tuple, dict[int, Mapping]] = {}
+    for seed, rows in rows_by_seed.items():
+        for r in rows:
+            r = normalise_row(r)
+            if r["R@1"] != "":
+                by_key.setdefault(tuple(str(r[c]) for c in SEED_KEY), {})[seed] = r
+    seeds = sorted(rows_by_seed)
+    out = []
+    for key, per_seed in by_key.items():
+        if sorted(per_seed) != seeds:
+            raise ValueError(f"row {dict(zip(SEED_KEY, key))} is missing for seed(s) "
+                             f"{sorted(set(seeds) - set(per_seed))}")
+        row = dict(zip(SEED_KEY, key))
+        row["seeds"] = ",".join(map(str, seeds))
+        for m in ("R@1", "R@5", "R@10", "mR"):
+            vals = [float(per_seed[s][m]) for s in seeds]
+            row.update({f"{m}_mean": round(statistics.fmean(vals), 3),
+                        f"{m}_std": round(statistics.stdev(vals), 3) if len(vals) > 1 else 0.0,
+                        f"{m}_min": min(vals), f"{m}_max": max(vals)})
+        row["queries"] = per_seed[seeds[0]]["queries"]
+        row["recipe"] = per_seed[seeds[0]]["recipe"]
+        out.append(row)
+    return out
+
+
+def seed_summary_table(rows: Sequence[Mapping], title: str = "") -> str:
+    """R@1 per direction and mR as mean ± std over the seeds, one line per (collection, model, mode, k, lam)."""
+    lines = [f"== {title} ==" if title else ""]
+    head = f"{'collection':<30} {'model':<6} {'mode':<12} {'k':>3} {'lam':>4} {'t2i R@1':>13} {'i2t R@1':>13} " \
+           f"{'mR':>13}"
+    lines += [head, "-" * len(head)]
+    groups: dict[tuple, dict[str, Mapping]] = {}
+    for r in rows:
+        groups.setdefault((r["collection"], r["model"], r["mode"], r["k"], r["lam"]), {})[r["direction"]] = r
+    pm = lambda r, m: f"{float(r[m + '_mean']):.1f} ± {float(r[m + '_std']):.1f}" if r else "-"  # noqa: E731
+    for (coll, model, mode, k, lam), d in groups.items():
+        t, i = d.get("t2i"), d.get("i2t")
+        lines.append(f"{str(coll)[:30]:<30} {str(model)[:6]:<6} {str(mode)[:12]:<12} {str(k):>3} {str(lam):>4} "
+                     f"{pm(t, 'R@1'):>13} {pm(i, 'R@1'):>13} {pm(t or i, 'mR'):>13}")
+    return "\n".join(lines)
+
+
 def _pyplot():
     import matplotlib
 

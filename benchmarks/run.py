@@ -31,8 +31,9 @@ the jobs that produced the row, peak RSS included), <output>/<suite>_jobs.csv (e
 RSS, reused or run, command) and PNG plots; prints a summary table. Jobs write under <workdir>/bench/ and a
 finished job is reused by the next run (benchmarks.jobs). ``--plan`` prints the jobs without running any.
 
-Models default to the demo assets (JOIN: pipelines.demo_assets.ensure_demo_assets; SEP: ensure_sep_models),
-trained on first use. Synthetic manifests are staged at the model's feature_dim (``--set feature_dim=``);
+Models default to the benchmark recipe's (pipelines.demo_assets.BENCH_RECIPE; ``--recipe demo`` for the demo's,
+``--model-seed N`` for another training seed), trained on first use and cached per recipe and seed.
+Synthetic manifests are staged at the model's feature_dim (``--set feature_dim=``);
 a manifest with real (file) features and another feature_dim is refused with both dimensions named.
 """
 from __future__ import annotations
@@ -155,6 +156,8 @@ class RunOptions:
     anns: tuple[str, ...] = ("IVF-Flat", "IVF-SQ8", "HNSW32")
     hnsw_max_n: int = 100_000
     eval_budget_s: float = 600.0
+    recipe: str = ""  # the cached models' recipe and seed, recorded in every row ("" for given model folders)
+    model_seed: object = ""
 
 
 def check_beam_args(beam_args: Sequence[str]) -> None:
@@ -170,23 +173,28 @@ def check_beam_args(beam_args: Sequence[str]) -> None:
                                "to see the jobs without running them")
 
 
-def resolve_models(join_dir, be_dir, ce_dir, no_sep: bool, suite: str, plan_only: bool, beam_args) -> Models:
-    """Model folders: the given ones, else the demo assets (trained on first use; with --plan only named)."""
+#: Suites whose SEP rows need the SEP models named (--be-model, --ce-model): latency times the JOIN model; at
+#: scale, SEP doubles the encoding of the whole collection (100k: 500k more captions, ~17 min on 2 cores).
+JOIN_BY_DEFAULT = ("latency", "scale_100k", "scale_1m")
+
+
+def resolve_models(join_dir, be_dir, ce_dir, no_sep: bool, suite: str, plan_only: bool, beam_args,
+                   recipe_name: str = "bench", seed: int = 0) -> Models:
+    """Model folders: the given ones, else the cached models of ``recipe_name`` at ``seed``
+    (pipelines.demo_assets; trained on first use, with --plan only named)."""
     from pipelines import demo_assets
 
-    if plan_only:  # name the demo models' folders without training them
-        join_dir = join_dir or demo_assets.trained_model_path(demo_assets.model_dir())
-        if not no_sep and suite != "latency":
-            be_dir = be_dir or demo_assets.trained_model_path(demo_assets.sep_model_dir("be"))
-            ce_dir = ce_dir or demo_assets.trained_model_path(demo_assets.sep_model_dir("ce"))
+    recipe = demo_assets.RECIPES[recipe_name]
+    no_sep = no_sep or (suite in JOIN_BY_DEFAULT and not (be_dir and ce_dir))
+    need_sep = not no_sep and (be_dir is None or ce_dir is None)
+    if plan_only:  # name the recipe's model folders without training them
+        dirs = demo_assets.model_dirs(recipe, seed)
+        trained = demo_assets.ModelSet(*(demo_assets.trained_model_path(d) for d in (dirs.join, dirs.be, dirs.ce)))
+    elif join_dir is None or need_sep:
+        trained = demo_assets.ensure_models(recipe, seed, sep=need_sep, beam_args=tuple(beam_args))
     else:
-        staged_demo = None
-        if join_dir is None:
-            staged_demo, join_dir = demo_assets.ensure_demo_assets(tuple(beam_args))
-        if not no_sep and suite != "latency" and (be_dir is None or ce_dir is None):
-            staged_demo = staged_demo or demo_assets.ensure_staged(tuple(beam_args))
-            d_be, d_ce = demo_assets.ensure_sep_models(staged_demo)
-            be_dir, ce_dir = be_dir or d_be, ce_dir or d_ce
+        trained = demo_assets.ModelSet(join_dir)
+    join_dir, be_dir, ce_dir = join_dir or trained.join, be_dir or trained.be, ce_dir or trained.ce
     return Models(join=os.path.abspath(join_dir), be=None if no_sep or not be_dir else os.path.abspath(be_dir),
                   ce=None if no_sep or not ce_dir else os.path.abspath(ce_dir))
 
@@ -234,10 +242,17 @@ def plan_costs(plan_jobs: Sequence[jb.Job], cfg: SuiteConfig) -> jb.UnitCosts:
                                      help_option_names=["-h", "--help"]))
 @click.option("--suite", type=click.Choice(SUITES), required=True, help="Which benchmark suite to run.")
 @click.option("--manifest", default=None, help="Run the suite on this manifest instead of its default ones.")
-@click.option("--model", "join_dir", default=None, help="JOIN model folder [demo JOIN model].")
-@click.option("--be-model", "be_dir", default=None, help="SEP bi-encoder model folder [demo SEP BE model].")
-@click.option("--ce-model", "ce_dir", default=None, help="SEP cross-encoder model folder [demo SEP CE model].")
-@click.option("--no-sep", is_flag=True, help="Skip the SEP rows (do not train the SEP demo models).")
+@click.option("--model", "join_dir", default=None, help="JOIN model folder [the recipe's JOIN model].")
+@click.option("--be-model", "be_dir", default=None, help="SEP bi-encoder model folder [the recipe's SEP BE].")
+@click.option("--ce-model", "ce_dir", default=None, help="SEP cross-encoder model folder [the recipe's SEP CE].")
+@click.option("--recipe", type=click.Choice(["bench", "demo"]), default="bench", show_default=True,
+              help="Which cached recipe trains the models not given (pipelines.demo_assets: the benchmark "
+                   "recipe, or the demo's).")
+@click.option("--model-seed", "model_seeds", default="0", show_default=True, metavar="N[,N...]",
+              help="Training seed(s) of the recipe's models (cached per seed). Several: the suite runs once per "
+                   "seed (<output>/seed<N>/) and <output>/<suite>_seeds.csv holds mean, std, min and max.")
+@click.option("--no-sep", is_flag=True, help="Skip the SEP rows (do not train the SEP demo models). latency, "
+              "scale_100k and scale_1m run SEP only when --be-model and --ce-model are given.")
 @click.option("--output", default="results", show_default=True, help="Folder for <suite>.csv, <suite>_jobs.csv, plots.")
 @click.option("--workdir", default=None, help="Staged data, pipeline outputs, cached models [$RR_WORKDIR or ./runs].")
 @click.option("--plan", "plan_only", is_flag=True,
@@ -262,44 +277,66 @@ def plan_costs(plan_jobs: Sequence[jb.Job], cfg: SuiteConfig) -> jb.UnitCosts:
 @click.option("--eval-budget", default=600.0, show_default=True, type=click.FloatRange(min=0),
               help="latency: seconds of Table 4 pipeline runs; larger settings are extrapolated.")
 @click.pass_context
-def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, no_sep, output, workdir, plan_only, quick, batch_size,
-         device, threads, ce_pair_budget, max_queries, index_factory, memory_sizes, ann, hnsw_max_n, eval_budget):
+def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, recipe, model_seeds, no_sep, output, workdir, plan_only,
+         quick, batch_size, device, threads, ce_pair_budget, max_queries, index_factory, memory_sizes, ann,
+         hnsw_max_n, eval_budget):
     """Run one benchmark suite through the pipeline jobs and write <output>/<suite>.csv plus a summary.
     Unknown --flags go to every pipeline job (--runner, --dask_client_address, Dataflow options)."""
     from pipelines import demo_assets
 
     beam_args = tuple(ctx.args)
     check_beam_args(beam_args)
+    seeds = _seeds(model_seeds)
+    if len(seeds) > 1 and join_dir and (no_sep or (be_dir and ce_dir)):
+        raise click.UsageError("--model-seed with several seeds trains the recipe's models: give no model folders")
     if workdir:
         os.environ["RR_WORKDIR"] = os.path.abspath(workdir)
-    t_start = time.time()
-    models = resolve_models(join_dir, be_dir, ce_dir, no_sep, suite, plan_only, beam_args)
-    feature_dim = suites.model_feature_dim(models.join) or _demo_feature_dim()
-    cfg = SuiteConfig(suite=suite, workdir=demo_assets.workdir(), models=models, feature_dim=feature_dim,
-                      quick=quick, manifest=manifest,
-                      max_queries=DEFAULT_MAX_QUERIES[suite] if max_queries is None else max_queries,
-                      ce_pair_budget=ce_pair_budget, index_factory=index_factory, batch_size=batch_size,
-                      device=device.lower(), threads=threads, memory_sizes=_sizes(memory_sizes, suite))
-    opts = RunOptions(output=output, plan_only=plan_only, beam_args=beam_args, anns=_anns(ann),
-                      hnsw_max_n=hnsw_max_n, eval_budget_s=eval_budget)
-    if not plan_only:
+    rows_by_seed = {}
+    for seed in seeds:
+        t_start = time.time()
+        models = resolve_models(join_dir, be_dir, ce_dir, no_sep, suite, plan_only, beam_args, recipe, seed)
+        feature_dim = suites.model_feature_dim(models.join) or _demo_feature_dim()
+        cfg = SuiteConfig(suite=suite, workdir=demo_assets.workdir(), models=models, feature_dim=feature_dim,
+                          quick=quick, manifest=manifest,
+                          max_queries=DEFAULT_MAX_QUERIES[suite] if max_queries is None else max_queries,
+                          ce_pair_budget=ce_pair_budget, index_factory=index_factory, batch_size=batch_size,
+                          device=device.lower(), threads=threads, memory_sizes=_sizes(memory_sizes, suite))
+        # which cached models the rows came from (none when every model folder was given)
+        trained = not (join_dir and (no_sep or suite in JOIN_BY_DEFAULT or (be_dir and ce_dir)))
+        opts = RunOptions(output=output if len(seeds) == 1 else os.path.join(output, f"seed{seed}"),
+                          plan_only=plan_only, beam_args=beam_args, anns=_anns(ann), hnsw_max_n=hnsw_max_n,
+                          eval_budget_s=eval_budget, recipe=recipe if trained else "",
+                          model_seed=seed if trained else "")
+        rows_by_seed[seed] = run_suite(cfg, opts, t_start)
+    if len(seeds) > 1 and all(rows_by_seed.values()):
+        summary = report.seed_summary(rows_by_seed)
+        path = report.write_csv(os.path.join(output, f"{suite}_seeds.csv"), summary, report.SEED_COLUMNS)
+        print(report.seed_summary_table(summary, f"{suite}: mean ± std over model seeds {model_seeds}"))
+        print(f"wrote {path}")
+
+
+def run_suite(cfg: SuiteConfig, opts: RunOptions, t_start: float) -> Optional[list[dict]]:
+    """One suite run for one model set: its jobs, <output>/<suite>.csv, the jobs CSV, plots and the summary."""
+    suite, output, beam_args = cfg.suite, opts.output, opts.beam_args
+    if not opts.plan_only:
         os.makedirs(output, exist_ok=True)
     try:
         if suite == "latency":
             rows, results = run_latency_suite(cfg, opts)
         else:
-            plan = suites.plan_suite(cfg, baseline_model(cfg, plan_only) if suite == "baseline" else None)
-            if plan_only:
+            plan = suites.plan_suite(cfg, baseline_model(cfg, opts.plan_only) if suite == "baseline" else None)
+            if opts.plan_only:
                 print(f"{suite}: {len(plan.jobs)} jobs, {len(plan.rows)} row groups")
                 print(jb.format_plan(plan.jobs, beam_args, plan_costs(plan.jobs, cfg)))
-                return
-            env = report.environment(cfg.device, cfg.batch_size, cfg.threads)
+                return None
+            env = {**report.environment(cfg.device, cfg.batch_size, cfg.threads), "recipe": opts.recipe,
+                   "model_seed": opts.model_seed}
             rows, results = execute(plan, beam_args, jb.UnitCosts.load(unit_costs_path(cfg)),
                                     unit_costs_path(cfg), env)
     except jb.JobFailed as exc:
         raise click.ClickException(str(exc)) from None
     if rows is None:
-        return
+        return None
     path = report.write_csv(os.path.join(output, f"{suite}.csv"), rows)
     if suite in report.SIZE_SUITES:  # R@1 vs collection size across whichever suite CSVs exist
         report.plot_recall_vs_size_from(output)
@@ -310,6 +347,17 @@ def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, no_sep, output, workdir
         report.plot_recall_vs_k(rows, os.path.join(output, "k_ablation.png"))
     print(report.summary_table(rows, f"{suite} ({time.time() - t_start:.0f}s)"))
     print(f"wrote {path}")
+    return rows
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise click.UsageError(f"--model-seed takes comma-separated seeds, got {text!r}") from None
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise click.UsageError(f"--model-seed needs distinct non-negative seeds, got {text!r}")
+    return seeds
 
 
 def _sizes(text: Optional[str], suite: str) -> tuple[int, ...]:

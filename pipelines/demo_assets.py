@@ -1,10 +1,15 @@
-"""The embedded default: the staged synthetic demo collection and the demo JOIN model, built on first use.
+"""The embedded default and the suites' models: the staged synthetic demo collection and the models a recipe
+trains on it, built on first use.
 
 `python -m pipelines.encode` with no --staged/--model, and `python -m pipelines.demo`, call
-:func:`ensure_demo_assets`. Both assets are cached under ``$RR_WORKDIR/demo`` (default ``./runs/demo``);
-a complete asset is reused, a missing or incomplete one is (re)built by running the same CLIs a user
-would run, so what the demo does is exactly what the README shows. A cache built by another recipe or
-generator version is rebuilt (``assets.json`` records what built it).
+:func:`ensure_demo_assets`; `python -m benchmarks.run` calls :func:`ensure_models` with BENCH_RECIPE. A recipe
+(:class:`Recipe`) is typed: one ``retrieval_core.train.TrainConfig`` per model it trains (JOIN, and the SEP pair:
+a bi-encoder, then a cross-encoder fine-tuned from that bi-encoder's checkpoint), run through the same
+``python -m retrieval_core.train`` a user would run (``train.train_cli_args``), so what the demo does is exactly
+what the README shows. Caches: the staged collection and the demo models under ``$RR_WORKDIR/demo`` (default
+``./runs/demo``), the benchmark models under ``$RR_WORKDIR/bench-models/seed<N>``; a complete asset is reused,
+a missing or incomplete one is (re)built, and a cache built by another recipe, seed, staged content or generator
+version is rebuilt (``assets.json`` records what built it).
 """
 from __future__ import annotations
 
@@ -14,11 +19,48 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
+
+from retrieval_core.train import TrainConfig, train_cli_args
 
 log = logging.getLogger(__name__)
 
 DEMO_MANIFEST = "demo"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one cached model set is trained on the demo collection's train split (its dev split selects the
+    checkpoint): the JOIN model; the SEP bi-encoder; the SEP cross-encoder, fine-tuned with the CE objective from
+    the SEP bi-encoder's checkpoint (a separate CE from the text-only backbone does not leave chance in a CPU
+    budget: it borrows the bi-encoder's image-text alignment) and, where its config mines negatives, mining them
+    with that bi-encoder (``--mine-model``): the lists it will rerank. JOIN and the SEP bi-encoder start from the
+    shipped MiniLM (``halve_layers``: every other layer kept)."""
+    name: str
+    join: TrainConfig
+    sep_be: TrainConfig
+    sep_ce: TrainConfig
+    halve_layers: bool = True
+    max_regions: int = 12
+
+    def __post_init__(self):
+        for role, want in (("join", "joint"), ("sep_be", "be"), ("sep_ce", "ce")):
+            if getattr(self, role).objective != want:
+                raise ValueError(f"recipe {self.name}: {role} must have objective {want!r}")
+
+    def with_seed(self, seed: int) -> "Recipe":
+        return replace(self, join=replace(self.join, seed=seed), sep_be=replace(self.sep_be, seed=seed),
+                       sep_ce=replace(self.sep_ce, seed=seed))
+
+
+@dataclass(frozen=True)
+class ModelSet:
+    """Model folders of one recipe and seed: JOIN, and the SEP pair (None when not asked for)."""
+    join: str
+    be: Optional[str] = None
+    ce: Optional[str] = None
+
 
 # The demo training recipe: JOIN (shared weights, BE and CE objectives) from the shipped all-MiniLM-L6-v2 with
 # every second layer kept (the paper's "halved" model), sized for about five minutes on 2 CPU cores. Each choice
@@ -47,39 +89,37 @@ DEMO_MANIFEST = "demo"
 #   lifted dev R@1 for both seeds tried (seed 0: 56.8 -> 66.2, seed 1: 57.8 -> 60.5; 400 dev captions). Fewer
 #   steps are not an option: 200 steps (same recipe, lr decay over 200) reranked dev i2t R@1 from 54.2 down to
 #   49.2 (t2i 48.6 -> 49.6; k = 10, 500 queries per direction, AMD EPYC, this session).
-DEMO_RECIPE = {
-    "objective": "joint",
-    "be_loss": "infonce",
-    "image_init": "lstsq",
-    "steps": 340,
-    "batch_size": 32,
-    "lr": 1e-4,
-    "new_layers_lr_mult": 20,
-    "max_regions": 12,
-    "halve_layers": True,
-    "ce_loss": "listwise",
-    "ce_negatives": 3,
-    "ce_batch_size": 16,
-    "ce_start_step": 40,
-    "hard_negative_prob": 0.5,
-    "hard_negative_k": 8,
-    "mined_negative_prob": 0.5,  # JOIN only; the SEP CE keeps the recipe it was measured with
-    "mine_every": 100,
-    "freeze_word_embeddings": True,
-    "length_chunk_rows": 16,
-    "eval_every": 0,  # one dev evaluation, at the end: the mid-run one never won (step 170: dev mR 73.4, 340: 79.8)
-    "seed": 0,
-}
-# A separate CE (SEP) from the text-only backbone does not leave chance in this budget (see ce_start_step), so the
-# SEP cross-encoder is fine-tuned with the CE objective alone from the SEP bi-encoder's checkpoint: two models with
-# their own weights at inference, the CE's start borrowing the BE's image-text alignment.
-SEP_CE_STEPS = 260
+_DEMO_JOIN = TrainConfig(
+    objective="joint", be_loss="infonce", image_init="lstsq", steps=340, batch_size=32, lr=1e-4,
+    new_layers_lr_mult=20, ce_loss="listwise", ce_negatives=3, ce_batch_size=16, ce_start_step=40,
+    hard_negative_prob=0.5, hard_negative_k=8, mined_negative_prob=0.5, mine_every=100,
+    freeze_word_embeddings=True, length_chunk_rows=16,
+    eval_every=0,  # one dev evaluation, at the end: the mid-run one never won (step 170: dev mR 73.4, 340: 79.8)
+    seed=0, progress=True)
+DEMO_RECIPE = Recipe(
+    name="demo", join=_DEMO_JOIN,
+    sep_be=TrainConfig(objective="be", be_loss="infonce", image_init="lstsq", steps=340, batch_size=32, lr=1e-4,
+                       new_layers_lr_mult=20, freeze_word_embeddings=True, length_chunk_rows=16, seed=0),
+    # the SEP CE keeps the recipe it was measured with (no mined negatives; README "Training")
+    sep_ce=TrainConfig(objective="ce", be_loss="infonce", steps=260, batch_size=32, lr=1e-4, new_layers_lr_mult=20,
+                       ce_loss="listwise", ce_negatives=3, ce_batch_size=16, hard_negative_prob=0.5,
+                       hard_negative_k=8, freeze_word_embeddings=True, length_chunk_rows=16, seed=0))
 
-# Bump when what the cached assets contain changes in a way DEMO_RECIPE does not show.
-ASSETS_VERSION = 4  # 3: fused AdamW, one dev evaluation; 4: length-chunked steps
-# Write <model>/last every N steps so that a killed demo resumes instead of restarting. Not part of the fingerprint:
+# The benchmark suites' recipe (issue 17): every model a few times the demo's training, and every CE trained on the
+# lists it will rerank - listwise over 7 negatives, 3 in 4 drawn from its bi-encoder's own top-20 (the suites'
+# rerank depth), the rest as in the demo. What each choice bought, measured: README "Training".
+BENCH_RECIPE = Recipe(
+    name="bench",
+    join=replace(_DEMO_JOIN, steps=900, ce_negatives=7, mined_negative_prob=0.75, mine_k=20, mine_every=150),
+    sep_be=replace(DEMO_RECIPE.sep_be, steps=600),
+    sep_ce=replace(DEMO_RECIPE.sep_ce, steps=600, ce_negatives=7, mined_negative_prob=0.75, mine_k=20))
+RECIPES = {r.name: r for r in (DEMO_RECIPE, BENCH_RECIPE)}
+
+# Bump when what the cached assets contain changes in a way the recipes do not show.
+ASSETS_VERSION = 5  # 3: fused AdamW, one dev evaluation; 4: length-chunked steps; 5: typed recipes
+# Write <model>/last every N steps so that a killed run resumes instead of restarting. Not part of the fingerprint:
 # a resumed run reproduces an uninterrupted one bit for bit (CPU), so it does not change what the cache holds.
-DEMO_CHECKPOINT_EVERY = 85
+CHECKPOINT_EVERY = 85
 
 
 def workdir() -> str:
@@ -94,8 +134,33 @@ def staged_dir() -> str:
     return os.path.join(demo_dir(), "staged")
 
 
+def _is_demo(recipe: Recipe, seed: int) -> bool:
+    return recipe == DEMO_RECIPE and seed == DEMO_RECIPE.join.seed
+
+
+def recipe_dir(recipe: Recipe, seed: int = 0) -> str:
+    """Where a recipe's models live: the demo's beside the staged collection, any other per recipe and seed."""
+    return demo_dir() if _is_demo(recipe, seed) else os.path.join(workdir(), f"{recipe.name}-models", f"seed{seed}")
+
+
+def model_dirs(recipe: Recipe, seed: int = 0) -> ModelSet:
+    """The training output folders of a recipe's three models (their ``best/`` is the model)."""
+    root = recipe_dir(recipe, seed)
+    if _is_demo(recipe, seed):
+        return ModelSet(os.path.join(root, "model"), os.path.join(root, "model_sep_be"),
+                        os.path.join(root, "model_sep_ce"))
+    return ModelSet(*(os.path.join(root, name) for name in ("join", "sep_be", "sep_ce")))
+
+
 def model_dir() -> str:
-    return os.path.join(demo_dir(), "model")
+    """The demo JOIN model's training folder."""
+    return model_dirs(DEMO_RECIPE).join
+
+
+def sep_model_dir(objective: str) -> str:
+    """The demo SEP models' training folders (objective "be" or "ce")."""
+    dirs = model_dirs(DEMO_RECIPE)
+    return dirs.be if objective == "be" else dirs.ce
 
 
 def _run(args: list[str]) -> None:
@@ -104,33 +169,36 @@ def _run(args: list[str]) -> None:
     subprocess.run(args, check=True)
 
 
-def _fingerprint() -> dict:
-    from retrieval_core import synthetic
+def _stamp_matches(directory: str, want: dict) -> bool:
+    try:
+        with open(os.path.join(directory, "assets.json")) as f:
+            return json.load(f) == want
+    except (OSError, ValueError):
+        return False
 
-    return {"assets_version": ASSETS_VERSION, "recipe": DEMO_RECIPE, "sep_ce_steps": SEP_CE_STEPS,
-            "synthetic_sibling_changes": list(synthetic.DEFAULT_SIBLING_CHANGES)}
 
-
-def _check_cache() -> None:
+def _fresh_cache(directory: str, want: dict) -> None:
     """Assets built by another recipe or generator would silently give other numbers: rebuild them."""
-    stamp = os.path.join(demo_dir(), "assets.json")
-    want = _fingerprint()
-    if os.path.isdir(demo_dir()):
-        try:
-            with open(stamp) as f:
-                if json.load(f) == want:
-                    return
-        except (OSError, ValueError):
-            pass
-        print(f"note: {demo_dir()} was built by another demo recipe or generator version: rebuilding it", flush=True)
-        shutil.rmtree(demo_dir())
-    os.makedirs(demo_dir())
-    with open(stamp, "w") as f:
+    if _stamp_matches(directory, want):
+        return
+    if os.path.isdir(directory):
+        print(f"note: {directory} was built by another recipe, seed, staged collection or generator version: "
+              f"rebuilding it", flush=True)
+        shutil.rmtree(directory)
+    os.makedirs(directory)
+    with open(os.path.join(directory, "assets.json"), "w") as f:
         json.dump(want, f, indent=2, sort_keys=True)
 
 
+def _demo_fingerprint() -> dict:
+    from retrieval_core import synthetic
+
+    return {"assets_version": ASSETS_VERSION, "recipe": asdict(DEMO_RECIPE),
+            "synthetic_sibling_changes": list(synthetic.DEFAULT_SIBLING_CHANGES)}
+
+
 def ensure_staged(beam_args: tuple[str, ...] = ()) -> str:
-    _check_cache()
+    _fresh_cache(demo_dir(), _demo_fingerprint())
     out = staged_dir()
     if os.path.exists(os.path.join(out, "summary.json")):
         return out
@@ -143,22 +211,6 @@ def trained_model_path(train_output: str) -> str:
     return os.path.join(train_output, "best")
 
 
-def ensure_model(staged: str) -> str:
-    return _ensure_trained(staged, model_dir(), DEMO_RECIPE["objective"])
-
-
-def sep_model_dir(objective: str) -> str:
-    return os.path.join(demo_dir(), f"model_sep_{objective}")
-
-
-def ensure_sep_models(staged: str) -> tuple[str, str]:
-    """(be_dir, ce_dir): the SEP pair - one model trained with the BE objective alone (the recipe's steps, batch,
-    lr, halved MiniLM, seed), and one trained with the CE objective alone from that BE checkpoint (SEP_CE_STEPS
-    steps, the recipe's CE settings)."""
-    be = _ensure_trained(staged, sep_model_dir("be"), "be")
-    return be, _ensure_trained(staged, sep_model_dir("ce"), "ce", base_model=be, steps=SEP_CE_STEPS)
-
-
 def training_finished(train_output: str, steps: int) -> bool:
     """True once the trainer reached ``steps``: it writes ``last/`` at the final step, while ``best/`` already
     exists after the first dev evaluation, so ``best/`` alone may be a half-trained model of a killed run."""
@@ -169,35 +221,51 @@ def training_finished(train_output: str, steps: int) -> bool:
         return False
 
 
-def _ensure_trained(staged: str, out: str, objective: str, base_model: str = "minilm",
-                    steps: Optional[int] = None) -> str:
+def _ensure_trained(staged: str, out: str, cfg: TrainConfig, recipe: Recipe, base_model: str = "minilm") -> str:
     best = trained_model_path(out)
-    r = DEMO_RECIPE
-    steps = steps or r["steps"]
-    if training_finished(out, steps) and os.path.exists(os.path.join(best, "rr_model.json")):
+    if training_finished(out, cfg.steps) and os.path.exists(os.path.join(best, "rr_model.json")):
         return best
     args = [sys.executable, "-m", "retrieval_core.train", "--manifest", DEMO_MANIFEST, "--staged", staged,
-            "--objective", objective, "--base-model", base_model, "--steps", str(steps),
-            "--checkpoint-every", str(DEMO_CHECKPOINT_EVERY),
-            "--batch-size", str(r["batch_size"]), "--lr", str(r["lr"]), "--eval-every", str(r["eval_every"]),
-            "--be-loss", r["be_loss"], "--new-layers-lr-mult", str(r["new_layers_lr_mult"]),
-            "--max-regions", str(r["max_regions"]), "--length-chunk-rows", str(r["length_chunk_rows"]),
-            "--seed", str(r["seed"]), "--output", out]
-    if r["freeze_word_embeddings"]:
-        args.append("--freeze-word-embeddings")
-    if objective != "be":
-        args += ["--ce-loss", r["ce_loss"], "--ce-negatives", str(r["ce_negatives"]),
-                 "--ce-batch-size", str(r["ce_batch_size"]), "--hard-negative-prob", str(r["hard_negative_prob"]),
-                 "--hard-negative-k", str(r["hard_negative_k"])]
-    if objective == "joint":
-        args += ["--ce-start-step", str(r["ce_start_step"]), "--mined-negative-prob", str(r["mined_negative_prob"]),
-                 "--mine-every", str(r["mine_every"])]
-    if base_model == "minilm":  # a new model on the text backbone; a checkpoint brings its own image layer
-        args += ["--image-init", r["image_init"]] + (["--halve-layers"] if r["halve_layers"] else [])
+            "--base-model", base_model, "--max-regions", str(recipe.max_regions), "--checkpoint-every",
+            str(CHECKPOINT_EVERY), *train_cli_args(cfg), "--output", out]
+    if base_model == "minilm" and recipe.halve_layers:  # a checkpoint brings its own layers
+        args.append("--halve-layers")
     if os.path.exists(os.path.join(out, "last", "trainer_state.json")):
-        args.append("--resume")  # an interrupted earlier demo run continues where it stopped
+        args.append("--resume")  # an interrupted earlier run continues where it stopped
     _run(args)
     return best
+
+
+def ensure_models(recipe: Recipe = DEMO_RECIPE, seed: int = 0, sep: bool = False,
+                  beam_args: tuple[str, ...] = ()) -> ModelSet:
+    """The models of ``recipe`` at ``seed`` (the JOIN model; with ``sep`` the SEP pair too), training whichever
+    is missing on the staged demo collection (staged first if needed)."""
+    staged = ensure_staged(beam_args)
+    if not _is_demo(recipe, seed):
+        from retrieval_core.store import StagedDataset
+
+        ds = StagedDataset(staged)
+        _fresh_cache(recipe_dir(recipe, seed), {
+            "assets_version": ASSETS_VERSION, "recipe": asdict(recipe.with_seed(seed)),
+            "staged": {kind: ds.content_sha256(kind, DEMO_MANIFEST) for kind in ("images", "captions")}})
+    r, dirs = recipe.with_seed(seed), model_dirs(recipe, seed)
+    join = _ensure_trained(staged, dirs.join, r.join, r)
+    if not sep:
+        return ModelSet(join)
+    be = _ensure_trained(staged, dirs.be, r.sep_be, r)
+    ce_cfg = replace(r.sep_ce, mine_model=be) if r.sep_ce.mined_negative_prob else r.sep_ce
+    return ModelSet(join, be, _ensure_trained(staged, dirs.ce, ce_cfg, r, base_model=be))
+
+
+def ensure_model(staged: str) -> str:
+    """The demo JOIN model (trained on first use)."""
+    return _ensure_trained(staged, model_dir(), DEMO_RECIPE.join, DEMO_RECIPE)
+
+
+def ensure_sep_models(staged: str) -> tuple[str, str]:
+    """(be_dir, ce_dir): the demo SEP pair."""
+    models = ensure_models(DEMO_RECIPE, sep=True)
+    return models.be, models.ce
 
 
 def ensure_demo_assets(beam_args: tuple[str, ...] = ()) -> tuple[str, str]:

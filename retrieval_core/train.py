@@ -88,6 +88,10 @@ class TrainConfig:
     mined_negative_prob: float = 0.0
     mine_k: int = 8
     mine_every: int = 0
+    # Steps before this one draw no mined negatives (the other sources only): a CE head that starts at chance on
+    # a bi-encoder checkpoint (the SEP CE) first learns from random and nearest images, then from the BE's lists,
+    # on which alone it stayed at chance (ln 8 for 140 steps, 7 negatives, 3 in 4 mined; README "Training").
+    mine_start_step: int = 0
     mine_pool: int = 4000
     mine_model: Optional[str] = None
     eval_every: int = 0  # 0: evaluate only at the end
@@ -126,9 +130,10 @@ class TrainConfig:
             raise ValueError(f"need 0 <= hard_negative_prob <= 1 and hard_negative_k >= 1, "
                              f"got {self.hard_negative_prob}, {self.hard_negative_k}")
         if not 0.0 <= self.mined_negative_prob <= 1.0 or self.mine_k < 1 or self.mine_every < 0 \
-                or self.mine_pool < 1:
-            raise ValueError(f"need 0 <= mined_negative_prob <= 1, mine_k >= 1, mine_every >= 0 and mine_pool >= 1, "
-                             f"got {self.mined_negative_prob}, {self.mine_k}, {self.mine_every}, {self.mine_pool}")
+                or self.mine_pool < 1 or self.mine_start_step < 0:
+            raise ValueError(f"need 0 <= mined_negative_prob <= 1, mine_k >= 1, mine_every >= 0, mine_pool >= 1 and "
+                             f"mine_start_step >= 0, got {self.mined_negative_prob}, {self.mine_k}, {self.mine_every}, "
+                             f"{self.mine_pool}, {self.mine_start_step}")
         if self.mine_model is not None and not self.mined_negative_prob:
             raise ValueError("mine_model is the BE that mines CE negatives: set mined_negative_prob > 0 too")
         if self.length_chunk_rows < 0:
@@ -401,7 +406,7 @@ class Trainer:
     def _mine_if_due(self, step: int) -> None:
         """(Re)mine BE negatives for the CE captions of steps [step, step + mine_every) (to the end for 0): the
         batches are known in advance, so only the captions about to be used are encoded."""
-        if not self.cfg.mined_negative_prob or step < self.mined_until:
+        if not self.cfg.mined_negative_prob or step < self.mined_until or step < self.cfg.mine_start_step:
             return
         end = self.cfg.steps if not self.cfg.mine_every else min(self.cfg.steps, step + self.cfg.mine_every)
         caps = np.concatenate([self._batch_indices(s)[:self.cfg.ce_batch_size] for s in range(step, end)])
@@ -416,10 +421,10 @@ class Trainer:
         rng = np.random.default_rng([self.cfg.seed, step, 1])
         caps = caps[:self.cfg.ce_batch_size]  # None keeps the whole batch
         self._mine_if_due(step)
+        p_mined = self.cfg.mined_negative_prob if step >= self.cfg.mine_start_step else 0.0
         group_caps, group_imgs = sample_ce_groups(rng, caps, self.data.image_pos, len(self.data.images),
                                                   len(self.data), self.cfg.ce_negatives, self.cfg.p_replace_image,
-                                                  self.hard, self.cfg.hard_negative_prob,
-                                                  self.mined, self.cfg.mined_negative_prob)
+                                                  self.hard, self.cfg.hard_negative_prob, self.mined, p_mined)
         texts = [self.data.texts[i] for i in group_caps.reshape(-1)]
         regions = [self.data.images.regions(int(p)) for p in group_imgs.reshape(-1)]
         mr = self.model.cfg.max_regions
@@ -691,6 +696,31 @@ def run(plan: TrainPlan) -> dict:
 
 
 _CHOICE = dict(case_sensitive=False)
+#: TrainConfig fields without a CLI flag: a config given to train_cli_args must keep their defaults.
+_NO_FLAG = ("temperature", "weight_decay", "grad_clip", "p_replace_image", "eval_batch_size")
+
+
+def train_cli_args(cfg: TrainConfig) -> list[str]:
+    """The ``python -m retrieval_core.train`` flags that build ``cfg`` (the CLI's inverse: --objective and every
+    value that differs from TrainConfig's default, which the CLI's defaults equal; the data, model and output
+    flags are the caller's). Recipes are typed TrainConfigs, run through the same CLI a user would run."""
+    defaults = asdict(TrainConfig())
+    fixed = [f for f in _NO_FLAG if getattr(cfg, f) != defaults[f]]
+    if fixed:
+        raise ValueError(f"{', '.join(fixed)} has no train CLI flag: keep the default")
+    args: list[str] = []
+    for name, value in asdict(cfg).items():
+        if name in _NO_FLAG or value is None or (value == defaults[name] and name != "objective"):
+            continue
+        if name == "amp":
+            args += [] if value else ["--no-amp"]
+        elif name == "progress":
+            args += [] if value else ["--no-progress"]
+        elif isinstance(value, bool):
+            args += [f"--{name.replace('_', '-')}"] if value else []
+        else:
+            args += [f"--{name.replace('_', '-')}", str(value)]
+    return args
 
 
 @click.command(context_settings=CONTEXT_SETTINGS,
@@ -721,6 +751,8 @@ _CHOICE = dict(case_sensitive=False)
 @click.option("--mine-k", type=int, default=8, show_default=True, help="BE top-k depth the mined negatives come from.")
 @click.option("--mine-every", type=int, default=0, show_default=True,
               help="Re-mine with the current model every N steps (0: once, at the first CE step).")
+@click.option("--mine-start-step", type=int, default=0, show_default=True,
+              help="No mined negatives before this step (a CE head at chance first learns from the other sources).")
 @click.option("--mine-pool", type=int, default=4000, show_default=True,
               help="Captions encoded per mining (the coming steps' captions + a seeded sample): the i2t pool.")
 @click.option("--mine-model", help="Mine with this BE checkpoint instead of the model being trained.")
@@ -754,7 +786,8 @@ _CHOICE = dict(case_sensitive=False)
 @threads_option()
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 def main(staged, manifest, objective, base_model, halve_layers, be_loss, steps, batch_size, lr, new_layers_lr_mult,
-         image_init, margin, hard_negative_prob, hard_negative_k, mined_negative_prob, mine_k, mine_every, mine_pool,
+         image_init, margin, hard_negative_prob, hard_negative_k, mined_negative_prob, mine_k, mine_every,
+         mine_start_step, mine_pool,
          mine_model, freeze_word_embeddings, ce_loss, ce_negatives,
          ce_batch_size, ce_start_step, output, eval_every, length_chunk_rows, checkpoint_every, resume, seed, device,
          no_amp, cpu_bf16,
@@ -765,7 +798,8 @@ def main(staged, manifest, objective, base_model, halve_layers, be_loss, steps, 
                           batch_size=batch_size, lr=lr, new_layers_lr_mult=new_layers_lr_mult,
                           image_init=image_init, hard_negative_prob=hard_negative_prob,
                           hard_negative_k=hard_negative_k, mined_negative_prob=mined_negative_prob, mine_k=mine_k,
-                          mine_every=mine_every, mine_pool=mine_pool, mine_model=mine_model, ce_loss=ce_loss, ce_negatives=ce_negatives,
+                          mine_every=mine_every, mine_start_step=mine_start_step, mine_pool=mine_pool,
+                          mine_model=mine_model, ce_loss=ce_loss, ce_negatives=ce_negatives,
                           ce_batch_size=ce_batch_size, ce_start_step=ce_start_step,
                           freeze_word_embeddings=freeze_word_embeddings, eval_every=eval_every,
                           checkpoint_every=checkpoint_every, length_chunk_rows=length_chunk_rows, seed=seed,

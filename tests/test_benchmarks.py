@@ -192,6 +192,16 @@ def test_fold_queries_and_ids_files(quick):
     assert len(sel["i2t"]) == 7 and set(sel["i2t"]) <= set(sel["image_ids"].tolist())
 
 
+def test_scale_queries_are_seeded_images_and_the_smallest_caption_of_each(quick):
+    staged = os.path.join(quick["work"], "bench", "staged", "synthetic_f30k1k-f16-quick")
+    img, cap, cap_img = queries.staged_ids(staged, "synthetic_f30k1k", "test")
+    sel = queries.select(staged, "synthetic_f30k1k", "test", scale=9, seed=3)
+    chosen = np.random.default_rng(3).choice(np.unique(cap_img), 9, replace=False)
+    np.testing.assert_array_equal(sel["i2t"], np.sort(chosen))
+    smallest = sorted(min(c for c, i in zip(cap.tolist(), cap_img.tolist()) if i == int(g)) for g in chosen)
+    np.testing.assert_array_equal(sel["t2i"], smallest)
+
+
 def test_standard_plan_wires_each_fold_through_ids_and_its_own_queries(model, tmp_path):
     cfg = suites.SuiteConfig(suite="standard", workdir=str(tmp_path), models=suites.Models(join=model),
                              feature_dim=F, quick=True, max_queries=500)
@@ -228,6 +238,18 @@ def test_k_ablation_and_combination_plan_one_rerank_per_family(model, tmp_path):
 
 
 # ------------------------------------------------------------------------------- plan and Beam flags
+def test_scale_suites_plan_sep_only_when_its_models_are_named(model):
+    from benchmarks.run import resolve_models
+
+    for suite in ("scale_100k", "scale_1m", "latency"):
+        assert resolve_models(model, None, None, False, suite, True, ()).families()[0][0] == "JOIN"
+        assert len(resolve_models(model, None, None, False, suite, True, ()).families()) == 1
+        named = resolve_models(model, model, model, False, suite, True, ())
+        assert [f for f, _, _ in named.families()] == ["SEP", "JOIN"]
+    assert [f for f, _, _ in resolve_models(model, None, None, False, "standard", True, ()).families()] == \
+        ["SEP", "JOIN"]
+
+
 def test_scale_1m_plan_prints_jobs_and_estimates_without_running(model, tmp_path):
     work = tmp_path / "work"
     costs = jb.UnitCosts()

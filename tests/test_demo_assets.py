@@ -25,3 +25,27 @@ def test_unreadable_trainer_state_counts_as_unfinished(tmp_path):
     (out / "last").mkdir(parents=True)
     (out / "last" / "trainer_state.json").write_text("{not json")
     assert not demo_assets.training_finished(str(out), 10)
+
+
+def test_recipes_are_typed_train_configs_run_through_the_train_cli():
+    from dataclasses import replace
+
+    import pytest
+
+    from retrieval_core.train import train_cli_args
+
+    demo, bench = demo_assets.DEMO_RECIPE, demo_assets.BENCH_RECIPE
+    args = train_cli_args(demo.join)
+    for flag, value in (("--objective", "joint"), ("--steps", "340"), ("--mined-negative-prob", "0.5"),
+                        ("--ce-start-step", "40"), ("--image-init", "lstsq")):
+        assert args[args.index(flag) + 1] == value
+    assert "--freeze-word-embeddings" in args
+    # the suites' recipe: every CE reranks what it was trained on, its bi-encoder's top-k
+    assert bench.join.mine_k >= 20 and bench.sep_ce.mined_negative_prob > 0 and bench.sep_ce.mine_k >= 20
+    assert {r.join.seed for r in (bench.with_seed(2),)} == {2} and bench.with_seed(2).sep_ce.seed == 2
+    with pytest.raises(ValueError, match="sep_ce must have objective 'ce'"):
+        replace(demo, sep_ce=demo.sep_be)
+    # demo seed 0 keeps its folders beside the staged collection; other recipes and seeds have their own
+    assert demo_assets.model_dirs(demo).join == demo_assets.model_dir()
+    assert demo_assets.recipe_dir(bench, 1).endswith("bench-models/seed1")
+    assert demo_assets.recipe_dir(demo, 1) != demo_assets.demo_dir()

@@ -1,7 +1,9 @@
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from math import comb
 
 import numpy as np
@@ -199,27 +201,28 @@ def test_cli_trains_from_a_staged_dir_and_continues_a_model(tmp_path, cli_inputs
 
 def test_cli_with_the_demo_flags_trains_exactly_what_the_library_trains(tmp_path, cli_inputs):
     """The click port keeps every flag's meaning: the demo recipe's flag set (pipelines/demo_assets.py, scaled
-    down) gives bit-identical weights, optimizer state and log to the same run built through the library."""
+    down) gives bit-identical weights, optimizer state and log to the same run built through the library; and
+    train_cli_args (how the recipes run the CLI) writes exactly the flags that build its TrainConfig."""
     from retrieval_core.checkpoints import from_text_backbone
     from retrieval_core.store import StagedDataset
-    from retrieval_core.train import load_split
+    from retrieval_core.train import load_split, train_cli_args
 
     staged, base = cli_inputs
-    args = ["--staged", staged, "--objective", "JOINT", "--base-model", base, "--halve-layers", "--be-loss", "infonce",
-            "--image-init", "lstsq", "--new-layers-lr-mult", "20", "--max-regions", "3", "--ce-start-step", "3",
-            "--ce-loss", "listwise", "--ce-negatives", "3", "--ce-batch-size", "6", "--hard-negative-prob", "0.5",
-            "--hard-negative-k", "4", "--mined-negative-prob", "0.5", "--mine-every", "3", "--length-chunk-rows", "4",
-            "--freeze-word-embeddings", "--steps", "8", "--batch-size", "8", "--lr", "1e-4",
-            "--eval-every", "4", "--checkpoint-every", "2", "--dev-split", "test", "--seed", "3", "--threads", "1",
-            "--no-progress", "--output", str(tmp_path / "cli")]
-    res = CliRunner().invoke(main, args, catch_exceptions=False)
-    assert res.exit_code == 0, res.output
-
     cfg = TrainConfig(objective="joint", be_loss="infonce", image_init="lstsq", new_layers_lr_mult=20.0,
                       ce_start_step=3, ce_loss="listwise", ce_negatives=3, ce_batch_size=6, hard_negative_prob=0.5,
-                      hard_negative_k=4, mined_negative_prob=0.5, mine_every=3, length_chunk_rows=4,
-                      freeze_word_embeddings=True, steps=8, batch_size=8, lr=1e-4, eval_every=4,
+                      hard_negative_k=4, mined_negative_prob=0.5, mine_k=5, mine_every=3, mine_pool=40,
+                      length_chunk_rows=4, freeze_word_embeddings=True, steps=8, batch_size=8, lr=1e-4, eval_every=4,
                       checkpoint_every=2, seed=3, progress=False)
+    assert train_cli_args(cfg)[:2] == ["--objective", "joint"] and "--no-progress" in train_cli_args(cfg)
+    args = ["--staged", staged, "--base-model", base, "--halve-layers", "--max-regions", "3", "--dev-split", "test",
+            "--threads", "1", *train_cli_args(cfg), "--output", str(tmp_path / "cli")]
+    res = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert VLRetrievalModel.load(str(tmp_path / "cli" / "last")).cfg.provenance["training"] == \
+        {**asdict(cfg), "step": 8}
+    with pytest.raises(ValueError, match="temperature has no train CLI flag"):
+        train_cli_args(dataclasses.replace(cfg, temperature=0.1))
+
     ds = StagedDataset(staged)
     model = from_text_backbone(base, ds.feature_dim, keep_every_other_layer=True, seed=3)
     model.cfg.max_regions = 3
@@ -358,6 +361,25 @@ def test_joint_training_with_mined_negatives_resumes_identically(tmp_path, data)
     assert all(torch.equal(a[k], b[k]) for k in a)
     minings = [r for r in _log(tmp_path / "straight") if "mined" in r]
     assert [r["step"] for r in minings] == [0, 3, 6] and minings[0]["mined"]["until_step"] == 3
+
+
+def test_no_mined_negatives_before_mine_start_step(tmp_path, data):
+    """A CE fine-tuned from a bi-encoder (SEP) first learns from random and nearest images: before
+    mine_start_step nothing is mined and the steps equal a run without mining; from it on the BE's lists come in."""
+    train, _ = data
+    common = dict(objective="ce", steps=6, batch_size=8, lr=1e-3, ce_negatives=2, ce_loss="listwise",
+                  checkpoint_every=100, progress=False)
+    delayed = TrainConfig(**common, mined_negative_prob=1.0, mine_k=3, mine_pool=40, mine_start_step=4)
+    Trainer(tiny_model(str(tmp_path / "a"), feature_dim=F), train, delayed, str(tmp_path / "delayed")).train()
+    Trainer(tiny_model(str(tmp_path / "b"), feature_dim=F), train, TrainConfig(**common),
+            str(tmp_path / "plain")).train(stop_at=4)
+    minings = [r for r in _log(tmp_path / "delayed") if "mined" in r]
+    assert [r["step"] for r in minings] == [4] and minings[0]["mined"]["until_step"] == 6
+    losses = lambda d: [r["loss"] for r in _log(d) if r.get("objective") == "ce"]  # noqa: E731
+    assert losses(tmp_path / "delayed")[:4] == losses(tmp_path / "plain")[:4]
+    assert losses(tmp_path / "delayed")[4:] != [] and len(losses(tmp_path / "delayed")) == 6
+    with pytest.raises(ValueError, match="mine_start_step >= 0"):
+        TrainConfig(**common, mine_start_step=-1)
 
 
 def test_length_chunks_cover_the_batch_shortest_first():
