@@ -8,8 +8,9 @@ a bi-encoder, then a cross-encoder fine-tuned from that bi-encoder's checkpoint)
 ``python -m retrieval_core.train`` a user would run (``train.train_cli_args``), so what the demo does is exactly
 what the README shows. Caches: the staged collection and the demo models under ``$RR_WORKDIR/demo`` (default
 ``./runs/demo``), the benchmark models under ``$RR_WORKDIR/bench-models/seed<N>``; a complete asset is reused,
-a missing or incomplete one is (re)built, and a cache built by another recipe, seed, staged content or generator
-version is rebuilt (``assets.json`` records what built it).
+a missing or incomplete one is (re)built, and one built otherwise is rebuilt: the staged collection by another
+generator version (``demo/assets.json``), a model by another training command or staged content (its
+``recipe.json``).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from retrieval_core.train import TrainConfig, train_cli_args
@@ -110,9 +111,11 @@ DEMO_RECIPE = Recipe(
 # rerank depth), the rest as in the demo. What each choice bought, measured: README "Training".
 BENCH_RECIPE = Recipe(
     name="bench",
-    join=replace(_DEMO_JOIN, steps=900, ce_negatives=7, mined_negative_prob=0.75, mine_k=20, mine_every=150),
+    join=replace(_DEMO_JOIN, steps=800, ce_negatives=7, mined_negative_prob=0.75, mine_k=20, mine_every=150,
+                 mine_start_step=140),
     sep_be=replace(DEMO_RECIPE.sep_be, steps=600),
-    sep_ce=replace(DEMO_RECIPE.sep_ce, steps=600, ce_negatives=7, mined_negative_prob=0.75, mine_k=20))
+    sep_ce=replace(DEMO_RECIPE.sep_ce, steps=600, ce_negatives=7, mined_negative_prob=0.75, mine_k=20,
+                   mine_start_step=100))
 RECIPES = {r.name: r for r in (DEMO_RECIPE, BENCH_RECIPE)}
 
 # Bump when what the cached assets contain changes in a way the recipes do not show.
@@ -169,36 +172,32 @@ def _run(args: list[str]) -> None:
     subprocess.run(args, check=True)
 
 
-def _stamp_matches(directory: str, want: dict) -> bool:
+def _stamp_matches(path: str, want: dict) -> bool:
     try:
-        with open(os.path.join(directory, "assets.json")) as f:
+        with open(path) as f:
             return json.load(f) == want
     except (OSError, ValueError):
         return False
 
 
-def _fresh_cache(directory: str, want: dict) -> None:
-    """Assets built by another recipe or generator would silently give other numbers: rebuild them."""
-    if _stamp_matches(directory, want):
-        return
-    if os.path.isdir(directory):
-        print(f"note: {directory} was built by another recipe, seed, staged collection or generator version: "
-              f"rebuilding it", flush=True)
-        shutil.rmtree(directory)
-    os.makedirs(directory)
-    with open(os.path.join(directory, "assets.json"), "w") as f:
+def _write_stamp(path: str, want: dict) -> None:
+    with open(path, "w") as f:
         json.dump(want, f, indent=2, sort_keys=True)
 
 
-def _demo_fingerprint() -> dict:
+def ensure_staged(beam_args: tuple[str, ...] = ()) -> str:
+    """The staged demo collection. Staged by another generator version, it (and every model trained on it) is
+    rebuilt: it would silently give other numbers."""
     from retrieval_core import synthetic
 
-    return {"assets_version": ASSETS_VERSION, "recipe": asdict(DEMO_RECIPE),
-            "synthetic_sibling_changes": list(synthetic.DEFAULT_SIBLING_CHANGES)}
-
-
-def ensure_staged(beam_args: tuple[str, ...] = ()) -> str:
-    _fresh_cache(demo_dir(), _demo_fingerprint())
+    stamp = os.path.join(demo_dir(), "assets.json")
+    want = {"assets_version": ASSETS_VERSION, "synthetic_sibling_changes": list(synthetic.DEFAULT_SIBLING_CHANGES)}
+    if not _stamp_matches(stamp, want):
+        if os.path.isdir(demo_dir()):
+            print(f"note: {demo_dir()} was built by another generator or assets version: rebuilding it", flush=True)
+            shutil.rmtree(demo_dir())
+        os.makedirs(demo_dir())
+        _write_stamp(stamp, want)
     out = staged_dir()
     if os.path.exists(os.path.join(out, "summary.json")):
         return out
@@ -222,17 +221,32 @@ def training_finished(train_output: str, steps: int) -> bool:
 
 
 def _ensure_trained(staged: str, out: str, cfg: TrainConfig, recipe: Recipe, base_model: str = "minilm") -> str:
+    """Trains one model into ``out`` unless a finished run of exactly this command on this staged content is there
+    (``out/recipe.json``); a folder trained otherwise is rebuilt, a killed run of this command resumes."""
+    from retrieval_core.store import StagedDataset
+
     best = trained_model_path(out)
-    if training_finished(out, cfg.steps) and os.path.exists(os.path.join(best, "rr_model.json")):
-        return best
-    args = [sys.executable, "-m", "retrieval_core.train", "--manifest", DEMO_MANIFEST, "--staged", staged,
-            "--base-model", base_model, "--max-regions", str(recipe.max_regions), "--checkpoint-every",
-            str(CHECKPOINT_EVERY), *train_cli_args(cfg), "--output", out]
+    args = ["--manifest", DEMO_MANIFEST, "--staged", staged, "--base-model", base_model, "--max-regions",
+            str(recipe.max_regions), *train_cli_args(cfg)]
     if base_model == "minilm" and recipe.halve_layers:  # a checkpoint brings its own layers
         args.append("--halve-layers")
-    if os.path.exists(os.path.join(out, "last", "trainer_state.json")):
-        args.append("--resume")  # an interrupted earlier run continues where it stopped
-    _run(args)
+    ds = StagedDataset(staged)
+    want = {"assets_version": ASSETS_VERSION, "train_args": args,
+            "staged": {kind: ds.content_sha256(kind, DEMO_MANIFEST) for kind in ("images", "captions")}}
+    stamp = os.path.join(out, "recipe.json")
+    if _stamp_matches(stamp, want):
+        if training_finished(out, cfg.steps) and os.path.exists(os.path.join(best, "rr_model.json")):
+            return best
+    else:
+        if os.path.isdir(out):
+            print(f"note: {out} was trained by another recipe, seed or staged collection: retraining it", flush=True)
+            shutil.rmtree(out)
+        os.makedirs(out)
+        _write_stamp(stamp, want)
+    resume = ["--resume"] if os.path.exists(os.path.join(out, "last", "trainer_state.json")) else []
+    # checkpoints let a killed run resume; not in the stamp: a resumed run reproduces an uninterrupted one (CPU)
+    _run([sys.executable, "-m", "retrieval_core.train", *args, "--checkpoint-every", str(CHECKPOINT_EVERY),
+          "--output", out, *resume])
     return best
 
 
@@ -241,13 +255,6 @@ def ensure_models(recipe: Recipe = DEMO_RECIPE, seed: int = 0, sep: bool = False
     """The models of ``recipe`` at ``seed`` (the JOIN model; with ``sep`` the SEP pair too), training whichever
     is missing on the staged demo collection (staged first if needed)."""
     staged = ensure_staged(beam_args)
-    if not _is_demo(recipe, seed):
-        from retrieval_core.store import StagedDataset
-
-        ds = StagedDataset(staged)
-        _fresh_cache(recipe_dir(recipe, seed), {
-            "assets_version": ASSETS_VERSION, "recipe": asdict(recipe.with_seed(seed)),
-            "staged": {kind: ds.content_sha256(kind, DEMO_MANIFEST) for kind in ("images", "captions")}})
     r, dirs = recipe.with_seed(seed), model_dirs(recipe, seed)
     join = _ensure_trained(staged, dirs.join, r.join, r)
     if not sep:

@@ -49,3 +49,28 @@ def test_recipes_are_typed_train_configs_run_through_the_train_cli():
     assert demo_assets.model_dirs(demo).join == demo_assets.model_dir()
     assert demo_assets.recipe_dir(bench, 1).endswith("bench-models/seed1")
     assert demo_assets.recipe_dir(demo, 1) != demo_assets.demo_dir()
+
+
+def test_a_cached_model_is_reused_only_for_the_same_training_command(tmp_path, capsys):
+    """_ensure_trained runs the train CLI once; the same command on the same staged content reuses the finished
+    model, another command (here: one more step) retrains it from scratch."""
+    import os
+    from dataclasses import replace
+
+    from retrieval_core.train import TrainConfig
+    from tests.helpers_model import write_tiny_bert
+    from tests.test_encode_pipeline import write_tiny_staged
+
+    staged = write_tiny_staged(str(tmp_path / "staged"), num_images=12, collection=demo_assets.DEMO_MANIFEST)
+    base = write_tiny_bert(str(tmp_path / "bert"), num_layers=2)
+    cfg = TrainConfig(objective="be", steps=2, batch_size=4, progress=False)
+    recipe = replace(demo_assets.DEMO_RECIPE, name="t", sep_be=cfg)
+    out = str(tmp_path / "model")
+    best = demo_assets._ensure_trained(staged, out, cfg, recipe, base_model=base)
+    assert best == os.path.join(out, "best")
+    weights = os.path.join(out, "last", "model.safetensors")  # the tiny set has no dev split: no best/
+    first = os.stat(weights).st_mtime_ns
+    assert demo_assets._ensure_trained(staged, out, cfg, recipe, base_model=base) == best
+    assert os.stat(weights).st_mtime_ns == first and "retraining" not in capsys.readouterr().out
+    demo_assets._ensure_trained(staged, out, replace(cfg, steps=3), recipe, base_model=base)
+    assert "retraining" in capsys.readouterr().out and demo_assets.training_finished(out, 3)
