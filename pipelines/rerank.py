@@ -45,9 +45,10 @@ A worker's id -> staged shard tables take 12 bytes per caption and per image.
 auto`` tunes them) are used, else faiss' defaults; ``search_params_used`` says which, per direction.
 --queries restricts the run to the queries a Parquet file lists (columns direction, query_id).
 
-Resume: output shards hold ~--queries-per-shard queries each (query_id % N) and are computed in waves of
---shards-per-wave shards, one Beam job per wave (a GroupByKey is a barrier: within one job no shard is
-finished before all are). Each written shard gets a small ``_progress/<shard>.json`` (sha256, plan
+Resume: output shards hold ~--queries-per-shard queries each (query_id % N) and are computed in waves of at
+most --shards-per-wave shards and --pairs-per-wave CE pairs (``plan_waves``), one Beam job per wave (a
+GroupByKey is a barrier: within one job no shard is finished before all are; a local runner holds a wave's
+CE pairs and their images' regions, hence the pair cap). Each written shard gets a small ``_progress/<shard>.json`` (sha256, plan
 fingerprint). A rerun of the same plan keeps every shard whose record matches the plan and whose file matches
 its checksum, and computes only the others; any difference in the plan (inputs by checksum, mode, k, lam,
 queries, batch sizes...) recomputes everything.
@@ -81,7 +82,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import apache_beam as beam
 import click
@@ -165,6 +166,7 @@ class RerankPlan:
     max_exhaustive_pairs: int = 200_000
     queries_per_shard: int = 1_000
     shards_per_wave: int = 10
+    pairs_per_wave: int = 20_000
     nprobe: Optional[int] = None
     ef_search: Optional[int] = None
     tune_on: Optional[str] = None  # --mode auto: the dev run (CE-scored, same models) the fusion is chosen on
@@ -187,7 +189,7 @@ class RerankPlan:
             raise RerankError(f"directions must be a non-empty tuple of {DIRECTIONS}, got {self.directions!r}")
         object.__setattr__(self, "directions", tuple(dict.fromkeys(self.directions)))
         for name in ("k", "batch_size", "search_batch_size", "max_exhaustive_pairs", "queries_per_shard",
-                     "shards_per_wave"):
+                     "shards_per_wave", "pairs_per_wave"):
             _check_int(name, getattr(self, name), 1)
         for name in ("threads", "model_copies", "nprobe", "ef_search"):
             _check_int(name, getattr(self, name), 1, optional=True)
@@ -807,6 +809,7 @@ def resolve(plan: RerankPlan) -> Resolved:
         "staged": _file_fingerprint(common.join(plan.staged, "summary.json")),
         "batch_size": plan.batch_size, "search_batch_size": plan.search_batch_size, "device": plan.device,
         "queries_per_shard": plan.queries_per_shard, "shards_per_wave": plan.shards_per_wave,
+        "pairs_per_wave": plan.pairs_per_wave,
         **({"quantize": plan.quantize} if plan.quantize != "none" else {}),  # fp32 runs keep their fingerprint
     }
     fingerprint = hashlib.sha256(json.dumps(fingerprint_of, sort_keys=True).encode()).hexdigest()
@@ -879,6 +882,29 @@ def _expected_shards(res: Resolved) -> dict[str, tuple[str, np.ndarray]]:
     return dict(sorted(out.items()))
 
 
+def _shard_pairs(res: Resolved, direction: str, ids: np.ndarray) -> int:
+    return len(ids) * min(res.ce_k, res.pools[direction])
+
+
+def plan_waves(names: Sequence[str], pairs_of: Callable[[str], int], shards_per_wave: int,
+               pairs_per_wave: int) -> list[list[str]]:
+    """The shards, in order, cut into waves (one Beam job each) of at most ``shards_per_wave`` shards and
+    ``pairs_per_wave`` CE pairs (a wave of one shard may hold more). A local runner holds a wave's CE pairs
+    with their images' regions in memory (~50 KB per image at 12 x 2,048 float16): capping pairs, not just
+    shards, keeps a rerank process's memory flat in the number of queries (10,000 queries at k = 20 in one
+    wave held 7.6 GB at 100k images)."""
+    waves: list[list[str]] = []
+    pairs = 0
+    for name in names:
+        n = pairs_of(name)
+        if not waves or len(waves[-1]) >= shards_per_wave or pairs + n > pairs_per_wave:
+            waves.append([])
+            pairs = 0
+        waves[-1].append(name)
+        pairs += n
+    return waves
+
+
 def _finished_shards(res: Resolved, expected: Mapping[str, tuple[str, np.ndarray]]) -> dict[str, dict]:
     """The shards an earlier run of the same plan finished: a progress record with this plan's fingerprint
     and the shard's query count, and a shard file that still matches its sha256."""
@@ -910,7 +936,8 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
     dry_run = common.is_dry_run(options)
     finished = {} if dry_run else _finished_shards(res, expected)
     names = list(expected)
-    waves = [names[i:i + plan.shards_per_wave] for i in range(0, len(names), plan.shards_per_wave)]
+    waves = plan_waves(names, lambda name: _shard_pairs(res, *expected[name]), plan.shards_per_wave,
+                       plan.pairs_per_wave)
 
     if not dry_run:
         common.makedirs(plan.output)
@@ -1035,6 +1062,7 @@ def _manifest(res: Resolved, shards: list[dict], reused: int, waves_run: int, co
         "shards": [{key: s[key] for key in ("direction", "name", "queries", "rows", "sha256")} for s in shards],
         "shards_reused": reused, "waves_run": waves_run,
         "queries_per_shard": plan.queries_per_shard, "shards_per_wave": plan.shards_per_wave,
+        "pairs_per_wave": plan.pairs_per_wave,
         # CE work of this invocation (a resumed run scores only the pairs of the shards it computed)
         "ce_pairs_requested": counts["ce_pairs_requested"], "ce_pairs_scored": counts["ce_pairs_scored"],
         "runner": runner, "wall_s": round(wall_s, 3),
@@ -1097,10 +1125,13 @@ def _delete_unlisted(output: str, keep: set[str]) -> None:
 @click.option("--shards-per-wave", type=int, default=10, show_default=True,
               help="ranking shards per Beam job: a killed run loses at most its current wave "
                    "(on Dataflow, where each job starts workers, raise it)")
+@click.option("--pairs-per-wave", type=int, default=20_000, show_default=True,
+              help="CE pairs per Beam job (but at least one shard): what a local runner holds in memory, "
+                   "with the images' regions")
 @click.pass_context
 def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, lam, tune_on, k, directions, collection,
          split, queries_file, output, batch_size, search_batch_size, device, threads, nprobe, ef_search,
-         model_copies, quantize, max_exhaustive_pairs, queries_per_shard, shards_per_wave):
+         model_copies, quantize, max_exhaustive_pairs, queries_per_shard, shards_per_wave, pairs_per_wave):
     """BE retrieval (+ CE reranking) of every query of a split, in both directions, as Beam jobs.
     Unknown --flags go to Beam (--runner, --dask_client_address, ...).
 
@@ -1115,7 +1146,8 @@ def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, l
             text_index=text_index, ce_model=ce_model, be_model=be_model, collection=collection, split=split,
             queries=queries_file, batch_size=batch_size, search_batch_size=search_batch_size, device=device,
             threads=threads, model_copies=model_copies, max_exhaustive_pairs=max_exhaustive_pairs,
-            queries_per_shard=queries_per_shard, shards_per_wave=shards_per_wave, nprobe=nprobe,
+            queries_per_shard=queries_per_shard, shards_per_wave=shards_per_wave, pairs_per_wave=pairs_per_wave,
+            nprobe=nprobe,
             ef_search=ef_search, tune_on=tune_on, quantize=quantize)
         run(plan, tuple(ctx.args))
 

@@ -360,6 +360,15 @@ def common_sha256(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
+def test_waves_hold_at_most_their_shards_and_pairs_but_never_split_a_shard():
+    pairs = {"a": 30, "b": 30, "c": 90, "d": 10, "e": 10, "f": 10}
+    waves = rerank.plan_waves(list(pairs), pairs.get, shards_per_wave=2, pairs_per_wave=60)
+    assert waves == [["a", "b"], ["c"], ["d", "e"], ["f"]]  # c alone is over the cap: a wave of its own
+    assert rerank.plan_waves(list(pairs), pairs.get, shards_per_wave=10, pairs_per_wave=1) == [[n] for n in pairs]
+    assert rerank.plan_waves(list(pairs), lambda _: 0, shards_per_wave=4, pairs_per_wave=1) == \
+        [["a", "b", "c", "d"], ["e", "f"]]  # EMB runs score no pairs: shards alone decide
+
+
 def test_killed_run_resumes_its_unfinished_shards_only(assets, tmp_path):
     """A killed run (no manifest, the shards of its last wave missing) rerun with the same plan keeps its
     finished shards (checksum-verified) and computes only the missing ones, giving the uninterrupted run's
@@ -394,6 +403,14 @@ def test_killed_run_resumes_its_unfinished_shards_only(assets, tmp_path):
         ["query_id", "item_id"])
     assert a["item_id"].tolist() == b["item_id"].tolist()
     np.testing.assert_allclose(a["ce_score"].to_numpy(float), b["ce_score"].to_numpy(float), atol=1e-6)
+
+    capped = run_rerank(staged, emb_dir, str(tmp_path / "capped"), **{**plan, "pairs_per_wave": 1})
+    assert capped["waves_run"] == 6  # one shard per wave; each ranks its queries like the 3-wave run
+    for s_capped, s_whole in zip(capped["shards"], whole["shards"]):
+        a, b = (pq.read_table(os.path.join(d, "rankings", s_capped["name"])).to_pandas()
+                for d in (str(tmp_path / "capped"), str(tmp_path / "whole")))
+        assert a["item_id"].tolist() == b["item_id"].tolist()
+        np.testing.assert_allclose(a["ce_score"].to_numpy(float), b["ce_score"].to_numpy(float), atol=1e-6)
 
     other = run_rerank(staged, emb_dir, out, **{**plan, "k": 4})  # another plan: nothing is reused
     assert other["shards_reused"] == 0 and other["plan_fingerprint"] != whole["plan_fingerprint"]

@@ -123,7 +123,10 @@ def test_image_shard_writer_dedupes_and_writes_atomically(tmp_path):
                               feature_dtype="float16", images_per_shard=10, expected_images={"c": 3},
                               spill_dir=str(tmp_path / "_spill" / "run"))
     refs = _spilled_refs(tmp_path, settings, "c", [row("x", "s:2"), row("x", "s:1"), row("y", "s:3")])
-    out = list(stage.WriteImageShard(settings).process((("c", 0), [(1, refs[:2]), (1, refs[2:]), (1, None)])))
+    writer = stage.WriteImageShard(settings)
+    writer.start_bundle()
+    out = list(writer.process((("c", 0), [(1, refs[:2]), (1, refs[2:]), (1, None)])))
+    writer.finish_bundle()
     ids = sorted([schema.make_item_id("c", "image", s) for s in "xy"])
     assert stage.pick_all(out, stage.T_STAGED) == [(("c", 0), (1, [(i, "test") for i in ids]))]
     assert [cr[1]["locator"] + " " + cr[1]["reason"] for cr in stage.pick_all(out, stage.T_REJECT)] == \
@@ -131,6 +134,27 @@ def test_image_shard_writer_dedupes_and_writes_atomically(tmp_path):
     assert [(i["name"], i["rows"], i["feature_shard"]["name"]) for i in stage.pick_all(out, stage.T_INFO)] == \
         [("images/c-00000-of-00001.parquet", 2, "features/c-00000-of-00001.h5")]
     assert sorted(os.listdir(tmp_path / "features")) == ["c-00000-of-00001.h5"]  # no temp files left
+
+
+def test_shard_writers_keep_at_most_limit_spill_files_open(tmp_path):
+    import h5py
+
+    names = []
+    for i in range(3):
+        names.append(str(tmp_path / f"s{i}.h5"))
+        with h5py.File(names[-1], "w") as f:
+            f["rows"] = np.arange(4) + 10 * i
+    spills = stage.OpenSpills(limit=2)
+    handles = []
+    for name in names + names[:1]:  # s0 is closed when s2 opens; reopening it closes s1, then least recent
+        with spills(name) as f:
+            handles.append(f)
+            assert int(f["rows"][1]) == 10 * names.index(name) + 1
+    assert [bool(h) for h in handles] == [False, False, True, True]  # h5py: a closed file is falsy
+    with spills(names[2]) as f:
+        assert f is handles[2]  # still open: reused, not reopened
+    spills.close()
+    assert not any(handles)
 
 
 # ------------------------------------------------------------------------------------ end to end
