@@ -92,7 +92,8 @@ def test_read_and_stage_dofn_routes_rejects(tmp_path):
                               feature_dtype="float32", images_per_shard=10, spill_dir=str(tmp_path / "spill"))
     out = [el for task in tasks for el in _read_and_stage(settings, task)]  # one output of (tag, payload)
     refs = [ref for (_coll, _bucket), block in stage.pick_all(out, stage.T_IMAGE_REFS) for ref in block]
-    assert sorted(r["source_id"] for r in stage._load_rows(settings, "tsv", refs)) == ["a", "a", "b", "c", "d"]
+    rows = stage._load_rows(settings, "tsv", refs, stage.OpenSpills())
+    assert sorted(r["source_id"] for r in rows) == ["a", "a", "b", "c", "d"]
     assert sorted((c, staging.reason_category(r["reason"])) for c, r in stage.pick_all(out, stage.T_REJECT)) == \
         sorted([("tsv", staging.R_FEATURE_DIM), ("tsv", staging.R_NOT_FINITE), ("tsv", staging.R_NUM_BOXES),
                 ("tsv", "expected 6 tab-separated columns"),  # reader rejects
@@ -291,7 +292,7 @@ def test_read_and_stage_spills_rows_and_regions_so_shuffles_carry_refs_only(tmp_
     direct = [staging.stage_image(r, collection="tsv", feature_dim=F, max_regions=50, source=str(tmp_path / "feats.tsv"))
               for r in read_task(tasks[0]) if isinstance(r, schema.RawImage)]
     direct = {r[staging.K_LOCATOR]: r for r in direct if isinstance(r, dict)}
-    back = staging.load_spilled(stage._load_rows(settings, "tsv", refs))
+    back = staging.load_spilled(stage._load_rows(settings, "tsv", refs, stage.OpenSpills()))
     assert len(back) == len(direct) == 5
     for r in back:
         orig = direct[r[staging.K_LOCATOR]]
