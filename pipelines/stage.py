@@ -64,7 +64,7 @@ import re
 import sys
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -169,37 +169,16 @@ class _TaskSpill:
         os.remove(self.local)
 
 
-class OpenSpills:
-    """The spill files a shard writer reads, local ones kept open across the shards of a bundle.
+@contextlib.contextmanager
+def _open_spill(name: str):
+    import h5py
 
-    A shard is ``item_id % num_shards`` of hashed ids, so every shard reads a few rows from every read task's
-    spill: reopening each file per shard made the shard writers most of a 100k-image staging. Local files stay
-    open up to ``limit`` (least recently used closed first), without an HDF5 chunk cache, so what stays open is
-    file handles, not data. Spills on an object store are opened per use: a remote stream holds a read buffer.
-    """
-
-    def __init__(self, limit: int = 2048):
-        self.limit = limit
-        self._files: "OrderedDict[str, object]" = OrderedDict()
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        import h5py
-
-        if is_url(name):  # h5py reads the few chunks it needs through the seekable FileSystems stream
-            with FileSystems.open(name, compression_type=CompressionTypes.UNCOMPRESSED) as raw, \
-                    h5py.File(raw, "r") as f:
-                yield f
-            return
-        f = self._files.pop(name, None) or h5py.File(name, "r", rdcc_nbytes=0)
-        self._files[name] = f
-        while len(self._files) > self.limit:
-            self._files.popitem(last=False)[1].close()
-        yield f
-
-    def close(self) -> None:
-        while self._files:
-            self._files.popitem()[1].close()
+    if not is_url(name):
+        with h5py.File(name, "r") as f:
+            yield f
+    else:  # h5py reads the few chunks it needs through the seekable FileSystems stream (not yet run on GCS)
+        with FileSystems.open(name, compression_type=CompressionTypes.UNCOMPRESSED) as raw, h5py.File(raw, "r") as f:
+            yield f
 
 
 # ------------------------------------------------------------------------------------- read + stage
@@ -358,10 +337,10 @@ def _route_refs(element):
         yield (coll, shard), (total, by_shard[shard])
 
 
-def _load_rows(settings: Settings, coll: str, refs, spills: OpenSpills) -> list[dict]:
-    """The spilled rows the refs [(spill key, id, row)] name."""
+def _load_rows(settings: Settings, coll: str, refs) -> list[dict]:
+    """The spilled rows the refs [(spill key, id, row)] name (each task's file opened once)."""
     return staging.load_spilled_rows(((spill_path(settings.spill_dir, coll, key), row) for key, _, row in refs),
-                                     spills)
+                                     _open_spill)
 
 
 class WriteImageShard(beam.DoFn):
@@ -373,21 +352,15 @@ class WriteImageShard(beam.DoFn):
     def __init__(self, settings: Settings):
         self.s = settings
 
-    def start_bundle(self):
-        self._spills = OpenSpills()
-
-    def finish_bundle(self):
-        self._spills.close()
-
     def process(self, element):
         (coll, idx), values = element
         values = list(values)
         total = values[0][0]
         refs = sorted(ref for _, block in values if block for ref in block)
-        rows, rejects = staging.resolve_duplicates(_load_rows(self.s, coll, refs, self._spills))
+        rows, rejects = staging.resolve_duplicates(_load_rows(self.s, coll, refs))
         for rej in rejects:
             yield T_REJECT, _reject_out(coll, rej)
-        rows = staging.load_spilled(rows, self._spills)  # features of the kept rows only
+        rows = staging.load_spilled(rows, _open_spill)  # features of the kept rows only
         info = {"type": "shard", "collection": coll, "kind": "images", "index": idx, "total": total,
                 "rows": len(rows), "cap": dict(Counter(r[staging.K_CAP_POLICY] for r in rows
                                                     if r[staging.K_CAP_POLICY])),
@@ -420,12 +393,6 @@ class WriteCaptionShard(beam.DoFn):
     def __init__(self, settings: Settings):
         self.s = settings
 
-    def start_bundle(self):
-        self._spills = OpenSpills()
-
-    def finish_bundle(self):
-        self._spills.close()
-
     def process(self, element):
         (coll, idx), grouped = element
         staged = list(grouped["staged"])
@@ -434,7 +401,7 @@ class WriteCaptionShard(beam.DoFn):
         total, image_split = staged[0][0], dict(staged[0][1])
         refs = sorted(ref for _, block in grouped["captions"] for ref in block)
         joined = []
-        for row in _load_rows(self.s, coll, refs, self._spills):
+        for row in _load_rows(self.s, coll, refs):
             image_id = int(row["image_item_id"])
             if image_id not in image_split:
                 image_src = row["source_id"].rsplit("#", 1)[0]

@@ -92,8 +92,7 @@ def test_read_and_stage_dofn_routes_rejects(tmp_path):
                               feature_dtype="float32", images_per_shard=10, spill_dir=str(tmp_path / "spill"))
     out = [el for task in tasks for el in _read_and_stage(settings, task)]  # one output of (tag, payload)
     refs = [ref for (_coll, _bucket), block in stage.pick_all(out, stage.T_IMAGE_REFS) for ref in block]
-    rows = stage._load_rows(settings, "tsv", refs, stage.OpenSpills())
-    assert sorted(r["source_id"] for r in rows) == ["a", "a", "b", "c", "d"]
+    assert sorted(r["source_id"] for r in stage._load_rows(settings, "tsv", refs)) == ["a", "a", "b", "c", "d"]
     assert sorted((c, staging.reason_category(r["reason"])) for c, r in stage.pick_all(out, stage.T_REJECT)) == \
         sorted([("tsv", staging.R_FEATURE_DIM), ("tsv", staging.R_NOT_FINITE), ("tsv", staging.R_NUM_BOXES),
                 ("tsv", "expected 6 tab-separated columns"),  # reader rejects
@@ -124,10 +123,7 @@ def test_image_shard_writer_dedupes_and_writes_atomically(tmp_path):
                               feature_dtype="float16", images_per_shard=10, expected_images={"c": 3},
                               spill_dir=str(tmp_path / "_spill" / "run"))
     refs = _spilled_refs(tmp_path, settings, "c", [row("x", "s:2"), row("x", "s:1"), row("y", "s:3")])
-    writer = stage.WriteImageShard(settings)
-    writer.start_bundle()
-    out = list(writer.process((("c", 0), [(1, refs[:2]), (1, refs[2:]), (1, None)])))
-    writer.finish_bundle()
+    out = list(stage.WriteImageShard(settings).process((("c", 0), [(1, refs[:2]), (1, refs[2:]), (1, None)])))
     ids = sorted([schema.make_item_id("c", "image", s) for s in "xy"])
     assert stage.pick_all(out, stage.T_STAGED) == [(("c", 0), (1, [(i, "test") for i in ids]))]
     assert [cr[1]["locator"] + " " + cr[1]["reason"] for cr in stage.pick_all(out, stage.T_REJECT)] == \
@@ -135,27 +131,6 @@ def test_image_shard_writer_dedupes_and_writes_atomically(tmp_path):
     assert [(i["name"], i["rows"], i["feature_shard"]["name"]) for i in stage.pick_all(out, stage.T_INFO)] == \
         [("images/c-00000-of-00001.parquet", 2, "features/c-00000-of-00001.h5")]
     assert sorted(os.listdir(tmp_path / "features")) == ["c-00000-of-00001.h5"]  # no temp files left
-
-
-def test_shard_writers_keep_at_most_limit_spill_files_open(tmp_path):
-    import h5py
-
-    names = []
-    for i in range(3):
-        names.append(str(tmp_path / f"s{i}.h5"))
-        with h5py.File(names[-1], "w") as f:
-            f["rows"] = np.arange(4) + 10 * i
-    spills = stage.OpenSpills(limit=2)
-    handles = []
-    for name in names + names[:1]:  # s0 is closed when s2 opens; reopening it closes s1, then least recent
-        with spills(name) as f:
-            handles.append(f)
-            assert int(f["rows"][1]) == 10 * names.index(name) + 1
-    assert [bool(h) for h in handles] == [False, False, True, True]  # h5py: a closed file is falsy
-    with spills(names[2]) as f:
-        assert f is handles[2]  # still open: reused, not reopened
-    spills.close()
-    assert not any(handles)
 
 
 # ------------------------------------------------------------------------------------ end to end
@@ -292,7 +267,7 @@ def test_read_and_stage_spills_rows_and_regions_so_shuffles_carry_refs_only(tmp_
     direct = [staging.stage_image(r, collection="tsv", feature_dim=F, max_regions=50, source=str(tmp_path / "feats.tsv"))
               for r in read_task(tasks[0]) if isinstance(r, schema.RawImage)]
     direct = {r[staging.K_LOCATOR]: r for r in direct if isinstance(r, dict)}
-    back = staging.load_spilled(stage._load_rows(settings, "tsv", refs, stage.OpenSpills()))
+    back = staging.load_spilled(stage._load_rows(settings, "tsv", refs))
     assert len(back) == len(direct) == 5
     for r in back:
         orig = direct[r[staging.K_LOCATOR]]
