@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from pipelines import common
 from retrieval_core.train import TrainConfig, train_cli_args
 
 log = logging.getLogger(__name__)
@@ -172,17 +173,25 @@ def _run(args: list[str]) -> None:
     subprocess.run(args, check=True)
 
 
+def _folder_sha256(folder: str) -> str:
+    """sha256 over a local folder's files (relative names and bytes): a cached model's base checkpoint."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for root, _dirs, files in sorted(os.walk(folder)):
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            h.update(os.path.relpath(path, folder).encode("utf-8") + b"\0")
+            h.update(common.sha256_file(path).encode("ascii"))
+    return h.hexdigest()
+
+
 def _stamp_matches(path: str, want: dict) -> bool:
     try:
         with open(path) as f:
             return json.load(f) == want
     except (OSError, ValueError):
         return False
-
-
-def _write_stamp(path: str, want: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(want, f, indent=2, sort_keys=True)
 
 
 def ensure_staged(beam_args: tuple[str, ...] = ()) -> str:
@@ -197,7 +206,7 @@ def ensure_staged(beam_args: tuple[str, ...] = ()) -> str:
             print(f"note: {demo_dir()} was built by another generator or assets version: rebuilding it", flush=True)
             shutil.rmtree(demo_dir())
         os.makedirs(demo_dir())
-        _write_stamp(stamp, want)
+        common.write_json_atomic(stamp, want)
     out = staged_dir()
     if os.path.exists(os.path.join(out, "summary.json")):
         return out
@@ -233,6 +242,8 @@ def _ensure_trained(staged: str, out: str, cfg: TrainConfig, recipe: Recipe, bas
     ds = StagedDataset(staged)
     want = {"assets_version": ASSETS_VERSION, "train_args": args,
             "staged": {kind: ds.content_sha256(kind, DEMO_MANIFEST) for kind in ("images", "captions")}}
+    if base_model != "minilm":  # a checkpoint (the SEP CE's is the SEP BE) retrained in place retrains this one
+        want["base_model_sha256"] = _folder_sha256(base_model)
     stamp = os.path.join(out, "recipe.json")
     if _stamp_matches(stamp, want):
         if training_finished(out, cfg.steps) and os.path.exists(os.path.join(best, "rr_model.json")):
@@ -242,7 +253,7 @@ def _ensure_trained(staged: str, out: str, cfg: TrainConfig, recipe: Recipe, bas
             print(f"note: {out} was trained by another recipe, seed or staged collection: retraining it", flush=True)
             shutil.rmtree(out)
         os.makedirs(out)
-        _write_stamp(stamp, want)
+        common.write_json_atomic(stamp, want)
     resume = ["--resume"] if os.path.exists(os.path.join(out, "last", "trainer_state.json")) else []
     # checkpoints let a killed run resume; not in the stamp: a resumed run reproduces an uninterrupted one (CPU)
     _run([sys.executable, "-m", "retrieval_core.train", *args, "--checkpoint-every", str(CHECKPOINT_EVERY),

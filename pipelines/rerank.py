@@ -48,8 +48,8 @@ auto`` tunes them) are used, else faiss' defaults; ``search_params_used`` says w
 Resume: output shards hold ~--queries-per-shard queries each (query_id % N) and are computed in waves of at
 most --shards-per-wave shards and --pairs-per-wave CE pairs (``plan_waves``), one Beam job per wave (a
 GroupByKey is a barrier: within one job no shard is finished before all are; a local runner holds a wave's
-CE pairs and their images' regions, hence the pair cap). Each written shard gets a small ``_progress/<shard>.json`` (sha256, plan
-fingerprint). A rerun of the same plan keeps every shard whose record matches the plan and whose file matches
+CE pairs and their images' regions, hence the pair cap). Each written shard gets a small
+``_progress/<shard>.json`` (sha256, plan fingerprint). A rerun of the same plan keeps every shard whose record matches the plan and whose file matches
 its checksum, and computes only the others; any difference in the plan (inputs by checksum, mode, k, lam,
 queries, batch sizes...) recomputes everything.
 
@@ -543,7 +543,7 @@ def build_graph(p: beam.Pipeline, res: Resolved, wave: Mapping[str, frozenset]) 
     if plan.mode == "emb":
         ranked = cands | "rank" >> beam.Map(rank_emb, plan.k)
     else:
-        requested = sum(len(q) * min(res.ce_k, res.pools[d]) for d, q in wave.items())
+        requested = sum(_shard_pairs(res, d, q) for d, q in wave.items())
         ce_groups = max(1, math.ceil(requested / plan.batch_size / 8))
         staged = StagedReader(plan.staged)
         requests = cands | "pairs" >> beam.FlatMap(pair_requests, res.ce_k)
@@ -882,7 +882,8 @@ def _expected_shards(res: Resolved) -> dict[str, tuple[str, np.ndarray]]:
     return dict(sorted(out.items()))
 
 
-def _shard_pairs(res: Resolved, direction: str, ids: np.ndarray) -> int:
+def _shard_pairs(res: Resolved, direction: str, ids) -> int:
+    """CE pairs the queries ``ids`` of one direction request."""
     return len(ids) * min(res.ce_k, res.pools[direction])
 
 
@@ -1007,7 +1008,7 @@ def _progress_total(res: Resolved, expected: Mapping[str, tuple[str, np.ndarray]
     todo = [expected[name] for name in expected if name not in finished]
     if res.plan.mode == "emb":
         return sum(len(ids) for _, ids in todo), "queries", "rerank"
-    return sum(len(ids) * min(res.ce_k, res.pools[d]) for d, ids in todo), "pairs", "rerank CE"
+    return sum(_shard_pairs(res, d, ids) for d, ids in todo), "pairs", "rerank CE"
 
 
 def _run_wave(options, res: Resolved, wave: Mapping[str, frozenset]) -> Optional[tuple[list[dict], Optional[dict]]]:
@@ -1147,8 +1148,7 @@ def main(ctx, staged, embeddings, index, text_index, be_model, ce_model, mode, l
             queries=queries_file, batch_size=batch_size, search_batch_size=search_batch_size, device=device,
             threads=threads, model_copies=model_copies, max_exhaustive_pairs=max_exhaustive_pairs,
             queries_per_shard=queries_per_shard, shards_per_wave=shards_per_wave, pairs_per_wave=pairs_per_wave,
-            nprobe=nprobe,
-            ef_search=ef_search, tune_on=tune_on, quantize=quantize)
+            nprobe=nprobe, ef_search=ef_search, tune_on=tune_on, quantize=quantize)
         run(plan, tuple(ctx.args))
 
 

@@ -74,3 +74,6 @@ def test_a_cached_model_is_reused_only_for_the_same_training_command(tmp_path, c
     assert os.stat(weights).st_mtime_ns == first and "retraining" not in capsys.readouterr().out
     demo_assets._ensure_trained(staged, out, replace(cfg, steps=3), recipe, base_model=base)
     assert "retraining" in capsys.readouterr().out and demo_assets.training_finished(out, 3)
+    write_tiny_bert(base, num_layers=2, seed=1)  # the base checkpoint retrained in place: so is this model
+    demo_assets._ensure_trained(staged, out, replace(cfg, steps=3), recipe, base_model=base)
+    assert "retraining" in capsys.readouterr().out and demo_assets.training_finished(out, 3)
