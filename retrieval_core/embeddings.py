@@ -61,7 +61,8 @@ def embedding_table(ids: np.ndarray, vectors: np.ndarray) -> pa.Table:
 def embedding_shard_bytes(ids: np.ndarray, vectors: np.ndarray) -> bytes:
     """One embedding shard as Parquet bytes."""
     buf = io.BytesIO()
-    pq.write_table(embedding_table(ids, vectors), buf, compression="zstd")
+    table = embedding_table(ids, vectors)
+    pq.write_table(table, buf, compression="zstd", use_dictionary=schema.dictionary_columns(table.schema))
     return buf.getvalue()
 
 

@@ -328,7 +328,8 @@ def _sorted(rows: Iterable[dict], key: str) -> list[dict]:
 def _parquet_bytes(table: pa.Table) -> bytes:
     sink = io.BytesIO()
     # no statistics on the big nested columns: they cost time and say nothing useful
-    pq.write_table(table, sink, compression="zstd", write_statistics=["item_id", "caption_id", "image_item_id"])
+    pq.write_table(table, sink, compression="zstd", write_statistics=["item_id", "caption_id", "image_item_id"],
+                   use_dictionary=schema.dictionary_columns(table.schema))
     return sink.getvalue()
 
 

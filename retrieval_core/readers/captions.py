@@ -42,7 +42,7 @@ def _image_id(raw: str, pattern: Optional[str], path: str, locator: str) -> str 
         return _reject(path, locator, bad_id_reason("image id", raw))
     sid = apply_source_id_pattern(raw, pattern)
     if not sid:
-        reason = f"empty image id" if not raw else f"image id {raw!r} does not match source_id_pattern {pattern!r}"
+        reason = "empty image id" if not raw else f"image id {raw!r} does not match source_id_pattern {pattern!r}"
         return _reject(path, locator, reason)
     return sid
 
