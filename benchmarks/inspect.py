@@ -27,7 +27,7 @@ import io
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional
 
 import click
 import numpy as np

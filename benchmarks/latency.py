@@ -280,7 +280,7 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
                                    f"search alone 1/{s_torch / s_ann:.0f} of torch brute force "
                                    f"({s_torch:.1f} ms); ann_recall@10 = knn_intersection_measure vs exact",
                              **common))
-            del ann
+            ann = None  # frees the index before the next one (not del: closures above read the name)
         rows.append(_row(b, mode="EMB", k=10, **_percentiles(paper_emb_t), search_p50_ms=s_torch, **search_cols,
                          **{**common, "model": PAPER_CODE_MODEL}, notes=f"{note}; torch.mm + topk over all items"))
         log(f"  N={n:,} search alone p50: torch {s_torch:.2f} ms, faiss Flat {s_flat:.2f} ms, exact_topk "
@@ -337,7 +337,7 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
             if r.get("latency_p50_ms", "") != "":
                 log(f"  N={n:,} {r['model']} {r['mode']} k={r.get('k', '')}: p50 {r['latency_p50_ms']:.1f} ms"
                     + (" (extrapolated)" if not r["measured"] else ""))
-        del flat, items, items_t
+        flat = items = items_t = None  # frees this size before the next (closures read these names)
     return rows
 
 

@@ -46,7 +46,6 @@ Examples::
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os

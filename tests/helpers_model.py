@@ -9,7 +9,7 @@ import string
 import numpy as np
 import pandas as pd
 
-from retrieval_core.schema import BOX_DIM, KIND_CAPTION, KIND_IMAGE, ImageTable, make_item_id
+from retrieval_core.schema import KIND_CAPTION, KIND_IMAGE, ImageTable, make_item_id
 
 OBJECTS = ["dog", "cat", "horse", "car", "bus", "bike", "tree", "house", "boat", "bird", "man", "woman",
            "person", "table", "chair", "plate", "pizza", "train", "sheep", "cow", "kite", "ball", "clock", "bed"]

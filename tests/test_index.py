@@ -1,4 +1,3 @@
-import warnings
 
 import faiss
 import numpy as np
