@@ -9,12 +9,14 @@ would report at least this process's own peak (Linux carries the parent's high-w
 exec), 460 MB here with torch loaded.
 
 Reuse: after a job succeeds the runner writes ``<output>.job.json`` beside its output: the job's
-fingerprint (module + args; Beam args excluded, since every runner writes the same outputs), the sha256 of
+fingerprint (module + args + the version of the code that runs it, ``code_version``; Beam args excluded,
+since every runner writes the same outputs), the sha256 of
 the output's manifest (``Job.done``) and what the job cost. A later plan with the same job finds the stamp,
 the manifest and its checksum unchanged and skips it, reporting the cost it had when it ran.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -39,6 +41,34 @@ _WAIT4 = ("import os, subprocess, sys\n"
           "_, status, usage = os.wait4(p.pid, 0)\n"
           "open(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
           "sys.exit(os.waitstatus_to_exitcode(status))\n")
+
+
+#: The packages whose code decides what a job writes (benchmarks/ only plans and reports).
+CODE_PACKAGES = ("pipelines", "retrieval_core")
+
+
+def source_digest(roots: Sequence[str]) -> str:
+    """sha256 over every .py file under ``roots`` (relative paths and contents, in sorted order)."""
+    h = hashlib.sha256()
+    for root in roots:
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(folder, name)
+                h.update(os.path.relpath(path, os.path.dirname(root)).encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> str:
+    """``source_digest`` of ``CODE_PACKAGES``: a finished output is reused only by the code that wrote it.
+    Coarse on purpose (a comment edit reruns the jobs too): a changed writer, default or model head must
+    never be read as the old one's output (a staged format change once was, until its outputs were deleted)."""
+    import importlib.util
+
+    return source_digest([os.path.dirname(importlib.util.find_spec(p).origin) for p in CODE_PACKAGES])
 
 
 class JobFailed(RuntimeError):
@@ -73,7 +103,7 @@ class Job:
         return " ".join(shlex.quote(a) for a in ["python", *self.argv(beam_args)[1:]])
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps([self.module, list(self.args)]).encode()).hexdigest()
+        return hashlib.sha256(json.dumps([self.module, list(self.args), code_version()]).encode()).hexdigest()
 
     @property
     def stamp_path(self) -> str:
@@ -127,7 +157,7 @@ def _write_stamp(job: Job, result: JobResult, beam_args: Sequence[str]) -> None:
 
     write_json_atomic(job.stamp_path, {
         "fingerprint": job.fingerprint(), "done_sha256": _sha256(job.done_path), "inputs": _input_digests(job),
-        "command": job.command(beam_args),
+        "command": job.command(beam_args), "code_version": code_version(),
         "wall_s": round(result.wall_s, 3), "peak_rss_kib": result.peak_rss_kib,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
 

@@ -310,6 +310,31 @@ def test_job_reuse_follows_its_output_and_inputs(tmp_path):
     assert jb.finished(job) is None
 
 
+def test_a_finished_job_is_not_reused_by_other_code(tmp_path, monkeypatch):
+    out, src = tmp_path / "out", tmp_path / "input.json"
+    out.mkdir()
+    src.write_text('{"a": 1}')
+    job = jb.Job("copy", "json.tool", (str(src), str(out / "done.json")), str(out), "done.json", beam=False)
+    jb.run_job(job, log=lambda m: None)
+    assert jb.finished(job) is not None
+    monkeypatch.setattr(jb, "code_version", lambda: "another checkout")  # e.g. a staging writer changed
+    assert jb.finished(job) is None and not jb.run_job(job, log=lambda m: None).reused
+
+
+def test_source_digest_changes_with_any_source_file(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    before = jb.source_digest([str(pkg)])
+    assert before == jb.source_digest([str(pkg)]) and len(before) == 64
+    (pkg / "notes.txt").write_text("not code")
+    assert jb.source_digest([str(pkg)]) == before
+    (pkg / "sub" / "b.py").write_text("y = 3\n")
+    assert jb.source_digest([str(pkg)]) != before
+    assert len(jb.code_version()) == 64
+
+
 def test_unit_costs_learn_and_estimate():
     costs = jb.UnitCosts()
     enc = jb.Job("encode", "pipelines.encode", (), "/x", "m.json", (("images_encoded", 100), ("captions_encoded", 300)))
