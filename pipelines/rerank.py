@@ -1026,7 +1026,10 @@ def _run_wave(options, res: Resolved, wave: Mapping[str, frozenset]) -> Optional
         return None
     report = common.read_run_report(output)
     common.clear_run_dir(output)
-    return report, common.counter_values(result, METRICS_NAMESPACE)
+    counters = common.counter_values(result, METRICS_NAMESPACE)
+    del p, result
+    common.release_memory()  # a local runner ran the wave in this process: its peak must not carry over
+    return report, counters
 
 
 def _params_used(plan: RerankPlan, spec: SearcherSpec) -> dict:
