@@ -48,16 +48,12 @@ CODE_PACKAGES = ("pipelines", "retrieval_core")
 
 
 def source_digest(roots: Sequence[str]) -> str:
-    """sha256 over every .py file under ``roots`` (relative paths and contents, in sorted order)."""
+    """sha256 over the .py files under ``roots`` (each root's name, then its ``common.folder_sha256``)."""
+    from pipelines.common import folder_sha256
+
     h = hashlib.sha256()
     for root in roots:
-        for folder, dirs, files in os.walk(root):
-            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-            for name in sorted(f for f in files if f.endswith(".py")):
-                path = os.path.join(folder, name)
-                h.update(os.path.relpath(path, os.path.dirname(root)).encode() + b"\0")
-                with open(path, "rb") as f:
-                    h.update(hashlib.sha256(f.read()).digest())
+        h.update(os.path.basename(os.path.normpath(root)).encode() + b"\0" + folder_sha256(root, ".py").encode())
     return h.hexdigest()
 
 

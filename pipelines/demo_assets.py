@@ -173,19 +173,6 @@ def _run(args: list[str]) -> None:
     subprocess.run(args, check=True)
 
 
-def _folder_sha256(folder: str) -> str:
-    """sha256 over a local folder's files (relative names and bytes): a cached model's base checkpoint."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for root, _dirs, files in sorted(os.walk(folder)):
-        for name in sorted(files):
-            path = os.path.join(root, name)
-            h.update(os.path.relpath(path, folder).encode("utf-8") + b"\0")
-            h.update(common.sha256_file(path).encode("ascii"))
-    return h.hexdigest()
-
-
 def _stamp_matches(path: str, want: dict) -> bool:
     try:
         with open(path) as f:
@@ -243,7 +230,7 @@ def _ensure_trained(staged: str, out: str, cfg: TrainConfig, recipe: Recipe, bas
     want = {"assets_version": ASSETS_VERSION, "train_args": args,
             "staged": {kind: ds.content_sha256(kind, DEMO_MANIFEST) for kind in ("images", "captions")}}
     if base_model != "minilm":  # a checkpoint (the SEP CE's is the SEP BE) retrained in place retrains this one
-        want["base_model_sha256"] = _folder_sha256(base_model)
+        want["base_model_sha256"] = common.folder_sha256(base_model)
     stamp = os.path.join(out, "recipe.json")
     if _stamp_matches(stamp, want):
         if training_finished(out, cfg.steps) and os.path.exists(os.path.join(best, "rr_model.json")):
