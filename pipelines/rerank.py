@@ -11,9 +11,11 @@ Graph (one per wave of output shards, see *Resume*)::
             a t2i and an i2t request for the same pair are scored once (rr.merge_requesters)
          -> route each pair to the staged caption shard holding its text (RouteToShard: an id -> shard table
             per worker, built from the shards' id columns) -> GroupByKey -> read the asked-for texts; then
-            the same to the image shard holding its regions: each needed shard is read once
-         -> deterministic length-sorted CE batches -> RunInference(KeyedModelHandler(score_pairs)) ->
-            scores back to every query that asked (CoGroupByKey with the candidate lists)
+            the same to the group of image shards holding its regions (~8 CE batches of pairs per group):
+            each needed shard is read once
+         -> per group: its images' regions -> deterministic length-sorted CE batches ->
+            RunInference(KeyedModelHandler(score_pairs)) -> scores back to every query that asked
+            (CoGroupByKey with the candidate lists)
          -> rr.ce_scores_of + rr.rank_query
       -> key by (direction, query_id % N) -> GroupByKey -> rankings/<direction>-0000x-of-0000N.parquet + its
          _progress/<shard>.json record
@@ -38,7 +40,8 @@ Without --index, t2i is also an exact search over all image embeddings.
 
 Memory: no worker holds the pool. Both kinds of search read the index (``retrieval_core.index.StreamedIndex``)
 or embedding shards one at a time, once per query group (~4 x --search-batch-size queries), and keep each
-query's best n; the pairs meet their caption text and image regions through shuffles of the pairs only.
+query's best n; the pairs meet their caption text and image regions through shuffles of the pairs only, and
+the regions are read where they are scored, one group of image shards at a time (no shuffle carries them).
 A worker's id -> staged shard tables take 12 bytes per caption and per image.
 --nprobe (IVF) and --ef-search (HNSW) are set on every shard of an index and recorded in the manifest's
 ``search_params``; without them the parameters the index manifest records (``build_index --index-factory
@@ -48,13 +51,14 @@ auto`` tunes them) are used, else faiss' defaults; ``search_params_used`` says w
 Resume: output shards hold ~--queries-per-shard queries each (query_id % N) and are computed in waves of at
 most --shards-per-wave shards and --pairs-per-wave CE pairs (``plan_waves``), one Beam job per wave (a
 GroupByKey is a barrier: within one job no shard is finished before all are; a local runner holds a wave's
-CE pairs and their images' regions, hence the pair cap). Each written shard gets a small
+CE pairs with their texts and scores, hence the pair cap). Each written shard gets a small
 ``_progress/<shard>.json`` (sha256, plan fingerprint). A rerun of the same plan keeps every shard whose record
 matches the plan and whose file matches its checksum, and computes only the others; any difference in the plan (inputs by checksum, mode, k, lam,
 queries, batch sizes...) recomputes everything.
 
 Determinism (DirectRunner and DaskRunner give identical rankings): queries and CE pairs are batched by a
-GroupByKey on a fixed key (id mod G) and sorted inside the group (queries by id; pairs by length, then ids),
+GroupByKey on a fixed key (queries: a hash of the id mod G; pairs: their image's staged shard group) and
+sorted inside the group (queries by id; pairs by length, then ids),
 so every batch has the same members on every runner; RunInference gets pre-batched input
 (``with_no_batching``). Float results then depend only on the batch, not on bundle boundaries. Ties keep
 the searcher's order (exact search: smaller id first), rank_query's ties keep BE order. Measured: the
@@ -121,6 +125,7 @@ _PAIR_REQUESTS = Metrics.counter(METRICS_NAMESPACE, "ce_pair_requests")
 _RANKED = Metrics.counter(METRICS_NAMESPACE, "queries_ranked")
 _SHARDS_WRITTEN = Metrics.counter(METRICS_NAMESPACE, "ranking_shards_written")
 _MIX = 0x9E3779B97F4A7C15  # 64-bit golden-ratio multiplier: spreads ids over groups deterministically
+CE_BATCHES_PER_GROUP = 8  # CE batches per group of image shards (length sorting needs a few batches' pairs)
 
 
 class RerankError(RuntimeError):
@@ -360,40 +365,55 @@ class StagedReader:
         return self._dataset().read_shard_columns(rel, (column,)).column(column).to_numpy().astype(np.int64)
 
     def texts_for_pairs(self, element):
-        """(caption shard, [(caption_id, (pair, requesters))]) -> (image_id, (pair, requesters, text)): the
-        shard's text is read for the requested captions only."""
-        rel, wanted = element
-        table = self._dataset().read_shard_columns(rel, ("caption_id", "text"))
-        need = {cid for cid, _ in wanted}
-        text_of = {int(cid): text for cid, text in zip(table.column("caption_id").to_pylist(),
-                                                       table.column("text").to_pylist()) if int(cid) in need}
-        for caption_id, (pair, requesters) in sorted(wanted, key=lambda w: w[1][0]):
-            yield pair[1], (pair, requesters, text_of[caption_id])
+        """(caption shard group, [(shard, caption_id, (pair, requesters))]) -> (image_id, (pair, requesters,
+        text)): each shard's text is read for the requested captions only."""
+        _group, wanted = element
+        for rel, in_shard in _by_shard(wanted):
+            table = self._dataset().read_shard_columns(rel, ("caption_id", "text"))
+            need = {cid for cid, _ in in_shard}
+            text_of = {int(cid): text for cid, text in zip(table.column("caption_id").to_pylist(),
+                                                           table.column("text").to_pylist()) if int(cid) in need}
+            for caption_id, (pair, requesters) in sorted(in_shard, key=lambda w: w[1][0]):
+                yield pair[1], (pair, requesters, text_of[caption_id])
 
-    def regions_for_pairs(self, element, batch_groups: int, max_regions: int):
-        """(image shard, [(image_id, (pair, requesters, text))]) -> one keyed CE group item per image:
-        (image_id, features, boxes, its pairs sorted).
+    def regions_for_pairs(self, element, max_regions: int):
+        """(image shard group, [(shard, image_id, (pair, requesters, text))]) -> (image_id, features, boxes,
+        its pairs sorted) per image, shard by shard.
 
-        Regions travel once per image, not once per pair (a pair copy of every image's regions was ~200 KB x
-        the number of pairs, which exhausted memory on the demo), and only the ``max_regions`` the CE model
-        uses (the stager keeps regions in confidence order, so the cut is lossless), in the staged dtype."""
-        rel, requested = element
-        by_image: dict[int, list] = {}
-        for image_id, pair in requested:
-            by_image.setdefault(int(image_id), []).append(pair)
-        wanted = [(i, sorted(by_image[i], key=lambda p: p[0])) for i in sorted(by_image)]
-        ids = np.array([i for i, _ in wanted], dtype=np.int64)
-        # in the staged dtype: float16 regions stay float16 through the shuffle that gathers a CE group (half
-        # the memory a local runner holds); collate widens them to float32 exactly as reading them would
+        Regions are read once per image, not once per pair, and only the ``max_regions`` the CE model uses
+        (the stager keeps regions in confidence order, so the cut is lossless), in the staged dtype (collate
+        widens float16 to float32 exactly as reading them would)."""
+        _group, requested = element
         ds = self._dataset()
-        table = ds.read_image_shard(rel, ids, dtype=np.dtype(ds.feature_dtype))
-        pos = table.position_of() if table is not None else {}
-        for image_id, pairs in wanted:
-            if image_id not in pos:
-                raise RerankError(f"image {image_id} vanished from staged shard {rel}")
-            feats, boxes = table.regions(pos[image_id])
-            yield group_of(image_id, 0, batch_groups), (image_id, feats[:max_regions].copy(),
-                                                        boxes[:max_regions].copy(), pairs)
+        for rel, in_shard in _by_shard(requested):
+            by_image: dict[int, list] = {}
+            for image_id, pair in in_shard:
+                by_image.setdefault(int(image_id), []).append(pair)
+            ids = np.array(sorted(by_image), dtype=np.int64)
+            table = ds.read_image_shard(rel, ids, dtype=np.dtype(ds.feature_dtype))
+            pos = table.position_of() if table is not None else {}
+            for image_id in ids.tolist():
+                if image_id not in pos:
+                    raise RerankError(f"image {image_id} vanished from staged shard {rel}")
+                feats, boxes = table.regions(pos[image_id])
+                yield image_id, feats[:max_regions].copy(), boxes[:max_regions].copy(), \
+                    sorted(by_image[image_id], key=lambda p: p[0])
+
+    def ce_batches_for_pairs(self, element, batch_size: int, max_regions: int):
+        """(image shard group, its pairs) -> the group's CE batches (``ce_batches``), scored as they come.
+
+        Batches are made here, from one group of image shards at a time, so a worker holds one group's regions
+        (~--batch-size x 8 pairs' images), never a wave's: a GroupByKey of the regions themselves made a
+        local runner hold every image of the wave, in three copies (encoded, re-partitioned, decoded)."""
+        return ce_batches(self.regions_for_pairs(element, max_regions), batch_size)
+
+
+def _by_shard(routed):
+    """[(shard, id, value)] -> [(shard, [(id, value)])], shards in name order."""
+    out: dict[str, list] = {}
+    for rel, item_id, value in routed:
+        out.setdefault(rel, []).append((item_id, value))
+    return sorted(out.items())
 
 
 # ----------------------------------------------------------------------------------- pair steps
@@ -410,15 +430,18 @@ def by_caption(element):
 
 
 class RouteToShard(beam.DoFn):
-    """(id, value) -> (the staged shard holding that caption / image, (id, value)).
+    """(id, value) -> (group of the staged shard holding that caption / image, (shard, id, value)).
 
     The id -> shard table is built once per worker from one id column per staged shard (12 bytes per item),
     so the pairs reach the shards that hold their text and regions without a join: a CoGroupByKey with the
     staged side shuffled every caption's text (or every image id) of the collection, and Beam's local
-    runners keep a GroupByKey's whole input in memory."""
+    runners keep a GroupByKey's whole input in memory. Shards are grouped in name order,
+    ``shards_per_group`` at a time (group = shard position // shards_per_group): the unit one step reads."""
 
-    def __init__(self, staged: "StagedReader", rels: tuple[str, ...], column: str, what: str):
+    def __init__(self, staged: "StagedReader", rels: tuple[str, ...], column: str, what: str,
+                 shards_per_group: int = 1):
         self.staged, self.rels, self.column, self.what = staged, tuple(rels), column, what
+        self.shards_per_group = shards_per_group
 
     def setup(self):
         ids = [self.staged.id_column(rel, self.column) for rel in self.rels]
@@ -435,13 +458,21 @@ class RouteToShard(beam.DoFn):
         if not found or (pos + 1 < len(self._ids) and self._ids[pos + 1] == item_id):
             raise RerankError(f"{self.what} {item_id} is {'staged twice' if found else 'not staged'} in --staged; "
                               f"its CE pairs cannot be scored")
-        yield self.rels[self._where[pos]], (item_id, value)
+        shard = int(self._where[pos])
+        yield shard // self.shards_per_group, (self.rels[shard], item_id, value)
 
 
-def ce_batches(element, batch_size: int):
-    """One group of images with their pairs -> keyed CE examples in batches sorted by (padded length, pair):
-    little padding, and the same batches on every runner."""
-    _group, images = element
+def shards_per_group(shards: int, pairs: int, pairs_per_group: int) -> int:
+    """Consecutive staged shards per group so that a group holds ~``pairs_per_group`` of a wave's ``pairs``
+    (pairs spread over the shards; at least one shard per group)."""
+    if pairs <= 0 or shards <= 0:
+        return 1
+    return max(1, min(shards, (shards * pairs_per_group) // pairs))
+
+
+def ce_batches(images, batch_size: int):
+    """Images with their pairs [(image_id, features, boxes, [(pair, requesters, text)])] -> keyed CE examples
+    in batches sorted by (padded length, pair): little padding, and the same batches on every runner."""
     keyed = [((pair, requesters), (text, feats, boxes))
              for _image_id, feats, boxes, pairs in images for pair, requesters, text in pairs]
     keyed = sorted(keyed, key=lambda kv: (element_length(TASK_SCORE_PAIRS, kv[1]), kv[0][0]))
@@ -544,28 +575,29 @@ def build_graph(p: beam.Pipeline, res: Resolved, wave: Mapping[str, frozenset]) 
         ranked = cands | "rank" >> beam.Map(rank_emb, plan.k)
     else:
         requested = sum(_shard_pairs(res, d, q) for d, q in wave.items())
-        ce_groups = max(1, math.ceil(requested / plan.batch_size / 8))
+        # ~8 length-sorted batches per group of image shards: little padding, one group's regions in memory
+        image_group = shards_per_group(len(res.image_shards), requested, plan.batch_size * CE_BATCHES_PER_GROUP)
         staged = StagedReader(plan.staged)
         requests = cands | "pairs" >> beam.FlatMap(pair_requests, res.ce_k)
         unique = requests | "dedupe pairs" >> beam.GroupByKey()
-        # Pairs go to the caption shard holding their text, then to the image shard holding their regions:
-        # each staged shard is read once, for the items asked for (shuffles carry pairs, not the collection).
+        # Pairs go to the caption shard holding their text, then to the group of image shards holding their
+        # regions: each staged shard is read once, for the items asked for, and shuffles carry pairs (with
+        # text), never the collection or the regions.
         with_text = (unique | "key by caption" >> beam.Map(by_caption)
                      | "route to caption shard" >> beam.ParDo(RouteToShard(staged, res.caption_shards,
                                                                            "caption_id", "caption"))
                      | "group by caption shard" >> beam.GroupByKey()
                      | "read texts" >> beam.FlatMap(staged.texts_for_pairs))
-        examples = (with_text
-                    | "route to image shard" >> beam.ParDo(RouteToShard(staged, res.image_shards, "item_id", "image"))
-                    | "group by shard" >> beam.GroupByKey()
-                    | "read regions" >> beam.FlatMap(staged.regions_for_pairs, ce_groups, res.ce_max_regions))
+        batches = (with_text
+                   | "route to image shards" >> beam.ParDo(RouteToShard(staged, res.image_shards, "item_id", "image",
+                                                                        image_group))
+                   | "group by image shards" >> beam.GroupByKey()
+                   | "read regions, CE batches" >> beam.FlatMap(staged.ce_batches_for_pairs, plan.batch_size,
+                                                                res.ce_max_regions))
         handler = VLModelHandler(plan.cross_encoder, TASK_SCORE_PAIRS, device=_HANDLER_DEVICE[plan.device],
                                  max_batch_size=plan.batch_size, num_threads=plan.threads,
                                  model_copies=plan.model_copies, quantize=plan.quantize)
-        scored = (examples
-                  | "group CE pairs" >> beam.GroupByKey()
-                  | "CE batches" >> beam.FlatMap(ce_batches, plan.batch_size)
-                  | "CE score" >> RunInference(KeyedModelHandler(handler).with_no_batching()))
+        scored = batches | "CE score" >> RunInference(KeyedModelHandler(handler).with_no_batching())
         ce_scores = scored | "scores to queries" >> beam.FlatMap(scores_to_queries)
         ranked = ({"cands": cands, "ce": ce_scores}
                   | "join scores" >> beam.CoGroupByKey()
@@ -890,10 +922,10 @@ def _shard_pairs(res: Resolved, direction: str, ids) -> int:
 def plan_waves(names: Sequence[str], pairs_of: Callable[[str], int], shards_per_wave: int,
                pairs_per_wave: int) -> list[list[str]]:
     """The shards, in order, cut into waves (one Beam job each) of at most ``shards_per_wave`` shards and
-    ``pairs_per_wave`` CE pairs (a wave of one shard may hold more). A local runner holds a wave's CE pairs
-    with their images' regions in memory (~50 KB per image at 12 x 2,048 float16): capping pairs, not just
-    shards, keeps a rerank process's memory flat in the number of queries (10,000 queries at k = 20 in one
-    wave held 7.6 GB at 100k images)."""
+    ``pairs_per_wave`` CE pairs (a wave of one shard may hold more). A local runner holds a wave's CE pairs,
+    with their texts, candidates and scores, in memory: capping pairs, not just shards, keeps a rerank
+    process's memory flat in the number of queries (when the regions still travelled with the pairs, 10,000
+    queries at k = 20 in one wave held 7.6 GB at 100k images)."""
     waves: list[list[str]] = []
     pairs = 0
     for name in names:

@@ -539,9 +539,12 @@ def test_pairs_are_routed_to_the_staged_shard_holding_them_and_strangers_are_ref
         rels = tuple(ds.shard_names(kind))
         fn = rerank.RouteToShard(reader, rels, column, what)
         fn.setup()
-        for rel in rels:
+        pairs_of_shards = rerank.RouteToShard(reader, rels, column, what, shards_per_group=2)
+        pairs_of_shards.setup()
+        for n, rel in enumerate(rels):
             for item_id in ds.read_shard_columns(rel, (column,)).column(column).to_pylist()[:3]:
-                assert list(fn.process((item_id, "v"))) == [(rel, (item_id, "v"))]
+                assert list(fn.process((item_id, "v"))) == [(n, (rel, item_id, "v"))]
+                assert list(pairs_of_shards.process((item_id, "v"))) == [(n // 2, (rel, item_id, "v"))]
         with pytest.raises(rerank.RerankError, match=f"{what} 12345 is not staged in --staged"):
             list(fn.process((12345, "v")))
         twice = rerank.RouteToShard(reader, rels + rels[:1], column, what)
@@ -549,3 +552,12 @@ def test_pairs_are_routed_to_the_staged_shard_holding_them_and_strangers_are_ref
         first = ds.read_shard_columns(rels[0], (column,)).column(column).to_pylist()[0]
         with pytest.raises(rerank.RerankError, match=f"{what} {first} is staged twice"):
             list(twice.process((first, "v")))
+
+
+def test_image_shard_groups_hold_about_the_pairs_asked_for():
+    """Groups of consecutive image shards sized to ~pairs_per_group of a wave's pairs: at least one shard, at
+    most all of them."""
+    assert rerank.shards_per_group(200, 20_000, 1_024) == 10  # 100k images, a 20k-pair wave: ~1k pairs a group
+    assert rerank.shards_per_group(10, 20_000, 1_024) == 1  # 5k images: one shard already holds 2k pairs
+    assert rerank.shards_per_group(10, 100, 1_024) == 10  # a tiny wave: one group of every shard
+    assert rerank.shards_per_group(10, 0, 1_024) == 1
