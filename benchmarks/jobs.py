@@ -8,6 +8,15 @@ is started by a bare ``python -c`` wrapper that does the wait4: a child forked s
 would report at least this process's own peak (Linux carries the parent's high-water mark through fork and
 exec), 460 MB here with torch loaded.
 
+Preloaded start (``run_job(preload=True)``, what the suites use): importing Beam, torch and the pipelines
+takes ~6 s per job on these 2-core machines, paid by every one of a suite's ~60 jobs. Preloaded, a
+job is forked from a ``multiprocessing`` forkserver that imported ``PRELOAD`` once (and ran nothing), and
+runs its module exactly as ``python -m`` would (``runpy``, as ``__main__``, same argv, cwd and environment);
+its output and exit status stream back the same way, and it reports its own peak RSS (ru_maxrss of itself
+and of the processes it waited for) just before it exits. That peak includes the preloaded modules
+(~430 MB, which a torch job imports anyway; a job without torch, e.g. build_index, reads ~200 MB higher), so
+the ``memory`` suite, whose figure is RSS, starts every job as a plain subprocess.
+
 Reuse: after a job succeeds the runner writes ``<output>.job.json`` beside its output: the job's
 fingerprint (module + args + the version of the code that runs it, ``code_version``; Beam args excluded,
 since every runner writes the same outputs), the sha256 of
@@ -31,6 +40,8 @@ from typing import Callable, Optional, Sequence
 UNITS = ("stage_records", "images_encoded", "captions_encoded", "ce_pairs")
 #: Start-up of one pipeline job on DirectRunner (interpreter, torch/Beam imports, graph construction).
 JOB_START_S = 10.0
+#: The same for a job forked from the preloaded forkserver (no imports; model load, graph, runner start).
+PRELOADED_JOB_START_S = 4.0
 #: Jobs shorter than this teach no rate: their start-up would dominate (a --quick run must not overwrite the
 #: rates of a full one).
 MIN_LEARN_S = 60.0
@@ -41,6 +52,12 @@ _WAIT4 = ("import os, subprocess, sys\n"
           "_, status, usage = os.wait4(p.pid, 0)\n"
           "open(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
           "sys.exit(os.waitstatus_to_exitcode(status))\n")
+
+
+#: What the forkserver of preloaded jobs imports before forking them (``run_job(preload=True)``): Beam with
+#: RunInference (which imports torch), transformers' BERT, and the job modules themselves.
+PRELOAD = ("apache_beam.ml.inference.base", "transformers.models.bert.modeling_bert", "pipelines.stage",
+           "pipelines.encode", "pipelines.build_index", "pipelines.rerank", "benchmarks.queries")
 
 
 #: The packages whose code decides what a job writes (benchmarks/ only plans and reports).
@@ -116,6 +133,12 @@ class JobResult:
     wall_s: float
     peak_rss_kib: int
     reused: bool = False
+    preloaded: bool = False  # forked from the preloaded forkserver: less start-up in wall_s
+
+    @property
+    def start_s(self) -> float:
+        """The start-up share of wall_s (the constants above)."""
+        return PRELOADED_JOB_START_S if self.preloaded else JOB_START_S
 
     @property
     def peak_rss_mb(self) -> float:
@@ -159,8 +182,9 @@ def _write_stamp(job: Job, result: JobResult, beam_args: Sequence[str]) -> None:
 
 
 def run_job(job: Job, beam_args: Sequence[str] = (), log: Callable[[str], None] = print,
-            reuse: bool = True) -> JobResult:
-    """Run one job to completion (or reuse its finished output); raises JobFailed on a non-zero exit."""
+            reuse: bool = True, preload: bool = False) -> JobResult:
+    """Run one job to completion (or reuse its finished output); raises JobFailed on a non-zero exit.
+    ``preload``: fork it from the preloaded forkserver (module docstring) instead of a fresh interpreter."""
     if reuse:
         stamp = finished(job)
         if stamp is not None:
@@ -174,31 +198,120 @@ def run_job(job: Job, beam_args: Sequence[str] = (), log: Callable[[str], None] 
     with tempfile.TemporaryDirectory(prefix="rr-job-") as tmp:
         rss_file = os.path.join(tmp, "maxrss")
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-c", _WAIT4, rss_file, *job.argv(beam_args)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        start = _start_forked if preload else _start_subprocess
+        lines, wait = start(job.argv(beam_args), rss_file)
         tail: list[str] = []  # the job's own one-line error if it printed one, else its last line
-        for line in proc.stdout:
-            print("  | " + line, end="", flush=True)
-            if line.strip() and not (tail and tail[0].startswith("Error:")):
-                tail = [line.strip()]
-        proc.wait()
+        try:
+            for line in lines:
+                print("  | " + line, end="", flush=True)
+                if line.strip() and not (tail and tail[0].startswith("Error:")):
+                    tail = [line.strip()]
+            returncode = wait(stop=False)
+        finally:
+            wait(stop=True)  # a no-op once the job has ended; stops it on Ctrl-C or a launcher error
         wall = time.perf_counter() - t0
         try:
             with open(rss_file) as f:
                 peak_kib = int(f.read())
         except (OSError, ValueError):
             peak_kib = 0  # the wrapper was killed before the job ended
-    if proc.returncode != 0:
+    if returncode != 0:
         last = tail[0] if tail else ""
-        raise JobFailed(f"{job.name} failed (exit {proc.returncode}){': ' + last if last else ''}; "
+        raise JobFailed(f"{job.name} failed (exit {returncode}){': ' + last if last else ''}; "
                         f"command: {job.command(beam_args)}")
     if not os.path.exists(job.done_path):
         raise JobFailed(f"{job.name} exited 0 but wrote no {job.done_path} (a --dry_run writes nothing: "
                         f"use benchmarks.run --plan to see the jobs)")
-    result = JobResult(job, wall, peak_kib)
+    result = JobResult(job, wall, peak_kib, preloaded=preload)
     _write_stamp(job, result, beam_args)
     log(f"done {job.name}: {wall:.1f}s, peak RSS {result.peak_rss_mb:.0f} MB")
     return result
+
+
+def _start_subprocess(argv: list[str], rss_file: str):
+    """A fresh interpreter under the wait4 wrapper: (its output lines, wait(stop) -> exit status)."""
+    proc = subprocess.Popen([sys.executable, "-c", _WAIT4, rss_file, *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+
+    def wait(stop: bool) -> int:
+        if stop and proc.poll() is None:
+            proc.terminate()
+        return proc.wait()
+    return proc.stdout, wait
+
+
+@functools.lru_cache(maxsize=1)
+def _forkserver():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def _start_forked(argv: list[str], rss_file: str):
+    """``argv`` (python -m MODULE ARGS...) forked from the preloaded forkserver: (its output lines, wait)."""
+    if argv[1:2] != ["-m"]:
+        raise ValueError(f"a preloaded job runs `python -m MODULE ...`, not {argv[:3]}")
+    ctx = _forkserver()
+    read_end, write_end = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_forked_job_main, args=(argv[2:], os.getcwd(), dict(os.environ), write_end, rss_file),
+                       name=argv[2])
+    proc.start()
+    write_end.close()  # the child holds the only writer: its exit ends the stream
+    stream = os.fdopen(os.dup(read_end.fileno()), "r", buffering=1)
+    read_end.close()
+
+    def wait(stop: bool) -> int:
+        if stop and proc.exitcode is None:
+            proc.terminate()
+        proc.join()
+        stream.close()
+        return proc.exitcode
+    return stream, wait
+
+
+def _forked_job_main(module_argv: list[str], cwd: str, env: dict, write_end, rss_file: str) -> None:
+    """In the forked child: run ``python -m`` module_argv with the launcher's cwd and environment, output to
+    the launcher's pipe; write this process's peak RSS (KiB) to ``rss_file``; exit with the module's status."""
+    import resource
+    import runpy
+    import traceback
+
+    os.dup2(write_end.fileno(), 1)
+    os.dup2(write_end.fileno(), 2)
+    write_end.close()
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path.insert(0, cwd)  # as python -m does
+    sys.argv = list(module_argv)
+    code = 1
+    try:
+        runpy.run_module(module_argv[0], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 -- printed as python -m would, then the exit status says it failed
+        traceback.print_exc()
+    finally:
+        import atexit
+
+        # what interpreter shutdown does after `python -m`: e.g. multiprocessing's finalizers release the
+        # semaphores a job created (tqdm's lock), or the shared resource tracker reports them as leaked
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        usage = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                    resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+        with open(rss_file, "w") as f:
+            f.write(str(usage))
+        os._exit(code)
 
 
 @dataclass
@@ -207,10 +320,11 @@ class JobRunner:
     beam_args: tuple[str, ...] = ()
     log: Callable[[str], None] = print
     results: dict[str, JobResult] = field(default_factory=dict)
+    preload: bool = True  # fork jobs from the preloaded forkserver (module docstring); False: fresh interpreters
 
     def run(self, job: Job) -> JobResult:
         if job.name not in self.results:
-            self.results[job.name] = run_job(job, self.beam_args, self.log)
+            self.results[job.name] = run_job(job, self.beam_args, self.log, preload=self.preload)
         return self.results[job.name]
 
 
@@ -265,12 +379,12 @@ class UnitCosts:
 
     def learn(self, result: JobResult) -> None:
         """Update the rates from a job that ran now (a reused one measured nothing new), over its wall time
-        less JOB_START_S; only jobs of at least MIN_LEARN_S, and only where the job did at least as much work
+        less its start-up (``JobResult.start_s``); only jobs of at least MIN_LEARN_S, and only where the job did at least as much work
         as the one the rate came from. Encode jobs do images and captions together: their time rescales the
         recorded per-item rates (or, with none recorded yet, counts an image as costing what a caption does)."""
         if result.reused or result.wall_s < MIN_LEARN_S:
             return
-        busy = result.wall_s - JOB_START_S
+        busy = result.wall_s - result.start_s
         work = {u: n for u, n in result.job.work if n and n >= self.rates.get(u, {}).get("work", 0)}
         src = f"{result.job.name} ({result.wall_s:.1f}s, {time.strftime('%Y-%m-%d')})"
         for unit in ("stage_records", "ce_pairs"):
@@ -305,7 +419,8 @@ def format_plan(jobs: Sequence[Job], beam_args: Sequence[str] = (), costs: Optio
         lines.append(f"     {job.command(beam_args)}")
     if costs is not None:
         lines.append(f"estimated work: {_hms(total)}" + (" (plus jobs whose rate is unknown)" if unknown else "")
-                     + f"; per-job start-up (~{JOB_START_S:.0f} s on DirectRunner) not included")
+                     + f"; per-job start-up (~{JOB_START_S:.0f} s on DirectRunner, ~{PRELOADED_JOB_START_S:.0f} s "
+                       f"forked from the preloaded server) not included")
         for unit, r in sorted(costs.rates.items()):
             lines.append(f"  rate {unit}: {r['per_s']:,.1f}/s from {r['source']}")
     return "\n".join(lines)

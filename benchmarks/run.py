@@ -119,16 +119,17 @@ def job_rows(results: Sequence[jb.JobResult], beam_args: Sequence[str]) -> list[
 
 
 def execute(plan: Plan, beam_args: Sequence[str], costs: jb.UnitCosts, costs_path: str, env: dict,
-            log=print) -> tuple[list[dict], list[jb.JobResult]]:
-    """Run the plan's jobs in order (learning unit costs from each), then evaluate its rows."""
-    runner = jb.JobRunner(tuple(beam_args), log)
+            log=print, preload: bool = True) -> tuple[list[dict], list[jb.JobResult]]:
+    """Run the plan's jobs in order (learning unit costs from each), then evaluate its rows. ``preload``:
+    jobs forked from the preloaded forkserver (``benchmarks.jobs``), not fresh interpreters."""
+    runner = jb.JobRunner(tuple(beam_args), log, preload=preload)
     for job in plan.jobs:
         res = runner.run(job)
         if not res.reused:
             if job.module == "pipelines.rerank":  # the pairs it really scored, not the planned upper bound
                 pairs = _manifest(job.output).get("ce_pairs_scored", 0)
                 res = jb.JobResult(jb.Job(**{**job.__dict__, "work": (("ce_pairs", pairs),) if pairs else ()}),
-                                   res.wall_s, res.peak_rss_kib)
+                                   res.wall_s, res.peak_rss_kib, preloaded=res.preloaded)
             costs.learn(res)
             costs.save(costs_path)
     rows = []
@@ -158,6 +159,7 @@ class RunOptions:
     eval_budget_s: float = 600.0
     recipe: str = ""  # the cached models' recipe and seed, recorded in every row ("" for given model folders)
     model_seed: object = ""
+    preload: bool = True  # jobs forked from the preloaded forkserver (benchmarks.jobs); False: fresh interpreters
 
 
 def check_beam_args(beam_args: Sequence[str]) -> None:
@@ -276,10 +278,14 @@ def plan_costs(plan_jobs: Sequence[jb.Job], cfg: SuiteConfig) -> jb.UnitCosts:
               help="latency: build HNSW rows only up to this many items (1M takes many minutes on 2 cores).")
 @click.option("--eval-budget", default=600.0, show_default=True, type=click.FloatRange(min=0),
               help="latency: seconds of Table 4 pipeline runs; larger settings are extrapolated.")
+@click.option("--fresh-interpreters", is_flag=True,
+              help="Start every job as a new `python -m` process instead of forking it from a server that "
+                   "imported Beam, torch and the pipelines once (~6 s less per job on 2 cores; a forked job's "
+                   "peak RSS includes those modules). The memory and latency suites always start fresh.")
 @click.pass_context
 def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, recipe, model_seeds, no_sep, output, workdir, plan_only,
          quick, batch_size, device, threads, ce_pair_budget, max_queries, index_factory, memory_sizes, ann,
-         hnsw_max_n, eval_budget):
+         hnsw_max_n, eval_budget, fresh_interpreters):
     """Run one benchmark suite through the pipeline jobs and write <output>/<suite>.csv plus a summary.
     Unknown --flags go to every pipeline job (--runner, --dask_client_address, Dataflow options)."""
     from pipelines import demo_assets
@@ -306,7 +312,7 @@ def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, recipe, model_seeds, no
         opts = RunOptions(output=output if len(seeds) == 1 else os.path.join(output, f"seed{seed}"),
                           plan_only=plan_only, beam_args=beam_args, anns=_anns(ann), hnsw_max_n=hnsw_max_n,
                           eval_budget_s=eval_budget, recipe=recipe if trained else "",
-                          model_seed=seed if trained else "")
+                          model_seed=seed if trained else "", preload=not fresh_interpreters)
         rows_by_seed[seed] = run_suite(cfg, opts, t_start)
     if len(seeds) > 1 and all(rows_by_seed.values()):
         summary = report.seed_summary(rows_by_seed)
@@ -331,8 +337,9 @@ def run_suite(cfg: SuiteConfig, opts: RunOptions, t_start: float) -> Optional[li
                 return None
             env = {**report.environment(cfg.device, cfg.batch_size, cfg.threads), "recipe": opts.recipe,
                    "model_seed": opts.model_seed}
+            # the memory suite's figure is each job's RSS: fresh interpreters, without the preloaded modules
             rows, results = execute(plan, beam_args, jb.UnitCosts.load(unit_costs_path(cfg)),
-                                    unit_costs_path(cfg), env)
+                                    unit_costs_path(cfg), env, preload=opts.preload and suite != "memory")
     except jb.JobFailed as exc:
         raise click.ClickException(str(exc)) from None
     if rows is None:

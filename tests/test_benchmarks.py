@@ -284,13 +284,40 @@ def test_unknown_flag_is_refused_in_one_line_before_anything_runs(model, tmp_pat
     assert not (tmp_path / "w").exists() and not (tmp_path / "o").exists()
 
 
-def test_a_failing_job_is_one_line_naming_the_step(tmp_path):
+@pytest.mark.parametrize("preload", [False, True], ids=["fresh interpreter", "preloaded fork"])
+def test_a_failing_job_is_one_line_naming_the_step(tmp_path, preload):
     job = jb.Job("stage demo", "pipelines.stage", ("--manifest", "demo", "--output", str(tmp_path / "s")),
                  str(tmp_path / "s"), "summary.json")
     with pytest.raises(jb.JobFailed) as err:  # the job itself refuses a flag Beam does not know
-        jb.run_job(job, ("--bogus_flag=1",), log=lambda m: None)
+        jb.run_job(job, ("--bogus_flag=1",), log=lambda m: None, preload=preload)
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("stage demo failed (exit ") and "unknown option(s) --bogus_flag" in msg
+
+
+def test_a_preloaded_job_runs_its_module_as_python_m_would(tmp_path, monkeypatch, capsys):
+    """Forked from the preloaded forkserver: the module runs as __main__ with the job's argv, the launcher's
+    cwd and environment; its output streams back, its exit status and its own peak RSS are reported."""
+    script = tmp_path / "pkg_job.py"
+    script.write_text("import os, sys\n"
+                      "if __name__ == '__main__':\n"
+                      "    open(sys.argv[1], 'w').write(os.environ['RR_JOB_TEST'] + ' ' + os.getcwd())\n"
+                      "    print('written', sys.argv[1])\n"
+                      "    sys.exit(int(sys.argv[2]))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("RR_JOB_TEST", "set after the forkserver started")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    job = jb.Job("write", "pkg_job", (str(out / "done.txt"), "0"), str(out), "done.txt", beam=False)
+    jb._forkserver()  # started before the variable changes below: the job must still see the launcher's
+    monkeypatch.setenv("RR_JOB_TEST", "the launcher's environment now")
+    res = jb.run_job(job, log=lambda m: None, preload=True)
+    assert (out / "done.txt").read_text() == f"the launcher's environment now {tmp_path}"
+    assert "  | written " in capsys.readouterr().out and res.peak_rss_kib > 0 and not res.reused
+    failing = jb.Job("exit 3", "pkg_job", (str(out / "x.txt"), "3"), str(out), "x.txt", beam=False)
+    with pytest.raises(jb.JobFailed, match=r"exit 3 failed \(exit 3\): written"):
+        jb.run_job(failing, log=lambda m: None, preload=True)
 
 
 def test_job_reuse_follows_its_output_and_inputs(tmp_path):
