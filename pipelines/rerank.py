@@ -435,7 +435,7 @@ class RouteToShard(beam.DoFn):
     The id -> shard table is built once per worker from one id column per staged shard (12 bytes per item),
     so the pairs reach the shards that hold their text and regions without a join: a CoGroupByKey with the
     staged side shuffled every caption's text (or every image id) of the collection, and Beam's local
-    runners keep a GroupByKey's whole input in memory. Shards are grouped in name order,
+    runners keep a GroupByKey's whole input in memory. Shards are grouped in the order of ``rels``,
     ``shards_per_group`` at a time (group = shard position // shards_per_group): the unit one step reads."""
 
     def __init__(self, staged: "StagedReader", rels: tuple[str, ...], column: str, what: str,
