@@ -341,16 +341,19 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
     return rows
 
 
-def gemm_rate(config, tokens: int, reps: int = 5) -> float:
-    """FLOP/s of one BERT layer's dense fp32 GEMMs (model.layer_gemm_shapes) over ``tokens`` rows, torch.mm
-    with torch's thread setting, best of ``reps``: the machine's attainable rate at the model's shapes."""
+def gemm_rate(config, tokens: int, reps: int = 5, dtype=None) -> float:
+    """FLOP/s of one BERT layer's dense GEMMs (model.layer_gemm_shapes) over ``tokens`` rows in ``dtype``
+    (default float32), torch.mm with torch's thread setting, best of ``reps``: the machine's attainable rate at
+    the model's shapes."""
     import torch
 
     from retrieval_core.model import layer_gemm_shapes
 
     shapes = layer_gemm_shapes(config, int(tokens))
     g = torch.Generator().manual_seed(0)
-    mats = [(torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)) for m, k, n in shapes]
+    dtype = dtype or torch.float32
+    mats = [(torch.randn(m, k, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype))
+            for m, k, n in shapes]
     flops = sum(2.0 * m * k * n for m, k, n in shapes)
     best = math.inf
     for r in range(reps + 1):
@@ -363,10 +366,15 @@ def gemm_rate(config, tokens: int, reps: int = 5) -> float:
 
 
 def roofline_rows(b: _Bench, log) -> list[dict]:
-    """CE pairs/s and BE images/s, captions/s (fp32, and with int8 dynamic quantisation) as a fraction of
-    the roofline: the measured GEMM rate at the model's layer shapes / the model's FLOPs per unit, at the
-    average sequence lengths of the bench's captions and images."""
-    from retrieval_core.model import model_flops, quantize_model
+    """CE pairs/s and BE images/s, captions/s (fp32, with int8 dynamic quantisation, and - on a CPU with native
+    bf16 - served in bf16) as a fraction of the roofline: the measured GEMM rate at the model's layer shapes
+    (float32; bfloat16 for the bf16 rows) / the model's FLOPs per unit, at the average sequence lengths of the
+    bench's captions and images."""
+    import copy
+
+    import torch
+
+    from retrieval_core.model import cpu_has_native_bf16, model_flops, quantize_model
 
     m, cfg = b.model, b.cfg
     config = m.bert.config
@@ -382,25 +390,34 @@ def roofline_rows(b: _Bench, log) -> list[dict]:
     qb = replace(b, model=q, unit={})
     measure_unit_costs(qb, lambda msg: log(f"int8 {msg}"))
     log(f"roofline: int8 dynamic quantisation took {time.perf_counter() - t0:.1f} s incl. its unit costs")
+    variants = [("fp32", b.unit), ("int8", qb.unit)]
+    if cpu_has_native_bf16() and m.device.type == "cpu":
+        hb = replace(b, model=quantize_model(copy.deepcopy(m), "bf16"), unit={})
+        measure_unit_costs(hb, lambda msg: log(f"bf16 {msg}"))
+        variants.append(("bf16", hb.unit))
     shape = (f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, intermediate "
              f"{config.intermediate_size}; avg {text_tokens:.1f} caption tokens, {regions:.1f} regions")
     rows = []
     for task, (key, flops, seq) in units.items():
         tokens = int(round(cfg.batch_size * seq))
-        rate = gemm_rate(config, tokens)
-        roof = rate / flops
-        for variant, unit in (("fp32", b.unit), ("int8", qb.unit)):
+        fp32_rate = gemm_rate(config, tokens)
+        for variant, unit in variants:
+            rate = gemm_rate(config, tokens, dtype=torch.bfloat16) if variant == "bf16" else fp32_rate
+            roof = rate / flops
             per_s = 1.0 / unit[key]
             rows.append(_row(b, collection="roofline", collection_size="", model="JOIN",
                              mode=f"{task} ({variant})", rate_per_s=per_s, roofline_fraction=per_s / roof,
                              measured=True, notes=(
                                  f"{flops / 1e6:.1f} MFLOP per unit ({shape}; dense GEMMs + attention, "
-                                 f"softmax/LayerNorm/GELU not counted); roofline {roof:,.0f}/s = fp32 GEMM rate "
+                                 f"softmax/LayerNorm/GELU not counted); roofline {roof:,.0f}/s = "
+                                 f"{'bf16' if variant == 'bf16' else 'fp32'} GEMM rate "
                                  f"{rate / 1e9:.1f} GFLOP/s at {tokens} x {config.hidden_size} x "
                                  f"{config.intermediate_size}-class shapes (torch.mm, best of 5) / FLOPs; "
                                  f"measured {per_s:,.0f}/s at batch {cfg.batch_size}"
                                  + ("; int8 = torch.ao dynamic quantisation of the Linear layers, against the "
-                                    "fp32 roofline (int8 GEMMs can exceed it)" if variant == "int8" else ""))))
+                                    "fp32 roofline (int8 GEMMs can exceed it)" if variant == "int8" else "")
+                                 + ("; bf16 = --quantize bf16 (autocast), against the bf16 GEMM roofline"
+                                    if variant == "bf16" else ""))))
             log(f"  roofline {task} {variant}: {per_s:,.0f}/s = {per_s / roof:.2f} of {roof:,.0f}/s "
                 f"({rate / 1e9:.1f} GFLOP/s, {flops / 1e6:.1f} MFLOP each)")
     return rows
@@ -647,16 +664,17 @@ def _bench(model, lcfg: LatencyConfig, env: dict, log) -> _Bench:
     return b
 
 
-def sample_rates(model_dir: str, batch_size: int = 128, threads: Optional[int] = None, base_images: int = 200
-                 ) -> dict:
+def sample_rates(model_dir: str, batch_size: int = 128, threads: Optional[int] = None, base_images: int = 200,
+                 quantize: str = "none") -> dict:
     """Units per second measured in-process on a small synthetic sample: images and captions encoded, CE
-    pairs scored (batched) - for estimates when no earlier run recorded them."""
-    from retrieval_core.model import VLRetrievalModel
+    pairs scored (batched) by the model served as ``quantize`` - for estimates when no earlier run recorded
+    them."""
+    from retrieval_core.model import VLRetrievalModel, quantize_model
 
     from retrieval_core.synthetic import SyntheticSpec
 
     set_threads(threads)
-    model = VLRetrievalModel.load(model_dir)
+    model = quantize_model(VLRetrievalModel.load(model_dir), quantize)
     spec = SyntheticSpec("stage_sample", base_images, seed=11, domain="coco", feature_dim=model.feature_dim)
     t0 = time.perf_counter()  # generating + validating records: what a stage worker does besides writing
     images, caps = synthetic_collection(spec)

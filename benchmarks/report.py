@@ -31,7 +31,7 @@ CSV_COLUMNS = (
     "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "ann_recall@10", "speedup_vs_paper_code",
     "search_p50_ms", "bound_ms", "index_bytes", "rate_per_s", "roofline_fraction",
     "split", "recipe", "model_seed", "device", "cpu_model", "threads", "torch", "faiss", "transformers",
-    "batch_size", "measured", "rankings", "notes",
+    "batch_size", "quantize", "measured", "rankings", "notes",
 )
 
 #: Column order of <suite>_seeds.csv: one row per suite row key, over the runs of several model seeds.
@@ -92,6 +92,7 @@ COLUMN_DOCS = {
     "faiss": "faiss version",
     "transformers": "transformers version",
     "batch_size": "model batch size of the jobs",
+    "quantize": "serving precision of the encode and CE jobs (none = float32, int8, bf16)",
     "measured": "true: measured in this run; false: extrapolated or skipped (see notes)",
     "rankings": "rerank run dir(s) the recall was read from, with the derived k / mode / lam",
     "notes": "what else a reader needs: derivations, reused jobs, query samples, skip reasons",

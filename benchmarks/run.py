@@ -48,11 +48,13 @@ import numpy as np
 
 from benchmarks import jobs as jb
 from benchmarks import report, suites
+from retrieval_core.schema import QUANTIZE_CHOICES, check_quantize
 from benchmarks.suites import DEFAULT_MAX_QUERIES, SUITES, Models, Plan, Row, SuiteConfig
 
 
 def unit_costs_path(cfg: SuiteConfig) -> str:
-    return os.path.join(cfg.root, "unit_costs.json")
+    """Rates learned by runs of this serving precision (a bf16 rate must not estimate a float32 job)."""
+    return os.path.join(cfg.root, "unit_costs.json" if cfg.quantize == "none" else f"unit_costs-{cfg.quantize}.json")
 
 
 # -------------------------------------------------------------------------------------------- rows
@@ -232,10 +234,11 @@ def plan_costs(plan_jobs: Sequence[jb.Job], cfg: SuiteConfig) -> jb.UnitCosts:
     if missing and suites.model_feature_dim(cfg.models.join) is not None:
         from benchmarks import latency
 
-        for unit, per_s in latency.sample_rates(cfg.models.join, cfg.batch_size, cfg.threads).items():
+        for unit, per_s in latency.sample_rates(cfg.models.join, cfg.batch_size, cfg.threads,
+                                                quantize=cfg.quantize).items():
             if unit in missing:
                 costs.set(unit, per_s, f"measured now on a small in-process sample ({cfg.models.join}, batch "
-                                       f"{cfg.batch_size}{'; generation + validation, no writes' if unit == 'stage_records' else ''})")
+                                       f"{cfg.batch_size}, --quantize {cfg.quantize}{'; generation + validation, no writes' if unit == 'stage_records' else ''})")
         costs.save(unit_costs_path(cfg))
     return costs
 
@@ -263,6 +266,9 @@ def plan_costs(plan_jobs: Sequence[jb.Job], cfg: SuiteConfig) -> jb.UnitCosts:
 @click.option("--batch-size", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--device", type=click.Choice(["cpu", "cuda"], case_sensitive=False), default="cpu", show_default=True)
 @click.option("--threads", default=None, type=click.IntRange(min=1), help="torch + faiss threads per job [default].")
+@click.option("--quantize", type=click.Choice(QUANTIZE_CHOICES), default="none", show_default=True,
+              help="Serving precision of the encode and CE jobs (their --quantize): bf16 = matrix products in "
+                   "bfloat16 (CUDA, or a CPU with native bf16); outputs go to folders of their own.")
 @click.option("--ce-pair-budget", default=200_000, show_default=True, type=click.IntRange(min=0),
               help="Exhaustive CE rows only up to this many (query, item) pairs; otherwise skipped with a note.")
 @click.option("--max-queries", default=None, type=click.IntRange(min=0),
@@ -284,7 +290,7 @@ def plan_costs(plan_jobs: Sequence[jb.Job], cfg: SuiteConfig) -> jb.UnitCosts:
                    "peak RSS includes those modules). The memory and latency suites always start fresh.")
 @click.pass_context
 def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, recipe, model_seeds, no_sep, output, workdir, plan_only,
-         quick, batch_size, device, threads, ce_pair_budget, max_queries, index_factory, memory_sizes, ann,
+         quick, batch_size, device, threads, quantize, ce_pair_budget, max_queries, index_factory, memory_sizes, ann,
          hnsw_max_n, eval_budget, fresh_interpreters):
     """Run one benchmark suite through the pipeline jobs and write <output>/<suite>.csv plus a summary.
     Unknown --flags go to every pipeline job (--runner, --dask_client_address, Dataflow options)."""
@@ -292,6 +298,10 @@ def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, recipe, model_seeds, no
 
     beam_args = tuple(ctx.args)
     check_beam_args(beam_args)
+    try:  # before any model is trained for the suite
+        check_quantize(quantize, device.lower())
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     seeds = _seeds(model_seeds)
     if len(seeds) > 1 and join_dir and (no_sep or (be_dir and ce_dir)):
         raise click.UsageError("--model-seed with several seeds trains the recipe's models: give no model folders")
@@ -302,11 +312,15 @@ def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, recipe, model_seeds, no
         t_start = time.time()
         models = resolve_models(join_dir, be_dir, ce_dir, no_sep, suite, plan_only, beam_args, recipe, seed)
         feature_dim = suites.model_feature_dim(models.join) or _demo_feature_dim()
-        cfg = SuiteConfig(suite=suite, workdir=demo_assets.workdir(), models=models, feature_dim=feature_dim,
-                          quick=quick, manifest=manifest,
-                          max_queries=DEFAULT_MAX_QUERIES[suite] if max_queries is None else max_queries,
-                          ce_pair_budget=ce_pair_budget, index_factory=index_factory, batch_size=batch_size,
-                          device=device.lower(), threads=threads, memory_sizes=_sizes(memory_sizes, suite))
+        try:
+            cfg = SuiteConfig(suite=suite, workdir=demo_assets.workdir(), models=models, feature_dim=feature_dim,
+                              quick=quick, manifest=manifest,
+                              max_queries=DEFAULT_MAX_QUERIES[suite] if max_queries is None else max_queries,
+                              ce_pair_budget=ce_pair_budget, index_factory=index_factory, batch_size=batch_size,
+                              device=device.lower(), threads=threads, quantize=quantize,
+                              memory_sizes=_sizes(memory_sizes, suite))
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
         # which cached models the rows came from (none when every model folder was given)
         trained = not (join_dir and (no_sep or suite in JOIN_BY_DEFAULT or (be_dir and ce_dir)))
         opts = RunOptions(output=output if len(seeds) == 1 else os.path.join(output, f"seed{seed}"),
@@ -335,7 +349,8 @@ def run_suite(cfg: SuiteConfig, opts: RunOptions, t_start: float) -> Optional[li
                 print(f"{suite}: {len(plan.jobs)} jobs, {len(plan.rows)} row groups")
                 print(jb.format_plan(plan.jobs, beam_args, plan_costs(plan.jobs, cfg)))
                 return None
-            env = {**report.environment(cfg.device, cfg.batch_size, cfg.threads), "recipe": opts.recipe,
+            env = {**report.environment(cfg.device, cfg.batch_size, cfg.threads), "quantize": cfg.quantize,
+                   "recipe": opts.recipe,
                    "model_seed": opts.model_seed}
             # the memory suite's figure is each job's RSS: fresh interpreters, without the preloaded modules
             rows, results = execute(plan, beam_args, jb.UnitCosts.load(unit_costs_path(cfg)),

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 from benchmarks import queries as sel
 from benchmarks.jobs import Job
+from retrieval_core import schema
 from retrieval_core.schema import DIRECTION_I2T, DIRECTION_T2I
 
 DIRECTIONS = (DIRECTION_T2I, DIRECTION_I2T)
@@ -88,6 +89,7 @@ class SuiteConfig:
     batch_size: int = 128
     device: str = "cpu"
     threads: Optional[int] = None
+    quantize: str = "none"  # encode and CE jobs' serving precision (schema.QUANTIZE_CHOICES)
     seed: int = 0
     memory_sizes: tuple[int, ...] = ()  # memory suite: collection sizes (default MEMORY_SIZES)
 
@@ -98,6 +100,7 @@ class SuiteConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.max_queries < 0 or self.ce_pair_budget < 0 or self.batch_size < 1 or self.feature_dim < 1:
             raise ValueError("max_queries and ce_pair_budget must be >= 0, batch_size and feature_dim >= 1")
+        schema.check_quantize(self.quantize, self.device)
 
     @property
     def root(self) -> str:
@@ -180,6 +183,11 @@ def _model_inputs(path: str) -> tuple[str, ...]:
 def _common_flags(cfg: SuiteConfig, batch: bool = True) -> list[str]:
     out = ["--device", cfg.device] + (["--batch-size", str(cfg.batch_size)] if batch else [])
     return out + (["--threads", str(cfg.threads)] if cfg.threads else [])
+
+
+def _quantize_flags(cfg: SuiteConfig) -> list[str]:
+    """--quantize for the jobs that run a model (encode, CE-scoring reranks); float32 jobs keep their commands."""
+    return ["--quantize", cfg.quantize] if cfg.quantize != "none" else []
 
 
 @dataclass(frozen=True)
@@ -294,21 +302,25 @@ class Planner:
         return self.plan.add(Job(f"queries {st.name}/{collection} {what}", "benchmarks.queries", tuple(args), out,
                                  sel.SELECTION_FILE, beam=False, inputs=(st.summary,)))
 
+    def model_key(self, model: str) -> str:
+        """A model's folder name in this plan's outputs: another --quantize encodes and scores elsewhere."""
+        return model_key(model) + ("" if self.cfg.quantize == "none" else f"-{self.cfg.quantize}")
+
     def encode(self, st: Staged, model: str, split: str = "test") -> Job:
-        out = os.path.join(self.cfg.root, "embeddings", model_key(model), st.name + ("" if split == "test" else
+        out = os.path.join(self.cfg.root, "embeddings", self.model_key(model), st.name + ("" if split == "test" else
                                                                                      f"-{split}"))
         args = ["--staged", st.path, "--model", model, "--output", out, "--split", split,
-                *_common_flags(self.cfg)]
+                *_common_flags(self.cfg), *_quantize_flags(self.cfg)]
         share = split_share(st.manifest, split)
         work = (("images_encoded", round(share * sum(st.images.values()))),
                 ("captions_encoded", round(share * sum(st.captions.values()))))
-        return self.plan.add(Job(f"encode {model_key(model)} {st.name}{'' if split == 'test' else '/' + split}",
+        return self.plan.add(Job(f"encode {self.model_key(model)} {st.name}{'' if split == 'test' else '/' + split}",
                                  "pipelines.encode", tuple(args), out,
                                  "embeddings_manifest.json", work, inputs=(st.summary, *_model_inputs(model))))
 
     def index(self, st: Staged, model: str, enc: Job, modality: str = "image", ids: Optional[Job] = None,
               pool: str = "all") -> Job:
-        out = os.path.join(self.cfg.root, "index", model_key(model), st.name, _slug(pool, modality))
+        out = os.path.join(self.cfg.root, "index", self.model_key(model), st.name, _slug(pool, modality))
         args = ["--embeddings", enc.output, "--output", out, "--modality", modality,
                 "--index-factory", self.cfg.index_factory]
         inputs = [os.path.join(enc.output, "embeddings_manifest.json")]
@@ -318,7 +330,7 @@ class Planner:
             inputs.append(ids_file)
         if self.cfg.threads:
             args += ["--threads", str(self.cfg.threads)]
-        return self.plan.add(Job(f"index {model_key(model)} {st.name}/{pool} {modality}", "pipelines.build_index",
+        return self.plan.add(Job(f"index {self.model_key(model)} {st.name}/{pool} {modality}", "pipelines.build_index",
                                  tuple(args), out, "index_manifest.json", inputs=tuple(inputs)))
 
     def rerank(self, st: Staged, family: str, be_model: str, ce_model: str, enc: Job, queries: Job, *, mode: str,
@@ -326,7 +338,7 @@ class Planner:
                split: str = "test", exhaustive_limit: int = 0) -> Job:
         """``pairs``: CE pairs it will score (estimates); ``exhaustive_limit``: --max-exhaustive-pairs of a
         --mode ce run (queries x pool summed over directions; default ``pairs``)."""
-        models = _slug(family, model_key(be_model), model_key(ce_model) if mode != "emb" else "")
+        models = _slug(family, self.model_key(be_model), self.model_key(ce_model) if mode != "emb" else "")
         out = os.path.join(self.cfg.root, "runs", st.name, _slug(pool, os.path.basename(queries.output)), models,
                            f"{mode}-k{k}")
         args = ["--staged", st.path, "--embeddings", enc.output, "--mode", mode, "--k", str(k), "--split", split,
@@ -339,7 +351,7 @@ class Planner:
                 args += [flag, j.output]
                 inputs.append(os.path.join(j.output, "index_manifest.json"))
         if mode != "emb":
-            args += ["--ce-model", ce_model]
+            args += ["--ce-model", ce_model, *_quantize_flags(self.cfg)]
             inputs += _model_inputs(ce_model)
         if mode == "ce":
             args += ["--max-exhaustive-pairs", str(max(exhaustive_limit or pairs, 1))]

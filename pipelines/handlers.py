@@ -89,8 +89,9 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
         self.device = device
         self.num_threads = num_threads
         self.dead_letter = dead_letter
-        if quantize not in (None, "none") and device != "CPU":  # refused at plan time, not in a worker
-            raise ValueError(f"--quantize {quantize} runs on CPU only; refused with device {device}")
+        if quantize not in (None, "none"):  # refused at plan time, not in a worker
+            from retrieval_core.schema import check_quantize
+            check_quantize(quantize, "cpu" if device == "CPU" else "cuda")
         self.quantize = quantize
 
     def __repr__(self) -> str:

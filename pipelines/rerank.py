@@ -175,7 +175,7 @@ class RerankPlan:
     nprobe: Optional[int] = None
     ef_search: Optional[int] = None
     tune_on: Optional[str] = None  # --mode auto: the dev run (CE-scored, same models) the fusion is chosen on
-    quantize: str = "none"  # "int8": the CE's Linear layers dynamically quantised (CPU only)
+    quantize: str = "none"  # schema.QUANTIZE_CHOICES for the CE: int8 Linear layers (CPU) or bf16 autocast
 
     def __post_init__(self):
         for name in ("staged", "embeddings", "output"):
@@ -206,11 +206,10 @@ class RerankPlan:
                               f"--tune-on applies to --mode auto only, not to --mode {mode}")
         if mode != "emb" and not (self.ce_model or self.be_model):
             raise RerankError(f"mode {mode!r} needs --ce-model (or --be-model for a JOIN model)")
-        if self.quantize not in schema.QUANTIZE_CHOICES:
-            raise RerankError(f"quantize must be one of {'|'.join(schema.QUANTIZE_CHOICES)}, got {self.quantize!r}")
-        if self.quantize != "none" and device != "cpu":
-            raise RerankError(f"--quantize {self.quantize} (dynamic int8 Linear layers) runs on CPU only; "
-                              f"refused with --device {device}")
+        try:
+            schema.check_quantize(self.quantize, device)
+        except ValueError as exc:
+            raise RerankError(str(exc)) from None
         if self.quantize != "none" and mode == "emb":
             raise RerankError(f"--quantize {self.quantize} quantises the CE: --mode emb scores nothing with it")
         if (self.nprobe is not None or self.ef_search is not None) and not self.uses_index:
@@ -1089,7 +1088,7 @@ def _manifest(res: Resolved, shards: list[dict], reused: int, waves_run: int, co
         "be_model": dict(res.be_model), "ce_model": plan.cross_encoder,
         # the CE score key the ce_score column holds (model.CE_SCORES: logit_diff = log-odds, logit1 = MMT's)
         "ce_score_key": _ce_model_folder(plan.cross_encoder).ce_score if plan.cross_encoder else None,
-        "quantize": plan.quantize,  # "int8": CE scores from dynamically quantised Linear layers
+        "quantize": plan.quantize,  # the serving precision of the CE scores (schema.QUANTIZE_CHOICES)
         "search": dict(res.described),
         "search_params": {"nprobe": plan.nprobe, "efSearch": plan.ef_search},
         # what each direction's search ran with, and where it came from
@@ -1155,8 +1154,9 @@ def _delete_unlisted(output: str, keep: set[str]) -> None:
                    "else faiss' 16)")
 @click.option("--model-copies", type=int, help="CE model copies per machine (Dataflow GPU: 1)")
 @click.option("--quantize", type=click.Choice(schema.QUANTIZE_CHOICES), default="none", show_default=True,
-              help="int8: dynamic int8 quantisation of the CE's Linear layers (CPU only; faster, scores differ "
-                   "slightly); recorded in the rankings manifest.")
+              help="int8: dynamic int8 quantisation of the CE's Linear layers (CPU only); bf16: matrix products "
+                   "in bfloat16 (CUDA, or a CPU with native bf16: avx512_bf16/AMX, where it is ~2x faster). Scores "
+                   "differ slightly from float32; recorded in the rankings manifest.")
 @click.option("--max-exhaustive-pairs", type=int, default=200_000, show_default=True)
 @click.option("--queries-per-shard", type=int, default=1_000, show_default=True,
               help="queries per ranking shard (the unit a rerun of a killed job keeps)")

@@ -18,6 +18,8 @@ One object carries both heads: SEP = two models trained separately, JOIN = one t
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -89,6 +91,9 @@ class VLRetrievalModel(nn.Module):
         self.ce_dropout = nn.Dropout(bert_config.hidden_dropout_prob)
         self.ce_classifier = nn.Linear(hidden, 2)
         self._init_new_weights(bert_config.initializer_range)
+        # Set by quantize_model(model, "bf16"): the three heads run their matrix products under bf16 autocast
+        # (LayerNorm, softmax and the pooled outputs stay float32). Not saved: a property of how it is served.
+        self.autocast_dtype: Optional[torch.dtype] = None
 
     def _init_new_weights(self, std: float) -> None:
         """BERT's init for the layers the text backbone does not provide."""
@@ -157,25 +162,35 @@ class VLRetrievalModel(nn.Module):
         ones = torch.ones(feats.shape[0], 1, dtype=img_mask.dtype, device=feats.device)
         return torch.cat([cls, img.to(cls.dtype)], 1), torch.cat([ones, img_mask], 1)
 
+    def _precision(self):
+        """The serving precision quantize_model chose: bf16 autocast, or nothing (float32, or the caller's)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
     def embed_text(self, batch: dict) -> torch.Tensor:
         """(B, hidden) L2-normalised BE embeddings of a TextCollator batch."""
-        hidden = self._encode(self._text_tokens(batch["input_ids"]), batch["attention_mask"])
+        with self._precision():
+            hidden = self._encode(self._text_tokens(batch["input_ids"]), batch["attention_mask"])
         return self._mean_pool(hidden, batch["attention_mask"])
 
     def embed_image(self, batch: dict) -> torch.Tensor:
         """(B, hidden) L2-normalised BE embeddings of a collate_images batch ([CLS] + regions)."""
-        tokens, mask = self._image_sequence(batch)
-        return self._mean_pool(self._encode(tokens, mask), mask)
+        with self._precision():
+            tokens, mask = self._image_sequence(batch)
+            hidden = self._encode(tokens, mask)
+        return self._mean_pool(hidden, mask)
 
     def ce_logits(self, batch: dict) -> torch.Tensor:
         """(B, 2) CE logits (class 1 = match) of a collate_pairs batch."""
-        text = self._text_tokens(batch["input_ids"])
-        img = self._image_tokens(batch["img_feats"], batch["img_boxes"]).to(text.dtype)
-        mask = torch.cat([batch["attention_mask"], batch["img_mask"].to(batch["attention_mask"].dtype)], 1)
-        cls = self._encode(torch.cat([text, img], 1), mask)[:, 0]
-        if self.ce_pooler is not None:
-            cls = torch.tanh(self.ce_pooler(cls))
-        return self.ce_classifier(self.ce_dropout(cls))
+        with self._precision():
+            text = self._text_tokens(batch["input_ids"])
+            img = self._image_tokens(batch["img_feats"], batch["img_boxes"]).to(text.dtype)
+            mask = torch.cat([batch["attention_mask"], batch["img_mask"].to(batch["attention_mask"].dtype)], 1)
+            cls = self._encode(torch.cat([text, img], 1), mask)[:, 0]
+            if self.ce_pooler is not None:
+                cls = torch.tanh(self.ce_pooler(cls))
+            return self.ce_classifier(self.ce_dropout(cls))
 
     def score_pairs(self, batch: dict) -> torch.Tensor:
         """(B,) CE scores under ``cfg.ce_score``: match log-odds (sigmoid(score) = P(match)) or MMT's logit1."""
@@ -292,16 +307,47 @@ def _autocast(device: torch.device, amp_dtype: Optional[str]):
     return torch.autocast(device_type="cuda", dtype=dtypes[amp_dtype])
 
 
-# ----------------------------------------------------------------------------- CPU int8, FLOP counts
+# ----------------------------------------------------------------------- CPU int8 / bf16, FLOP counts
+#: CPU flags (/proc/cpuinfo) of native bfloat16 matrix instructions: AVX-512 BF16 (AMD Zen 4+, Intel Cooper
+#: Lake+) and AMX (Intel Sapphire Rapids+). Without them bf16 is emulated and slower than float32.
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """Whether this machine's CPU computes bf16 matrix products natively (Linux /proc/cpuinfo flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
 def quantize_model(model: nn.Module, quantize: Optional[str], device: str = "cpu") -> nn.Module:
-    """``model`` with its nn.Linear layers dynamically quantised to int8 (weights int8, activations quantised
-    per batch: torch.ao.quantization.quantize_dynamic; a copy) for ``quantize="int8"``; the model itself for
-    None / "none". int8 dynamic kernels exist on CPU only: refused on any other device."""
+    """The model as it will be served (schema.QUANTIZE_CHOICES):
+
+    - ``none``: the model itself, float32;
+    - ``int8``: a copy with its nn.Linear layers dynamically quantised (weights int8, activations quantised per
+      batch: torch.ao.quantization.quantize_dynamic); int8 dynamic kernels exist on CPU only;
+    - ``bf16``: the model itself, its BE and CE heads running under bf16 autocast (matrix products in
+      bfloat16, float32 accumulation, LayerNorm/softmax/outputs in float32). On CPU only where the CPU has
+      native bf16 (NATIVE_BF16_FLAGS): elsewhere it is emulated, slower than float32, and refused.
+    Anything else, or a mode the device cannot run, raises ValueError."""
     if quantize in (None, "none"):
         return model
     if quantize not in schema.QUANTIZE_CHOICES:
         raise ValueError(f"quantize must be one of {'|'.join(schema.QUANTIZE_CHOICES)}, got {quantize!r}")
-    if torch.device(device).type != "cpu":
+    dev = torch.device(device)
+    if quantize == "bf16":
+        if not isinstance(model, VLRetrievalModel):
+            raise ValueError(f"--quantize bf16 applies to VLRetrievalModel, not {type(model).__name__}")
+        if dev.type == "cpu" and not cpu_has_native_bf16():
+            raise ValueError(f"--quantize bf16 needs a CPU with native bf16 ({' or '.join(NATIVE_BF16_FLAGS)} in "
+                             f"/proc/cpuinfo); this one emulates it, slower than float32: use --quantize none")
+        model.autocast_dtype = torch.bfloat16
+        return model
+    if dev.type != "cpu":
         raise ValueError(f"--quantize {quantize} (dynamic int8 Linear layers) runs on CPU only; refused on "
                          f"{device}")
     import warnings

@@ -267,6 +267,18 @@ class ImageTable:
         return ImageTable(np.asarray(item_ids, dtype=np.int64), offsets, feats, boxes, meta or {})
 
 
-#: Model-loading options of the inference CLIs (--quantize): none, or int8 dynamic quantisation of the
-#: Linear layers (retrieval_core.model.quantize_model; CPU only).
-QUANTIZE_CHOICES = ("none", "int8")
+#: Model-loading options of the inference CLIs (--quantize): none (float32), int8 dynamic quantisation of the
+#: Linear layers (CPU only), or bf16 autocast (CUDA, or a CPU with native bf16); retrieval_core.model.quantize_model.
+QUANTIZE_CHOICES = ("none", "int8", "bf16")
+#: The --quantize modes a device can run ("cpu" / "cuda"); bf16 on CPU also needs native bf16 (checked at load).
+QUANTIZE_DEVICES = {"none": ("cpu", "cuda"), "int8": ("cpu",), "bf16": ("cpu", "cuda")}
+
+
+def check_quantize(quantize: str, device: str) -> None:
+    """ValueError unless ``quantize`` is a QUANTIZE_CHOICES mode that ``device`` ("cpu"/"cuda") can run. Checked
+    when a plan is built; whether a CPU has native bf16 is checked where the model loads (the worker's CPU)."""
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {'|'.join(QUANTIZE_CHOICES)}, got {quantize!r}")
+    if str(device).lower() not in QUANTIZE_DEVICES[quantize]:
+        raise ValueError(f"--quantize {quantize} runs on {' or '.join(d.upper() for d in QUANTIZE_DEVICES[quantize])} "
+                         f"only; refused with --device {device}")

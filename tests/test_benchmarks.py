@@ -224,6 +224,33 @@ def test_standard_plan_wires_each_fold_through_ids_and_its_own_queries(model, tm
     assert sum(j.module == "pipelines.encode" for j in plan.jobs) == 3  # synthetic_coco5k, synthetic_f30k1k, demo
 
 
+def test_quantize_goes_to_the_model_jobs_and_their_outputs_are_kept_apart(model, tmp_path):
+    """--quantize bf16: every encode and every CE-scoring rerank carries it, EMB-only reranks and model-free jobs
+    do not; embeddings, indexes and runs go to folders of their own (float32 results are never overwritten),
+    staged data and query selections are shared."""
+    plans = {q: suites.plan_suite(suites.SuiteConfig(suite="standard", workdir=str(tmp_path), quantize=q, quick=True,
+                                                     models=suites.Models(join=model), feature_dim=F))
+             for q in ("none", "bf16")}
+    for job in plans["bf16"].jobs:
+        mode = job.args[job.args.index("--mode") + 1] if "--mode" in job.args else None
+        runs_model = job.module == "pipelines.encode" or (job.module == "pipelines.rerank" and mode != "emb")
+        assert ("--quantize" in job.args) == runs_model, job.name
+        if runs_model:
+            assert job.args[job.args.index("--quantize") + 1] == "bf16"
+    assert not any("--quantize" in j.args for j in plans["none"].jobs)
+    outputs = {q: {j.module: set() for j in p.jobs} for q, p in plans.items()}
+    for q, p in plans.items():
+        for j in p.jobs:
+            outputs[q][j.module].add(j.output)
+    for module in ("pipelines.encode", "pipelines.build_index", "pipelines.rerank"):
+        assert not outputs["none"][module] & outputs["bf16"][module], module
+    for module in ("pipelines.stage", "benchmarks.queries"):
+        assert outputs["none"][module] == outputs["bf16"][module], module
+    with pytest.raises(ValueError, match="CPU only"):
+        suites.SuiteConfig(suite="standard", workdir=str(tmp_path), quantize="int8", device="cuda",
+                           models=suites.Models(join=model), feature_dim=F)
+
+
 def test_k_ablation_and_combination_plan_one_rerank_per_family(model, tmp_path):
     for suite, rows in (("k_ablation", {("CO", 10, ""), ("CO", 20, ""), ("CO", 50, "")}),
                         ("combination", {("CO", 20, "")} | {(m, 20, lam) for m in ("CO-ADD", "CO-NORM_ADD")
@@ -408,7 +435,9 @@ def test_latency_per_query_rows_and_extrapolated_totals(model, tmp_path):
         if r["mode"] == "CE":  # the budget is 0: whole-collection CE is extrapolated and says so
             assert r["measured"] == "false" and r["notes"].startswith("extrapolated")
     roof = {r["mode"]: r for r in back if r["collection"] == "roofline"}
-    assert set(roof) == {f"{t} ({v})" for t in ("CE pairs", "BE images", "BE captions") for v in ("fp32", "int8")}
+    from retrieval_core.model import cpu_has_native_bf16
+    variants = ("fp32", "int8") + (("bf16",) if cpu_has_native_bf16() else ())  # bf16 rows where the CPU has it
+    assert set(roof) == {f"{t} ({v})" for t in ("CE pairs", "BE images", "BE captions") for v in variants}
     for r in roof.values():  # a measured rate below what the GEMMs at the model's shapes allow
         assert float(r["rate_per_s"]) > 0 and 0 < float(r["roofline_fraction"]) and "MFLOP per unit" in r["notes"]
     assert all(0 < float(roof[f"{t} (fp32)"]["roofline_fraction"]) < 1.5 for t in ("CE pairs", "BE images"))

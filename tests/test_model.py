@@ -238,7 +238,40 @@ def test_quantize_refused_off_cpu_and_flop_count_of_a_layer():
         quantize_model(lin, "int4")
     with pytest.raises(EncodeError, match="CPU only"):
         EncodePlan("s", "m", "o", device="cuda", quantize="int8")
+    assert EncodePlan("s", "m", "o", device="cuda", quantize="bf16").quantize == "bf16"  # CUDA runs bf16
     cfg = SimpleNamespace(hidden_size=8, intermediate_size=32, num_hidden_layers=2)
     # per layer: the dense GEMMs' 2*M*K*N plus QK^T and AV (2 * 2 * L^2 * h)
     dense = sum(2 * m * k * n for m, k, n in layer_gemm_shapes(cfg, 5))
     assert sequence_flops(cfg, 5) == 2 * (dense + 4 * 25 * 8)
+
+
+def test_bf16_serving_runs_the_heads_in_bf16_and_is_refused_where_the_cpu_emulates_it(tmp_path, monkeypatch):
+    """--quantize bf16: the same model object, its three heads under bf16 autocast (outputs float32, close to
+    float32's but not equal); refused on a CPU without native bf16 (there it is slower than float32)."""
+    from retrieval_core import model as model_mod
+    from retrieval_core.collate import collate_images, collate_pairs
+    from retrieval_core.model import VLRetrievalModel, quantize_model
+    model_dir = str(tmp_path / "m")
+    tiny_model(str(tmp_path)).save(model_dir)
+    fp32 = VLRetrievalModel.load(model_dir)
+    texts = ["a red dog on a blue car", "two cats", "a green bus near a white house and a brown horse"]
+    rng = np.random.default_rng(0)
+    regions = [(rng.standard_normal((n, fp32.feature_dim)).astype(np.float32), rng.random((n, 6)).astype(np.float32))
+               for n in (3, 5, 2)]
+    batches = {"embed_text": fp32.text_collator()(texts), "embed_image": collate_images(regions, 8),
+               "score_pairs": collate_pairs(fp32.text_collator(), texts, regions, 8)}
+    with torch.inference_mode():
+        ref = {name: getattr(fp32, name)(b) for name, b in batches.items()}
+    monkeypatch.setattr(model_mod, "cpu_has_native_bf16", lambda: False)
+    with pytest.raises(ValueError, match="native bf16"):
+        quantize_model(VLRetrievalModel.load(model_dir), "bf16")
+    monkeypatch.setattr(model_mod, "cpu_has_native_bf16", lambda: True)
+    bf16 = quantize_model(VLRetrievalModel.load(model_dir), "bf16")
+    assert bf16.autocast_dtype == torch.bfloat16 and fp32.autocast_dtype is None
+    with torch.inference_mode():
+        for name, b in batches.items():
+            got = getattr(bf16, name)(b)
+            diff = (got - ref[name]).abs().max().item()
+            assert got.dtype == torch.float32 and 0 < diff < 0.05, (name, diff)
+    with pytest.raises(ValueError, match="applies to VLRetrievalModel"):
+        quantize_model(torch.nn.Linear(2, 2), "bf16")

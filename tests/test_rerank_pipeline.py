@@ -528,6 +528,30 @@ def test_quantize_int8_scores_with_the_quantised_ce_and_is_recorded(assets, tmp_
             run_rerank(staged, emb_dir, str(tmp_path / "bad"), **kw)
 
 
+def test_quantize_bf16_scores_with_the_bf16_ce_and_is_recorded(assets, tmp_path, monkeypatch):
+    """--quantize bf16: the CE scores are the bf16-served model's (close to fp32, not equal), the manifest says
+    so. Native bf16 is taken as given here (the refusal on CPUs that emulate it: test_model)."""
+    from retrieval_core import model as model_mod
+    from retrieval_core.checkpoints import load_model_folder
+
+    monkeypatch.setattr(model_mod, "cpu_has_native_bf16", lambda: True)
+    root, staged, model_dir, emb_dir = assets
+    out = str(tmp_path / "bf16")
+    manifest = run_rerank(staged, emb_dir, out, mode="co", k=4, ce_model=model_dir, directions=("t2i",),
+                          quantize="bf16")
+    assert manifest["quantize"] == "bf16"
+    ds = StagedDataset(staged)
+    texts = ds.captions().set_index("caption_id")["text"]
+    t2i = read_rankings(out, "t2i").dropna(subset=["ce_score"])
+    table = ds.load_images(t2i["item_id"].tolist())
+    q_texts = texts.loc[t2i["query_id"]].tolist()
+    bf16 = load_model_folder(model_dir, need=("ce",), quantize="bf16").score(q_texts, table, batch_size=32)
+    fp32 = VLRetrievalModel.load(model_dir).score(q_texts, table, batch_size=32)
+    got = t2i["ce_score"].to_numpy()
+    assert np.abs(got - bf16).max() < 2e-2 and np.abs(got - fp32).max() < 5e-2
+    assert np.abs(got - fp32).max() > 1e-5
+
+
 def test_pairs_are_routed_to_the_staged_shard_holding_them_and_strangers_are_refused(assets):
     """RouteToShard (what replaced the joins that shuffled every caption's text and every image id): each id
     goes to the one staged shard that holds it; an id no shard holds, or two shards hold, fails the job in
