@@ -277,6 +277,7 @@ def _forked_job_main(module_argv: list[str], cwd: str, env: dict, write_end, rss
     import resource
     import runpy
     import traceback
+    import warnings
 
     os.dup2(write_end.fileno(), 1)
     os.dup2(write_end.fileno(), 2)
@@ -287,6 +288,10 @@ def _forked_job_main(module_argv: list[str], cwd: str, env: dict, write_end, rss
     sys.path.insert(0, cwd)  # as python -m does
     sys.argv = list(module_argv)
     code = 1
+    # The server imported the module on purpose (that is the preload); runpy warns that it runs it again as
+    # __main__, which is exactly what python -m does in a fresh interpreter.
+    warnings.filterwarnings("ignore", message=r".*found in sys\.modules after import of package",
+                            category=RuntimeWarning)
     try:
         runpy.run_module(module_argv[0], run_name="__main__", alter_sys=True)
         code = 0
