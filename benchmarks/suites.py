@@ -523,7 +523,7 @@ def scale_task(p: Planner, manifest: str, k: int = STANDARD_K, text_index: bool 
     notes = (f"{q} queries per direction (a seeded {q}-image subset and one caption of each) against all "
              f"{n_img:,} images / {n_cap:,} captions; encoding of the whole collection included in encode_s",)
     one_pool(p, st, coll, st.manifest.name, k=k, queries=p.select(st, coll, scale=n), q_t2i=q, q_i2t=q,
-             pool_images=n_img, pool_captions=n_cap, notes=notes, text_index=text_index)
+             pool_images=n_img, pool_captions=n_cap, notes=notes, text_index=text_index, auto=True)
 
 
 def scale_1m(p: Planner) -> None:

@@ -277,6 +277,18 @@ def test_scale_suites_plan_sep_only_when_its_models_are_named(model):
         ["SEP", "JOIN"]
 
 
+def test_scale_100k_reports_the_dev_chosen_fusion_beside_co(model, tmp_path):
+    """scale_100k's AUTO row: the fusion chosen on the dev run, applied to the stored scores of its one CO run
+    (no second CE pass over the 100k pool)."""
+    cfg = suites.SuiteConfig(suite="scale_100k", workdir=str(tmp_path), models=suites.Models(join=model), feature_dim=F)
+    plan = suites.plan_suite(cfg)
+    rows = {r.mode: r for r in plan.rows}
+    assert set(rows) == {"EMB", "CO", "AUTO"}
+    assert rows["AUTO"].runs == rows["CO"].runs and rows["AUTO"].tune_on
+    pool_reranks = [j for j in plan.jobs if j.module == "pipelines.rerank" and "synthetic_100k" in j.name]
+    assert len(pool_reranks) == 1
+
+
 def test_scale_1m_plan_prints_jobs_and_estimates_without_running(model, tmp_path):
     work = tmp_path / "work"
     costs = jb.UnitCosts()
