@@ -304,10 +304,14 @@ def test_scale_1m_plan_prints_jobs_and_estimates_without_running(model, tmp_path
     assert "stage synthetic_1m-f16 (6,000,000 stage records; estimate 10.0 min)" in out
     assert "1,000,000 images encoded, 5,000,000 captions encoded; estimate 58.3 min" in out
     assert "(200,000 ce pairs; estimate 6.7 min)" in out
-    assert "estimated work: 75.0 min" in out
+    # + the AUTO row's dev run (demo dev split: 30,000 records staged, 3,000 items encoded, 20,000 CE pairs)
+    assert "estimated work: 75.7 min" in out
     commands = [line.strip() for line in out.splitlines() if line.strip().startswith("python -m ")]
-    assert [c.split()[2] for c in commands] == ["pipelines.stage", "benchmarks.queries", "pipelines.encode",
-                                                "pipelines.build_index", "pipelines.build_index", "pipelines.rerank"]
+    pool_run = ["pipelines.stage", "benchmarks.queries", "pipelines.encode", "pipelines.build_index",
+                "pipelines.build_index", "pipelines.rerank"]
+    dev_run = ["pipelines.stage", "benchmarks.queries", "pipelines.encode", "pipelines.build_index", "pipelines.rerank"]
+    assert [c.split()[2] for c in commands] == pool_run + dev_run
+    assert all("--manifest demo" in c or "demo-f16" in c for c in commands[len(pool_run):])
     for c in commands:  # Beam flags go to every pipeline job, not to the queries helper
         assert all(f in c.split() for f in dask) == c.startswith("python -m pipelines.")
     assert "--modality text" in commands[4] and "--text-index" in commands[5] and "--scale 5000" in commands[1]
