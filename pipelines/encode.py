@@ -363,7 +363,14 @@ def dead_letter_rows(result, modality: str):
 
 def write_shard(group, output: str, plans: dict[tuple[str, str], ShardPlan]) -> dict:
     """Write one output shard from its spill pieces (rows sorted by id), then (if it holds every planned
-    item) its completion record."""
+    item) its completion record; the shard's buffers (~4 copies of its vectors) go back to the OS before the
+    next shard, so a worker's peak does not grow with the number of shards it writes."""
+    info = _write_shard(group, output, plans)
+    common.release_memory()
+    return info
+
+
+def _write_shard(group, output: str, plans: dict[tuple[str, str], ShardPlan]) -> dict:
     (modality, collection, index), pieces = group
     parts = []
     for path, rows in sorted(pieces):
