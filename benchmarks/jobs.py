@@ -1,21 +1,13 @@
 """Benchmark steps as pipeline jobs: plan a list of :class:`Job` s, print it, run it, reuse finished ones.
 
 A job is ``python -m <module> <args> <the user's Beam args>``: the same command a user would type, run as a
-subprocess whose output is streamed with a prefix. For every job the runner records its wall time and the
-peak RSS of the child (``os.wait4``'s ``ru_maxrss``, KiB on Linux; it covers the child and the processes it
-waited for, e.g. DirectRunner's multi-processing workers, not Dask or Dataflow workers elsewhere). The job
-is started by a bare ``python -c`` wrapper that does the wait4: a child forked straight from this process
-would report at least this process's own peak (Linux carries the parent's high-water mark through fork and
-exec), 460 MB here with torch loaded.
-
-Preloaded start (``run_job(preload=True)``, what the suites use): importing Beam, torch and the pipelines
-takes ~6 s per job on these 2-core machines, paid by every one of a suite's ~60 jobs. Preloaded, a
-job is forked from a ``multiprocessing`` forkserver that imported ``PRELOAD`` once (and ran nothing), and
-runs its module exactly as ``python -m`` would (``runpy``, as ``__main__``, same argv, cwd and environment);
-its output and exit status stream back the same way, and it reports its own peak RSS (ru_maxrss of itself
-and of the processes it waited for) just before it exits. That peak includes the preloaded modules
-(~430 MB, which a torch job imports anyway; a job without torch, e.g. build_index, reads ~200 MB higher), so
-the ``memory`` suite, whose figure is RSS, starts every job as a plain subprocess.
+child process (``pipelines.launch``: a fresh interpreter, or forked from a forkserver that preloaded Beam, torch
+and the pipelines, ~6 s less per job on 2 cores) whose output is streamed with a prefix. For every job the runner
+records its wall time and the peak RSS of the child (``os.wait4``'s ``ru_maxrss``, KiB on Linux; it covers the
+child and the processes it waited for, e.g. DirectRunner's multi-processing workers, not Dask or Dataflow workers
+elsewhere). The suites fork their jobs (``run_job(preload=True)``); a forked job's peak includes the preloaded
+modules (~430 MB, which a torch job imports anyway; a job without torch, e.g. build_index, reads ~200 MB
+higher), so the ``memory`` suite, whose figure is RSS, starts every job as a fresh interpreter.
 
 Reuse: after a job succeeds the runner writes ``<output>.job.json`` beside its output: the job's
 fingerprint (module + args + the version of the code that runs it, ``code_version``; Beam args excluded,
@@ -30,11 +22,12 @@ import hashlib
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
+
+from pipelines import launch
 
 #: What a job's work is measured in, for cost estimates (``UnitCosts``).
 UNITS = ("stage_records", "images_encoded", "captions_encoded", "ce_pairs")
@@ -46,20 +39,6 @@ PRELOADED_JOB_START_S = 4.0
 #: rates of a full one).
 MIN_LEARN_S = 60.0
 STAMP_SUFFIX = ".job.json"
-# argv: RSS_FILE CMD...; runs CMD, writes its ru_maxrss (KiB) to RSS_FILE, exits with its status.
-_WAIT4 = ("import os, subprocess, sys\n"
-          "p = subprocess.Popen(sys.argv[2:])\n"
-          "_, status, usage = os.wait4(p.pid, 0)\n"
-          "open(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
-          "sys.exit(os.waitstatus_to_exitcode(status))\n")
-
-
-#: What the forkserver of preloaded jobs imports before forking them (``run_job(preload=True)``): Beam with
-#: RunInference (which imports torch), transformers' BERT, and the job modules themselves.
-PRELOAD = ("apache_beam.ml.inference.base", "transformers.models.bert.modeling_bert", "pipelines.stage",
-           "pipelines.encode", "pipelines.build_index", "pipelines.rerank", "benchmarks.queries")
-
-
 #: The packages whose code decides what a job writes (benchmarks/ only plans and reports).
 CODE_PACKAGES = ("pipelines", "retrieval_core")
 
@@ -198,8 +177,7 @@ def run_job(job: Job, beam_args: Sequence[str] = (), log: Callable[[str], None] 
     with tempfile.TemporaryDirectory(prefix="rr-job-") as tmp:
         rss_file = os.path.join(tmp, "maxrss")
         t0 = time.perf_counter()
-        start = _start_forked if preload else _start_subprocess
-        lines, wait = start(job.argv(beam_args), rss_file)
+        lines, wait = launch.start(job.argv(beam_args), rss_file, preload)
         tail: list[str] = []  # the job's own one-line error if it printed one, else its last line
         try:
             for line in lines:
@@ -226,97 +204,6 @@ def run_job(job: Job, beam_args: Sequence[str] = (), log: Callable[[str], None] 
     _write_stamp(job, result, beam_args)
     log(f"done {job.name}: {wall:.1f}s, peak RSS {result.peak_rss_mb:.0f} MB")
     return result
-
-
-def _start_subprocess(argv: list[str], rss_file: str):
-    """A fresh interpreter under the wait4 wrapper: (its output lines, wait(stop) -> exit status)."""
-    proc = subprocess.Popen([sys.executable, "-c", _WAIT4, rss_file, *argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-
-    def wait(stop: bool) -> int:
-        if stop and proc.poll() is None:
-            proc.terminate()
-        return proc.wait()
-    return proc.stdout, wait
-
-
-@functools.lru_cache(maxsize=1)
-def _forkserver():
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
-    return ctx
-
-
-def _start_forked(argv: list[str], rss_file: str):
-    """``argv`` (python -m MODULE ARGS...) forked from the preloaded forkserver: (its output lines, wait)."""
-    if argv[1:2] != ["-m"]:
-        raise ValueError(f"a preloaded job runs `python -m MODULE ...`, not {argv[:3]}")
-    ctx = _forkserver()
-    read_end, write_end = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_forked_job_main, args=(argv[2:], os.getcwd(), dict(os.environ), write_end, rss_file),
-                       name=argv[2])
-    proc.start()
-    write_end.close()  # the child holds the only writer: its exit ends the stream
-    stream = os.fdopen(os.dup(read_end.fileno()), "r", buffering=1)
-    read_end.close()
-
-    def wait(stop: bool) -> int:
-        if stop and proc.exitcode is None:
-            proc.terminate()
-        proc.join()
-        stream.close()
-        return proc.exitcode
-    return stream, wait
-
-
-def _forked_job_main(module_argv: list[str], cwd: str, env: dict, write_end, rss_file: str) -> None:
-    """In the forked child: run ``python -m`` module_argv with the launcher's cwd and environment, output to
-    the launcher's pipe; write this process's peak RSS (KiB) to ``rss_file``; exit with the module's status."""
-    import resource
-    import runpy
-    import traceback
-    import warnings
-
-    os.dup2(write_end.fileno(), 1)
-    os.dup2(write_end.fileno(), 2)
-    write_end.close()
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    sys.path.insert(0, cwd)  # as python -m does
-    sys.argv = list(module_argv)
-    code = 1
-    # The server imported the module on purpose (that is the preload); runpy warns that it runs it again as
-    # __main__, which is exactly what python -m does in a fresh interpreter.
-    warnings.filterwarnings("ignore", message=r".*found in sys\.modules after import of package",
-                            category=RuntimeWarning)
-    try:
-        runpy.run_module(module_argv[0], run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if not isinstance(exc.code, (int, type(None))):
-            print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 -- printed as python -m would, then the exit status says it failed
-        traceback.print_exc()
-    finally:
-        import atexit
-
-        # what interpreter shutdown does after `python -m`: e.g. multiprocessing's finalizers release the
-        # semaphores a job created (tqdm's lock), or the shared resource tracker reports them as leaked
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        usage = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                    resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-        with open(rss_file, "w") as f:
-            f.write(str(usage))
-        os._exit(code)
 
 
 @dataclass

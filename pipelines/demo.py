@@ -23,14 +23,14 @@ import time
 import click
 import pandas as pd
 
-from pipelines import demo_assets
+from pipelines import demo_assets, launch
 from pipelines.common import BEAM_CLI_CONTEXT
 
 
 def _run(args: list[str]) -> float:
     print("+ " + " ".join(args), flush=True)
     t0 = time.time()
-    subprocess.run(args, check=True)
+    launch.run_module(args)  # forked from the preloaded interpreter (pipelines.launch): ~6 s less per step
     return time.time() - t0
 
 

@@ -18,12 +18,11 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from pipelines import common
+from pipelines import common, launch
 from retrieval_core.train import TrainConfig, train_cli_args
 
 log = logging.getLogger(__name__)
@@ -170,7 +169,7 @@ def sep_model_dir(objective: str) -> str:
 def _run(args: list[str]) -> None:
     log.info("running: %s", " ".join(args))
     print("+ " + " ".join(args), flush=True)
-    subprocess.run(args, check=True)
+    launch.run_module(args)  # forked from the preloaded interpreter: no ~6 s of imports per step
 
 
 def _stamp_matches(path: str, want: dict) -> bool:

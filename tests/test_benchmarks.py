@@ -21,6 +21,7 @@ from click.testing import CliRunner
 
 from benchmarks import jobs as jb
 from benchmarks import latency, queries, report, suites
+from pipelines import launch
 from tests.helpers_model import tiny_model
 
 F = 16
@@ -353,7 +354,7 @@ def test_a_preloaded_job_runs_its_module_as_python_m_would(tmp_path, monkeypatch
     out = tmp_path / "out"
     out.mkdir()
     job = jb.Job("write", "pkg_job", (str(out / "done.txt"), "0"), str(out), "done.txt", beam=False)
-    jb._forkserver()  # started before the variable changes below: the job must still see the launcher's
+    launch.forkserver()  # started before the variable changes below: the job must still see the launcher's
     monkeypatch.setenv("RR_JOB_TEST", "the launcher's environment now")
     res = jb.run_job(job, log=lambda m: None, preload=True)
     assert (out / "done.txt").read_text() == f"the launcher's environment now {tmp_path}"
@@ -361,6 +362,26 @@ def test_a_preloaded_job_runs_its_module_as_python_m_would(tmp_path, monkeypatch
     failing = jb.Job("exit 3", "pkg_job", (str(out / "x.txt"), "3"), str(out), "x.txt", beam=False)
     with pytest.raises(jb.JobFailed, match=r"exit 3 failed \(exit 3\): written"):
         jb.run_job(failing, log=lambda m: None, preload=True)
+
+
+@pytest.mark.parametrize("preload", [True, False])
+def test_a_demo_step_passes_its_output_through_as_it_comes(tmp_path, monkeypatch, capfd, preload):
+    """pipelines.launch.run_module (the demo's steps): the step's output reaches ours unchanged, a progress bar's
+    carriage returns included (not held back until a newline), and a failing step raises as subprocess.run
+    (check=True) would."""
+    script = tmp_path / "bar_step.py"
+    script.write_text("import sys\n"
+                      "if __name__ == '__main__':\n"
+                      "    sys.stdout.write('step 1/2\\rstep 2/2\\r'); sys.stdout.flush()\n"
+                      "    print('done'); sys.exit(int(sys.argv[1]))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.chdir(tmp_path)
+    launch.run_module([sys.executable, "-m", "bar_step", "0"], preload=preload)
+    assert capfd.readouterr().out == "step 1/2\rstep 2/2\rdone\n"
+    with pytest.raises(subprocess.CalledProcessError) as err:
+        launch.run_module([sys.executable, "-m", "bar_step", "4"], preload=preload)
+    assert err.value.returncode == 4 and err.value.cmd[-2:] == ["bar_step", "4"]
 
 
 def test_job_reuse_follows_its_output_and_inputs(tmp_path):
