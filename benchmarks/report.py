@@ -25,7 +25,7 @@ PAPER_CODE_MODEL = "paper-code"
 
 #: Column order of every suite CSV. Optional timings stay empty where a suite does not measure them.
 CSV_COLUMNS = (
-    "suite", "collection", "model", "mode", "k", "lam", "direction",
+    "suite", "collection", "model", "mode", "k", "lam", "fusion", "direction",
     "R@1", "R@5", "R@10", "mR", "queries", "collection_size",
     "wall_s", "encode_s", "index_s", "search_s", "rerank_s", "ce_pairs", "peak_rss_mb", "launcher_peak_rss_mb",
     "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "ann_recall@10", "speedup_vs_paper_code",
@@ -36,7 +36,7 @@ CSV_COLUMNS = (
 
 #: Column order of <suite>_seeds.csv: one row per suite row key, over the runs of several model seeds.
 SEED_KEY = ("suite", "collection", "model", "mode", "k", "lam", "direction")
-SEED_COLUMNS = SEED_KEY + ("seeds",) + tuple(f"{m}_{stat}" for m in ("R@1", "R@5", "R@10", "mR")
+SEED_COLUMNS = SEED_KEY + ("seeds", "fusion") + tuple(f"{m}_{stat}" for m in ("R@1", "R@5", "R@10", "mR")
                                               for stat in ("mean", "std", "min", "max")) + ("queries", "recipe")
 
 
@@ -52,6 +52,8 @@ COLUMN_DOCS = {
             "(score fusion); latency rows name the index too",
     "k": "rerank depth: how many BE candidates the CE scored ('all' for exhaustive CE; empty for EMB)",
     "lam": "weight of the BE score in ADD / NORM_ADD fusion (empty for other modes)",
+    "fusion": "AUTO rows: the fusion chosen on the dev split (co, add_<lam> or norm_add_<lam>); in <suite>_seeds.csv "
+              "each seed's choice (seed:fusion)",
     "direction": "t2i (caption query, images ranked), i2t (image query, captions ranked), or both (a skipped row)",
     "R@1": "recall at 1, percent of queries with a gold item at rank 1",
     "R@5": "recall at 5, percent",
@@ -281,7 +283,8 @@ def summary_table(rows: Sequence[Mapping], title: str = "") -> str:
 # ----------------------------------------------------------------------------------------- plots
 def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]]) -> list[dict]:
     """<suite>_seeds.csv rows: per suite row key (SEED_KEY), R@1/5/10 and mR over the model seeds (mean, sample
-    std, min, max). A key missing from one seed's run is an error: the seeds must have run the same plan."""
+    std, min, max). A key missing from one seed's run is an error: the seeds must have run the same plan. AUTO
+    rows are keyed without their lam (each seed's dev run may choose another fusion; ``fusion`` lists them)."""
     import statistics
 
     by_key: dict[tuple, dict[int, Mapping]] = {}
@@ -289,7 +292,9 @@ def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]]) -> list[dict]:
         for r in rows:
             r = normalise_row(r)
             if r["R@1"] != "":
-                by_key.setdefault(tuple(str(r[c]) for c in SEED_KEY), {})[seed] = r
+                # an AUTO row is one configuration whatever fusion each seed's dev run chose: keyed without its lam
+                key = {**r, "lam": ""} if r["mode"] == "AUTO" else r
+                by_key.setdefault(tuple(str(key[c]) for c in SEED_KEY), {})[seed] = r
     seeds = sorted(rows_by_seed)
     out = []
     for key, per_seed in by_key.items():
@@ -298,6 +303,7 @@ def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]]) -> list[dict]:
                              f"{sorted(set(seeds) - set(per_seed))}")
         row = dict(zip(SEED_KEY, key))
         row["seeds"] = ",".join(map(str, seeds))
+        row["fusion"] = " ".join(f"{s}:{per_seed[s]['fusion']}" for s in seeds if per_seed[s]["fusion"] != "")
         for m in ("R@1", "R@5", "R@10", "mR"):
             vals = [float(per_seed[s][m]) for s in seeds]
             row.update({f"{m}_mean": round(statistics.fmean(vals), 3),
@@ -321,8 +327,10 @@ def seed_summary_table(rows: Sequence[Mapping], title: str = "") -> str:
     pm = lambda r, m: f"{float(r[m + '_mean']):.1f} ± {float(r[m + '_std']):.1f}" if r else "-"  # noqa: E731
     for (coll, model, mode, k, lam), d in groups.items():
         t, i = d.get("t2i"), d.get("i2t")
+        chosen = (t or i).get("fusion", "")
         lines.append(f"{str(coll)[:30]:<30} {str(model)[:6]:<6} {str(mode)[:12]:<12} {str(k):>3} {str(lam):>4} "
-                     f"{pm(t, 'R@1'):>13} {pm(i, 'R@1'):>13} {pm(t or i, 'mR'):>13}")
+                     f"{pm(t, 'R@1'):>13} {pm(i, 'R@1'):>13} {pm(t or i, 'mR'):>13}"
+                     + (f"  (chosen per seed: {chosen})" if chosen else ""))
     return "\n".join(lines)
 
 

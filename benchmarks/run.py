@@ -81,6 +81,7 @@ def evaluate_row(row: Row, results: dict, env: dict) -> list[dict]:
         chosen = f"chosen on {choice['dev_split']}: {choice['label']} (dev mR {choice['dev_mR'][choice['label']]:.2f}, " \
                  f"co {choice['dev_mR']['co']:.2f})"
         common["lam"] = eval_lam if eval_lam is not None else ""
+        common["fusion"] = choice["label"]
     metrics = [evaluate_run(run, row.staged, k=row.eval_k, mode=eval_mode, lam=eval_lam,
                             collection=row.eval_collection, split=row.split) for run in row.runs]
     eval_s = (time.perf_counter() - t0) / len(row.runs)

@@ -549,3 +549,24 @@ def test_distractor_plan_ranks_each_task_in_its_own_job(model, tmp_path):
                if line.strip().startswith("python -m pipelines.rerank") and "--mode co" in line
                and "/bench/runs/synthetic_distractor20k" in line]
     assert len(reranks) == 2 and len(set(reranks)) == 2, res.stdout[-3000:]
+
+
+def test_the_seed_summary_keeps_one_auto_row_whatever_fusion_each_seed_chose():
+    """AUTO is one configuration: each seed's dev run may choose another fusion (and lam); the summary averages
+    the AUTO rows of all seeds and lists the choices, while a fixed-lam ADD row stays keyed by its lam."""
+    def rows(seed, auto_lam, fusion, r1):
+        base = {"suite": "standard", "collection": "c", "model": "JOIN", "k": 20, "R@5": 1.0, "R@10": 1.0,
+                "mR": 1.0, "queries": 10, "recipe": "bench", "model_seed": seed}
+        return [{**base, "mode": "AUTO", "lam": auto_lam, "fusion": fusion, "direction": "t2i", "R@1": r1},
+                {**base, "mode": "ADD", "lam": 0.5, "direction": "t2i", "R@1": 2.0 * r1}]
+    summary = report.seed_summary({0: rows(0, 0.3, "norm_add_0.3", 50.0), 1: rows(1, "", "co", 54.0),
+                                   2: rows(2, 0.1, "add_0.1", 58.0)})
+    auto = [r for r in summary if r["mode"] == "AUTO"]
+    assert len(auto) == 1 and auto[0]["lam"] == "" and auto[0]["R@1_mean"] == pytest.approx(54.0)
+    assert auto[0]["fusion"] == "0:norm_add_0.3 1:co 2:add_0.1"
+    add = [r for r in summary if r["mode"] == "ADD"]
+    assert len(add) == 1 and add[0]["lam"] == "0.5" and add[0]["fusion"] == ""
+    assert "(chosen per seed: 0:norm_add_0.3 1:co 2:add_0.1)" in report.seed_summary_table(summary)
+    # a row one seed lacks is still an error: the seeds must have run the same plan
+    with pytest.raises(ValueError, match="missing for seed"):
+        report.seed_summary({0: rows(0, 0.3, "norm_add_0.3", 50.0), 1: rows(1, "", "co", 54.0)[:1]})
