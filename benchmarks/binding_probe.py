@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from benchmarks.family_probe import sampled_captions
 from retrieval_core import synthetic
 from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, threads_option
 from retrieval_core.collate import collate_pairs
@@ -109,14 +110,7 @@ def collect_tokens(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: 
                    max_captions: Optional[int], batch_size: int = 64, seed: int = 0) -> dict[str, dict]:
     """Per side ("text", "image"): per-layer hidden states of the probed tokens (``x``: [(n, H)] per layer),
     their colour (``y``) and the caption's other focus colour (``other``), from the CE input caption + gold image."""
-    meta = staged.images_meta(collection=spec.collection, split=split)
-    caps = staged.captions(collection=spec.collection, split=split)
-    if len(caps) == 0:
-        raise ValueError(f"no captions of collection {spec.collection!r} in split {split!r}")
-    if max_captions and len(caps) > max_captions:
-        keep = np.sort(np.random.default_rng([seed, 17]).choice(len(caps), max_captions, replace=False))
-        caps = caps.iloc[keep].reset_index(drop=True)
-    index_of = dict(zip(meta["item_id"].astype(np.int64), meta["source_id"].astype(int)))
+    caps, index_of = sampled_captions(staged, spec, split, max_captions, seed, stream=17)
     table = staged.load_images(item_ids=caps["image_item_id"].astype(np.int64).unique())
     pos = table.position_of()
     codebook = dataclasses.replace(spec, feature_dim=table.feature_dim)  # the width staged (see family_probe)

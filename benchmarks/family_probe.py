@@ -48,18 +48,26 @@ def _difference(a: dict, b: dict) -> str:
     return "+".join(changes)
 
 
-def probe(staged: StagedDataset, spec: synthetic.SyntheticSpec, be_model: VLRetrievalModel,
-          ce_model: VLRetrievalModel, split: str = "test", max_captions: Optional[int] = None, seed: int = 0,
-          batch_size: int = 128, device: str = "cpu") -> pd.DataFrame:
-    """Rows (table, head, change, correct, total, accuracy %) for one synthetic collection."""
+def sampled_captions(staged: StagedDataset, spec: synthetic.SyntheticSpec, split: str,
+                     max_captions: Optional[int], seed: int = 0, stream: int = 11) -> tuple[pd.DataFrame, dict]:
+    """The captions of a synthetic collection's split (a seeded sample of ``max_captions``, drawn from random
+    stream ``stream``, when given) and ``{image item_id: generator index}`` of the split's images."""
     meta = staged.images_meta(collection=spec.collection, split=split)
     caps = staged.captions(collection=spec.collection, split=split)
     if len(caps) == 0:
         raise ValueError(f"no captions of collection {spec.collection!r} in split {split!r}")
     if max_captions and len(caps) > max_captions:
-        keep = np.sort(np.random.default_rng([seed, 11]).choice(len(caps), max_captions, replace=False))
+        keep = np.sort(np.random.default_rng([seed, stream]).choice(len(caps), max_captions, replace=False))
         caps = caps.iloc[keep].reset_index(drop=True)
-    index_of = dict(zip(meta["item_id"].astype(np.int64), meta["source_id"].astype(int)))
+    return caps, dict(zip(meta["item_id"].astype(np.int64), meta["source_id"].astype(int)))
+
+
+def probe(staged: StagedDataset, spec: synthetic.SyntheticSpec, be_model: VLRetrievalModel,
+          ce_model: VLRetrievalModel, split: str = "test", max_captions: Optional[int] = None, seed: int = 0,
+          batch_size: int = 128, device: str = "cpu") -> pd.DataFrame:
+    """Rows (table, head, change, correct, total, accuracy %) for one synthetic collection."""
+    caps, index_of = sampled_captions(staged, spec, split, max_captions, seed)
+    meta = staged.images_meta(collection=spec.collection, split=split)
     item_of = {i: item for item, i in index_of.items()}
     fam_size = spec.family_size
     table = staged.load_images(item_ids=meta["item_id"].to_numpy(np.int64))

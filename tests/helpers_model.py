@@ -128,3 +128,14 @@ def tiny_model(tmp_dir: str, feature_dim: int = 16, seed: int = 0):
 
     folder = write_tiny_bert(os.path.join(tmp_dir, "tiny_bert"), seed=seed)
     return from_text_backbone(folder, feature_dim=feature_dim, seed=seed)
+
+
+def staged_demo_and_tiny_model(tmp_dir: str, overrides: tuple[str, ...], feature_dim: int = 16) -> tuple[str, str]:
+    """(staged folder, model folder): the demo manifest staged under ``overrides`` (a tiny synthetic collection)
+    and a saved tiny model for its feature width, both under tmp_dir."""
+    from pipelines.stage import run_stage
+
+    staged, model_dir = os.path.join(tmp_dir, "staged"), os.path.join(tmp_dir, "model")
+    run_stage("demo", staged, overrides=overrides)
+    tiny_model(os.path.join(tmp_dir, "src"), feature_dim=feature_dim).save(model_dir)
+    return staged, model_dir

@@ -7,8 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from benchmarks import binding_probe
-from pipelines.stage import run_stage
-from tests.helpers_model import tiny_model
+from tests.helpers_model import staged_demo_and_tiny_model
 
 F = 16
 OVERRIDES = (f"feature_dim={F}", "demo.images.num_images=64", "demo.images.min_regions=4", "demo.images.max_regions=8",
@@ -40,12 +39,7 @@ def test_the_probe_finds_a_separable_colour_and_not_a_random_one():
 
 @pytest.fixture(scope="module")
 def staged_and_model(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("binding")
-    staged = str(tmp / "staged")
-    run_stage("demo", staged, overrides=OVERRIDES)
-    model_dir = str(tmp / "model")
-    tiny_model(str(tmp / "src"), feature_dim=F).save(model_dir)
-    return staged, model_dir
+    return staged_demo_and_tiny_model(str(tmp_path_factory.mktemp("binding")), OVERRIDES, F)
 
 
 def test_cli_probes_both_sides_at_every_layer(staged_and_model, tmp_path):

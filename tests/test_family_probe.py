@@ -7,11 +7,10 @@ import pytest
 from click.testing import CliRunner
 
 from benchmarks import family_probe
-from pipelines.stage import run_stage
 from retrieval_core import synthetic
 from retrieval_core.manifest import load_manifest
 from retrieval_core.store import StagedDataset
-from tests.helpers_model import tiny_model
+from tests.helpers_model import staged_demo_and_tiny_model
 
 F = 16
 OVERRIDES = (f"feature_dim={F}", "demo.images.num_images=48", "demo.images.min_regions=4", "demo.images.max_regions=8",
@@ -20,11 +19,7 @@ OVERRIDES = (f"feature_dim={F}", "demo.images.num_images=48", "demo.images.min_r
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("probe")
-    staged = str(tmp / "staged")
-    run_stage("demo", staged, overrides=OVERRIDES)
-    model_dir = str(tmp / "model")
-    tiny_model(str(tmp / "src"), feature_dim=F).save(model_dir)
+    staged, model_dir = staged_demo_and_tiny_model(str(tmp_path_factory.mktemp("probe")), OVERRIDES, F)
     return staged, model_dir, load_manifest("demo", OVERRIDES).synthetic_spec("demo")
 
 
