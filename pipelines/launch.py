@@ -76,6 +76,8 @@ def _start_subprocess(argv: list[str], rss_file: str):
 
 @functools.lru_cache(maxsize=1)
 def forkserver():
+    """The multiprocessing context whose server imports PRELOAD, started on first use. As with any forkserver,
+    the caller's ``__main__`` must keep its work under ``if __name__ == "__main__"``: the server imports it."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")
