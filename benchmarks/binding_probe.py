@@ -65,20 +65,6 @@ def last_piece(offsets: Sequence[tuple[int, int]], span: tuple[int, int]) -> Opt
     return inside[-1] if inside else None
 
 
-def _layer_states(model: VLRetrievalModel, tokens: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
-    """Hidden states of every layer, the input tokens first: [(B, L, H)] * (layers + 1)."""
-    states: list[torch.Tensor] = [tokens]
-    hooks = [layer.register_forward_hook(lambda _m, _i, out: states.append(out[0] if isinstance(out, tuple) else out))
-             for layer in model.bert.encoder.layer]
-    try:
-        with torch.no_grad():
-            model._encode(tokens, mask)
-    finally:
-        for h in hooks:
-            h.remove()
-    return states
-
-
 def fit_and_score(x_fit: np.ndarray, y_fit: np.ndarray, x: np.ndarray, y: np.ndarray, other: np.ndarray,
                   n_classes: int, l2: float = 1e-3) -> tuple[float, float]:
     """A multinomial logistic regression (standardised inputs, L2, L-BFGS) fitted on (x_fit, y_fit): its top-1
@@ -124,12 +110,8 @@ def collect_tokens(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: 
         texts = list(chunk["text"])
         regions = [table.regions(pos[int(i)]) for i in chunk["image_item_id"].astype(np.int64)]
         batch = collate_pairs(collator, texts, regions, max_regions)
-        with torch.no_grad():
-            text_tok = model._text_tokens(batch["input_ids"])
-            img_tok = model._image_tokens(batch["img_feats"], batch["img_boxes"]).to(text_tok.dtype)
-        mask = torch.cat([batch["attention_mask"], batch["img_mask"].to(batch["attention_mask"].dtype)], 1)
-        states = _layer_states(model, torch.cat([text_tok, img_tok], 1), mask)
-        n_text = text_tok.shape[1]
+        states = model.ce_layer_states(batch)
+        n_text = batch["input_ids"].shape[1]
         for j, (text, img) in enumerate(zip(texts, chunk["image_item_id"].astype(np.int64))):
             found = colour_nouns(text)
             if len(found) < 2:
@@ -143,7 +125,7 @@ def collect_tokens(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: 
                     continue  # truncated away
                 other = colours[1 - colours.index(colour)]
                 for layer, s in enumerate(states):
-                    out["text"]["x"][layer].append(s[j, p].numpy())
+                    out["text"]["x"][layer].append(s[j, p].float().numpy())
                 out["text"]["y"].append(_COLOURS.index(colour))
                 out["text"]["other"].append(_COLOURS.index(other))
             index = index_of[int(img)]
@@ -157,7 +139,7 @@ def collect_tokens(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: 
             for r, pair in enumerate(decoded):
                 if pair in focus:
                     for layer, s in enumerate(states):
-                        out["image"]["x"][layer].append(s[j, n_text + r].numpy())
+                        out["image"]["x"][layer].append(s[j, n_text + r].float().numpy())
                     out["image"]["y"].append(_COLOURS.index(pair[1]))
                     out["image"]["other"].append(_COLOURS.index(next(c for c in focus_colours if c != pair[1])))
     return out

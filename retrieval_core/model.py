@@ -181,13 +181,35 @@ class VLRetrievalModel(nn.Module):
             hidden = self._encode(tokens, mask)
         return self._mean_pool(hidden, mask)
 
+    def _ce_input(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CE's single stream of a collate_pairs batch: caption tokens (padded to the batch's longest), then
+        regions; and its 0/1 mask."""
+        text = self._text_tokens(batch["input_ids"])
+        img = self._image_tokens(batch["img_feats"], batch["img_boxes"]).to(text.dtype)
+        mask = torch.cat([batch["attention_mask"], batch["img_mask"].to(batch["attention_mask"].dtype)], 1)
+        return torch.cat([text, img], 1), mask
+
+    def ce_layer_states(self, batch: dict) -> list[torch.Tensor]:
+        """The CE's hidden states of a collate_pairs batch at every layer, its input tokens first: (layers + 1)
+        tensors (B, L, H), positions as in the stream (``batch["input_ids"].shape[1]`` caption positions, then
+        the regions). For probes (benchmarks.binding_probe); no gradients."""
+        states: list[torch.Tensor] = []
+        hooks = [layer.register_forward_hook(lambda _m, _i, out: states.append(out[0] if isinstance(out, tuple)
+                                                                              else out))
+                 for layer in self.bert.encoder.layer]
+        try:
+            with torch.no_grad(), self._precision():
+                tokens, mask = self._ce_input(batch)
+                self._encode(tokens, mask)
+        finally:
+            for h in hooks:
+                h.remove()
+        return [tokens] + states
+
     def ce_logits(self, batch: dict) -> torch.Tensor:
         """(B, 2) CE logits (class 1 = match) of a collate_pairs batch."""
         with self._precision():
-            text = self._text_tokens(batch["input_ids"])
-            img = self._image_tokens(batch["img_feats"], batch["img_boxes"]).to(text.dtype)
-            mask = torch.cat([batch["attention_mask"], batch["img_mask"].to(batch["attention_mask"].dtype)], 1)
-            cls = self._encode(torch.cat([text, img], 1), mask)[:, 0]
+            cls = self._encode(*self._ce_input(batch))[:, 0]
             if self.ce_pooler is not None:
                 cls = torch.tanh(self.ce_pooler(cls))
             return self.ce_classifier(self.ce_dropout(cls))

@@ -85,6 +85,24 @@ def test_gradients_reach_the_image_projection(model, data):
     model.eval()
 
 
+def test_ce_layer_states_are_the_states_ce_logits_reads(model, data):
+    """The probe's view (benchmarks.binding_probe) is the CE's own: its last layer's [CLS] through the pooler and
+    classifier gives ce_logits; one state per layer plus the input tokens, caption positions first."""
+    captions, images = data
+    model.eval()
+    texts = captions["text"].tolist()[:4]
+    batch = collate_pairs(model.text_collator(), texts, [images.regions(i // 2) for i in range(4)])
+    states = model.ce_layer_states(batch)
+    assert len(states) == model.bert.config.num_hidden_layers + 1
+    assert states[0].shape[1] == batch["input_ids"].shape[1] + batch["img_feats"].shape[1]
+    cls = states[-1][:, 0]
+    if model.ce_pooler is not None:
+        cls = torch.tanh(model.ce_pooler(cls))
+    with torch.no_grad():
+        torch.testing.assert_close(model.ce_classifier(cls), model.ce_logits(batch))
+    assert not any(layer._forward_hooks for layer in model.bert.encoder.layer)  # hooks removed
+
+
 def _outputs(m, data):
     captions, images = data
     texts = captions["text"].tolist()
