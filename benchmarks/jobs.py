@@ -2,7 +2,7 @@
 
 A job is ``python -m <module> <args> <the user's Beam args>``: the same command a user would type, run as a
 child process (``pipelines.launch``: a fresh interpreter, or forked from a forkserver that preloaded Beam, torch
-and the pipelines, ~6 s less per job on 2 cores) whose output is streamed with a prefix. For every job the runner
+and the pipelines, 3-6 s less per job on 2 cores) whose output is streamed with a prefix. For every job the runner
 records its wall time and the peak RSS of the child (``os.wait4``'s ``ru_maxrss``, KiB on Linux; it covers the
 child and the processes it waited for, e.g. DirectRunner's multi-processing workers, not Dask or Dataflow workers
 elsewhere). The suites fork their jobs (``run_job(preload=True)``); a forked job's peak includes the preloaded

@@ -30,7 +30,7 @@ from pipelines.common import BEAM_CLI_CONTEXT
 def _run(args: list[str]) -> float:
     print("+ " + " ".join(args), flush=True)
     t0 = time.time()
-    launch.run_module(args)  # forked from the preloaded interpreter (pipelines.launch): ~6 s less per step
+    launch.run_module(args)  # forked from the preloaded interpreter (pipelines.launch): 3-6 s less per step
     return time.time() - t0
 
 

@@ -169,7 +169,7 @@ def sep_model_dir(objective: str) -> str:
 def _run(args: list[str]) -> None:
     log.info("running: %s", " ".join(args))
     print("+ " + " ".join(args), flush=True)
-    launch.run_module(args)  # forked from the preloaded interpreter: no ~6 s of imports per step
+    launch.run_module(args)  # forked from the preloaded interpreter: no 3-6 s of imports per step
 
 
 def _stamp_matches(path: str, want: dict) -> bool:

@@ -2,7 +2,8 @@
 forkserver. The one launcher of the benchmark jobs (``benchmarks.jobs``) and the demo's steps (``pipelines.demo``,
 ``pipelines.demo_assets``).
 
-Importing Beam, torch and the pipelines takes ~6 s per process on these 2-core machines. Preloaded, a step is
+Importing Beam, torch and the pipelines takes 3.4 s (a 2-core AMD EPYC at 196 GFLOP/s) to ~6 s (the slower
+2-core machines) per process. Preloaded, a step is
 forked from a ``multiprocessing`` forkserver that imported :data:`PRELOAD` once (and ran nothing: no torch thread
 pool exists yet, so forking is safe), and runs its module exactly as ``python -m`` would (``runpy``, as
 ``__main__``, same argv, cwd and environment); its output and exit status stream back the same way, and it reports
@@ -20,7 +21,6 @@ import functools
 import os
 import subprocess
 import sys
-import tempfile
 from typing import Sequence
 
 # argv: RSS_FILE CMD...; runs CMD, writes its ru_maxrss (KiB) to RSS_FILE, exits with its status.
@@ -47,17 +47,16 @@ def run_module(argv: Sequence[str], preload: bool = True) -> None:
     """Run ``argv`` (``[python, -m, MODULE, ARGS...]``) to completion, its output passed through to ours, as
     ``subprocess.run(argv, check=True)`` would; raises ``subprocess.CalledProcessError`` on a non-zero exit."""
     argv = list(argv)
-    with tempfile.TemporaryDirectory(prefix="rr-step-") as tmp:
-        stream, wait = start(argv, os.path.join(tmp, "maxrss"), preload)
-        try:
-            # raw chunks, not lines: a progress bar redraws its line with "\r" and must show as it goes
-            decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
-            while chunk := os.read(stream.fileno(), 65536):
-                sys.stdout.write(decode(chunk))
-                sys.stdout.flush()
-            returncode = wait(stop=False)
-        finally:
-            wait(stop=True)  # a no-op once the step has ended; stops it on Ctrl-C
+    stream, wait = start(argv, os.devnull, preload)  # its peak RSS is not asked for here
+    try:
+        # raw chunks, not lines: a progress bar redraws its line with "\r" and must show as it goes
+        decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+        while chunk := os.read(stream.fileno(), 65536):
+            sys.stdout.write(decode(chunk))
+            sys.stdout.flush()
+        returncode = wait(stop=False)
+    finally:
+        wait(stop=True)  # a no-op once the step has ended; stops it on Ctrl-C
     if returncode != 0:
         raise subprocess.CalledProcessError(returncode, argv)
 
