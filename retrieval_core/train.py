@@ -43,6 +43,20 @@ CE_LOSSES = ("pair", "listwise")
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
 LOG_FILE = "train_log.jsonl"
+CHECKPOINTS_DIR = "checkpoints"  # keep_checkpoints: one model folder per checkpoint step
+
+
+def checkpoint_path(output: str, step: int) -> str:
+    """Where ``keep_checkpoints`` puts the model of ``step``."""
+    return os.path.join(output, CHECKPOINTS_DIR, f"step-{step:06d}")
+
+
+def kept_checkpoints(output: str) -> list[tuple[int, str]]:
+    """(step, folder) of every model kept under ``output`` by ``keep_checkpoints``, by step."""
+    root = os.path.join(output, CHECKPOINTS_DIR)
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    return [(int(n.split("-", 1)[1]), os.path.join(root, n)) for n in names
+            if n.startswith("step-") and not n.endswith((".tmp", ".old"))]
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,9 @@ class TrainConfig:
     mine_model: Optional[str] = None
     eval_every: int = 0  # 0: evaluate only at the end
     checkpoint_every: int = 0  # 0: checkpoint only at the end
+    # Also keep a copy of the model at every checkpoint_every step (output/checkpoints/step-NNNNNN, model only, no
+    # optimizer): what benchmarks.learning_curves probes to draw a head's learning curve.
+    keep_checkpoints: bool = False
     seed: int = 0
     device: str = "cpu"
     amp: bool = True  # bf16 autocast on CUDA
@@ -138,6 +155,8 @@ class TrainConfig:
             raise ValueError("mine_model is the BE that mines CE negatives: set mined_negative_prob > 0 too")
         if self.length_chunk_rows < 0:
             raise ValueError(f"length_chunk_rows must be >= 0, got {self.length_chunk_rows}")
+        if self.keep_checkpoints and self.checkpoint_every < 1:
+            raise ValueError("keep_checkpoints keeps the model of every checkpoint_every step: set checkpoint_every")
         if self.steps < 1 or self.batch_size < 2:
             raise ValueError(f"need steps >= 1 and batch_size >= 2, got {self.steps}, {self.batch_size}")
 
@@ -505,9 +524,11 @@ class Trainer:
                 last = self.step == self.cfg.steps
                 if self.dev is not None and (last or (self.cfg.eval_every and self.step % self.cfg.eval_every == 0)):
                     self._evaluate_and_keep_best(log)
-                if last or self.step == end or (self.cfg.checkpoint_every and
-                                                 self.step % self.cfg.checkpoint_every == 0):
+                scheduled = bool(self.cfg.checkpoint_every) and self.step % self.cfg.checkpoint_every == 0
+                if last or self.step == end or scheduled:
                     self.save_state(os.path.join(self.out, "last"))
+                if self.cfg.keep_checkpoints and (scheduled or last):
+                    self._save_model(checkpoint_path(self.out, self.step))
                 log.flush()
             bar.close()
         finally:
@@ -771,6 +792,9 @@ def train_cli_args(cfg: TrainConfig) -> list[str]:
               help="Dev evaluation every M steps (0: at the end).")
 @click.option("--checkpoint-every", type=int, default=0, show_default=True,
               help="Write output/last every N steps (0: at the end).")
+@click.option("--keep-checkpoints", is_flag=True,
+              help="Also keep the model of every --checkpoint-every step (output/checkpoints/step-N; for "
+                   "benchmarks.learning_curves).")
 @click.option("--length-chunk-rows", type=click.IntRange(min=0), default=16, show_default=True,
               help="Forward captions and CE pairs in length-sorted chunks of this many rows (0: one padded batch).")
 @click.option("--resume", is_flag=True, help="Continue from output/last/.")
@@ -787,9 +811,8 @@ def train_cli_args(cfg: TrainConfig) -> list[str]:
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 def main(staged, manifest, objective, base_model, halve_layers, be_loss, steps, batch_size, lr, new_layers_lr_mult,
          image_init, margin, hard_negative_prob, hard_negative_k, mined_negative_prob, mine_k, mine_every,
-         mine_start_step, mine_pool,
-         mine_model, freeze_word_embeddings, ce_loss, ce_negatives,
-         ce_batch_size, ce_start_step, output, eval_every, length_chunk_rows, checkpoint_every, resume, seed, device,
+         mine_start_step, mine_pool, mine_model, freeze_word_embeddings, ce_loss, ce_negatives, ce_batch_size,
+         ce_start_step, output, eval_every, length_chunk_rows, checkpoint_every, keep_checkpoints, resume, seed, device,
          no_amp, cpu_bf16,
          max_regions, max_train_captions, train_split, dev_split, threads, no_progress) -> None:
     apply_device_and_threads(device, threads)
@@ -802,7 +825,8 @@ def main(staged, manifest, objective, base_model, halve_layers, be_loss, steps, 
                           mine_model=mine_model, ce_loss=ce_loss, ce_negatives=ce_negatives,
                           ce_batch_size=ce_batch_size, ce_start_step=ce_start_step,
                           freeze_word_embeddings=freeze_word_embeddings, eval_every=eval_every,
-                          checkpoint_every=checkpoint_every, length_chunk_rows=length_chunk_rows, seed=seed,
+                          checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                          length_chunk_rows=length_chunk_rows, seed=seed,
                           device=device, amp=not no_amp, cpu_bf16=cpu_bf16,
                           progress=not no_progress)
         plan = TrainPlan(staged=staged, output=output, config=cfg, base_model=base_model, halve_layers=halve_layers,

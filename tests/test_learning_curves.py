@@ -1,0 +1,109 @@
+"""benchmarks.learning_curves on a real (tiny) JOIN run over a staged synthetic collection that kept its
+checkpoints: the loss windows are the log's own means, and every probe point is family_probe on the model kept
+at that step."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from benchmarks import family_probe, learning_curves
+from retrieval_core.manifest import load_manifest
+from retrieval_core.model import VLRetrievalModel
+from retrieval_core.store import StagedDataset
+from retrieval_core.train import TrainConfig, kept_checkpoints, main as train_main
+from tests.helpers_model import staged_demo_and_tiny_model, write_tiny_bert
+
+F = 16
+OVERRIDES = (f"feature_dim={F}", "demo.images.num_images=48", "demo.images.min_regions=4", "demo.images.max_regions=8",
+             "demo.images.splits={train: 0.5, dev: 0.5}", "demo.expected_images=48", "demo.expected_captions=240")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(staged folder, training folder): 4 JOIN steps, a model kept every 2."""
+    tmp = str(tmp_path_factory.mktemp("curves"))
+    staged, _ = staged_demo_and_tiny_model(tmp, OVERRIDES, F)
+    base = write_tiny_bert(os.path.join(tmp, "bert"))
+    out = os.path.join(tmp, "join")
+    before = torch.get_num_threads()
+    res = CliRunner().invoke(train_main, [
+        "--staged", staged, "--objective", "joint", "--base-model", base, "--steps", "4", "--batch-size", "8",
+        "--lr", "1e-3", "--checkpoint-every", "2", "--keep-checkpoints", "--output", out, "--no-progress",
+        "--threads", "1"], catch_exceptions=False)
+    torch.set_num_threads(before)
+    assert res.exit_code == 0, res.output
+    return staged, out
+
+
+def test_training_keeps_a_model_per_checkpoint_and_the_last_is_the_final_model(run):
+    _, out = run
+    kept = kept_checkpoints(out)
+    assert [step for step, _ in kept] == [2, 4]
+    final, last = load_file(os.path.join(kept[-1][1], "model.safetensors")), load_file(
+        os.path.join(out, "last", "model.safetensors"))
+    assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in final)
+    early = load_file(os.path.join(kept[0][1], "model.safetensors"))
+    assert any(not torch.equal(early[k], final[k]) for k in final)  # step 2 is another model
+    assert VLRetrievalModel.load(kept[0][1]).cfg.provenance["training"]["step"] == 2
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        TrainConfig(keep_checkpoints=True)
+
+
+def test_loss_windows_are_the_logs_means(run):
+    _, out = run
+    records = learning_curves.read_log(out)
+    curves = learning_curves.log_curves(records, window=3)
+    be = [r["loss"] for r in records if r.get("objective") == "be"]
+    got = curves[curves["series"] == "be loss"]
+    assert got["step"].tolist() == [3, 4]  # windows of steps 1-3 and 4
+    assert got["value"].tolist() == pytest.approx([np.mean(be[:3]), be[3]])
+    dev = curves[curves["series"] == "dev mR"]
+    assert dev["step"].tolist() == [4] and learning_curves.trained_heads(records) == ("BE", "CE")
+    with pytest.raises(ValueError, match="window"):
+        learning_curves.log_curves(records, window=0)
+
+
+def test_cli_probes_every_kept_model(run, tmp_path):
+    staged, out = run
+    res = CliRunner().invoke(learning_curves.main, [
+        "--run", f"tiny={out}", "--staged", staged, "--manifest", "demo", "--max-captions", "0", "--window", "2",
+        "--output", str(tmp_path), "--threads", "1"])
+    assert res.exit_code == 0, res.output
+    curves = pd.read_csv(tmp_path / "learning_curves.csv")
+    assert (tmp_path / "learning_curves.png").stat().st_size > 0
+    probe = curves[curves["series"].str.contains(" pairwise ")]
+    assert set(probe["series"]) == {f"{h} pairwise {c}" for h in ("BE", "CE") for c in ("attribute", "binding", "all")}
+    assert sorted(set(probe["step"])) == [2, 4]
+    # the step-2 point is family_probe on the step-2 model, all dev captions
+    spec = load_manifest("demo", OVERRIDES).synthetic_spec("demo")
+    model = VLRetrievalModel.load(kept_checkpoints(out)[0][1])
+    ref = family_probe.probe(StagedDataset(staged), spec, model, model, "dev")
+    ref = ref[(ref["table"] == "pairwise") & (ref["head"] == "CE") & (ref["change"] == "binding")]
+    point = probe[(probe["step"] == 2) & (probe["series"] == "CE pairwise binding")]
+    assert point["value"].item() == pytest.approx(ref["accuracy"].item())
+    assert curves["run"].unique().tolist() == ["tiny"]
+
+
+def test_cli_refuses_what_it_cannot_draw(run, tmp_path):
+    staged, out = run
+    no_manifest = CliRunner().invoke(learning_curves.main, ["--run", f"a={out}", "--staged", staged,
+                                                            "--output", str(tmp_path)])
+    assert no_manifest.exit_code == 2 and "--manifest" in no_manifest.output
+    bad_spec = CliRunner().invoke(learning_curves.main, ["--run", out, "--output", str(tmp_path)])
+    assert bad_spec.exit_code == 2 and "LABEL=TRAIN_DIR" in bad_spec.output
+    not_a_run = CliRunner().invoke(learning_curves.main, ["--run", f"a={tmp_path}", "--output", str(tmp_path)])
+    assert not_a_run.exit_code == 1 and "train_log.jsonl" in not_a_run.output
+    assert "Traceback" not in not_a_run.output
+    # a run that kept no models has nothing to probe: said, not skipped
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "train_log.jsonl").write_text(open(os.path.join(out, "train_log.jsonl")).read())
+    nothing = CliRunner().invoke(learning_curves.main, ["--run", f"a={plain}", "--staged", staged, "--manifest",
+                                                        "demo", "--output", str(tmp_path)])
+    assert nothing.exit_code == 1 and "--keep-checkpoints" in nothing.output
