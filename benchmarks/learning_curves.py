@@ -55,6 +55,8 @@ def log_curves(records: Sequence[dict], window: int) -> pd.DataFrame:
         raise ValueError(f"window must be >= 1, got {window}")
     rows = []
     steps = pd.DataFrame([r for r in records if "objective" in r and "loss" in r])
+    if len(steps):  # a run killed between checkpoints and resumed logs those steps again: the rerun counts
+        steps = steps.drop_duplicates(["objective", "step"], keep="last")
     for objective, g in (steps.groupby("objective", sort=True) if len(steps) else ()):
         g = g.sort_values("step")
         bins = (g["step"].to_numpy() - 1) // window
