@@ -4,7 +4,7 @@
         [--fit-split train] [--split dev] [--max-captions 3000] --output results/ [--threads N]
 
 ``benchmarks.family_probe`` shows that no head tells a binding sibling (two objects' colours swapped) from the
-gold image, although the features hold it. This probe asks which half of the comparison is missing. Two
+gold image, although the features hold it. This probe asks which part of the comparison is missing. Three
 probes, each a multinomial logistic regression per layer (layer 0 = the input tokens), fitted on the tokens of
 ``--fit-split`` captions and scored on ``--split``:
 
@@ -13,12 +13,19 @@ probes, each a multinomial logistic regression per layer (layer 0 = the input to
   of words cannot tell its own colour from the other one;
 * ``image``: inside the CE input (caption + its gold image), from a region token that the codebook oracle
   (``synthetic.decode_regions``) decodes to one of the caption's two focus (class, colour) pairs, predict the
-  colour. A region mixed into the image's average would lose it.
+  colour. A region mixed into the image's average would lose it;
+* ``cross``: does the noun fetch the colour the *image* gives its object? Captions of a family's base scene go
+  into the CE with their gold image (every other caption) or with its binding sibling, where the two focus
+  objects trade colours; from the noun's hidden state, predict the colour of its object in the paired image
+  (its own caption colour with the gold image, the caption's other colour with the sibling). The caption alone
+  says nothing about which image it is paired with, so a noun that reads no colour from the regions of its
+  object stays at 50 % own_over_other; one that does is what a comparison needs.
 
 Each row reports ``top1`` (the probe's colour is right) and ``own_over_other``: the share of tokens whose own
-colour scores above the caption's other focus colour (chance 50 %). When both sides keep their own colour to the
-last layer and the CE still scores a binding sibling like the gold image, what is missing is the comparison
-between them, not the information (README, *Status*).
+colour (for ``cross``: the colour the paired image gives the noun's object) scores above the caption's other
+focus colour (chance 50 %). When both sides keep their own colour to the last layer and the CE still scores a
+binding sibling like the gold image, what is missing is the comparison between them, not the information;
+``cross`` says whether the image's colour reaches the noun at all (README, *Status*).
 """
 from __future__ import annotations
 
@@ -145,13 +152,72 @@ def collect_tokens(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: 
     return out
 
 
+def cross_pairs(spec: synthetic.SyntheticSpec, caps: pd.DataFrame, index_of: dict) -> list[tuple]:
+    """(caption, paired image item_id, [(noun span, its object's colour in that image, the other focus colour)])
+    for the captions of base scenes that name both focus colours: every other one paired with its gold image,
+    the rest with the gold image's binding sibling (same split), where the two focus objects trade colours."""
+    item_of = {index: item for item, index in index_of.items()}
+    pairs = []
+    for text, img in zip(caps["text"], caps["image_item_id"].astype(np.int64)):
+        gold = index_of[int(img)]
+        if gold % spec.family_size:
+            continue  # only a base scene's captions differ from its binding sibling by the swap alone
+        sibling = next((i for i in range(gold + 1, min(gold + spec.family_size, spec.num_images))
+                        if synthetic.describe_scene(spec, i)["change"] == "binding"), None)
+        found = colour_nouns(text)
+        focus_colours = {c for _, c in synthetic.focus_pairs(synthetic.describe_scene(spec, gold))}
+        if sibling not in item_of or len(found) < 2 or {c for c, _ in found} != focus_colours:
+            continue
+        swapped = len(pairs) % 2 == 1
+        (a, _), (b, _) = found[:2]
+        nouns = []
+        for colour, span in found:
+            other = b if colour == a else a
+            nouns.append((span, other, colour) if swapped else (span, colour, other))
+        pairs.append((text, item_of[sibling] if swapped else int(img), nouns))
+    return pairs
+
+
+def collect_cross_tokens(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: VLRetrievalModel, split: str,
+                         max_captions: Optional[int], batch_size: int = 64, seed: int = 0) -> dict:
+    """The ``cross`` side: per-layer states of the colour nouns of base-scene captions inside the CE input with
+    their gold image (even rows) or its binding sibling (odd rows); ``y`` = the colour the paired image gives the
+    noun's object, ``other`` = the caption's other focus colour."""
+    caps, index_of = sampled_captions(staged, spec, split, max_captions, seed, stream=17)
+    pairs = cross_pairs(spec, caps, index_of)
+    table = staged.load_images(item_ids=np.unique([p[1] for p in pairs]).astype(np.int64))
+    pos = table.position_of()
+    tok, collator = model.tokenizer, model.text_collator()
+    n_layers = model.bert.config.num_hidden_layers + 1
+    out = {"x": [[] for _ in range(n_layers)], "y": [], "other": []}
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start:start + batch_size]
+        batch = collate_pairs(collator, [t for t, _, _ in chunk], [table.regions(pos[i]) for _, i, _ in chunk],
+                              model.cfg.max_regions)
+        states = model.ce_layer_states(batch)
+        for j, (text, _, nouns) in enumerate(chunk):
+            offsets = tok(text, return_offsets_mapping=True, truncation=True,
+                          max_length=model.cfg.max_text_len)["offset_mapping"]
+            for span, colour, other in nouns:
+                p = last_piece(offsets, span)
+                if p is None:
+                    continue
+                for layer, st in enumerate(states):
+                    out["x"][layer].append(st[j, p].float().numpy())
+                out["y"].append(_COLOURS.index(colour))
+                out["other"].append(_COLOURS.index(other))
+    return out
+
+
 def probe(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: VLRetrievalModel, fit_split: str = "train",
           split: str = "dev", max_captions: Optional[int] = 3000, batch_size: int = 64) -> pd.DataFrame:
-    """Rows (side, layer, top1, own_over_other, fitted_on, scored_on) of both probes."""
+    """Rows (side, layer, top1, own_over_other, fitted_on, scored_on) of the three probes."""
     fit = collect_tokens(staged, spec, model, fit_split, max_captions, batch_size)
     test = collect_tokens(staged, spec, model, split, max_captions, batch_size)
+    fit["cross"] = collect_cross_tokens(staged, spec, model, fit_split, max_captions, batch_size)
+    test["cross"] = collect_cross_tokens(staged, spec, model, split, max_captions, batch_size)
     rows = []
-    for side in ("text", "image"):
+    for side in ("text", "image", "cross"):
         if not fit[side]["y"] or not test[side]["y"]:
             raise ValueError(f"no {side} tokens to probe in {fit_split!r} or {split!r} (captions without two "
                              f"colour-noun phrases, or no focus regions)")
@@ -178,8 +244,8 @@ def probe(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: VLRetriev
 @threads_option()
 def main(staged: str, manifest: str, collection: Optional[str], model_dir: str, fit_split: str, split: str,
          max_captions: int, output: Optional[str], batch_size: int, threads: Optional[int]) -> None:
-    """Per layer: does a caption's noun, and a focus region inside the CE, keep its own colour? (CPU: a few
-    thousand captions.)"""
+    """Per layer: does a caption's noun, and a focus region inside the CE, keep its own colour, and does the noun
+    read its object's colour from the image? (CPU: a few thousand captions.)"""
     apply_device_and_threads("cpu", threads)
     with cli_errors(KeyError):
         m = load_manifest(manifest)

@@ -53,7 +53,7 @@ def test_cli_probes_both_sides_at_every_layer(staged_and_model, tmp_path):
     from retrieval_core.model import VLRetrievalModel
 
     layers = VLRetrievalModel.load(model_dir).bert.config.num_hidden_layers + 1
-    assert sorted(rows["side"].unique()) == ["image", "text"]
+    assert sorted(rows["side"].unique()) == ["cross", "image", "text"]
     assert (rows.groupby("side")["layer"].nunique() == layers).all()
     assert rows[["top1", "own_over_other"]].stack().between(0, 100).all() and (rows["scored_on"] > 0).all()
     # layer 0 of the text side is the noun's own word and position embedding: it cannot know its adjective
@@ -64,3 +64,31 @@ def test_cli_probes_both_sides_at_every_layer(staged_and_model, tmp_path):
     assert image0["own_over_other"] > text0["own_over_other"]
     bad = CliRunner().invoke(binding_probe.main, ["--staged", staged, "--manifest", "coco_5k", "--model", model_dir])
     assert bad.exit_code != 0 and "Traceback" not in bad.output
+
+
+def test_cross_pairs_alternate_gold_and_binding_sibling_with_the_image_colour_as_label(staged_and_model):
+    from benchmarks.family_probe import sampled_captions
+    from retrieval_core import synthetic
+    from retrieval_core.manifest import load_manifest
+    from retrieval_core.store import StagedDataset
+
+    staged, _ = staged_and_model
+    spec = load_manifest("demo", OVERRIDES).synthetic_spec("demo")
+    caps, index_of = sampled_captions(StagedDataset(staged), spec, "train", None)
+    pairs = binding_probe.cross_pairs(spec, caps, index_of)
+    assert len(pairs) >= 4
+    gold_of = dict(zip(caps["text"], caps["image_item_id"].astype(int)))
+    for n, (text, item, nouns) in enumerate(pairs):
+        gold = index_of[gold_of[text]]
+        assert gold % spec.family_size == 0  # captions of base scenes only
+        scene = synthetic.describe_scene(spec, index_of[item])
+        if n % 2 == 0:
+            assert index_of[item] == gold
+        else:  # the binding sibling of the same family: the two focus objects swapped colours
+            assert scene["change"] == "binding" and index_of[item] // spec.family_size == gold // spec.family_size
+        caption_colours = [c for c, _ in binding_probe.colour_nouns(text)]
+        assert [(y, o) for _, y, o in nouns] == (
+            [(caption_colours[0], caption_colours[1]), (caption_colours[1], caption_colours[0])] if n % 2 == 0
+            else [(caption_colours[1], caption_colours[0]), (caption_colours[0], caption_colours[1])])
+        # the label is the colour the paired image gives that noun's object
+        assert {y for _, y, _ in nouns} == {c for _, c in synthetic.focus_pairs(scene)}
