@@ -182,7 +182,7 @@ def collect_cross_tokens(staged: StagedDataset, spec: synthetic.SyntheticSpec, m
                          max_captions: Optional[int], batch_size: int = 64, seed: int = 0) -> dict:
     """The ``cross`` side: per-layer states of the colour nouns of base-scene captions inside the CE input with
     their gold image (even rows) or its binding sibling (odd rows); ``y`` = the colour the paired image gives the
-    noun's object, ``other`` = the caption's other focus colour."""
+    noun's object, ``other`` = the focus colour other than ``y``."""
     caps, index_of = sampled_captions(staged, spec, split, max_captions, seed, stream=17)
     pairs = cross_pairs(spec, caps, index_of)
     table = staged.load_images(item_ids=np.unique([p[1] for p in pairs]).astype(np.int64))
@@ -219,8 +219,9 @@ def probe(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: VLRetriev
     rows = []
     for side in ("text", "image", "cross"):
         if not fit[side]["y"] or not test[side]["y"]:
-            raise ValueError(f"no {side} tokens to probe in {fit_split!r} or {split!r} (captions without two "
-                             f"colour-noun phrases, or no focus regions)")
+            why = ("no base scene with its binding sibling in the split: the manifest's sibling_changes need "
+                   "'binding'" if side == "cross" else "captions without two colour-noun phrases, or no focus regions")
+            raise ValueError(f"no {side} tokens to probe in {fit_split!r} or {split!r} ({why})")
         for layer in range(len(fit[side]["x"])):
             top1, own = fit_and_score(np.stack(fit[side]["x"][layer]), np.asarray(fit[side]["y"]),
                                       np.stack(test[side]["x"][layer]), np.asarray(test[side]["y"]),

@@ -69,7 +69,8 @@ def log_curves(records: Sequence[dict], window: int) -> pd.DataFrame:
         if "eval" in r:
             rows += [{"step": int(r["step"]), "series": f"dev {k}", "value": float(r["eval"][k])}
                      for k in DEV_SERIES if k in r["eval"]]
-    return pd.DataFrame(rows, columns=["step", "series", "value"])
+    # a resumed run logs the evaluations and minings it redoes again, later in the file: the later one counts
+    return pd.DataFrame(rows, columns=["step", "series", "value"]).drop_duplicates(["series", "step"], keep="last")
 
 
 def probe_curves(train_dir: str, heads: Sequence[str], staged, spec, split: str = "dev",

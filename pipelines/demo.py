@@ -99,8 +99,9 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
     for line in r1_changes(table):
         print(line)
     print("\nwall time per step (s): " + ", ".join(f"{name} {sec:.0f}" for name, sec in timings.items()))
-    # the cores this process may run on (taskset / a container's cpuset), not the machine's count
-    print(f"total {time.time() - t_start:.0f} s on {len(os.sched_getaffinity(0))} CPU cores; outputs under {root}")
+    # the cores this process may run on (taskset / a container's cpuset), not the machine's count (Linux only)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(f"total {time.time() - t_start:.0f} s on {cores} CPU cores; outputs under {root}")
     # the queries behind the numbers: where JOIN+CO moved the gold item relative to EMB (same run, two modes)
     page = os.path.join(results, "inspect_JOIN-CO_vs_EMB.html")
     _run(_py("benchmarks.inspect", "--rankings", run_dirs["JOIN+CO"], "--mode", "co", "--against-mode", "emb",

@@ -525,10 +525,10 @@ class Trainer:
                 if self.dev is not None and (last or (self.cfg.eval_every and self.step % self.cfg.eval_every == 0)):
                     self._evaluate_and_keep_best(log)
                 scheduled = bool(self.cfg.checkpoint_every) and self.step % self.cfg.checkpoint_every == 0
+                if self.cfg.keep_checkpoints and (scheduled or last):  # before last/: a resume never skips it
+                    self._save_model(checkpoint_path(self.out, self.step))
                 if last or self.step == end or scheduled:
                     self.save_state(os.path.join(self.out, "last"))
-                if self.cfg.keep_checkpoints and (scheduled or last):
-                    self._save_model(checkpoint_path(self.out, self.step))
                 log.flush()
             bar.close()
         finally:
