@@ -67,6 +67,14 @@ def test_loss_windows_are_the_logs_means(run):
     assert dev["step"].tolist() == [4] and learning_curves.trained_heads(records) == ("BE", "CE")
     with pytest.raises(ValueError, match="window"):
         learning_curves.log_curves(records, window=0)
+    # a run resumed from step 2 logs steps 3-4 and the final evaluation again: the later records count, once
+    redone = [dict(r, loss=r["loss"] + 1.0) if r.get("step", 0) > 2 and "loss" in r else r
+              for r in records if r.get("step", 0) > 2]
+    redone = [dict(r, eval={**r["eval"], "mR": -1.0}) if "eval" in r else r for r in redone]
+    twice = learning_curves.log_curves(records + redone, window=3)
+    assert twice[twice["series"] == "dev mR"]["value"].tolist() == [-1.0]
+    assert twice[twice["series"] == "be loss"]["value"].tolist() == pytest.approx(
+        [np.mean(be[:2] + [be[2] + 1.0]), be[3] + 1.0])
 
 
 def test_cli_probes_every_kept_model(run, tmp_path):
