@@ -4,7 +4,7 @@
         [--fit-split train] [--split dev] [--max-captions 3000] --output results/ [--threads N]
 
 ``benchmarks.family_probe`` shows that no head tells a binding sibling (two objects' colours swapped) from the
-gold image, although the features hold it. This probe asks which part of the comparison is missing. Three
+gold image, although the features hold it. This probe asks which part of the comparison is missing. Four
 probes, each a multinomial logistic regression per layer (layer 0 = the input tokens), fitted on the tokens of
 ``--fit-split`` captions and scored on ``--split``:
 
@@ -19,7 +19,11 @@ probes, each a multinomial logistic regression per layer (layer 0 = the input to
   objects trade colours; from the noun's hidden state, predict the colour of its object in the paired image
   (its own caption colour with the gold image, the caption's other colour with the sibling). The caption alone
   says nothing about which image it is paired with, so a noun that reads no colour from the regions of its
-  object stays at 50 % own_over_other; one that does is what a comparison needs.
+  object stays at 50 % own_over_other; one that does is what a comparison needs;
+* ``caption``: on the same pairs, predict the *caption's* colour for the noun, scored only where the image is
+  the binding sibling (caption and image disagree). The ``text`` probe pairs the caption with its gold image,
+  where the two agree, so it cannot tell a noun that knows its adjective from one that copied its region's
+  colour; this one can. A comparison needs both colours: ``cross`` and ``caption`` high at the same layer.
 
 Each row reports ``top1`` (the probe's colour is right) and ``own_over_other``: the share of tokens whose own
 colour (for ``cross``: the colour the paired image gives the noun's object) scores above the caption's other
@@ -179,17 +183,20 @@ def cross_pairs(spec: synthetic.SyntheticSpec, caps: pd.DataFrame, index_of: dic
 
 
 def collect_cross_tokens(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: VLRetrievalModel, split: str,
-                         max_captions: Optional[int], batch_size: int = 64, seed: int = 0) -> dict:
-    """The ``cross`` side: per-layer states of the colour nouns of base-scene captions inside the CE input with
-    their gold image (even rows) or its binding sibling (odd rows); ``y`` = the colour the paired image gives the
-    noun's object, ``other`` = the focus colour other than ``y``."""
+                         max_captions: Optional[int], batch_size: int = 64, seed: int = 0) -> dict[str, dict]:
+    """Per-layer states of the colour nouns of base-scene captions inside the CE input with their gold image (even
+    rows) or its binding sibling (odd rows), labelled two ways: ``cross``: ``y`` = the colour the paired image
+    gives the noun's object; ``caption``: ``y`` = the caption's colour for the noun (``sibling`` marks the rows
+    where the two disagree); ``other`` = the focus colour other than ``y``."""
     caps, index_of = sampled_captions(staged, spec, split, max_captions, seed, stream=17)
     pairs = cross_pairs(spec, caps, index_of)
     table = staged.load_images(item_ids=np.unique([p[1] for p in pairs]).astype(np.int64))
     pos = table.position_of()
     tok, collator = model.tokenizer, model.text_collator()
     n_layers = model.bert.config.num_hidden_layers + 1
-    out = {"x": [[] for _ in range(n_layers)], "y": [], "other": []}
+    x: list[list] = [[] for _ in range(n_layers)]
+    cross: dict = {"x": x, "y": [], "other": []}
+    caption: dict = {"x": x, "y": [], "other": [], "sibling": []}
     for start in range(0, len(pairs), batch_size):
         chunk = pairs[start:start + batch_size]
         batch = collate_pairs(collator, [t for t, _, _ in chunk], [table.regions(pos[i]) for _, i, _ in chunk],
@@ -198,29 +205,43 @@ def collect_cross_tokens(staged: StagedDataset, spec: synthetic.SyntheticSpec, m
         for j, (text, _, nouns) in enumerate(chunk):
             offsets = tok(text, return_offsets_mapping=True, truncation=True,
                           max_length=model.cfg.max_text_len)["offset_mapping"]
+            sibling = (start + j) % 2 == 1  # cross_pairs pairs every other caption with the binding sibling
             for span, colour, other in nouns:
                 p = last_piece(offsets, span)
                 if p is None:
                     continue
                 for layer, st in enumerate(states):
-                    out["x"][layer].append(st[j, p].float().numpy())
-                out["y"].append(_COLOURS.index(colour))
-                out["other"].append(_COLOURS.index(other))
-    return out
+                    x[layer].append(st[j, p].float().numpy())
+                cross["y"].append(_COLOURS.index(colour))
+                cross["other"].append(_COLOURS.index(other))
+                said, not_said = (other, colour) if sibling else (colour, other)
+                caption["y"].append(_COLOURS.index(said))
+                caption["other"].append(_COLOURS.index(not_said))
+                caption["sibling"].append(sibling)
+    return {"cross": cross, "caption": caption}
+
+
+def _rows_where(side: dict, keep: np.ndarray) -> dict:
+    return {"x": [[v for v, k in zip(layer, keep) if k] for layer in side["x"]],
+            "y": [v for v, k in zip(side["y"], keep) if k], "other": [v for v, k in zip(side["other"], keep) if k]}
 
 
 def probe(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: VLRetrievalModel, fit_split: str = "train",
           split: str = "dev", max_captions: Optional[int] = 3000, batch_size: int = 64) -> pd.DataFrame:
-    """Rows (side, layer, top1, own_over_other, fitted_on, scored_on) of the three probes."""
+    """Rows (side, layer, top1, own_over_other, fitted_on, scored_on) of the four probes: ``text``, ``image``,
+    ``cross`` (the image's colour for the noun's object) and ``caption`` (the caption's colour for the noun,
+    fitted on the cross pairs and scored where the paired image is the binding sibling, i.e. disagrees)."""
     fit = collect_tokens(staged, spec, model, fit_split, max_captions, batch_size)
     test = collect_tokens(staged, spec, model, split, max_captions, batch_size)
-    fit["cross"] = collect_cross_tokens(staged, spec, model, fit_split, max_captions, batch_size)
-    test["cross"] = collect_cross_tokens(staged, spec, model, split, max_captions, batch_size)
+    fit.update(collect_cross_tokens(staged, spec, model, fit_split, max_captions, batch_size))
+    test.update(collect_cross_tokens(staged, spec, model, split, max_captions, batch_size))
+    test["caption"] = _rows_where(test["caption"], np.asarray(test["caption"]["sibling"], dtype=bool))
     rows = []
-    for side in ("text", "image", "cross"):
+    for side in ("text", "image", "cross", "caption"):
         if not fit[side]["y"] or not test[side]["y"]:
             why = ("no base scene with its binding sibling in the split: the manifest's sibling_changes need "
-                   "'binding'" if side == "cross" else "captions without two colour-noun phrases, or no focus regions")
+                   "'binding'" if side in ("cross", "caption")
+                   else "captions without two colour-noun phrases, or no focus regions")
             raise ValueError(f"no {side} tokens to probe in {fit_split!r} or {split!r} ({why})")
         for layer in range(len(fit[side]["x"])):
             top1, own = fit_and_score(np.stack(fit[side]["x"][layer]), np.asarray(fit[side]["y"]),

@@ -53,7 +53,10 @@ def test_cli_probes_both_sides_at_every_layer(staged_and_model, tmp_path):
     from retrieval_core.model import VLRetrievalModel
 
     layers = VLRetrievalModel.load(model_dir).bert.config.num_hidden_layers + 1
-    assert sorted(rows["side"].unique()) == ["cross", "image", "text"]
+    assert sorted(rows["side"].unique()) == ["caption", "cross", "image", "text"]
+    # caption is scored only where the image is the binding sibling: every other cross pair
+    scored = rows.groupby("side")["scored_on"].first()
+    assert 0 < scored["caption"] < scored["cross"]
     assert (rows.groupby("side")["layer"].nunique() == layers).all()
     assert rows[["top1", "own_over_other"]].stack().between(0, 100).all() and (rows["scored_on"] > 0).all()
     # layer 0 of the text side is the noun's own word and position embedding: it cannot know its adjective
