@@ -76,6 +76,12 @@ def last_piece(offsets: Sequence[tuple[int, int]], span: tuple[int, int]) -> Opt
     return inside[-1] if inside else None
 
 
+def caption_offsets(model: VLRetrievalModel, text: str) -> list[tuple[int, int]]:
+    """Character spans of the caption's tokens as the CE's collator cuts them (same tokenizer, same length)."""
+    return model.tokenizer(text, return_offsets_mapping=True, truncation=True,
+                           max_length=model.cfg.max_text_len)["offset_mapping"]
+
+
 def fit_and_score(x_fit: np.ndarray, y_fit: np.ndarray, x: np.ndarray, y: np.ndarray, other: np.ndarray,
                   n_classes: int, l2: float = 1e-3) -> tuple[float, float]:
     """A multinomial logistic regression (standardised inputs, L2, L-BFGS) fitted on (x_fit, y_fit): its top-1
@@ -111,7 +117,7 @@ def collect_tokens(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: 
     table = staged.load_images(item_ids=caps["image_item_id"].astype(np.int64).unique())
     pos = table.position_of()
     codebook = dataclasses.replace(spec, feature_dim=table.feature_dim)  # the width staged (see family_probe)
-    tok, collator = model.tokenizer, model.text_collator()
+    collator = model.text_collator()
     max_regions = model.cfg.max_regions
     n_layers = model.bert.config.num_hidden_layers + 1
     out = {side: {"x": [[] for _ in range(n_layers)], "y": [], "other": []} for side in ("text", "image")}
@@ -128,8 +134,7 @@ def collect_tokens(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: 
             if len(found) < 2:
                 continue
             colours = [c for c, _ in found]
-            offsets = tok(text, return_offsets_mapping=True, truncation=True,
-                          max_length=model.cfg.max_text_len)["offset_mapping"]
+            offsets = caption_offsets(model, text)
             for colour, span in found:
                 p = last_piece(offsets, span)
                 if p is None:
@@ -192,7 +197,7 @@ def collect_cross_tokens(staged: StagedDataset, spec: synthetic.SyntheticSpec, m
     pairs = cross_pairs(spec, caps, index_of)
     table = staged.load_images(item_ids=np.unique([p[1] for p in pairs]).astype(np.int64))
     pos = table.position_of()
-    tok, collator = model.tokenizer, model.text_collator()
+    collator = model.text_collator()
     n_layers = model.bert.config.num_hidden_layers + 1
     x: list[list] = [[] for _ in range(n_layers)]
     cross: dict = {"x": x, "y": [], "other": []}
@@ -203,9 +208,8 @@ def collect_cross_tokens(staged: StagedDataset, spec: synthetic.SyntheticSpec, m
                               model.cfg.max_regions)
         states = model.ce_layer_states(batch)
         for j, (text, _, nouns) in enumerate(chunk):
-            offsets = tok(text, return_offsets_mapping=True, truncation=True,
-                          max_length=model.cfg.max_text_len)["offset_mapping"]
-            sibling = (start + j) % 2 == 1  # cross_pairs pairs every other caption with the binding sibling
+            offsets = caption_offsets(model, text)
+            said_of = {span: colour for colour, span in colour_nouns(text)}  # the caption's colour per noun
             for span, colour, other in nouns:
                 p = last_piece(offsets, span)
                 if p is None:
@@ -214,10 +218,10 @@ def collect_cross_tokens(staged: StagedDataset, spec: synthetic.SyntheticSpec, m
                     x[layer].append(st[j, p].float().numpy())
                 cross["y"].append(_COLOURS.index(colour))
                 cross["other"].append(_COLOURS.index(other))
-                said, not_said = (other, colour) if sibling else (colour, other)
+                said = said_of[span]
                 caption["y"].append(_COLOURS.index(said))
-                caption["other"].append(_COLOURS.index(not_said))
-                caption["sibling"].append(sibling)
+                caption["other"].append(_COLOURS.index(other if said == colour else colour))
+                caption["sibling"].append(said != colour)  # the image disagrees: it is the binding sibling
     return {"cross": cross, "caption": caption}
 
 
