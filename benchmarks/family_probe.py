@@ -67,10 +67,9 @@ def probe(staged: StagedDataset, spec: synthetic.SyntheticSpec, be_model: VLRetr
           batch_size: int = 128, device: str = "cpu") -> pd.DataFrame:
     """Rows (table, head, change, correct, total, accuracy %) for one synthetic collection."""
     caps, index_of = sampled_captions(staged, spec, split, max_captions, seed)
-    meta = staged.images_meta(collection=spec.collection, split=split)
     item_of = {i: item for item, i in index_of.items()}
     fam_size = spec.family_size
-    table = staged.load_images(item_ids=meta["item_id"].to_numpy(np.int64))
+    table = staged.load_images(item_ids=np.fromiter(index_of, np.int64, len(index_of)))  # the split's images
     pos = table.position_of()
 
     texts, members, golds, scenes = [], [], [], {}
