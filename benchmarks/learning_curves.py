@@ -159,6 +159,9 @@ def main(runs: tuple[str, ...], window: int, staged: Optional[str], manifest: Op
         raise click.UsageError("--staged and --manifest go together (the probe needs both)")
     apply_device_and_threads(device, threads)
     parsed = [_run_spec(r) for r in runs]
+    labels = [label for label, _ in parsed]
+    if len(set(labels)) != len(labels):  # one label's curves would mix two runs
+        raise click.UsageError(f"--run labels must differ, got {', '.join(labels)}")
     frames = []
     with cli_errors(KeyError):  # a folder that is no training run, a bad manifest or staged dir: one line
         spec = ds = None

@@ -103,6 +103,9 @@ def test_cli_refuses_what_it_cannot_draw(run, tmp_path):
     no_manifest = CliRunner().invoke(learning_curves.main, ["--run", f"a={out}", "--staged", staged,
                                                             "--output", str(tmp_path)])
     assert no_manifest.exit_code == 2 and "--manifest" in no_manifest.output
+    same_label = CliRunner().invoke(learning_curves.main, ["--run", f"a={out}", "--run", f"a={out}",
+                                                           "--output", str(tmp_path)])
+    assert same_label.exit_code == 2 and "labels must differ" in same_label.output
     bad_spec = CliRunner().invoke(learning_curves.main, ["--run", out, "--output", str(tmp_path)])
     assert bad_spec.exit_code == 2 and "LABEL=TRAIN_DIR" in bad_spec.output
     not_a_run = CliRunner().invoke(learning_curves.main, ["--run", f"a={tmp_path}", "--output", str(tmp_path)])
