@@ -23,6 +23,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 from transformers import AutoTokenizer, BertModel
 
+from retrieval_core.backbones import backbone_path, is_backbone_name
 from retrieval_core.collate import Regions, TextCollator
 from retrieval_core.schema import DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS, SCHEMA_VERSION, ImageTable
 
@@ -69,10 +70,7 @@ class MappedBaseline:
     # ------------------------------------------------------------------------------- text side
     @staticmethod
     def _resolve(text_model: str) -> str:
-        if text_model == "minilm":
-            from retrieval_core.checkpoints import minilm_path
-            return minilm_path()
-        return text_model
+        return backbone_path(text_model)
 
     def _load_encoder(self) -> None:
         if self._encoder is None:
@@ -137,7 +135,7 @@ class MappedBaseline:
         if missing:
             raise ValueError(f"{len(missing)} captions have no image in the table, e.g. {missing[:5]}")
         img_rows = np.array([pos[int(i)] for i in captions["image_item_id"]], dtype=np.int64)
-        if text_model != "minilm":
+        if not is_backbone_name(text_model):
             text_model = os.path.abspath(text_model)
         base = cls(text_model, method, {}, max_text_len,
                    {"fitted_on_pairs": int(len(captions)), "ridge": ridge, "schema_version": SCHEMA_VERSION})

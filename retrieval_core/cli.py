@@ -1,17 +1,21 @@
-"""What every command-line entry point shares (no Beam): -h, one spelling of --device and --threads, and
-one-line errors at the CLI boundary.
+"""What every command-line entry point shares (no Beam): plans whose fields are the options, one spelling of
+--device and --threads, and one-line errors at the CLI boundary.
 
-``pipelines.common.cli_errors`` should delegate to :func:`cli_errors` here (retrieval_core cannot import
-pipelines, which imports Beam), so that the library's CLIs (``python -m retrieval_core.train``) and the
-pipelines' report bad input the same way.
+A plan is a frozen dataclass; each of its options is declared once, on its field (:func:`option`). The click
+CLI (:func:`plan_options`, :func:`plan_from_cli`) and the arguments a plan writes back (:func:`to_argv`: what
+the demo and the suites launch) both come from that one declaration.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import click
+
+from retrieval_core.store import StagedDataError
 
 #: Set to 1 to get the full traceback of an error that cli_errors would report in one line.
 DEBUG_ENV = "RR_DEBUG"
@@ -19,6 +23,7 @@ DEBUG_ENV = "RR_DEBUG"
 #: click context settings of every CLI here: -h is --help.
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
 
+#: The one spelling of a device, everywhere (Beam's handlers included).
 DEVICES = ("cpu", "cuda")
 
 
@@ -29,8 +34,6 @@ def cli_errors(*error_types: type) -> Iterator[None]:
     Bad input = a missing or inconsistent staged dir (StagedDataError), a missing file, the library's
     validation errors (ValueError and its subclasses) and the caller's own ``error_types``. Their messages
     name the path or value at fault; ``RR_DEBUG=1`` re-raises them with the traceback."""
-    from retrieval_core.store import StagedDataError
-
     try:
         yield
     except (StagedDataError, FileNotFoundError, ValueError, *error_types) as exc:
@@ -39,20 +42,29 @@ def cli_errors(*error_types: type) -> Iterator[None]:
         raise click.ClickException(str(exc)) from None
 
 
-def device_option(default: str = "cpu"):
-    """``--device cpu|cuda`` (case-insensitive; the value arrives lower-case)."""
-    return click.option("--device", type=click.Choice(DEVICES, case_sensitive=False), default=default,
-                        show_default=True, callback=lambda ctx, param, value: value.lower(),
-                        help="Where the model runs (cuda fails when no GPU is visible).")
+# ------------------------------------------------------------------------------------ validation
+def check_positive(name: str, value, allow_none: bool = False) -> None:
+    """An int >= 1 (or None where allowed); a one-line ValueError naming the value otherwise."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-def threads_option():
-    """``--threads N``: torch CPU threads (default: torch's own choice)."""
-    return click.option("--threads", type=click.IntRange(min=1), default=None,
-                        help="torch CPU threads [torch's default].")
+def check_choice(name: str, value, choices: Sequence) -> None:
+    """``value`` must be one of ``choices`` (one-line ValueError naming both)."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {'|'.join(map(str, choices))}, got {value!r}")
 
 
-def apply_device_and_threads(device: str, threads: int | None) -> None:
+def check_device(device) -> str:
+    """``cpu`` or ``cuda`` in any case -> lower case; anything else is a one-line ValueError."""
+    value = str(device).lower()
+    check_choice("device", value, DEVICES)
+    return value
+
+
+def apply_device_and_threads(device: str, threads: Optional[int]) -> None:
     """Set the torch thread count and check that a requested GPU exists (one line if not)."""
     import torch
 
@@ -60,3 +72,146 @@ def apply_device_and_threads(device: str, threads: int | None) -> None:
         torch.set_num_threads(threads)
     if device == "cuda" and not torch.cuda.is_available():
         raise click.ClickException("--device cuda was requested but CUDA is not available on this machine")
+
+
+# ------------------------------------------------------------------------------- plan options
+@dataclass(frozen=True)
+class Flag:
+    """How a plan field appears on the command line (see :func:`option`)."""
+    help: str = ""
+    name: Optional[str] = None  # the flag; default --field-name
+    type: Any = None  # a click type; default: the field default's type (str when None)
+    off: Optional[str] = None  # a True-by-default bool: the switch that turns it off ("--no-amp")
+    multiple: bool = False  # repeatable; the field is a tuple of the values
+    sep: Optional[str] = None  # a tuple written as one value joined by ``sep`` ("t2i,i2t")
+    metavar: Optional[str] = None
+    show_default: bool = True
+
+    def flag(self, field_name: str) -> str:
+        return self.name or "--" + field_name.replace("_", "-")
+
+
+_FLAG, _GROUP = "rr_flag", "rr_group"
+
+
+def option(default=dataclasses.MISSING, **flag) -> Any:
+    """A plan field that is a command-line option (``Flag``'s keywords); no default = a required option."""
+    return dataclasses.field(default=default, metadata={_FLAG: Flag(**flag)})
+
+
+def option_group(cls: type) -> Any:
+    """A plan field holding another plan whose fields are options too (a training run's TrainConfig)."""
+    return dataclasses.field(default_factory=cls, metadata={_GROUP: cls})
+
+
+_DEVICE = dict(type=click.Choice(DEVICES, case_sensitive=False),
+               help="Where the model runs (cuda fails when no GPU is visible).")
+_THREADS = dict(type=click.IntRange(min=1), help="torch (and faiss) CPU threads per process [torch's default].")
+
+
+def device_option(default: str = "cpu") -> Any:
+    """A plan's --device field."""
+    return option(default, **_DEVICE)
+
+
+def threads_option() -> Any:
+    """A plan's --threads field."""
+    return option(None, **_THREADS)
+
+
+def device_flag(default: str = "cpu") -> Callable:
+    """--device on a CLI without a plan (the probes): the same option as :func:`device_option`."""
+    return click.option("--device", default=default, show_default=True,
+                        callback=lambda ctx, param, value: check_device(value), **_DEVICE)
+
+
+def threads_flag() -> Callable:
+    """--threads on a CLI without a plan: the same option as :func:`threads_option`."""
+    return click.option("--threads", default=None, **_THREADS)
+
+
+def _flagged(cls: type) -> Iterator[tuple[dataclasses.Field, Flag]]:
+    for f in dataclasses.fields(cls):
+        if _GROUP in f.metadata:
+            yield from _flagged(f.metadata[_GROUP])
+        elif _FLAG in f.metadata:
+            yield f, f.metadata[_FLAG]
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def plan_options(cls: type) -> Callable:
+    """A decorator adding one click option per flagged field of ``cls`` (and of its option groups)."""
+    def decorate(command: Callable) -> Callable:
+        for f, fl in reversed(list(_flagged(cls))):
+            default = _default(f)
+            required = default is dataclasses.MISSING
+            kw: dict = dict(help=fl.help, metavar=fl.metavar)
+            if isinstance(default, bool) and fl.type is None:
+                if fl.off:  # True by default: only the switch that turns it off
+                    command = click.option(fl.off, f.name, flag_value=False, default=True, help=fl.help)(command)
+                    continue
+                command = click.option(fl.flag(f.name), f.name, is_flag=True, help=fl.help)(command)
+                continue
+            if fl.multiple:
+                kw.update(multiple=True, default=default or ())
+            elif fl.sep:
+                kw.update(default=None if required else fl.sep.join(default), show_default=fl.show_default)
+            else:
+                kw.update(default=None if required else default,
+                          show_default=fl.show_default and not required and default is not None)
+            typed = default not in (None, dataclasses.MISSING) and not isinstance(default, tuple)
+            kw["type"] = fl.type if fl.type is not None else (type(default) if typed else str)
+            command = click.option(fl.flag(f.name), f.name, required=required, **kw)(command)
+        return command
+    return decorate
+
+
+def plan_from_cli(cls: type, values: dict, **extra):
+    """The plan ``cls`` from click's parsed ``values`` (keyed by field name) and ``extra`` fields; values of
+    other options are ignored. Validation is the plan's own (its ``__post_init__``)."""
+    kwargs = dict(extra)
+    for f in dataclasses.fields(cls):
+        if f.name in kwargs:
+            continue
+        if _GROUP in f.metadata:
+            kwargs[f.name] = plan_from_cli(f.metadata[_GROUP], values)
+        elif _FLAG in f.metadata and f.name in values:
+            value, fl = values[f.name], f.metadata[_FLAG]
+            if fl.sep and isinstance(value, str):
+                value = tuple(v.strip() for v in value.split(fl.sep) if v.strip())
+            elif fl.multiple:
+                value = tuple(value)
+            kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def to_argv(plan) -> list[str]:
+    """The command-line arguments that build ``plan`` (its CLI's inverse): every option whose value is not
+    the field's default, in declaration order. Fields without a flag must keep their defaults."""
+    argv: list[str] = []
+    for f in dataclasses.fields(plan):
+        value = getattr(plan, f.name)
+        if _GROUP in f.metadata:
+            argv += to_argv(value)
+            continue
+        default = _default(f)
+        if _FLAG not in f.metadata:
+            if value != default:
+                raise ValueError(f"{type(plan).__name__}.{f.name} has no command-line flag: keep its default")
+            continue
+        if value == default or value is None:
+            continue
+        fl = f.metadata[_FLAG]
+        if isinstance(value, bool) and fl.type is None:
+            argv += [fl.off] if fl.off else [fl.flag(f.name)]
+        elif fl.multiple:
+            for v in value:
+                argv += [fl.flag(f.name), str(v)]
+        elif fl.sep:
+            argv += [fl.flag(f.name), fl.sep.join(map(str, value))]
+        else:
+            argv += [fl.flag(f.name), str(value)]
+    return argv

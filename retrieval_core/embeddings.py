@@ -21,18 +21,19 @@ import hashlib
 import io
 import json
 import os
-from typing import BinaryIO, Mapping, Optional, Sequence, Union
+from typing import BinaryIO, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from tqdm import tqdm
 
 from retrieval_core import schema
 from retrieval_core.paths import FileAccess, is_url, join_path, read_file
 
 EMBEDDINGS_MANIFEST = "embeddings_manifest.json"
 EMBEDDINGS_SUBDIR = "embeddings"
-MODALITIES = (schema.KIND_IMAGE, "text")
+MODALITIES = schema.MODALITIES
 
 Source = Union[str, os.PathLike, bytes, bytearray, memoryview, BinaryIO]
 
@@ -173,19 +174,13 @@ def verify_shard_bytes(data: bytes, entry: dict, where: str) -> None:
                               f"({entry['sha256'][:12]}...); the shard was changed or truncated")
 
 
-def read_embeddings(emb_dir: str, modality: str, verify: bool = True, progress: bool = False,
-                    files: Optional[FileAccess] = None) -> tuple[np.ndarray, np.ndarray]:
-    """All shards of one modality, concatenated in manifest order, checked against the manifest
-    (checksums, per-shard rows, total count, dimension, unique ids)."""
-    manifest = load_embeddings_manifest(emb_dir, files)
-    entry = modality_entry(manifest, modality)
+def iter_embedding_shards(emb_dir: str, modality: str, verify: bool = True, files: Optional[FileAccess] = None,
+                          manifest: Optional[dict] = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(ids, vectors) of each shard of one modality in manifest order, one shard in memory at a time, each
+    checked against the manifest (checksum, rows, dimension)."""
+    manifest = manifest or load_embeddings_manifest(emb_dir, files)
     dim = int(manifest["dim"])
-    shards = entry["shards"]
-    if progress:
-        from tqdm import tqdm
-        shards = tqdm(shards, desc=f"read {modality} embeddings", unit="shard")
-    all_ids, all_vecs = [], []
-    for s in shards:
+    for s in modality_entry(manifest, modality)["shards"]:
         path = join_path(emb_dir, shard_relpath(modality, s["name"]))
         try:
             data = read_file(path, files)
@@ -195,10 +190,22 @@ def read_embeddings(emb_dir: str, modality: str, verify: bool = True, progress: 
             verify_shard_bytes(data, s, path)
         ids, vecs = read_embedding_shard(data)
         check_shard_contents(ids, vecs, s, dim, path)
-        all_ids.append(ids)
-        all_vecs.append(vecs)
-    ids = np.concatenate(all_ids) if all_ids else np.zeros(0, dtype=np.int64)
-    vecs = np.concatenate(all_vecs) if all_vecs else np.zeros((0, dim), dtype=np.float32)
+        yield ids, vecs
+
+
+def read_embeddings(emb_dir: str, modality: str, verify: bool = True, progress: bool = False,
+                    files: Optional[FileAccess] = None) -> tuple[np.ndarray, np.ndarray]:
+    """All shards of one modality, concatenated in manifest order, checked against the manifest
+    (checksums, per-shard rows, total count, dimension, unique ids)."""
+    manifest = load_embeddings_manifest(emb_dir, files)
+    entry = modality_entry(manifest, modality)
+    dim = int(manifest["dim"])
+    shards = iter_embedding_shards(emb_dir, modality, verify, files, manifest)
+    if progress:
+        shards = tqdm(shards, desc=f"read {modality} embeddings", unit="shard", total=len(entry["shards"]))
+    parts = list(shards)
+    ids = np.concatenate([i for i, _ in parts]) if parts else np.zeros(0, dtype=np.int64)
+    vecs = np.concatenate([v for _, v in parts]) if parts else np.zeros((0, dim), dtype=np.float32)
     if len(ids) != int(entry["count"]):
         raise EmbeddingsError(f"{emb_dir}: {modality} has {len(ids)} rows, manifest says {entry['count']}")
     check_unique_ids(ids, f"{emb_dir} ({modality})")

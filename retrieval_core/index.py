@@ -31,7 +31,7 @@ import faiss
 import numpy as np
 
 from retrieval_core import embeddings as emb
-from retrieval_core import schema
+from retrieval_core import metrics, schema
 from retrieval_core.paths import FileAccess, file_exists, join_path, read_file
 
 log = logging.getLogger(__name__)
@@ -471,6 +471,23 @@ class StreamedIndex:
     def search_scores_batches(self, batches: Sequence[np.ndarray], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """:meth:`search_batches` with higher-is-better scores (L2 distances negated, as ShardedIndex.search_scores)."""
         return [(s if self.keep_max else -s, i) for s, i in self.search_batches(batches, k)]
+
+
+class StreamedExact:
+    """Exact inner-product search over one modality's embeddings, read one shard at a time on every search
+    (checksums verified): the pool without an index, in StreamedIndex's interface. Ties: smaller id first."""
+
+    keep_max = True
+
+    def __init__(self, emb_dir: str, modality: str, files: Optional[FileAccess] = None):
+        self.emb_dir, self.modality, self.files = emb_dir, modality, files
+        self.manifest = emb.load_embeddings_manifest(emb_dir, files)
+        self.ntotal = int(emb.modality_entry(self.manifest, modality)["count"])
+
+    def search_scores_batches(self, batches: Sequence[np.ndarray], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """[(scores, ids)] of every query batch, in one pass over the shards."""
+        shards = emb.iter_embedding_shards(self.emb_dir, self.modality, files=self.files, manifest=self.manifest)
+        return metrics.exact_topk_shards(batches, shards, k)
 
 
 def _expected_ids(index_dir: str, manifest: dict, emb_dir: str, files: Optional[FileAccess]) -> Optional[np.ndarray]:

@@ -34,8 +34,10 @@ from typing import Any, Mapping, Optional, Sequence
 
 import yaml
 
+from . import readers
 from .paths import is_url
 from .schema import DEFAULT_MAX_REGIONS
+from .synthetic import SyntheticSpec
 
 IMAGE_FORMATS = ("synthetic", "butd_tsv", "bua_npz", "uniter_npz", "oscar_pt", "plain_npz")
 CAPTION_FORMATS = ("synthetic", "karpathy_json", "caption_lines", "flickr30k_entities", "cc_tsv", "multi30k")
@@ -108,7 +110,6 @@ class Manifest:
 
     def synthetic_spec(self, name: str):
         """The ``SyntheticSpec`` of a synthetic collection."""
-        from .synthetic import SyntheticSpec
 
         coll = self.collection(name)
         if coll.images.format != "synthetic":
@@ -335,8 +336,6 @@ def _choice(value, choices, key: str, fail, what: str = "value") -> str:
 
 def _reader_params(kind: str, fmt: str) -> tuple[set, set]:
     """(allowed, required) keyword options of a format's reader."""
-    from . import readers
-
     reader = (readers.IMAGE_READERS if kind == "images" else readers.CAPTION_READERS)[fmt]
     params = inspect.signature(reader).parameters
     allowed = {n for n, p in params.items() if p.kind == p.KEYWORD_ONLY}
@@ -406,7 +405,6 @@ def _collection(cname, block, feature_dim: int, fail, follow: frozenset = frozen
     if captions.format == "synthetic" and images.format != "synthetic":
         fail(f"{key}.captions.format", "synthetic captions need synthetic images (they describe the generated scenes)")
     if images.format == "synthetic":
-        from .synthetic import SyntheticSpec
 
         for name, value in (("expected_images", exp_i), ("expected_captions", exp_c)):
             if isinstance(value, dict):

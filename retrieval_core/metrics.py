@@ -8,14 +8,27 @@ Nothing here mutates its inputs: gold mappings may be read-only (MappingProxyTyp
 """
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Collection, Mapping, Sequence, Union
 
+import faiss
 import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from retrieval_core import schema
 
 DEFAULT_KS = (1, 5, 10)
 
 RankedIds = Union[np.ndarray, Sequence[Sequence[int]]]
+DIRECTIONS = (schema.DIRECTION_T2I, schema.DIRECTION_I2T)
+
+log = logging.getLogger(__name__)
+
+
+class RankingsError(ValueError):
+    """A rankings table that cannot be scored against its gold (a missing or extra query, a repeated rank)."""
 
 
 # ---------------------------------------------------------------------------------------- exact top-k
@@ -138,21 +151,31 @@ def _topk_block(q: np.ndarray, items: np.ndarray, items_t, item_ids: np.ndarray,
     return scores, item_ids[pos]
 
 
-def exact_topk_shards(queries: np.ndarray, shards, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`exact_topk` over items that come as ``shards``, an iterable of ``(item_ids, items)`` consumed one
-    at a time: only one shard (and each query's best k so far) is in memory. The same items, order and ties
-    (smaller id first) as exact_topk over all of them; a score can differ from it in the last bits (BLAS
-    sums a dot product in an order that depends on the matrix shapes)."""
-    best: tuple[np.ndarray, np.ndarray] | None = None
+def _l2_topk(queries: np.ndarray, items: np.ndarray, item_ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exact L2 top-k as (negated squared distances, ids): higher is better, as for inner products."""
+    dist, pos = faiss.knn(np.ascontiguousarray(queries, np.float32), np.ascontiguousarray(items, np.float32),
+                          min(k, len(item_ids)), faiss.METRIC_L2)
+    return -dist, item_ids[pos]
+
+
+def exact_topk_shards(batches: Sequence[np.ndarray], shards, k: int,
+                      metric: str = "ip") -> list[tuple[np.ndarray, np.ndarray]]:
+    """Exact top-k of every query batch over items that come as ``shards``, an iterable of ``(item_ids,
+    items)`` consumed once, one shard at a time: only one shard (and each query's best k so far) is in memory.
+    [(scores, ids)] per batch, higher scores first (``metric`` "l2": negated squared distances); for "ip" the
+    same items, order and ties (smaller id first) as :func:`exact_topk` over all items (a score can differ in
+    the last bits: BLAS sums in a shape-dependent order)."""
+    search = exact_topk if metric == "ip" else _l2_topk
+    best: list = [None] * len(batches)
     for item_ids, items in shards:
         if len(item_ids) == 0:
             continue
-        part = exact_topk(queries, items, item_ids, k)
-        best = part if best is None else merge_topk([best, part], k)
-    if best is None:
-        n_q = np.asarray(queries).shape[0]
-        return np.empty((n_q, 0), dtype=np.float32), np.empty((n_q, 0), dtype=np.int64)
-    return best
+        for b, q in enumerate(batches):
+            part = search(q, items, item_ids, k)
+            best[b] = part if best[b] is None else merge_topk([best[b], part], k)
+    empty = lambda q: (np.empty((np.asarray(q).shape[0], 0), dtype=np.float32),  # noqa: E731
+                       np.empty((np.asarray(q).shape[0], 0), dtype=np.int64))
+    return [found if found is not None else empty(q) for found, q in zip(best, batches)]
 
 
 def merge_topk(parts: Sequence[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -265,3 +288,75 @@ def _check_ks(ks: Sequence[int]) -> tuple[int, ...]:
     if not ks or any(k < 1 for k in ks):
         raise ValueError(f"ks must be positive integers, got {ks}")
     return ks
+
+
+# ------------------------------------------------------------------------------------- rankings tables
+def ranked_lists(df: pd.DataFrame, direction: str) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(query ids, best-first item id arrays) of one direction, ordered by query id."""
+    sub = df[df["direction"] == direction]
+    q = sub["query_id"].to_numpy(np.int64)
+    r = sub["rank"].to_numpy(np.int64)
+    items = sub["item_id"].to_numpy(np.int64)
+    order = np.lexsort((r, q))
+    q, r, items = q[order], r[order], items[order]
+    if len(q) and np.any((q[1:] == q[:-1]) & (r[1:] == r[:-1])):
+        bad = int(q[1:][(q[1:] == q[:-1]) & (r[1:] == r[:-1])][0])
+        raise RankingsError(f"{direction} query {bad} has the same rank twice")
+    queries, starts = np.unique(q, return_index=True)
+    return queries, np.split(items, starts[1:]) if len(q) else []
+
+
+def check_queries(direction: str, ranked: np.ndarray, gold_keys: Collection[int]) -> None:
+    ranked_set = set(ranked.tolist())
+    gold_set = set(int(g) for g in gold_keys)
+    extra = sorted(ranked_set - gold_set)
+    missing = sorted(gold_set - ranked_set)
+    what = "caption" if direction == schema.DIRECTION_T2I else "image"
+    if extra:
+        raise RankingsError(f"{direction}: ranked {what} query {extra[0]} is not in the gold "
+                              f"({len(extra)} such queries; first: {extra[:5]})")
+    if missing:
+        raise RankingsError(f"{direction}: gold {what} query {missing[0]} is missing from the rankings "
+                              f"({len(missing)} missing; first: {missing[:5]})")
+
+
+def evaluate_rankings(rankings: Union[pd.DataFrame, pa.Table], caption_to_image: Mapping[int, int],
+                      image_to_captions: Mapping[int, Collection[int]], ks: Sequence[int] = DEFAULT_KS,
+                      directions: Sequence[str] = DIRECTIONS) -> dict:
+    """Recall of the given directions of a rankings table (schema.RANKING_SCHEMA columns).
+
+    Returns ``<d>_R@<k>`` and ``<d>_queries`` for both directions (NaN and 0 for a direction not evaluated),
+    ``mR`` (mean of the evaluated recalls), ``collection_size`` (gold images) and ``ranked_depth`` (shortest
+    ranked list). Every gold query of an evaluated direction must be ranked and vice versa. Gold mappings are
+    only read.
+    """
+    df = rankings.to_pandas() if isinstance(rankings, pa.Table) else rankings
+    missing_cols = [c for c in ("direction", "query_id", "rank", "item_id") if c not in df.columns]
+    if missing_cols:
+        raise RankingsError(f"rankings lack column(s) {missing_cols}")
+    unknown = set(df["direction"].unique()) - set(DIRECTIONS)
+    if unknown:
+        raise RankingsError(f"rankings have unknown direction(s) {sorted(unknown)}")
+    if not directions or any(d not in DIRECTIONS for d in directions):
+        raise RankingsError(f"directions must be a non-empty subset of {DIRECTIONS}, got {directions}")
+    extra = set(df["direction"].unique()) - set(directions)
+    if extra:
+        raise RankingsError(f"rankings hold direction(s) {sorted(extra)} that are not evaluated")
+    result: dict = {}
+    depth = []
+    for d in DIRECTIONS:
+        if d not in directions:
+            result.update({f"{d}_R@{kk}": float("nan") for kk in ks})
+            result[f"{d}_queries"] = 0
+            continue
+        queries, lists = ranked_lists(df, d)
+        check_queries(d, queries, (caption_to_image if d == schema.DIRECTION_T2I else image_to_captions).keys())
+        result.update(direction_recall(d, lists, queries, caption_to_image, image_to_captions, ks))
+        depth += [len(x) for x in lists]
+    result["mR"] = float(np.mean([result[f"{d}_R@{kk}"] for d in directions for kk in ks]))
+    result["collection_size"] = len(image_to_captions)
+    result["ranked_depth"] = int(min(depth))
+    if result["ranked_depth"] < max(ks):
+        log.warning("some ranked lists hold only %d items (< %d): R@%d counts them as misses beyond",
+                    result["ranked_depth"], max(ks), max(ks))
+    return result

@@ -33,8 +33,7 @@ from transformers import AutoTokenizer, BertConfig, BertModel
 
 from retrieval_core import schema
 from retrieval_core.collate import Regions, TextCollator, collate_images, collate_pairs
-from retrieval_core.schema import (BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS, SCHEMA_VERSION,
-                                   ImageTable)
+from retrieval_core.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS, SCHEMA_VERSION, ImageTable
 
 MODEL_JSON = "rr_model.json"
 #: CE score keys: ``logit_diff`` = logit1 - logit0 (log-odds of a match), ``logit1`` = MMT-Retrieval's key.
@@ -306,10 +305,6 @@ class VLRetrievalModel(nn.Module):
         state = load_file(os.path.join(directory, WEIGHTS_FILE))
         model.load_state_dict(state, strict=True)
         return model.to(device).eval()
-
-    @staticmethod
-    def is_model_dir(directory: str) -> bool:
-        return os.path.isfile(os.path.join(directory, MODEL_JSON))
 
 
 def _region_access(images: ImageTable | Sequence[Regions]) -> tuple[Callable[[int], Regions], np.ndarray]:

@@ -32,6 +32,12 @@ DEFAULT_MAX_TEXT_TOKENS = 70
 KIND_IMAGE = "image"
 KIND_CAPTION = "caption"
 
+#: Embedding modalities (encode, build_index, rerank) and the staged kind each is encoded from.
+MODALITY_IMAGE = KIND_IMAGE
+MODALITY_TEXT = "text"
+MODALITIES = (MODALITY_IMAGE, MODALITY_TEXT)
+STAGED_KIND = {MODALITY_IMAGE: "images", MODALITY_TEXT: "captions"}
+
 # Parquet schema-metadata keys (bytes, as Arrow stores them).
 META_SCHEMA_VERSION = b"rr.schema_version"
 META_FEATURE_DIM = b"rr.feature_dim"

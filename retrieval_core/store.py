@@ -15,9 +15,8 @@ as a mixture. So is a folder holding ``_INCOMPLETE`` (:data:`INCOMPLETE_FILE`), 
 before it replaces the first shard and deletes once summary.json is written. Results are identical whether
 features are stored inline in Parquet or in HDF5 shards.
 
-Local paths are read with Python's own file access. A URL path (gs://...) needs an ``opener`` (path -> binary
-file object) and should come with ``exists`` (path -> bool): this library does not import Beam, so the
-pipelines pass ``pipelines.common.open_file`` and ``FileSystems.exists`` (Beam FileSystems).
+Local paths are read with Python's own file access. A URL path (gs://...) is read through the ``files`` given
+(a ``retrieval_core.paths.FileAccess``): this library does not import Beam, so the pipelines pass theirs.
 
 Example::
 
@@ -39,7 +38,7 @@ import io
 import json
 import os
 import threading
-from typing import BinaryIO, Callable, Collection, Iterator, Optional, Sequence
+from typing import BinaryIO, Collection, Iterator, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -48,17 +47,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import schema
-from .paths import is_url, join_path
+from .paths import LOCAL_FILES, FileAccess, is_url, join_path
 
 SUMMARY_FILE = "summary.json"
 #: Present while a staging run is replacing a folder's shards (pipelines.stage writes it before the first shard
 #: and deletes it after summary.json): a folder that holds it may mix two runs' shards.
 INCOMPLETE_FILE = "_INCOMPLETE"
 _META_COLUMNS = [c for c in schema.IMAGE_COLUMNS if c not in ("boxes", "features")]
-
-
-#: Opens a URL path (gs://...) for binary reading, e.g. ``pipelines.common.open_file`` (Beam FileSystems).
-Opener = Callable[[str], BinaryIO]
 
 
 class StagedDataError(RuntimeError):
@@ -92,13 +87,11 @@ def _unpack_nested(col: pa.ChunkedArray | pa.Array, width: int) -> tuple[np.ndar
 
 class StagedDataset:
     """Staged images and captions of one staged directory: a local path, or a URL (gs://...) read through
-    ``opener`` (needed for URL paths only; local paths always use Python's own file access)."""
+    ``files`` (the pipelines pass Beam's; the default, LOCAL_FILES, refuses URLs)."""
 
-    def __init__(self, staged_dir: str, opener: Optional[Opener] = None,
-                 exists: Optional[Callable[[str], bool]] = None):
+    def __init__(self, staged_dir: str, files: Optional[FileAccess] = None):
         self.root = staged_dir
-        self._opener = opener
-        self._exists = exists
+        self.files = files or LOCAL_FILES
         if self._file_exists(join_path(staged_dir, INCOMPLETE_FILE)):
             raise StagedDataError(f"{staged_dir} holds {INCOMPLETE_FILE}: a staging run into it stopped before it "
                                   f"finished, so its shards may mix two runs; {_restage_hint(staged_dir)}")
@@ -151,18 +144,7 @@ class StagedDataset:
         return hashlib.sha256("\n".join(sorted(parts)).encode("utf-8")).hexdigest()
 
     def _file_exists(self, path: str) -> bool:
-        if not is_url(path):
-            return os.path.exists(path)
-        if self._exists is not None:
-            return bool(self._exists(path))
-        if self._opener is None:
-            return False  # reading the summary will say that a URL needs an opener
-        try:  # no exists(): probe through the opener (lazy object-store readers fail on read, not on open)
-            with self._opener(path) as f:
-                f.read(1)
-            return True
-        except Exception:  # noqa: BLE001 - absent or unreadable; the shard checksums still catch a mixture
-            return False
+        return os.path.exists(path) if not is_url(path) else bool(self.files.exists(path))
 
     def _verify(self, rel: str, data: Optional[bytes] = None) -> None:
         """Checks a shard against the sha256 summary.json records for it, the first time it is read (``data``:
@@ -188,12 +170,7 @@ class StagedDataset:
         self._verified.add(rel)
 
     def _open(self, path: str) -> BinaryIO:
-        if not is_url(path):
-            return open(path, "rb")
-        if self._opener is None:  # no Beam here (layering): the caller says how to reach remote storage
-            raise StagedDataError(f"{path} is a URL: pass StagedDataset(..., opener=...) to read it (the "
-                                  f"pipelines pass pipelines.common.open_file, Beam FileSystems)")
-        return self._opener(path)
+        return open(path, "rb") if not is_url(path) else self.files.open(path)
 
     # ------------------------------------------------------------------------------- shard lists
     def _colls(self, collection: Optional[str]) -> list[str]:

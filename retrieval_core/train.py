@@ -29,10 +29,36 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from retrieval_core import metrics
-from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, device_option, threads_option
+from retrieval_core.backbones import backbone_path, is_backbone_name
+from retrieval_core.checkpoints import (
+    KIND_BASELINE,
+    CheckpointError,
+    from_text_backbone,
+    inspect_model_folder,
+    load_model_folder,
+)
+from retrieval_core.cli import (
+    CONTEXT_SETTINGS,
+    apply_device_and_threads,
+    check_device,
+    cli_errors,
+    device_option,
+    option,
+    option_group,
+    plan_from_cli,
+    plan_options,
+    threads_option,
+)
 from retrieval_core.collate import collate_images, collate_pairs, length_chunks
-from retrieval_core.losses import (HardNegatives, MinedNegatives, batch_hard_triplet_loss, ce_listwise_loss,
-                                   ce_pair_loss, infonce_loss, sample_ce_groups)
+from retrieval_core.losses import (
+    HardNegatives,
+    MinedNegatives,
+    batch_hard_triplet_loss,
+    ce_listwise_loss,
+    ce_pair_loss,
+    infonce_loss,
+    sample_ce_groups,
+)
 from retrieval_core.model import VLRetrievalModel, _autocast
 from retrieval_core.schema import ImageTable
 
@@ -62,71 +88,84 @@ def kept_checkpoints(output: str) -> list[tuple[int, str]]:
 @dataclass(frozen=True)
 class TrainConfig:
     """Every training hyper-parameter, validated when built (``check``: one line naming the bad value)."""
-    objective: str = "joint"
-    be_loss: str = "triplet"
-    margin: float = 0.1
+    objective: str = option("joint", type=click.Choice(OBJECTIVES, case_sensitive=False), help="What is trained.")
+    be_loss: str = option("triplet", type=click.Choice(BE_LOSSES, case_sensitive=False), help="BE loss.")
+    margin: float = option(0.1, help="Triplet margin.")
     temperature: float = 0.05
-    steps: int = 1000
-    batch_size: int = 32  # captions per step; a CE step scores 2x this many pairs
-    lr: float = 5e-5
+    steps: int = option(1000)
+    batch_size: int = option(32, help="Captions per step (CE: 2x pairs).")  # a CE step scores 2x this many pairs
+    lr: float = option(5e-5)
     # The image embedding and CE head start from random init while the encoder is pretrained: they get
     # lr * new_layers_lr_mult, so a short CPU run aligns the image space before it drifts the encoder.
-    new_layers_lr_mult: float = 1.0
+    new_layers_lr_mult: float = option(
+        1.0, help="Learning-rate multiplier for the randomly initialised image embedding and CE head.")
     # "lstsq": before step 1, fit the image embedding by ridge regression (lstsq_image_embedding) instead of
     # starting it at random; a short run then skips the plateau where InfoNCE sits at ln(batch).
-    image_init: str = "random"
+    image_init: str = option("random", type=click.Choice(IMAGE_INITS, case_sensitive=False),
+                             help="Image embedding start: random, or a least-squares fit to the captions' word "
+                                  "embeddings.")
     weight_decay: float = 0.05
     grad_clip: float = 1.0
-    # Keep the backbone's word embeddings (65 % of the halved MiniLM's weights) fixed: a CPU step is ~20 % faster
+    # Keep the backbone's word embeddings (65 % of the halved MiniLM's weights) fixed: a CPU step is faster
     # (no dense embedding gradient, a third of the AdamW work), and the image embedding's least-squares start
     # (image_init="lstsq") keeps aiming at a word space that does not move.
-    freeze_word_embeddings: bool = False
+    freeze_word_embeddings: bool = option(False, help="Keep the backbone's word embeddings fixed.")
     p_replace_image: float = 0.5
     # "pair": the paper's binary loss over 1 positive + ce_negatives negatives per caption; "listwise": softmax
     # over the positive and its negatives (LCE), which learns to separate near misses from fewer steps.
-    ce_loss: str = "pair"
-    ce_negatives: int = 1
-    ce_batch_size: Optional[int] = None  # captions per CE step (default batch_size); a CE step scores x(1+n) pairs
+    ce_loss: str = option("pair", type=click.Choice(CE_LOSSES, case_sensitive=False),
+                          help="pair: binary loss per (caption, image) pair (the paper); listwise: softmax over "
+                               "each caption's positive and its negatives (LCE).")
+    ce_negatives: int = option(1, help="Negatives per caption in a CE step.")
+    ce_batch_size: Optional[int] = option(None, type=int, help="Captions per CE step [--batch-size].")
     # JOIN: steps before this one run the BE objective only. A CE on a text-only backbone stays at chance until
-    # the BE has aligned image and text tokens (README "Training"), so earlier CE steps only cost time.
-    ce_start_step: int = 0
+    # the BE has aligned image and text tokens (docs/TRAINING.md), so earlier CE steps only cost time.
+    ce_start_step: int = option(0, help="joint: run the BE objective alone before this step.")
     # Share of CE negatives drawn from the gold image's hard_negative_k nearest images by pooled region
     # features (feature_neighbours) instead of the whole set: what a reranker must reject are near-duplicates.
-    hard_negative_prob: float = 0.0
-    hard_negative_k: int = 8
-    # Share of CE negatives from the BE's own top-k (issue 17): for a caption, wrong images the BE ranks high
-    # (t2i); for its gold image, wrong captions the BE ranks high (i2t) - the lists the CE will rerank. Mined with
-    # the model being trained (JOIN: refreshed every mine_every steps; 0 = once, at the first CE step) or with
-    # a given BE checkpoint (mine_model), for the captions of the coming steps; the i2t caption pool is those
-    # captions plus a seeded sample up to mine_pool captions.
-    mined_negative_prob: float = 0.0
-    mine_k: int = 8
-    mine_every: int = 0
+    hard_negative_prob: float = option(0.0, help="Share of CE negatives drawn from the gold image's nearest images "
+                                                 "by pooled region features.")
+    hard_negative_k: int = option(8, help="How many nearest images form that pool.")
+    # Share of CE negatives from the BE's own top-k: for a caption, wrong images the BE ranks high (t2i); for its
+    # gold image, wrong captions the BE ranks high (i2t) - the lists the CE will rerank. Mined with the model
+    # being trained (JOIN: refreshed every mine_every steps; 0 = once, at the first CE step) or with a given BE
+    # checkpoint (mine_model), for the captions of the coming steps; the i2t caption pool is those captions plus
+    # a seeded sample up to mine_pool captions.
+    mined_negative_prob: float = option(0.0, help="Share of CE negatives from the BE's own top-k (t2i: wrong images "
+                                                  "it ranks high for the caption; i2t: wrong captions it ranks high "
+                                                  "for the gold image).")
+    mine_k: int = option(8, help="BE top-k depth the mined negatives come from.")
+    mine_every: int = option(0, help="Re-mine with the current model every N steps (0: once, at the first CE step).")
     # Steps before this one draw no mined negatives (the other sources only): a CE head that starts at chance on
     # a bi-encoder checkpoint (the SEP CE) first learns from random and nearest images, then from the BE's lists,
-    # on which alone it stayed at chance (ln 8 for 140 steps, 7 negatives, 3 in 4 mined; README "Training").
-    mine_start_step: int = 0
-    mine_pool: int = 4000
-    mine_model: Optional[str] = None
-    eval_every: int = 0  # 0: evaluate only at the end
-    checkpoint_every: int = 0  # 0: checkpoint only at the end
+    # on which alone it stayed at chance (docs/TRAINING.md).
+    mine_start_step: int = option(0, help="No mined negatives before this step.")
+    mine_pool: int = option(4000, help="Captions encoded per mining (the coming steps' captions + a seeded "
+                                       "sample): the i2t pool.")
+    mine_model: Optional[str] = option(None, help="Mine with this BE checkpoint instead of the model being trained.")
+    eval_every: int = option(0, help="Dev evaluation every M steps (0: at the end).")
+    checkpoint_every: int = option(0, help="Write output/last every N steps (0: at the end).")
     # Also keep a copy of the model at every checkpoint_every step (output/checkpoints/step-NNNNNN, model only, no
     # optimizer): what benchmarks.learning_curves probes to draw a head's learning curve.
-    keep_checkpoints: bool = False
-    seed: int = 0
-    device: str = "cpu"
-    amp: bool = True  # bf16 autocast on CUDA
+    keep_checkpoints: bool = option(False, help="Also keep the model of every --checkpoint-every step "
+                                                "(output/checkpoints/step-N; for benchmarks.learning_curves).")
+    seed: int = option(0)
+    device: str = device_option()
+    amp: bool = option(True, off="--no-amp", help="No bf16 autocast on CUDA.")
     # bf16 autocast for training steps on the CPU too (dev evaluation and inference stay float32): worth it only
     # where the CPU computes bf16 natively (avx512_bf16 / AMX); elsewhere it is slower than float32
-    cpu_bf16: bool = False
+    cpu_bf16: bool = option(False, help="bf16 autocast for CPU training steps (CPUs with native bf16 only).")
     eval_batch_size: int = 128
     # Forward text and (caption, image) pairs in length-sorted chunks of this many rows (0: one batch padded to its
-    # longest caption). Demo captions are 20 word pieces on average but a batch pads to ~30, so chunks of 16 cut a
-    # step's FLOPs; attention masks keep each row's result that of the padded batch (up to float rounding).
-    length_chunk_rows: int = 16
-    progress: bool = True
+    # longest caption): less padding, and attention masks keep each row's result that of the padded batch (up to
+    # float rounding).
+    length_chunk_rows: int = option(16, type=click.IntRange(min=0),
+                                    help="Forward captions and CE pairs in length-sorted chunks of this many rows "
+                                         "(0: one padded batch).")
+    progress: bool = option(True, off="--no-progress", help="No progress bars.")
 
     def __post_init__(self):
+        object.__setattr__(self, "device", check_device(self.device))
         self.check()
 
     def check(self) -> None:
@@ -627,12 +666,10 @@ class Trainer:
 
 # ----------------------------------------------------------------------------------------- CLI
 def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int) -> VLRetrievalModel:
-    """``minilm``, a plain HF BERT folder, or any retrieval model folder ``checkpoints.load_model_folder`` knows
-    (ours, MMT-Retrieval, OSCAR: continue fine-tuning; a head it lacks starts fresh and is trained here)."""
-    from retrieval_core.checkpoints import (KIND_BASELINE, CheckpointError, from_text_backbone,
-                                            inspect_model_folder, load_model_folder, minilm_path)
-
-    if base_model != "minilm":
+    """A named backbone (``backbones``: "minilm"), a plain HF BERT folder, or any retrieval model folder
+    ``checkpoints.load_model_folder`` knows (ours, MMT-Retrieval, OSCAR: continue fine-tuning; a head it lacks
+    starts fresh and is trained here)."""
+    if not is_backbone_name(base_model):
         if not os.path.isdir(base_model):
             raise FileNotFoundError(f"base model {base_model!r}: no such folder (give 'minilm', a plain HF BERT "
                                     f"folder or a retrieval model folder: ours, MMT-Retrieval or OSCAR)")
@@ -653,7 +690,7 @@ def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int
         if not os.path.isfile(os.path.join(base_model, "config.json")):
             raise ValueError(f"base model {base_model!r} is neither a retrieval model folder (rr_model.json, "
                              f"modules.json, OSCAR config.json) nor a HF BERT folder (config.json)")
-    path = minilm_path() if base_model == "minilm" else base_model
+    path = backbone_path(base_model)
     try:
         return from_text_backbone(path, feature_dim, keep_every_other_layer=halve_layers, seed=seed)
     except (OSError, KeyError) as exc:  # transformers' "not a valid model identifier", missing weights...
@@ -676,17 +713,21 @@ def load_split(staged, split: str, max_captions: Optional[int] = None, seed: int
 class TrainPlan:
     """One ``python -m retrieval_core.train`` run: where the data comes from and goes, the model to start
     from, and the trainer's config; validated when built (one line naming the bad value)."""
-    staged: str
-    output: str
-    config: TrainConfig
-    base_model: str = "minilm"
-    halve_layers: bool = False
-    max_regions: Optional[int] = None  # regions per image the model uses (kept with the model)
-    max_train_captions: Optional[int] = None
-    train_split: str = "train"
-    dev_split: str = "dev"
-    manifest: Optional[str] = None  # recorded in provenance only
-    resume: bool = False
+    staged: str = option(help="Staged dataset directory (pipelines.stage output).")
+    output: str = option(help="Output folder: last/, best/, train_log.jsonl.")
+    config: TrainConfig = option_group(TrainConfig)
+    base_model: str = option("minilm", help="'minilm', a plain HF BERT folder, or a VLRetrievalModel folder to "
+                                            "continue fine-tuning.")
+    halve_layers: bool = option(False, help="Keep every other backbone layer (0, 2, 4, ..).")
+    max_regions: Optional[int] = option(None, type=int, help="Regions per image the model uses (kept with the "
+                                                             "model; fewer = faster on CPU).")
+    max_train_captions: Optional[int] = option(None, type=int,
+                                               help="Train on a seeded random subset of this many captions.")
+    train_split: str = option("train")
+    dev_split: str = option("dev")
+    manifest: Optional[str] = option(None, help="Data manifest the staged dir came from (recorded in provenance).")
+    resume: bool = option(False, help="Continue from output/last/.")
+    threads: Optional[int] = threads_option()
 
     def __post_init__(self):
         for name in ("max_regions", "max_train_captions"):
@@ -716,123 +757,14 @@ def run(plan: TrainPlan) -> dict:
     return Trainer(model, train, cfg, plan.output, dev).train(resume=plan.resume)
 
 
-_CHOICE = dict(case_sensitive=False)
-#: TrainConfig fields without a CLI flag: a config given to train_cli_args must keep their defaults.
-_NO_FLAG = ("temperature", "weight_decay", "grad_clip", "p_replace_image", "eval_batch_size")
-
-
-def train_cli_args(cfg: TrainConfig) -> list[str]:
-    """The ``python -m retrieval_core.train`` flags that build ``cfg`` (the CLI's inverse: --objective and every
-    value that differs from TrainConfig's default, which the CLI's defaults equal; the data, model and output
-    flags are the caller's). Recipes are typed TrainConfigs, run through the same CLI a user would run."""
-    defaults = asdict(TrainConfig())
-    fixed = [f for f in _NO_FLAG if getattr(cfg, f) != defaults[f]]
-    if fixed:
-        raise ValueError(f"{', '.join(fixed)} has no train CLI flag: keep the default")
-    args: list[str] = []
-    for name, value in asdict(cfg).items():
-        if name in _NO_FLAG or value is None or (value == defaults[name] and name != "objective"):
-            continue
-        if name == "amp":
-            args += [] if value else ["--no-amp"]
-        elif name == "progress":
-            args += [] if value else ["--no-progress"]
-        elif isinstance(value, bool):
-            args += [f"--{name.replace('_', '-')}"] if value else []
-        else:
-            args += [f"--{name.replace('_', '-')}", str(value)]
-    return args
-
-
 @click.command(context_settings=CONTEXT_SETTINGS,
                help="Fine-tune a VLRetrievalModel (BE, CE or JOIN) on a staged dataset: writes OUTPUT/last, "
                     "OUTPUT/best (the dev-best model) and OUTPUT/train_log.jsonl.")
-@click.option("--staged", required=True, help="Staged dataset directory (pipelines.stage output).")
-@click.option("--manifest", help="Data manifest the staged dir came from (recorded in provenance).")
-@click.option("--objective", type=click.Choice(OBJECTIVES, **_CHOICE), default="joint", show_default=True)
-@click.option("--base-model", default="minilm", show_default=True,
-              help="'minilm', a plain HF BERT folder, or a VLRetrievalModel folder to continue fine-tuning.")
-@click.option("--halve-layers", is_flag=True, help="Keep every other backbone layer (0, 2, 4, ..).")
-@click.option("--be-loss", type=click.Choice(BE_LOSSES, **_CHOICE), default="triplet", show_default=True)
-@click.option("--steps", type=int, default=1000, show_default=True)
-@click.option("--batch-size", type=int, default=32, show_default=True, help="Captions per step (CE: 2x pairs).")
-@click.option("--lr", type=float, default=5e-5, show_default=True)
-@click.option("--new-layers-lr-mult", type=float, default=1.0, show_default=True,
-              help="Learning-rate multiplier for the randomly initialised image embedding and CE head.")
-@click.option("--image-init", type=click.Choice(IMAGE_INITS, **_CHOICE), default="random", show_default=True,
-              help="Image embedding start: random, or a least-squares fit to the captions' word embeddings.")
-@click.option("--margin", type=float, default=0.1, show_default=True)
-@click.option("--hard-negative-prob", type=float, default=0.0, show_default=True,
-              help="Share of CE negatives drawn from the gold image's nearest images by pooled region features.")
-@click.option("--hard-negative-k", type=int, default=8, show_default=True,
-              help="How many nearest images form that pool.")
-@click.option("--mined-negative-prob", type=float, default=0.0, show_default=True,
-              help="Share of CE negatives from the BE's own top-k (t2i: wrong images it ranks high for the caption; "
-                   "i2t: wrong captions it ranks high for the gold image).")
-@click.option("--mine-k", type=int, default=8, show_default=True, help="BE top-k depth the mined negatives come from.")
-@click.option("--mine-every", type=int, default=0, show_default=True,
-              help="Re-mine with the current model every N steps (0: once, at the first CE step).")
-@click.option("--mine-start-step", type=int, default=0, show_default=True,
-              help="No mined negatives before this step (a CE head at chance first learns from the other sources).")
-@click.option("--mine-pool", type=int, default=4000, show_default=True,
-              help="Captions encoded per mining (the coming steps' captions + a seeded sample): the i2t pool.")
-@click.option("--mine-model", help="Mine with this BE checkpoint instead of the model being trained.")
-@click.option("--freeze-word-embeddings", is_flag=True,
-              help="Keep the backbone's word embeddings fixed (~20 % faster CPU steps for the halved MiniLM).")
-@click.option("--ce-loss", type=click.Choice(CE_LOSSES, **_CHOICE), default="pair", show_default=True,
-              help="pair: binary loss per (caption, image) pair (the paper); listwise: softmax over each "
-                   "caption's positive and its negatives (LCE).")
-@click.option("--ce-negatives", type=int, default=1, show_default=True, help="Negatives per caption in a CE step.")
-@click.option("--ce-batch-size", type=int, help="Captions per CE step [--batch-size].")
-@click.option("--ce-start-step", type=int, default=0, show_default=True,
-              help="joint: run the BE objective alone before this step (the CE learns once the BE has aligned "
-                   "image and text tokens).")
-@click.option("--output", required=True, help="Output folder: last/, best/, train_log.jsonl.")
-@click.option("--eval-every", type=int, default=0, show_default=True,
-              help="Dev evaluation every M steps (0: at the end).")
-@click.option("--checkpoint-every", type=int, default=0, show_default=True,
-              help="Write output/last every N steps (0: at the end).")
-@click.option("--keep-checkpoints", is_flag=True,
-              help="Also keep the model of every --checkpoint-every step (output/checkpoints/step-N; for "
-                   "benchmarks.learning_curves).")
-@click.option("--length-chunk-rows", type=click.IntRange(min=0), default=16, show_default=True,
-              help="Forward captions and CE pairs in length-sorted chunks of this many rows (0: one padded batch).")
-@click.option("--resume", is_flag=True, help="Continue from output/last/.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@device_option()
-@click.option("--no-amp", is_flag=True, help="No bf16 autocast on CUDA.")
-@click.option("--cpu-bf16", is_flag=True, help="bf16 autocast for CPU training steps (CPUs with native bf16 only).")
-@click.option("--max-regions", type=int, help="Regions per image the model uses (kept with the model; fewer = "
-                                                "faster on CPU).")
-@click.option("--max-train-captions", type=int, help="Train on a seeded random subset of this many captions.")
-@click.option("--train-split", default="train", show_default=True)
-@click.option("--dev-split", default="dev", show_default=True)
-@threads_option()
-@click.option("--no-progress", is_flag=True, help="No progress bars.")
-def main(staged, manifest, objective, base_model, halve_layers, be_loss, steps, batch_size, lr, new_layers_lr_mult,
-         image_init, margin, hard_negative_prob, hard_negative_k, mined_negative_prob, mine_k, mine_every,
-         mine_start_step, mine_pool, mine_model, freeze_word_embeddings, ce_loss, ce_negatives, ce_batch_size,
-         ce_start_step, output, eval_every, length_chunk_rows, checkpoint_every, keep_checkpoints, resume, seed, device,
-         no_amp, cpu_bf16,
-         max_regions, max_train_captions, train_split, dev_split, threads, no_progress) -> None:
-    apply_device_and_threads(device, threads)
+@plan_options(TrainPlan)
+def main(**values) -> None:
+    apply_device_and_threads(values["device"], values["threads"])
     with cli_errors():  # missing staged folder, bad model folder, bad value: one line, exit 1
-        cfg = TrainConfig(objective=objective, be_loss=be_loss, margin=margin, steps=steps,
-                          batch_size=batch_size, lr=lr, new_layers_lr_mult=new_layers_lr_mult,
-                          image_init=image_init, hard_negative_prob=hard_negative_prob,
-                          hard_negative_k=hard_negative_k, mined_negative_prob=mined_negative_prob, mine_k=mine_k,
-                          mine_every=mine_every, mine_start_step=mine_start_step, mine_pool=mine_pool,
-                          mine_model=mine_model, ce_loss=ce_loss, ce_negatives=ce_negatives,
-                          ce_batch_size=ce_batch_size, ce_start_step=ce_start_step,
-                          freeze_word_embeddings=freeze_word_embeddings, eval_every=eval_every,
-                          checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-                          length_chunk_rows=length_chunk_rows, seed=seed,
-                          device=device, amp=not no_amp, cpu_bf16=cpu_bf16,
-                          progress=not no_progress)
-        plan = TrainPlan(staged=staged, output=output, config=cfg, base_model=base_model, halve_layers=halve_layers,
-                         max_regions=max_regions, max_train_captions=max_train_captions, train_split=train_split,
-                         dev_split=dev_split, manifest=manifest, resume=resume)
-        result = run(plan)
+        result = run(plan_from_cli(TrainPlan, values))
     if result["best_eval"] is not None:
         ev = result["best_eval"]
         extra = (f", CE pair accuracy vs random / nearest image {ev['ce_pair_acc']:.1f}% / "

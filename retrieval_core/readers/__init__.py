@@ -19,12 +19,36 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from ..schema import KIND_CAPTION, KIND_IMAGE, RawCaption, RawImage, Reject
-from ._common import (LOCAL_FILES, FileAccess, LocalFileAccess, URLAccessError, _open_binary, apply_source_id_pattern,
-                      file_stem, is_url, list_inputs)
-from .captions import (read_caption_lines, read_cc_tsv, read_flickr30k_entities, read_karpathy_json,
-                       read_multi30k, strip_entities_markup)
-from .features import (BUTD_COLUMNS, detector_frame_size, image_size, read_bua_npz, read_butd_tsv,
-                       read_oscar_pt, read_plain_npz, read_uniter_npz)
+from ..synthetic import SyntheticSpec, generate_captions, generate_images
+from ._common import (
+    LOCAL_FILES,
+    FileAccess,
+    LocalFileAccess,
+    URLAccessError,
+    _open_binary,
+    apply_source_id_pattern,
+    file_stem,
+    is_url,
+    list_inputs,
+)
+from .captions import (
+    read_caption_lines,
+    read_cc_tsv,
+    read_flickr30k_entities,
+    read_karpathy_json,
+    read_multi30k,
+    strip_entities_markup,
+)
+from .features import (
+    BUTD_COLUMNS,
+    detector_frame_size,
+    image_size,
+    read_bua_npz,
+    read_butd_tsv,
+    read_oscar_pt,
+    read_plain_npz,
+    read_uniter_npz,
+)
 
 SYNTHETIC = "synthetic"
 
@@ -108,7 +132,6 @@ def plan_read_tasks(collection: str, kind: str, format: str, path, options: Opti
     frozen = _freeze(options)
     if format == SYNTHETIC:
         _readers(kind)
-        from ..synthetic import SyntheticSpec
 
         spec = SyntheticSpec.from_options(collection, options, feature_dim)
         if chunk_size < 1:
@@ -160,7 +183,6 @@ def caption_image_splits(collection: str, format: str, path, options: Optional[d
 def _read(task: ReadTask, files: Optional[FileAccess]) -> Iterator[RawImage | RawCaption | Reject]:
     options = {k: v for k, v in task.options}
     if task.format == SYNTHETIC:
-        from ..synthetic import SyntheticSpec, generate_captions, generate_images
 
         spec = SyntheticSpec.from_options(task.collection, options, task.feature_dim)
         stop = spec.num_images if task.stop is None else task.stop

@@ -27,8 +27,19 @@ from collections import defaultdict
 from typing import Iterator, Optional
 
 from ..schema import KIND_CAPTION, RawCaption, Reject
-from ._common import (FileAccess, apply_source_id_pattern, bad_id_reason, decode_id, decode_text, file_stem,
-                      is_unicode_text, iter_lines, read_bytes, read_lines, str_or_bytes)
+from ._common import (
+    FileAccess,
+    apply_source_id_pattern,
+    bad_id_reason,
+    decode_id,
+    decode_text,
+    file_stem,
+    is_unicode_text,
+    iter_lines,
+    read_bytes,
+    read_lines,
+    str_or_bytes,
+)
 
 CaptionRecord = RawCaption | Reject
 

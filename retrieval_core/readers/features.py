@@ -24,10 +24,21 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from ..schema import KIND_IMAGE, RawImage, Reject
 from ..paths import join_path
-from ._common import (LOCAL_FILES, FileAccess, URLAccessError, _open_binary, apply_source_id_pattern, bad_id_reason,
-                      decode_id, file_stem, is_unicode_text, iter_lines, npz_bytes)
+from ..schema import KIND_IMAGE, RawImage, Reject
+from ._common import (
+    LOCAL_FILES,
+    FileAccess,
+    URLAccessError,
+    _open_binary,
+    apply_source_id_pattern,
+    bad_id_reason,
+    decode_id,
+    file_stem,
+    is_unicode_text,
+    iter_lines,
+    npz_bytes,
+)
 
 ImageRecord = RawImage | Reject
 
@@ -382,7 +393,8 @@ def read_plain_npz(path: str, files: Optional[FileAccess] = None, *, image_w: in
         elif image_dir:
             image_path = _find_image(image_dir, stem, files)
             if image_path is None:
-                yield _reject(path, locator, f"no image {stem}.jpg/.jpeg/.png in image_dir {image_dir!r} to size the boxes")
+                yield _reject(path, locator,
+                              f"no image {stem}.jpg/.jpeg/.png in image_dir {image_dir!r} to size the boxes")
                 return
             try:
                 w, h = image_size(image_path, files)

@@ -1,0 +1,243 @@
+"""The rerank-run contract, read side: a ``pipelines.rerank`` run (its rankings_manifest.json and the checksummed
+shards it lists), the gold of its queries, and any (k, mode, lam) re-derived from its stored scores.
+
+Score once, evaluate many: a run stores, per query, its BE top-n with ``be_rank``, ``be_score`` and (CE modes) the
+CE scores of its BE top-k, so any k' <= k, mode and lam can be ranked from it exactly as a run with those
+settings would have been (``retrieval_core.rerank.derive_rankings``). Everything is read through the
+``files`` given (a ``FileAccess``; the pipelines and benchmarks pass Beam's, so runs may live at URLs).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Optional, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from retrieval_core import schema
+from retrieval_core.metrics import evaluate_rankings
+from retrieval_core.paths import LOCAL_FILES, FileAccess, join_path, read_file, split_path
+from retrieval_core.rerank import (
+    FUSION_MODES,
+    RANKINGS_MANIFEST,
+    RANKINGS_SUBDIR,
+    RUN_MODES,
+    RUN_TO_RANK_MODE,
+    derive_rankings,
+)
+from retrieval_core.store import StagedDataset
+
+DIRECTIONS = (schema.DIRECTION_T2I, schema.DIRECTION_I2T)
+DEFAULT_LAM = 0.5  # pipelines.rerank's default --lam: a fusion derived from a CO run uses it
+#: The fusion candidates besides CO (``choose_fusion``): both fusions at these BE weights (the paper's Table 6 grid).
+AUTO_LAMS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+class RunError(ValueError):
+    """A rerank run that is missing, unfinished, changed, or cannot give what is asked of it."""
+
+
+def run_manifest_path(src: str, files: Optional[FileAccess] = None) -> str:
+    """rankings_manifest.json of a run given as its run dir or its rankings/ dir."""
+    files = files or LOCAL_FILES
+    if not (files.isdir(src) or files.exists(src)):
+        raise RunError(f"rankings path not found: {src}")
+    parent, name = split_path(src)
+    for run_dir in (src, parent if name == RANKINGS_SUBDIR else None):
+        if run_dir is not None and files.exists(join_path(run_dir, RANKINGS_MANIFEST)):
+            return join_path(run_dir, RANKINGS_MANIFEST)
+    raise RunError(f"{src}: no {RANKINGS_MANIFEST}: not a finished pipelines.rerank run (rerun it)")
+
+
+def run_dir_of(manifest_path: str) -> str:
+    return split_path(manifest_path)[0]
+
+
+def read_run_manifest(src: str, files: Optional[FileAccess] = None) -> tuple[str, dict]:
+    """(path, manifest) of a run; refuses a manifest of another rankings schema version."""
+    path = run_manifest_path(src, files)
+    try:
+        manifest = json.loads(read_file(path, files).decode("utf-8"))
+    except ValueError as exc:
+        raise RunError(f"{path}: not a rankings manifest ({exc})") from None
+    version = str(manifest.get("schema_version"))
+    if version != schema.RANKINGS_SCHEMA_VERSION:
+        raise RunError(f"{path}: rankings schema {version}, this code reads {schema.RANKINGS_SCHEMA_VERSION} "
+                       f"(stored BE lists with be_rank): rerun pipelines.rerank")
+    return path, manifest
+
+
+def read_run_rankings(manifest_path: str, manifest: dict, files: Optional[FileAccess] = None) -> pa.Table:
+    """Every ranking row of a run: the shards its manifest lists, each checked against its recorded sha256."""
+    files = files or LOCAL_FILES
+    rank_dir = join_path(run_dir_of(manifest_path), RANKINGS_SUBDIR)
+    tables = []
+    for shard in manifest.get("shards", []):
+        path = join_path(rank_dir, shard["name"])
+        if not files.exists(path):
+            raise RunError(f"{path} is listed in {manifest_path} but missing; rerun pipelines.rerank")
+        data = read_file(path, files)
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != shard["sha256"]:
+            raise RunError(f"{path} changed since {manifest_path} was written (sha256 {digest[:12]}... != "
+                           f"{shard['sha256'][:12]}...); rerun pipelines.rerank")
+        t = pq.read_table(pa.BufferReader(data))
+        missing = [c for c in schema.RANKING_COLUMNS if c not in t.column_names]
+        if missing:
+            raise RunError(f"{path}: not a rankings file of this schema (missing {missing}); rerun pipelines.rerank")
+        tables.append(t.select(list(schema.RANKING_COLUMNS)).cast(schema.RANKING_SCHEMA))
+    if not tables:
+        raise RunError(f"{manifest_path} lists no ranking shards; rerun pipelines.rerank")
+    return pa.concat_tables(tables)
+
+
+def resolve_derivation(manifest: dict, k: Optional[int] = None, mode: Optional[str] = None,
+                       lam: Optional[float] = None, where: str = "the run") -> tuple[int, str, Optional[float]]:
+    """(k, mode, lam) to rank a run with: each defaults to the run's own; refuses what the stored scores
+    cannot give (CE modes on an EMB run, exhaustive CE on a top-k run, k deeper than the run's)."""
+    run_mode, run_k, run_lam = manifest["mode"], int(manifest["k"]), manifest.get("lam")
+    mode = (mode or run_mode).lower()
+    if mode not in RUN_MODES:
+        raise RunError(f"mode must be one of {RUN_MODES}, got {mode!r}")
+    k = run_k if k is None else k
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise RunError(f"k must be an integer >= 1, got {k!r}")
+    if mode == "ce":
+        if run_mode != "ce":
+            raise RunError(f"mode ce (exhaustive CE over the whole pool) needs a --mode ce run; {where} "
+                           f"({run_mode}) CE-scored its BE top-{run_k} only: use --mode co")
+        if k != run_k:
+            raise RunError(f"--k does not apply to mode ce: {where} CE-ranked its whole pool")
+    elif mode != "emb" and run_mode == "emb":
+        raise RunError(f"mode {mode} needs CE scores and {where} is an EMB run (none stored): rerun "
+                       f"pipelines.rerank with --mode co and a CE model")
+    # an exhaustive run CE-scored its whole pool: CO / fusion at any depth within it can be derived
+    limit = min(int(v) for v in manifest["ce_depth"].values()) if run_mode == "ce" else run_k
+    if mode != "ce" and k > limit:
+        raise RunError(f"k={k} is deeper than {where} (k={limit}): only k <= {limit} can be derived "
+                       f"from its stored scores; rerun pipelines.rerank with --k {k}")
+    if mode in FUSION_MODES:
+        lam = float(lam if lam is not None else run_lam if run_lam is not None else DEFAULT_LAM)
+        if not 0.0 <= lam <= 1.0:
+            raise RunError(f"lam must be in [0, 1], got {lam}")
+    elif lam is not None:
+        raise RunError(f"--lam applies to add / norm_add only, not to mode {mode}")
+    return int(k), mode, lam
+
+
+def run_collection(manifest: dict, dataset: StagedDataset, collection: Optional[str] = None) -> str:
+    """The staged collection whose gold a run is scored against: the given one, else the run's, else the
+    staged folder's only one."""
+    collection = collection or manifest.get("collection")
+    if collection is None:
+        if len(dataset.collections) != 1:
+            raise RunError(f"--collection is required: {dataset.root} holds {dataset.collections}")
+        collection = dataset.collections[0]
+    if collection not in dataset.collections:
+        raise RunError(f"collection {collection!r} is not staged in {dataset.root} (have {dataset.collections})")
+    return collection
+
+
+def mode_label(mode: str, lam: Optional[float]) -> str:
+    """A ranking's name: the mode, with lam for the fusions (add_0.5)."""
+    return f"{mode}_{lam:g}" if lam is not None else mode
+
+
+class LoadedRun:
+    """A verified rerank run with the gold of its queries, read once: :meth:`evaluate` and :meth:`ranked`
+    re-derive any (k, mode, lam) from its stored scores."""
+
+    def __init__(self, manifest_path: str, manifest: dict, table: pa.Table, dataset: StagedDataset,
+                 collection: str, split: Optional[str], caption_to_image: dict, image_to_captions: dict,
+                 directions: tuple[str, ...]):
+        self.manifest_path, self.manifest, self.table, self.dataset = manifest_path, manifest, table, dataset
+        self.collection, self.split, self.directions = collection, split, directions
+        self.caption_to_image, self.image_to_captions = caption_to_image, image_to_captions
+
+    @classmethod
+    def read(cls, run_dir: str, staged: str, collection: Optional[str] = None, split: Optional[str] = None,
+             files: Optional[FileAccess] = None) -> "LoadedRun":
+        dataset = StagedDataset(staged, files=files)
+        manifest_path, manifest = read_run_manifest(run_dir, files)
+        collection = run_collection(manifest, dataset, collection)
+        split = split if split is not None else manifest.get("split")
+        recorded = (manifest.get("staged_sha256") or {}).get(f"captions/{collection}")
+        here = dataset.content_sha256("captions", collection)
+        if recorded and recorded != here:
+            raise RunError(f"{manifest_path} ranked the captions/{collection} shards of another staging (sha256 "
+                           f"{recorded[:12]}...) than {staged} holds ({here[:12]}...): its gold would not be the "
+                           f"run's; pass the staged folder the run used ({manifest.get('staged')})")
+        table = read_run_rankings(manifest_path, manifest, files)
+        directions = tuple(d for d in DIRECTIONS if d in manifest.get("directions", DIRECTIONS))
+        restrict = {}
+        if manifest.get("queries_file"):  # a restricted run: the gold of its ranked queries only
+            ranked = {d: set(pc.unique(table.filter(pc.equal(table.column("direction"), d)).column("query_id"))
+                             .to_pylist()) for d in directions}
+            restrict = {"captions": ranked.get(schema.DIRECTION_T2I, set()),
+                        "images": ranked.get(schema.DIRECTION_I2T, set())}
+        caption_to_image, image_to_captions = dataset.gold(collection, split, **restrict)
+        if not caption_to_image and not restrict:
+            raise RunError(f"no {split!r} captions for collection {collection!r} in {staged}")
+        return cls(manifest_path, manifest, table, dataset, collection, split, caption_to_image, image_to_captions,
+                   directions)
+
+    @property
+    def run_dir(self) -> str:
+        return run_dir_of(self.manifest_path)
+
+    def resolve(self, k: Optional[int] = None, mode: Optional[str] = None,
+                lam: Optional[float] = None) -> tuple[int, str, Optional[float]]:
+        return resolve_derivation(self.manifest, k, mode, lam, where=self.run_dir)
+
+    def ranked(self, k: Optional[int] = None, mode: Optional[str] = None, lam: Optional[float] = None) -> pa.Table:
+        """The run's rankings re-ranked for (k, mode, lam) from its stored scores (its own when they match)."""
+        k, mode, lam = self.resolve(k, mode, lam)
+        if (k, mode, lam) == (int(self.manifest["k"]), self.manifest["mode"], self.manifest.get("lam")):
+            return self.table
+        rank_k = max(int(v) for v in self.manifest["ce_depth"].values()) if mode == "ce" else k
+        try:
+            return derive_rankings(self.table, rank_k, RUN_TO_RANK_MODE[mode],
+                                   lam if lam is not None else DEFAULT_LAM)
+        except ValueError as exc:
+            raise RunError(f"{self.manifest_path}: {exc}") from None
+
+    def evaluate(self, k: Optional[int] = None, mode: Optional[str] = None, lam: Optional[float] = None) -> dict:
+        """Recall of the run ranked for (k, mode, lam): ``metrics.evaluate_rankings``' keys plus ``k``, ``mode``,
+        ``lam`` as applied, ``collection``, ``split``; ``collection_size`` is the t2i candidate pool."""
+        k, mode, lam = self.resolve(k, mode, lam)
+        result = evaluate_rankings(self.ranked(k, mode, lam), self.caption_to_image, self.image_to_captions,
+                                   directions=self.directions)
+        pool = self.manifest.get("pool_size", {}).get(schema.DIRECTION_T2I)
+        if pool is not None:
+            result["collection_size"] = int(pool)
+        result.update(k=k, mode=mode, lam=lam, collection=self.collection, split=self.split)
+        return result
+
+
+def evaluate_run(run_dir: str, staged: str, *, k: Optional[int] = None, mode: Optional[str] = None,
+                 lam: Optional[float] = None, collection: Optional[str] = None, split: Optional[str] = None,
+                 files: Optional[FileAccess] = None) -> dict:
+    """Recall of a run, re-derived for (k, mode, lam) (default: the run's own): see :meth:`LoadedRun.evaluate`."""
+    return LoadedRun.read(run_dir, staged, collection, split, files).evaluate(k, mode, lam)
+
+
+def choose_fusion(dev_run: str, staged: str, k: int, lams: Sequence[float] = AUTO_LAMS,
+                  collection: Optional[str] = None, files: Optional[FileAccess] = None) -> dict:
+    """The fusion with the best mR on a dev run (a CE-scored run on a held-out split): CO, ADD_lam and
+    NORM_ADD_lam for every lam, each derived at depth ``k`` from the run's stored scores.
+
+    CO, the paper's setting, wins ties: a fusion is chosen only where it measures better. Returns
+    ``{"mode", "lam", "label", "dev_mR": {label: mR}, "dev_run", "dev_split", "k"}``."""
+    run = LoadedRun.read(dev_run, staged, collection, files=files)
+    candidates = [("co", None)] + [(m, float(lam)) for m in FUSION_MODES for lam in lams]
+    scores = {mode_label(m, lam): run.evaluate(k, m, lam)["mR"] for m, lam in candidates}
+    best = candidates[0]
+    for m, lam in candidates[1:]:
+        if scores[mode_label(m, lam)] > scores[mode_label(*best)] + 1e-9:
+            best = (m, lam)
+    return {"mode": best[0], "lam": best[1], "label": mode_label(*best),
+            "dev_mR": {label: round(v, 4) for label, v in scores.items()},
+            "dev_run": run.run_dir, "dev_split": run.split, "k": int(k)}
