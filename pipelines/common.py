@@ -22,20 +22,12 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from retrieval_core.cli import DEBUG_ENV  # noqa: F401  (RR_DEBUG=1: full tracebacks; re-exported)
-from retrieval_core.paths import is_url
+from retrieval_core.paths import LOCAL_FILES, is_url
 
 log = logging.getLogger(__name__)
 
 # click settings for CLIs that pass unknown --flags through to Beam (--runner, --direct_num_workers...).
 BEAM_CLI_CONTEXT = dict(ignore_unknown_options=True, allow_extra_args=True, help_option_names=["-h", "--help"])
-
-
-def cli_errors(*error_types: type):
-    """At a CLI boundary: bad input as one ``Error: ...`` line and exit 1 (``RR_DEBUG=1``: the traceback).
-    The one implementation is retrieval_core.cli.cli_errors (Beam-free, shared with the training CLI)."""
-    from retrieval_core.cli import cli_errors as _cli_errors
-
-    return _cli_errors(*error_types)
 
 
 class UnknownFlagError(click.UsageError):
@@ -138,7 +130,6 @@ class WriteRunReport:
     into one list and write it to ``<output>/_run/report.json``; the launcher reads it with
     :func:`read_run_report`. One final step on purpose: DaskRunner (Beam 2.77) computes only the graph of
     the last transform, so every write must feed it."""
-
     @staticmethod
     def apply(parts: Sequence, output: str, label: str = "run report"):
         import apache_beam as beam
@@ -237,10 +228,8 @@ class BeamFileAccess:
 
     Local paths go to the readers' local access unchanged, so local staging keeps its exact glob semantics
     and error messages (Beam's local match differs: ``*`` skips no dot files, a directory matches itself)."""
-
     @staticmethod
     def _local():
-        from retrieval_core.paths import LOCAL_FILES
         return LOCAL_FILES
 
     def open(self, path: str):
@@ -337,35 +326,7 @@ def shard_name(prefix: str, index: int, total: int, suffix: str) -> str:
     return f"{prefix}-{index:05d}-of-{total:05d}{suffix}"
 
 
-# --------------------------------------------------------------------------- typed launchers (appended)
-#: The one --device spelling of every CLI; Beam/torch names for it (handlers.VLModelHandler takes "CPU"/"GPU").
-DEVICES = ("cpu", "cuda")
-_BEAM_DEVICE = {"cpu": "CPU", "cuda": "GPU"}
-DEVICE_CHOICE = click.Choice(DEVICES, case_sensitive=False)
-
-
-def beam_device(device: str) -> str:
-    """``cpu|cuda`` (any case) -> the handler's "CPU"/"GPU"; anything else is a one-line error."""
-    try:
-        return _BEAM_DEVICE[device.lower()]
-    except (KeyError, AttributeError):
-        raise ValueError(f"device must be one of {'|'.join(DEVICES)}, got {device!r}") from None
-
-
-def check_choice(name: str, value, choices: Sequence) -> None:
-    """Plan validation: ``value`` must be one of ``choices`` (one-line ValueError naming both)."""
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {'|'.join(map(str, choices))}, got {value!r}")
-
-
-def check_positive(name: str, value, allow_none: bool = False) -> None:
-    """Plan validation: an int >= 1 (or None where allowed)."""
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
+# ------------------------------------------------------------------------------------- runners
 def is_dask(options: PipelineOptions) -> bool:
     return runner_name(options) == "DaskRunner"
 
@@ -446,7 +407,6 @@ class Progress:
     in the launcher's process, so they find the bar; on DaskRunner/Dataflow (and in Beam worker processes) no
     bar exists there, ``advance`` does nothing and the Beam counters (:func:`counter_values`, the runner's
     dashboard) are what shows progress. The bar only writes to stderr: it never changes an output."""
-
     _bar = None
 
     @classmethod
@@ -579,7 +539,6 @@ class _DropWorkerTraceback(logging.Filter):
     """Beam logs a failing DoFn's traceback at ERROR (``apache_beam.runners.common``) and then re-raises the
     exception with the step appended (``... [while running 'read batches']``): the launcher reports that one
     line, so the logged copy of the traceback is dropped (RR_DEBUG=1 keeps it)."""
-
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.exc_info and "[while running" in record.getMessage())
 

@@ -5,12 +5,12 @@ trains on it, built on first use.
 :func:`ensure_demo_assets`; `python -m benchmarks.run` calls :func:`ensure_models` with BENCH_RECIPE. A recipe
 (:class:`Recipe`) is typed: one ``retrieval_core.train.TrainConfig`` per model it trains (JOIN, and the SEP pair:
 a bi-encoder, then a cross-encoder fine-tuned from that bi-encoder's checkpoint), run through the same
-``python -m retrieval_core.train`` a user would run (``train.train_cli_args``), so what the demo does is exactly
-what the README shows. Caches: the staged collection and the demo models under ``$RR_WORKDIR/demo`` (default
-``./runs/demo``), the benchmark models under ``$RR_WORKDIR/bench-models/seed<N>``; a complete asset is reused,
-a missing or incomplete one is (re)built, and one built otherwise is rebuilt: the staged collection by another
-generator version (``demo/assets.json``), a model by another training command or staged content (its
-``recipe.json``).
+``python -m retrieval_core.train`` a user would run (a ``TrainPlan`` written back as its arguments), so what the
+demo does is exactly what the README shows. Caches: the staged collection and the demo models under
+``$RR_WORKDIR/demo`` (default ``./runs/demo``), the benchmark models under ``$RR_WORKDIR/bench-models/seed<N>``; a
+complete asset is reused, a missing or incomplete one is (re)built, and one built otherwise is rebuilt: the staged
+collection by another generator version (``demo/assets.json``), a model by another training command or staged
+content (its ``recipe.json``).
 """
 from __future__ import annotations
 
@@ -23,7 +23,10 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from pipelines import common, launch
-from retrieval_core.train import TrainConfig, train_cli_args
+from retrieval_core import synthetic
+from retrieval_core.cli import to_argv
+from retrieval_core.store import StagedDataset
+from retrieval_core.train import TrainConfig, TrainPlan
 
 log = logging.getLogger(__name__)
 
@@ -160,12 +163,6 @@ def model_dir() -> str:
     return model_dirs(DEMO_RECIPE).join
 
 
-def sep_model_dir(objective: str) -> str:
-    """The demo SEP models' training folders (objective "be" or "ce")."""
-    dirs = model_dirs(DEMO_RECIPE)
-    return dirs.be if objective == "be" else dirs.ce
-
-
 def _run(args: list[str]) -> None:
     log.info("running: %s", " ".join(args))
     print("+ " + " ".join(args), flush=True)
@@ -183,8 +180,6 @@ def _stamp_matches(path: str, want: dict) -> bool:
 def ensure_staged(beam_args: tuple[str, ...] = ()) -> str:
     """The staged demo collection. Staged by another generator version, it (and every model trained on it) is
     rebuilt: it would silently give other numbers."""
-    from retrieval_core import synthetic
-
     stamp = os.path.join(demo_dir(), "assets.json")
     want = {"assets_version": ASSETS_VERSION, "synthetic_sibling_changes": list(synthetic.DEFAULT_SIBLING_CHANGES)}
     if not _stamp_matches(stamp, want):
@@ -218,13 +213,11 @@ def training_finished(train_output: str, steps: int) -> bool:
 def _ensure_trained(staged: str, out: str, cfg: TrainConfig, recipe: Recipe, base_model: str = "minilm") -> str:
     """Trains one model into ``out`` unless a finished run of exactly this command on this staged content is there
     (``out/recipe.json``); a folder trained otherwise is rebuilt, a killed run of this command resumes."""
-    from retrieval_core.store import StagedDataset
-
     best = trained_model_path(out)
-    args = ["--manifest", DEMO_MANIFEST, "--staged", staged, "--base-model", base_model, "--max-regions",
-            str(recipe.max_regions), *train_cli_args(cfg)]
-    if base_model == "minilm" and recipe.halve_layers:  # a checkpoint brings its own layers
-        args.append("--halve-layers")
+    plan = TrainPlan(staged=staged, output=out, config=cfg, base_model=base_model, manifest=DEMO_MANIFEST,
+                     max_regions=recipe.max_regions,
+                     halve_layers=base_model == "minilm" and recipe.halve_layers)  # a checkpoint brings its layers
+    args = to_argv(plan)
     ds = StagedDataset(staged)
     want = {"assets_version": ASSETS_VERSION, "train_args": args,
             "staged": {kind: ds.content_sha256(kind, DEMO_MANIFEST) for kind in ("images", "captions")}}
@@ -240,10 +233,10 @@ def _ensure_trained(staged: str, out: str, cfg: TrainConfig, recipe: Recipe, bas
             shutil.rmtree(out)
         os.makedirs(out)
         common.write_json_atomic(stamp, want)
-    resume = ["--resume"] if os.path.exists(os.path.join(out, "last", "trainer_state.json")) else []
+    resume = os.path.exists(os.path.join(out, "last", "trainer_state.json"))
     # checkpoints let a killed run resume; not in the stamp: a resumed run reproduces an uninterrupted one (CPU)
-    _run([sys.executable, "-m", "retrieval_core.train", *args, "--checkpoint-every", str(CHECKPOINT_EVERY),
-          "--output", out, *resume])
+    run = replace(plan, config=replace(cfg, checkpoint_every=CHECKPOINT_EVERY), resume=resume)
+    _run([sys.executable, "-m", "retrieval_core.train", *to_argv(run)])
     return best
 
 

@@ -17,9 +17,10 @@ elements comes back as ``PredictionResult(example, FailedBatch(reason, traceback
 ``with_exception_handling`` would need a tagged second output, which DaskRunner does not separate); the caller
 records them (pipelines.encode writes dead_letter.jsonl and exits non-zero).
 
-Device: "CPU" or "GPU". Asking for "GPU" where CUDA is unusable raises in ``load_model`` instead of quietly
-running on CPU (Beam's PyTorch handlers fall back silently). On Dataflow GPU workers (one SDK process per
-vCPU) pass ``model_copies=1`` (or ``large_model=True``) so one copy per GPU is shared across processes.
+Device: "cpu" or "cuda" (``retrieval_core.cli.DEVICES``, the one spelling). Asking for "cuda" where CUDA is
+unusable raises in ``load_model`` instead of quietly running on CPU (Beam's PyTorch handlers fall back
+silently). On Dataflow GPU workers (one SDK process per vCPU) pass ``model_copies=1`` (or ``large_model=True``)
+so one copy per GPU is shared across processes.
 """
 from __future__ import annotations
 
@@ -29,7 +30,14 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
+import torch
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
+
+from pipelines.common import BEAM_FILES
+from retrieval_core.checkpoints import load_model_folder
+from retrieval_core.cli import check_device
+from retrieval_core.collate import collate_images, collate_pairs
+from retrieval_core.schema import check_quantize
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +45,6 @@ TASK_EMBED_TEXT = "embed_text"
 TASK_EMBED_IMAGE = "embed_image"
 TASK_SCORE_PAIRS = "score_pairs"
 TASKS = (TASK_EMBED_TEXT, TASK_EMBED_IMAGE, TASK_SCORE_PAIRS)
-DEVICES = ("CPU", "GPU")
 TASK_HEAD = {TASK_EMBED_TEXT: "be", TASK_EMBED_IMAGE: "be", TASK_SCORE_PAIRS: "ce"}  # the head a task runs
 
 #: RunInference metrics (num_inferences, inference_batch_latency_micro_secs, inference_request_batch_size,
@@ -71,14 +78,12 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
     """ModelHandler for one task of a model folder (see module docstring): any folder that
     ``retrieval_core.checkpoints.load_model_folder`` loads and that has the task's head."""
 
-    def __init__(self, model_dir: str, task: str, *, device: str = "CPU", max_batch_size: int = 64,
+    def __init__(self, model_dir: str, task: str, *, device: str = "cpu", max_batch_size: int = 64,
                  min_batch_size: int = 1, model_copies: Optional[int] = None, large_model: bool = False,
                  num_threads: Optional[int] = None, dead_letter: bool = False, quantize: Optional[str] = None):
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-        device = device.upper()
-        if device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+        device = check_device(device)
         if not 1 <= min_batch_size <= max_batch_size:
             raise ValueError(f"need 1 <= min_batch_size <= max_batch_size, got {min_batch_size}, {max_batch_size}")
         # max_batch_size is always set: BatchElements' own default may grow a batch to 10,000 elements.
@@ -90,8 +95,7 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
         self.num_threads = num_threads
         self.dead_letter = dead_letter
         if quantize not in (None, "none"):  # refused at plan time, not in a worker
-            from retrieval_core.schema import check_quantize
-            check_quantize(quantize, "cpu" if device == "CPU" else "cuda")
+            check_quantize(quantize, device)
         self.quantize = quantize
 
     def __repr__(self) -> str:
@@ -99,20 +103,15 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
 
     # ------------------------------------------------------------------------------------ model
     def load_model(self):
-        import torch
-
-        from pipelines.common import BEAM_FILES
-        from retrieval_core.checkpoints import load_model_folder
-
-        if self.device == "GPU" and not torch.cuda.is_available():
-            raise DeviceUnavailableError("device GPU was requested but torch.cuda.is_available() is False "
-                                         f"(torch {torch.__version__}); use --device CPU or a CUDA worker")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise DeviceUnavailableError("device cuda was requested but torch.cuda.is_available() is False "
+                                         f"(torch {torch.__version__}); use --device cpu or a CUDA worker")
         if self.num_threads:
             torch.set_num_threads(int(self.num_threads))
         # any model folder (ours, MMT-Retrieval, OSCAR, the training-free baseline), refused if it lacks the head;
         # a gs:// folder is copied to this machine's model cache once and loaded from there
         return load_model_folder(self.model_dir, need=(TASK_HEAD[self.task],),
-                                 device="cuda" if self.device == "GPU" else "cpu", quantize=self.quantize,
+                                 device=self.device, quantize=self.quantize,
                                  files=BEAM_FILES)
 
     def run_inference(self, batch: Sequence[Any], model, inference_args: Optional[dict] = None
@@ -130,8 +129,6 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
             return [PredictionResult(example, failed) for example in batch]
 
     def _infer(self, batch: list, model) -> list[PredictionResult]:
-        import torch
-
         if not hasattr(model, "cfg"):  # retrieval_core.baseline.MappedBaseline: numpy in, numpy out
             return [PredictionResult(example, out) for example, out in zip(batch, self._baseline(batch, model))]
         tensors = self.collate(batch, model)
@@ -142,15 +139,12 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
         return [PredictionResult(example, out[i]) for i, example in enumerate(batch)]
 
     def _baseline(self, batch: list, model) -> np.ndarray:
-        device = "cuda" if self.device == "GPU" else "cpu"
         if self.task == TASK_EMBED_TEXT:
-            return model.encode_text(batch, batch_size=len(batch), device=device)
+            return model.encode_text(batch, batch_size=len(batch), device=self.device)
         return model.encode_image([_regions(f, b) for f, b in batch])
 
     def collate(self, batch: Sequence[Any], model) -> dict:
         """The batch as model inputs, padded to its own longest text / region count."""
-        from retrieval_core.collate import collate_images, collate_pairs
-
         max_regions = model.cfg.max_regions
         if self.task == TASK_EMBED_TEXT:
             return model.text_collator()(batch)

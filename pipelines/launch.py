@@ -31,10 +31,14 @@ _WAIT4 = ("import os, subprocess, sys\n"
           "sys.exit(os.waitstatus_to_exitcode(status))\n")
 
 #: What the forkserver imports before forking steps: Beam with RunInference (which imports torch), transformers'
-#: BERT, and the step modules themselves (the pipelines, the trainer, the benchmark steps the demo runs).
-PRELOAD = ("apache_beam.ml.inference.base", "transformers.models.bert.modeling_bert", "pipelines.stage",
-           "pipelines.encode", "pipelines.build_index", "pipelines.rerank", "retrieval_core.train",
-           "benchmarks.queries", "benchmarks.evaluate", "benchmarks.inspect")
+#: BERT, and the step modules themselves (the pipelines and the trainer; callers add theirs with :func:`preload`).
+PRELOAD = ["apache_beam.ml.inference.base", "transformers.models.bert.modeling_bert", "pipelines.stage.run",
+           "pipelines.encode.run", "pipelines.build_index.run", "pipelines.rerank.run", "retrieval_core.train"]
+
+
+def preload(*modules: str) -> None:
+    """Have the forkserver import ``modules`` too (a caller's own step modules); effective until it starts."""
+    PRELOAD.extend(m for m in modules if m not in PRELOAD)
 
 
 def start(argv: list[str], rss_file: str, preload: bool):

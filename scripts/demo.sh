@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-exec .venv/bin/python -m pipelines.demo "$@"
+exec .venv/bin/python -m benchmarks.demo "$@"

@@ -1,0 +1,75 @@
+"""The build_index job's Beam graph: one index shard per embedding shard, built from the trained index by the
+workers (which read it, and the id list, by path and checksum)."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.metrics import Metrics
+
+from pipelines import common
+from pipelines.build_index.plan import IndexBuildError, IndexPlan
+from retrieval_core import embeddings as emb
+from retrieval_core import index as ix
+
+log = logging.getLogger(__name__)
+
+#: Beam counters (namespace "build_index"): vectors_added, shards_built.
+METRICS_NAMESPACE = "build_index"
+
+
+@dataclass(frozen=True)
+class _Blob:
+    """A file the workers read by path and verify by checksum (the trained index, the id list)."""
+    path: str
+    sha256: str
+
+    def read(self) -> bytes:
+        data = common.read_bytes(self.path)
+        if common.sha256_bytes(data) != self.sha256:
+            raise IndexBuildError(f"{self.path} changed while the index was being built")
+        return data
+
+
+class BuildShard(beam.DoFn):
+    """Embedding shard entry -> written index shard -> its manifest entry."""
+
+    def __init__(self, plan: IndexPlan, dim: int, trained: _Blob, ids: Optional[_Blob]):
+        self.plan, self.dim, self.trained, self.ids = plan, dim, trained, ids
+
+    def setup(self):
+        ix.set_threads(self.plan.threads)  # faiss bundles its own OpenMP pool
+        self._trained = self.trained.read()
+        # The id list: 8 bytes per listed item, read once per worker process (never pickled into the graph).
+        self._ids = ix.read_id_list(self.ids.read(), self.ids.path) if self.ids else None
+
+    def process(self, entry: dict):
+        t0 = time.time()
+        src = common.join(self.plan.embeddings, emb.shard_relpath(self.plan.modality, entry["name"]))
+        data = common.read_bytes(src)
+        emb.verify_shard_bytes(data, entry, src)
+        ids, vectors = emb.read_embedding_shard(data)
+        emb.check_shard_contents(ids, vectors, entry, self.dim, src)
+        if self._ids is not None:
+            keep = np.isin(ids, self._ids)
+            ids, vectors = ids[keep], vectors[keep]
+        shard = ix.build_shard(self._trained, ids, vectors)
+        name = ix.shard_file_name(entry["name"])
+        sha = common.write_atomic(common.join(self.plan.output, ix.SHARDS_SUBDIR, name), ix.index_bytes(shard))
+        log.info("built %s: %d vectors in %.1f s", name, shard.ntotal, time.time() - t0)
+        Metrics.counter(METRICS_NAMESPACE, "vectors_added").inc(int(shard.ntotal))
+        Metrics.counter(METRICS_NAMESPACE, "shards_built").inc()
+        common.Progress.advance(int(entry["rows"]))  # the embedding vectors this shard read
+        yield {"name": name, "rows": int(shard.ntotal), "sha256": sha,
+               "source": entry["name"], "source_sha256": entry["sha256"]}
+
+
+def build_graph(p: beam.Pipeline, todo: list[dict], shard_fn: BuildShard, output: str) -> None:
+    infos = (p | "Shards" >> beam.Create(todo)
+             | "Spread" >> beam.Reshuffle()
+             | "Build" >> beam.ParDo(shard_fn))
+    common.WriteRunReport.apply([infos], output)  # the last step: DaskRunner computes only its graph

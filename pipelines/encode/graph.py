@@ -1,0 +1,186 @@
+"""The encode job's Beam graph: staged shards -> fixed length-sorted batches -> RunInference -> spill pieces ->
+one Parquet shard per output shard, with its completion record; dead letters for failed batches."""
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable, Optional
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.metrics import Metrics
+from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
+
+from pipelines import common
+from pipelines.encode.plan import EncodeError, EncodePlan, ShardPlan, record_path
+from pipelines.handlers import TASK_EMBED_IMAGE, TASK_EMBED_TEXT, FailedBatch, VLModelHandler, element_length
+from retrieval_core import embeddings as emb
+from retrieval_core import schema
+from retrieval_core.store import StagedDataset
+
+MODALITY_TASK = {schema.MODALITY_IMAGE: TASK_EMBED_IMAGE, schema.MODALITY_TEXT: TASK_EMBED_TEXT}
+#: Beam counters (namespace "encode"): images_encoded, captions_encoded, images_dead_lettered, ...
+METRICS_NAMESPACE = "encode"
+_ENCODED = {m: Metrics.counter(METRICS_NAMESPACE, f"{kind}_encoded") for m, kind in schema.STAGED_KIND.items()}
+_DEAD = {m: Metrics.counter(METRICS_NAMESPACE, f"{kind}_dead_lettered") for m, kind in schema.STAGED_KIND.items()}
+
+
+class StagedShardReader:
+    """One staged shard -> fixed batches of keyed examples for the output shards still to encode.
+
+    A batch holds items of one output shard only, sorted by (padded length, id) and cut every
+    ``batch_size``: little padding, and the same batches on every runner (float results depend on the
+    batch), so a shard's bytes never depend on bundles or on which other shards are redone."""
+
+    def __init__(self, staged_dir: str, split: Optional[str], plans: dict[tuple[str, str], ShardPlan],
+                 batch_size: int):
+        self.staged_dir = staged_dir
+        self.split = split
+        self.plans = plans
+        self.batch_size = batch_size
+        self._ds = None
+
+    def _dataset(self) -> StagedDataset:
+        if self._ds is None:
+            self._ds = StagedDataset(self.staged_dir, files=common.BEAM_FILES)
+        return self._ds
+
+    def _examples(self, modality: str, collection: str, rel: str):
+        if modality == schema.MODALITY_IMAGE:
+            table = self._dataset().read_image_shard(rel, None, self.split)
+            if table is None:
+                return
+            for i, item_id in enumerate(table.item_ids.tolist()):
+                feats, boxes = table.regions(i)
+                yield int(item_id), (feats.copy(), boxes.copy())
+        else:
+            table = self._dataset().read_shard_columns(rel, ("caption_id", "text"), self.split)
+            for cid, text in zip(table.column("caption_id").to_pylist(), table.column("text").to_pylist()):
+                yield int(cid), text
+
+    def batches(self, task: tuple[str, str, str]) -> Iterable[list]:
+        """Keyed examples in batches; the key (collection, item_id, batch tag, batch size) lets
+        :class:`SpillBatches` tell when RunInference has returned the whole batch."""
+        modality, collection, rel = task
+        plan = self.plans[(modality, collection)]
+        by_shard: dict[int, list] = {}
+        for item_id, example in self._examples(modality, collection, rel):
+            if plan.shard_of(item_id) in plan.redo:
+                by_shard.setdefault(plan.shard_of(item_id), []).append((item_id, example))
+        length = MODALITY_TASK[modality]
+        for index in sorted(by_shard):
+            items = sorted(by_shard[index], key=lambda kv: (element_length(length, kv[1]), kv[0]))
+            for start in range(0, len(items), self.batch_size):
+                batch = items[start:start + self.batch_size]
+                tag = f"{rel}#{index}#{start}"  # unique in the run: staged shard, output shard, position
+                yield [((collection, item_id, tag, len(batch)), example) for item_id, example in batch]
+
+
+# ------------------------------------------------------------------------------------- writing
+def spill_piece_path(output: str, modality: str, collection: str, tag: str) -> str:
+    """Where one encoded batch waits for its shard writer (a retried bundle rewrites the same name)."""
+    digest = hashlib.sha1(f"{collection}\0{tag}".encode("utf-8")).hexdigest()[:20]
+    return common.join(output, common.SPILL_DIR, modality, f"{digest}.parquet")
+
+
+class SpillBatches(beam.DoFn):
+    """RunInference's (key, PredictionResult) elements -> one ((modality, collection, shard), (piece, rows))
+    per encoded batch, once the whole batch has come back: its vectors go to a spill piece (an embedding
+    shard file), so the GroupByKey that gathers a shard carries names, never vectors. Failed elements are
+    counted towards their batch and left to :func:`dead_letter_rows`.
+
+    RunInference returns a batch's results from the one call that computed them, so a batch never spans
+    bundles; a runner that split one would leave a batch unfinished at the end of the bundle, which fails
+    the job here rather than losing items."""
+
+    def __init__(self, output: str, modality: str, plans: dict[tuple[str, str], ShardPlan]):
+        self.output, self.modality, self.plans = output, modality, plans
+
+    def start_bundle(self):
+        self._open: dict[str, list] = {}
+
+    def process(self, result):
+        (collection, item_id, tag, size), prediction = result
+        common.Progress.advance(1)  # every item passes here once, encoded or failed
+        batch = self._open.setdefault(tag, [])
+        batch.append((int(item_id), prediction.inference))
+        if len(batch) < size:
+            return
+        del self._open[tag]
+        done = sorted(((i, v) for i, v in batch if not isinstance(v, FailedBatch)), key=lambda r: r[0])
+        if not done:
+            return
+        _ENCODED[self.modality].inc(len(done))
+        ids = np.array([i for i, _ in done], dtype=np.int64)
+        shard = self.plans[(self.modality, collection)].shard_of(ids[0])  # a batch holds one output shard
+        path = spill_piece_path(self.output, self.modality, collection, tag)
+        common.write_atomic(path, emb.embedding_shard_bytes(ids, np.stack([v for _, v in done])))
+        yield (self.modality, collection, shard), (path, len(ids))
+
+    def finish_bundle(self):
+        if self._open:
+            tag, got = next(iter(self._open.items()))
+            raise EncodeError(f"{len(self._open)} encoded batch(es) incomplete at the end of a bundle (e.g. {tag}: "
+                              f"{len(got)} of its items): the runner split RunInference's output of one batch")
+
+
+def dead_letter_rows(result, modality: str):
+    (collection, item_id, _tag, _size), prediction = result
+    failed = prediction.inference
+    if isinstance(failed, FailedBatch):
+        _DEAD[modality].inc()
+        yield {"kind": "dead", "modality": modality, "collection": collection, "item_id": int(item_id),
+               "reason": failed.reason, "traceback": failed.traceback}
+
+
+def write_shard(group, output: str, plans: dict[tuple[str, str], ShardPlan]) -> dict:
+    """Write one output shard from its spill pieces (rows sorted by id), then (if it holds every planned
+    item) its completion record; the shard's buffers (~4 copies of its vectors) go back to the OS before the
+    next shard, so a worker's peak does not grow with the number of shards it writes."""
+    info = _write_shard(group, output, plans)
+    common.release_memory()
+    return info
+
+
+def _write_shard(group, output: str, plans: dict[tuple[str, str], ShardPlan]) -> dict:
+    (modality, collection, index), pieces = group
+    parts = []
+    for path, rows in sorted(pieces):
+        ids, vectors = emb.read_embedding_shard(common.read_bytes(path))
+        if len(ids) != rows:
+            raise EncodeError(f"spill piece {path} holds {len(ids)} rows, {rows} were written")
+        parts.append((ids, vectors))
+    ids = np.concatenate([p[0] for p in parts])
+    order = np.argsort(ids, kind="stable")
+    ids, vectors = ids[order], np.concatenate([p[1] for p in parts])[order]
+    data = emb.embedding_shard_bytes(ids, vectors)
+    plan = plans[(modality, collection)]
+    name = plan.name(index)
+    common.write_atomic(common.join(output, emb.shard_relpath(modality, name)), data)
+    info = emb.shard_info(name, data, len(ids))
+    if len(ids) == plan.expected_rows[index]:  # after the shard: a kill in between only costs a redo
+        common.write_json_atomic(record_path(output, modality, name), {**info, "key": plan.key})
+    return {"kind": "shard", "modality": modality, **info}
+
+
+# ----------------------------------------------------------------------------------------- graph
+def build_graph(p: beam.Pipeline, plan: EncodePlan, shard_plans: dict[tuple[str, str], ShardPlan],
+                tasks: dict[str, list[tuple[str, str, str]]]) -> None:
+    reader = StagedShardReader(plan.staged, plan.split, shard_plans, plan.batch_size)
+    report_parts = []
+    for modality, todo in tasks.items():
+        handler = VLModelHandler(plan.model, MODALITY_TASK[modality], device=plan.device,
+                                 max_batch_size=plan.batch_size, model_copies=plan.model_copies,
+                                 num_threads=plan.threads, dead_letter=True, quantize=plan.quantize)
+        results = (p | f"{modality}: staged shards" >> beam.Create(todo)
+                   | f"{modality}: spread" >> beam.Reshuffle()  # shard names only: features never shuffle
+                   | f"{modality}: read batches" >> beam.FlatMap(reader.batches)
+                   | f"{modality}: encode" >> RunInference(KeyedModelHandler(handler).with_no_batching()))
+        shards = (results
+                  | f"{modality}: spill batches" >> beam.ParDo(SpillBatches(plan.output, modality, shard_plans))
+                  | f"{modality}: group shards" >> beam.GroupByKey()
+                  | f"{modality}: write shards" >> beam.Map(write_shard, plan.output, shard_plans))
+        dead = results | f"{modality}: dead letters" >> beam.FlatMap(dead_letter_rows, modality)
+        report_parts += [shards, dead]
+    common.WriteRunReport.apply(report_parts, plan.output)  # the last step: DaskRunner computes only its graph
+
+

@@ -1,0 +1,212 @@
+"""``python -m pipelines.encode``: bulk-encode a staged collection with the bi-encoder (BE) into checksummed
+embedding shards and embeddings_manifest.json; a rerun encodes only the shards an earlier run did not finish.
+docs/ARCHITECTURE.md describes the graph, resume and memory.
+
+    python -m pipelines.encode                       # the embedded demo collection and model
+    python -m pipelines.encode --staged runs/staged/coco --model runs/models/join/best --output runs/emb/coco
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Optional
+
+import apache_beam as beam
+import click
+import torch
+from apache_beam.metrics.metric import MetricsFilter
+
+from pipelines import common, demo_assets
+from pipelines.encode.graph import METRICS_NAMESPACE, MODALITY_TASK, build_graph
+from pipelines.encode.plan import (
+    EncodeError,
+    EncodePlan,
+    ShardPlan,
+    be_model_folder,
+    keep_finished,
+    keep_other_modalities,
+    plan_shards,
+    staged_ids,
+)
+from pipelines.handlers import VLModelHandler
+from retrieval_core import embeddings as emb
+from retrieval_core import schema
+from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
+from retrieval_core.store import StagedDataset
+
+log = logging.getLogger(__name__)
+
+DEAD_LETTER_FILE = "dead_letter.jsonl"
+CREATED_BY = "pipelines.encode"
+
+
+def inference_metrics(result, namespace: str) -> dict:
+    """Sum RunInference's counters/distributions of one handler namespace (DirectRunner, Dataflow)."""
+    try:
+        res = result.metrics().query(MetricsFilter().with_namespace(namespace))
+    except (NotImplementedError, AttributeError) as exc:
+        log.info("runner reports no metrics (%s)", exc)
+        return {}
+    out: dict = {}
+    for c in res.get("counters", []):
+        value = c.committed if c.committed is not None else c.attempted
+        out[c.key.metric.name] = out.get(c.key.metric.name, 0) + (value or 0)
+    for d in res.get("distributions", []):
+        v = d.committed if d.committed is not None else d.attempted
+        if v is None:
+            continue
+        s, n = out.get(d.key.metric.name, (0, 0))
+        out[d.key.metric.name] = (s + v.sum, n + v.count)
+    return out
+
+
+def throughput_line(modality: str, metrics: dict, device: str) -> str:
+    n = metrics.get("num_inferences", 0)
+    lat_sum, batches = metrics.get("inference_batch_latency_micro_secs", (0, 0))
+    bs_sum, bs_n = metrics.get("inference_request_batch_size", (0, 0))
+    rate = n / (lat_sum / 1e6) if lat_sum else float("nan")
+    mean_bs = bs_sum / bs_n if bs_n else float("nan")
+    return (f"{modality}: {n} encoded in {batches} batches, mean batch {mean_bs:.1f}, "
+            f"{rate:.1f} items/s of model time, device {device}, torch threads {torch.get_num_threads()}")
+
+
+# ------------------------------------------------------------------------------------- launcher
+def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
+    """Encode, write shards + completion records + manifest + dead letters; returns a report dict (counts,
+    shards, metrics), or None on a dry run."""
+    t0 = time.time()
+    options = common.task_pipeline_options(beam_args)
+    ds = StagedDataset(plan.staged, files=common.BEAM_FILES)
+    collections = [plan.collection] if plan.collection else list(ds.collections)
+    if plan.collection and plan.collection not in ds.collections:
+        raise EncodeError(f"collection {plan.collection!r} is not staged in {plan.staged} (have {ds.collections})")
+    folder = be_model_folder(plan.model)
+    model_sha, dim = folder.fingerprint, folder.embedding_dim
+
+    def key_of(modality: str, collection: str, split: Optional[str]) -> dict:
+        return {"model_sha256": model_sha, "dim": dim, "modality": modality, "collection": collection,
+                "split": split, "staged_sha256": ds.content_sha256(schema.STAGED_KIND[modality], collection),
+                # int8 vectors differ from fp32 ones: never kept across a change (fp32 keys stay as they were)
+                **({"quantize": plan.quantize} if plan.quantize != "none" else {})}
+
+    plans: dict[tuple[str, str], ShardPlan] = {}
+    for m in plan.modalities:
+        for c in collections:
+            shard_plan = plan_shards(m, c, staged_ids(ds, m, c, plan.split), plan.per_shard(m),
+                                     key_of(m, c, plan.split))
+            if shard_plan is not None:
+                plans[(m, c)] = shard_plan
+    if not plans:
+        raise EncodeError(f"nothing to encode: no {'/'.join(plan.modalities)} items in {plan.staged} "
+                          f"(collection={plan.collection}, split={plan.split})")
+
+    manifest_file = common.join(plan.output, emb.EMBEDDINGS_MANIFEST)
+    old = common.read_json(manifest_file) if common.exists(manifest_file) else None
+    keep = keep_finished(plan.output, list(plans.values()))
+
+    def recorded_key_now(modality: str, recorded: dict) -> Optional[dict]:
+        """The key a record of an earlier run would have today (None: its collection is no longer staged)."""
+        if recorded.get("collection") not in ds.collections:
+            return None
+        return dict(key_of(modality, recorded["collection"], recorded.get("split")),
+                    num_shards=recorded.get("num_shards"))
+
+    keep.update(keep_other_modalities(plan.output, old, plan.modalities, model_sha, dim, recorded_key_now))
+    planned_in = {m: sum(sum(p.expected_rows[i] for i in p.redo) for p in plans.values() if p.modality == m)
+                  for m in plan.modalities}
+    skipped = {m: sum(int(s["rows"]) for s in keep.get(m, [])) for m in plan.modalities}
+    for m in plan.modalities:
+        if keep.get(m):
+            print(f"{m}: {len(keep[m])} shard(s) with {skipped[m]} items already valid, skipped")
+
+    tasks = {m: [(m, c, rel) for c in collections if plans.get((m, c)) and plans[(m, c)].redo
+                 for rel in ds.shard_names(schema.STAGED_KIND[m], c)] for m in plan.modalities}
+    tasks = {m: t for m, t in tasks.items() if t}
+
+    result, report = None, []
+    if tasks:
+        p = beam.Pipeline(options=options)
+        build_graph(p, plan, plans, tasks)
+        if common.translated_only(p, "encode"):
+            return None
+        common.makedirs(plan.output)
+        common.clear_run_dir(plan.output)
+        common.remove_spill(plan.output)  # pieces of a killed earlier run
+        try:
+            with common.Progress.running(sum(planned_in[m] for m in tasks), "items", "encode", options):
+                result = common.run_pipeline(p)
+        finally:
+            common.remove_spill(plan.output)
+        print(common.counter_line(METRICS_NAMESPACE, common.counter_values(result, METRICS_NAMESPACE),
+                                  common.runner_name(options)))
+        report = common.read_run_report(plan.output)
+        common.clear_run_dir(plan.output)
+    elif common.is_dry_run(options):
+        print(common.dry_run_message("encode", options))
+        return None
+
+    written = [r for r in report if r["kind"] == "shard"]
+    dead = sorted((r for r in report if r["kind"] == "dead"), key=lambda r: (r["modality"], r["item_id"]))
+    by_modality: dict[str, list[dict]] = {m: list(keep.get(m, [])) for m in set(keep) | set(plan.modalities)}
+    for r in written:
+        by_modality[r["modality"]].append({k: r[k] for k in ("name", "rows", "sha256")})
+    manifest = emb.make_embeddings_manifest(plan.model, model_sha, dim, {m: s for m, s in by_modality.items() if s},
+                                            CREATED_BY)
+    manifest["quantize"] = plan.quantize  # the serving precision the vectors come from (schema.QUANTIZE_CHOICES)
+    manifest["inputs"] = {"collections": collections, "split": plan.split,
+                          "staged_sha256": {f"{m}/{c}": p.key["staged_sha256"] for (m, c), p in sorted(plans.items())}}
+    common.makedirs(plan.output)
+    common.write_json_atomic(manifest_file, manifest)
+    common.write_jsonl_atomic(common.join(plan.output, DEAD_LETTER_FILE), dead)
+
+    summary = {"output": plan.output, "modalities": {}, "wall_s": None, "device": plan.device,
+               "runner": common.runner_name(options)}
+    for m in plan.modalities:
+        encoded = sum(r["rows"] for r in written if r["modality"] == m)
+        n_dead = sum(1 for r in dead if r["modality"] == m)
+        line = (f"{m}: {planned_in[m]} inputs = {encoded} encoded + {n_dead} dead-lettered"
+                + (f" (+ {skipped[m]} reused from valid shards)" if skipped[m] else ""))
+        print(line)
+        if planned_in[m] != encoded + n_dead:
+            raise EncodeError(f"{m}: counts do not reconcile: {line}")
+        metrics = inference_metrics(result, VLModelHandler(plan.model, MODALITY_TASK[m]).get_metrics_namespace()) \
+            if result is not None and m in tasks else {}
+        if metrics:
+            print(throughput_line(m, metrics, plan.device))
+        summary["modalities"][m] = {"inputs": planned_in[m], "encoded": encoded, "dead_lettered": n_dead,
+                                    "reused": skipped[m], "metrics": metrics}
+    summary["wall_s"] = time.time() - t0
+    print(f"embeddings: {plan.output} (manifest {emb.EMBEDDINGS_MANIFEST}); wall time {summary['wall_s']:.1f} s")
+    if dead:
+        print(f"{len(dead)} item(s) dead-lettered, reasons in {common.join(plan.output, DEAD_LETTER_FILE)}; "
+              f"a rerun retries their shards")
+    return summary
+
+
+@click.command(context_settings=common.BEAM_CLI_CONTEXT)
+@plan_options(EncodePlan)
+@click.pass_context
+def main(ctx, **values):
+    """Encode staged images and captions with the bi-encoder into checksummed embedding shards. With no
+    --staged/--model/--output: the embedded demo collection and model (built on first use).
+    Unknown --flags go to Beam (--runner, --direct_num_workers, Dataflow options...).
+
+    Counters namespace: encode (images_encoded, captions_encoded, *_dead_lettered)."""
+    common.configure_logging()
+    beam_args = tuple(ctx.args)
+    if (values["staged"] is None) != (values["model"] is None):
+        raise click.UsageError("pass both --staged and --model, or neither (the embedded demo)")
+    common.check_beam_flags(beam_args)  # an unknown flag is an error before the demo assets are built
+    if values["staged"] is None:
+        values["staged"], values["model"] = demo_assets.ensure_demo_assets(beam_args)
+        values["output"] = values["output"] or os.path.join(demo_assets.demo_dir(), "embeddings")
+    if values["output"] is None:
+        raise click.UsageError("--output is required with --staged/--model")
+    with cli_errors(EncodeError):
+        summary = run(plan_from_cli(EncodePlan, values), beam_args)
+    if summary is not None and any(v["dead_lettered"] for v in summary["modalities"].values()):
+        ctx.exit(1)
+
+
+common.add_progress_help(main)

@@ -1,0 +1,447 @@
+"""The rerank job's plan: every parameter as a typed value (each one a command-line option), and ``resolve``,
+which checks the plan against its inputs (staged folder, embeddings, indexes, models, --queries) and fixes what
+the graph needs, before anything runs."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Mapping, Optional
+
+import click
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipelines import common
+from retrieval_core import embeddings as emb
+from retrieval_core import rerank as rr
+from retrieval_core import schema
+from retrieval_core.checkpoints import CheckpointError, ModelFolder, inspect_model_folder
+from retrieval_core.cli import check_device, check_positive, device_option, option, threads_option
+from retrieval_core.index import INDEX_MANIFEST, check_search_params, load_index_manifest
+from retrieval_core.paths import is_url
+from retrieval_core.runs import RunError, choose_fusion, read_run_manifest
+from retrieval_core.store import StagedDataset
+
+log = logging.getLogger(__name__)
+
+T2I, I2T = schema.DIRECTION_T2I, schema.DIRECTION_I2T
+DIRECTIONS = (T2I, I2T)
+#: "auto": the fusion (co, add_lam, norm_add_lam) with the best mR on a dev run (--tune-on), then run as that mode
+AUTO = "auto"
+CLI_MODES = rr.RUN_MODES + (AUTO,)
+PROGRESS_DIR = "_progress"  # <output>/_progress/<shard>.json: one record per finished ranking shard
+
+
+class RerankError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RerankPlan:
+    """Every parameter of one rerank run, validated when built (a one-line RerankError naming the value).
+    ``run(plan)`` executes it; the CLI only builds it."""
+    staged: str = option(help="staged directory (queries, captions, regions)")
+    embeddings: str = option(help="embeddings directory (pipelines.encode output)")
+    output: str = option(help="run directory: rankings/ and rankings_manifest.json")
+    mode: str = option("co", type=click.Choice(CLI_MODES, case_sensitive=False),
+                       help="emb: BE only; co: CE rerank of the BE top-k; add / norm_add: BE+CE score fusion in the "
+                            "top-k (--lam); ce: exhaustive CE; auto: the fusion chosen on --tune-on")
+    k: int = option(20, help="rerank depth; every query stores its BE top max(k, 10)")
+    lam: float = option(0.5, help="ADD/NORM_ADD weight of the BE score")
+    directions: tuple[str, ...] = option(DIRECTIONS, sep=",", help="t2i, i2t or both")
+    index: Optional[str] = option(None, help="image FAISS index for t2i, built from --embeddings (default: exact "
+                                             "search)")
+    text_index: Optional[str] = option(None, help="caption FAISS index for i2t, built from --embeddings (default: "
+                                                  "exact search)")
+    ce_model: Optional[str] = option(None, help="CE model folder (SEP+CO): ours, MMT-Retrieval or OSCAR; default "
+                                                "--be-model (JOIN+CO)")
+    be_model: Optional[str] = option(None, help="BE model folder (not needed: embeddings exist; used as CE for JOIN "
+                                                "models)")
+    collection: Optional[str] = option(None, help="queries of this collection only")
+    split: Optional[str] = option("test", help="queries of this split")
+    queries: Optional[str] = option(None, help="Parquet file (direction, query_id): rank only these queries of the "
+                                               "collection/split")
+    batch_size: int = option(64, help="CE pairs per batch")
+    search_batch_size: int = option(256, help="queries per search call")
+    device: str = device_option()
+    threads: Optional[int] = threads_option()
+    model_copies: Optional[int] = option(None, type=int, help="CE model copies per machine (Dataflow GPU: 1)")
+    max_exhaustive_pairs: int = option(200_000, help="--mode ce: the most (query, pool item) pairs it may score")
+    queries_per_shard: int = option(1_000, help="queries per ranking shard (the unit a rerun of a killed job keeps)")
+    shards_per_wave: int = option(10, help="ranking shards per Beam job: a killed run loses at most its current "
+                                           "wave (on Dataflow, where each job starts workers, raise it)")
+    pairs_per_wave: int = option(20_000, help="CE pairs per Beam job (but at least one shard): what a local runner "
+                                              "holds in memory")
+    nprobe: Optional[int] = option(None, type=click.IntRange(min=1),
+                                   help="IVF lists searched per query in every index shard (default: the index "
+                                        "manifest's, else faiss' 1)")
+    ef_search: Optional[int] = option(None, type=click.IntRange(min=1),
+                                      help="HNSW search breadth in every index shard (default: the index "
+                                           "manifest's, else faiss' 16)")
+    tune_on: Optional[str] = option(None, help="--mode auto: a CE-scored rerank run of the same models on a "
+                                               "held-out split; the fusion with its best mR is used and recorded")
+    quantize: str = option("none", type=click.Choice(schema.QUANTIZE_CHOICES),
+                           help="int8: dynamic int8 Linear layers of the CE (CPU only); bf16: matrix products in "
+                                "bfloat16 (CUDA, or a CPU with native bf16). Recorded in the rankings manifest.")
+
+    def __post_init__(self):
+        for name in ("staged", "embeddings", "output"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise RerankError(f"{name} must be a non-empty path, got {getattr(self, name)!r}")
+        mode = str(self.mode).lower()
+        if mode not in CLI_MODES:
+            raise RerankError(f"mode must be one of {CLI_MODES}, got {self.mode!r}")
+        object.__setattr__(self, "mode", mode)
+        if isinstance(self.directions, str) or not self.directions \
+                or any(d not in DIRECTIONS for d in self.directions):
+            raise RerankError(f"directions must be a non-empty tuple of {DIRECTIONS}, got {self.directions!r}")
+        object.__setattr__(self, "directions", tuple(dict.fromkeys(self.directions)))
+        try:
+            object.__setattr__(self, "device", check_device(self.device))
+            for name in ("k", "batch_size", "search_batch_size", "max_exhaustive_pairs", "queries_per_shard",
+                         "shards_per_wave", "pairs_per_wave"):
+                check_positive(name, getattr(self, name))
+            for name in ("threads", "model_copies", "nprobe", "ef_search"):
+                check_positive(name, getattr(self, name), allow_none=True)
+            schema.check_quantize(self.quantize, self.device)
+        except ValueError as exc:
+            raise RerankError(str(exc)) from None
+        if isinstance(self.lam, bool) or not isinstance(self.lam, (int, float)) or not 0.0 <= self.lam <= 1.0:
+            raise RerankError(f"lam must be a number in [0, 1], got {self.lam!r}")
+        if (mode == AUTO) != bool(self.tune_on):
+            raise RerankError("--mode auto chooses the fusion on a dev run: pass --tune-on DEV_RUN (a pipelines.rerank "
+                              "--mode co run of the same models on a held-out split)" if mode == AUTO else
+                              f"--tune-on applies to --mode auto only, not to --mode {mode}")
+        if mode != "emb" and not (self.ce_model or self.be_model):
+            raise RerankError(f"mode {mode!r} needs --ce-model (or --be-model for a JOIN model)")
+        if self.quantize != "none" and mode == "emb":
+            raise RerankError(f"--quantize {self.quantize} quantises the CE: --mode emb scores nothing with it")
+        if (self.nprobe is not None or self.ef_search is not None) and not self.uses_index:
+            raise RerankError("--nprobe / --ef-search tune a FAISS index: pass --index (t2i) or --text-index "
+                              "(i2t); the default exact search has no parameters")
+
+    @property
+    def cross_encoder(self) -> Optional[str]:
+        """The CE model folder (None for EMB): --ce-model, else the JOIN model given as --be-model."""
+        return None if self.mode == "emb" else (self.ce_model or self.be_model)
+
+    @property
+    def rank_mode(self) -> str:
+        return rr.RUN_TO_RANK_MODE[self.mode]
+
+    @property
+    def applied_lam(self) -> Optional[float]:
+        return float(self.lam) if self.mode in rr.FUSION_MODES else None
+
+    @property
+    def uses_index(self) -> bool:
+        return bool((T2I in self.directions and self.index) or (I2T in self.directions and self.text_index))
+
+    def index_of(self, direction: str) -> Optional[str]:
+        return self.index if direction == T2I else self.text_index
+
+
+@dataclass(frozen=True)
+class SearcherSpec:
+    """How a worker finds one direction's candidates: a FAISS index dir or exact search over embeddings."""
+    kind: str  # "index" | "exact"
+    path: str
+    modality: str
+    fingerprint: str  # sha256 of the index / embeddings manifest: a changed input is another searcher
+    params: tuple[tuple[str, int], ...] = ()  # faiss search parameters (nprobe, efSearch) set on every shard
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A plan resolved against its inputs, as plain typed values that pickle to the workers."""
+    plan: RerankPlan
+    query_ids: Mapping[str, np.ndarray]  # every query of the run per direction (sorted int64)
+    pools: Mapping[str, int]  # candidate pool size per direction
+    candidates: Mapping[str, int]  # BE candidates retrieved and stored per query (n)
+    ce_k: int  # BE top-k the CE scores (the whole pool for --mode ce; 0 for emb)
+    searchers: Mapping[str, SearcherSpec]
+    described: Mapping[str, str]
+    query_shards: tuple[tuple[str, str, str, str], ...]  # (direction, modality, embedding shard, sha256)
+    out_shards: Mapping[str, int]  # ranking shards per direction
+    caption_shards: tuple[str, ...]
+    image_shards: tuple[str, ...]
+    ce_max_regions: int  # regions per image the CE reads (more would be cut by its collator anyway)
+    ce_fingerprint: Optional[str]  # ModelFolder.fingerprint of the CE (None for EMB)
+    ce_score_key: Optional[str]  # the CE score the ce_score column holds (model.CE_SCORES)
+    be_model: Mapping[str, str]  # the embeddings manifest's model entry
+    queries_file: Optional[Mapping]  # {path, sha256, counts} of --queries
+    fingerprint: str  # what a finished shard must have been computed under to be reused
+    staged_sha256: Mapping[str, str] = None  # staged_fingerprints(): recorded for the run's readers
+
+
+def shard_pairs(res: Resolved, direction: str, ids) -> int:
+    """CE pairs the queries ``ids`` of one direction request."""
+    return len(ids) * min(res.ce_k, res.pools[direction])
+
+
+def ce_model_folder(model_dir: str) -> ModelFolder:
+    """The CE model folder (any kind checkpoints knows: ours, MMT-Retrieval, OSCAR; a CE-only folder too),
+    refused without a CE head."""
+    try:
+        return inspect_model_folder(model_dir, files=common.BEAM_FILES).require(("ce",))
+    except CheckpointError as exc:
+        raise RerankError(f"CE model: {exc}") from None
+
+
+def _file_fingerprint(path: str) -> str:
+    return common.sha256_file(path) if common.exists(path) else "missing"
+
+
+def _searcher_spec(plan: RerankPlan, direction: str, emb_manifest: dict) -> tuple[SearcherSpec, int, str]:
+    """(spec, pool size, description) of one direction's candidate search."""
+    pool_modality = schema.MODALITY_IMAGE if direction == T2I else schema.MODALITY_TEXT
+    index_dir = plan.index_of(direction)
+    if index_dir:
+        manifest = load_index_manifest(index_dir, common.BEAM_FILES)
+        if manifest.get("modality", pool_modality) != pool_modality:
+            raise RerankError(f"{direction} needs a {pool_modality} index; {index_dir} indexes "
+                              f"{manifest.get('modality')}")
+        _check_index_source("--index" if direction == T2I else "--text-index", index_dir, manifest,
+                            plan.embeddings, emb_manifest, pool_modality)
+        params = {name: v for name, v in (("nprobe", plan.nprobe), ("efSearch", plan.ef_search)) if v is not None}
+        if not params:  # the parameters build_index --index-factory auto tuned and recorded, if any
+            params = {name: int(v) for name, v in (manifest.get("search_params") or {}).items()}
+        try:  # refuse a parameter the index lacks now, not in a worker after the job started
+            check_search_params(manifest["factory"], int(manifest["d"]), manifest["metric"], **params)
+        except ValueError as exc:
+            raise RerankError(f"{index_dir} ({manifest['factory']}): {exc}") from None
+        spec = SearcherSpec("index", index_dir, pool_modality,
+                            _file_fingerprint(common.join(index_dir, INDEX_MANIFEST)), tuple(sorted(params.items())))
+        metric = manifest["metric"]
+        scored = "; be_score = -squared L2 distance" if metric == "l2" else ""
+        return spec, int(manifest["ntotal"]), f"FAISS index {index_dir} ({manifest['factory']}, {metric}{scored})"
+    entry = emb.modality_entry(emb_manifest, pool_modality)
+    spec = SearcherSpec("exact", plan.embeddings, pool_modality, _file_fingerprint(emb.manifest_path(plan.embeddings)))
+    return spec, int(entry["count"]), f"exact search over {pool_modality} embeddings in {plan.embeddings}"
+
+
+def _check_index_source(flag: str, index_dir: str, index_manifest: dict, emb_dir: str, emb_manifest: dict,
+                        modality: str) -> None:
+    """Refuse an index built from other embeddings than --embeddings: its vectors would be compared with
+    query embeddings of another model or encoding (issue 14: such a run exited 0 and scored R@1 0.00).
+    build_index records each index shard's source embedding shard and its sha256: they must be the
+    --embeddings shards of that modality."""
+    built_from = {s.get("source"): s.get("source_sha256") for s in index_manifest.get("shards", [])}
+    have = {s["name"]: s["sha256"] for s in emb.modality_entry(emb_manifest, modality)["shards"]}
+    if built_from != have:
+        src = index_manifest.get("embeddings", {})
+        differ = len(set(built_from.items()) ^ set(have.items()))
+        raise RerankError(f"{flag} {index_dir} was built from the {modality} embeddings in {src.get('dir')} "
+                          f"(embeddings manifest sha256 {str(src.get('manifest_sha256'))[:12]}...), not from "
+                          f"--embeddings {emb_dir} (sha256 {_file_fingerprint(emb.manifest_path(emb_dir))[:12]}...;"
+                          f" {differ} shard entries differ): rebuild the index from --embeddings or pass the "
+                          f"embeddings it was built from")
+
+
+def _split_query_ids(ds, direction: str, collection: Optional[str], split: Optional[str]) -> np.ndarray:
+    """Sorted ids of the split's queries (captions for t2i, images for i2t), read one id column per shard:
+    the launcher never holds the captions' text."""
+    kind, column = ("captions", "caption_id") if direction == T2I else ("images", "item_id")
+    parts = [ds.read_shard_columns(rel, (column,), split).column(column).to_numpy()
+             for rel in ds.shard_names(kind, collection)]
+    return np.sort(np.concatenate(parts).astype(np.int64)) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _read_queries_file(plan: RerankPlan, split_ids: Mapping[str, np.ndarray]
+                       ) -> tuple[dict[str, np.ndarray], Optional[dict]]:
+    """The queries of the run per direction: every query of the collection/split, or those --queries lists
+    (a Parquet file with columns direction, query_id), which must all be queries of that collection/split.
+    Also returns the manifest's record of the file (path, sha256, per-direction counts)."""
+    if plan.queries is None:
+        return dict(split_ids), None
+    path = plan.queries
+    if not common.exists(path):
+        raise RerankError(f"--queries {path}: file not found")
+    data = common.read_bytes(path)
+    try:
+        table = pq.read_table(io.BytesIO(data))
+    except (pa.ArrowException, OSError) as exc:
+        raise RerankError(f"--queries {path}: not a Parquet file ({exc})") from None
+    missing = [c for c in ("direction", "query_id") if c not in table.column_names]
+    if missing:
+        raise RerankError(f"--queries {path}: missing column(s) {missing} (needs direction, query_id)")
+    if not pa.types.is_integer(table.schema.field("query_id").type) or table.column("query_id").null_count \
+            or table.column("direction").null_count:
+        raise RerankError(f"--queries {path}: query_id must be non-null integers (int64) and direction non-null, "
+                          f"got {table.schema.field('query_id').type}")
+    directions = np.asarray(table.column("direction").to_pylist(), dtype=object)
+    ids = table.column("query_id").to_numpy().astype(np.int64)
+    unknown = sorted(set(directions.tolist()) - set(DIRECTIONS))
+    if unknown:
+        raise RerankError(f"--queries {path}: unknown direction(s) {unknown} (expected {T2I!r} / {I2T!r})")
+    extra = sorted(set(directions.tolist()) - set(plan.directions))
+    if extra:
+        raise RerankError(f"--queries {path} lists {extra} queries but --directions is {','.join(plan.directions)}")
+    out, what = {}, {T2I: "captions", I2T: "images"}
+    for d in plan.directions:
+        wanted = ids[directions == d]
+        if len(wanted) == 0:
+            raise RerankError(f"--queries {path} lists no {d} queries; leave {d} out of --directions")
+        uniq = np.unique(wanted)
+        if len(uniq) != len(wanted):
+            raise RerankError(f"--queries {path}: duplicate {d} query id(s)")
+        strangers = np.setdiff1d(uniq, split_ids[d])
+        if len(strangers):
+            raise RerankError(f"--queries {path}: {len(strangers)} {d} query id(s) are not {what[d]} of "
+                              f"collection={plan.collection}, split={plan.split} in {plan.staged} "
+                              f"(e.g. {strangers[:5].tolist()})")
+        out[d] = uniq
+    return out, {"path": path, "sha256": common.sha256_bytes(data), "counts": {d: len(q) for d, q in out.items()}}
+
+
+def staged_fingerprints(ds) -> dict[str, str]:
+    """{"<images|captions>/<collection>": content sha256} of a staged folder: what a rankings manifest records
+    and benchmarks.evaluate compares with the --staged it is given."""
+    return {f"{kind}/{c}": ds.content_sha256(kind, c) for c in ds.collections for kind in ("images", "captions")}
+
+
+def _pool_collections(ds, emb_manifest: dict) -> list[str]:
+    """The staged collections whose items can be candidates: those the embeddings were encoded from (the
+    pools), not only --collection's (which picks the queries): in a distractor run the CE scores the other
+    collections' images and captions too. Embeddings that record no inputs: every staged collection."""
+    encoded = (emb_manifest.get("inputs") or {}).get("collections")
+    return [c for c in ds.collections if c in encoded] if encoded else list(ds.collections)
+
+
+def _check_embeddings_match_staged(plan: RerankPlan, ds, emb_manifest: dict) -> None:
+    """Refuse embeddings encoded from other staged shards than --staged: their ids could match while the
+    captions and regions the CE reads are other ones (a silently wrong ranking)."""
+    recorded = (emb_manifest.get("inputs") or {}).get("staged_sha256")
+    if not recorded:
+        log.warning("%s records no staged fingerprint (encoded before fingerprints): not checked against %s",
+                    plan.embeddings, plan.staged)
+        return
+    for key, sha in sorted(recorded.items()):
+        modality, collection = key.split("/", 1)
+        if collection not in ds.collections:
+            continue  # a collection --staged lacks: its ids would be missing, which resolve reports
+        here = ds.content_sha256(schema.STAGED_KIND[modality], collection)
+        if here != sha:
+            raise RerankError(f"--embeddings {plan.embeddings} were encoded from other {key} shards (sha256 "
+                              f"{sha[:12]}...) than --staged {plan.staged} holds ({here[:12]}...); re-encode, or "
+                              f"pass the staged folder they were encoded from")
+
+
+def resolve(plan: RerankPlan) -> Resolved:
+    """Check the plan against its inputs (staged dir, embeddings, indexes, models, --queries) and fix
+    everything the graph needs; every inconsistency is a one-line RerankError / ValueError here, before
+    anything runs."""
+    ds = StagedDataset(plan.staged, files=common.BEAM_FILES)
+    if plan.collection is not None and plan.collection not in ds.collections:
+        raise RerankError(f"collection {plan.collection!r} is not staged in {plan.staged} (have {ds.collections})")
+    split_ids = {d: _split_query_ids(ds, d, plan.collection, plan.split) for d in plan.directions}
+    query_ids, queries_file = _read_queries_file(plan, split_ids)
+
+    emb_manifest_path = emb.manifest_path(plan.embeddings)
+    emb_manifest = emb.load_embeddings_manifest(plan.embeddings, common.BEAM_FILES)
+    _check_embeddings_match_staged(plan, ds, emb_manifest)
+    searchers, pools, described, query_shards = {}, {}, {}, []
+    for d in plan.directions:
+        if len(query_ids[d]) == 0:
+            raise RerankError(f"{d}: no queries in {plan.staged} (collection={plan.collection}, split={plan.split})")
+        q_modality = schema.MODALITY_TEXT if d == T2I else schema.MODALITY_IMAGE
+        have = emb.read_modality_ids(plan.embeddings, q_modality, common.BEAM_FILES)
+        missing = np.setdiff1d(query_ids[d], have)
+        if len(missing):
+            raise RerankError(f"{d}: {len(missing)} query id(s) have no {q_modality} embedding in "
+                              f"{plan.embeddings} (e.g. {missing[:5].tolist()}); encode that split first")
+        searchers[d], pools[d], described[d] = _searcher_spec(plan, d, emb_manifest)
+        query_shards += [(d, q_modality, s["name"], s["sha256"])
+                         for s in emb.modality_entry(emb_manifest, q_modality)["shards"]]
+
+    keep = max(plan.k, 10)
+    if plan.mode == "ce":  # exhaustive: every pool item is a candidate and CE-scored
+        total_pairs = sum(len(query_ids[d]) * pools[d] for d in plan.directions)
+        if total_pairs > plan.max_exhaustive_pairs:
+            raise RerankError(f"--mode ce would cross-encode {total_pairs:,} pairs (queries x pool), above "
+                              f"--max-exhaustive-pairs {plan.max_exhaustive_pairs:,}; use --mode co")
+        candidates = {d: pools[d] for d in plan.directions}
+        ce_k = max(pools.values())
+    else:
+        candidates = {d: keep for d in plan.directions}
+        ce_k = 0 if plan.mode == "emb" else plan.k
+    ce = ce_model_folder(plan.cross_encoder) if plan.cross_encoder else None
+    pool_collections = _pool_collections(ds, emb_manifest)
+    out_shards = {d: max(1, math.ceil(len(q) / plan.queries_per_shard)) for d, q in query_ids.items()}
+    fingerprint_of = {
+        "rankings_schema": schema.RANKINGS_SCHEMA_VERSION, "mode": plan.mode, "k": plan.k,
+        "lam": plan.applied_lam, "directions": list(plan.directions),
+        "queries": {d: hashlib.sha256(q.tobytes()).hexdigest() for d, q in query_ids.items()},
+        "candidates": candidates, "ce_k": ce_k, "embeddings": _file_fingerprint(emb_manifest_path),
+        "search": {d: {"kind": s.kind, "fingerprint": s.fingerprint, "params": s.params} for d, s in searchers.items()},
+        "ce_model": ce.fingerprint if ce else None, "ce_max_regions": ce.max_regions if ce else 0,
+        "ce_score": ce.ce_score if ce else None,
+        "staged": _file_fingerprint(common.join(plan.staged, "summary.json")),
+        "batch_size": plan.batch_size, "search_batch_size": plan.search_batch_size, "device": plan.device,
+        "queries_per_shard": plan.queries_per_shard, "shards_per_wave": plan.shards_per_wave,
+        "pairs_per_wave": plan.pairs_per_wave,
+        **({"quantize": plan.quantize} if plan.quantize != "none" else {}),  # fp32 runs keep their fingerprint
+    }
+    fingerprint = hashlib.sha256(json.dumps(fingerprint_of, sort_keys=True).encode()).hexdigest()
+    return Resolved(
+        plan=plan, query_ids=query_ids, pools=pools, candidates=candidates, ce_k=ce_k, searchers=searchers,
+        described=described, query_shards=tuple(query_shards), out_shards=out_shards,
+        caption_shards=tuple(s for c in pool_collections for s in ds.shard_names("captions", c)) if ce else (),
+        image_shards=tuple(s for c in pool_collections for s in ds.shard_names("images", c)) if ce else (),
+        ce_max_regions=ce.max_regions if ce else 0, ce_fingerprint=ce.fingerprint if ce else None,
+        ce_score_key=ce.ce_score if ce else None, be_model=emb_manifest["model"], queries_file=queries_file,
+        fingerprint=fingerprint, staged_sha256=staged_fingerprints(ds))
+
+
+def resolve_auto(plan: RerankPlan) -> tuple[RerankPlan, Optional[dict]]:
+    """--mode auto: the plan with the mode and lam that give the best mR on the --tune-on dev run
+    (retrieval_core.runs.choose_fusion, derived from the dev run's stored BE and CE scores at this run's k),
+    and the record of that choice for the manifest. Other plans pass through unchanged (record None).
+
+    The dev run must rank another split (or collection) than this run - a fusion tuned on the evaluated
+    queries would report an optimistic recall - with the same bi-encoder (embeddings model sha256) and
+    cross-encoder (folder fingerprint), at a depth >= k."""
+    if plan.mode != AUTO:
+        return plan, None
+    try:
+        _, dev = read_run_manifest(plan.tune_on, common.BEAM_FILES)
+    except RunError as exc:
+        raise RerankError(f"--tune-on: {exc}") from None
+    if (dev.get("split"), dev.get("collection")) == (plan.split, plan.collection) and \
+            _same_path(str(dev.get("staged")), plan.staged):
+        raise RerankError(f"--tune-on {plan.tune_on} ranked the same queries (split {plan.split!r}) this run "
+                          f"evaluates: choose the fusion on a held-out split (e.g. a --split dev run)")
+    emb_model = emb.load_embeddings_manifest(plan.embeddings, common.BEAM_FILES)["model"]
+    if dev.get("be_model", {}).get("sha256") != emb_model.get("sha256"):
+        raise RerankError(f"--tune-on {plan.tune_on} was retrieved by another bi-encoder "
+                          f"({dev.get('be_model', {}).get('path')}) than --embeddings ({emb_model.get('path')})")
+    if not dev.get("ce_model") or \
+            ce_model_folder(dev["ce_model"]).fingerprint != ce_model_folder(plan.cross_encoder).fingerprint:
+        raise RerankError(f"--tune-on {plan.tune_on} was reranked by another cross-encoder ({dev.get('ce_model')}) "
+                          f"than {plan.cross_encoder}")
+    if dev.get("quantize", "none") != plan.quantize:
+        raise RerankError(f"--tune-on {plan.tune_on} scored with --quantize {dev.get('quantize', 'none')}, this run "
+                          f"with {plan.quantize}: the fusion would be chosen on other CE scores")
+    try:
+        choice = choose_fusion(plan.tune_on, dev["staged"], plan.k, files=common.BEAM_FILES)
+    except RunError as exc:
+        raise RerankError(f"--tune-on: {exc}") from None
+    print(f"--mode auto: {choice['label']} (dev mR {choice['dev_mR'][choice['label']]:.2f} on {plan.tune_on}, "
+          f"split {choice['dev_split']}; co {choice['dev_mR']['co']:.2f})", flush=True)
+    chosen = replace(plan, mode=choice["mode"], lam=choice["lam"] if choice["lam"] is not None else plan.lam,
+                     tune_on=None)
+    return chosen, choice
+
+
+def _same_path(a: str, b: str) -> bool:
+    """The same folder: local paths compared absolute, URLs as written (abspath would mangle them)."""
+    norm = lambda p: p.rstrip("/") if is_url(p) else os.path.abspath(p)  # noqa: E731
+    return norm(a) == norm(b)
+
+

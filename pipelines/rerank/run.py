@@ -1,0 +1,272 @@
+"""``python -m pipelines.rerank``: BE retrieval (+ CE reranking) of every query of a split, in both directions.
+
+The launcher runs the graph in waves of output shards (one Beam job each; a killed run keeps every finished
+shard whose progress record matches the plan), then writes rankings_manifest.json (the run contract that
+``retrieval_core.runs`` reads). docs/ARCHITECTURE.md describes the graph, resume and determinism.
+
+    python -m pipelines.rerank --staged S --embeddings E --index I --ce-model M --mode co --k 20 --output OUT
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Callable, Mapping, Optional, Sequence
+
+import apache_beam as beam
+import click
+import numpy as np
+from apache_beam.io.filesystems import FileSystems
+
+from pipelines import common
+from pipelines.rerank.graph import METRICS_NAMESPACE, build_graph, write_shard
+from pipelines.rerank.plan import (
+    PROGRESS_DIR,
+    RerankError,
+    RerankPlan,
+    Resolved,
+    SearcherSpec,
+    resolve,
+    resolve_auto,
+    shard_pairs,
+)
+from retrieval_core import rerank as rr
+from retrieval_core import schema
+from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
+
+log = logging.getLogger(__name__)
+
+CREATED_BY = "pipelines.rerank"
+
+
+def _expected_shards(res: Resolved) -> dict[str, tuple[str, np.ndarray]]:
+    """{shard name: (direction, its query ids)} of every ranking shard of the run, in name order."""
+    out = {}
+    for d, ids in res.query_ids.items():
+        n = res.out_shards[d]
+        shard = ids % n
+        order = np.argsort(shard, kind="stable")  # ids stay sorted within a shard
+        parts = np.split(ids[order], np.cumsum(np.bincount(shard, minlength=n))[:-1])
+        for i, part in enumerate(parts):
+            out[common.shard_name(d, i, n, ".parquet")] = (d, part)
+    return dict(sorted(out.items()))
+
+
+def plan_waves(names: Sequence[str], pairs_of: Callable[[str], int], shards_per_wave: int,
+               pairs_per_wave: int) -> list[list[str]]:
+    """The shards, in order, cut into waves (one Beam job each) of at most ``shards_per_wave`` shards and
+    ``pairs_per_wave`` CE pairs (a wave of one shard may hold more). A local runner holds a wave's CE pairs,
+    with their texts, candidates and scores, in memory: capping pairs, not just shards, keeps a rerank
+    process's memory flat in the number of queries (when the regions still travelled with the pairs, 10,000
+    queries at k = 20 in one wave held 7.6 GB at 100k images)."""
+    waves: list[list[str]] = []
+    pairs = 0
+    for name in names:
+        n = pairs_of(name)
+        if not waves or len(waves[-1]) >= shards_per_wave or pairs + n > pairs_per_wave:
+            waves.append([])
+            pairs = 0
+        waves[-1].append(name)
+        pairs += n
+    return waves
+
+
+def _finished_shards(res: Resolved, expected: Mapping[str, tuple[str, np.ndarray]]) -> dict[str, dict]:
+    """The shards an earlier run of the same plan finished: a progress record with this plan's fingerprint
+    and the shard's query count, and a shard file that still matches its sha256."""
+    output = res.plan.output
+    done = {}
+    for name, (d, ids) in expected.items():
+        record = common.join(output, PROGRESS_DIR, name + ".json")
+        if not common.exists(record):
+            continue
+        try:
+            info = common.read_json(record)
+        except (OSError, ValueError):
+            continue
+        if info.get("plan") == res.fingerprint and info.get("queries") == len(ids) and \
+                common.shard_is_valid(common.join(output, rr.RANKINGS_SUBDIR, name), info.get("sha256")):
+            done[name] = {key: info[key] for key in ("kind", "direction", "name", "queries", "rows", "sha256")}
+    return done
+
+
+def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
+    """Run the plan's Beam job(s), one per wave of unfinished shards, and write rankings_manifest.json;
+    returns the manifest, or None for a dry run (--dry_run: DataflowRunner translated the first wave's graph
+    and nothing ran; no output is read or written)."""
+    t0 = time.time()
+    options = common.pipeline_options(beam_args)
+    plan, fusion_choice = resolve_auto(plan)
+    res = resolve(plan)
+    expected = _expected_shards(res)
+    dry_run = common.is_dry_run(options)
+    finished = {} if dry_run else _finished_shards(res, expected)
+    names = list(expected)
+    waves = plan_waves(names, lambda name: shard_pairs(res, *expected[name]), plan.shards_per_wave,
+                       plan.pairs_per_wave)
+
+    if not dry_run:
+        common.makedirs(plan.output)
+        manifest_path = common.join(plan.output, rr.RANKINGS_MANIFEST)
+        if common.exists(manifest_path):  # until this run finishes, the directory holds no complete run
+            FileSystems.delete([manifest_path])
+    shards, counts, waves_run = dict(finished), {"ce_pairs_requested": 0, "ce_pairs_scored": 0}, 0
+    progress = contextlib.nullcontext() if dry_run else \
+        common.Progress.running(*_progress_total(res, expected, finished), options)
+    beam_counters = None  # summed over the waves; None when the runner reports no metrics
+    with progress:
+        for wave_names in waves:
+            todo = [name for name in wave_names if name not in finished]
+            for name in [n for n in todo if len(expected[n][1]) == 0]:  # no query hashed here (tiny runs)
+                if not dry_run:
+                    shards[name] = write_shard(plan.output, name, expected[name][0], [], [], res.fingerprint)
+            todo = [name for name in todo if len(expected[name][1])]
+            if not todo:
+                continue
+            wave: dict[str, set] = {}
+            for name in todo:
+                d, ids = expected[name]
+                wave.setdefault(d, set()).update(ids.tolist())
+            ran = _run_wave(options, res, {d: frozenset(ids) for d, ids in wave.items()})
+            if ran is None:
+                return None
+            report, wave_counters = ran
+            beam_counters = common.add_counters(beam_counters, wave_counters)
+            waves_run += 1
+            for item in report:
+                if item["kind"] == "count":
+                    counts[item["name"]] += int(item["value"])
+                elif item["kind"] == "shard":
+                    shards[item["name"]] = item
+            for name in todo:
+                got = shards.get(name, {}).get("queries")
+                if got != len(expected[name][1]):
+                    raise RerankError(f"{name}: {got} queries ranked, {len(expected[name][1])} expected")
+    if dry_run:
+        print("dry run: no shard has queries; nothing to translate")
+        return None
+    if waves_run:
+        print(common.counter_line(METRICS_NAMESPACE, beam_counters, common.runner_name(options)))
+
+    manifest = _manifest(res, [shards[name] for name in names], len(finished), waves_run, counts,
+                         common.runner_name(options), time.time() - t0)
+    manifest["fusion_choice"] = fusion_choice
+    common.write_json_atomic(common.join(plan.output, rr.RANKINGS_MANIFEST), manifest)
+    _delete_unlisted(plan.output, set(names))
+    for d in plan.directions:
+        print(f"{d}: {manifest['queries'][d]} queries ranked ({res.described[d]}, pool {res.pools[d]})")
+    if plan.mode != "emb":
+        overlap = " (t2i/i2t overlap scored once)" if len(plan.directions) == 2 else ""
+        print(f"CE: {counts['ce_pairs_scored']} unique pairs scored for {counts['ce_pairs_requested']} "
+              f"requested{overlap}")
+    print(f"rankings: {common.join(plan.output, rr.RANKINGS_SUBDIR)} ({len(names)} shard(s): {len(finished)} kept from "
+          f"an earlier run of this plan, {len(names) - len(finished)} computed in {waves_run} wave(s)); "
+          f"wall time {manifest['wall_s']:.1f} s")
+    return manifest
+
+
+def _progress_total(res: Resolved, expected: Mapping[str, tuple[str, np.ndarray]],
+                    finished: Mapping[str, dict]) -> tuple[int, str, str]:
+    """(total, unit, label) of the terminal bar over every wave: queries for EMB, else the (query, pair) CE
+    requests of the unfinished shards (an upper bound when an index returns fewer than k candidates)."""
+    todo = [expected[name] for name in expected if name not in finished]
+    if res.plan.mode == "emb":
+        return sum(len(ids) for _, ids in todo), "queries", "rerank"
+    return sum(shard_pairs(res, d, ids) for d, ids in todo), "pairs", "rerank CE"
+
+
+def _run_wave(options, res: Resolved, wave: Mapping[str, frozenset]) -> Optional[tuple[list[dict], Optional[dict]]]:
+    """One Beam job over the queries ``wave``: its run report and Beam counters, or None for a dry run."""
+    output = res.plan.output
+    p = beam.Pipeline(options=options)
+    build_graph(p, res, wave)
+    if common.is_dry_run(options):
+        print(f"dry run: the rerank graph of {sum(len(v) for v in wave.values())} queries is translated for "
+              f"{common.runner_name(options)}; nothing runs")
+    else:
+        common.clear_run_dir(output)  # a killed run's report must not be read as this one's
+    result = common.run_pipeline(p)
+    if result is None:
+        return None
+    report = common.read_run_report(output)
+    common.clear_run_dir(output)
+    counters = common.counter_values(result, METRICS_NAMESPACE)
+    del p, result
+    # a local runner ran the wave in this process: hand what it freed back before the next one (at 100k,
+    # RSS between waves 0.9-1.2 GB instead of 1.4-1.8; the job's peak, inside its image->text waves, did not move)
+    common.release_memory()
+    return report, counters
+
+
+def _params_used(plan: RerankPlan, spec: SearcherSpec) -> dict:
+    if spec.kind != "index":
+        source = "exact search"
+    elif plan.nprobe is not None or plan.ef_search is not None:
+        source = "command line"
+    else:
+        source = "index manifest" if spec.params else "faiss defaults"
+    return {"params": dict(spec.params), "source": source}
+
+
+def _manifest(res: Resolved, shards: list[dict], reused: int, waves_run: int, counts: dict, runner: str,
+              wall_s: float) -> dict:
+    plan = res.plan
+    return {
+        "schema_version": schema.RANKINGS_SCHEMA_VERSION, "created_by": CREATED_BY,
+        "mode": plan.mode, "k": plan.k, "lam": plan.applied_lam, "directions": list(plan.directions),
+        "candidates": {d: min(res.candidates[d], res.pools[d]) for d in plan.directions},
+        "ce_depth": {d: min(res.ce_k, res.pools[d]) for d in plan.directions},
+        "collection": plan.collection, "split": plan.split, "staged": plan.staged,
+        "staged_sha256": dict(res.staged_sha256 or {}), "embeddings": plan.embeddings,
+        "be_model": dict(res.be_model), "ce_model": plan.cross_encoder,
+        # the CE score key the ce_score column holds (model.CE_SCORES: logit_diff = log-odds, logit1 = MMT's)
+        "ce_score_key": res.ce_score_key,
+        "quantize": plan.quantize,  # the serving precision of the CE scores (schema.QUANTIZE_CHOICES)
+        "search": dict(res.described),
+        "search_params": {"nprobe": plan.nprobe, "efSearch": plan.ef_search},
+        # what each direction's search ran with, and where it came from
+        "search_params_used": {d: _params_used(plan, res.searchers[d]) for d in plan.directions},
+        "pool_size": dict(res.pools),
+        "queries": {d: len(q) for d, q in res.query_ids.items()}, "queries_file": res.queries_file,
+        "plan_fingerprint": res.fingerprint,
+        "shards": [{key: s[key] for key in ("direction", "name", "queries", "rows", "sha256")} for s in shards],
+        "shards_reused": reused, "waves_run": waves_run,
+        "queries_per_shard": plan.queries_per_shard, "shards_per_wave": plan.shards_per_wave,
+        "pairs_per_wave": plan.pairs_per_wave,
+        # CE work of this invocation (a resumed run scores only the pairs of the shards it computed)
+        "ce_pairs_requested": counts["ce_pairs_requested"], "ce_pairs_scored": counts["ce_pairs_scored"],
+        "runner": runner, "wall_s": round(wall_s, 3),
+    }
+
+
+def _delete_unlisted(output: str, keep: set[str]) -> None:
+    """Delete ranking files and progress records the new manifest does not list: shards of an earlier run
+    with another shard count or other directions, and temp files of a killed run. Called only after the new
+    shards and manifest are written, so the directory never lacks a shard the manifest on disk lists."""
+    from apache_beam.io.filesystems import FileSystems
+
+    for sub, suffix in ((rr.RANKINGS_SUBDIR, ""), (PROGRESS_DIR, ".json")):
+        pattern = common.join(output, sub, "*")
+        found = [m.path for r in FileSystems.match([pattern]) for m in r.metadata_list]
+        stale = sorted(path for path in found if path.rsplit("/", 1)[-1] not in {n + suffix for n in keep})
+        if stale:
+            FileSystems.delete(stale)
+            log.info("deleted %d file(s) of an earlier run: %s", len(stale), stale[:5])
+
+
+@click.command(context_settings=common.BEAM_CLI_CONTEXT)
+@plan_options(RerankPlan)
+@click.pass_context
+def main(ctx, **values):
+    """BE retrieval (+ CE reranking) of every query of a split, in both directions, as Beam jobs.
+    Unknown --flags go to Beam (--runner, --dask_client_address, ...).
+
+    Counters namespace: rerank (queries_searched, ce_pairs_scored, ce_pair_requests, queries_ranked,
+    ranking_shards_written)."""
+    common.configure_logging()
+    common.check_beam_flags(ctx.args)
+    with cli_errors(RerankError):
+        run(plan_from_cli(RerankPlan, values), tuple(ctx.args))
+
+
+common.add_progress_help(main)
