@@ -45,7 +45,7 @@ import torch
 
 from benchmarks.family_probe import sampled_captions
 from retrieval_core import synthetic
-from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, threads_option
+from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, threads_flag
 from retrieval_core.collate import collate_pairs
 from retrieval_core.manifest import load_manifest
 from retrieval_core.model import VLRetrievalModel
@@ -267,7 +267,7 @@ def probe(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: VLRetriev
               help="Seeded sample of captions per split (0: all).")
 @click.option("--output", default=None, help="Folder for binding_probe.csv.")
 @click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1))
-@threads_option()
+@threads_flag()
 def main(staged: str, manifest: str, collection: Optional[str], model_dir: str, fit_split: str, split: str,
          max_captions: int, output: Optional[str], batch_size: int, threads: Optional[int]) -> None:
     """Per layer: does a caption's noun, and a focus region inside the CE, keep its own colour, and does the noun

@@ -1,6 +1,6 @@
 """The end-to-end demo on the embedded default (the README's main command).
 
-    python -m pipelines.demo [--k 10] [--queries 500] [--with-sep] [Beam options]
+    python -m benchmarks.demo [--k 10] [--queries 500] [--with-sep] [Beam options]
 
 Stages the synthetic demo collection, trains the demo JOIN model from the shipped all-MiniLM-L6-v2, encodes
 the test split, builds a FAISS index, selects the queries (``benchmarks.queries --scale``: every test image and
@@ -24,7 +24,10 @@ import click
 import pandas as pd
 
 from pipelines import demo_assets, launch
-from pipelines.common import BEAM_CLI_CONTEXT
+from pipelines.common import BEAM_CLI_CONTEXT, check_beam_flags
+from retrieval_core.runs import evaluate_run
+
+launch.preload("benchmarks.queries", "benchmarks.evaluate", "benchmarks.inspect")  # the demo's own steps
 
 
 def _run(args: list[str]) -> float:
@@ -36,10 +39,6 @@ def _run(args: list[str]) -> float:
 
 def _py(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
-
-
-def _done(path: str) -> bool:
-    return os.path.exists(path)
 
 
 def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 500) -> pd.DataFrame:
@@ -116,17 +115,12 @@ def result_model(be: str, ce: str | None) -> str:
 
 
 def table_rows(run: str, staged: str, mode: str, k: int, model: str, label: str) -> list[dict]:
-    """The demo table's two rows (t2i, i2t) of one rerank run evaluated in ``mode`` (benchmarks.evaluate's
-    evaluate_run: EMB is derived from the run's stored BE scores)."""
-    import json
-
-    from benchmarks.evaluate import evaluate_run
-
+    """The demo table's two rows (t2i, i2t) of one rerank run evaluated in ``mode`` (EMB is derived from the
+    run's stored BE scores); collection_size is the run's t2i candidate pool."""
     res = evaluate_run(run, staged, k=k, mode=mode, split="test")
-    with open(os.path.join(run, "rankings_manifest.json")) as f:
-        pool = json.load(f)["pool_size"]["t2i"]
-    return [{"model": model, "mode": label, "k": k, "direction": d, **{f"R@{kk}": res[f"{d}_R@{kk}"] for kk in (1, 5, 10)},
-             "mR": res["mR"], "queries": res[f"{d}_queries"], "collection_size": pool} for d in ("t2i", "i2t")]
+    return [{"model": model, "mode": label, "k": k, "direction": d,
+             **{f"R@{kk}": res[f"{d}_R@{kk}"] for kk in (1, 5, 10)}, "mR": res["mR"], "queries": res[f"{d}_queries"],
+             "collection_size": res["collection_size"]} for d in ("t2i", "i2t")]
 
 
 def r1_changes(table: pd.DataFrame) -> list[str]:
@@ -164,8 +158,6 @@ def r1_changes(table: pd.DataFrame) -> list[str]:
 @click.pass_context
 def main(ctx: click.Context, k: int, queries: int, with_sep: bool) -> None:
     """Run the whole retrieve-and-rerank demo on the embedded synthetic default. Extra --flags go to Beam."""
-    from pipelines.common import check_beam_flags
-
     check_beam_flags(ctx.args)
     try:
         run_demo(k, with_sep, tuple(ctx.args), queries)

@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 
 from retrieval_core import synthetic
-from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, device_option, threads_option
+from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, device_flag, threads_flag
 from retrieval_core.manifest import load_manifest
 from retrieval_core.model import VLRetrievalModel
 from retrieval_core.store import StagedDataset
@@ -144,8 +144,8 @@ def summary_table(rows: pd.DataFrame) -> str:
               help="Seeded sample of captions (0 = all).")
 @click.option("--output", help="Folder for family_probe.csv [print only].")
 @click.option("--batch-size", type=int, default=128, show_default=True)
-@device_option()
-@threads_option()
+@device_flag()
+@threads_flag()
 def main(staged: str, manifest: str, collection: Optional[str], be_model: str, ce_model: Optional[str], split: str,
          max_captions: int, output: Optional[str], batch_size: int, device: str, threads: Optional[int]) -> None:
     """Within-family accuracy of the BE and the CE, by the kind of difference (synthetic collections only)."""

@@ -3,8 +3,8 @@
     python -m benchmarks.inspect --rankings RUN_A [--mode co] [--against RUN_B] [--against-mode emb] \\
         --staged STAGED --output report.html [--images DIR] [--manifest NAME|PATH]
 
-``--rankings`` / ``--against`` are pipelines.rerank runs (read and checksum-verified by benchmarks.evaluate's
-helpers); each side is re-derived for its ``--mode``/``--k``/``--lam`` from the stored scores
+``--rankings`` / ``--against`` are pipelines.rerank runs (read and checksum-verified by retrieval_core.runs);
+each side is re-derived for its ``--mode``/``--k``/``--lam`` from the stored scores
 (``retrieval_core.rerank.derive_rankings``), so "EMB vs JOIN+CO" needs the one CO run: ``--against``
 defaults to the same run, ``--mode`` to A's own mode and ``--against-mode`` to emb.
 
@@ -33,11 +33,14 @@ import click
 import numpy as np
 import pandas as pd
 
-from benchmarks.evaluate import (DIRECTIONS, EvaluationError, _check_queries, ranked_as, run_collection,
-                                 read_run_manifest, resolve_derivation, run_dir_of)
+from pipelines.common import BEAM_FILES, write_atomic
 from retrieval_core import schema
 from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
+from retrieval_core.manifest import load_manifest
+from retrieval_core.metrics import DIRECTIONS, check_queries
 from retrieval_core.rerank import RUN_MODES
+from retrieval_core.runs import LoadedRun, RunError
+from retrieval_core.synthetic import describe_scene
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ class InspectError(ValueError):
 @dataclass(frozen=True)
 class Side:
     """One ranking of a run: the run's rows re-derived for (mode, k, lam)."""
+    loaded: LoadedRun
     run: str
     mode: str
     k: int
@@ -70,14 +74,15 @@ class Side:
         return f"{self.mode.upper()} k={self.k}{lam} ({os.path.basename(os.path.normpath(self.run))})"
 
 
-def load_side(run: str, mode: Optional[str] = None, k: Optional[int] = None, lam: Optional[float] = None) -> Side:
+def load_side(run: str, staged: str, mode: Optional[str] = None, k: Optional[int] = None,
+              lam: Optional[float] = None) -> Side:
     """A run's rankings as ranked by ``mode``/``k``/``lam`` (each default: the run's own), verified and
-    re-derived the way benchmarks.evaluate does."""
-    manifest_path, manifest = read_run_manifest(run)
-    k, mode, lam = resolve_derivation(manifest, k, mode, lam, where=run_dir_of(manifest_path))
-    table = ranked_as(manifest_path, manifest, k, mode, lam)
-    rows = table.to_pandas().sort_values(["direction", "query_id", "rank"], kind="stable").reset_index(drop=True)
-    return Side(run=run, mode=mode, k=k, lam=lam, manifest=manifest, rows=rows)
+    re-derived from its stored scores (retrieval_core.runs)."""
+    loaded = LoadedRun.read(run, staged, files=BEAM_FILES)
+    k, mode, lam = loaded.resolve(k, mode, lam)
+    rows = loaded.ranked(k, mode, lam).to_pandas()
+    rows = rows.sort_values(["direction", "query_id", "rank"], kind="stable").reset_index(drop=True)
+    return Side(loaded=loaded, run=run, mode=mode, k=k, lam=lam, manifest=loaded.manifest, rows=rows)
 
 
 def _lists(side: Side, direction: str) -> dict[int, pd.DataFrame]:
@@ -158,9 +163,9 @@ def compare(a: Side, b: Side, gold: tuple[Mapping[int, int], Mapping[int, frozen
         golds = {q: frozenset({i}) for q, i in caption_to_image.items()} if d == schema.DIRECTION_T2I \
             else dict(image_to_captions)
         if not (a.manifest.get("queries_file") or b.manifest.get("queries_file")):
-            _check_queries(d, np.array(sorted(la), dtype=np.int64), golds.keys())  # a full run: every gold query
+            check_queries(d, np.array(sorted(la), dtype=np.int64), golds.keys())  # a full run: every gold query
         else:
-            _check_queries(d, np.array(sorted(la), dtype=np.int64), [q for q in golds if q in la])
+            check_queries(d, np.array(sorted(la), dtype=np.int64), [q for q in golds if q in la])
         out.queries[d] = [QueryDiff(d, q, golds[q], gold_rank(la[q], golds[q]), gold_rank(lb[q], golds[q]),
                                     la[q], lb[q]) for q in sorted(la)]
     return out
@@ -191,7 +196,6 @@ def scene_text(scene: Mapping) -> str:
 
 class ItemViews:
     """What an item looks like on the page: caption text, image scene description and thumbnail."""
-
     def __init__(self, dataset, manifest_ref: Optional[str] = None, images_dir: Optional[str] = None):
         self.dataset = dataset
         self.notes: list[str] = []
@@ -205,7 +209,6 @@ class ItemViews:
                      if (block.get("images") or {}).get("format") == "synthetic"]
         if not synthetic:
             return {}
-        from retrieval_core.manifest import load_manifest
 
         recorded = self.dataset.summary.get("manifest") or {}
         refs = [manifest_ref] if manifest_ref else [r for r in (recorded.get("path"), recorded.get("name")) if r]
@@ -258,7 +261,6 @@ class ItemViews:
         parts = [f'<span class="src">{html.escape(collection)}/{html.escape(source_id)}</span>']
         spec = self._specs.get(collection)
         if spec is not None:
-            from retrieval_core.synthetic import describe_scene
 
             try:
                 parts.append(f'<span class="scene">{html.escape(scene_text(describe_scene(spec, int(source_id))))}'
@@ -400,14 +402,9 @@ def inspect(rankings: str, staged: str, output: str, *, against: Optional[str] =
             manifest: Optional[str] = None, per_group: int = 10, show: int = 10) -> tuple[str, Comparison]:
     """Write the page comparing A (``rankings`` as ``mode``) with B (``against``, default the same run, as
     ``against_mode``); returns (its path, the comparison)."""
-    from pipelines.common import open_file, write_atomic
-    from retrieval_core.store import StagedDataset
-
-    a = load_side(rankings, mode, k, lam)
-    b = load_side(against or rankings, against_mode, against_k if against_k is not None else k, against_lam)
-    dataset = StagedDataset(staged, opener=open_file)
-    collection = run_collection(a.manifest, dataset)
-    split = a.manifest.get("split")
+    a = load_side(rankings, staged, mode, k, lam)
+    b = load_side(against or rankings, staged, against_mode, against_k if against_k is not None else k, against_lam)
+    dataset, collection, split = a.loaded.dataset, a.loaded.collection, a.loaded.split
     cmp = compare(a, b, dataset.gold(collection, split), collection, split)
     page = render(cmp, ItemViews(dataset, manifest, images), per_group, show)
     write_atomic(output, page.encode("utf-8"))
@@ -437,7 +434,7 @@ def main(rankings, against, staged, output, mode, against_mode, k, against_k, la
          per_group, show):
     """One HTML page: where two rankings of the same queries differ, and where the gold item went."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    with cli_errors(EvaluationError, InspectError):
+    with cli_errors(RunError, InspectError):
         path, cmp = inspect(rankings, staged, output, against=against, mode=mode, against_mode=against_mode.lower(),
                             k=k, against_k=against_k, lam=lam, against_lam=against_lam, images=images,
                             manifest=manifest, per_group=per_group, show=show)

@@ -27,7 +27,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from benchmarks.queries import QueriesPlan
 from pipelines import launch
+from pipelines.build_index.plan import IndexPlan
+from pipelines.common import folder_sha256, write_json_atomic
+from pipelines.encode.plan import EncodePlan
+from pipelines.rerank.plan import RerankPlan
+from pipelines.stage.plan import StagePlan
+from retrieval_core.cli import to_argv
 
 #: What a job's work is measured in, for cost estimates (``UnitCosts``).
 UNITS = ("stage_records", "images_encoded", "captions_encoded", "ce_pairs")
@@ -41,12 +48,13 @@ MIN_LEARN_S = 60.0
 STAMP_SUFFIX = ".job.json"
 #: The packages whose code decides what a job writes (benchmarks/ only plans and reports).
 CODE_PACKAGES = ("pipelines", "retrieval_core")
+#: The CLI each plan type runs as (``python -m MODULE``); the pipelines take Beam flags.
+PLAN_MODULES = {StagePlan: "pipelines.stage", EncodePlan: "pipelines.encode", IndexPlan: "pipelines.build_index",
+                RerankPlan: "pipelines.rerank", QueriesPlan: "benchmarks.queries"}
 
 
 def source_digest(roots: Sequence[str]) -> str:
     """sha256 over the .py files under ``roots`` (each root's name, then its ``common.folder_sha256``)."""
-    from pipelines.common import folder_sha256
-
     h = hashlib.sha256()
     for root in roots:
         h.update(os.path.basename(os.path.normpath(root)).encode() + b"\0" + folder_sha256(root, ".py").encode())
@@ -81,11 +89,20 @@ class Job:
     work: tuple[tuple[str, int], ...] = ()
     beam: bool = True
     inputs: tuple[str, ...] = ()
+    plan: object = None  # the typed plan ``args`` were written from (Job.of)
 
     def __post_init__(self) -> None:
         bad = [u for u, _ in self.work if u not in UNITS]
         if bad:
             raise ValueError(f"job {self.name!r}: unknown work unit(s) {bad} (known: {UNITS})")
+
+    @classmethod
+    def of(cls, name: str, plan, done: str, work: tuple[tuple[str, int], ...] = (),
+           inputs: tuple[str, ...] = ()) -> "Job":
+        """The job that runs a typed plan through its CLI (the plan written back as arguments)."""
+        module = PLAN_MODULES[type(plan)]
+        return cls(name, module, tuple(to_argv(plan)), plan.output, done, work, beam=module.startswith("pipelines."),
+                   inputs=inputs, plan=plan)
 
     def argv(self, beam_args: Sequence[str] = ()) -> list[str]:
         return [sys.executable, "-m", self.module, *self.args, *(beam_args if self.beam else ())]
@@ -151,8 +168,6 @@ def finished(job: Job) -> Optional[dict]:
 
 
 def _write_stamp(job: Job, result: JobResult, beam_args: Sequence[str]) -> None:
-    from pipelines.common import write_json_atomic
-
     write_json_atomic(job.stamp_path, {
         "fingerprint": job.fingerprint(), "done_sha256": _sha256(job.done_path), "inputs": _input_digests(job),
         "command": job.command(beam_args), "code_version": code_version(),
@@ -246,8 +261,6 @@ class UnitCosts:
             return cls()
 
     def save(self, path: str) -> None:
-        from pipelines.common import write_json_atomic
-
         write_json_atomic(path, {"rates": self.rates})
 
     def set(self, unit: str, per_s: float, source: str, work: int = 0) -> None:
@@ -271,9 +284,10 @@ class UnitCosts:
 
     def learn(self, result: JobResult) -> None:
         """Update the rates from a job that ran now (a reused one measured nothing new), over its wall time
-        less its start-up (``JobResult.start_s``); only jobs of at least MIN_LEARN_S, and only where the job did at least as much work
-        as the one the rate came from. Encode jobs do images and captions together: their time rescales the
-        recorded per-item rates (or, with none recorded yet, counts an image as costing what a caption does)."""
+        less its start-up (``JobResult.start_s``); only jobs of at least MIN_LEARN_S, and only where the job did
+        at least as much work as the one the rate came from. Encode jobs do images and captions together: their
+        time rescales the recorded per-item rates (or, with none recorded yet, counts an image as costing what a
+        caption does)."""
         if result.reused or result.wall_s < MIN_LEARN_S:
             return
         busy = result.wall_s - result.start_s

@@ -34,14 +34,22 @@ in the notes.
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import numpy as np
 
+from benchmarks import jobs as jb
 from benchmarks.jobs import JOB_START_S
 from benchmarks.report import PAPER_CODE_MODEL, set_threads
+from benchmarks.rows import evaluate_row
+from benchmarks.suites import MODE_LABELS, Planner
+from pipelines import common
+from pipelines.encode.plan import EncodePlan
+from pipelines.encode.run import run as run_encode
+from retrieval_core.store import StagedDataset
 
 EVAL_CAPTIONS_PER_IMAGE = 5
 
@@ -431,13 +439,6 @@ def pipeline_overhead_rows(b: _Bench, cfg, beam_args, log, n: int = 5_000) -> li
     model time alone (RunInference's batch latencies), each as a fraction of the raw rate; the notes split
     the job's wall time into model time, the staged-shard reads (timed by reading every shard once more, as
     the job does) and the rest."""
-    import tempfile
-
-    from benchmarks import jobs as jb
-    from benchmarks.suites import Planner
-    from pipelines import encode
-    from retrieval_core.store import StagedDataset
-
     p = Planner(replace(cfg, suite="latency"))
     manifest, images = eval_manifest(n)
     st = p.stage(manifest, images=images)
@@ -455,8 +456,8 @@ def pipeline_overhead_rows(b: _Bench, cfg, beam_args, log, n: int = 5_000) -> li
     read_s = time.perf_counter() - t0
     with tempfile.TemporaryDirectory(prefix="encode-overhead-", dir=cfg.root) as out:
         t0 = time.perf_counter()
-        summary = encode.run(encode.EncodePlan(st.path, cfg.models.join, out, modality="image", batch_size=bs,
-                                               threads=b.env.get("threads")), tuple(beam_args))
+        summary = run_encode(EncodePlan(st.path, cfg.models.join, out, modality="image", batch_size=bs,
+                                        threads=b.env.get("threads")), tuple(beam_args))
         beam_s = time.perf_counter() - t0
     n_img = len(table)
     image = summary["modalities"]["image"]
@@ -486,7 +487,6 @@ def pipeline_overhead_rows(b: _Bench, cfg, beam_args, log, n: int = 5_000) -> li
 
 
 def common_runner(beam_args) -> str:
-    from pipelines import common
     return common.runner_name(common.pipeline_options(list(beam_args)))
 
 
@@ -515,8 +515,6 @@ def _eval_estimates(n: int, k: int, u: dict) -> dict:
 
 def plan_eval_setting(p, n: int, method: str, k: int, pairs: int):
     """Plan the jobs of one whole evaluation (stage, all queries, encode, build_index, rerank) -> (Row, jobs)."""
-    from benchmarks.suites import MODE_LABELS
-
     manifest, images = eval_manifest(n)
     st = p.stage(manifest, images=images)
     coll = next(iter(st.manifest.collections))
@@ -546,8 +544,6 @@ def measured_units(model_dir: str, lcfg: LatencyConfig) -> dict:
 
 def plan_eval_time(cfg, lcfg: LatencyConfig, unit: dict):
     """--plan: the Table 4 jobs the eval budget allows at the given unit costs (measured_units)."""
-    from benchmarks.suites import Planner
-
     u = unit
     p = Planner(replace(cfg, suite="latency"))
     budget = lcfg.eval_budget_s
@@ -564,10 +560,6 @@ def plan_eval_time(cfg, lcfg: LatencyConfig, unit: dict):
 def eval_time(b: _Bench, cfg, beam_args, log) -> tuple[list[dict], list]:
     """Table 4: total evaluation time of a COCO-style N-image collection, both directions, through the
     pipeline jobs where the budget allows; extrapolated from the unit costs otherwise."""
-    from benchmarks import jobs as jb
-    from benchmarks.run import evaluate_row
-    from benchmarks.suites import Planner
-
     lcfg, u = b.cfg, b.unit
     rows = []
     runner = jb.JobRunner(tuple(beam_args), log, preload=False)  # Table 4 times the commands as typed, start-up included
@@ -670,7 +662,6 @@ def sample_rates(model_dir: str, batch_size: int = 128, threads: Optional[int] =
     pairs scored (batched) by the model served as ``quantize`` - for estimates when no earlier run recorded
     them."""
     from retrieval_core.model import VLRetrievalModel, quantize_model
-
     from retrieval_core.synthetic import SyntheticSpec
 
     set_threads(threads)

@@ -26,7 +26,13 @@ from typing import Optional, Sequence
 import click
 import pandas as pd
 
-from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, device_option, threads_option
+from benchmarks.family_probe import probe
+from benchmarks.report import _pyplot
+from pipelines.common import write_atomic
+from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, device_flag, threads_flag
+from retrieval_core.manifest import load_manifest
+from retrieval_core.model import VLRetrievalModel
+from retrieval_core.store import StagedDataset
 from retrieval_core.train import LOG_FILE, kept_checkpoints
 
 DEV_SERIES = ("mR", "t2i_R@1", "i2t_R@1", "ce_pair_acc", "ce_hard_pair_acc")
@@ -76,9 +82,6 @@ def log_curves(records: Sequence[dict], window: int) -> pd.DataFrame:
 def probe_curves(train_dir: str, heads: Sequence[str], staged, spec, split: str = "dev",
                  max_captions: Optional[int] = 500, batch_size: int = 128, device: str = "cpu") -> pd.DataFrame:
     """Rows (step, series, value): ``<head> pairwise <change>`` (family_probe, %) for every kept model."""
-    from benchmarks.family_probe import probe
-    from retrieval_core.model import VLRetrievalModel
-
     kept = kept_checkpoints(train_dir)
     if not kept:
         raise ValueError(f"{train_dir} kept no checkpoints: train it with --checkpoint-every N --keep-checkpoints")
@@ -103,8 +106,6 @@ def _panel(series: str) -> str:
 
 def plot_curves(curves: pd.DataFrame, path: str) -> str:
     """One panel per kind of series (losses, dev/mining metrics, probe accuracies), a line per run and series."""
-    from benchmarks.report import _pyplot
-
     plt = _pyplot()
     present = set(curves["series"].map(_panel))
     panels = [p for p in PANELS if p in present]
@@ -147,14 +148,12 @@ def _run_spec(value: str) -> tuple[str, str]:
               help="Seeded sample of captions per probe (0 = all).")
 @click.option("--output", required=True, help="Folder for learning_curves.csv and learning_curves.png.")
 @click.option("--batch-size", type=int, default=128, show_default=True)
-@device_option()
-@threads_option()
+@device_flag()
+@threads_flag()
 def main(runs: tuple[str, ...], window: int, staged: Optional[str], manifest: Optional[str], split: str,
          max_captions: int, output: str, batch_size: int, device: str, threads: Optional[int]) -> None:
     """Learning curves of training runs: losses, minings and dev evaluations from their logs, and the
     within-family probe of every model they kept."""
-    from pipelines.common import write_atomic
-
     if bool(staged) != bool(manifest):
         raise click.UsageError("--staged and --manifest go together (the probe needs both)")
     apply_device_and_threads(device, threads)
@@ -166,8 +165,6 @@ def main(runs: tuple[str, ...], window: int, staged: Optional[str], manifest: Op
     with cli_errors(KeyError):  # a folder that is no training run, a bad manifest or staged dir: one line
         spec = ds = None
         if staged:
-            from retrieval_core.manifest import load_manifest
-            from retrieval_core.store import StagedDataset
 
             m = load_manifest(manifest)
             spec = m.synthetic_spec(m.benchmark.get("query_collection") or next(iter(m.collections)))

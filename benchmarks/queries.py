@@ -22,8 +22,8 @@ Selections (all seeded, ids sorted; only ids are read, shard by shard, never fea
 from __future__ import annotations
 
 import io
-import json
 import os
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import click
@@ -31,8 +31,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipelines.common import BEAM_FILES, write_atomic, write_json_atomic
 from retrieval_core import schema
+from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors, option, plan_from_cli, plan_options
 from retrieval_core.schema import DIRECTION_I2T, DIRECTION_T2I
+from retrieval_core.store import StagedDataset
 
 QUERIES_FILE = "queries.parquet"
 IMAGE_IDS_FILE = "image_ids.parquet"
@@ -44,10 +47,7 @@ ITEM_ID = "item_id"
 def staged_ids(staged: str, collection: str, split: Optional[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(image ids, caption ids, the caption's image ids) of one collection and split, sorted by id; read one
     shard at a time, id columns only."""
-    from pipelines.common import open_file
-    from retrieval_core.store import StagedDataset
-
-    ds = StagedDataset(staged, opener=open_file)
+    ds = StagedDataset(staged, files=BEAM_FILES)
     imgs = [ds.read_shard_columns(s, [ITEM_ID], split).column(ITEM_ID).to_numpy()
             for s in ds.shard_names("images", collection)]
     caps = [ds.read_shard_columns(s, ["caption_id", "image_item_id"], split)
@@ -106,7 +106,8 @@ def select(staged: str, collection: str, split: Optional[str], *, max_queries: i
     else:
         out["t2i"], out["i2t"] = sample(cap, img, max_queries, seed)
         out["pool_images"] = len(img)
-    for d, pool_n in ((DIRECTION_T2I, len(out.get("caption_ids", cap))), (DIRECTION_I2T, len(out.get("image_ids", img)))):
+    pools = ((DIRECTION_T2I, len(out.get("caption_ids", cap))), (DIRECTION_I2T, len(out.get("image_ids", img))))
+    for d, pool_n in pools:
         if not scale and len(out[d]) < pool_n:
             out["notes"].append(f"{d} queries: seeded sample of {len(out[d])} of {pool_n} (--max-queries)")
     return out
@@ -119,8 +120,6 @@ def _parquet_bytes(table: pa.Table) -> bytes:
 
 
 def write_selection(output: str, sel: dict, params: dict) -> dict:
-    from pipelines.common import write_atomic, write_json_atomic
-
     q = pa.table({"direction": pa.array([DIRECTION_T2I] * len(sel["t2i"]) + [DIRECTION_I2T] * len(sel["i2t"]),
                                         pa.string()),
                   "query_id": pa.array(np.concatenate([sel["t2i"], sel["i2t"]]), pa.int64())})
@@ -128,46 +127,49 @@ def write_selection(output: str, sel: dict, params: dict) -> dict:
     files = {"queries": QUERIES_FILE}
     for key, name in (("image_ids", IMAGE_IDS_FILE), ("caption_ids", CAPTION_IDS_FILE)):
         if key in sel:
-            write_atomic(os.path.join(output, name), _parquet_bytes(pa.table({ITEM_ID: pa.array(sel[key], pa.int64())})))
+            ids = pa.table({ITEM_ID: pa.array(sel[key], pa.int64())})
+            write_atomic(os.path.join(output, name), _parquet_bytes(ids))
             files[key] = name
-    info = {"params": params, "files": files, "queries": {DIRECTION_T2I: len(sel["t2i"]), DIRECTION_I2T: len(sel["i2t"])},
-            "pool_images": int(sel["pool_images"]), "pool_captions": int(len(sel["caption_ids"])) if "caption_ids" in sel
-            else None, "notes": sel["notes"], "schema_version": schema.SCHEMA_VERSION}
+    info = {"params": params, "files": files,
+            "queries": {DIRECTION_T2I: len(sel["t2i"]), DIRECTION_I2T: len(sel["i2t"])},
+            "pool_images": int(sel["pool_images"]),
+            "pool_captions": int(len(sel["caption_ids"])) if "caption_ids" in sel else None,
+            "notes": sel["notes"], "schema_version": schema.SCHEMA_VERSION}
     write_json_atomic(os.path.join(output, SELECTION_FILE), info)
     return info
 
 
-def read_selection(output: str) -> dict:
-    with open(os.path.join(output, SELECTION_FILE)) as f:
-        return json.load(f)
+@dataclass(frozen=True)
+class QueriesPlan:
+    """One selection: the queries (and fold pools) of a collection's split, written to ``output``."""
+    staged: str = option(help="staged directory (pipelines.stage output)")
+    collection: str = option(help="collection whose queries (and fold pools) are selected")
+    output: str = option(help="folder for queries.parquet (+ id files) and selection.json")
+    split: str = option("test")
+    max_queries: int = option(0, type=click.IntRange(min=0),
+                              help="seeded sample of at most this many queries per direction; 0 = all")
+    seed: int = option(0)
+    fold: Optional[int] = option(None, type=click.IntRange(min=0), help="select fold F (with --folds, --fold-size)")
+    folds: int = option(0, type=click.IntRange(min=0))
+    fold_size: int = option(0, type=click.IntRange(min=0))
+    scale: int = option(0, type=click.IntRange(min=0), help="N queries per direction: N seeded images and one "
+                                                            "caption of each")
+
+    def __post_init__(self):
+        if self.fold is not None and self.scale:
+            raise ValueError("--fold and --scale exclude each other")
 
 
-@click.command(context_settings=dict(help_option_names=["-h", "--help"]))
-@click.option("--staged", required=True, help="Staged directory (pipelines.stage output).")
-@click.option("--collection", required=True, help="Collection whose queries (and fold pools) are selected.")
-@click.option("--split", default="test", show_default=True)
-@click.option("--output", required=True, help="Folder for queries.parquet (+ id files) and selection.json.")
-@click.option("--max-queries", default=0, show_default=True, type=click.IntRange(min=0),
-              help="Seeded sample of at most this many queries per direction; 0 = all.")
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--fold", default=None, type=click.IntRange(min=0), help="Select fold F (with --folds, --fold-size).")
-@click.option("--folds", default=0, type=click.IntRange(min=0))
-@click.option("--fold-size", default=0, type=click.IntRange(min=0))
-@click.option("--scale", default=0, type=click.IntRange(min=0),
-              help="N queries per direction: N seeded images and one caption of each.")
-def main(staged, collection, split, output, max_queries, seed, fold, folds, fold_size, scale):
+@click.command(context_settings=CONTEXT_SETTINGS)
+@plan_options(QueriesPlan)
+def main(**values):
     """Write the queries file (and fold id files) a benchmark's rerank and build_index jobs read."""
-    from pipelines.common import cli_errors
-
-    if fold is not None and scale:
-        raise click.UsageError("--fold and --scale exclude each other")
-    params = dict(staged=staged, collection=collection, split=split, max_queries=max_queries, seed=seed, fold=fold,
-                  folds=folds, fold_size=fold_size, scale=scale)
     with cli_errors():
-        sel = select(staged, collection, split, max_queries=max_queries, seed=seed, fold=fold, folds=folds,
-                     fold_size=fold_size, scale=scale)
-        info = write_selection(output, sel, params)
-    click.echo(f"selected {info['queries']} queries (pool {info['pool_images']} images) -> {output}")
+        plan = plan_from_cli(QueriesPlan, values)
+        sel = select(plan.staged, plan.collection, plan.split, max_queries=plan.max_queries, seed=plan.seed,
+                     fold=plan.fold, folds=plan.folds, fold_size=plan.fold_size, scale=plan.scale)
+        info = write_selection(plan.output, sel, asdict(plan))
+    click.echo(f"selected {info['queries']} queries (pool {info['pool_images']} images) -> {plan.output}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import click
 
+from pipelines.common import write_atomic
+
 #: ``model`` of the rows that measure the paper's code path (benchmarks.latency)
 PAPER_CODE_MODEL = "paper-code"
 
@@ -192,7 +194,6 @@ def write_csv(path: str, rows: Iterable[Mapping], columns: Sequence[str] = CSV_C
     its column documentation beside it (:func:`schema_path`); returns the CSV's path."""
     import json
 
-    from pipelines.common import write_atomic
 
     doc = column_schema(columns)  # before writing anything: an undocumented column is refused
     write_atomic(schema_path(path), (json.dumps({"csv": path.rsplit("/", 1)[-1], **doc}, indent=1) + "\n")

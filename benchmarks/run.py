@@ -44,75 +44,22 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import click
-import numpy as np
 
 from benchmarks import jobs as jb
-from benchmarks import report, suites
+from benchmarks import latency, report, suites
+from benchmarks.rows import ce_pairs_scored, evaluate_row
+from benchmarks.suites import DEFAULT_MAX_QUERIES, SUITES, Models, Plan, SuiteConfig
+from pipelines import demo_assets
+from pipelines.common import UnknownFlagError, unknown_beam_flags
+from retrieval_core import baseline as bl
+from retrieval_core.manifest import load_manifest
 from retrieval_core.schema import QUANTIZE_CHOICES, check_quantize
-from benchmarks.suites import DEFAULT_MAX_QUERIES, SUITES, Models, Plan, Row, SuiteConfig
+from retrieval_core.store import StagedDataset
 
 
 def unit_costs_path(cfg: SuiteConfig) -> str:
     """Rates learned by runs of this serving precision (a bf16 rate must not estimate a float32 job)."""
     return os.path.join(cfg.root, "unit_costs.json" if cfg.quantize == "none" else f"unit_costs-{cfg.quantize}.json")
-
-
-# -------------------------------------------------------------------------------------------- rows
-def _manifest(run_dir: str) -> dict:
-    import json
-
-    with open(os.path.join(run_dir, "rankings_manifest.json")) as f:
-        return json.load(f)
-
-
-def evaluate_row(row: Row, results: dict, env: dict) -> list[dict]:
-    """CSV rows (one per direction) of a planned Row, from its finished rerank run(s)."""
-    common = {"suite": row.suite, "collection": row.collection, "model": row.model, "mode": row.mode, "k": row.k,
-              "lam": row.lam, "collection_size": row.pool_images, "split": row.split or "", **env}
-    if row.skip:
-        return [{**common, "direction": "both", "measured": False, "notes": row.skip}]
-    from benchmarks.evaluate import choose_fusion, evaluate_run
-
-    t0 = time.perf_counter()
-    eval_mode, eval_lam, chosen = row.eval_mode, row.eval_lam, ""
-    if eval_mode == "auto":  # what pipelines.rerank --mode auto --tune-on would run, from the stored scores
-        choice = choose_fusion(row.tune_on, row.tune_staged, row.eval_k)
-        eval_mode, eval_lam = choice["mode"], choice["lam"]
-        chosen = f"chosen on {choice['dev_split']}: {choice['label']} (dev mR {choice['dev_mR'][choice['label']]:.2f}, " \
-                 f"co {choice['dev_mR']['co']:.2f})"
-        common["lam"] = eval_lam if eval_lam is not None else ""
-        common["fusion"] = choice["label"]
-    metrics = [evaluate_run(run, row.staged, k=row.eval_k, mode=eval_mode, lam=eval_lam,
-                            collection=row.eval_collection, split=row.split) for run in row.runs]
-    eval_s = (time.perf_counter() - t0) / len(row.runs)
-    timing: dict[str, float] = {}
-    for col, name in row.timing:
-        # the stamps keep wall_s to the millisecond: summing those keeps a reused row equal to its first run
-        timing[col] = timing.get(col, 0.0) + round(results[name].wall_s, 3)
-    if row.per_fold:
-        timing = {c: v / len(row.runs) if c != "encode_s" else v for c, v in timing.items()}
-    peak = max((results[name].peak_rss_mb for _, name in row.timing), default=0.0)
-    pairs = ""
-    if row.mode != "EMB":
-        pairs = int(round(np.mean([_manifest(r).get("ce_pairs_scored", 0) for r in row.runs])))
-    mean = lambda xs: float(np.mean(xs))  # noqa: E731
-    per_dir = {d: {f"R@{k}": mean([m[f"{d}_R@{k}"] for m in metrics]) for k in (1, 5, 10)}
-               for d in suites.DIRECTIONS}
-    m_r = mean([v for d in per_dir.values() for v in d.values()])
-    derived = f"k={metrics[0].get('k')} mode={metrics[0].get('mode')}" + \
-        (f" lam={metrics[0].get('lam')}" if eval_mode in ("add", "norm_add") else "")
-    reused = sorted({name for _, name in row.timing if results[name].reused})
-    notes = list(row.notes) + ([chosen] if chosen else []) + \
-        ([f"{len(reused)} job(s) reused from an earlier run (their cost as measured then)"] if reused else [])
-    out = []
-    for d in suites.DIRECTIONS:
-        out.append({**common, "direction": d, **per_dir[d], "mR": m_r,
-                    "queries": int(round(mean([m[f"{d}_queries"] for m in metrics]))),
-                    **{c: round(v, 3) for c, v in timing.items()},
-                    "wall_s": round(sum(timing.values()) + eval_s, 3), "ce_pairs": pairs,
-                    "peak_rss_mb": round(peak, 1), "measured": True,
-                    "rankings": ";".join(row.runs) + f" ({derived})", "notes": "; ".join(notes)})
-    return out
 
 
 def job_rows(results: Sequence[jb.JobResult], beam_args: Sequence[str]) -> list[dict]:
@@ -130,7 +77,7 @@ def execute(plan: Plan, beam_args: Sequence[str], costs: jb.UnitCosts, costs_pat
         res = runner.run(job)
         if not res.reused:
             if job.module == "pipelines.rerank":  # the pairs it really scored, not the planned upper bound
-                pairs = _manifest(job.output).get("ce_pairs_scored", 0)
+                pairs = ce_pairs_scored(job.output)
                 res = jb.JobResult(jb.Job(**{**job.__dict__, "work": (("ce_pairs", pairs),) if pairs else ()}),
                                    res.wall_s, res.peak_rss_kib, preloaded=res.preloaded)
             costs.learn(res)
@@ -167,8 +114,6 @@ class RunOptions:
 
 def check_beam_args(beam_args: Sequence[str]) -> None:
     """Refuse, before anything runs (training the demo models, staging), a flag no pipeline would take."""
-    from pipelines.common import UnknownFlagError, unknown_beam_flags
-
     unknown = unknown_beam_flags(beam_args)
     if unknown:
         raise UnknownFlagError(f"unknown option(s) {' '.join(unknown)}: neither benchmarks.run nor Beam's "
@@ -187,8 +132,6 @@ def resolve_models(join_dir, be_dir, ce_dir, no_sep: bool, suite: str, plan_only
                    recipe_name: str = "bench", seed: int = 0) -> Models:
     """Model folders: the given ones, else the cached models of ``recipe_name`` at ``seed``
     (pipelines.demo_assets; trained on first use, with --plan only named)."""
-    from pipelines import demo_assets
-
     recipe = demo_assets.RECIPES[recipe_name]
     no_sep = no_sep or (suite in JOIN_BY_DEFAULT and not (be_dir and ce_dir))
     need_sep = not no_sep and (be_dir is None or ce_dir is None)
@@ -206,15 +149,11 @@ def resolve_models(join_dir, be_dir, ce_dir, no_sep: bool, suite: str, plan_only
 
 def baseline_model(cfg: SuiteConfig, plan_only: bool) -> str:
     """Fit (or reuse) the training-free mapped baseline on the demo train split; returns its folder."""
-    from pipelines import demo_assets
-    from retrieval_core import baseline as bl
-
     out = os.path.join(cfg.root, "baseline" + ("-quick" if cfg.quick else ""))
     if plan_only or bl.MappedBaseline.is_baseline_dir(out):
         return out
     import pandas as pd
 
-    from retrieval_core.store import StagedDataset
 
     ds = StagedDataset(demo_assets.ensure_staged())
     caps = ds.captions(split="train")
@@ -233,13 +172,13 @@ def plan_costs(plan_jobs: Sequence[jb.Job], cfg: SuiteConfig) -> jb.UnitCosts:
     costs = jb.UnitCosts.load(unit_costs_path(cfg))
     missing = set(costs.missing(plan_jobs))
     if missing and suites.model_feature_dim(cfg.models.join) is not None:
-        from benchmarks import latency
 
         for unit, per_s in latency.sample_rates(cfg.models.join, cfg.batch_size, cfg.threads,
                                                 quantize=cfg.quantize).items():
             if unit in missing:
+                what = "; generation + validation, no writes" if unit == "stage_records" else ""
                 costs.set(unit, per_s, f"measured now on a small in-process sample ({cfg.models.join}, batch "
-                                       f"{cfg.batch_size}, --quantize {cfg.quantize}{'; generation + validation, no writes' if unit == 'stage_records' else ''})")
+                                       f"{cfg.batch_size}, --quantize {cfg.quantize}{what})")
         costs.save(unit_costs_path(cfg))
     return costs
 
@@ -295,8 +234,6 @@ def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, recipe, model_seeds, no
          hnsw_max_n, eval_budget, fresh_interpreters):
     """Run one benchmark suite through the pipeline jobs and write <output>/<suite>.csv plus a summary.
     Unknown --flags go to every pipeline job (--runner, --dask_client_address, Dataflow options)."""
-    from pipelines import demo_assets
-
     beam_args = tuple(ctx.args)
     check_beam_args(beam_args)
     try:  # before any model is trained for the suite
@@ -398,16 +335,12 @@ def _sizes(text: Optional[str], suite: str) -> tuple[int, ...]:
 
 
 def _demo_feature_dim() -> int:
-    from pipelines import demo_assets
-    from retrieval_core.manifest import load_manifest
 
     return load_manifest(demo_assets.DEMO_MANIFEST).feature_dim
 
 
 def _anns(spec: str) -> tuple[str, ...]:
     """--ann "IVF-Flat,HNSW32" -> the kinds, each checked (benchmarks.latency.ann_factory)."""
-    from benchmarks import latency
-
     kinds = tuple(k.strip() for k in spec.split(",") if k.strip())
     for k in kinds:
         try:
@@ -419,8 +352,6 @@ def _anns(spec: str) -> tuple[str, ...]:
 
 def run_latency_suite(cfg: SuiteConfig, opts: RunOptions):
     """Per-query latency in-process; Table 4 (total evaluation time) through the pipeline jobs."""
-    from benchmarks import latency
-
     lcfg = latency.quick_config() if cfg.quick else latency.LatencyConfig()
     lcfg = latency.LatencyConfig(**{**lcfg.__dict__, "batch_size": cfg.batch_size, "threads": cfg.threads,
                                     "anns": opts.anns, "hnsw_max_n": opts.hnsw_max_n,

@@ -16,14 +16,23 @@ pool), one rerank with a ``--queries`` file from ``benchmarks.queries``. Everyth
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import click
+
 from benchmarks import queries as sel
 from benchmarks.jobs import Job
+from pipelines.build_index.plan import IndexPlan
+from pipelines.encode.plan import EncodePlan
+from pipelines.rerank.plan import RerankPlan
+from pipelines.stage.plan import StagePlan
 from retrieval_core import schema
+from retrieval_core.cli import check_device
+from retrieval_core.manifest import load_manifest
 from retrieval_core.schema import DIRECTION_I2T, DIRECTION_T2I
 
 DIRECTIONS = (DIRECTION_T2I, DIRECTION_I2T)
@@ -96,8 +105,7 @@ class SuiteConfig:
     def __post_init__(self) -> None:
         if self.suite not in SUITES:
             raise ValueError(f"unknown suite {self.suite!r} (known: {', '.join(SUITES)})")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        check_device(self.device)
         if self.max_queries < 0 or self.ce_pair_budget < 0 or self.batch_size < 1 or self.feature_dim < 1:
             raise ValueError("max_queries and ce_pair_budget must be >= 0, batch_size and feature_dim >= 1")
         schema.check_quantize(self.quantize, self.device)
@@ -165,8 +173,6 @@ def model_key(path: str) -> str:
 
 def model_feature_dim(path: str) -> Optional[int]:
     """The region feature width a model folder expects (VLRetrievalModel or MappedBaseline), None if absent."""
-    import json
-
     for name in ("rr_model.json", "rr_baseline.json"):
         try:
             with open(os.path.join(path, name)) as f:
@@ -180,14 +186,9 @@ def _model_inputs(path: str) -> tuple[str, ...]:
     return tuple(os.path.join(path, n) for n in ("rr_model.json", "model.safetensors", "rr_baseline.json"))
 
 
-def _common_flags(cfg: SuiteConfig, batch: bool = True) -> list[str]:
-    out = ["--device", cfg.device] + (["--batch-size", str(cfg.batch_size)] if batch else [])
-    return out + (["--threads", str(cfg.threads)] if cfg.threads else [])
-
-
-def _quantize_flags(cfg: SuiteConfig) -> list[str]:
-    """--quantize for the jobs that run a model (encode, CE-scoring reranks); float32 jobs keep their commands."""
-    return ["--quantize", cfg.quantize] if cfg.quantize != "none" else []
+def _run_options(cfg: SuiteConfig) -> dict:
+    """What every job that runs a model takes from the suite config."""
+    return dict(device=cfg.device, batch_size=cfg.batch_size, threads=cfg.threads)
 
 
 @dataclass(frozen=True)
@@ -236,10 +237,6 @@ def stage_job(cfg: SuiteConfig, manifest: str, images: Optional[int] = None) -> 
     """The stage job of ``manifest`` at the models' feature_dim (synthetic features only: real features are
     read from files, so another width is refused naming both) and, with --quick, shrunk (QUICK_IMAGES);
     ``images`` cuts every collection to that many images instead."""
-    import click
-
-    from retrieval_core.manifest import load_manifest
-
     m = load_manifest(manifest)
     sets, suffix = [], ""
     if cfg.feature_dim != m.feature_dim:
@@ -259,17 +256,13 @@ def stage_job(cfg: SuiteConfig, manifest: str, images: Optional[int] = None) -> 
     m = load_manifest(manifest, overrides=sets)
     images, captions = _collection_sizes(m)
     out = os.path.join(cfg.root, "staged", m.name + suffix)
-    args = ["--manifest", manifest, "--output", out]
-    for s in sets:
-        args += ["--set", s]
-    job = Job(f"stage {m.name}{suffix}", "pipelines.stage", tuple(args), out, "summary.json",
-              (("stage_records", sum(images.values()) + sum(captions.values())),))
+    job = Job.of(f"stage {m.name}{suffix}", StagePlan(output=out, manifest=manifest, overrides=tuple(sets)),
+                 "summary.json", (("stage_records", sum(images.values()) + sum(captions.values())),))
     return Staged(m.name + suffix, out, job, m, images, captions)
 
 
 class Planner:
     """Builds one suite's Plan; every job goes through here, so a shared step is planned once."""
-
     def __init__(self, cfg: SuiteConfig):
         self.cfg = cfg
         self.plan = Plan()
@@ -293,14 +286,11 @@ class Planner:
         else:
             what = f"q{max_queries}" if max_queries else "all"
         out = os.path.join(self.cfg.root, "queries", st.name, _slug(collection, split, what, f"seed{seed}"))
-        args = ["--staged", st.path, "--collection", collection, "--split", split, "--output", out,
-                "--max-queries", str(max_queries), "--seed", str(seed)]
-        if fold is not None:
-            args += ["--fold", str(fold), "--folds", str(folds), "--fold-size", str(fold_size)]
-        if scale:
-            args += ["--scale", str(scale)]
-        return self.plan.add(Job(f"queries {st.name}/{collection} {what}", "benchmarks.queries", tuple(args), out,
-                                 sel.SELECTION_FILE, beam=False, inputs=(st.summary,)))
+        plan = sel.QueriesPlan(staged=st.path, collection=collection, output=out, split=split, max_queries=max_queries,
+                               seed=seed, fold=fold, folds=folds if fold is not None else 0,
+                               fold_size=fold_size if fold is not None else 0, scale=scale)
+        return self.plan.add(Job.of(f"queries {st.name}/{collection} {what}", plan, sel.SELECTION_FILE,
+                                    inputs=(st.summary,)))
 
     def model_key(self, model: str) -> str:
         """A model's folder name in this plan's outputs: another --quantize encodes and scores elsewhere."""
@@ -309,29 +299,26 @@ class Planner:
     def encode(self, st: Staged, model: str, split: str = "test") -> Job:
         out = os.path.join(self.cfg.root, "embeddings", self.model_key(model), st.name + ("" if split == "test" else
                                                                                      f"-{split}"))
-        args = ["--staged", st.path, "--model", model, "--output", out, "--split", split,
-                *_common_flags(self.cfg), *_quantize_flags(self.cfg)]
+        plan = EncodePlan(staged=st.path, model=model, output=out, split=split, quantize=self.cfg.quantize,
+                          **_run_options(self.cfg))
         share = split_share(st.manifest, split)
         work = (("images_encoded", round(share * sum(st.images.values()))),
                 ("captions_encoded", round(share * sum(st.captions.values()))))
-        return self.plan.add(Job(f"encode {self.model_key(model)} {st.name}{'' if split == 'test' else '/' + split}",
-                                 "pipelines.encode", tuple(args), out,
-                                 "embeddings_manifest.json", work, inputs=(st.summary, *_model_inputs(model))))
+        return self.plan.add(Job.of(f"encode {self.model_key(model)} {st.name}{'' if split == 'test' else '/' + split}",
+                                    plan, "embeddings_manifest.json", work, inputs=(st.summary, *_model_inputs(model))))
 
     def index(self, st: Staged, model: str, enc: Job, modality: str = "image", ids: Optional[Job] = None,
               pool: str = "all") -> Job:
         out = os.path.join(self.cfg.root, "index", self.model_key(model), st.name, _slug(pool, modality))
-        args = ["--embeddings", enc.output, "--output", out, "--modality", modality,
-                "--index-factory", self.cfg.index_factory]
         inputs = [os.path.join(enc.output, "embeddings_manifest.json")]
+        ids_file = None
         if ids is not None:
             ids_file = os.path.join(ids.output, sel.IMAGE_IDS_FILE if modality == "image" else sel.CAPTION_IDS_FILE)
-            args += ["--ids", ids_file]
             inputs.append(ids_file)
-        if self.cfg.threads:
-            args += ["--threads", str(self.cfg.threads)]
-        return self.plan.add(Job(f"index {self.model_key(model)} {st.name}/{pool} {modality}", "pipelines.build_index",
-                                 tuple(args), out, "index_manifest.json", inputs=tuple(inputs)))
+        plan = IndexPlan(embeddings=enc.output, output=out, modality=modality, factory=self.cfg.index_factory,
+                         ids=ids_file, threads=self.cfg.threads)
+        return self.plan.add(Job.of(f"index {self.model_key(model)} {st.name}/{pool} {modality}", plan,
+                                    "index_manifest.json", inputs=tuple(inputs)))
 
     def rerank(self, st: Staged, family: str, be_model: str, ce_model: str, enc: Job, queries: Job, *, mode: str,
                k: int, index: Optional[Job], text_index: Optional[Job] = None, pool: str = "all", pairs: int = 0,
@@ -341,25 +328,22 @@ class Planner:
         models = _slug(family, self.model_key(be_model), self.model_key(ce_model) if mode != "emb" else "")
         out = os.path.join(self.cfg.root, "runs", st.name, _slug(pool, os.path.basename(queries.output)), models,
                            f"{mode}-k{k}")
-        args = ["--staged", st.path, "--embeddings", enc.output, "--mode", mode, "--k", str(k), "--split", split,
-                "--queries", os.path.join(queries.output, sel.QUERIES_FILE), "--output", out,
-                *_common_flags(self.cfg)]
-        inputs = [st.summary, os.path.join(enc.output, "embeddings_manifest.json"),
-                  os.path.join(queries.output, sel.QUERIES_FILE)]
-        for flag, j in (("--index", index), ("--text-index", text_index)):
-            if j is not None:
-                args += [flag, j.output]
-                inputs.append(os.path.join(j.output, "index_manifest.json"))
+        queries_file = os.path.join(queries.output, sel.QUERIES_FILE)
+        inputs = [st.summary, os.path.join(enc.output, "embeddings_manifest.json"), queries_file]
+        inputs += [os.path.join(j.output, "index_manifest.json") for j in (index, text_index) if j is not None]
+        extra = {}
         if mode != "emb":
-            args += ["--ce-model", ce_model, *_quantize_flags(self.cfg)]
+            extra.update(ce_model=ce_model, quantize=self.cfg.quantize)
             inputs += _model_inputs(ce_model)
         if mode == "ce":
-            args += ["--max-exhaustive-pairs", str(max(exhaustive_limit or pairs, 1))]
+            extra["max_exhaustive_pairs"] = max(exhaustive_limit or pairs, 1)
+        plan = RerankPlan(staged=st.path, embeddings=enc.output, output=out, mode=mode, k=k, split=split,
+                          queries=queries_file, index=index.output if index else None,
+                          text_index=text_index.output if text_index else None, **_run_options(self.cfg), **extra)
         # the query selection is in the name: distractor_20k ranks two query sets against one pool
         name = f"rerank {family} {mode} k={k} {st.name}/{pool} {os.path.basename(queries.output)}"
-        return self.plan.add(Job(name, "pipelines.rerank", tuple(args),
-                                 out, "rankings_manifest.json", (("ce_pairs", pairs),) if mode != "emb" else (),
-                                 inputs=tuple(inputs)))
+        return self.plan.add(Job.of(name, plan, "rankings_manifest.json",
+                                    (("ce_pairs", pairs),) if mode != "emb" else (), inputs=tuple(inputs)))
 
     def dev_run(self, family: str, be_model: str, ce_model: str, k: int) -> tuple[Job, Staged]:
         """The CO run on the dev split of TUNE_MANIFEST (held out from the demo models' training) that the AUTO
@@ -569,7 +553,6 @@ def plan_suite(cfg: SuiteConfig, baseline_model: Optional[str] = None) -> Plan:
     p = Planner(cfg)
     s = cfg.suite
     if cfg.manifest:  # one user-chosen manifest, its own benchmark block
-        from retrieval_core.manifest import load_manifest
 
         m = load_manifest(cfg.manifest)
         if s == "distractor_20k" or m.benchmark.get("distractor_collections"):
