@@ -133,9 +133,10 @@ def tiny_model(tmp_dir: str, feature_dim: int = 16, seed: int = 0):
 def staged_demo_and_tiny_model(tmp_dir: str, overrides: tuple[str, ...], feature_dim: int = 16) -> tuple[str, str]:
     """(staged folder, model folder): the demo manifest staged under ``overrides`` (a tiny synthetic collection)
     and a saved tiny model for its feature width, both under tmp_dir."""
-    from pipelines.stage import run_stage
+    from pipelines.stage import plan as stage_plan
+    from pipelines.stage import run as stage_run
 
     staged, model_dir = os.path.join(tmp_dir, "staged"), os.path.join(tmp_dir, "model")
-    run_stage("demo", staged, overrides=overrides)
+    stage_run.run(stage_plan.StagePlan(staged, "demo", overrides=overrides))
     tiny_model(os.path.join(tmp_dir, "src"), feature_dim=feature_dim).save(model_dir)
     return staged, model_dir

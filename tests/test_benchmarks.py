@@ -116,10 +116,11 @@ def test_quick_suite_runs_the_pipeline_jobs_and_rows_match_their_rankings(quick)
     co = rows[("CO", "t2i")]
     assert float(co["rerank_s"]) > 0 and int(co["ce_pairs"]) > 0
     assert float(co["wall_s"]) >= float(co["encode_s"]) + float(co["index_s"]) + float(co["rerank_s"])
-    assert rows[("EMB", "t2i")]["ce_pairs"] == "" and "derived from the stored BE scores" in rows[("EMB", "t2i")]["notes"]
+    emb_t2i = rows[("EMB", "t2i")]
+    assert emb_t2i["ce_pairs"] == "" and "derived from the stored BE scores" in emb_t2i["notes"]
 
     # AUTO: the fusion chosen on the demo dev run, applied to the same CO run's stored scores
-    from benchmarks.evaluate import choose_fusion, evaluate_run
+    from retrieval_core.runs import choose_fusion, evaluate_run
     dev_run = [j["output"] for j in quick["jobs"] if j["step"] == "pipelines.rerank"][1]
     dev_staged = [j["output"] for j in quick["jobs"] if j["step"] == "pipelines.stage"][1]
     choice = choose_fusion(dev_run, dev_staged, K)
@@ -179,7 +180,8 @@ def test_a_rerun_reuses_every_finished_job(quick):
     assert [j["reused"] for j in jobs] == ["true"] * 10
     rows = report.read_csv(os.path.join(quick["out"], "standard.csv"))
     # the same numbers, and the job costs as measured by the first run (only evaluate's time is new)
-    key = lambda r: (r["mode"], r["direction"], r["R@1"], r["R@5"], r["R@10"], r["encode_s"], r["rerank_s"])  # noqa: E731
+    def key(r):
+        return r["mode"], r["direction"], r["R@1"], r["R@5"], r["R@10"], r["encode_s"], r["rerank_s"]
     assert sorted(map(key, rows)) == sorted(map(key, quick["rows"]))
 
 
@@ -210,16 +212,15 @@ def test_standard_plan_wires_each_fold_through_ids_and_its_own_queries(model, tm
     by_name = {j.name: j for j in plan.jobs}
     fold_rows = [r for r in plan.rows if r.collection.startswith("synthetic_coco5k/") and r.mode == "CO"]
     assert len(fold_rows) == 1 and len(fold_rows[0].runs) == suites.COCO_1K_FOLDS
-    arg = lambda job, flag: job.args[job.args.index(flag) + 1]  # noqa: E731
     for f, run_dir in enumerate(fold_rows[0].runs):
-        rerank = next(j for j in plan.jobs if j.module == "pipelines.rerank" and j.output == run_dir)
-        qdir = os.path.dirname(arg(rerank, "--queries"))
-        qjob = next(j for j in plan.jobs if j.output == qdir)
-        assert arg(qjob, "--fold") == str(f) and arg(qjob, "--fold-size") == "20" and arg(qjob, "--max-queries") == "100"
-        img_idx = next(j for j in by_name.values() if j.output == arg(rerank, "--index"))
-        txt_idx = next(j for j in by_name.values() if j.output == arg(rerank, "--text-index"))
-        assert arg(img_idx, "--ids") == os.path.join(qdir, queries.IMAGE_IDS_FILE) and arg(img_idx, "--modality") == "image"
-        assert arg(txt_idx, "--ids") == os.path.join(qdir, queries.CAPTION_IDS_FILE) and arg(txt_idx, "--modality") == "text"
+        rerank = next(j for j in plan.jobs if j.module == "pipelines.rerank" and j.output == run_dir).plan
+        qdir = os.path.dirname(rerank.queries)
+        qjob = next(j for j in plan.jobs if j.output == qdir).plan
+        assert (qjob.fold, qjob.fold_size, qjob.max_queries) == (f, 20, 100)
+        img_idx = next(j for j in by_name.values() if j.output == rerank.index).plan
+        txt_idx = next(j for j in by_name.values() if j.output == rerank.text_index).plan
+        assert img_idx.ids == os.path.join(qdir, queries.IMAGE_IDS_FILE) and img_idx.modality == "image"
+        assert txt_idx.ids == os.path.join(qdir, queries.CAPTION_IDS_FILE) and txt_idx.modality == "text"
     # one encode per (model, staged collection), shared by the 5k pool and every fold
     # (+ the demo dev split the AUTO rows choose their fusion on)
     assert sum(j.module == "pipelines.encode" for j in plan.jobs) == 3  # synthetic_coco5k, synthetic_f30k1k, demo
@@ -233,11 +234,10 @@ def test_quantize_goes_to_the_model_jobs_and_their_outputs_are_kept_apart(model,
                                                      models=suites.Models(join=model), feature_dim=F))
              for q in ("none", "bf16")}
     for job in plans["bf16"].jobs:
-        mode = job.args[job.args.index("--mode") + 1] if "--mode" in job.args else None
-        runs_model = job.module == "pipelines.encode" or (job.module == "pipelines.rerank" and mode != "emb")
+        runs_model = job.module == "pipelines.encode" or (job.module == "pipelines.rerank" and job.plan.mode != "emb")
         assert ("--quantize" in job.args) == runs_model, job.name
         if runs_model:
-            assert job.args[job.args.index("--quantize") + 1] == "bf16"
+            assert job.plan.quantize == "bf16"
     assert not any("--quantize" in j.args for j in plans["none"].jobs)
     outputs = {q: {j.module: set() for j in p.jobs} for q, p in plans.items()}
     for q, p in plans.items():
@@ -259,8 +259,7 @@ def test_k_ablation_and_combination_plan_one_rerank_per_family(model, tmp_path):
         cfg = suites.SuiteConfig(suite=suite, workdir=str(tmp_path), models=suites.Models(join=model), feature_dim=F)
         plan = suites.plan_suite(cfg)
         reranks = [j for j in plan.jobs if j.module == "pipelines.rerank"]
-        assert len(reranks) == 1 and reranks[0].args[reranks[0].args.index("--k") + 1] == \
-            ("50" if suite == "k_ablation" else "20")
+        assert len(reranks) == 1 and reranks[0].plan.k == (50 if suite == "k_ablation" else 20)
         assert {(r.mode, r.k, r.lam) for r in plan.rows} == rows
         assert all(r.runs == (reranks[0].output,) for r in plan.rows)
 
@@ -440,7 +439,8 @@ def test_unit_costs_learn_and_estimate():
     costs.learn(jb.JobResult(enc, 250.0 + jb.JOB_START_S, 1))
     assert costs.estimate(enc) == pytest.approx(250.0)
     assert costs.rates["images_encoded"]["per_s"] == pytest.approx(costs.rates["captions_encoded"]["per_s"] / 2)
-    small = jb.Job("encode small", "pipelines.encode", (), "/y", "m.json", (("images_encoded", 10), ("captions_encoded", 30)))
+    small = jb.Job("encode small", "pipelines.encode", (), "/y", "m.json", (("images_encoded", 10),
+                                                                            ("captions_encoded", 30)))
     costs.learn(jb.JobResult(small, 500.0, 1))  # less work than the job the rates came from: ignored
     assert costs.estimate(enc) == pytest.approx(250.0)
 
@@ -546,7 +546,7 @@ def test_distractor_plan_ranks_each_task_in_its_own_job(model, tmp_path):
                  "--workdir", str(tmp_path / "w"), timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     reranks = [line.split("--queries ")[1].split()[0] for line in res.stdout.splitlines()
-               if line.strip().startswith("python -m pipelines.rerank") and "--mode co" in line
+               if line.strip().startswith("python -m pipelines.rerank") and "--mode " not in line  # co: the default
                and "/bench/runs/synthetic_distractor20k" in line]
     assert len(reranks) == 2 and len(set(reranks)) == 2, res.stdout[-3000:]
 

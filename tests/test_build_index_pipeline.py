@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from pipelines.build_index import main
+from pipelines.build_index.plan import IndexPlan
+from pipelines.build_index.run import main, run
 from retrieval_core import embeddings as emb
 from retrieval_core import index as ix
 from retrieval_core.metrics import exact_topk
@@ -128,7 +129,6 @@ def test_ids_missing_from_the_embeddings_are_refused_before_anything_is_written(
 
 
 def test_unknown_flag_and_bad_plan_values_are_one_line_errors(tmp_path):
-    from pipelines.build_index import IndexPlan
 
     emb_dir = tmp_path / "emb"
     _write_embeddings(emb_dir)
@@ -149,7 +149,6 @@ def dask_cluster():
 
 
 def test_direct_and_dask_runners_write_identical_indexes(tmp_path, dask_cluster):
-    from pipelines.build_index import IndexPlan, run
     from tests.helpers_dask import assert_same_bytes, dask_args, relative_files
 
     emb_dir = tmp_path / "emb"

@@ -23,6 +23,10 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
+from pipelines.build_index import run as build_index_run
+from pipelines.encode import run as encode_run
+from pipelines.rerank import run as rerank_run
+from pipelines.stage import run as stage_run
 from tests.helpers_model import tiny_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,18 +65,16 @@ def files_under(directory) -> list[str]:
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     """A staged collection, a tiny model, its test-split embeddings and a Flat image index (DirectRunner)."""
-    from pipelines import build_index, encode, stage
-
     root = tmp_path_factory.mktemp("dataflow")
     manifest = root / "tiny.yaml"
     manifest.write_text(MANIFEST)
     staged, model, emb, index = (root / name for name in ("staged", "model", "emb", "index"))
     tiny_model(str(root / "bert"), feature_dim=FEATURE_DIM).save(str(model))
-    for main, args in ((stage.main, ["--manifest", manifest, "--output", staged]),
-                       (encode.main, ["--staged", staged, "--model", model, "--output", emb, "--split", "test",
-                                      "--batch-size", 8]),
-                       (build_index.main, ["--embeddings", emb, "--output", index, "--modality", "image",
-                                           "--index-factory", "Flat"])):
+    for main, args in ((stage_run.main, ["--manifest", manifest, "--output", staged]),
+                       (encode_run.main, ["--staged", staged, "--model", model, "--output", emb, "--split", "test",
+                                          "--batch-size", 8]),
+                       (build_index_run.main, ["--embeddings", emb, "--output", index, "--modality", "image",
+                                               "--index-factory", "Flat"])):
         res = invoke(main, args)
         assert res.exit_code == 0, (main.name, res.output, res.exception)
     return SimpleNamespace(root=root, manifest=manifest, staged=staged, model=model, emb=emb, index=index)
@@ -111,14 +113,12 @@ def translated_jobs(monkeypatch):
 
 
 def pipeline_cli(name: str, a, out) -> tuple:
-    from pipelines import build_index, encode, rerank, stage
-
     return {
-        "stage": (stage.main, ["--manifest", a.manifest, "--output", out]),
-        "encode": (encode.main, ["--staged", a.staged, "--model", a.model, "--output", out, *GPU_ARGS]),
-        "build_index": (build_index.main, ["--embeddings", a.emb, "--output", out, "--modality", "image",
+        "stage": (stage_run.main, ["--manifest", a.manifest, "--output", out]),
+        "encode": (encode_run.main, ["--staged", a.staged, "--model", a.model, "--output", out, *GPU_ARGS]),
+        "build_index": (build_index_run.main, ["--embeddings", a.emb, "--output", out, "--modality", "image",
                                            "--index-factory", "Flat"]),
-        "rerank": (rerank.main, ["--staged", a.staged, "--embeddings", a.emb, "--index", a.index,
+        "rerank": (rerank_run.main, ["--staged", a.staged, "--embeddings", a.emb, "--index", a.index,
                                  "--ce-model", a.model, "--mode", "co", "--k", 5, "--output", out, *GPU_ARGS]),
     }[name]
 
@@ -191,12 +191,12 @@ def test_apitools_warning_dropped_when_the_gcp_extras_are_absent():
     res = run_python("""
         import logging, sys
         sys.modules["apitools"] = None  # as without apache-beam[gcp]
-        import pipelines.stage
+        import pipelines.stage.run
         assert "apache_beam.io.gcp.internal.clients.bigquery" in sys.modules  # the module that warns
         root = logging.getLogger()
         print("root handlers", len(root.handlers), "filters", len(root.filters))
         sys.argv = ["pipelines.stage", "-h"]
-        pipelines.stage.main()
+        pipelines.stage.run.main()
     """)
     assert res.returncode == 0 and "Usage:" in res.stdout, res.stderr
     assert "apitools" not in res.stderr, res.stderr

@@ -32,11 +32,12 @@ def test_recipes_are_typed_train_configs_run_through_the_train_cli():
 
     import pytest
 
-    from retrieval_core.train import train_cli_args
+    from retrieval_core.cli import to_argv
+    from retrieval_core.train import TrainPlan
 
     demo, bench = demo_assets.DEMO_RECIPE, demo_assets.BENCH_RECIPE
-    args = train_cli_args(demo.join)
-    for flag, value in (("--objective", "joint"), ("--steps", "340"), ("--mined-negative-prob", "0.5"),
+    args = to_argv(TrainPlan(staged="s", output="o", config=demo.join))
+    for flag, value in (("--steps", "340"), ("--mined-negative-prob", "0.5"),
                         ("--ce-start-step", "40"), ("--image-init", "lstsq")):
         assert args[args.index(flag) + 1] == value
     assert "--freeze-word-embeddings" in args

@@ -1,6 +1,6 @@
 import pandas as pd
 
-from pipelines.demo import r1_changes
+from benchmarks.demo import r1_changes
 
 
 def _table(co_r1_t2i, co_r1_i2t):

@@ -8,10 +8,16 @@ import os
 import numpy as np
 import pytest
 
-from pipelines import encode
+from pipelines import common
+from pipelines.encode import graph as encode_graph
+from pipelines.encode import plan as encode_plan
+from pipelines.encode import run as encode_run
 from pipelines.handlers import METRICS_NAMESPACE
+from pipelines.stage import plan as stage_plan
+from pipelines.stage import run as stage_run
 from retrieval_core import embeddings as emb
 from retrieval_core import staging
+from retrieval_core.checkpoints import inspect_model_folder
 from retrieval_core.model import VLRetrievalModel
 from retrieval_core.store import StagedDataset
 from tests.helpers_model import make_tiny_dataset, tiny_model
@@ -74,8 +80,8 @@ def assets(tmp_path_factory):
 def test_encode_matches_direct_model_output_and_rerun_skips(assets):
     root, staged, model_dir = assets
     out = os.path.join(root, "emb")
-    plan = encode.EncodePlan(staged, model_dir, out, batch_size=8, images_per_shard=10, texts_per_shard=20)
-    summary = encode.run(plan)
+    plan = encode_plan.EncodePlan(staged, model_dir, out, batch_size=8, images_per_shard=10, texts_per_shard=20)
+    summary = encode_run.run(plan)
 
     ds = StagedDataset(staged)
     model = VLRetrievalModel.load(model_dir)
@@ -96,7 +102,7 @@ def test_encode_matches_direct_model_output_and_rerun_skips(assets):
 
     manifest = emb.load_embeddings_manifest(out)
     assert manifest["dim"] == model.embedding_dim
-    assert manifest["model"]["sha256"] == encode.model_fingerprint(model_dir)
+    assert manifest["model"]["sha256"] == inspect_model_folder(model_dir).fingerprint
     names = [s["name"] for s in manifest["modalities"]["image"]["shards"]]
     assert names == [f"tiny-0000{i}-of-00003.parquet" for i in range(3)]  # 24 images, 10 per shard
     for s in manifest["modalities"]["image"]["shards"]:  # rows sorted by id inside each shard
@@ -105,18 +111,18 @@ def test_encode_matches_direct_model_output_and_rerun_skips(assets):
     assert summary["modalities"]["image"] == {**summary["modalities"]["image"], "inputs": 24, "encoded": 24,
                                               "dead_lettered": 0, "reused": 0}
     assert summary["modalities"]["image"]["metrics"]["num_inferences"] == 24
-    assert open(os.path.join(out, encode.DEAD_LETTER_FILE)).read() == ""
-    assert not os.path.exists(os.path.join(out, encode.common.SPILL_DIR))  # spill pieces removed at the end
+    assert open(os.path.join(out, encode_run.DEAD_LETTER_FILE)).read() == ""
+    assert not os.path.exists(os.path.join(out, common.SPILL_DIR))  # spill pieces removed at the end
 
     # Rerun: every shard valid -> nothing encoded. Then damage one shard -> only that one is redone.
     mtimes = {n: os.path.getmtime(os.path.join(out, emb.shard_relpath("image", n))) for n in names}
-    again = encode.run(plan)
+    again = encode_run.run(plan)
     assert again["modalities"]["image"]["inputs"] == 0 and again["modalities"]["image"]["reused"] == 24
     assert again["modalities"]["text"]["inputs"] == 0
     damaged = os.path.join(out, emb.shard_relpath("image", names[1]))
     with open(damaged, "ab") as f:
         f.write(b"x")
-    third = encode.run(plan)
+    third = encode_run.run(plan)
     redone = third["modalities"]["image"]
     assert redone["inputs"] == redone["encoded"] == manifest["modalities"]["image"]["shards"][1]["rows"]
     assert os.path.getmtime(os.path.join(out, emb.shard_relpath("image", names[0]))) == mtimes[names[0]]
@@ -129,11 +135,11 @@ def test_failed_batches_are_dead_lettered_with_reason(assets, tmp_path):
     # A model expecting 8-d region features cannot embed the staged 16-d regions: every image batch fails.
     wrong = write_tiny_model(str(tmp_path / "wrong_model"), str(tmp_path), feature_dim=8)
     out = str(tmp_path / "emb")
-    summary = encode.run(encode.EncodePlan(staged, wrong, out, batch_size=8, split="test"))
+    summary = encode_run.run(encode_plan.EncodePlan(staged, wrong, out, batch_size=8, split="test"))
     img = summary["modalities"]["image"]
     assert img["inputs"] == img["dead_lettered"] == 6 and img["encoded"] == 0
     assert summary["modalities"]["text"]["encoded"] == summary["modalities"]["text"]["inputs"] > 0
-    rows = [json.loads(line) for line in open(os.path.join(out, encode.DEAD_LETTER_FILE))]
+    rows = [json.loads(line) for line in open(os.path.join(out, encode_run.DEAD_LETTER_FILE))]
     assert len(rows) == 6 and {r["modality"] for r in rows} == {"image"}
     assert all("feature dims" in r["reason"] for r in rows)
     ids_test = StagedDataset(staged).images_meta(split="test")["item_id"].tolist()
@@ -149,8 +155,8 @@ def test_encoded_batches_reach_the_shard_shuffle_as_file_names(tmp_path):
 
     from pipelines.handlers import FailedBatch
 
-    plans = {("text", "c"): encode.plan_shards("text", "c", np.arange(10, 20), 5, {})}  # 2 shards: id % 2
-    fn = encode.SpillBatches(str(tmp_path), "text", plans)
+    plans = {("text", "c"): encode_plan.plan_shards("text", "c", np.arange(10, 20), 5, {})}  # 2 shards: id % 2
+    fn = encode_graph.SpillBatches(str(tmp_path), "text", plans)
     vec = lambda i: np.full(4, i, np.float32)  # noqa: E731
     batch = [((("c", i, "s#0#0", 3)), PredictionResult("t", vec(i))) for i in (14, 10, 12)]
     fn.start_bundle()
@@ -167,12 +173,12 @@ def test_encoded_batches_reach_the_shard_shuffle_as_file_names(tmp_path):
 
     fn.start_bundle()
     assert list(fn.process((("c", 13, "s#1#5", 2), PredictionResult("t", vec(13))))) == []
-    with pytest.raises(encode.EncodeError, match="1 encoded batch.*incomplete at the end of a bundle"):
+    with pytest.raises(encode_plan.EncodeError, match="1 encoded batch.*incomplete at the end of a bundle"):
         fn.finish_bundle()
 
 
 def test_metrics_namespace_is_per_task():
-    assert METRICS_NAMESPACE in encode.VLModelHandler("m", "embed_text").get_metrics_namespace()
+    assert METRICS_NAMESPACE in encode_graph.VLModelHandler("m", "embed_text").get_metrics_namespace()
 
 
 def _shard_names(out: str, modality: str) -> list[str]:
@@ -184,20 +190,20 @@ def test_a_killed_run_keeps_its_finished_shards(assets, tmp_path):
     only the shards without one."""
     root, staged, model_dir = assets
     out = str(tmp_path / "emb")
-    plan = encode.EncodePlan(staged, model_dir, out, batch_size=8, images_per_shard=10, texts_per_shard=20)
-    first = encode.run(plan)
+    plan = encode_plan.EncodePlan(staged, model_dir, out, batch_size=8, images_per_shard=10, texts_per_shard=20)
+    first = encode_run.run(plan)
     names = _shard_names(out, "image")
-    records = sorted(os.listdir(os.path.join(out, encode.COMPLETED_DIR, "image")))
+    records = sorted(os.listdir(os.path.join(out, encode_plan.COMPLETED_DIR, "image")))
     assert records == [f"{n}.json" for n in names]
-    rec = json.load(open(os.path.join(out, encode.COMPLETED_DIR, "image", records[0])))
-    assert rec["key"]["model_sha256"] == encode.model_fingerprint(model_dir) and rec["key"]["num_shards"] == 3
+    rec = json.load(open(os.path.join(out, encode_plan.COMPLETED_DIR, "image", records[0])))
+    assert rec["key"]["model_sha256"] == inspect_model_folder(model_dir).fingerprint and rec["key"]["num_shards"] == 3
     mtime = os.path.getmtime(os.path.join(out, emb.shard_relpath("image", names[0])))
 
     # the kill: no manifest, no dead-letter file, and shard 2 was written but never recorded
     os.remove(os.path.join(out, emb.EMBEDDINGS_MANIFEST))
-    os.remove(os.path.join(out, encode.DEAD_LETTER_FILE))
-    os.remove(os.path.join(out, encode.COMPLETED_DIR, "image", records[2]))
-    again = encode.run(plan)
+    os.remove(os.path.join(out, encode_run.DEAD_LETTER_FILE))
+    os.remove(os.path.join(out, encode_plan.COMPLETED_DIR, "image", records[2]))
+    again = encode_run.run(plan)
     rows2 = next(s["rows"] for s in emb.load_embeddings_manifest(out)["modalities"]["image"]["shards"]
                  if s["name"] == names[2])
     assert again["modalities"]["image"] == {**again["modalities"]["image"], "inputs": rows2, "encoded": rows2,
@@ -209,26 +215,27 @@ def test_a_killed_run_keeps_its_finished_shards(assets, tmp_path):
     assert first["modalities"]["image"]["encoded"] == 24
 
     # another split is another key: nothing of the earlier shards is reused for it
-    test_only = encode.run(encode.EncodePlan(staged, model_dir, out, modality="image", batch_size=8, split="test",
+    test_only = encode_run.run(encode_plan.EncodePlan(staged, model_dir, out, modality="image", batch_size=8,
+                                                      split="test",
                                              images_per_shard=10))
     assert test_only["modalities"]["image"]["reused"] == 0 and test_only["modalities"]["image"]["encoded"] == 6
     assert "text" in emb.load_embeddings_manifest(out)["modalities"]  # the other modality is kept (same model)
 
 
 def test_restaging_identical_shards_does_not_re_encode(tmp_path):
-    from pipelines import stage
 
     out_staged, out = str(tmp_path / "staged"), str(tmp_path / "emb")
     args = dict(overrides=("feature_dim=8", "demo.images.num_images=30", "demo.expected_images=30",
                            "demo.expected_captions=150"), images_per_shard=20)
-    first, problems = stage.run_stage("demo", out_staged, **args)
+    first = stage_run.run(stage_plan.StagePlan(out_staged, "demo", **args))
+    problems = first["problems"]
     assert problems == []
     model = write_tiny_model(str(tmp_path / "model"), str(tmp_path), feature_dim=8)
-    plan = encode.EncodePlan(out_staged, model, out, batch_size=16, split="test")
-    assert encode.run(plan)["modalities"]["image"]["encoded"] > 0
-    again, _ = stage.run_stage("demo", out_staged, **args)  # byte-identical shards, a new summary.json
+    plan = encode_plan.EncodePlan(out_staged, model, out, batch_size=16, split="test")
+    assert encode_run.run(plan)["modalities"]["image"]["encoded"] > 0
+    again = stage_run.run(stage_plan.StagePlan(out_staged, "demo", **args))  # byte-identical shards, new summary
     assert again["resume"]["written"] == 0
-    summary = encode.run(plan)
+    summary = encode_run.run(plan)
     assert {m: v["inputs"] for m, v in summary["modalities"].items()} == {"image": 0, "text": 0}
 
 
@@ -236,15 +243,17 @@ def test_plan_and_cli_flags(assets, tmp_path):
     from click.testing import CliRunner
 
     _, staged, model_dir = assets
-    assert encode.EncodePlan(staged, model_dir, "o", device="CUDA").device == "cuda"
+    assert encode_plan.EncodePlan(staged, model_dir, "o", device="CUDA").device == "cuda"
     with pytest.raises(ValueError, match="device must be one of cpu|cuda, got 'gpu'"):
-        encode.EncodePlan(staged, model_dir, "o", device="GPU")
+        encode_plan.EncodePlan(staged, model_dir, "o", device="GPU")
     with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 0"):
-        encode.EncodePlan(staged, model_dir, "o", batch_size=0)
-    res = CliRunner().invoke(encode.main, ["--staged", staged, "--model", model_dir, "--output", str(tmp_path / "o"),
+        encode_plan.EncodePlan(staged, model_dir, "o", batch_size=0)
+    res = CliRunner().invoke(encode_run.main, ["--staged", staged, "--model", model_dir, "--output",
+                                               str(tmp_path / "o"),
                                            "--num-threads", "2"])
     assert res.exit_code == 2 and "unknown option(s) --num-threads" in res.output  # renamed to --threads
-    res = CliRunner().invoke(encode.main, ["--staged", staged, "--model", model_dir, "--output", str(tmp_path / "o"),
+    res = CliRunner().invoke(encode_run.main, ["--staged", staged, "--model", model_dir, "--output",
+                                               str(tmp_path / "o"),
                                            "--device", "CUDA", "--threads", "1", "--split", "test",
                                            "--modality", "text", "--dry_run=true"])
     assert res.exit_code == 2 and "--dry_run is a DataflowRunner option" in res.output
@@ -268,7 +277,8 @@ def test_direct_and_dask_runners_write_identical_embeddings(assets, tmp_path, da
         outs[runner] = str(tmp_path / runner)
         # threads=1 on both: torch's CPU kernels change the last bits of image embeddings with the thread
         # count (measured: 1 of 3 image shards differed with 2 DirectRunner threads vs 1 per Dask worker)
-        summary = encode.run(encode.EncodePlan(staged, model_dir, outs[runner], batch_size=5, images_per_shard=10,
+        summary = encode_run.run(encode_plan.EncodePlan(staged, model_dir, outs[runner], batch_size=5,
+                                                        images_per_shard=10,
                                                texts_per_shard=40, threads=1), args)
         assert summary["modalities"]["image"]["encoded"] == 24 and summary["modalities"]["text"]["encoded"] > 40
     assert summary["runner"] == "DaskRunner"

@@ -7,8 +7,9 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from benchmarks.evaluate import evaluate_rankings, main
+from benchmarks.evaluate import main
 from retrieval_core import schema, staging
+from retrieval_core.metrics import evaluate_rankings
 from retrieval_core.rerank import rank_query, rankings_table
 
 # images 100, 200, 300 with captions 1-2, 3-5, 6
@@ -140,7 +141,7 @@ def test_cli_writes_csv_and_json_and_merges(tmp_path):
 
 
 def test_evaluate_run_refuses_old_rankings_and_unlisted_or_changed_shards(tmp_path):
-    from benchmarks.evaluate import evaluate_run
+    from retrieval_core.runs import evaluate_run
 
     staged = _staged_dir(tmp_path / "staged")
     with pytest.raises(ValueError, match="rankings path not found"):
@@ -149,7 +150,7 @@ def test_evaluate_run_refuses_old_rankings_and_unlisted_or_changed_shards(tmp_pa
     with pytest.raises(ValueError, match="rankings schema 1.*rerun pipelines.rerank"):
         evaluate_run(str(run_dir), str(staged))
     run_dir = write_run(tmp_path / "run", [t.drop_columns(["be_rank"]) for t in _table()])
-    with pytest.raises(ValueError, match="without be_rank.*rerun pipelines.rerank"):
+    with pytest.raises(ValueError, match=r"missing \[.be_rank.\]\); rerun pipelines.rerank"):
         evaluate_run(str(run_dir), str(staged))
     run_dir = write_run(tmp_path / "changed", _table())
     pq.write_table(_table()[0].slice(0, 3), run_dir / "rankings" / "t2i-00000-of-00001.parquet")
@@ -168,7 +169,7 @@ def _ce_tables(k=3):
 
 
 def test_evaluate_run_derives_modes_k_and_lam_from_stored_scores(tmp_path):
-    from benchmarks.evaluate import evaluate_run
+    from retrieval_core.runs import evaluate_run
 
     staged = _staged_dir(tmp_path / "staged")
     co = write_run(tmp_path / "co", _ce_tables(), mode="co", k=3)
@@ -194,7 +195,7 @@ def test_evaluate_run_derives_modes_k_and_lam_from_stored_scores(tmp_path):
 
 
 def test_evaluate_run_of_restricted_queries_and_one_direction(tmp_path):
-    from benchmarks.evaluate import evaluate_run
+    from retrieval_core.runs import evaluate_run
 
     staged = _staged_dir(tmp_path / "staged")
     t2i = {q: T2I[q] for q in (1, 2, 5)}  # R@1: 1 hit, 2 miss, 5 miss

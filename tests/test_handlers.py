@@ -9,8 +9,14 @@ from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that
 
-from pipelines.handlers import (TASK_EMBED_IMAGE, TASK_EMBED_TEXT, TASK_SCORE_PAIRS, DeviceUnavailableError,
-                                VLModelHandler, element_length)
+from pipelines.handlers import (
+    TASK_EMBED_IMAGE,
+    TASK_EMBED_TEXT,
+    TASK_SCORE_PAIRS,
+    DeviceUnavailableError,
+    VLModelHandler,
+    element_length,
+)
 from tests.helpers_model import tiny_model
 
 FEATURE_DIM = 16
@@ -83,12 +89,12 @@ def test_batches_are_padded_to_their_own_longest_element(model_dir):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error path")
 def test_gpu_without_cuda_is_an_error_not_a_silent_cpu_run(model_dir):
     with pytest.raises(DeviceUnavailableError, match="cuda"):
-        VLModelHandler(model_dir, TASK_EMBED_TEXT, device="GPU").load_model()
+        VLModelHandler(model_dir, TASK_EMBED_TEXT, device="cuda").load_model()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_loads_on_cuda(model_dir):
-    model = VLModelHandler(model_dir, TASK_EMBED_TEXT, device="GPU").load_model()
+    model = VLModelHandler(model_dir, TASK_EMBED_TEXT, device="cuda").load_model()
     assert model.device.type == "cuda"
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from pipelines.build_index import main
+from pipelines.build_index.run import main
 from retrieval_core import embeddings as emb
 from retrieval_core import index as ix
 from retrieval_core import index_choice as ic
@@ -82,7 +82,7 @@ def test_auto_refuses_a_budget_nothing_meets_in_one_line(tmp_path):
     assert bad.exit_code == 1 and "need --index-factory auto" in bad.output
     bad = _invoke("--embeddings", emb_dir, "--output", tmp_path / "j", "--index-factory", "auto",
                   "--max-index-memory", "4 parsecs")
-    assert bad.exit_code == 1 and "memory size" in bad.output
+    assert bad.exit_code == 2 and "memory size" in bad.output  # a bad option value: click's usage error
 
 
 def test_parse_bytes_and_estimates():

@@ -44,7 +44,8 @@ def _staged(root):
     block = lambda kind, n: {"format": "synthetic", "shards": [  # noqa: E731
         {"name": f"{kind}/toy-00000-of-00001.parquet", "rows": n}]}
     summary = {"complete": True, "feature_dim": 8, "manifest": {"name": "toy", "path": str(path)},
-               "collections": {"toy": {"images": block("images", len(images)), "captions": block("captions", len(caps))}}}
+               "collections": {"toy": {"images": block("images", len(images)),
+                                       "captions": block("captions", len(caps))}}}
     (root / "summary.json").write_text(json.dumps(summary))
     return root, images, caps
 
@@ -55,7 +56,8 @@ def _co_run(run_dir, images, caps, k=4):
     img_ids = np.array([r["item_id"] for r in images])
     cap_ids = np.array([c["caption_id"] for c in caps])
     parts = []
-    for direction, queries, items in ((schema.DIRECTION_T2I, cap_ids, img_ids), (schema.DIRECTION_I2T, img_ids, cap_ids)):
+    for direction, queries, items in ((schema.DIRECTION_T2I, cap_ids, img_ids),
+                                      (schema.DIRECTION_I2T, img_ids, cap_ids)):
         results = []
         for _ in queries:
             order = rng.permutation(items)[:10]

@@ -16,7 +16,8 @@ from benchmarks import family_probe, learning_curves
 from retrieval_core.manifest import load_manifest
 from retrieval_core.model import VLRetrievalModel
 from retrieval_core.store import StagedDataset
-from retrieval_core.train import TrainConfig, kept_checkpoints, main as train_main
+from retrieval_core.train import TrainConfig, kept_checkpoints
+from retrieval_core.train import main as train_main
 from tests.helpers_model import staged_demo_and_tiny_model, write_tiny_bert
 
 F = 16

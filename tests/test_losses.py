@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from retrieval_core.losses import (batch_hard_triplet_loss, ce_pair_loss, infonce_loss, sample_ce_pairs)
+from retrieval_core.losses import batch_hard_triplet_loss, ce_pair_loss, infonce_loss, sample_ce_pairs
 
 
 def _unit(angle_deg):

@@ -7,8 +7,16 @@ import textwrap
 
 import pytest
 
-from retrieval_core.manifest import (CAPTION_FORMATS, IMAGE_FORMATS, Manifest, ManifestError, env_path_var,
-                                     list_shipped_manifests, load_manifest, resolve_manifest_path)
+from retrieval_core.manifest import (
+    CAPTION_FORMATS,
+    IMAGE_FORMATS,
+    Manifest,
+    ManifestError,
+    env_path_var,
+    list_shipped_manifests,
+    load_manifest,
+    resolve_manifest_path,
+)
 from retrieval_core.synthetic import split_of
 from tests.conftest import require_realdata
 

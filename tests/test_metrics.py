@@ -52,11 +52,14 @@ def test_exact_topk_shards_equals_exact_topk_over_all_items_ties_included():
     ids = rng.permutation(5000)[:90].astype(np.int64)
     s, i = exact_topk(q, x, ids, 8)
     parts = [(ids[a:b], x[a:b]) for a, b in ((0, 5), (5, 50), (50, 50), (50, 90))]  # one shard empty
-    s2, i2 = exact_topk_shards(q, iter(parts), 8)
+    (s2, i2), (s4, i4) = exact_topk_shards([q, q[:7]], iter(parts), 8)  # two batches, one pass
     np.testing.assert_array_equal(i2, i)
     np.testing.assert_array_equal(s2, s)
-    s3, i3 = exact_topk_shards(q, [(ids[:3], x[:3])], 8)  # fewer items than k
+    np.testing.assert_array_equal(i4, i[:7])
+    [(s3, i3)] = exact_topk_shards([q], [(ids[:3], x[:3])], 8)  # fewer items than k
     assert i3.shape == (40, 3)
+    [(s5, i5)] = exact_topk_shards([q], [], 8)  # no items at all
+    assert i5.shape == (40, 0)
 
 
 def test_exact_topk_k_larger_than_collection():

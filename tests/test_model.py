@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import BertConfig
 
-from retrieval_core.checkpoints import (CheckpointError, from_text_backbone, load_mmt_retrieval, load_oscar,
-                                        minilm_path)
+from retrieval_core.backbones import minilm_path
+from retrieval_core.checkpoints import CheckpointError, from_text_backbone, load_mmt_retrieval, load_oscar
 from retrieval_core.collate import TextCollator, collate_images, collate_pairs
 from retrieval_core.losses import batch_hard_triplet_loss, ce_pair_loss
 from retrieval_core.model import VLModelConfig, VLRetrievalModel
@@ -172,7 +172,8 @@ def test_load_mmt_retrieval_layout_reproduces_outputs(tmp_path, data):
     _write_bert_config(str(root / "0_OSCAR"), bert_folder, True)
     trunk = {k: v for k, v in keys.items() if k.startswith("bert.")}
     torch.save(trunk, root / "0_OSCAR" / "pytorch_model.bin")
-    json.dump({"max_seq_length": 70, "max_image_seq_len": 50}, open(root / "0_OSCAR" / "sentence_bert_config.json", "w"))
+    json.dump({"max_seq_length": 70, "max_image_seq_len": 50},
+              open(root / "0_OSCAR" / "sentence_bert_config.json", "w"))
     (root / "1_ClassificationHead").mkdir()
     torch.save({k: v for k, v in keys.items() if k.startswith("classifier.")},
                root / "1_ClassificationHead" / "class_head.pt")
@@ -245,7 +246,7 @@ def test_minilm_backbone_loads():
 def test_quantize_refused_off_cpu_and_flop_count_of_a_layer():
     from types import SimpleNamespace
 
-    from pipelines.encode import EncodeError, EncodePlan
+    from pipelines.encode.plan import EncodeError, EncodePlan
     from retrieval_core.model import layer_gemm_shapes, quantize_model, sequence_flops
 
     lin = torch.nn.Sequential(torch.nn.Linear(4, 4))

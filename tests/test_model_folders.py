@@ -11,7 +11,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from pipelines import encode, rerank
+from pipelines.encode import run as encode_run
+from pipelines.rerank import run as rerank_run
 from retrieval_core import embeddings as emb
 from retrieval_core.baseline import MappedBaseline
 from retrieval_core.checkpoints import CheckpointError, inspect_model_folder, load_model_folder
@@ -61,19 +62,16 @@ def test_mmt_folders_cut_captions_as_mmt_does(tmp_path):
 def test_each_kind_is_recognised_and_a_missing_head_is_refused(tmp_path):
     native = write_tiny_model(str(tmp_path / "native"), str(tmp_path))
     be_only = write_mmt_folder(tmp_path / "be_only", tmp_path / "t1", heads=("be",))
-    oscar = tmp_path / "oscar"
-    orig, bert_folder = _oscar_like_model(tmp_path / "t2", use_img_layernorm=False)
-    _write_bert_config(str(oscar), bert_folder, False)
-    torch.save(_oscar_keys(orig), oscar / "pytorch_model.bin")
-    kinds = {p: inspect_model_folder(str(p)) for p in (native, be_only, str(oscar))}
+    oscar = write_oscar_folder(tmp_path / "oscar", tmp_path / "t2")
+    kinds = {p: inspect_model_folder(str(p)) for p in (native, be_only, oscar)}
     assert [k.kind for k in kinds.values()] == ["native", "mmt_retrieval", "oscar"]
-    assert kinds[be_only].heads == ("be",) and kinds[str(oscar)].heads == ("ce",)
+    assert kinds[be_only].heads == ("be",) and kinds[oscar].heads == ("ce",)
     # an embedding-only folder used as a CE is refused, not given a random classifier
     with pytest.raises(CheckpointError, match="no trained a cross-encoder"):
         load_model_folder(be_only, need=("ce",))
     with pytest.raises(CheckpointError, match="bi-encoder"):
-        load_model_folder(str(oscar), need=("be",))
-    assert load_model_folder(str(oscar), need=("ce",)).cfg.ce_score == "logit_diff"
+        load_model_folder(oscar, need=("be",))
+    assert load_model_folder(oscar, need=("ce",)).cfg.ce_score == "logit_diff"
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="not a model folder.*modules.json"):
         inspect_model_folder(str(tmp_path / "empty"))
@@ -88,7 +86,7 @@ def staged(tmp_path_factory):
 
 
 def _encode_cli(staged, model, out):
-    return CliRunner().invoke(encode.main, ["--staged", staged, "--model", model, "--output", out,
+    return CliRunner().invoke(encode_run.main, ["--staged", staged, "--model", model, "--output", out,
                                             "--batch-size", "4"])
 
 
@@ -104,7 +102,7 @@ def test_encode_and_rerank_clis_take_an_mmt_folder(staged, tmp_path):
     np.testing.assert_allclose(vecs, model.encode_text(texts.loc[ids].tolist()), atol=1e-5)
 
     run = str(tmp_path / "run")
-    res = CliRunner().invoke(rerank.main, ["--staged", staged, "--embeddings", out, "--output", run,
+    res = CliRunner().invoke(rerank_run.main, ["--staged", staged, "--embeddings", out, "--output", run,
                                            "--ce-model", mmt, "--mode", "co", "--k", "3", "--directions", "t2i"])
     assert res.exit_code == 0, res.output
     manifest = json.load(open(os.path.join(run, "rankings_manifest.json")))
@@ -115,9 +113,49 @@ def test_encode_and_rerank_clis_take_an_mmt_folder(staged, tmp_path):
     np.testing.assert_allclose(t2i["ce_score"].to_numpy(), expected, atol=1e-4)  # MMT's key: logit 1
 
     be_only = write_mmt_folder(tmp_path / "be_only", tmp_path / "t2", heads=("be",))
-    res = CliRunner().invoke(rerank.main, ["--staged", staged, "--embeddings", out, "--output", str(tmp_path / "r2"),
+    assert _encode_cli(staged, be_only, str(tmp_path / "emb_be_only")).exit_code == 0  # a BE-only folder encodes
+    res = CliRunner().invoke(rerank_run.main, ["--staged", staged, "--embeddings", out, "--output",
+                                               str(tmp_path / "r2"),
                                            "--ce-model", be_only, "--mode", "co", "--k", "3"])
     assert res.exit_code == 1 and "cross-encoder" in res.output, res.output
+
+
+def write_oscar_folder(root, tmp) -> str:
+    """A raw OSCAR fine-tuned retrieval folder (ImageBertForSequenceClassification): a CE head only."""
+    orig, bert_folder = _oscar_like_model(tmp, use_img_layernorm=False)
+    _write_bert_config(str(root), bert_folder, False)
+    torch.save(_oscar_keys(orig), root / "pytorch_model.bin")
+    return str(root)
+
+
+@pytest.mark.parametrize("layout", ["mmt_retrieval", "oscar"])
+def test_a_cross_encoder_only_folder_reranks_through_pipelines_rerank(staged, tmp_path, layout):
+    """What a user of the paper does: retrieve with one bi-encoder, rerank with a released CE-only folder (an
+    MMT-Retrieval CE as its code saves it: OSCAR + ClassificationHead, no Pooling; or a raw OSCAR checkpoint)."""
+    be = write_tiny_model(str(tmp_path / "be"), str(tmp_path))
+    out = str(tmp_path / "emb")
+    assert _encode_cli(staged, be, out).exit_code == 0
+    if layout == "mmt_retrieval":
+        ce = write_mmt_folder(tmp_path / "ce", tmp_path / "t", heads=("ce",))
+    else:
+        ce = write_oscar_folder(tmp_path / "ce", tmp_path / "t")
+    assert inspect_model_folder(ce).heads == ("ce",)
+    run = str(tmp_path / "run")
+    res = CliRunner().invoke(rerank_run.main, ["--staged", staged, "--embeddings", out, "--output", run,
+                                               "--ce-model", ce, "--mode", "co", "--k", "3"])
+    assert res.exit_code == 0, res.output
+    manifest = json.load(open(os.path.join(run, "rankings_manifest.json")))
+    assert manifest["ce_model"] == ce and manifest["ce_score_key"] == ("logit1" if layout == "mmt_retrieval"
+                                                                        else "logit_diff")
+    model, ds = load_model_folder(ce, need=("ce",)), StagedDataset(staged)
+    texts = ds.captions().set_index("caption_id")["text"]
+    (name,) = [f for f in os.listdir(os.path.join(run, "rankings")) if f.startswith("t2i")]
+    t2i = pq.read_table(os.path.join(run, "rankings", name)).to_pandas().dropna(subset=["ce_score"])
+    expected = model.score(texts.loc[t2i["query_id"]].tolist(), ds.load_images(t2i["item_id"].tolist()))
+    np.testing.assert_allclose(t2i["ce_score"].to_numpy(), expected, atol=1e-4)
+    # the same folder cannot encode: it has no bi-encoder head
+    res = _encode_cli(staged, ce, str(tmp_path / "emb2"))
+    assert res.exit_code == 1 and "bi-encoder" in res.output, res.output
 
 
 def test_encode_cli_takes_a_mapped_baseline_folder(staged, tmp_path):

@@ -34,7 +34,8 @@ def by_type(records):
 
 # ------------------------------------------------------------------------------------------ BUTD TSV
 def butd_row(image_id, w, h, boxes, feats, extra=()) -> bytes:
-    fields = [str(image_id).encode(), str(w).encode(), str(h).encode(), str(len(boxes)).encode(), b64(boxes), b64(feats)]
+    fields = [str(image_id).encode(), str(w).encode(), str(h).encode(), str(len(boxes)).encode(), b64(boxes),
+              b64(feats)]
     return b"\t".join(fields + list(extra))
 
 
@@ -86,7 +87,8 @@ def test_butd_tsv_bad_records_are_rejected_and_reading_goes_on(tmp_path):
     short_feats = butd_row(5, 60, 60, boxes, feats[:3])  # 3*9 values for num_boxes=4
     fewer_boxes = b"\t".join([b"6", b"60", b"60", b"4", b64(boxes[:3]), b64(feats)])
     not_number = b"\t".join([b"7", b"wide", b"60"] + fields[3:])
-    lines = [good, truncated, wrong_cols, bad_b64, b"", short_feats, fewer_boxes, not_number, good.replace(b"1", b"9", 1)]
+    lines = [good, truncated, wrong_cols, bad_b64, b"", short_feats, fewer_boxes, not_number,
+             good.replace(b"1", b"9", 1)]
     path = tmp_path / "bad.tsv"
     path.write_bytes(b"\n".join(lines) + b"\n")
     got = list(readers.read_butd_tsv(str(path)))
@@ -332,7 +334,8 @@ def test_caption_lines_with_mapping_rejects_and_length_check(tmp_path):
     with pytest.raises(ValueError, match="5 lines but ids file"):
         list(readers.read_caption_lines(str(tmp_path / "test_caps.txt"), ids_path=str(tmp_path / "short_ids.txt")))
     (tmp_path / "id_mapping.json").write_text(json.dumps({"25": "x.jpg"}))
-    got = list(readers.read_caption_lines(str(tmp_path / "test_caps.txt"), id_mapping=str(tmp_path / "id_mapping.json")))
+    got = list(readers.read_caption_lines(str(tmp_path / "test_caps.txt"),
+                                          id_mapping=str(tmp_path / "id_mapping.json")))
     assert isinstance(got[-1], Reject) and "not in id_mapping" in got[-1].reason
 
 
@@ -408,7 +411,8 @@ def test_plan_read_tasks_validation_and_picklable_tasks(tmp_path):
     with pytest.raises(ValueError, match="kind"):
         readers.plan_read_tasks("c", "video", "plain_npz", str(tmp_path), {}, 4)
     assert set(readers.IMAGE_READERS) == {"butd_tsv", "bua_npz", "uniter_npz", "oscar_pt", "plain_npz"}
-    assert set(readers.CAPTION_READERS) == {"karpathy_json", "caption_lines", "flickr30k_entities", "cc_tsv", "multi30k"}
+    assert set(readers.CAPTION_READERS) == {"karpathy_json", "caption_lines", "flickr30k_entities", "cc_tsv",
+                                            "multi30k"}
 
 
 def test_local_file_access_refuses_urls_with_a_clear_error(tmp_path):
@@ -465,8 +469,9 @@ def test_real_region_features_npz_with_image_sizes():
         # in the detector's resized frame every box fits the image ...
         assert g.boxes[:, 2].max() <= g.image_w and g.boxes[:, 3].max() <= g.image_h, g.source_id
     # ... while the original image sizes are far too small for these boxes (hence detector_resize)
-    raw = [r for t in readers.plan_read_tasks("f", KIND_IMAGE, "plain_npz", str(root / "region_features_npz"),
-                                              {"image_dir": str(root / "images" / "*")}, 1024) for r in readers.read_task(t)]
+    tasks = readers.plan_read_tasks("f", KIND_IMAGE, "plain_npz", str(root / "region_features_npz"),
+                                    {"image_dir": str(root / "images" / "*")}, 1024)
+    raw = [r for t in tasks for r in readers.read_task(t)]
     assert sum(g.boxes[:, 2].max() > g.image_w for g in raw) >= 6
 
 
@@ -609,6 +614,7 @@ def test_bua_npz_keeps_regions_most_confident_first_from_info(tmp_path):
     np.testing.assert_array_equal(row["features"], x[[1, 3, 4]])  # the 3 most confident, in that order
     # numpy 1.x (the tool's era) pickled with protocol 3 and named numpy.core.multiarray
     import zipfile
+
     from numpy.lib import format as npy
 
     with np.load(tmp_path / "7.npz", allow_pickle=False) as z:

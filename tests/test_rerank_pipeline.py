@@ -9,12 +9,17 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines import encode, rerank
-from pipelines.build_index import build_index
+from pipelines.build_index import plan as build_index_plan
+from pipelines.build_index import run as build_index_run
+from pipelines.encode import plan as encode_plan
+from pipelines.encode import run as encode_run
+from pipelines.rerank import graph as rerank_graph
+from pipelines.rerank import plan as rerank_plan
+from pipelines.rerank import run as rerank_run
 from retrieval_core import embeddings as emb
 from retrieval_core.metrics import exact_topk
 from retrieval_core.model import VLRetrievalModel
-from retrieval_core.rerank import _sigmoid
+from retrieval_core.rerank import RANKINGS_MANIFEST, _sigmoid
 from retrieval_core.store import StagedDataset
 from tests.test_encode_pipeline import write_tiny_model, write_tiny_staged
 
@@ -27,12 +32,12 @@ def assets(tmp_path_factory):
     staged = write_tiny_staged(os.path.join(root, "staged"), num_images=NUM_IMAGES)
     model = write_tiny_model(os.path.join(root, "model"), root)
     emb_dir = os.path.join(root, "emb")
-    encode.run_encode(staged, model, emb_dir, batch_size=8)
+    encode_run.run(encode_plan.EncodePlan(staged, model, emb_dir, batch_size=8))
     return root, staged, model, emb_dir
 
 
 def run_rerank(staged, emb_dir, output, beam_args=(), **kw):
-    return rerank.run(rerank.RerankPlan(staged, emb_dir, output, **kw), beam_args)
+    return rerank_run.run(rerank_plan.RerankPlan(staged, emb_dir, output, **kw), beam_args)
 
 
 def read_rankings(out: str, direction: str):
@@ -48,7 +53,7 @@ def per_query(df):
 def test_emb_rankings_equal_exact_topk(assets, tmp_path):
     root, staged, _, emb_dir = assets
     index_dir = str(tmp_path / "index")
-    build_index(emb_dir, index_dir, "image", "Flat", "ip", 1000, 0, 1, [])
+    build_index_run.run(build_index_plan.IndexPlan(embeddings=emb_dir, output=index_dir, threads=1))
     out = str(tmp_path / "run")
     manifest = run_rerank(staged, emb_dir, out, mode="emb", k=3, index=index_dir, split="test")
     ds = StagedDataset(staged)
@@ -79,7 +84,7 @@ def test_ce_scores_come_from_the_model_and_pairs_are_scored_once(assets, tmp_pat
     out = str(tmp_path / "run")
     # Exhaustive CE: t2i 12 captions x 24 images, i2t 6 images x 48 captions; the 12 x 6 test-test pairs are
     # requested by both directions and must be scored once.
-    with pytest.raises(rerank.RerankError, match="max-exhaustive-pairs"):
+    with pytest.raises(rerank_plan.RerankError, match="max-exhaustive-pairs"):
         run_rerank(staged, emb_dir, out, mode="ce", ce_model=model_dir, max_exhaustive_pairs=500)
     manifest = run_rerank(staged, emb_dir, out, mode="ce", k=5, ce_model=model_dir, batch_size=16)
     assert manifest["ce_pairs_requested"] == 12 * 24 + 6 * 48
@@ -157,7 +162,7 @@ def test_l2_index_reranks_with_negated_distances_as_be_scores(assets, tmp_path):
     scores (-distance) instead of failing rank_query's "BE order" check."""
     root, staged, model_dir, emb_dir = assets
     index_dir = str(tmp_path / "index_l2")
-    build_index(emb_dir, index_dir, "image", "Flat", "l2", 1000, 0, 1, [])
+    build_index_run.run(build_index_plan.IndexPlan(embeddings=emb_dir, output=index_dir, metric="l2", threads=1))
     out = str(tmp_path / "run")
     k = 3
     manifest = run_rerank(staged, emb_dir, out, mode="co", k=k, index=index_dir, ce_model=model_dir,
@@ -218,7 +223,8 @@ def test_nprobe_sets_ivf_search_depth_and_is_recorded(assets, tmp_path):
     nlist = 4
     index_dir = str(tmp_path / "ivf")
     with pytest.warns(RuntimeWarning, match="fewer than"):  # 24 images: few training points per list
-        build_index(emb_dir, index_dir, "image", f"IVF{nlist},Flat", "ip", 1000, 0, 1, [])
+        build_index_run.run(build_index_plan.IndexPlan(embeddings=emb_dir, output=index_dir, factory=f"IVF{nlist},Flat",
+                                                   train_sample=1000, threads=1))
     exact = str(tmp_path / "exact")
     run_rerank(staged, emb_dir, exact, mode="emb", k=10, directions=("t2i",))
     truth = {q: set(g["item_id"]) for q, g in per_query(read_rankings(exact, "t2i")).items()}
@@ -235,12 +241,12 @@ def test_nprobe_sets_ivf_search_depth_and_is_recorded(assets, tmp_path):
                                               directions=("t2i",), nprobe=nprobe)
         recalls[nprobe] = recall(out)
     out = str(tmp_path / f"nprobe{nlist}")  # the CLI option
-    res = CliRunner().invoke(rerank.main, ["--staged", staged, "--embeddings", emb_dir, "--index", index_dir,
+    res = CliRunner().invoke(rerank_run.main, ["--staged", staged, "--embeddings", emb_dir, "--index", index_dir,
                                            "--mode", "emb", "--k", "10", "--directions", "t2i", "--output", out,
                                            "--nprobe", str(nlist)])
     assert res.exit_code == 0, res.output
     recalls[nlist] = recall(out)
-    with open(os.path.join(out, rerank.RANKINGS_MANIFEST)) as f:
+    with open(os.path.join(out, RANKINGS_MANIFEST)) as f:
         manifests[nlist] = json.load(f)
 
     assert recalls[1] < 1.0  # the default depth really misses neighbours here
@@ -248,10 +254,10 @@ def test_nprobe_sets_ivf_search_depth_and_is_recorded(assets, tmp_path):
     for nprobe, manifest in manifests.items():
         assert manifest["search_params"] == {"nprobe": nprobe, "efSearch": None}
     # a parameter the index does not have is refused before the job runs
-    with pytest.raises(rerank.RerankError, match="efSearch"):
+    with pytest.raises(rerank_plan.RerankError, match="efSearch"):
         run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb", index=index_dir,
                           directions=("t2i",), ef_search=64)
-    with pytest.raises(rerank.RerankError, match="--index"):  # exact search has no parameters
+    with pytest.raises(rerank_plan.RerankError, match="--index"):  # exact search has no parameters
         run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb", directions=("t2i",), nprobe=2)
     assert manifests[1]["search_params_used"] == {"t2i": {"params": {"nprobe": 1}, "source": "command line"}}
 
@@ -290,8 +296,8 @@ def test_score_once_evaluate_many_gives_exactly_the_fresh_runs(assets, tmp_path)
     the EMB run. CE batches of one pair (--batch-size 1) make a pair's CE score independent of the other
     pairs a run scores, so the comparison can be exact (in batches of 16, 9 of these 180 pairs' scores move by
     up to 7e-9, and this tiny random CE's scores are that close)."""
-    from benchmarks.evaluate import evaluate_run
     from retrieval_core.rerank import derive_rankings
+    from retrieval_core.runs import evaluate_run
 
     root, staged, model_dir, emb_dir = assets
     out = {name: str(tmp_path / name) for name in ("co20", "co10", "emb")}
@@ -323,7 +329,7 @@ def write_queries(path, rows):
 
 
 def test_queries_file_restricts_the_run_and_evaluate_to_those_queries(assets, tmp_path):
-    from benchmarks.evaluate import evaluate_run
+    from retrieval_core.runs import evaluate_run
 
     root, staged, _, emb_dir = assets
     ds = StagedDataset(staged)
@@ -347,7 +353,7 @@ def test_queries_file_restricts_the_run_and_evaluate_to_those_queries(assets, tm
             (chosen + [("x2y", 1)], "unknown direction"),
             (chosen + chosen[:1], "duplicate t2i"),
             (chosen[:5], "lists no i2t queries")):
-        with pytest.raises(rerank.RerankError, match=message):
+        with pytest.raises(rerank_plan.RerankError, match=message):
             run_rerank(staged, emb_dir, str(tmp_path / "bad"), mode="emb",
                        queries=write_queries(tmp_path / "bad.parquet", rows))
     assert not os.path.exists(tmp_path / "bad")  # refused before anything was written
@@ -362,10 +368,10 @@ def common_sha256(path):
 
 def test_waves_hold_at_most_their_shards_and_pairs_but_never_split_a_shard():
     pairs = {"a": 30, "b": 30, "c": 90, "d": 10, "e": 10, "f": 10}
-    waves = rerank.plan_waves(list(pairs), pairs.get, shards_per_wave=2, pairs_per_wave=60)
+    waves = rerank_run.plan_waves(list(pairs), pairs.get, shards_per_wave=2, pairs_per_wave=60)
     assert waves == [["a", "b"], ["c"], ["d", "e"], ["f"]]  # c alone is over the cap: a wave of its own
-    assert rerank.plan_waves(list(pairs), pairs.get, shards_per_wave=10, pairs_per_wave=1) == [[n] for n in pairs]
-    assert rerank.plan_waves(list(pairs), lambda _: 0, shards_per_wave=4, pairs_per_wave=1) == \
+    assert rerank_run.plan_waves(list(pairs), pairs.get, shards_per_wave=10, pairs_per_wave=1) == [[n] for n in pairs]
+    assert rerank_run.plan_waves(list(pairs), lambda _: 0, shards_per_wave=4, pairs_per_wave=1) == \
         [["a", "b", "c", "d"], ["e", "f"]]  # EMB runs score no pairs: shards alone decide
 
 
@@ -381,7 +387,7 @@ def test_killed_run_resumes_its_unfinished_shards_only(assets, tmp_path):
 
     out = str(tmp_path / "killed")
     run_rerank(staged, emb_dir, out, **plan)
-    os.remove(os.path.join(out, rerank.RANKINGS_MANIFEST))  # killed during its last wave
+    os.remove(os.path.join(out, RANKINGS_MANIFEST))  # killed during its last wave
     lost = ["t2i-00002-of-00004.parquet", "t2i-00003-of-00004.parquet"]
     for name in lost:
         os.remove(os.path.join(out, "rankings", name))
@@ -414,7 +420,7 @@ def test_killed_run_resumes_its_unfinished_shards_only(assets, tmp_path):
 
     other = run_rerank(staged, emb_dir, out, **{**plan, "k": 4})  # another plan: nothing is reused
     assert other["shards_reused"] == 0 and other["plan_fingerprint"] != whole["plan_fingerprint"]
-    assert sorted(os.listdir(os.path.join(out, rerank.PROGRESS_DIR))) == sorted(
+    assert sorted(os.listdir(os.path.join(out, rerank_plan.PROGRESS_DIR))) == sorted(
         s["name"] + ".json" for s in other["shards"])
 
 
@@ -424,14 +430,14 @@ def test_index_built_from_other_embeddings_is_refused_naming_both(assets, tmp_pa
 
     root, staged, _, emb_dir = assets
     index_dir = str(tmp_path / "index")
-    build_index(emb_dir, index_dir, "image", "Flat", "ip", 1000, 0, 1, [])
+    build_index_run.run(build_index_plan.IndexPlan(embeddings=emb_dir, output=index_dir, threads=1))
     other_model = write_tiny_model(str(tmp_path / "model1"), str(tmp_path), seed=1)
     other_emb = str(tmp_path / "emb1")
-    encode.run_encode(staged, other_model, other_emb, batch_size=8)
-    with pytest.raises(rerank.RerankError, match=f"--index {index_dir} was built from the image embeddings in "
+    encode_run.run(encode_plan.EncodePlan(staged, other_model, other_emb, batch_size=8))
+    with pytest.raises(rerank_plan.RerankError, match=f"--index {index_dir} was built from the image embeddings in "
                                                  f"{emb_dir} .* not from --embeddings {other_emb}"):
         run_rerank(staged, other_emb, str(tmp_path / "run"), mode="emb", index=index_dir)
-    res = CliRunner().invoke(rerank.main, ["--staged", staged, "--embeddings", other_emb, "--index", index_dir,
+    res = CliRunner().invoke(rerank_run.main, ["--staged", staged, "--embeddings", other_emb, "--index", index_dir,
                                            "--mode", "emb", "--output", str(tmp_path / "run")])
     assert res.exit_code == 1 and res.output.count("Error: --index") == 1, res.output
     assert not os.path.exists(tmp_path / "run")
@@ -444,12 +450,15 @@ def test_embeddings_or_gold_of_another_staging_are_refused(assets, tmp_path):
     """Issue 14: artifacts carry the fingerprint of the staged shards they came from. Embeddings encoded from
     one staging and a --staged folder of another (same ids, other captions and regions) used to rerank
     silently; a run evaluated against another staging's gold likewise."""
-    from benchmarks.evaluate import EvaluationError, evaluate_run
+    from retrieval_core.runs import RunError as EvaluationError
+    from retrieval_core.runs import evaluate_run
 
     root, staged, _, emb_dir = assets
     other = write_tiny_staged(str(tmp_path / "other"), num_images=NUM_IMAGES, seed=1)
-    assert sorted(StagedDataset(other).images_meta()["item_id"]) == sorted(StagedDataset(staged).images_meta()["item_id"])
-    with pytest.raises(rerank.RerankError, match=r"--embeddings .* were encoded from other (image|text)/tiny shards "
+    item_ids = lambda d: sorted(StagedDataset(d).images_meta()["item_id"])  # noqa: E731
+    assert item_ids(other) == item_ids(staged)
+    with pytest.raises(rerank_plan.RerankError,
+                       match=r"--embeddings .* were encoded from other (image|text)/tiny shards "
                                                  r".* than --staged .*other holds"):
         run_rerank(other, emb_dir, str(tmp_path / "run"), mode="emb")
     assert not os.path.exists(tmp_path / "run")
@@ -464,7 +473,7 @@ def test_embeddings_or_gold_of_another_staging_are_refused(assets, tmp_path):
 def test_mode_auto_runs_the_fusion_with_the_best_dev_mr_and_records_it(assets, tmp_path):
     """--mode auto --tune-on DEV: every candidate's dev mR is what evaluate gives for that derivation of the
     dev run, the chosen one is the best (CO on ties), and the run is exactly a run of the chosen mode/lam."""
-    from benchmarks.evaluate import AUTO_LAMS, evaluate_run, mode_label
+    from retrieval_core.runs import AUTO_LAMS, evaluate_run, mode_label
 
     root, staged, model_dir, emb_dir = assets
     one = dict(k=5, ce_model=model_dir, batch_size=1)  # batch 1: CE scores independent of the batch
@@ -485,17 +494,17 @@ def test_mode_auto_runs_the_fusion_with_the_best_dev_mr_and_records_it(assets, t
 
 def test_mode_auto_refuses_a_dev_run_of_the_evaluated_split_or_other_models(assets, tmp_path):
     root, staged, model_dir, emb_dir = assets
-    with pytest.raises(rerank.RerankError, match="--tune-on"):
-        rerank.RerankPlan(staged, emb_dir, str(tmp_path / "x"), mode="auto", ce_model=model_dir)
+    with pytest.raises(rerank_plan.RerankError, match="--tune-on"):
+        rerank_plan.RerankPlan(staged, emb_dir, str(tmp_path / "x"), mode="auto", ce_model=model_dir)
     same = str(tmp_path / "same")
     run_rerank(staged, emb_dir, same, mode="co", k=3, split="test", ce_model=model_dir, directions=("i2t",))
-    with pytest.raises(rerank.RerankError, match="held-out split"):
+    with pytest.raises(rerank_plan.RerankError, match="held-out split"):
         run_rerank(staged, emb_dir, str(tmp_path / "a"), mode="auto", tune_on=same, k=3, split="test",
                    ce_model=model_dir)
     other = write_tiny_model(str(tmp_path / "other_model"), str(tmp_path), seed=1)
     dev = str(tmp_path / "dev")
     run_rerank(staged, emb_dir, dev, mode="co", k=3, split="train", ce_model=model_dir, directions=("i2t",))
-    with pytest.raises(rerank.RerankError, match="another cross-encoder"):
+    with pytest.raises(rerank_plan.RerankError, match="another cross-encoder"):
         run_rerank(staged, emb_dir, str(tmp_path / "b"), mode="auto", tune_on=dev, k=3, split="test",
                    ce_model=other)
 
@@ -527,10 +536,11 @@ def test_a_quantized_ce_scores_the_pairs_and_is_recorded(assets, tmp_path, monke
     # depend a little on the batch: close to the served model's and to fp32's, but not fp32's
     assert np.abs(got - served).max() < near_served and np.abs(got - fp32).max() < near_fp32
     assert np.abs(got - fp32).max() > 1e-5 and np.abs(served - fp32).max() > 1e-5
-    refusals = [({"mode": "emb"}, "scores nothing")] + ([({"device": "cuda"}, "CPU only")] if quantize == "int8" else [])
+    refusals = [({"mode": "emb"}, "scores nothing")] + ([({"device": "cuda"},
+                                                          "CPU only")] if quantize == "int8" else [])
     for bad, match in refusals:
         kw = {"mode": "co", "ce_model": model_dir, "quantize": quantize, **bad}
-        with pytest.raises(rerank.RerankError, match=match):
+        with pytest.raises(rerank_plan.RerankError, match=match):
             run_rerank(staged, emb_dir, str(tmp_path / "bad"), **kw)
 
 
@@ -540,30 +550,30 @@ def test_pairs_are_routed_to_the_staged_shard_holding_them_and_strangers_are_ref
     one line."""
     _, staged, _, _ = assets
     ds = StagedDataset(staged)
-    reader = rerank.StagedReader(staged)
+    reader = rerank_graph.StagedReader(staged)
     for kind, column, what in (("images", "item_id", "image"), ("captions", "caption_id", "caption")):
         rels = tuple(ds.shard_names(kind))
-        fn = rerank.RouteToShard(reader, rels, column, what)
+        fn = rerank_graph.RouteToShard(reader, rels, column, what)
         fn.setup()
-        pairs_of_shards = rerank.RouteToShard(reader, rels, column, what, shards_per_group=2)
+        pairs_of_shards = rerank_graph.RouteToShard(reader, rels, column, what, shards_per_group=2)
         pairs_of_shards.setup()
         for n, rel in enumerate(rels):
             for item_id in ds.read_shard_columns(rel, (column,)).column(column).to_pylist()[:3]:
                 assert list(fn.process((item_id, "v"))) == [(n, (rel, item_id, "v"))]
                 assert list(pairs_of_shards.process((item_id, "v"))) == [(n // 2, (rel, item_id, "v"))]
-        with pytest.raises(rerank.RerankError, match=f"{what} 12345 is not staged in --staged"):
+        with pytest.raises(rerank_plan.RerankError, match=f"{what} 12345 is not staged in --staged"):
             list(fn.process((12345, "v")))
-        twice = rerank.RouteToShard(reader, rels + rels[:1], column, what)
+        twice = rerank_graph.RouteToShard(reader, rels + rels[:1], column, what)
         twice.setup()
         first = ds.read_shard_columns(rels[0], (column,)).column(column).to_pylist()[0]
-        with pytest.raises(rerank.RerankError, match=f"{what} {first} is staged twice"):
+        with pytest.raises(rerank_plan.RerankError, match=f"{what} {first} is staged twice"):
             list(twice.process((first, "v")))
 
 
 def test_image_shard_groups_hold_about_the_pairs_asked_for():
     """Groups of consecutive image shards sized to ~pairs_per_group of a wave's pairs: at least one shard, at
     most all of them."""
-    assert rerank.shards_per_group(200, 20_000, 1_024) == 10  # 100k images, a 20k-pair wave: ~1k pairs a group
-    assert rerank.shards_per_group(10, 20_000, 1_024) == 1  # 5k images: one shard already holds 2k pairs
-    assert rerank.shards_per_group(10, 100, 1_024) == 10  # a tiny wave: one group of every shard
-    assert rerank.shards_per_group(10, 0, 1_024) == 1
+    assert rerank_graph.shards_per_group(200, 20_000, 1_024) == 10  # 100k images, a 20k-pair wave: ~1k pairs a group
+    assert rerank_graph.shards_per_group(10, 20_000, 1_024) == 1  # 5k images: one shard already holds 2k pairs
+    assert rerank_graph.shards_per_group(10, 100, 1_024) == 10  # a tiny wave: one group of every shard
+    assert rerank_graph.shards_per_group(10, 0, 1_024) == 1

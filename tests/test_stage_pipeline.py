@@ -10,10 +10,25 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from pipelines import common, stage
+from pipelines import common
+from pipelines.stage import run as stage_run
+from pipelines.stage.graph import (
+    T_COUNT,
+    T_IMAGE_REFS,
+    T_INFO,
+    T_OWNERS,
+    T_REJECT,
+    T_STAGED,
+    ReadAndStage,
+    WriteImageShard,
+    _load_rows,
+    pick_all,
+    spill_path,
+)
+from pipelines.stage.plan import Settings, StageError, StagePlan, default_chunk_size
 from retrieval_core import schema, staging
 from retrieval_core.readers import plan_read_tasks
-from retrieval_core.store import StagedDataset
+from retrieval_core.store import INCOMPLETE_FILE, StagedDataset
 
 F = 16
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,13 +89,13 @@ collections:
 
 
 def run_cli(*args):
-    result = CliRunner().invoke(stage.main, list(args), catch_exceptions=False)
+    result = CliRunner().invoke(stage_run.main, list(args), catch_exceptions=False)
     return result.exit_code, result.output
 
 
 # ------------------------------------------------------------------------------------- Beam parts
 def _read_and_stage(settings, task) -> list:
-    dofn = stage.ReadAndStage(settings)
+    dofn = ReadAndStage(settings)
     dofn.setup()
     return list(dofn.process(task))
 
@@ -88,24 +103,25 @@ def _read_and_stage(settings, task) -> list:
 def test_read_and_stage_dofn_routes_rejects(tmp_path):
     write_inputs(tmp_path)
     tasks = plan_read_tasks("tsv", "image", "butd_tsv", str(tmp_path / "feats.tsv"), {}, F)
-    settings = stage.Settings(output=str(tmp_path / "out"), feature_dim=F, max_regions=50, feature_format="parquet",
-                              feature_dtype="float32", images_per_shard=10, spill_dir=str(tmp_path / "spill"))
+    settings = Settings(output=str(tmp_path / "out"), feature_dim=F, max_regions=50, feature_format="parquet",
+                        feature_dtype="float32", images_per_shard=10, spill_dir=str(tmp_path / "spill"))
     out = [el for task in tasks for el in _read_and_stage(settings, task)]  # one output of (tag, payload)
-    refs = [ref for (_coll, _bucket), block in stage.pick_all(out, stage.T_IMAGE_REFS) for ref in block]
-    assert sorted(r["source_id"] for r in stage._load_rows(settings, "tsv", refs)) == ["a", "a", "b", "c", "d"]
-    assert sorted((c, staging.reason_category(r["reason"])) for c, r in stage.pick_all(out, stage.T_REJECT)) == \
+    refs = [ref for (_coll, _bucket), block in pick_all(out, T_IMAGE_REFS) for ref in block]
+    assert sorted(r["source_id"] for r in _load_rows(settings, "tsv", refs)) == ["a", "a", "b", "c", "d"]
+    assert sorted((c, staging.reason_category(r["reason"])) for c, r in pick_all(out, T_REJECT)) == \
         sorted([("tsv", staging.R_FEATURE_DIM), ("tsv", staging.R_NOT_FINITE), ("tsv", staging.R_NUM_BOXES),
                 ("tsv", "expected 6 tab-separated columns"),  # reader rejects
                 ("tsv", "column 'boxes' is not valid base64")])
-    assert stage.pick_all(out, stage.T_INFO) == [{"type": "in", "collection": "tsv", "kind": "image", "n": 10}]
-    assert stage.pick_all(out, stage.T_COUNT) == [("tsv", 5)]
-    owners = [o for _, block in stage.pick_all(out, stage.T_OWNERS) for o in block]
+    assert pick_all(out, T_INFO) == [{"type": "in", "collection": "tsv", "kind": "image",
+                                                              "n": 10}]
+    assert pick_all(out, T_COUNT) == [("tsv", 5)]
+    owners = [o for _, block in pick_all(out, T_OWNERS) for o in block]
     assert sorted(o[3] for o in owners) == ["a", "a", "b", "c", "d"] and {o[2] for o in owners} == {"image"}
 
 
 def _spilled_refs(tmp_path, settings, coll, rows, key=7):
     """Rows written to a read task's spill file (as ReadAndStage does) and their refs."""
-    path = stage.spill_path(settings.spill_dir, coll, key)
+    path = spill_path(settings.spill_dir, coll, key)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     spill = staging.FeatureSpill(path, path, F, settings.feature_dtype)
     refs = [(key, int(r["item_id"]), spill.add_row(spill.append(r))) for r in rows]
@@ -119,16 +135,16 @@ def test_image_shard_writer_dedupes_and_writes_atomically(tmp_path):
                               image_w=20, image_h=20, split="test", locator=loc)
         return staging.stage_image(raw, collection="c", feature_dim=F, max_regions=50, source="s")
 
-    settings = stage.Settings(output=str(tmp_path), feature_dim=F, max_regions=50, feature_format="hdf5",
-                              feature_dtype="float16", images_per_shard=10, expected_images={"c": 3},
-                              spill_dir=str(tmp_path / "_spill" / "run"))
+    settings = Settings(output=str(tmp_path), feature_dim=F, max_regions=50, feature_format="hdf5",
+                        feature_dtype="float16", images_per_shard=10, expected_images={"c": 3},
+                        spill_dir=str(tmp_path / "_spill" / "run"))
     refs = _spilled_refs(tmp_path, settings, "c", [row("x", "s:2"), row("x", "s:1"), row("y", "s:3")])
-    out = list(stage.WriteImageShard(settings).process((("c", 0), [(1, refs[:2]), (1, refs[2:]), (1, None)])))
+    out = list(WriteImageShard(settings).process((("c", 0), [(1, refs[:2]), (1, refs[2:]), (1, None)])))
     ids = sorted([schema.make_item_id("c", "image", s) for s in "xy"])
-    assert stage.pick_all(out, stage.T_STAGED) == [(("c", 0), (1, [(i, "test") for i in ids]))]
-    assert [cr[1]["locator"] + " " + cr[1]["reason"] for cr in stage.pick_all(out, stage.T_REJECT)] == \
+    assert pick_all(out, T_STAGED) == [(("c", 0), (1, [(i, "test") for i in ids]))]
+    assert [cr[1]["locator"] + " " + cr[1]["reason"] for cr in pick_all(out, T_REJECT)] == \
         ["s:2 duplicate image id: 'x' in collection 'c'; first seen at s:1"]
-    assert [(i["name"], i["rows"], i["feature_shard"]["name"]) for i in stage.pick_all(out, stage.T_INFO)] == \
+    assert [(i["name"], i["rows"], i["feature_shard"]["name"]) for i in pick_all(out, T_INFO)] == \
         [("images/c-00000-of-00001.parquet", 2, "features/c-00000-of-00001.h5")]
     assert sorted(os.listdir(tmp_path / "features")) == ["c-00000-of-00001.h5"]  # no temp files left
 
@@ -256,18 +272,20 @@ def test_read_and_stage_spills_rows_and_regions_so_shuffles_carry_refs_only(tmp_
 
     write_inputs(tmp_path)
     tasks = plan_read_tasks("tsv", "image", "butd_tsv", str(tmp_path / "feats.tsv"), {}, F)
-    settings = stage.Settings(output=str(tmp_path / "out"), feature_dim=F, max_regions=50, feature_format="parquet",
-                              feature_dtype="float32", images_per_shard=10, spill_dir=str(tmp_path / "spill"))
+    settings = Settings(output=str(tmp_path / "out"), feature_dim=F, max_regions=50, feature_format="parquet",
+                        feature_dtype="float32", images_per_shard=10, spill_dir=str(tmp_path / "spill"))
     out = _read_and_stage(settings, tasks[0])
-    refs = [ref for _, block in stage.pick_all(out, stage.T_IMAGE_REFS) for ref in block]
+    refs = [ref for _, block in pick_all(out, T_IMAGE_REFS) for ref in block]
     assert len(refs) == 5 and all(len(r) == 3 and all(isinstance(v, int) for v in r) for r in refs)
-    assert {tag for tag, _ in out} == {stage.T_IMAGE_REFS, stage.T_OWNERS, stage.T_REJECT, stage.T_INFO,
-                                       stage.T_COUNT}
+    assert {tag for tag, _ in out} == {T_IMAGE_REFS, T_OWNERS, T_REJECT,
+                                       T_INFO,
+                                       T_COUNT}
     assert not [f for f in os.listdir(tmp_path / "spill") if ".tmp-" in f]  # published under its final name
-    direct = [staging.stage_image(r, collection="tsv", feature_dim=F, max_regions=50, source=str(tmp_path / "feats.tsv"))
+    direct = [staging.stage_image(r, collection="tsv", feature_dim=F, max_regions=50,
+                                  source=str(tmp_path / "feats.tsv"))
               for r in read_task(tasks[0]) if isinstance(r, schema.RawImage)]
     direct = {r[staging.K_LOCATOR]: r for r in direct if isinstance(r, dict)}
-    back = staging.load_spilled(stage._load_rows(settings, "tsv", refs))
+    back = staging.load_spilled(_load_rows(settings, "tsv", refs))
     assert len(back) == len(direct) == 5
     for r in back:
         orig = direct[r[staging.K_LOCATOR]]
@@ -279,7 +297,7 @@ def test_read_and_stage_spills_rows_and_regions_so_shuffles_carry_refs_only(tmp_
 
 def test_staging_run_leaves_no_spill_files(staged):
     _, _, out, code, _ = staged
-    assert (out / "summary.json").exists() and not os.path.exists(out / stage.SPILL_DIR)
+    assert (out / "summary.json").exists() and not os.path.exists(out / common.SPILL_DIR)
 
 
 # ------------------------------------------------------------------------ URL inputs (gs:// on Dataflow)
@@ -312,11 +330,13 @@ def test_inputs_by_url_stage_like_the_same_files_by_local_path(tmp_path):
     from tests.helpers_beamfs import url
 
     manifest = write_url_inputs(tmp_path)
-    local_sum, local_problems = stage.run_stage(manifest, str(tmp_path / "out_local"), max_reject_fraction=1)
+    local_sum = stage_run.run(StagePlan(str(tmp_path / "out_local"), manifest, max_reject_fraction=1))
+    local_problems = local_sum["problems"]
     # the README's way: --set <collection>.<images|captions>.path=<URL>; a glob and a directory, as URLs
     overrides = [f"u.images.path={url(tmp_path / 'in')}/*.tsv", f"u.captions.path={url(tmp_path / 'caps')}"]
-    url_sum, url_problems = stage.run_stage(manifest, str(tmp_path / "out_url"), overrides=overrides,
-                                            max_reject_fraction=1)
+    url_sum = stage_run.run(StagePlan(str(tmp_path / "out_url"), manifest, overrides=overrides,
+                                                 max_reject_fraction=1))
+    url_problems = url_sum["problems"]
     assert local_problems == url_problems == []
     src_local, src_url = local_sum["collections"]["u"], url_sum["collections"]["u"]
     assert src_url["images"]["path"] == f"rrtest://{tmp_path}/in/*.tsv"  # kept as written, not made local
@@ -345,16 +365,18 @@ def test_missing_url_input_is_reported_before_the_pipeline_runs(tmp_path):
 
     manifest = write_url_inputs(tmp_path)
     missing = f"{url(tmp_path / 'in')}/nothing-*.tsv"
-    with pytest.raises(stage.StageError, match="input file\\(s\\) missing: rrtest://.*nothing-\\*.tsv"):
-        stage.run_stage(manifest, str(tmp_path / "o"), overrides=[f"u.images.path={missing}"])
+    with pytest.raises(StageError, match="input file\\(s\\) missing: rrtest://.*nothing-\\*.tsv"):
+        stage_run.run(StagePlan(str(tmp_path / "o"), manifest, overrides=(f"u.images.path={missing}",)))
     empty_dir = tmp_path / "empty"
     (empty_dir / "sub").mkdir(parents=True)
     (empty_dir / "sub" / "x.tsv").write_text("")  # a "directory" (prefix) whose only TSV is one level down
-    with pytest.raises(stage.StageError, match="cannot plan the reads: .*matches no directory with .tsv files"):
-        stage.run_stage(manifest, str(tmp_path / "o"), overrides=[f"u.images.path={url(empty_dir)}"])
+    with pytest.raises(StageError, match="cannot plan the reads: .*matches no directory with .tsv files"):
+        stage_run.run(StagePlan(str(tmp_path / "o"), manifest,
+                                           overrides=(f"u.images.path={url(empty_dir)}",)))
     # a scheme no installed Beam FileSystem serves (gs:// without apache-beam[gcp]): Beam's reason, one line
-    with pytest.raises(stage.StageError, match="cannot check the input paths: Unable to get filesystem"):
-        stage.run_stage(manifest, str(tmp_path / "o"), overrides=["u.images.path=nosuchfs://b/x.tsv"])
+    with pytest.raises(StageError, match="cannot check the input paths: Unable to get filesystem"):
+        stage_run.run(StagePlan(str(tmp_path / "o"), manifest,
+                                           overrides=("u.images.path=nosuchfs://b/x.tsv",)))
 
 
 def test_beam_file_access_reads_urls_raw_and_lists_like_local(tmp_path):
@@ -392,9 +414,10 @@ def test_beam_file_access_reads_urls_raw_and_lists_like_local(tmp_path):
 def test_multi_processing_runner_stages_everything_with_smaller_read_tasks(tmp_path):
     """The multi-processing DirectRunner (worker processes) stages a synthetic collection completely: the run
     reconciles in = staged + rejected, and the CLI picks 100-record read tasks for that mode by default."""
-    assert stage.default_chunk_size(["--direct_running_mode=multi_processing"]) == 100
-    assert stage.default_chunk_size(["--direct_running_mode", "multi_processing"]) == 100
-    assert stage.default_chunk_size([]) == stage.default_chunk_size(["--direct_running_mode=in_memory"]) == 500
+    assert default_chunk_size(["--direct_running_mode=multi_processing"]) == 100
+    assert default_chunk_size(["--direct_running_mode", "multi_processing"]) == 100
+    in_memory = default_chunk_size(["--direct_running_mode=in_memory"])
+    assert default_chunk_size([]) == in_memory == 500
     out = tmp_path / "out"
     code, output = run_cli("--manifest", "demo", "--output", str(out), "--set", "feature_dim=8",
                            "--set", "demo.images.num_images=240", "--set", "demo.expected_images=240",
@@ -413,12 +436,12 @@ def test_incomplete_mark_stays_after_a_failed_run_and_goes_after_a_good_one(tmp_
     (out / "captions").write_text("a file where the caption shards must go: every caption write fails")
     code, output = run_cli("--manifest", manifest, "--output", str(out), "--max-reject-fraction", "1")
     assert code == 1 and "staging failed" in output
-    mark = json.loads((out / stage.INCOMPLETE_FILE).read_text())
+    mark = json.loads((out / INCOMPLETE_FILE).read_text())
     assert mark["run_id"] and mark["started"] and not (out / "summary.json").exists()
     (out / "captions").unlink()
     code, output = run_cli("--manifest", manifest, "--output", str(out), "--max-reject-fraction", "1")
     assert code == 0, output
-    assert not (out / stage.INCOMPLETE_FILE).exists() and (out / "summary.json").exists()
+    assert not (out / INCOMPLETE_FILE).exists() and (out / "summary.json").exists()
 
 
 def test_a_source_that_yields_no_records_fails_unless_allowed(tmp_path):
@@ -432,18 +455,20 @@ collections:
     images: {{format: butd_tsv, path: {tmp_path / 'empty.tsv'}}}
     captions: {{format: karpathy_json, path: {tmp_path / 'caps.json'}, image_id: filename_stem}}
 """)
-    summary, problems = stage.run_stage(str(tmp_path / "m.yaml"), str(tmp_path / "o1"))
+    summary = stage_run.run(StagePlan(str(tmp_path / "o1"), str(tmp_path / "m.yaml")))
+    problems = summary["problems"]
     assert len(problems) == 2 and f"e images: the source butd_tsv:{tmp_path / 'empty.tsv'} yielded no records" \
         in problems[0] and "e captions: the source karpathy_json:" in problems[1]
-    _, problems = stage.run_stage(str(tmp_path / "m.yaml"), str(tmp_path / "o2"), allow_empty=True)
+    problems = stage_run.run(StagePlan(str(tmp_path / "o2"), str(tmp_path / "m.yaml"),
+                                                  allow_empty=True))["problems"]
     assert problems == []
 
 
 def test_plan_values_are_checked_when_built(tmp_path):
-    with pytest.raises(stage.StageError, match="feature format must be one of parquet|hdf5, got 'npz'"):
-        stage.StagePlan(str(tmp_path), feature_format="npz")
-    with pytest.raises(stage.StageError, match="override 'coco' is not KEY=VALUE"):
-        stage.StagePlan(str(tmp_path), overrides=("coco",))
+    with pytest.raises(StageError, match="feature format must be one of parquet|hdf5, got 'npz'"):
+        StagePlan(str(tmp_path), feature_format="npz")
+    with pytest.raises(StageError, match="override 'coco' is not KEY=VALUE"):
+        StagePlan(str(tmp_path), overrides=("coco",))
     code, output = run_cli("--output", str(tmp_path / "o"), "--images_per_shard", "3")
     assert code == 2 and "unknown option(s) --images_per_shard" in output and not (tmp_path / "o").exists()
 
@@ -463,9 +488,9 @@ def test_direct_and_dask_runners_stage_identical_files(tmp_path, dask_cluster):
     outs, summaries = {}, {}
     for runner, args in (("direct", ()), ("dask", dask_args(dask_cluster))):
         outs[runner] = str(tmp_path / runner)
-        summaries[runner], _ = stage.run_stage(manifest, outs[runner], images_per_shard=20, max_reject_fraction=1,
-                                               feature_format="hdf5", feature_dtype="float16", chunk_size=25,
-                                               beam_args=args)
+        summaries[runner] = stage_run.run(StagePlan(outs[runner], manifest, images_per_shard=20,
+                                                               max_reject_fraction=1, feature_format="hdf5",
+                                                               feature_dtype="float16", chunk_size=25), args)
     assert summaries["dask"]["runner"] == "DaskRunner"
     files = relative_files(outs["direct"])
     assert files == relative_files(outs["dask"])
@@ -491,7 +516,7 @@ def test_python_m_stage_runs_on_a_dask_cluster_in_other_processes(tmp_path, dask
     manifest = write_inputs(tmp_path)
     opts = ["--images-per-shard", "20", "--max-reject-fraction", "1", "--chunk-size", "25"]
     direct = str(tmp_path / "direct")
-    stage.run_stage(manifest, direct, images_per_shard=20, max_reject_fraction=1, chunk_size=25)
+    stage_run.run(StagePlan(direct, manifest, images_per_shard=20, max_reject_fraction=1, chunk_size=25))
     out = str(tmp_path / "dask")
     res = subprocess.run([sys.executable, "-m", "pipelines.stage", "--manifest", manifest, "--output", out, *opts,
                           *dask_args(dask_cluster)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)

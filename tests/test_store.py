@@ -8,8 +8,27 @@ import numpy as np
 import pytest
 
 from retrieval_core import schema, staging
+from retrieval_core.paths import LOCAL_FILES, URLAccessError
 from retrieval_core.schema import RawCaption, RawImage
 from retrieval_core.store import INCOMPLETE_FILE, StagedDataError, StagedDataset, to_torch
+
+
+class MemFiles:
+    """A FileAccess for the test-only URL folder mem://staged: its paths are the files under ``root``."""
+
+    def __init__(self, root):
+        self.root, self.opened = str(root), []
+
+    def _local(self, url: str) -> str:
+        assert url.startswith("mem://staged/"), url
+        return os.path.join(self.root, url[len("mem://staged/"):])
+
+    def open(self, path: str):
+        self.opened.append(path)
+        return LOCAL_FILES.open(self._local(path))
+
+    def exists(self, path: str) -> bool:
+        return LOCAL_FILES.exists(self._local(path))
 
 F = 16
 
@@ -178,14 +197,12 @@ def test_a_folder_holding_the_incomplete_marker_is_refused(tmp_path, rows):
     with pytest.raises(StagedDataError, match=rf"{tmp_path} holds _INCOMPLETE: .* re-stage it") as err:
         StagedDataset(str(tmp_path))
     assert "\n" not in str(err.value)
-    # URL folders: through the caller's exists(), or else by probing with its opener
-    local = lambda url: os.path.join(str(tmp_path), url[len("mem://staged/"):])
+    # URL folders: through the caller's file access
+    files = MemFiles(tmp_path)
     with pytest.raises(StagedDataError, match="_INCOMPLETE"):
-        StagedDataset("mem://staged", opener=lambda u: open(local(u), "rb"), exists=lambda u: os.path.exists(local(u)))
-    with pytest.raises(StagedDataError, match="_INCOMPLETE"):
-        StagedDataset("mem://staged", opener=lambda u: open(local(u), "rb"))
+        StagedDataset("mem://staged", files=files)
     os.remove(tmp_path / INCOMPLETE_FILE)
-    assert len(StagedDataset("mem://staged", opener=lambda u: open(local(u), "rb")).load_images()) == len(rows[0])
+    assert len(StagedDataset("mem://staged", files=files).load_images()) == len(rows[0])
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "hdf5"])
@@ -216,19 +233,14 @@ def test_shards_that_do_not_match_the_summary_checksums_are_refused(tmp_path, ro
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "hdf5"])
-def test_url_paths_are_read_through_the_given_opener(tmp_path, rows, fmt):
-    """retrieval_core has no Beam: a URL path (gs://...) is read through the caller's opener (the pipelines
-    pass Beam FileSystems), and without one it is a clear error instead of a hidden Beam import."""
+def test_url_paths_are_read_through_the_given_file_access(tmp_path, rows, fmt):
+    """retrieval_core has no Beam: a URL path (gs://...) is read through the caller's file access (the
+    pipelines pass Beam FileSystems), and without one it is a clear error instead of a hidden Beam import."""
     write_staged(tmp_path, *rows, feature_format=fmt)
     local = StagedDataset(str(tmp_path))
-    opened = []
-
-    def opener(path):  # mem://staged/<rel> -> the local file
-        assert path.startswith("mem://staged/")
-        opened.append(path)
-        return open(os.path.join(str(tmp_path), path[len("mem://staged/"):]), "rb")
-
-    remote = StagedDataset("mem://staged", opener=opener)
+    files = MemFiles(tmp_path)
+    opened = files.opened
+    remote = StagedDataset("mem://staged", files=files)
     assert remote.summary == local.summary
     a, b = local.load_images(), remote.load_images()
     np.testing.assert_array_equal(a.item_ids, b.item_ids)
@@ -236,7 +248,7 @@ def test_url_paths_are_read_through_the_given_opener(tmp_path, rows, fmt):
     np.testing.assert_array_equal(a.boxes, b.boxes)
     assert remote.captions().equals(local.captions())
     assert "mem://staged/summary.json" in opened and any(p.endswith(".parquet") for p in opened)
-    with pytest.raises(StagedDataError, match="opener"):
+    with pytest.raises(URLAccessError, match="gs://bucket/staged"):
         StagedDataset("gs://bucket/staged")
 
 
@@ -261,10 +273,11 @@ def test_retrieval_core_never_imports_beam():
         "import retrieval_core\n"
         "for m in pkgutil.walk_packages(retrieval_core.__path__, 'retrieval_core.'):\n"
         "    importlib.import_module(m.name)\n"
-        "from retrieval_core.store import StagedDataError, StagedDataset\n"
+        "from retrieval_core.paths import URLAccessError\n"
+        "from retrieval_core.store import StagedDataset\n"
         "try:\n"
         "    StagedDataset('gs://bucket/staged')\n"
-        "except StagedDataError:\n"
+        "except URLAccessError:\n"
         "    pass\n"
         "loaded = sorted(n for n in sys.modules if n.split('.')[0] in ('apache_beam', 'pipelines'))\n"
         "assert not loaded, loaded[:5]\n"

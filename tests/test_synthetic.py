@@ -10,9 +10,22 @@ import numpy as np
 import pytest
 
 from retrieval_core.schema import RawCaption, RawImage
-from retrieval_core.synthetic import (COLOURS, COUNT_WORDS, DOMAINS, RELATION_WORDS, SyntheticSpec, decode_regions,
-                                      describe_scene, focus_pairs, generate_captions, generate_captions_for,
-                                      generate_image, generate_images, image_source_id, split_of)
+from retrieval_core.synthetic import (
+    COLOURS,
+    COUNT_WORDS,
+    DOMAINS,
+    RELATION_WORDS,
+    SyntheticSpec,
+    decode_regions,
+    describe_scene,
+    focus_pairs,
+    generate_captions,
+    generate_captions_for,
+    generate_image,
+    generate_images,
+    image_source_id,
+    split_of,
+)
 
 
 def _same(a: RawImage, b: RawImage) -> bool:
@@ -237,7 +250,8 @@ def test_from_options():
         SyntheticSpec("c", 8, splits=(("a", 0.5), ("b", 0.2)))
     with pytest.raises(ValueError, match="min_regions"):
         SyntheticSpec("c", 8, min_regions=20, max_regions=10)
-    spec = SyntheticSpec.from_options("c", {"num_images": 8, "family_size": 3, "sibling_changes": ["count", "binding"]}, 8)
+    spec = SyntheticSpec.from_options("c", {"num_images": 8, "family_size": 3, "sibling_changes": ["count",
+                                                                                                   "binding"]}, 8)
     assert spec.sibling_changes == ("count", "binding") and describe_scene(spec, 2)["change"] == "binding"
     with pytest.raises(ValueError, match="unknown sibling change"):
         SyntheticSpec("c", 8, sibling_changes=("colour", "binding", "count"))

@@ -202,10 +202,11 @@ def test_cli_trains_from_a_staged_dir_and_continues_a_model(tmp_path, cli_inputs
 def test_cli_with_the_demo_flags_trains_exactly_what_the_library_trains(tmp_path, cli_inputs):
     """The click port keeps every flag's meaning: the demo recipe's flag set (pipelines/demo_assets.py, scaled
     down) gives bit-identical weights, optimizer state and log to the same run built through the library; and
-    train_cli_args (how the recipes run the CLI) writes exactly the flags that build its TrainConfig."""
+    to_argv (how the recipes run the CLI) writes exactly the flags that build its TrainPlan."""
     from retrieval_core.checkpoints import from_text_backbone
+    from retrieval_core.cli import plan_from_cli, to_argv
     from retrieval_core.store import StagedDataset
-    from retrieval_core.train import load_split, train_cli_args
+    from retrieval_core.train import TrainPlan, load_split
 
     staged, base = cli_inputs
     cfg = TrainConfig(objective="joint", be_loss="infonce", image_init="lstsq", new_layers_lr_mult=20.0,
@@ -213,15 +214,17 @@ def test_cli_with_the_demo_flags_trains_exactly_what_the_library_trains(tmp_path
                       hard_negative_k=4, mined_negative_prob=0.5, mine_k=5, mine_every=3, mine_pool=40,
                       length_chunk_rows=4, freeze_word_embeddings=True, steps=8, batch_size=8, lr=1e-4, eval_every=4,
                       checkpoint_every=2, seed=3, progress=False)
-    assert train_cli_args(cfg)[:2] == ["--objective", "joint"] and "--no-progress" in train_cli_args(cfg)
-    args = ["--staged", staged, "--base-model", base, "--halve-layers", "--max-regions", "3", "--dev-split", "test",
-            "--threads", "1", *train_cli_args(cfg), "--output", str(tmp_path / "cli")]
+    plan = TrainPlan(staged=staged, output=str(tmp_path / "cli"), config=cfg, base_model=base, halve_layers=True,
+                     max_regions=3, dev_split="test", threads=1)
+    args = to_argv(plan)
+    assert "--no-progress" in args and "--objective" not in args  # the default objective is not written
+    assert plan_from_cli(TrainPlan, main.make_context("train", list(args)).params) == plan  # the round trip
     res = CliRunner().invoke(main, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     assert VLRetrievalModel.load(str(tmp_path / "cli" / "last")).cfg.provenance["training"] == \
         {**asdict(cfg), "step": 8}
-    with pytest.raises(ValueError, match="temperature has no train CLI flag"):
-        train_cli_args(dataclasses.replace(cfg, temperature=0.1))
+    with pytest.raises(ValueError, match="TrainConfig.temperature has no command-line flag"):
+        to_argv(dataclasses.replace(plan, config=dataclasses.replace(cfg, temperature=0.1)))
 
     ds = StagedDataset(staged)
     model = from_text_backbone(base, ds.feature_dim, keep_every_other_layer=True, seed=3)
@@ -229,8 +232,8 @@ def test_cli_with_the_demo_flags_trains_exactly_what_the_library_trains(tmp_path
     Trainer(model, load_split(ds, "train", seed=3), cfg, str(tmp_path / "lib"), load_split(ds, "test")).train()
     for name in ("best/model.safetensors", "last/model.safetensors", "last/trainer_state.safetensors"):
         assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "lib" / name).read_bytes(), name
-    timeless = lambda d: {k: v for k, v in d.items() if k != "seconds"}
-    strip = lambda rows: [timeless(r) | {k: timeless(r[k]) for k in ("eval", "mined") if k in r} for r in rows]
+    timeless = lambda d: {k: v for k, v in d.items() if k != "seconds"}  # noqa: E731
+    strip = lambda rows: [timeless(r) | {k: timeless(r[k]) for k in ("eval", "mined") if k in r} for r in rows]  # noqa: E731
     assert strip(_log(tmp_path / "cli")) == strip(_log(tmp_path / "lib"))
 
 

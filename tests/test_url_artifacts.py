@@ -12,11 +12,25 @@ import os
 import pytest
 
 from benchmarks import evaluate
-from pipelines import build_index, common, encode, rerank, stage
+from pipelines import common
+from pipelines.build_index import plan as build_index_plan
+from pipelines.build_index import run as build_index_run
+from pipelines.encode import plan as encode_plan
+from pipelines.encode import run as encode_run
+from pipelines.rerank import plan as rerank_plan
+from pipelines.rerank import run as rerank_run
+from pipelines.stage import plan as stage_plan
+from pipelines.stage import run as stage_run
 from retrieval_core import embeddings as emb
 from retrieval_core import index as ix
-from retrieval_core.checkpoints import (MODEL_CACHE_ENV, CheckpointError, inspect_model_folder, load_model_folder,
-                                        local_model_folder)
+from retrieval_core import runs
+from retrieval_core.checkpoints import (
+    MODEL_CACHE_ENV,
+    CheckpointError,
+    inspect_model_folder,
+    load_model_folder,
+    local_model_folder,
+)
 from tests.helpers_beamfs import PREFIX, url
 from tests.test_dataflow import MANIFEST  # a synthetic collection of 16 images (8 test), 2 captions each
 from tests.test_encode_pipeline import write_tiny_model
@@ -36,14 +50,16 @@ def run_chain(manifest: str, model: str, out: str) -> dict:
     """stage -> encode (every split) -> Flat image index -> JOIN+CO rerank of the test split -> recall; the
     outputs under ``out`` (a local folder or a URL)."""
     staged, emb_dir, index_dir, run_dir = (f"{out}/{name}" for name in ("staged", "emb", "index", "rank"))
-    summary, problems = stage.run_stage(manifest, staged)
+    summary = stage_run.run(stage_plan.StagePlan(staged, manifest))
+    problems = summary["problems"]
     assert problems == []
-    encode.run(encode.EncodePlan(staged, model, emb_dir, batch_size=8, images_per_shard=6, texts_per_shard=12))
-    build_index.run(build_index.IndexPlan(emb_dir, index_dir, threads=1))
-    ranked = rerank.run(rerank.RerankPlan(staged, emb_dir, run_dir, mode="co", k=4, index=index_dir, ce_model=model,
+    encode_run.run(encode_plan.EncodePlan(staged, model, emb_dir, batch_size=8, images_per_shard=6, texts_per_shard=12))
+    build_index_run.run(build_index_plan.IndexPlan(emb_dir, index_dir, threads=1))
+    ranked = rerank_run.run(rerank_plan.RerankPlan(staged, emb_dir, run_dir, mode="co", k=4, index=index_dir,
+                                                   ce_model=model,
                                           batch_size=8, queries_per_shard=5))
     return {"staged": staged, "summary": summary, "emb": emb_dir, "index": index_dir, "run": run_dir,
-            "rankings": ranked, "recall": evaluate.evaluate_run(run_dir, staged)}
+            "rankings": ranked, "recall": runs.evaluate_run(run_dir, staged, files=common.BEAM_FILES)}
 
 
 @pytest.fixture(scope="module")
@@ -99,18 +115,19 @@ def test_url_chain_writes_the_bytes_of_the_local_chain(chains):
 def test_url_reruns_resume_from_what_they_read_back(chains):
     root, model, _, by_url = chains
     staged, model = by_url["staged"], url(model)
-    again = encode.run(encode.EncodePlan(staged, model, by_url["emb"], batch_size=8, images_per_shard=6,
+    again = encode_run.run(encode_plan.EncodePlan(staged, model, by_url["emb"], batch_size=8, images_per_shard=6,
                                          texts_per_shard=12))
     assert {m: (v["encoded"], v["reused"]) for m, v in again["modalities"].items()} == {"image": (0, 16),
                                                                                         "text": (0, 32)}
-    index = build_index.run(build_index.IndexPlan(by_url["emb"], by_url["index"], threads=1))
+    index = build_index_run.run(build_index_plan.IndexPlan(by_url["emb"], by_url["index"], threads=1))
     assert (index["built"], index["kept"]) == (0, 3)
-    ranked = rerank.run(rerank.RerankPlan(staged, by_url["emb"], by_url["run"], mode="co", k=4, index=by_url["index"],
+    ranked = rerank_run.run(rerank_plan.RerankPlan(staged, by_url["emb"], by_url["run"], mode="co", k=4,
+                                                   index=by_url["index"],
                                           ce_model=model, batch_size=8, queries_per_shard=5))
     assert (ranked["shards_reused"], ranked["waves_run"]) == (4 + 2, 0)
     assert ranked["shards"] == by_url["rankings"]["shards"]
     # last: re-staging rewrites summary.json (timings), which rerank's plan fingerprint includes
-    summary, _ = stage.run_stage(str(root / "tiny.yaml"), staged)
+    summary = stage_run.run(stage_plan.StagePlan(staged, str(root / "tiny.yaml")))
     assert summary["resume"] == {"kept": 2, "written": 0, "stale_removed": 0}
 
 
@@ -119,9 +136,10 @@ def test_mode_auto_tunes_on_a_url_run_as_on_the_local_one(chains):
     run gives; here the test-split run is the held-out one and the train split is ranked."""
     _, model, on_disk, by_url = chains
     out = by_url["run"] + "_train_auto"
-    ranked = rerank.run(rerank.RerankPlan(by_url["staged"], by_url["emb"], out, mode="auto", tune_on=by_url["run"], k=4,
+    ranked = rerank_run.run(rerank_plan.RerankPlan(by_url["staged"], by_url["emb"], out, mode="auto",
+                                                   tune_on=by_url["run"], k=4,
                                           index=by_url["index"], ce_model=url(model), split="train", batch_size=8))
-    expected = evaluate.choose_fusion(on_disk["run"], on_disk["staged"], 4)
+    expected = runs.choose_fusion(on_disk["run"], on_disk["staged"], 4)
     chosen = ranked["fusion_choice"]
     assert (chosen["mode"], chosen["lam"], chosen["dev_mR"]) == (expected["mode"], expected["lam"], expected["dev_mR"])
     assert chosen["dev_run"] == by_url["run"] and ranked["queries"] == {"t2i": 16, "i2t": 8}
@@ -171,7 +189,7 @@ def test_url_model_folder_is_copied_once_and_again_after_a_change(tmp_path, monk
     monkeypatch.setenv(MODEL_CACHE_ENV, cache)  # inspect / load / fingerprint by URL read that same copy
     info = inspect_model_folder(url(model), common.BEAM_FILES)
     assert (info.path, info.local_dir, info.heads) == (url(model), changed, ("be", "ce"))
-    assert encode.model_fingerprint(url(model)) == encode.model_fingerprint(model)
+    assert inspect_model_folder(url(model), common.BEAM_FILES).fingerprint == inspect_model_folder(model).fingerprint
     by_url, on_disk = load_model_folder(url(model), need=("ce",), files=common.BEAM_FILES), load_model_folder(model)
     assert all((by_url.state_dict()[k] == v).all() for k, v in on_disk.state_dict().items())
 

@@ -79,8 +79,10 @@ def expand(token: str, values: dict[str, str]) -> str:
 
 
 def run_command(module: str, args: list[str]) -> str:
-    """``python -m module args`` through the module's click command in this process; its output."""
-    command = importlib.import_module(module).main
+    """``python -m module args`` through the module's click command in this process; its output. A pipeline is a
+    package whose command lives in its ``run`` module (what its ``__main__`` calls)."""
+    found = importlib.import_module(module)
+    command = getattr(found, "main", None) or importlib.import_module(f"{module}.run").main
     result = CliRunner().invoke(command, args, catch_exceptions=False)
     assert result.exit_code == 0, f"python -m {module} {' '.join(args)} exited {result.exit_code}:\n{result.output}"
     return result.output
