@@ -40,6 +40,7 @@ setup(
         # DataflowRunner and gs:// paths (google-cloud-storage, the Dataflow API client); also what
         # tests/test_dataflow.py needs to translate every graph for Dataflow offline (--dry_run=True)
         "dataflow": DATAFLOW,
-        "test": ["pytest>=8", *DATAFLOW],
+        # ruff: the lint scripts/test.sh runs (ruff.toml)
+        "test": ["pytest>=8", "ruff>=0.6", *DATAFLOW],
     },
 )

@@ -213,7 +213,7 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
     rq = min(cfg.recall_queries, len(caption_texts))
     recall_q = m.encode_text([caption_texts[i] for i in rng_q.choice(len(caption_texts), rq, replace=False)],
                              batch_size=cfg.batch_size)
-    enc = lambda i: m.encode_text(b.texts(i), batch_size=1)
+    enc = lambda i: m.encode_text(b.texts(i), batch_size=1)  # noqa: E731
     loop_cost: dict[int, float] = {}  # k -> seconds of the paper code's k single-pair CE calls
     q_pre = [enc(i) for i in range(cfg.warmup + max(cfg.reps, cfg.paper_reps, 3))]  # search-only timings
     for n in cfg.sizes:
@@ -562,7 +562,7 @@ def eval_time(b: _Bench, cfg, beam_args, log) -> tuple[list[dict], list]:
     pipeline jobs where the budget allows; extrapolated from the unit costs otherwise."""
     lcfg, u = b.cfg, b.unit
     rows = []
-    runner = jb.JobRunner(tuple(beam_args), log, preload=False)  # Table 4 times the commands as typed, start-up included
+    runner = jb.JobRunner(tuple(beam_args), log, preload=False)  # Table 4 times the commands as typed, with start-up
     budget = lcfg.eval_budget_s
     k = 20 if 20 in lcfg.ks else max(lcfg.ks)
     p = Planner(replace(cfg, suite="latency"))

@@ -374,8 +374,8 @@ def _evaluate(model: VLRetrievalModel, dev: TrainData, img_pos: np.ndarray, imag
         nearest = img_pos[feature_neighbours(dev.images, 1, positions=img_pos)[:, 0]]
         hard = nearest[np.searchsorted(img_pos, gold)]
         texts = [dev.texts[i] for i in caps]
-        score = lambda pos: model.score(texts, [dev.images.regions(int(p)) for p in pos], batch_size, device,
-                                        amp_dtype, **report)
+        score = lambda pos: model.score(texts, [dev.images.regions(int(p)) for p in pos], batch_size,  # noqa: E731
+                                        device, amp_dtype, **report)
         pos_s = score(gold)
         out["ce_pair_acc"] = float(np.mean(pos_s > score(neg)) * 100.0)
         out["ce_hard_pair_acc"] = float(np.mean(pos_s > score(hard)) * 100.0)
@@ -652,7 +652,8 @@ class Trainer:
         weights = load_file(os.path.join(directory, "model.safetensors"))
         self.model.load_state_dict(weights, strict=True)
         tensors = load_file(os.path.join(directory, STATE_TENSORS), device=str(self.device))
-        mined = {key.split(".", 1)[1]: tensors.pop(key).cpu().numpy() for key in list(tensors) if key.startswith("mined.")}
+        mined = {key.split(".", 1)[1]: tensors.pop(key).cpu().numpy()
+                 for key in list(tensors) if key.startswith("mined.")}
         if mined:
             self.mined, self.mined_until = MinedNegatives(**mined), int(meta["mined_until"])
         state: dict[int, dict] = {}
