@@ -216,10 +216,13 @@ def _collection_sizes(m) -> tuple[dict, dict]:
 
     images, captions = {}, {}
     for name, c in m.collections.items():
+        if c.images.format == "synthetic" and c.captions.format == "synthetic":
+            spec = m.synthetic_spec(name)  # its counts: captions_per_image's default and every language
+            images[name], captions[name] = spec.num_images, spec.num_captions
+            continue
         n = c.images.options.get("num_images") or expected(c.expected_images)
-        per = c.captions.options.get("captions_per_image")
         images[name] = int(n)
-        captions[name] = int(n * per) if per else expected(c.expected_captions)
+        captions[name] = expected(c.expected_captions)
     return images, captions
 
 

@@ -55,6 +55,8 @@ COLLECTION_KEYS = ("images", "captions", "expected_images", "expected_captions",
 #: ``uncaptioned_images``: keep = stage every image the image source holds; skip = stage only the images the
 #: collection's captions name, each in its captions' split (a trainval TSV + a Karpathy JSON -> train/val/test).
 UNCAPTIONED = ("keep", "skip")
+#: Generator options a synthetic ``captions:`` block may set (the others describe the images: under ``images:``).
+SYNTHETIC_CAPTION_OPTIONS = ("captions_per_image", "languages")
 MANIFEST_DIR = Path(__file__).resolve().parent.parent / "data_manifests"
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -411,16 +413,18 @@ def _collection(cname, block, feature_dim: int, fail, follow: frozenset = frozen
                 fail(f"{key}.{name}", "per-split counts are checks of file sources; give a synthetic "
                                       "collection's total (or null)")
 
-        if captions.format == "synthetic":
-            extra = sorted(set(captions.options) - {"captions_per_image"})
-            if extra:
-                fail(f"{key}.captions.{extra[0]}", "synthetic captions take only captions_per_image "
-                                                   "(other generator options go under images:)")
         opts = dict(images.options)
-        if captions.format == "synthetic" and "captions_per_image" in captions.options:
-            if "captions_per_image" in opts and opts["captions_per_image"] != captions.options["captions_per_image"]:
-                fail(f"{key}.captions.captions_per_image", "differs from images.captions_per_image")
-            opts["captions_per_image"] = captions.options["captions_per_image"]
+        if captions.format == "synthetic":
+            extra = sorted(set(captions.options) - set(SYNTHETIC_CAPTION_OPTIONS))
+            if extra:
+                fail(f"{key}.captions.{extra[0]}", f"synthetic captions take only "
+                                                   f"{' and '.join(SYNTHETIC_CAPTION_OPTIONS)} "
+                                                   "(other generator options go under images:)")
+            for name in SYNTHETIC_CAPTION_OPTIONS:
+                if name in captions.options:
+                    if name in opts and opts[name] != captions.options[name]:
+                        fail(f"{key}.captions.{name}", f"differs from images.{name}")
+                    opts[name] = captions.options[name]
         try:
             spec = SyntheticSpec.from_options(cname, opts, feature_dim)
         except (TypeError, ValueError) as e:
@@ -431,8 +435,9 @@ def _collection(cname, block, feature_dim: int, fail, follow: frozenset = frozen
             if exp_c is not None and "expected_captions" in follow:
                 exp_c = spec.num_captions
             if exp_c is not None and exp_c != spec.num_captions:
+                langs = f" x {len(spec.languages)} languages" if len(spec.languages) > 1 else ""
                 fail(f"{key}.expected_captions", f"{exp_c} but the generator makes {spec.num_images} x "
-                                                 f"{spec.captions_per_image} = {spec.num_captions} (set "
+                                                 f"{spec.captions_per_image}{langs} = {spec.num_captions} (set "
                                                  f"{cname}.expected_captions={spec.num_captions} or remove it)")
         if exp_i is not None and "expected_images" in follow:
             exp_i = spec.num_images

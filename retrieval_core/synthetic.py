@@ -39,6 +39,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from retrieval_core import synthetic_languages
 from retrieval_core.schema import RawCaption, RawImage
 
 # ------------------------------------------------------------------------------------- vocabulary
@@ -101,6 +102,8 @@ RELATION_WORDS = {
 INVERSE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
 COUNT_WORDS = {1: ("a", "one", "a single"), 2: ("two", "a pair of", "2"), 3: ("three", "3")}
 PERTURBATIONS = ("attribute", "binding", "count", "relation")
+#: Caption languages: English (this module's writer) and those of ``synthetic_languages``.
+CAPTION_LANGUAGES = ("en",) + synthetic_languages.LANGUAGES
 DEFAULT_SIBLING_CHANGES = ("attribute", "binding", "attribute", "relation", "count", "count")
 # A second binding or relation swap would recreate the base scene; count has 4 distinct variants (2 groups x 2
 # other values); attribute alternates between the two focus groups, each time with a fresh unused colour.
@@ -131,6 +134,9 @@ class SyntheticSpec:
     # what member j of a family changes from the base (member 0): sibling_changes[j - 1]
     sibling_changes: tuple = DEFAULT_SIBLING_CHANGES
     world_seed: int = 1234
+    # every image gets captions_per_image captions in each language (in this order); English keys stay "0".."n-1",
+    # the others' carry the language ("0.de"), so caption ids differ per language
+    languages: tuple = ("en",)
 
     def __post_init__(self):
         if self.captions_per_image is None:
@@ -142,6 +148,9 @@ class SyntheticSpec:
         if isinstance(self.sibling_changes, str):
             object.__setattr__(self, "sibling_changes", (self.sibling_changes,))
         object.__setattr__(self, "sibling_changes", tuple(str(c) for c in self.sibling_changes))
+        if isinstance(self.languages, str):
+            object.__setattr__(self, "languages", (self.languages,))
+        object.__setattr__(self, "languages", tuple(str(x) for x in self.languages))
         problems = []
         if not self.collection:
             problems.append("collection must be a non-empty string")
@@ -165,6 +174,10 @@ class SyntheticSpec:
                 if used.count(kind) > most:
                     problems.append(f"at most {most} {kind!r} sibling(s) per family (distinct scenes), "
                                     f"got {used.count(kind)}")
+        unknown = [x for x in self.languages if x not in CAPTION_LANGUAGES]
+        if unknown or not self.languages or len(set(self.languages)) != len(self.languages):
+            problems.append(f"languages must be distinct caption languages of {', '.join(CAPTION_LANGUAGES)}, "
+                            f"got {list(self.languages)}")
         fracs = [f for _, f in self.splits]
         if not self.splits or any(f <= 0 for f in fracs) or abs(sum(fracs) - 1.0) > 1e-6:
             problems.append(f"splits must be positive fractions summing to 1, got {dict(self.splits)}")
@@ -202,7 +215,7 @@ class SyntheticSpec:
 
     @property
     def num_captions(self) -> int:
-        return self.num_images * self.captions_per_image
+        return self.num_images * self.captions_per_image * len(self.languages)
 
 
 # ------------------------------------------------------------------------------------ seeding
@@ -517,10 +530,7 @@ def _cap(s: str) -> str:
     return s[0].upper() + s[1:]
 
 
-def generate_captions_for(spec: SyntheticSpec, index: int) -> list[RawCaption]:
-    """Captions of image ``index``: paraphrases that name both focus groups with count, colour (sometimes size)
-    and their relation, so every caption tells the image apart from its siblings."""
-    scene = describe_scene(spec, index)
+def _english_texts(spec: SyntheticSpec, scene: dict, index: int) -> list[str]:
     rng = _rng("captions", spec.seed, spec.collection, index)
     nouns = {n.name: n for n in DOMAINS[spec.domain]}
     ga, gb = scene["groups"][0], scene["groups"][1]
@@ -544,15 +554,42 @@ def generate_captions_for(spec: SyntheticSpec, index: int) -> list[RawCaption]:
             set=SETTINGS[spec.domain][int(rng.integers(len(SETTINGS[spec.domain])))], extra=extra,
             adj=_CC_ADJ[int(rng.integers(len(_CC_ADJ)))],
         )
-        if spec.domain != "cc":
-            text = _cap(text)
-        out.append(RawCaption(image_source_id=scene["source_id"], text=text, caption_key=str(k), lang="en",
-                              split=scene["split"], locator=f"synthetic:{spec.collection}:{index}#{k}"))
+        out.append(text if spec.domain == "cc" else _cap(text))
+    return out
+
+
+def _translated_texts(spec: SyntheticSpec, scene: dict, index: int, lang: str) -> list[str]:
+    """Captions in ``lang`` from a random stream of their own, so adding a language changes no other language's."""
+    rng = _rng("captions", spec.seed, spec.collection, index, lang)
+    wears = {n.name: n.wears for n in DOMAINS[spec.domain]}
+    groups = [synthetic_languages.Group(g["class"], g["colour"], g["size"], g["count"], wears[g["class"]])
+              for g in scene["groups"]]
+    return synthetic_languages.write_captions(lang, spec.domain, groups, scene["relation"],
+                                              INVERSE[scene["relation"]], spec.captions_per_image, rng)
+
+
+def caption_key(k: int, lang: str) -> str:
+    """Key of caption ``k`` of an image in ``lang``: "3" in English (as before there were languages), "3.de"."""
+    return str(k) if lang == "en" else f"{k}.{lang}"
+
+
+def generate_captions_for(spec: SyntheticSpec, index: int) -> list[RawCaption]:
+    """Captions of image ``index``, ``captions_per_image`` per language of ``spec.languages`` (in that order):
+    paraphrases that name both focus groups with count, colour (sometimes size) and their relation, so every
+    caption tells the image apart from its siblings."""
+    scene = describe_scene(spec, index)
+    out = []
+    for lang in spec.languages:
+        texts = _english_texts(spec, scene, index) if lang == "en" else _translated_texts(spec, scene, index, lang)
+        for k, text in enumerate(texts):
+            key = caption_key(k, lang)
+            out.append(RawCaption(image_source_id=scene["source_id"], text=text, caption_key=key, lang=lang,
+                                  split=scene["split"], locator=f"synthetic:{spec.collection}:{index}#{key}"))
     return out
 
 
 def generate_captions(spec: SyntheticSpec, start: int = 0, stop: Optional[int] = None) -> Iterator[RawCaption]:
-    """Captions of images ``start:stop`` (image order, then caption key)."""
+    """Captions of images ``start:stop`` (image order, then language, then caption key)."""
     stop = spec.num_images if stop is None else min(stop, spec.num_images)
     for i in range(max(start, 0), stop):
         yield from generate_captions_for(spec, i)

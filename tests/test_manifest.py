@@ -127,7 +127,7 @@ def test_paper_sized_synthetic_manifests():
 
 def test_real_manifests_expected_counts():
     expect = {"coco_5k": (5000, 25000), "flickr30k_1k": (1000, 5000), "cc_dev": (None, 15833),
-              "multi30k": (1000, 5000)}
+              "multi30k": (1000, 7000)}
     for name, counts in expect.items():
         (coll,) = load_manifest(name, env={}).collections.values()
         assert (coll.expected_images, coll.expected_captions) == counts
@@ -313,7 +313,7 @@ def test_real_caption_files_resolve_via_data_root():
     assert os.path.isfile(caps.path) and os.path.isfile(caps.options["ids_path"])
     assert f30k.missing_paths() == [f30k.collections["flickr30k_1k"].images.path]  # features are user-supplied
     m30k = load_manifest("multi30k", env=env)
-    assert m30k.missing_paths() == [m30k.collections["multi30k_de"].images.path]
+    assert m30k.missing_paths() == [m30k.collections["multi30k"].images.path]
     cc = load_manifest("cc_dev", env=env)
     with open(cc.collections["cc_dev"].captions.path, "rb") as f:
         assert sum(1 for _ in f) == cc.collections["cc_dev"].expected_captions

@@ -378,12 +378,16 @@ def test_multi30k_task1_and_task2(tmp_path):
                                     {"image_list": str(tmp_path / "images.txt"), "source_id_pattern": r"(\d+)$"}, 0)
     got = [r for t in tasks for r in readers.read_task(t)]
     assert [(g.image_source_id, g.caption_key, g.lang) for g in got] == [
-        ("1007129816", "1", "de"), ("1009434119", "1", "de"), ("117071", "1", "de"),
-        ("1007129816", "2", "de"), ("1009434119", "2", "de"), ("117071", "2", "de")]
+        ("1007129816", "1.de", "de"), ("1009434119", "1.de", "de"), ("117071", "1.de", "de"),
+        ("1007129816", "2.de", "de"), ("1009434119", "2.de", "de"), ("117071", "2.de", "de")]
     assert got[1].text == "Ein Hund läuft 1."
     cs = list(readers.read_multi30k(str(tmp_path / "test_2016_flickr.cs"), image_list=str(tmp_path / "images.txt")))
-    assert cs[0].lang == "cs" and cs[0].caption_key == "0" and isinstance(cs[1], Reject)
+    assert cs[0].lang == "cs" and cs[0].caption_key == "0.cs" and isinstance(cs[1], Reject)
     assert cs[2].image_source_id == "COCO_train2014_000000117071"
+    # English keys carry no language (as the synthetic captions'): an image's en, de and cs captions stay distinct
+    (tmp_path / "test_2016.1.en").write_text("A man.\nA dog runs.\nA bus.\n")
+    en = list(readers.read_multi30k(str(tmp_path / "test_2016.1.en"), image_list=str(tmp_path / "images.txt")))
+    assert [(g.caption_key, g.lang) for g in en] == [("1", "en")] * 3
     (tmp_path / "two.txt").write_text("a.jpg\nb.jpg\n")
     with pytest.raises(ValueError, match="image list"):
         list(readers.read_multi30k(str(tmp_path / "test_2016.1.de.gz"), image_list=str(tmp_path / "two.txt")))
@@ -506,7 +510,7 @@ def test_real_multi30k_task2_de_matches_laps_f30k_images():
     assert len(got) == 5000 and all(isinstance(g, RawCaption) and g.lang == "de" for g in got)
     keys = Counter(g.image_source_id for g in got)
     assert len(keys) == 1000 and set(keys.values()) == {5}
-    assert {g.caption_key for g in got} == {"1", "2", "3", "4", "5"}
+    assert {g.caption_key for g in got} == {"1.de", "2.de", "3.de", "4.de", "5.de"}
     f30k = require_realdata("laps_karpathy_ids", "data", "f30k", "test_caps.txt")
     laps = readers.read_caption_lines(str(f30k), id_mapping=str(f30k.parent / "id_mapping.json"))
     assert {c.image_source_id for c in laps} == set(keys)  # the two sources agree on image ids

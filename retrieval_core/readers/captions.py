@@ -278,8 +278,10 @@ def read_multi30k(path: str, files: Optional[FileAccess] = None, *, image_list: 
 
     Image source id = image file-name stem (a ``#...`` suffix, as in the COCO lists, is dropped). lang =
     the option, else the file suffix (``.de``/``.en``/``.fr``/``.cs``, optionally ``.gz``). caption_key =
-    the file's number for task2 files (``test_2016.3.de.gz`` -> "3"), else "0". Task2's five files are
-    five tasks (plan_read_tasks expands the glob).
+    the file's number for task2 files (``test_2016.3.en.gz`` -> "3"), else "0", with ``.<lang>`` appended
+    for every language but English ("3.de", "0.fr"): one collection can hold an image's captions in several
+    languages with distinct ids (the synthetic captions' convention). Task2's five files are five tasks
+    (plan_read_tasks expands the glob).
     """
     name = os.path.basename(path)
     if lang is None:
@@ -288,7 +290,7 @@ def read_multi30k(path: str, files: Optional[FileAccess] = None, *, image_list: 
             raise ValueError(f"{path}: cannot tell the language from the file name: pass lang")
         lang = m.group(1)
     m = _M30K_NUMBER.search(name)
-    caption_key = m.group(1) if m else "0"
+    caption_key = (m.group(1) if m else "0") + ("" if lang == "en" else f".{lang}")
     caps, images = read_lines(path, files), read_lines(image_list, files)
     if len(caps) != len(images):
         raise ValueError(f"caption file {path} has {len(caps)} lines but image list {image_list} has {len(images)}")
