@@ -13,13 +13,24 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from pipelines import stage
-from retrieval_core import readers, synthetic_languages as sl
+from pipelines.stage.run import main as stage_main
+from retrieval_core import readers
+from retrieval_core import synthetic_languages as sl
 from retrieval_core.manifest import ManifestError, load_manifest
 from retrieval_core.schema import KIND_CAPTION, RawCaption
 from retrieval_core.store import StagedDataset
-from retrieval_core.synthetic import (COLOURS, DOMAINS, INVERSE, RELATION_WORDS, SIZES, SyntheticSpec, caption_key,
-                                      describe_scene, generate_captions, generate_captions_for)
+from retrieval_core.synthetic import (
+    COLOURS,
+    DOMAINS,
+    INVERSE,
+    RELATION_WORDS,
+    SIZES,
+    SyntheticSpec,
+    caption_key,
+    describe_scene,
+    generate_captions,
+    generate_captions_for,
+)
 from tests.conftest import require_realdata
 from tests.test_stage_pipeline import tsv_row
 
@@ -442,7 +453,7 @@ def test_real_multi30k_manifest_reads_german_french_and_czech_captions():
 def test_mixed_language_collection_stages_with_lang(tmp_path):
     manifest = _manifest(tmp_path, "{format: synthetic, captions_per_image: 2, languages: [en, de, fr, cs]}")
     out = tmp_path / "staged"
-    result = CliRunner().invoke(stage.main, ["--manifest", manifest, "--output", str(out)], catch_exceptions=False)
+    result = CliRunner().invoke(stage_main, ["--manifest", manifest, "--output", str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "syn captions: 96 in = 96 staged + 0 rejected" in result.output
     table = pq.read_table(str(out / "captions")).to_pandas()
@@ -470,7 +481,7 @@ def test_real_multi30k_stages_as_one_mixed_language_collection(tmp_path, monkeyp
     monkeypatch.setenv("RR_DATA_ROOT", str(root.parent.parent))
     monkeypatch.setenv("F30K_FEATURES", str(tmp_path / "f30k.tsv"))
     out = tmp_path / "staged"
-    result = CliRunner().invoke(stage.main, ["--manifest", "multi30k", "--output", str(out), "--set", "feature_dim=8"],
+    result = CliRunner().invoke(stage_main, ["--manifest", "multi30k", "--output", str(out), "--set", "feature_dim=8"],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "multi30k captions: 7000 in = 7000 staged + 0 rejected" in result.output
