@@ -111,9 +111,9 @@ def resolve_derivation(manifest: dict, k: Optional[int] = None, mode: Optional[s
                            f"({run_mode}) CE-scored its BE top-{run_k} only: use --mode co")
         if k != run_k:
             raise RunError(f"--k does not apply to mode ce: {where} CE-ranked its whole pool")
-    elif mode != "emb" and run_mode == "emb":
+    elif mode != "emb" and not any(int(v) for v in manifest.get("ce_depth", {}).values()):
         raise RunError(f"mode {mode} needs CE scores and {where} is an EMB run (none stored): rerun "
-                       f"pipelines.rerank with --mode co and a CE model")
+                       f"pipelines.rerank with --mode co (or --score-ce) and a CE model")
     # an exhaustive run CE-scored its whole pool: CO / fusion at any depth within it can be derived
     limit = min(int(v) for v in manifest["ce_depth"].values()) if run_mode == "ce" else run_k
     if mode != "ce" and k > limit:
@@ -224,20 +224,31 @@ def evaluate_run(run_dir: str, staged: str, *, k: Optional[int] = None, mode: Op
     return LoadedRun.read(run_dir, staged, collection, split, files).evaluate(k, mode, lam)
 
 
+#: How choose_fusion ranks the candidates (recorded with every choice).
+CHOICE_CRITERION = ("the largest R@1 gain over EMB in the worse direction on the dev run; ties: the higher mR, then "
+                    "the first of emb, co, add_lam, norm_add_lam")
+
+
 def choose_fusion(dev_run: str, staged: str, k: int, lams: Sequence[float] = AUTO_LAMS,
                   collection: Optional[str] = None, files: Optional[FileAccess] = None) -> dict:
-    """The fusion with the best mR on a dev run (a CE-scored run on a held-out split): CO, ADD_lam and
-    NORM_ADD_lam for every lam, each derived at depth ``k`` from the run's stored scores.
-
-    CO, the paper's setting, wins ties: a fusion is chosen only where it measures better. Returns
-    ``{"mode", "lam", "label", "dev_mR": {label: mR}, "dev_run", "dev_split", "k"}``."""
+    """The ranking users get by default, chosen on a dev run (a CE-scored run on a held-out split): among EMB,
+    CO and ADD_lam / NORM_ADD_lam for every lam, each derived at depth ``k`` from the run's stored scores, the one
+    whose worse direction gains most R@1 over EMB (CHOICE_CRITERION). EMB is a candidate, so a gain in one
+    direction is never bought with a measured loss in the other. Returns ``{"mode", "lam", "label", "dev":
+    {label: {t2i_R@1, i2t_R@1, mR}}, "dev_mR": {label: mR}, "criterion", "dev_run", "dev_split", "k"}``."""
     run = LoadedRun.read(dev_run, staged, collection, files=files)
-    candidates = [("co", None)] + [(m, float(lam)) for m in FUSION_MODES for lam in lams]
-    scores = {mode_label(m, lam): run.evaluate(k, m, lam)["mR"] for m, lam in candidates}
-    best = candidates[0]
-    for m, lam in candidates[1:]:
-        if scores[mode_label(m, lam)] > scores[mode_label(*best)] + 1e-9:
-            best = (m, lam)
-    return {"mode": best[0], "lam": best[1], "label": mode_label(*best),
-            "dev_mR": {label: round(v, 4) for label, v in scores.items()},
+    candidates = [("emb", None), ("co", None)] + [(m, float(lam)) for m in FUSION_MODES for lam in lams]
+    results = {mode_label(m, lam): run.evaluate(k, m, lam) for m, lam in candidates}
+    base = results["emb"]
+
+    def rank(label: str) -> tuple[float, float]:
+        lifts = [results[label][f"{d}_R@1"] - base[f"{d}_R@1"] for d in run.directions]
+        return round(min(lifts), 9), round(results[label]["mR"], 9)
+
+    best = max((mode_label(m, lam) for m, lam in candidates), key=rank)  # max keeps the first of equals
+    mode, lam = next((m, lam) for m, lam in candidates if mode_label(m, lam) == best)
+    dev = {label: {key: round(r[key], 4) for key in (*(f"{d}_R@1" for d in run.directions), "mR")}
+           for label, r in results.items()}
+    return {"mode": mode, "lam": lam, "label": best, "dev": dev,
+            "dev_mR": {label: d["mR"] for label, d in dev.items()}, "criterion": CHOICE_CRITERION,
             "dev_run": run.run_dir, "dev_split": run.split, "k": int(k)}

@@ -546,7 +546,7 @@ def test_distractor_plan_ranks_each_task_in_its_own_job(model, tmp_path):
                  "--workdir", str(tmp_path / "w"), timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     reranks = [line.split("--queries ")[1].split()[0] for line in res.stdout.splitlines()
-               if line.strip().startswith("python -m pipelines.rerank") and "--mode " not in line  # co: the default
+               if line.strip().startswith("python -m pipelines.rerank") and "--mode co" in line
                and "/bench/runs/synthetic_distractor20k" in line]
     assert len(reranks) == 2 and len(set(reranks)) == 2, res.stdout[-3000:]
 

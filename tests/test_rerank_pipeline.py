@@ -470,9 +470,10 @@ def test_embeddings_or_gold_of_another_staging_are_refused(assets, tmp_path):
         evaluate_run(out, other)
 
 
-def test_mode_auto_runs_the_fusion_with_the_best_dev_mr_and_records_it(assets, tmp_path):
-    """--mode auto --tune-on DEV: every candidate's dev mR is what evaluate gives for that derivation of the
-    dev run, the chosen one is the best (CO on ties), and the run is exactly a run of the chosen mode/lam."""
+def test_mode_auto_runs_the_ranking_whose_worse_direction_gains_most_on_dev_and_records_it(assets, tmp_path):
+    """--mode auto --tune-on DEV: every candidate's dev R@1 and mR are what evaluate gives for that derivation
+    of the dev run; the chosen one has the largest R@1 gain over EMB in its worse direction (EMB itself is a
+    candidate: never below 0), ties by mR; the run is exactly a run of the chosen mode/lam."""
     from retrieval_core.runs import AUTO_LAMS, evaluate_run, mode_label
 
     root, staged, model_dir, emb_dir = assets
@@ -481,21 +482,45 @@ def test_mode_auto_runs_the_fusion_with_the_best_dev_mr_and_records_it(assets, t
     run_rerank(staged, emb_dir, dev, mode="co", split="train", **one)
     manifest = run_rerank(staged, emb_dir, test_auto, mode="auto", tune_on=dev, split="test", **one)
     choice = manifest["fusion_choice"]
-    expected = {mode_label(m, lam): round(evaluate_run(dev, staged, k=5, mode=m, lam=lam)["mR"], 4)
-                for m, lam in [("co", None)] + [(m, lam) for m in ("add", "norm_add") for lam in AUTO_LAMS]}
-    assert choice["dev_mR"] == expected and choice["dev_split"] == "train"
-    best = max(expected.values())
-    assert expected[choice["label"]] == best and (choice["label"] == "co" or expected["co"] < best)
+    candidates = [("emb", None), ("co", None)] + [(m, lam) for m in ("add", "norm_add") for lam in AUTO_LAMS]
+    got = {mode_label(m, lam): evaluate_run(dev, staged, k=5, mode=m, lam=lam) for m, lam in candidates}
+    assert choice["dev_mR"] == {label: round(r["mR"], 4) for label, r in got.items()}
+    assert choice["dev_split"] == "train" and choice["dev_pool_size"] == choice["pool_size"]
+    worst = {label: min(r[f"{d}_R@1"] - got["emb"][f"{d}_R@1"] for d in ("t2i", "i2t")) for label, r in got.items()}
+    best = max(worst.values())
+    assert best >= 0 and worst[choice["label"]] == best
+    assert got[choice["label"]]["mR"] == max(r["mR"] for label, r in got.items() if worst[label] == best)
     assert (manifest["mode"], manifest["lam"]) == (choice["mode"], choice["lam"])
     fixed = run_rerank(staged, emb_dir, str(tmp_path / "fixed"), mode=choice["mode"],
-                       lam=choice["lam"] if choice["lam"] is not None else 0.5, split="test", **one)
+                       lam=choice["lam"] if choice["lam"] is not None else 0.5, split="test",
+                       score_ce=choice["mode"] == "emb", **one)  # an auto run always keeps the CE scores
     assert read_run(test_auto).equals(read_run(str(tmp_path / "fixed"))) and fixed["fusion_choice"] is None
+
+
+def test_mode_auto_chooses_on_its_own_dev_run_from_the_dev_embeddings(assets, tmp_path):
+    """The default mode: with --tune-embeddings the job first ranks a seeded sample of the dev split's queries with
+    CO (<output>/_tune, a run of its own) and chooses on it exactly as --tune-on that run would."""
+    from retrieval_core.runs import choose_fusion
+
+    root, staged, model_dir, emb_dir = assets
+    out = str(tmp_path / "auto")
+    plan = dict(k=4, ce_model=model_dir, batch_size=1, tune_embeddings=emb_dir, tune_split="train", tune_queries=6)
+    assert rerank_plan.RerankPlan(staged, emb_dir, out, **plan).mode == "auto"  # the default
+    manifest = run_rerank(staged, emb_dir, out, **plan)
+    dev = json.load(open(os.path.join(out, "_tune", RANKINGS_MANIFEST)))
+    assert dev["mode"] == "co" and dev["split"] == "train" and dev["queries"] == {"t2i": 6, "i2t": 6}
+    choice = manifest["fusion_choice"]
+    expected = choose_fusion(os.path.join(out, "_tune"), staged, 4)
+    assert {key: choice[key] for key in expected} == {**expected, "dev_run": os.path.join(out, "_tune")}
+    assert (manifest["mode"], manifest["lam"]) == (choice["mode"], choice["lam"])
+    again = run_rerank(staged, emb_dir, out, **plan)  # a rerun keeps the dev run's and its own shards
+    assert again["shards_reused"] == len(again["shards"]) and again["fusion_choice"]["label"] == choice["label"]
 
 
 def test_mode_auto_refuses_a_dev_run_of_the_evaluated_split_or_other_models(assets, tmp_path):
     root, staged, model_dir, emb_dir = assets
-    with pytest.raises(rerank_plan.RerankError, match="--tune-on"):
-        rerank_plan.RerankPlan(staged, emb_dir, str(tmp_path / "x"), mode="auto", ce_model=model_dir)
+    with pytest.raises(rerank_plan.RerankError, match=r"--mode auto \(the default\) chooses the ranking on a dev"):
+        rerank_plan.RerankPlan(staged, emb_dir, str(tmp_path / "x"), ce_model=model_dir)
     same = str(tmp_path / "same")
     run_rerank(staged, emb_dir, same, mode="co", k=3, split="test", ce_model=model_dir, directions=("i2t",))
     with pytest.raises(rerank_plan.RerankError, match="held-out split"):

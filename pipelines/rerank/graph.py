@@ -300,7 +300,7 @@ def build_graph(p: beam.Pipeline, res: Resolved, wave: Mapping[str, frozenset]) 
              | "search" >> beam.ParDo(SearchBatch({d: res.searchers[d] for d in wave}, res.candidates,
                                                   plan.search_batch_size, plan.threads)))
     report_parts = []
-    if plan.mode == "emb":
+    if not res.ce_k:
         ranked = cands | "rank" >> beam.Map(rank_emb, plan.k)
     else:
         requested = sum(shard_pairs(res, d, q) for d, q in wave.items())

@@ -36,6 +36,7 @@ DIRECTIONS = (T2I, I2T)
 AUTO = "auto"
 CLI_MODES = rr.RUN_MODES + (AUTO,)
 PROGRESS_DIR = "_progress"  # <output>/_progress/<shard>.json: one record per finished ranking shard
+TUNE_DIR = "_tune"  # <output>/_tune: --mode auto's own dev run (--tune-embeddings)
 
 
 class RerankError(ValueError):
@@ -49,9 +50,10 @@ class RerankPlan:
     staged: str = option(help="staged directory (queries, captions, regions)")
     embeddings: str = option(help="embeddings directory (pipelines.encode output)")
     output: str = option(help="run directory: rankings/ and rankings_manifest.json")
-    mode: str = option("co", type=click.Choice(CLI_MODES, case_sensitive=False),
-                       help="emb: BE only; co: CE rerank of the BE top-k; add / norm_add: BE+CE score fusion in the "
-                            "top-k (--lam); ce: exhaustive CE; auto: the fusion chosen on --tune-on")
+    mode: str = option(AUTO, type=click.Choice(CLI_MODES, case_sensitive=False),
+                       help="auto: the ranking chosen on a dev split (--tune-embeddings or --tune-on) among co, "
+                            "add / norm_add at every lam and emb; emb: BE only; co: CE rerank of the BE top-k (the "
+                            "paper's); add / norm_add: BE+CE score fusion in the top-k (--lam); ce: exhaustive CE")
     k: int = option(20, help="rerank depth; every query stores its BE top max(k, 10)")
     lam: float = option(0.5, help="ADD/NORM_ADD weight of the BE score")
     directions: tuple[str, ...] = option(DIRECTIONS, sep=",", help="t2i, i2t or both")
@@ -85,7 +87,16 @@ class RerankPlan:
                                       help="HNSW search breadth in every index shard (default: the index "
                                            "manifest's, else faiss' 16)")
     tune_on: Optional[str] = option(None, help="--mode auto: a CE-scored rerank run of the same models on a "
-                                               "held-out split; the fusion with its best mR is used and recorded")
+                                               "held-out split, to choose on")
+    tune_embeddings: Optional[str] = option(None, help="--mode auto: the dev split's embeddings (pipelines.encode "
+                                                       "--split dev): this job ranks a seeded sample of their queries "
+                                                       "with co first and chooses on that run (<output>/_tune)")
+    tune_index: Optional[str] = option(None, help="--mode auto: a FAISS image index of --tune-embeddings (default: "
+                                                  "exact search)")
+    tune_split: str = option("dev", help="--mode auto with --tune-embeddings: the split of its queries")
+    tune_queries: int = option(500, help="--mode auto with --tune-embeddings: queries sampled per direction")
+    score_ce: bool = option(False, help="--mode emb: still CE-score the BE top-k and store the scores (what --mode "
+                                        "auto does when it chooses emb), so every mode can be derived from the run")
     quantize: str = option("none", type=click.Choice(schema.QUANTIZE_CHOICES),
                            help="int8: dynamic int8 Linear layers of the CE (CPU only); bf16: matrix products in "
                                 "bfloat16 (CUDA, or a CPU with native bf16). Recorded in the rankings manifest.")
@@ -114,13 +125,26 @@ class RerankPlan:
             raise RerankError(str(exc)) from None
         if isinstance(self.lam, bool) or not isinstance(self.lam, (int, float)) or not 0.0 <= self.lam <= 1.0:
             raise RerankError(f"lam must be a number in [0, 1], got {self.lam!r}")
-        if (mode == AUTO) != bool(self.tune_on):
-            raise RerankError("--mode auto chooses the fusion on a dev run: pass --tune-on DEV_RUN (a pipelines.rerank "
-                              "--mode co run of the same models on a held-out split)" if mode == AUTO else
-                              f"--tune-on applies to --mode auto only, not to --mode {mode}")
-        if mode != "emb" and not (self.ce_model or self.be_model):
+        if mode == AUTO and bool(self.tune_on) == bool(self.tune_embeddings):
+            raise RerankError("--mode auto (the default) chooses the ranking on a dev split: pass --tune-embeddings "
+                              "DEV_EMBEDDINGS (the dev split encoded by pipelines.encode --split dev) or --tune-on "
+                              "DEV_RUN (a --mode co run on a held-out split), not both; or another --mode (co: the "
+                              "paper's)" if not (self.tune_on and self.tune_embeddings) else
+                              "--tune-on and --tune-embeddings exclude each other")
+        if mode != AUTO and (self.tune_on or self.tune_embeddings or self.tune_index):
+            raise RerankError(f"--tune-on / --tune-embeddings / --tune-index apply to --mode auto only, not to "
+                              f"--mode {mode}")
+        if self.tune_index and not self.tune_embeddings:
+            raise RerankError("--tune-index indexes --tune-embeddings: pass both")
+        try:
+            check_positive("tune_queries", self.tune_queries)
+        except ValueError as exc:
+            raise RerankError(str(exc)) from None
+        if self.score_ce and mode != "emb":
+            raise RerankError(f"--score-ce applies to --mode emb (--mode {mode} scores the top-k anyway)")
+        if (mode != "emb" or self.score_ce) and not (self.ce_model or self.be_model):
             raise RerankError(f"mode {mode!r} needs --ce-model (or --be-model for a JOIN model)")
-        if self.quantize != "none" and mode == "emb":
+        if self.quantize != "none" and mode == "emb" and not self.score_ce:
             raise RerankError(f"--quantize {self.quantize} quantises the CE: --mode emb scores nothing with it")
         if (self.nprobe is not None or self.ef_search is not None) and not self.uses_index:
             raise RerankError("--nprobe / --ef-search tune a FAISS index: pass --index (t2i) or --text-index "
@@ -129,7 +153,7 @@ class RerankPlan:
     @property
     def cross_encoder(self) -> Optional[str]:
         """The CE model folder (None for EMB): --ce-model, else the JOIN model given as --be-model."""
-        return None if self.mode == "emb" else (self.ce_model or self.be_model)
+        return None if self.mode == "emb" and not self.score_ce else (self.ce_model or self.be_model)
 
     @property
     def rank_mode(self) -> str:
@@ -370,7 +394,7 @@ def resolve(plan: RerankPlan) -> Resolved:
         ce_k = max(pools.values())
     else:
         candidates = {d: keep for d in plan.directions}
-        ce_k = 0 if plan.mode == "emb" else plan.k
+        ce_k = plan.k if plan.cross_encoder else 0
     ce = ce_model_folder(plan.cross_encoder) if plan.cross_encoder else None
     pool_collections = _pool_collections(ds, emb_manifest)
     out_shards = {d: max(1, math.ceil(len(q) / plan.queries_per_shard)) for d, q in query_ids.items()}
@@ -432,11 +456,40 @@ def resolve_auto(plan: RerankPlan) -> tuple[RerankPlan, Optional[dict]]:
         choice = choose_fusion(plan.tune_on, dev["staged"], plan.k, files=common.BEAM_FILES)
     except RunError as exc:
         raise RerankError(f"--tune-on: {exc}") from None
-    print(f"--mode auto: {choice['label']} (dev mR {choice['dev_mR'][choice['label']]:.2f} on {plan.tune_on}, "
-          f"split {choice['dev_split']}; co {choice['dev_mR']['co']:.2f})", flush=True)
+    choice["dev_pool_size"] = dev.get("pool_size")
+    got, emb_ = choice["dev"][choice["label"]], choice["dev"]["emb"]
+    print(f"--mode auto: {choice['label']} on {plan.tune_on} (split {choice['dev_split']}, pool "
+          f"{dev.get('pool_size')}): R@1 " + ", ".join(f"{d} {emb_[f'{d}_R@1']:.2f} -> {got[f'{d}_R@1']:.2f}"
+                                                     for d in plan.directions) + " (emb -> chosen)", flush=True)
+    # the run stores the CE scores of its top-k whatever is chosen (emb too): every mode stays derivable from it
     chosen = replace(plan, mode=choice["mode"], lam=choice["lam"] if choice["lam"] is not None else plan.lam,
-                     tune_on=None)
+                     tune_on=None, score_ce=choice["mode"] == "emb")
     return chosen, choice
+
+
+def sampled_queries(plan: RerankPlan, split: str, n: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """A seeded sample of at most ``n`` queries per direction of ``split`` (ids sorted): what --mode auto's own
+    dev run ranks."""
+    ds = StagedDataset(plan.staged, files=common.BEAM_FILES)
+    out = {}
+    for d in plan.directions:
+        ids = _split_query_ids(ds, d, plan.collection, split)
+        if len(ids) == 0:
+            raise RerankError(f"--mode auto: no {split!r} queries ({'captions' if d == T2I else 'images'}) in "
+                              f"{plan.staged} to choose on (collection={plan.collection}); stage a {split} split, "
+                              f"or pass --tune-on or another --mode")
+        rng = np.random.default_rng([seed, DIRECTIONS.index(d)])
+        out[d] = np.sort(rng.choice(ids, min(n, len(ids)), replace=False))
+    return out
+
+
+def dev_pass_plan(plan: RerankPlan, queries: str, output: str) -> RerankPlan:
+    """--mode auto's own dev run: the same models and depth, CO, on the dev split's embeddings (its pool: the
+    dev items, as the evaluated pool holds the evaluated split's) and the sampled ``queries``."""
+    indexed = plan.tune_index is not None
+    return replace(plan, mode="co", embeddings=plan.tune_embeddings, index=plan.tune_index, text_index=None,
+                   split=plan.tune_split, queries=queries, output=output, tune_embeddings=None, tune_index=None,
+                   nprobe=plan.nprobe if indexed else None, ef_search=plan.ef_search if indexed else None)
 
 
 def _same_path(a: str, b: str) -> bool:

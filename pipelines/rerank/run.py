@@ -9,25 +9,33 @@ shard whose progress record matches the plan), then writes rankings_manifest.jso
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import time
+from dataclasses import replace
 from typing import Callable, Mapping, Optional, Sequence
 
 import apache_beam as beam
 import click
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
 from pipelines import common
 from pipelines.rerank.graph import METRICS_NAMESPACE, build_graph, write_shard
 from pipelines.rerank.plan import (
+    AUTO,
     PROGRESS_DIR,
+    TUNE_DIR,
     RerankError,
     RerankPlan,
     Resolved,
     SearcherSpec,
+    dev_pass_plan,
     resolve,
     resolve_auto,
+    sampled_queries,
     shard_pairs,
 )
 from retrieval_core import rerank as rr
@@ -96,8 +104,17 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
     and nothing ran; no output is read or written)."""
     t0 = time.time()
     options = common.pipeline_options(beam_args)
+    if plan.mode == AUTO and plan.tune_embeddings and not common.is_dry_run(options):
+        plan = replace(plan, tune_on=dev_pass(plan, beam_args), tune_embeddings=None, tune_index=None)
     plan, fusion_choice = resolve_auto(plan)
     res = resolve(plan)
+    if fusion_choice is not None:
+        fusion_choice["pool_size"] = dict(res.pools)
+        dev_pools = fusion_choice.get("dev_pool_size") or {}
+        for d, n in res.pools.items():
+            if d in dev_pools and not 0.8 <= dev_pools[d] / max(n, 1) <= 1.25:
+                log.warning("--mode auto: the %s dev pool (%d) is not the size of this run's pool (%d): the choice "
+                            "was made at another pool size", d, dev_pools[d], n)
     expected = _expected_shards(res)
     dry_run = common.is_dry_run(options)
     finished = {} if dry_run else _finished_shards(res, expected)
@@ -155,7 +172,7 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
     _delete_unlisted(plan.output, set(names))
     for d in plan.directions:
         print(f"{d}: {manifest['queries'][d]} queries ranked ({res.described[d]}, pool {res.pools[d]})")
-    if plan.mode != "emb":
+    if plan.cross_encoder:
         overlap = " (t2i/i2t overlap scored once)" if len(plan.directions) == 2 else ""
         print(f"CE: {counts['ce_pairs_scored']} unique pairs scored for {counts['ce_pairs_requested']} "
               f"requested{overlap}")
@@ -165,12 +182,30 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
     return manifest
 
 
+def dev_pass(plan: RerankPlan, beam_args: tuple[str, ...]) -> str:
+    """--mode auto with --tune-embeddings: rank a seeded sample of the dev split's queries with CO into
+    <output>/_tune (a run of its own, resumable like any) and return it: the run the ranking is chosen on."""
+    out = common.join(plan.output, TUNE_DIR)
+    sample = sampled_queries(plan, plan.tune_split, plan.tune_queries)
+    table = pa.table({"direction": pa.array([d for d, ids in sample.items() for _ in ids], pa.string()),
+                      "query_id": pa.array(np.concatenate(list(sample.values())), pa.int64())})
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    queries = common.join(out, "queries.parquet")
+    common.makedirs(out)
+    common.write_atomic(queries, buf.getvalue())
+    print(f"--mode auto: ranking {', '.join(f'{len(q)} {d}' for d, q in sample.items())} sampled {plan.tune_split} "
+          f"queries with co to choose on ({out})", flush=True)
+    run(dev_pass_plan(plan, queries, out), beam_args)
+    return out
+
+
 def _progress_total(res: Resolved, expected: Mapping[str, tuple[str, np.ndarray]],
                     finished: Mapping[str, dict]) -> tuple[int, str, str]:
     """(total, unit, label) of the terminal bar over every wave: queries for EMB, else the (query, pair) CE
     requests of the unfinished shards (an upper bound when an index returns fewer than k candidates)."""
     todo = [expected[name] for name in expected if name not in finished]
-    if res.plan.mode == "emb":
+    if not res.ce_k:
         return sum(len(ids) for _, ids in todo), "queries", "rerank"
     return sum(shard_pairs(res, d, ids) for d, ids in todo), "pairs", "rerank CE"
 
