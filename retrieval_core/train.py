@@ -267,7 +267,8 @@ def lstsq_image_embedding(model: VLRetrievalModel, data: TrainData, ridge: float
 
     img_pos = np.unique(data.image_pos)
     x = pooled_image_vectors(data.images.take(img_pos), model.cfg.max_regions)
-    words = model.bert.embeddings.word_embeddings.weight.detach().cpu().numpy().astype(np.float64)
+    # float32, widened per caption: a float64 copy of multilingual-e5's 250k-row matrix would take 768 MB
+    words = model.bert.embeddings.word_embeddings.weight.detach().cpu().numpy()
     tok = model.tokenizer
     special = set(tok.all_special_ids)
     target = np.zeros((len(img_pos), words.shape[1]))
@@ -276,7 +277,7 @@ def lstsq_image_embedding(model: VLRetrievalModel, data: TrainData, ridge: float
     for ids, row in zip(tok(data.texts, truncation=True, max_length=model.cfg.max_text_len)["input_ids"], row_of):
         ids = [i for i in ids if i not in special]
         if ids:
-            target[row] += words[ids].mean(0)
+            target[row] += words[ids].astype(np.float64).mean(0)
             count[row] += 1
     keep = count > 0
     x, target = x[keep], target[keep] / count[keep, None]
