@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from retrieval_core import metrics
+from retrieval_core.checkpoints import E5_NAMES
 from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, device_option, threads_option
 from retrieval_core.collate import collate_images, collate_pairs, length_chunks
 from retrieval_core.losses import (HardNegatives, MinedNegatives, batch_hard_triplet_loss, ce_listwise_loss,
@@ -711,6 +712,10 @@ def run(plan: TrainPlan) -> dict:
     else:
         click.echo(f"note: no captions in split {plan.dev_split!r}: no dev evaluation, best = last", err=True)
     model = build_model(plan.base_model, staged.feature_dim, plan.halve_layers, cfg.seed)
+    if plan.base_model in E5_NAMES and not cfg.freeze_word_embeddings:
+        click.echo("note: multilingual-e5-small's 96M word-embedding weights train too (+1.5 GB memory, slower "
+                   "steps, and rows of the training language drift from the other languages'); "
+                   "--freeze-word-embeddings keeps them (docs/MULTILINGUAL.md)", err=True)
     if plan.max_regions is not None:
         model.cfg.max_regions = plan.max_regions
     model.cfg.provenance.update({"base_model": plan.base_model, "staged": os.path.abspath(plan.staged),

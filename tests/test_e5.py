@@ -278,3 +278,19 @@ def test_train_cli_fine_tunes_the_halved_backbone_by_name(folder, cache, tmp_pat
         layer2_query = f.get_tensor("encoder.layer.2.attention.self.query.weight")
     assert torch.equal(model.bert.embeddings.word_embeddings.weight, words)
     assert not torch.equal(model.bert.encoder.layer[1].attention.self.query.weight, layer2_query)  # trained
+
+
+def test_training_the_word_embeddings_is_said_not_silent(cache, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from retrieval_core.train import main
+    from tests.test_encode_pipeline import write_tiny_staged
+
+    monkeypatch.setenv("RR_MODEL_CACHE", cache)
+    staged = write_tiny_staged(str(tmp_path / "staged"), num_images=8)
+    common = ["--staged", staged, "--base-model", "multilingual-e5-small", "--halve-layers", "--no-progress",
+              "--resume", "--output", str(tmp_path / "run")]  # stops at the missing last/, after the model is built
+    for extra, noted in (([], True), (["--freeze-word-embeddings"], False)):
+        res = CliRunner().invoke(main, common + extra)
+        assert res.exit_code == 1 and "cannot resume" in res.output, res.output
+        assert ("--freeze-word-embeddings keeps them" in res.output) == noted, res.output
