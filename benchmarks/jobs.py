@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from pipelines import launch
+from retrieval_core.paths import local_sha256
 
 #: What a job's work is measured in, for cost estimates (``UnitCosts``).
 UNITS = ("stage_records", "images_encoded", "captions_encoded", "ce_pairs")
@@ -124,16 +125,8 @@ class JobResult:
         return self.peak_rss_kib / 1024.0
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _input_digests(job: Job) -> dict:
-    return {p: _sha256(p) if os.path.isfile(p) else "missing" for p in job.inputs}
+    return {p: local_sha256(p) if os.path.isfile(p) else "missing" for p in job.inputs}
 
 
 def finished(job: Job) -> Optional[dict]:
@@ -142,7 +135,7 @@ def finished(job: Job) -> Optional[dict]:
     try:
         with open(job.stamp_path) as f:
             stamp = json.load(f)
-        if stamp.get("fingerprint") == job.fingerprint() and stamp.get("done_sha256") == _sha256(job.done_path) \
+        if stamp.get("fingerprint") == job.fingerprint() and stamp.get("done_sha256") == local_sha256(job.done_path) \
                 and stamp.get("inputs") == _input_digests(job):
             return stamp
     except (OSError, ValueError):
@@ -154,7 +147,7 @@ def _write_stamp(job: Job, result: JobResult, beam_args: Sequence[str]) -> None:
     from pipelines.common import write_json_atomic
 
     write_json_atomic(job.stamp_path, {
-        "fingerprint": job.fingerprint(), "done_sha256": _sha256(job.done_path), "inputs": _input_digests(job),
+        "fingerprint": job.fingerprint(), "done_sha256": local_sha256(job.done_path), "inputs": _input_digests(job),
         "command": job.command(beam_args), "code_version": code_version(),
         "wall_s": round(result.wall_s, 3), "peak_rss_kib": result.peak_rss_kib,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})

