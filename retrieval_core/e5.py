@@ -311,12 +311,11 @@ def _double_array(keys: list[tuple[bytes, int]]) -> list[int]:
     queue, free_from = deque([(trie, 0)]), 1
     while queue:
         node, pos = queue.popleft()
-        labels = sorted(k for k in node if k is not None) if None not in node else \
-            [0] + sorted(k for k in node if k is not None)
+        labels = ([0] if None in node else []) + sorted(k for k in node if k is not None)
         while free_from in units or free_from in used_bases:
             free_from += 1
         base = free_from ^ labels[0]
-        while base in used_bases or any((base ^ c) in units or (base ^ c) == 0 for c in labels):
+        while base in used_bases or any((base ^ c) in units for c in labels):  # position 0 (the root) is in units
             base += 1
         used_bases.add(base)
         offset = pos ^ base
