@@ -35,6 +35,7 @@ from pipelines.encode.plan import EncodePlan
 from pipelines.rerank.plan import RerankPlan
 from pipelines.stage.plan import StagePlan
 from retrieval_core.cli import to_argv
+from retrieval_core.paths import local_sha256
 
 #: What a job's work is measured in, for cost estimates (``UnitCosts``).
 UNITS = ("stage_records", "images_encoded", "captions_encoded", "ce_pairs")
@@ -141,16 +142,8 @@ class JobResult:
         return self.peak_rss_kib / 1024.0
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _input_digests(job: Job) -> dict:
-    return {p: _sha256(p) if os.path.isfile(p) else "missing" for p in job.inputs}
+    return {p: local_sha256(p) if os.path.isfile(p) else "missing" for p in job.inputs}
 
 
 def finished(job: Job) -> Optional[dict]:
@@ -159,7 +152,7 @@ def finished(job: Job) -> Optional[dict]:
     try:
         with open(job.stamp_path) as f:
             stamp = json.load(f)
-        if stamp.get("fingerprint") == job.fingerprint() and stamp.get("done_sha256") == _sha256(job.done_path) \
+        if stamp.get("fingerprint") == job.fingerprint() and stamp.get("done_sha256") == local_sha256(job.done_path) \
                 and stamp.get("inputs") == _input_digests(job):
             return stamp
     except (OSError, ValueError):
@@ -169,7 +162,7 @@ def finished(job: Job) -> Optional[dict]:
 
 def _write_stamp(job: Job, result: JobResult, beam_args: Sequence[str]) -> None:
     write_json_atomic(job.stamp_path, {
-        "fingerprint": job.fingerprint(), "done_sha256": _sha256(job.done_path), "inputs": _input_digests(job),
+        "fingerprint": job.fingerprint(), "done_sha256": local_sha256(job.done_path), "inputs": _input_digests(job),
         "command": job.command(beam_args), "code_version": code_version(),
         "wall_s": round(result.wall_s, 3), "peak_rss_kib": result.peak_rss_kib,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})

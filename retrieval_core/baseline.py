@@ -68,13 +68,9 @@ class MappedBaseline:
         self._collate: Optional[TextCollator] = None
 
     # ------------------------------------------------------------------------------- text side
-    @staticmethod
-    def _resolve(text_model: str) -> str:
-        return backbone_path(text_model)
-
     def _load_encoder(self) -> None:
         if self._encoder is None:
-            path = self._resolve(self.text_model)
+            path = backbone_path(self.text_model)
             if not os.path.isdir(path):
                 raise FileNotFoundError(f"text encoder folder {path!r} of this baseline is missing")
             self._encoder = BertModel.from_pretrained(path, add_pooling_layer=False).eval()

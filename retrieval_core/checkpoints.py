@@ -33,10 +33,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, BertConfig
 
-from retrieval_core.backbones import backbone_path, is_backbone_name
+from retrieval_core.backbones import backbone_path, is_backbone_name, model_cache_dir
 from retrieval_core.baseline import BASELINE_JSON, BASELINE_TENSORS, MappedBaseline
 from retrieval_core.model import CE_SCORES, MODEL_JSON, VLModelConfig, VLRetrievalModel, quantize_model
-from retrieval_core.paths import FileAccess, is_url
+from retrieval_core.paths import FileAccess, is_url, local_sha256
 from retrieval_core.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS
 
 #: Source keys we deliberately drop: non-persistent buffers some versions serialised, and BERT
@@ -300,11 +300,7 @@ class ModelFolder:
         h = hashlib.sha256()
         for path in self.files:
             name = os.path.relpath(path, self.local_dir) if path.startswith(os.path.join(self.local_dir, "")) else path
-            digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                while block := f.read(1 << 22):
-                    digest.update(block)
-            h.update(f"{name}:{digest.hexdigest()}\n".encode())
+            h.update(f"{name}:{local_sha256(path)}\n".encode())
         return h.hexdigest()
 
     def require(self, need: Sequence[str]) -> "ModelFolder":
@@ -409,13 +405,6 @@ def load_model_folder(path: str, need: Sequence[str] = (), device: str = "cpu", 
 
 # ------------------------------------------------------------------------------ URL folders, cached
 #: Where URL model folders are copied (default: <tempdir>/rr-model-cache); one copy per folder version.
-MODEL_CACHE_ENV = "RR_MODEL_CACHE"
-
-
-def model_cache_dir() -> str:
-    return os.environ.get(MODEL_CACHE_ENV) or os.path.join(tempfile.gettempdir(), "rr-model-cache")
-
-
 def _copy_is_complete(folder: str, listing: Sequence[tuple[str, int, str]]) -> bool:
     """Every listed file is in ``folder`` with its listed size (a copy someone pruned is made again)."""
     try:

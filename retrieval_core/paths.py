@@ -8,6 +8,7 @@ refuses URLs in one line instead of treating ``gs://b/x`` as the local file ``gs
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 from typing import BinaryIO, Optional, Protocol
 
@@ -119,3 +120,12 @@ def file_exists(path: str, files: Optional[FileAccess] = None) -> bool:
         return (files or LOCAL_FILES).exists(path)
     except URLAccessError:
         return False
+
+
+def local_sha256(path: str) -> str:
+    """sha256 hex digest of a local file, read in 4 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()

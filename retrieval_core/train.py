@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from retrieval_core import metrics
-from retrieval_core.backbones import backbone_path, is_backbone_name
+from retrieval_core.backbones import BACKBONES, E5_NAMES, backbone_path, is_backbone_name
 from retrieval_core.checkpoints import (
     KIND_BASELINE,
     CheckpointError,
@@ -306,7 +306,8 @@ def lstsq_image_embedding(model: VLRetrievalModel, data: TrainData, ridge: float
 
     img_pos = np.unique(data.image_pos)
     x = pooled_image_vectors(data.images.take(img_pos), model.cfg.max_regions)
-    words = model.bert.embeddings.word_embeddings.weight.detach().cpu().numpy().astype(np.float64)
+    # float32, widened per caption: a float64 copy of multilingual-e5's 250k-row matrix would take 768 MB
+    words = model.bert.embeddings.word_embeddings.weight.detach().cpu().numpy()
     tok = model.tokenizer
     special = set(tok.all_special_ids)
     target = np.zeros((len(img_pos), words.shape[1]))
@@ -315,7 +316,7 @@ def lstsq_image_embedding(model: VLRetrievalModel, data: TrainData, ridge: float
     for ids, row in zip(tok(data.texts, truncation=True, max_length=model.cfg.max_text_len)["input_ids"], row_of):
         ids = [i for i in ids if i not in special]
         if ids:
-            target[row] += words[ids].mean(0)
+            target[row] += words[ids].astype(np.float64).mean(0)
             count[row] += 1
     keep = count > 0
     x, target = x[keep], target[keep] / count[keep, None]
@@ -667,13 +668,14 @@ class Trainer:
 
 # ----------------------------------------------------------------------------------------- CLI
 def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int) -> VLRetrievalModel:
-    """A named backbone (``backbones``: "minilm"), a plain HF BERT folder, or any retrieval model folder
-    ``checkpoints.load_model_folder`` knows (ours, MMT-Retrieval, OSCAR: continue fine-tuning; a head it lacks
-    starts fresh and is trained here)."""
+    """A named backbone (``backbones``: minilm, multilingual-e5-small / e5), a plain HF BERT folder, or any
+    retrieval model folder ``checkpoints.load_model_folder`` knows (ours, MMT-Retrieval, OSCAR: continue
+    fine-tuning; a head it lacks starts fresh and is trained here)."""
     if not is_backbone_name(base_model):
         if not os.path.isdir(base_model):
-            raise FileNotFoundError(f"base model {base_model!r}: no such folder (give 'minilm', a plain HF BERT "
-                                    f"folder or a retrieval model folder: ours, MMT-Retrieval or OSCAR)")
+            raise FileNotFoundError(f"base model {base_model!r}: no such folder (give a backbone name "
+                                    f"({', '.join(BACKBONES)}), a plain HF BERT folder or a retrieval model "
+                                    f"folder: ours, MMT-Retrieval or OSCAR)")
         try:
             info = inspect_model_folder(base_model)
         except CheckpointError:
@@ -717,8 +719,9 @@ class TrainPlan:
     staged: str = option(help="Staged dataset directory (pipelines.stage output).")
     output: str = option(help="Output folder: last/, best/, train_log.jsonl.")
     config: TrainConfig = option_group(TrainConfig)
-    base_model: str = option("minilm", help="'minilm', a plain HF BERT folder, or a VLRetrievalModel folder to "
-                                            "continue fine-tuning.")
+    base_model: str = option("minilm", help="'minilm', 'multilingual-e5-small' (alias 'e5'; the multilingual extra), "
+                                            "a plain HF BERT folder, or a retrieval model folder to continue "
+                                            "fine-tuning.")
     halve_layers: bool = option(False, help="Keep every other backbone layer (0, 2, 4, ..).")
     max_regions: Optional[int] = option(None, type=int, help="Regions per image the model uses (kept with the "
                                                              "model; fewer = faster on CPU).")
@@ -750,6 +753,10 @@ def run(plan: TrainPlan) -> dict:
     else:
         click.echo(f"note: no captions in split {plan.dev_split!r}: no dev evaluation, best = last", err=True)
     model = build_model(plan.base_model, staged.feature_dim, plan.halve_layers, cfg.seed)
+    if plan.base_model in E5_NAMES and not cfg.freeze_word_embeddings:
+        click.echo("note: multilingual-e5-small's 96M word-embedding weights train too (+1.5 GB memory, slower "
+                   "steps, and rows of the training language drift from the other languages'); "
+                   "--freeze-word-embeddings keeps them (docs/MULTILINGUAL.md)", err=True)
     if plan.max_regions is not None:
         model.cfg.max_regions = plan.max_regions
     model.cfg.provenance.update({"base_model": plan.base_model, "staged": os.path.abspath(plan.staged),
