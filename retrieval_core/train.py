@@ -61,6 +61,7 @@ from retrieval_core.losses import (
 )
 from retrieval_core.model import VLRetrievalModel, _autocast
 from retrieval_core.schema import ImageTable
+from retrieval_core.store import StagedDataset
 
 OBJECTIVES = ("be", "ce", "joint")
 IMAGE_INITS = ("random", "lstsq")
@@ -701,10 +702,15 @@ def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
 
-def load_split(staged, split: str, max_captions: Optional[int] = None, seed: int = 0) -> TrainData:
+def load_split(staged, split: str, max_captions: Optional[int] = None, seed: int = 0,
+               languages: tuple[str, ...] = ()) -> TrainData:
+    """The captions of ``split`` (only those of ``languages`` when given) and their images."""
     captions = staged.captions(split=split)
+    if languages:
+        captions = captions[captions["lang"].isin(languages)].reset_index(drop=True)
     if len(captions) == 0:
-        raise ValueError(f"the staged data has no captions in split {split!r}")
+        raise ValueError(f"the staged data has no captions in split {split!r}"
+                         + (f" in language(s) {', '.join(languages)}" if languages else ""))
     if max_captions is not None and len(captions) > max_captions:
         keep = np.sort(np.random.default_rng([seed, 7]).choice(len(captions), max_captions, replace=False))
         captions = captions.iloc[keep].reset_index(drop=True)
@@ -730,6 +736,8 @@ class TrainPlan:
     train_split: str = option("train")
     dev_split: str = option("dev")
     manifest: Optional[str] = option(None, help="Data manifest the staged dir came from (recorded in provenance).")
+    languages: tuple[str, ...] = option((), sep=",", help="Train and select on captions of these languages only, "
+                                                          "e.g. en (the zero-shot setting) [all]")
     resume: bool = option(False, help="Continue from output/last/.")
     threads: Optional[int] = threads_option()
 
@@ -742,14 +750,12 @@ class TrainPlan:
 
 def run(plan: TrainPlan) -> dict:
     """Trains as ``plan`` says; returns Trainer.train's result (steps, best_dir, best_metric, best_eval)."""
-    from retrieval_core.store import StagedDataset
-
     staged = StagedDataset(plan.staged)
     cfg = plan.config
-    train = load_split(staged, plan.train_split, plan.max_train_captions, cfg.seed)
+    train = load_split(staged, plan.train_split, plan.max_train_captions, cfg.seed, plan.languages)
     dev = None
     if len(staged.captions(split=plan.dev_split)):
-        dev = load_split(staged, plan.dev_split)
+        dev = load_split(staged, plan.dev_split, languages=plan.languages)
     else:
         click.echo(f"note: no captions in split {plan.dev_split!r}: no dev evaluation, best = last", err=True)
     model = build_model(plan.base_model, staged.feature_dim, plan.halve_layers, cfg.seed)
@@ -761,7 +767,8 @@ def run(plan: TrainPlan) -> dict:
         model.cfg.max_regions = plan.max_regions
     model.cfg.provenance.update({"base_model": plan.base_model, "staged": os.path.abspath(plan.staged),
                                  "manifest": plan.manifest, "train_split": plan.train_split,
-                                 "train_captions": len(train)})
+                                 "train_captions": len(train),
+                                 **({"languages": list(plan.languages)} if plan.languages else {})})
     return Trainer(model, train, cfg, plan.output, dev).train(resume=plan.resume)
 
 

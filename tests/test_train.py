@@ -425,3 +425,22 @@ def test_cpu_bf16_autocasts_training_steps_only(tmp_path, data):
         assert out.dtype == dtype
         result = trainer.train()  # steps run and the dev evaluation (float32) still works
         assert np.isfinite(result["best_eval"]["mR"])
+
+
+def test_languages_train_and_select_on_those_captions_only(tmp_path):
+    """--languages en: the zero-shot setting trains (and selects its checkpoint) on English captions only."""
+    from pipelines.stage.plan import StagePlan
+    from pipelines.stage.run import run as stage
+    from retrieval_core.store import StagedDataset
+    from retrieval_core.train import load_split
+
+    staged = str(tmp_path / "staged")
+    stage(StagePlan(staged, "demo", overrides=("demo.images.num_images=40", "demo.expected_images=null",
+                                               "demo.expected_captions=null", "demo.captions.languages=[en, de]")))
+    ds = StagedDataset(staged)
+    both, en = load_split(ds, "train"), load_split(ds, "train", languages=("en",))
+    langs = ds.captions(split="train").set_index("caption_id")["lang"]
+    assert set(langs.loc[both.caption_ids]) == {"en", "de"} and set(langs.loc[en.caption_ids]) == {"en"}
+    assert 2 * len(en.caption_ids) == len(both.caption_ids)
+    with pytest.raises(ValueError, match=r"in language\(s\) fr"):
+        load_split(ds, "train", languages=("fr",))
