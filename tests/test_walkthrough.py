@@ -1,8 +1,9 @@
-"""The README walkthrough "Your own data, end to end", run as written on a tiny collection in the user's formats.
+"""The walkthrough "Your own data, end to end" (docs/DATA.md), run as written on a tiny collection in the user's
+formats.
 
-The commands are parsed from the README section itself (every ``python -m`` line of its ``bash`` blocks, in
-order), so the README cannot drift from what is tested: a line that is neither a setting nor a ``python -m``
-command fails the parse, and the settings the README names must be exactly the ones this test provides.
+The commands are parsed from the doc's section itself (every ``python -m`` line of its ``bash`` blocks, in order),
+so the doc cannot drift from what is tested: a line that is neither a setting nor a ``python -m`` command fails the
+parse, and the settings the doc names must be exactly the ones this test provides.
 Each command runs in this process through its click entry point (the same argv; a subprocess per command would
 spend most of the budget importing torch and Beam).
 
@@ -33,6 +34,7 @@ from click.testing import CliRunner
 from tests.conftest import REPO_ROOT, realdata_dir
 from tests.helpers_model import write_tiny_bert
 
+DOC = REPO_ROOT / "docs" / "DATA.md"  # the README links to it
 SECTION = "## Your own data, end to end"
 FEATURE_DIM = 2048
 # COCO images per Karpathy split in the tiny collection, and TSV rows no caption names (skipped by staging)
@@ -43,14 +45,14 @@ WORDS = ("a man woman dog cat red blue green on in with riding sitting next to t
          "two small large white black bike horse car tree").split()
 
 
-# ------------------------------------------------------------------------------------------ the README
-def walkthrough(readme: str) -> tuple[dict[str, str], list[list[str]]]:
-    """(settings as the README gives them, commands as argv lists with $VARS unexpanded) of the section."""
-    start = readme.index(SECTION)
-    end = readme.find("\n## ", start + len(SECTION))
-    section = readme[start:end if end >= 0 else len(readme)]
+# ------------------------------------------------------------------------------------------- the doc
+def walkthrough(doc: str) -> tuple[dict[str, str], list[list[str]]]:
+    """(settings as the doc gives them, commands as argv lists with $VARS unexpanded) of the section."""
+    start = doc.index(SECTION)
+    end = doc.find("\n## ", start + len(SECTION))
+    section = doc[start:end if end >= 0 else len(doc)]
     blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
-    assert blocks, f"no bash block in the README section {SECTION!r}"
+    assert blocks, f"no bash block in the section {SECTION!r} of {DOC.name}"
     settings, commands = {}, []
     for block in blocks:
         for line in block.replace("\\\n", " ").splitlines():
@@ -64,7 +66,7 @@ def walkthrough(readme: str) -> tuple[dict[str, str], list[list[str]]]:
             elif tokens[:2] == ["python", "-m"] and len(tokens) > 2:
                 commands.append(tokens[2:])
             else:
-                raise AssertionError(f"README walkthrough line is neither a setting nor a python -m command: {line!r}")
+                raise AssertionError(f"walkthrough line is neither a setting nor a python -m command: {line!r}")
     return settings, commands
 
 
@@ -72,7 +74,7 @@ def expand(token: str, values: dict[str, str]) -> str:
     """$NAME / ${NAME} from ``values`` only: a variable the settings do not define fails the test."""
     def sub(m):
         name = m.group(1) or m.group(2)
-        assert name in values, f"README command uses ${name}, which the settings block does not set"
+        assert name in values, f"walkthrough command uses ${name}, which the settings block does not set"
         return values[name]
 
     return re.sub(r"\$(?:\{([A-Z_][A-Z0-9_]*)\}|([A-Z_][A-Z0-9_]*))", sub, token)
@@ -123,7 +125,7 @@ def _line_groups(caps_path: Path, ids_path: Path, n_images: int, skip: int = 0) 
 
 
 def write_inputs(root: Path, real) -> dict:
-    """The user's files; returns their paths (the README's settings) and what the test expects of them."""
+    """The user's files; returns their paths (the walkthrough's settings) and what the test expects of them."""
     rng = np.random.default_rng(0)
     root.mkdir(parents=True, exist_ok=True)
     laps = real / "laps_karpathy_ids" / "data" if real else None
@@ -201,9 +203,9 @@ def walked(tmp_path_factory):
     base = write_tiny_bert(str(tmp / "bert"), extra_words=WORDS)
     values = {**inputs["settings"], "W": str(work), "BASE_MODEL": base, "DEVICE": "cpu", "STEPS": "3",
               "BATCH": "8", "EVAL_EVERY": "3", "CE_START": "1"}
-    readme_settings, commands = walkthrough((REPO_ROOT / "README.md").read_text(encoding="utf-8"))
-    assert sorted(readme_settings) == sorted(values), "the README's settings are not the ones this test sets"
-    exported = [k for k in readme_settings if k in inputs["settings"]]
+    doc_settings, commands = walkthrough(DOC.read_text(encoding="utf-8"))
+    assert sorted(doc_settings) == sorted(values), "the walkthrough's settings are not the ones this test sets"
+    exported = [k for k in doc_settings if k in inputs["settings"]]
     saved = {k: os.environ.get(k) for k in exported + ["RR_DATA_ROOT"]}
     os.environ.pop("RR_DATA_ROOT", None)  # the settings' absolute paths, not a data root
     os.environ.update({k: values[k] for k in exported})
@@ -231,7 +233,7 @@ def _summary(staged: Path) -> dict:
     return json.loads((staged / "summary.json").read_text())
 
 
-def test_readme_walkthrough_runs_as_written(walked):
+def test_walkthrough_runs_as_written(walked):
     modules = [argv[0] for argv in walked["commands"]]
     assert modules == ["pipelines.stage", "retrieval_core.train", "pipelines.encode", "pipelines.build_index",
                        "pipelines.rerank", "benchmarks.evaluate", "benchmarks.evaluate",
