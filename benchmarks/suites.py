@@ -525,7 +525,7 @@ def scale_1m(p: Planner) -> None:
         python -m benchmarks.run --suite scale_1m --workdir /shared/rr --index-factory IVF4096,Flat \
             --runner=apache_beam.runners.dask.dask_runner.DaskRunner --dask_client_address=HOST:8786
 
-    On Dataflow (GPU workers for encode/rerank: see README; the workdir in a bucket)::
+    On Dataflow (GPU workers for encode/rerank: see docker/README.md; the workdir in a bucket)::
 
         python -m benchmarks.run --suite scale_1m --workdir gs://BUCKET/rr --device cuda \
             --index-factory IVF4096,Flat --runner=DataflowRunner --project=P --region=R \

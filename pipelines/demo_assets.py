@@ -1,12 +1,12 @@
 """The embedded default and the suites' models: the staged synthetic demo collection and the models a recipe
 trains on it, built on first use.
 
-`python -m pipelines.encode` with no --staged/--model, and `python -m pipelines.demo`, call
+`python -m pipelines.encode` with no --staged/--model, and `python -m benchmarks.demo`, call
 :func:`ensure_demo_assets`; `python -m benchmarks.run` calls :func:`ensure_models` with BENCH_RECIPE. A recipe
 (:class:`Recipe`) is typed: one ``retrieval_core.train.TrainConfig`` per model it trains (JOIN, and the SEP pair:
 a bi-encoder, then a cross-encoder fine-tuned from that bi-encoder's checkpoint), run through the same
 ``python -m retrieval_core.train`` a user would run (a ``TrainPlan`` written back as its arguments), so what the
-demo does is exactly what the README shows. Caches: the staged collection and the demo models under
+demo does is exactly what docs/TRAINING.md shows. Caches: the staged collection and the demo models under
 ``$RR_WORKDIR/demo`` (default ``./runs/demo``), the benchmark models under ``$RR_WORKDIR/bench-models/seed<N>``; a
 complete asset is reused, a missing or incomplete one is (re)built, and one built otherwise is rebuilt: the staged
 collection by another generator version (``demo/assets.json``), a model by another training command or staged
@@ -68,7 +68,7 @@ class ModelSet:
 
 # The demo training recipe: JOIN (shared weights, BE and CE objectives) from the shipped all-MiniLM-L6-v2 with
 # every second layer kept (the paper's "halved" model), sized for about five minutes on 2 CPU cores. Each choice
-# was measured on the demo dev split (README "Training"):
+# was measured on the demo dev split (docs/TRAINING.md):
 # - the image embedding starts from the least-squares fit to the captions' word embeddings
 #   (train.lstsq_image_embedding); from a random start InfoNCE sat at ln(batch) for up to 100 steps;
 # - the new layers get a 20x learning rate; InfoNCE is the BE loss (the triplet loss stayed at chance in 60 steps);
@@ -104,14 +104,14 @@ DEMO_RECIPE = Recipe(
     name="demo", join=_DEMO_JOIN,
     sep_be=TrainConfig(objective="be", be_loss="infonce", image_init="lstsq", steps=340, batch_size=32, lr=1e-4,
                        new_layers_lr_mult=20, freeze_word_embeddings=True, length_chunk_rows=16, seed=0),
-    # the SEP CE keeps the recipe it was measured with (no mined negatives; README "Training")
+    # the SEP CE keeps the recipe it was measured with (no mined negatives; docs/TRAINING.md)
     sep_ce=TrainConfig(objective="ce", be_loss="infonce", steps=260, batch_size=32, lr=1e-4, new_layers_lr_mult=20,
                        ce_loss="listwise", ce_negatives=3, ce_batch_size=16, hard_negative_prob=0.5,
                        hard_negative_k=8, freeze_word_embeddings=True, length_chunk_rows=16, seed=0))
 
 # The benchmark suites' recipe (issue 17): every model a few times the demo's training, and every CE trained on the
 # lists it will rerank - listwise over 7 negatives, 3 in 4 drawn from its bi-encoder's own top-20 (the suites'
-# rerank depth), the rest as in the demo. What each choice bought, measured: README "Training".
+# rerank depth), the rest as in the demo. What each choice bought, measured: docs/TRAINING.md.
 BENCH_RECIPE = Recipe(
     name="bench",
     join=replace(_DEMO_JOIN, steps=800, ce_negatives=7, mined_negative_prob=0.75, mine_k=20, mine_every=150,

@@ -1,5 +1,5 @@
 """Run a CLI step, ``python -m MODULE ARGS``, as a child process: a fresh interpreter, or forked from a preloaded
-forkserver. The one launcher of the benchmark jobs (``benchmarks.jobs``) and the demo's steps (``pipelines.demo``,
+forkserver. The one launcher of the benchmark jobs (``benchmarks.jobs``) and the demo's steps (``benchmarks.demo``,
 ``pipelines.demo_assets``).
 
 Importing Beam, torch and the pipelines takes 3.4 s (a 2-core AMD EPYC at 196 GFLOP/s) to ~6 s (the slower

@@ -16,7 +16,7 @@ Images come in *families* of ``family_size`` consecutive indices (same split). M
 Binding and relation swaps are second-order (which colour or place goes with which object): pooled features
 cannot show them at all, and telling them apart needs cross-modal reasoning that a cross-encoder must first
 learn. The default family (base, attribute, binding, attribute) mixes the detail a reranker is for with a
-binding swap that remains hard for both heads (README "The synthetic benchmark").
+binding swap that remains hard for both heads (docs/DATA.md).
 
 Region features imitate a detector box head: ``relu(offset + class_code + colour_code + size_code + noise)``
 with codebooks drawn from ``world_seed`` only, so "red" is the same direction in every collection. Because the
