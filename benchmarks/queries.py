@@ -29,6 +29,7 @@ from typing import Optional
 import click
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.common import BEAM_FILES, write_atomic, write_json_atomic
@@ -44,14 +45,17 @@ SELECTION_FILE = "selection.json"
 ITEM_ID = "item_id"
 
 
-def staged_ids(staged: str, collection: str, split: Optional[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(image ids, caption ids, the caption's image ids) of one collection and split, sorted by id; read one
-    shard at a time, id columns only."""
+def staged_ids(staged: str, collection: str, split: Optional[str], lang: Optional[str] = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(image ids, caption ids, the caption's image ids) of one collection and split (captions of ``lang`` only
+    when given), sorted by id; read one shard at a time, id columns only."""
     ds = StagedDataset(staged, files=BEAM_FILES)
     imgs = [ds.read_shard_columns(s, [ITEM_ID], split).column(ITEM_ID).to_numpy()
             for s in ds.shard_names("images", collection)]
-    caps = [ds.read_shard_columns(s, ["caption_id", "image_item_id"], split)
+    caps = [ds.read_shard_columns(s, ["caption_id", "image_item_id", "lang"], split)
             for s in ds.shard_names("captions", collection)]
+    if lang is not None:
+        caps = [c.filter(pc.equal(c.column("lang"), lang)) for c in caps]
     img = np.sort(np.concatenate(imgs).astype(np.int64)) if imgs else np.zeros(0, np.int64)
     cap = np.concatenate([c.column("caption_id").to_numpy() for c in caps]).astype(np.int64) if caps else \
         np.zeros(0, np.int64)
@@ -72,12 +76,14 @@ def sample(captions: np.ndarray, images: np.ndarray, max_queries: int, seed: int
 
 
 def select(staged: str, collection: str, split: Optional[str], *, max_queries: int = 0, seed: int = 0,
-           fold: Optional[int] = None, folds: int = 0, fold_size: int = 0, scale: int = 0) -> dict:
-    """The selection as arrays: {"t2i", "i2t", "image_ids"?, "caption_ids"?} plus "pool_images" and notes."""
-    img, cap, cap_img = staged_ids(staged, collection, split)
+           fold: Optional[int] = None, folds: int = 0, fold_size: int = 0, scale: int = 0,
+           lang: Optional[str] = None) -> dict:
+    """The selection as arrays: {"t2i", "i2t", "image_ids"?, "caption_ids"?} plus "pool_images" and notes.
+    ``lang``: captions of that language only, as queries and as the i2t pool (``caption_ids``)."""
+    img, cap, cap_img = staged_ids(staged, collection, split, lang)
     if len(img) == 0 or len(cap) == 0:
         raise click.ClickException(f"collection {collection!r} split {split!r} of {staged} has no images or no "
-                                   f"captions")
+                                   f"captions" + (f" in language {lang!r}" if lang else ""))
     out: dict = {"notes": []}
     if fold is not None:
         if not 0 <= fold < folds or fold_size < 1:
@@ -106,6 +112,10 @@ def select(staged: str, collection: str, split: Optional[str], *, max_queries: i
     else:
         out["t2i"], out["i2t"] = sample(cap, img, max_queries, seed)
         out["pool_images"] = len(img)
+    if lang is not None:
+        out.setdefault("image_ids", img)
+        out.setdefault("caption_ids", cap)
+        out["notes"].append(f"captions in {lang!r} only: {len(out['caption_ids'])} as t2i queries and i2t pool")
     pools = ((DIRECTION_T2I, len(out.get("caption_ids", cap))), (DIRECTION_I2T, len(out.get("image_ids", img))))
     for d, pool_n in pools:
         if not scale and len(out[d]) < pool_n:
@@ -154,6 +164,8 @@ class QueriesPlan:
     fold_size: int = option(0, type=click.IntRange(min=0))
     scale: int = option(0, type=click.IntRange(min=0), help="N queries per direction: N seeded images and one "
                                                             "caption of each")
+    lang: Optional[str] = option(None, help="captions of this language only (lang column), as t2i queries and as "
+                                            "the caption pool an index --ids file gets")
 
     def __post_init__(self):
         if self.fold is not None and self.scale:
@@ -167,7 +179,7 @@ def main(**values):
     with cli_errors():
         plan = plan_from_cli(QueriesPlan, values)
         sel = select(plan.staged, plan.collection, plan.split, max_queries=plan.max_queries, seed=plan.seed,
-                     fold=plan.fold, folds=plan.folds, fold_size=plan.fold_size, scale=plan.scale)
+                     fold=plan.fold, folds=plan.folds, fold_size=plan.fold_size, scale=plan.scale, lang=plan.lang)
         info = write_selection(plan.output, sel, asdict(plan))
     click.echo(f"selected {info['queries']} queries (pool {info['pool_images']} images) -> {plan.output}")
 
