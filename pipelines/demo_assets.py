@@ -24,6 +24,7 @@ from typing import Optional
 
 from pipelines import common, launch
 from retrieval_core import synthetic
+from retrieval_core.backbones import is_backbone_name
 from retrieval_core.cli import to_argv
 from retrieval_core.store import StagedDataset
 from retrieval_core.train import TrainConfig, TrainPlan
@@ -47,6 +48,9 @@ class Recipe:
     sep_ce: TrainConfig
     halve_layers: bool = True
     max_regions: int = 12
+    manifest: str = DEMO_MANIFEST  # the staged collection whose train split trains and dev split selects
+    base_model: str = "minilm"  # a backbones name (or a BERT folder) the JOIN and SEP BE start from
+    languages: tuple[str, ...] = ()  # train and select on captions of these languages only (all when empty)
 
     def __post_init__(self):
         for role, want in (("join", "joint"), ("sep_be", "be"), ("sep_ce", "ce")):
@@ -119,7 +123,15 @@ BENCH_RECIPE = Recipe(
     sep_be=replace(DEMO_RECIPE.sep_be, steps=600),
     sep_ce=replace(DEMO_RECIPE.sep_ce, steps=600, ce_negatives=7, mined_negative_prob=0.75, mine_k=20,
                    mine_start_step=100))
-RECIPES = {r.name: r for r in (DEMO_RECIPE, BENCH_RECIPE)}
+# The multilingual suite's recipes (issue 32): the demo recipe's JOIN trained on synthetic_multi30k (en/de/fr/cs
+# captions of the same scenes) from multilingual-e5-small, halved (6 of 12 layers), its 96M word-embedding weights
+# frozen (docs/MULTILINGUAL.md): on English captions only (the zero-shot setting: de/fr/cs are never trained on)
+# or on all four languages; and the English-only MiniLM on English captions, the monolingual reference.
+_ML_ZERO_SHOT = Recipe(name="ml-e5-en", join=_DEMO_JOIN, sep_be=DEMO_RECIPE.sep_be, sep_ce=DEMO_RECIPE.sep_ce,
+                       manifest="synthetic_multi30k", base_model="multilingual-e5-small", languages=("en",))
+ML_RECIPES = {"zero_shot": _ML_ZERO_SHOT, "all_languages": replace(_ML_ZERO_SHOT, name="ml-e5-all", languages=()),
+              "english_reference": replace(_ML_ZERO_SHOT, name="ml-minilm-en", base_model="minilm")}
+RECIPES = {r.name: r for r in (DEMO_RECIPE, BENCH_RECIPE, *ML_RECIPES.values())}
 
 # Bump when what the cached assets contain changes in a way the recipes do not show.
 ASSETS_VERSION = 5  # 3: fused AdamW, one dev evaluation; 4: length-chunked steps; 5: typed recipes
@@ -177,21 +189,23 @@ def _stamp_matches(path: str, want: dict) -> bool:
         return False
 
 
-def ensure_staged(beam_args: tuple[str, ...] = ()) -> str:
-    """The staged demo collection. Staged by another generator version, it (and every model trained on it) is
-    rebuilt: it would silently give other numbers."""
-    stamp = os.path.join(demo_dir(), "assets.json")
+def ensure_staged(beam_args: tuple[str, ...] = (), manifest: str = DEMO_MANIFEST) -> str:
+    """The staged demo collection (or another manifest's, under ``$RR_WORKDIR/staged/<manifest>``). Staged by
+    another generator version, it (and every model trained on it) is rebuilt: it would silently give other
+    numbers."""
+    root = demo_dir() if manifest == DEMO_MANIFEST else os.path.join(workdir(), "staged", manifest)
+    stamp = os.path.join(root, "assets.json")
     want = {"assets_version": ASSETS_VERSION, "synthetic_sibling_changes": list(synthetic.DEFAULT_SIBLING_CHANGES)}
     if not _stamp_matches(stamp, want):
-        if os.path.isdir(demo_dir()):
-            print(f"note: {demo_dir()} was built by another generator or assets version: rebuilding it", flush=True)
-            shutil.rmtree(demo_dir())
-        os.makedirs(demo_dir())
+        if os.path.isdir(root):
+            print(f"note: {root} was built by another generator or assets version: rebuilding it", flush=True)
+            shutil.rmtree(root)
+        os.makedirs(root)
         common.write_json_atomic(stamp, want)
-    out = staged_dir()
+    out = staged_dir() if manifest == DEMO_MANIFEST else os.path.join(root, "staged")
     if os.path.exists(os.path.join(out, "summary.json")):
         return out
-    _run([sys.executable, "-m", "pipelines.stage", "--manifest", DEMO_MANIFEST, "--output", out, *beam_args])
+    _run([sys.executable, "-m", "pipelines.stage", "--manifest", manifest, "--output", out, *beam_args])
     return out
 
 
@@ -210,18 +224,21 @@ def training_finished(train_output: str, steps: int) -> bool:
         return False
 
 
-def _ensure_trained(staged: str, out: str, cfg: TrainConfig, recipe: Recipe, base_model: str = "minilm") -> str:
+def _ensure_trained(staged: str, out: str, cfg: TrainConfig, recipe: Recipe, base_model: Optional[str] = None) -> str:
     """Trains one model into ``out`` unless a finished run of exactly this command on this staged content is there
-    (``out/recipe.json``); a folder trained otherwise is rebuilt, a killed run of this command resumes."""
+    (``out/recipe.json``); a folder trained otherwise is rebuilt, a killed run of this command resumes.
+    ``base_model``: a checkpoint to start from instead of the recipe's backbone (the SEP CE's is the SEP BE)."""
     best = trained_model_path(out)
-    plan = TrainPlan(staged=staged, output=out, config=cfg, base_model=base_model, manifest=DEMO_MANIFEST,
-                     max_regions=recipe.max_regions,
-                     halve_layers=base_model == "minilm" and recipe.halve_layers)  # a checkpoint brings its layers
+    base_model = base_model or recipe.base_model
+    backbone = is_backbone_name(base_model)
+    plan = TrainPlan(staged=staged, output=out, config=cfg, base_model=base_model, manifest=recipe.manifest,
+                     max_regions=recipe.max_regions, languages=recipe.languages,
+                     halve_layers=backbone and recipe.halve_layers)  # a checkpoint brings its own layers
     args = to_argv(plan)
     ds = StagedDataset(staged)
-    want = {"assets_version": ASSETS_VERSION, "train_args": args,
-            "staged": {kind: ds.content_sha256(kind, DEMO_MANIFEST) for kind in ("images", "captions")}}
-    if base_model != "minilm":  # a checkpoint (the SEP CE's is the SEP BE) retrained in place retrains this one
+    content = {f"{kind}/{c}": ds.content_sha256(kind, c) for c in ds.collections for kind in ("images", "captions")}
+    want = {"assets_version": ASSETS_VERSION, "train_args": args, "staged": content}
+    if not backbone:  # a checkpoint (the SEP CE's is the SEP BE) retrained in place retrains this one
         want["base_model_sha256"] = common.folder_sha256(base_model)
     stamp = os.path.join(out, "recipe.json")
     if _stamp_matches(stamp, want):
@@ -244,7 +261,7 @@ def ensure_models(recipe: Recipe = DEMO_RECIPE, seed: int = 0, sep: bool = False
                   beam_args: tuple[str, ...] = ()) -> ModelSet:
     """The models of ``recipe`` at ``seed`` (the JOIN model; with ``sep`` the SEP pair too), training whichever
     is missing on the staged demo collection (staged first if needed)."""
-    staged = ensure_staged(beam_args)
+    staged = ensure_staged(beam_args, recipe.manifest)
     r, dirs = recipe.with_seed(seed), model_dirs(recipe, seed)
     join = _ensure_trained(staged, dirs.join, r.join, r)
     if not sep:
