@@ -236,16 +236,19 @@ class StagedDataset:
         return pa.concat_tables(tables).sort_by("caption_id").to_pandas().reset_index(drop=True)
 
     def gold(self, collection: Optional[str] = None, split: Optional[str] = None,
-             captions: Optional[Collection[int]] = None, images: Optional[Collection[int]] = None
-             ) -> tuple[dict[int, int], dict[int, frozenset[int]]]:
+             captions: Optional[Collection[int]] = None, images: Optional[Collection[int]] = None,
+             lang: Optional[str] = None) -> tuple[dict[int, int], dict[int, frozenset[int]]]:
         """(caption_id -> its image's item_id, image item_id -> frozenset of its caption ids). Freshly built
         on every call: callers may modify the dicts without affecting anybody else.
 
         Reads two id columns per caption shard (never the text). ``captions`` / ``images`` keep only those
         keys in the first / second dict (the queries a run ranked): the dicts are then as small as the query
-        set, whatever the collection size."""
-        parts = [self._read_parquet(s, ["caption_id", "image_item_id"], self._split_filter(split))
+        set, whatever the collection size. ``lang``: the captions of that language only (the per-language
+        evaluation of a multilingual collection)."""
+        parts = [self._read_parquet(s, ["caption_id", "image_item_id", "lang"], self._split_filter(split))
                  for s in self._shards("captions", collection)]
+        if lang is not None:
+            parts = [p.filter(pc.equal(p.column("lang"), lang)) for p in parts]
         cap_ids = np.concatenate([p.column("caption_id").to_numpy() for p in parts]).astype(np.int64) if parts \
             else np.zeros(0, dtype=np.int64)
         img_ids = np.concatenate([p.column("image_item_id").to_numpy() for p in parts]).astype(np.int64) if parts \
