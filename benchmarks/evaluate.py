@@ -2,6 +2,7 @@
 
     python -m benchmarks.evaluate --rankings RUN --staged STAGED --output RESULTS --model join-minilm
     python -m benchmarks.evaluate --rankings RUN ... --mode add --lam 0.7 --k 10   # re-derived, not re-scored
+    python -m benchmarks.evaluate --rankings RUN ... --mode co --against-mode emb  # CO minus EMB, paired
 
 ``--rankings`` takes a pipelines.rerank run (its run dir or its rankings/ dir): the shards listed in its
 rankings_manifest.json are read, checksum-verified. The run, --staged and --output may be URLs (gs://): they
@@ -26,8 +27,8 @@ Outputs in ``--output``:
                 CLIP_benchmark, recalls there are fractions in [0, 1], rounded to 4 decimals.
                 image_retrieval = text->image, text_retrieval = image->text.
 
-Confidence intervals (retrieval_core.stats, docs/STATISTICS.md): every recall and mR gets its 95 % paired
-bootstrap percentile interval (``--bootstrap`` resamples of the queries, ``--seed``): CSV columns ``R@<k>_lo``,
+Confidence intervals (retrieval_core.stats, docs/STATISTICS.md): every recall and mR gets its 95 % bootstrap
+percentile interval (``--bootstrap`` resamples of the queries, ``--seed``): CSV columns ``R@<k>_lo``,
 ``R@<k>_hi``, ``mR_lo``, ``mR_hi``; the JSON's ``intervals`` (percent). ``--against-mode MODE`` (and/or
 ``--against RUN``, a run ranking the same queries) adds the paired difference of this ranking minus that one:
 CSV ``against``, ``delta_R@<k>`` with ``_lo`` / ``_hi``, ``delta_mR`` likewise; the JSON's ``difference``, with
@@ -225,8 +226,8 @@ def parse_tags(tags: Sequence[str]) -> dict[str, str]:
                    "CLIP_benchmark's build names a row '<model> <pretrained>').")
 @click.option("--language", default="en", show_default=True, help="The JSON's CLIP_benchmark 'language' key.")
 @click.option("--against", default=None,
-              help="Also the paired difference to a ranking of this run (it must rank the same queries) "
-                   "[the same run, with --against-mode].")
+              help="A pipelines.rerank run of the same queries: also the paired difference to its ranking "
+                   "[the --rankings run, with --against-mode].")
 @click.option("--against-mode", type=click.Choice(RUN_MODES, case_sensitive=False), default=None,
               help="Also the paired difference to this mode's ranking (e.g. emb) [--against's own].")
 @click.option("--against-k", type=click.IntRange(min=1), default=None,
