@@ -19,13 +19,15 @@ import os
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import click
 import pandas as pd
 
+from benchmarks.evaluate import csv_rows, evaluate_ranking
 from pipelines import demo_assets, launch
 from pipelines.common import BEAM_CLI_CONTEXT, check_beam_flags
-from retrieval_core.runs import evaluate_run
+from retrieval_core.stats import Bootstrap, verdict
 
 launch.preload("benchmarks.queries", "benchmarks.evaluate", "benchmarks.inspect")  # the demo's own steps
 
@@ -88,13 +90,16 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
                  *query_args, *beam_args))
         timings[f"rerank {label}"] = time.time() - t0
         for mode, row_label, model in (("emb", "EMB", be), ("co", label, result_model(be, ce))):
+            against = ["--against-mode", "emb"] if mode != "emb" else []  # the paired difference the verdict reads
             _run(_py("benchmarks.evaluate", "--rankings", out, "--staged", staged, "--output", results,
-                     "--split", "test", "--model", model, "--mode", mode, "--k", str(k), "--label", row_label))
-            rows += table_rows(out, staged, mode, k, model, row_label)
+                     "--split", "test", "--model", model, "--mode", mode, "--k", str(k), "--label", row_label,
+                     *against))
+            rows += table_rows(out, staged, mode, k, model, row_label, "emb" if against else None)
 
     table = pd.DataFrame(rows)
-    print("\nDemo results (synthetic demo collection, test split; recall in %, NOTES.md section 2 convention):")
-    print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    print("\nDemo results (synthetic demo collection, test split; recall in %, NOTES.md section 2 convention; "
+          f"[95 % interval]: {Bootstrap().label}):")
+    print(compact_table(table))
     for line in r1_changes(table):
         print(line)
     print("\nwall time per step (s): " + ", ".join(f"{name} {sec:.0f}" for name, sec in timings.items()))
@@ -114,39 +119,59 @@ def result_model(be: str, ce: str | None) -> str:
     return be if ce is None else f"{be}/{ce}"
 
 
-def table_rows(run: str, staged: str, mode: str, k: int, model: str, label: str) -> list[dict]:
+def table_rows(run: str, staged: str, mode: str, k: int, model: str, label: str,
+               against_mode: Optional[str] = None) -> list[dict]:
     """The demo table's two rows (t2i, i2t) of one rerank run evaluated in ``mode`` (EMB is derived from the
-    run's stored BE scores); collection_size is the run's t2i candidate pool."""
-    res = evaluate_run(run, staged, k=k, mode=mode, split="test")
-    return [{"model": model, "mode": label, "k": k, "direction": d,
-             **{f"R@{kk}": res[f"{d}_R@{kk}"] for kk in (1, 5, 10)}, "mR": res["mR"], "queries": res[f"{d}_queries"],
-             "collection_size": res["collection_size"]} for d in ("t2i", "i2t")]
+    run's stored BE scores), with their intervals and, given ``against_mode``, the paired difference to that
+    mode's ranking of the same run: benchmarks.evaluate's metrics.csv rows (``csv_rows``) of the same result."""
+    res = evaluate_ranking(run, staged, k=k, mode=mode, split="test", against_mode=against_mode)
+    return [{c: v for c, v in r.items() if c not in ("collection", "split", "bootstrap")}
+            for r in csv_rows(res, collection=res["collection"], split="test", model=model, mode=label, k=k, tags={})]
+
+
+def compact_table(table: pd.DataFrame) -> str:
+    """The demo table: each recall with its 95 % interval in one cell, then queries and pool size."""
+    def cell(r, m):
+        lo, hi = r.get(f"{m}_lo"), r.get(f"{m}_hi")
+        return f"{r[m]:.2f}" + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None and lo == lo else "")
+
+    shown = pd.DataFrame([{"model": r["model"], "mode": r["mode"], "k": r["k"], "direction": r["direction"],
+                           **{m: cell(r, m) for m in ("R@1", "R@5", "R@10", "mR")}, "queries": r["queries"],
+                           "collection_size": r["collection_size"]} for r in table.to_dict("records")])
+    return shown.to_string(index=False)
 
 
 def r1_changes(table: pd.DataFrame) -> list[str]:
-    """One line per reranking mode: its R@1 minus the R@1 of EMB with the same bi-encoder, per direction -
-    the paper's claim (reranking lifts R@1) checked on this run rather than asserted.
+    """One line per reranking mode: its R@1 minus the R@1 of EMB with the same bi-encoder, per direction, with the
+    paired 95 % interval of the difference and what the interval says ("lifts" when it lies above 0, "lowers"
+    below, else "no significant difference"): the paper's claim (reranking lifts R@1) checked on this run, never
+    decided from the point estimate.
 
-    Rows are compared within the same collection, split and k (where the table has those columns); a
-    repeated configuration counts once, its last row (the newest in metrics.csv)."""
+    The differences are the rows' own (``delta_R@1`` with ``_lo`` / ``_hi`` against ``emb``: benchmarks.evaluate
+    --against-mode emb, which pairs the same queries of the same run). Rows are grouped by model, mode and, where
+    the table has them, collection, split and k; a repeated configuration counts once, its last row (the newest in
+    metrics.csv)."""
     context = [c for c in ("collection", "split", "k") if c in table.columns]
     table = table.drop_duplicates(subset=["model", "mode", *context, "direction"], keep="last")
-    emb_rows = table[table["mode"] == "EMB"]
-    emb = {(m, *ctx, d): r for m, *ctx, d, r in zip(emb_rows["model"], *(emb_rows[c] for c in context),
-                                                     emb_rows["direction"], emb_rows["R@1"])}
     several_k = "k" in table.columns and table["k"].nunique() > 1
     lines = []
     for (model, mode, *ctx), rows in table[table["mode"] != "EMB"].groupby(["model", "mode", *context],
                                                                             sort=False, dropna=False):
         be = str(model).split("/")[0]
-        deltas = [f"{d} {r - emb[(be, *ctx, d)]:+.2f}" for d, r in zip(rows["direction"], rows["R@1"])
-                  if (be, *ctx, d) in emb]
-        if deltas:
-            lifted = all(float(x.split()[1]) > 0 for x in deltas)
-            where = f"{be}, k={ctx[context.index('k')]}" if several_k else be
-            lines.append(f"R@1 of {mode} minus EMB ({where}): {', '.join(deltas)} points -> "
-                         f"{'reranking lifts R@1' if lifted else 'reranking does NOT lift R@1 in this run'}")
+        where = f"{be}, k={ctx[context.index('k')]}" if several_k else be
+        parts = [f"{r['direction']} R@1 {_difference(r)}" for r in rows.to_dict("records")]
+        lines.append(f"R@1 of {mode} minus EMB ({where}): " + "; ".join(parts))
     return lines
+
+
+def _difference(r: dict) -> str:
+    """``+3.10 [+1.20, +5.00] -> lifts`` from a row's difference to EMB, or why there is none."""
+    cols = ("delta_R@1", "delta_R@1_lo", "delta_R@1_hi")
+    values = [r.get(c) for c in cols]
+    if str(r.get("against", "")).lower() != "emb" or any(v is None or v != v for v in values):
+        return "has no interval of its difference to EMB (benchmarks.evaluate --against-mode emb)"
+    est, lo, hi = (float(v) for v in values)
+    return f"{est:+.2f} [{lo:+.2f}, {hi:+.2f}] -> {verdict(lo, hi)}"
 
 
 @click.command(context_settings=BEAM_CLI_CONTEXT)

@@ -2,6 +2,7 @@
 
     python -m benchmarks.evaluate --rankings RUN --staged STAGED --output RESULTS --model join-minilm
     python -m benchmarks.evaluate --rankings RUN ... --mode add --lam 0.7 --k 10   # re-derived, not re-scored
+    python -m benchmarks.evaluate --rankings RUN ... --mode co --against-mode emb  # CO minus EMB, paired
 
 ``--rankings`` takes a pipelines.rerank run (its run dir or its rankings/ dir): the shards listed in its
 rankings_manifest.json are read, checksum-verified. The run, --staged and --output may be URLs (gs://): they
@@ -25,6 +26,13 @@ Outputs in ``--output``:
                 ``clip_benchmark build`` accepts, plus our own keys (split, mode, k, lam, ...); like
                 CLIP_benchmark, recalls there are fractions in [0, 1], rounded to 4 decimals.
                 image_retrieval = text->image, text_retrieval = image->text.
+
+Confidence intervals (retrieval_core.stats, docs/STATISTICS.md): every recall and mR gets its 95 % bootstrap
+percentile interval (``--bootstrap`` resamples of the queries, ``--seed``): CSV columns ``R@<k>_lo``,
+``R@<k>_hi``, ``mR_lo``, ``mR_hi``; the JSON's ``intervals`` (percent). ``--against-mode MODE`` (and/or
+``--against RUN``, a run ranking the same queries) adds the paired difference of this ranking minus that one:
+CSV ``against``, ``delta_R@<k>`` with ``_lo`` / ``_hi``, ``delta_mR`` likewise; the JSON's ``difference``, with
+the verdict of each interval ("lifts", "lowers", "no significant difference").
 """
 from __future__ import annotations
 
@@ -41,7 +49,16 @@ from pipelines.common import BEAM_FILES, exists, join, makedirs, read_bytes, wri
 from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
 from retrieval_core.metrics import DEFAULT_KS, DIRECTIONS
 from retrieval_core.rerank import RUN_MODES
-from retrieval_core.runs import RunError, evaluate_run, mode_label
+from retrieval_core.runs import LoadedRun, RunError, mode_label
+from retrieval_core.stats import (
+    DEFAULT_RESAMPLES,
+    DEFAULT_SEED,
+    MIN_RESAMPLES,
+    Bootstrap,
+    Interval,
+    difference_intervals,
+    interval_columns,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +68,8 @@ KEY_COLUMNS = ("collection", "split", "model", "mode", "k", "direction")
 
 def csv_rows(result: dict, *, collection: str, split: str, model: str, mode: str, k: int,
              tags: Mapping[str, str], ks: Sequence[int] = DEFAULT_KS) -> list[dict]:
-    """One row per evaluated direction (a direction with 0 queries was not evaluated)."""
+    """One row per evaluated direction (a direction with 0 queries was not evaluated); with the result's
+    ``intervals`` and ``delta`` (:func:`evaluate_ranking`), their columns."""
     rows = []
     for direction in DIRECTIONS:
         if not result.get(f"{direction}_queries"):
@@ -61,9 +79,42 @@ def csv_rows(result: dict, *, collection: str, split: str, model: str, mode: str
         row.update({f"R@{kk}": round(result[f"{direction}_R@{kk}"], 4) for kk in ks})
         row.update({"mR": round(result["mR"], 4), "queries": result[f"{direction}_queries"],
                     "collection_size": result["collection_size"]})
+        if "intervals" in result:
+            row.update(interval_columns(result["intervals"], direction, ks=ks))
+        if "delta" in result:
+            row["against"] = result["against"]["label"]
+            row.update(interval_columns(result["delta"], direction, prefix="delta_", ks=ks))
+        if "bootstrap" in result:
+            row["bootstrap"] = result["bootstrap"].label
         row.update(tags)
         rows.append(row)
     return rows
+
+
+def evaluate_ranking(rankings: str, staged: str, *, k: Optional[int] = None, mode: Optional[str] = None,
+                     lam: Optional[float] = None, collection: Optional[str] = None, split: Optional[str] = None,
+                     bootstrap: Bootstrap = Bootstrap(), against: Optional[str] = None,
+                     against_mode: Optional[str] = None, against_k: Optional[int] = None,
+                     against_lam: Optional[float] = None, files=BEAM_FILES) -> dict:
+    """A run's recalls for (k, mode, lam) with their ``intervals`` and ``bootstrap``; given ``against`` (another
+    run ranking the same queries) and/or ``against_mode``, also ``delta``: the paired intervals of this ranking
+    minus that one (its k defaults to ``k`` where given, its mode and lam to its run's own), and ``against``
+    (what it was: run, mode, k, lam, label)."""
+    run = LoadedRun.read(rankings, staged, collection, split, files)
+    result = run.evaluate(k, mode, lam, bootstrap)
+    result["bootstrap"] = bootstrap
+    if against is None and against_mode is None:
+        return result
+    other = run if against is None else LoadedRun.read(against, staged, result["collection"], result["split"], files)
+    b_mode = (against_mode or other.manifest["mode"]).lower()
+    if against_k is None and b_mode != "ce":  # the depth asked for this ranking (exhaustive CE has none)
+        against_k = k
+    b_k, b_mode, b_lam = other.resolve(against_k, b_mode, against_lam)
+    label = mode_label(b_mode, b_lam) + ("" if other is run else f" of {other.run_dir}")
+    result["against"] = {"run": other.run_dir, "mode": b_mode, "k": b_k, "lam": b_lam, "label": label}
+    result["delta"] = difference_intervals(run.hits(result["k"], result["mode"], result["lam"]),
+                                           other.hits(b_k, b_mode, b_lam), bootstrap)
+    return result
 
 
 def merge_csv(existing: Optional[pd.DataFrame], new_rows: list[dict], tag_keys: Sequence[str]) -> pd.DataFrame:
@@ -103,6 +154,35 @@ def clip_benchmark_json(result: dict, *, collection: str, model: str, pretrained
     metrics["mean_recall"] = r(result["mR"])
     return {"dataset": collection, "model": model, "pretrained": pretrained, "task": "zeroshot_retrieval",
             "metrics": metrics, "language": language, **extra}
+
+
+def interval_json(result: dict) -> dict:
+    """Our JSON keys for the intervals (percent, like ``mR``): ``bootstrap`` (how), ``intervals`` ({"t2i_R@1":
+    [lo, hi], ..., "mR": [lo, hi]}) and, with a difference, ``difference`` ({"against": ..., "t2i_R@1":
+    {"estimate", "lo", "hi", "verdict"}, ...})."""
+    d = CLIP_BENCHMARK_DECIMALS
+    out = {"bootstrap": result["bootstrap"].as_dict(),
+           "intervals": {key: [round(iv.lo, d), round(iv.hi, d)] for key, iv in result["intervals"].items()}}
+    if "delta" in result:
+        diff: dict = {"against": {key: v for key, v in result["against"].items() if key != "label"}}
+        for key, iv in result["delta"].items():
+            diff[key] = {"estimate": round(iv.estimate, d), "lo": round(iv.lo, d), "hi": round(iv.hi, d),
+                         "verdict": iv.verdict}
+        out["difference"] = diff
+    return out
+
+
+def summary_line(result: dict) -> str:
+    """Recalls and mR with their intervals, then each difference with its verdict (the CLI's output)."""
+    done = [d for d in DIRECTIONS if result[f"{d}_queries"]]
+    iv: Mapping[str, Interval] = result.get("intervals", {})
+    show = lambda key: f"{key}={iv[key].format()}" if key in iv else f"{key}={result[key]:.2f}"  # noqa: E731
+    line = " ".join(show(f"{d}_R@{kk}") for d in done for kk in DEFAULT_KS) + " " + show("mR")
+    if "delta" in result:
+        line += f"\nminus {result['against']['label']} (paired): " + "; ".join(
+            f"{key} {result['delta'][key].format(signed=True)} -> {result['delta'][key].verdict}"
+            for key in [f"{d}_R@{kk}" for d in done for kk in DEFAULT_KS] + ["mR"])
+    return line
 
 
 def _safe(name: str) -> str:
@@ -145,15 +225,30 @@ def parse_tags(tags: Sequence[str]) -> dict[str, str]:
               help="The JSON's CLIP_benchmark 'pretrained' key (default: <label>_k<k>, the retrieval configuration; "
                    "CLIP_benchmark's build names a row '<model> <pretrained>').")
 @click.option("--language", default="en", show_default=True, help="The JSON's CLIP_benchmark 'language' key.")
+@click.option("--against", default=None,
+              help="A pipelines.rerank run of the same queries: also the paired difference to its ranking "
+                   "[the --rankings run, with --against-mode].")
+@click.option("--against-mode", type=click.Choice(RUN_MODES, case_sensitive=False), default=None,
+              help="Also the paired difference to this mode's ranking (e.g. emb) [--against's own].")
+@click.option("--against-k", type=click.IntRange(min=1), default=None,
+              help="Rerank depth of the --against ranking [--k, else its run's own].")
+@click.option("--against-lam", type=float, default=None,
+              help="add / norm_add weight of the --against ranking [its run's, else 0.5].")
+@click.option("--bootstrap", "resamples", type=click.IntRange(min=MIN_RESAMPLES), default=DEFAULT_RESAMPLES,
+              show_default=True, help="Bootstrap resamples of the queries behind each 95 % interval.")
+@click.option("--seed", type=click.IntRange(min=0), default=DEFAULT_SEED, show_default=True,
+              help="Seed of the bootstrap resampling.")
 def main(rankings, staged, output, collection, split, model, mode, k, lam, label, collection_size, tags, pretrained,
-         language):
-    """Recall@1/5/10 and mR of a rankings run, for its own or a re-derived mode, k and lam."""
+         language, against, against_mode, against_k, against_lam, resamples, seed):
+    """Recall@1/5/10 and mR of a rankings run with 95 % bootstrap intervals, for its own or a re-derived mode, k
+    and lam; with --against-mode / --against, the paired difference to another ranking of the same queries."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     t0 = time.time()
     tag_map = parse_tags(tags)
-    with cli_errors(RunError):  # a missing staged / rankings dir or bad rankings: one line, exit 1
-        result = evaluate_run(rankings, staged, k=k, mode=mode, lam=lam, collection=collection, split=split,
-                              files=BEAM_FILES)
+    with cli_errors(RunError):  # a missing staged / rankings dir, bad rankings or unpaired queries: one line, exit 1
+        result = evaluate_ranking(rankings, staged, k=k, mode=mode, lam=lam, collection=collection, split=split,
+                                  bootstrap=Bootstrap(resamples, seed), against=against, against_mode=against_mode,
+                                  against_k=against_k, against_lam=against_lam)
     if collection_size is not None:
         result["collection_size"] = int(collection_size)
     collection, split, k = result["collection"], result["split"], result["k"]
@@ -171,15 +266,13 @@ def main(rankings, staged, output, collection, split, model, mode, k, lam, label
     extra = {"split": split, "mode": result["mode"], "label": label, "k": k, "lam": result["lam"],
              "mR": round(result["mR"], CLIP_BENCHMARK_DECIMALS),
              "queries": {"t2i": result["t2i_queries"], "i2t": result["i2t_queries"]},
-             "collection_size": result["collection_size"], "tags": tag_map}
+             "collection_size": result["collection_size"], "tags": tag_map, **interval_json(result)}
     write_json_atomic(json_path, clip_benchmark_json(result, collection=collection, model=model,
                                                      pretrained=pretrained or f"{label}_k{k}", ks=DEFAULT_KS,
                                                      extra=extra, language=language))
-    click.echo(f"{collection}/{split} {model} {label} k={k}: "
-               + " ".join(f"{key}={result[key]:.2f}" for key in result
-                          if "_R@" in key and result[f"{key.split('_')[0]}_queries"])
-               + f" mR={result['mR']:.2f} (t2i {result['t2i_queries']} / i2t {result['i2t_queries']} queries, "
-               f"{result['collection_size']} images) in {time.time() - t0:.1f} s")
+    click.echo(f"{collection}/{split} {model} {label} k={k} ({result['bootstrap'].label}): {summary_line(result)}")
+    click.echo(f"(t2i {result['t2i_queries']} / i2t {result['i2t_queries']} queries, {result['collection_size']} "
+               f"images) in {time.time() - t0:.1f} s")
     click.echo(f"wrote {csv_path} and {json_path}")
 
 

@@ -582,7 +582,7 @@ def eval_time(b: _Bench, cfg, beam_args, log) -> tuple[list[dict], list]:
                     res = runner.run(job)
                     spent += 0.0 if res.reused else res.wall_s
                 budget -= spent
-                (r_t2i, r_i2t) = evaluate_row(row, runner.results, b.env)
+                (r_t2i, r_i2t), _ = evaluate_row(row, runner.results, b.env)
                 job_wall = sum(runner.results[name].wall_s for _, name in row.timing)
                 rows.append(_row(b, **base, model="JOIN", mode=method, measured=True,
                                  **{c: r_t2i[c] for c in ("wall_s", "encode_s", "index_s", "rerank_s", "ce_pairs",

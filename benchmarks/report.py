@@ -21,14 +21,21 @@ from typing import Iterable, Mapping, Optional, Sequence
 import click
 
 from pipelines.common import write_atomic
+from retrieval_core.stats import Bootstrap, Interval, difference_intervals, recall_intervals, verdict
 
 #: ``model`` of the rows that measure the paper's code path (benchmarks.latency)
 PAPER_CODE_MODEL = "paper-code"
 
+#: The recalls whose bootstrap intervals every recall row carries (retrieval_core.stats).
+METRICS = ("R@1", "R@5", "R@10", "mR")
+#: Per recall row: each recall's interval, then the reranked rows' paired difference to EMB with its interval.
+INTERVAL_COLUMNS = tuple(f"{m}_{e}" for m in METRICS for e in ("lo", "hi")) + ("against",) + tuple(
+    f"delta_{m}{e}" for m in METRICS for e in ("", "_lo", "_hi")) + ("bootstrap",)
+
 #: Column order of every suite CSV. Optional timings stay empty where a suite does not measure them.
 CSV_COLUMNS = (
     "suite", "collection", "model", "mode", "k", "lam", "fusion", "direction",
-    "R@1", "R@5", "R@10", "mR", "queries", "collection_size",
+    "R@1", "R@5", "R@10", "mR", *INTERVAL_COLUMNS, "queries", "collection_size",
     "wall_s", "encode_s", "index_s", "search_s", "rerank_s", "ce_pairs", "peak_rss_mb", "launcher_peak_rss_mb",
     "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "ann_recall@10", "speedup_vs_paper_code",
     "search_p50_ms", "bound_ms", "index_bytes", "rate_per_s", "roofline_fraction",
@@ -38,8 +45,9 @@ CSV_COLUMNS = (
 
 #: Column order of <suite>_seeds.csv: one row per suite row key, over the runs of several model seeds.
 SEED_KEY = ("suite", "collection", "model", "mode", "k", "lam", "direction")
-SEED_COLUMNS = SEED_KEY + ("seeds", "fusion") + tuple(f"{m}_{stat}" for m in ("R@1", "R@5", "R@10", "mR")
-                                              for stat in ("mean", "std", "min", "max")) + ("queries", "recipe")
+SEED_COLUMNS = SEED_KEY + ("seeds", "fusion") + tuple(f"{m}_{stat}" for m in METRICS for stat in (
+    "mean", "mean_lo", "mean_hi", "std", "min", "max")) + ("against",) + tuple(
+    f"delta_{m}_mean{e}" for m in METRICS for e in ("", "_lo", "_hi")) + ("bootstrap", "queries", "recipe")
 
 
 #: Column order of <suite>_jobs.csv: what every pipeline job of a suite run cost.
@@ -61,6 +69,17 @@ COLUMN_DOCS = {
     "R@5": "recall at 5, percent",
     "R@10": "recall at 10, percent",
     "mR": "mean of R@1/5/10 over the evaluated directions, percent",
+    **{f"{m}_{e}": f"{'lower' if e == 'lo' else 'upper'} end of the 95 % bootstrap interval of {m} (percentile "
+                   f"interval, queries resampled; see bootstrap), percent" for m in METRICS for e in ("lo", "hi")},
+    "against": "the ranking the delta_* columns are a paired difference to: EMB of the same model and pool (empty: "
+               "no difference, e.g. an EMB row)",
+    **{f"delta_{m}": f"{m} of this row minus {m} of the 'against' ranking, percent points" for m in METRICS},
+    **{f"delta_{m}_{e}": f"{'lower' if e == 'lo' else 'upper'} end of the paired 95 % bootstrap interval of "
+                         f"delta_{m} (the same resampled queries for both rankings): entirely > 0 = lifts, "
+                         f"entirely < 0 = lowers, else no significant difference" for m in METRICS
+       for e in ("lo", "hi")},
+    "bootstrap": "how the intervals were computed: level, bootstrap resamples of the queries, seed "
+                 "(retrieval_core.stats; docs/STATISTICS.md)",
     "queries": "number of queries evaluated in this direction",
     "collection_size": "candidate pool size in images (the t2i pool)",
     "wall_s": "seconds of the jobs behind the row (encode + index + rerank + evaluation), as measured",
@@ -102,9 +121,18 @@ COLUMN_DOCS = {
     "notes": "what else a reader needs: derivations, reused jobs, query samples, skip reasons",
     # <suite>_seeds.csv
     "seeds": "the model seeds the statistics are over (benchmarks.run --model-seed 0,1,2)",
-    **{f"{m}_{stat}": f"{m} over the seeds: {desc}" for m in ("R@1", "R@5", "R@10", "mR")
+    **{f"{m}_{stat}": f"{m} over the seeds: {desc}" for m in METRICS
        for stat, desc in (("mean", "mean"), ("std", "sample standard deviation"), ("min", "smallest"),
                           ("max", "largest"))},
+    **{f"{m}_mean_{e}": f"{'lower' if e == 'lo' else 'upper'} end of the 95 % bootstrap interval of {m}_mean: "
+                        f"queries resampled jointly across the seeds (the same resample applied to every seed's "
+                        f"ranking of the same queries)" for m in METRICS for e in ("lo", "hi")},
+    **{f"delta_{m}_mean": f"mean over the seeds of (this row's {m} minus the 'against' ranking's), percent points"
+       for m in METRICS},
+    **{f"delta_{m}_mean_{e}": f"{'lower' if e == 'lo' else 'upper'} end of the paired 95 % bootstrap interval of "
+                              f"delta_{m}_mean (queries resampled jointly across seeds and both rankings): "
+                              f"entirely > 0 = the seed mean lifts, entirely < 0 = lowers" for m in METRICS
+       for e in ("lo", "hi")},
     # <suite>_jobs.csv
     "job": "job name (unique within the suite)",
     "step": "module the job ran (python -m <step>)",
@@ -258,13 +286,16 @@ def summary_table(rows: Sequence[Mapping], title: str = "") -> str:
     timing = [r for r in rows if r["R@1"] == "" and r not in skipped]
     if recall:
         head = f"{'collection':<28} {'model':<14} {'mode':<16} {'k':>4} {'lam':>4} {'dir':<4} " \
-               f"{'R@1':>6} {'R@5':>6} {'R@10':>6} {'mR':>6} {'queries':>8} {'size':>8} {'wall':>9}"
+               f"{'R@1':>6} {'R@1 95% CI':>14} {'R@5':>6} {'R@10':>6} {'mR':>6} {'queries':>8} {'size':>8} " \
+               f"{'wall':>9}  R@1 minus EMB [95% CI]"
         lines += [head, "-" * len(head)]
         for r in recall:
+            ci = f"[{_fmt(r['R@1_lo'])}, {_fmt(r['R@1_hi'])}]" if r["R@1_lo"] != "" else "-"
             lines.append(f"{str(r['collection'])[:28]:<28} {str(r['model'])[:14]:<14} {str(r['mode'])[:16]:<16} "
                          f"{str(r['k']):>4} {str(r['lam']):>4} {str(r['direction']):<4} {_fmt(r['R@1']):>6} "
-                         f"{_fmt(r['R@5']):>6} {_fmt(r['R@10']):>6} {_fmt(r['mR']):>6} {str(r['queries']):>8} "
-                         f"{str(r['collection_size']):>8} {_fmt_seconds(r['wall_s']):>9}")
+                         f"{ci:>14} {_fmt(r['R@5']):>6} {_fmt(r['R@10']):>6} {_fmt(r['mR']):>6} "
+                         f"{str(r['queries']):>8} {str(r['collection_size']):>8} {_fmt_seconds(r['wall_s']):>9}  "
+                         f"{_signed(r, 'R@1')}")
     if timing:
         head = f"{'collection':<22} {'model':<12} {'mode':<20} {'k':>4} {'size':>9} {'p50':>9} {'p95':>9} " \
                f"{'p99':>9} {'wall':>9} {'ann_R@10':>8} {'speedup':>8} {'measured':>8}"
@@ -282,56 +313,108 @@ def summary_table(rows: Sequence[Mapping], title: str = "") -> str:
 
 
 # ----------------------------------------------------------------------------------------- plots
-def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]]) -> list[dict]:
+def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]],
+                 hits_by_seed: Optional[Mapping[int, Sequence]] = None, boot: Bootstrap = Bootstrap()) -> list[dict]:
     """<suite>_seeds.csv rows: per suite row key (SEED_KEY), R@1/5/10 and mR over the model seeds (mean, sample
     std, min, max). A key missing from one seed's run is an error: the seeds must have run the same plan. AUTO
-    rows are keyed without their lam (each seed's dev run may choose another fusion; ``fusion`` lists them)."""
+    rows are keyed without their lam (each seed's dev run may choose another fusion; ``fusion`` lists them).
+
+    ``hits_by_seed``: per seed, for each of its rows, the per-query hits behind it (``benchmarks.rows.RowHits``:
+    ``hits``, ``baseline``; None for a row without): the interval of each seed mean, and of the seed mean of the
+    difference to the row's baseline, with the queries resampled jointly across the seeds (they rank the same
+    queries; anything else is an error)."""
     import statistics
 
-    by_key: dict[tuple, dict[int, Mapping]] = {}
+    by_key: dict[tuple, dict[int, tuple[Mapping, object]]] = {}
     for seed, rows in rows_by_seed.items():
-        for r in rows:
+        hits = list(hits_by_seed[seed]) if hits_by_seed else [None] * len(rows)
+        if len(hits) != len(rows):
+            raise ValueError(f"seed {seed}: {len(rows)} rows but {len(hits)} hits")
+        for r, h in zip(rows, hits):
             r = normalise_row(r)
             if r["R@1"] != "":
                 # an AUTO row is one configuration whatever fusion each seed's dev run chose: keyed without its lam
                 key = {**r, "lam": ""} if r["mode"] == "AUTO" else r
-                by_key.setdefault(tuple(str(key[c]) for c in SEED_KEY), {})[seed] = r
+                by_key.setdefault(tuple(str(key[c]) for c in SEED_KEY), {})[seed] = (r, h)
     seeds = sorted(rows_by_seed)
     out = []
+    cache: dict[tuple, tuple] = {}  # both direction rows of a group share their hits: resample them once
     for key, per_seed in by_key.items():
         if sorted(per_seed) != seeds:
             raise ValueError(f"row {dict(zip(SEED_KEY, key))} is missing for seed(s) "
                              f"{sorted(set(seeds) - set(per_seed))}")
         row = dict(zip(SEED_KEY, key))
+        rows = {s: per_seed[s][0] for s in seeds}
         row["seeds"] = ",".join(map(str, seeds))
-        row["fusion"] = " ".join(f"{s}:{per_seed[s]['fusion']}" for s in seeds if per_seed[s]["fusion"] != "")
-        for m in ("R@1", "R@5", "R@10", "mR"):
-            vals = [float(per_seed[s][m]) for s in seeds]
+        row["fusion"] = " ".join(f"{s}:{rows[s]['fusion']}" for s in seeds if rows[s]["fusion"] != "")
+        for m in METRICS:
+            vals = [float(rows[s][m]) for s in seeds]
             row.update({f"{m}_mean": round(statistics.fmean(vals), 3),
                         f"{m}_std": round(statistics.stdev(vals), 3) if len(vals) > 1 else 0.0,
                         f"{m}_min": min(vals), f"{m}_max": max(vals)})
-        row["queries"] = per_seed[seeds[0]]["queries"]
-        row["recipe"] = per_seed[seeds[0]]["recipe"]
+        hits = [per_seed[s][1] for s in seeds]
+        if all(h is not None for h in hits):
+            ids = tuple(id(h) for h in hits)
+            if ids not in cache:
+                cache[ids] = (recall_intervals([h.hits for h in hits], boot),
+                              difference_intervals([h.hits for h in hits], [h.baseline for h in hits], boot)
+                              if all(h.baseline is not None for h in hits) else None)
+            means, delta = cache[ids]
+            d = row["direction"]
+            row.update({f"{m}_mean_{e}": v for m, iv in _by_metric(means, d).items()
+                        for e, v in (("lo", round(iv.lo, 3)), ("hi", round(iv.hi, 3)))})
+            if delta is not None:
+                row["against"] = rows[seeds[0]]["against"]
+                row.update({f"delta_{m}_mean{e}": round(v, 3) for m, iv in _by_metric(delta, d).items()
+                            for e, v in (("", iv.estimate), ("_lo", iv.lo), ("_hi", iv.hi))})
+            row["bootstrap"] = boot.label + ", resampled jointly across the seeds"
+        row["queries"] = rows[seeds[0]]["queries"]
+        row["recipe"] = rows[seeds[0]]["recipe"]
         out.append(row)
     return out
 
 
+def _by_metric(intervals: Mapping[str, Interval], direction: str) -> dict[str, Interval]:
+    """A direction row's intervals by CSV metric name: R@k of that direction, and mR."""
+    return {m: intervals["mR" if m == "mR" else f"{direction}_{m}"] for m in METRICS}
+
+
+def _signed(r: Mapping, m: str, stat: str = "") -> str:
+    """``+3.1 [+1.2, +5.0] lifts`` from a row's delta columns (``delta_<m><stat>``), "-" without them."""
+    cols = [f"delta_{m}{stat}{e}" for e in ("", "_lo", "_hi")]
+    if not r or any(str(r.get(c, "")) in ("", "nan") for c in cols):
+        return "-"
+    est, lo, hi = (float(r[c]) for c in cols)
+    return f"{est:+.1f} [{lo:+.1f}, {hi:+.1f}] {verdict(lo, hi)}"
+
+
 def seed_summary_table(rows: Sequence[Mapping], title: str = "") -> str:
-    """R@1 per direction and mR as mean ± std over the seeds, one line per (collection, model, mode, k, lam)."""
+    """R@1 per direction and mR as mean ± std over the seeds [95 % interval of the mean], one line per (collection,
+    model, mode, k, lam); reranked rows then say the seed-mean difference of R@1 to EMB with its interval."""
     lines = [f"== {title} ==" if title else ""]
-    head = f"{'collection':<30} {'model':<6} {'mode':<12} {'k':>3} {'lam':>4} {'t2i R@1':>13} {'i2t R@1':>13} " \
-           f"{'mR':>13}"
+    head = f"{'collection':<30} {'model':<6} {'mode':<12} {'k':>3} {'lam':>4} {'t2i R@1':>26} {'i2t R@1':>26} " \
+           f"{'mR':>26}"
     lines += [head, "-" * len(head)]
     groups: dict[tuple, dict[str, Mapping]] = {}
     for r in rows:
         groups.setdefault((r["collection"], r["model"], r["mode"], r["k"], r["lam"]), {})[r["direction"]] = r
-    pm = lambda r, m: f"{float(r[m + '_mean']):.1f} ± {float(r[m + '_std']):.1f}" if r else "-"  # noqa: E731
+
+    def pm(r, m):
+        if not r:
+            return "-"
+        ci = f" [{float(r[m + '_mean_lo']):.1f}, {float(r[m + '_mean_hi']):.1f}]" \
+            if str(r.get(m + "_mean_lo", "")) not in ("", "nan") else ""
+        return f"{float(r[m + '_mean']):.1f} ± {float(r[m + '_std']):.1f}{ci}"
+
     for (coll, model, mode, k, lam), d in groups.items():
         t, i = d.get("t2i"), d.get("i2t")
         chosen = (t or i).get("fusion", "")
         lines.append(f"{str(coll)[:30]:<30} {str(model)[:6]:<6} {str(mode)[:12]:<12} {str(k):>3} {str(lam):>4} "
-                     f"{pm(t, 'R@1'):>13} {pm(i, 'R@1'):>13} {pm(t or i, 'mR'):>13}"
+                     f"{pm(t, 'R@1'):>26} {pm(i, 'R@1'):>26} {pm(t or i, 'mR'):>26}"
                      + (f"  (chosen per seed: {chosen})" if chosen else ""))
+        if _signed(t or i, "mR", "_mean") != "-":
+            lines.append(f"{'':<30}   seed-mean R@1 minus {(t or i).get('against')}: t2i {_signed(t, 'R@1', '_mean')}"
+                         f"; i2t {_signed(i, 'R@1', '_mean')}")
     return "\n".join(lines)
 
 

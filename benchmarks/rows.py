@@ -1,13 +1,27 @@
 """A planned suite row's CSV rows (one per direction) from its finished rerank run(s): recall re-derived from the
-stored scores (retrieval_core.runs), the jobs' wall times and peak RSS, and notes saying how it was measured."""
+stored scores (retrieval_core.runs) with its bootstrap intervals and, for a reranked row, its paired difference to
+the EMB ranking of the same family and pool (retrieval_core.stats), the jobs' wall times and peak RSS, and notes
+saying how it was measured."""
 from __future__ import annotations
 
 import time
+from typing import NamedTuple, Optional
 
 import numpy as np
 
 from benchmarks.suites import DIRECTIONS, Row
-from retrieval_core.runs import choose_fusion, evaluate_run, read_run_manifest
+from retrieval_core.runs import LoadedRun, choose_fusion, read_run_manifest
+from retrieval_core.stats import Bootstrap, Hits, difference_intervals, fold_hits, interval_columns, recall_intervals
+
+#: What a row's difference is paired with (the ``against`` column).
+BASELINE = "EMB"
+
+
+class RowHits(NamedTuple):
+    """The per-query hits behind a row group (per fold), and those of its paired EMB baseline (None: no
+    difference); the seed summary (benchmarks.report.seed_summary) resamples them across seeds."""
+    hits: Hits
+    baseline: Optional[Hits]
 
 
 def ce_pairs_scored(run_dir: str) -> int:
@@ -15,12 +29,16 @@ def ce_pairs_scored(run_dir: str) -> int:
     return int(read_run_manifest(run_dir)[1].get("ce_pairs_scored", 0))
 
 
-def evaluate_row(row: Row, results: dict, env: dict) -> list[dict]:
-    """CSV rows (one per direction) of a planned Row, from its finished rerank run(s)."""
+def evaluate_row(row: Row, results: dict, env: dict, boot: Bootstrap = Bootstrap(),
+                 memo: Optional[dict] = None) -> tuple[list[dict], Optional[RowHits]]:
+    """CSV rows (one per direction) of a planned Row, from its finished rerank run(s), and the hits behind them
+    (None for a skipped row). ``memo``: EMB hits by run, shared by the rows of one plan (a run's EMB ranking is
+    derived once for its EMB row and every difference to it)."""
     common = {"suite": row.suite, "collection": row.collection, "model": row.model, "mode": row.mode, "k": row.k,
               "lam": row.lam, "collection_size": row.pool_images, "split": row.split or "", **env}
     if row.skip:
-        return [{**common, "direction": "both", "measured": False, "notes": row.skip}]
+        return [{**common, "direction": "both", "measured": False, "notes": row.skip}], None
+    memo = {} if memo is None else memo
     t0 = time.perf_counter()
     eval_mode, eval_lam, chosen = row.eval_mode, row.eval_lam, ""
     if eval_mode == "auto":  # what pipelines.rerank --mode auto --tune-on would run, from the stored scores
@@ -31,8 +49,18 @@ def evaluate_row(row: Row, results: dict, env: dict) -> list[dict]:
                  f"co {dev_mr['co']:.2f})"
         common["lam"] = eval_lam if eval_lam is not None else ""
         common["fusion"] = choice["label"]
-    metrics = [evaluate_run(run, row.staged, k=row.eval_k, mode=eval_mode, lam=eval_lam,
-                            collection=row.eval_collection, split=row.split) for run in row.runs]
+    metrics, hits, base = [], [], []
+    for i, run in enumerate(row.runs):
+        loaded = LoadedRun.read(run, row.staged, row.eval_collection, row.split)
+        metrics.append(loaded.evaluate(row.eval_k, eval_mode, eval_lam))
+        hits.append(loaded.hits(row.eval_k, eval_mode, eval_lam))
+        if eval_mode == "emb" and row.eval_k is None and eval_lam is None:
+            memo[_memo_key(row, run)] = hits[-1]
+        if row.emb_runs:
+            base.append(_emb_hits(row, row.emb_runs[i], loaded if row.emb_runs[i] == run else None, memo))
+    row_hits = RowHits(fold_hits(hits), fold_hits(base) if base else None)
+    intervals = recall_intervals(row_hits.hits, boot)
+    delta = difference_intervals(row_hits.hits, row_hits.baseline, boot) if base else None
     eval_s = (time.perf_counter() - t0) / len(row.runs)
     timing: dict[str, float] = {}
     for col, name in row.timing:
@@ -52,13 +80,39 @@ def evaluate_row(row: Row, results: dict, env: dict) -> list[dict]:
         (f" lam={metrics[0].get('lam')}" if eval_mode in ("add", "norm_add") else "")
     reused = sorted({name for _, name in row.timing if results[name].reused})
     notes = list(row.notes) + ([chosen] if chosen else []) + \
-        ([f"{len(reused)} job(s) reused from an earlier run (their cost as measured then)"] if reused else [])
+        ([f"{len(reused)} job(s) reused from an earlier run (their cost as measured then)"] if reused else []) + \
+        [_interval_note(row)]
     out = []
     for d in DIRECTIONS:
-        out.append({**common, "direction": d, **per_dir[d], "mR": m_r,
+        stats = interval_columns(intervals, d)
+        if delta is not None:
+            stats.update(against=BASELINE, **interval_columns(delta, d, prefix="delta_"))
+        out.append({**common, "direction": d, **per_dir[d], "mR": m_r, **stats, "bootstrap": boot.label,
                     "queries": int(round(mean([m[f"{d}_queries"] for m in metrics]))),
                     **{c: round(v, 3) for c, v in timing.items()},
                     "wall_s": round(sum(timing.values()) + eval_s, 3), "ce_pairs": pairs,
                     "peak_rss_mb": round(peak, 1), "measured": True,
                     "rankings": ";".join(row.runs) + f" ({derived})", "notes": "; ".join(notes)})
-    return out
+    return out, row_hits
+
+
+def _memo_key(row: Row, run: str) -> tuple:
+    return run, row.staged, row.eval_collection, row.split
+
+
+def _emb_hits(row: Row, run: str, loaded: Optional[LoadedRun], memo: dict) -> Hits:
+    """The EMB hits of ``run`` (a row's paired baseline): from the memo, else derived (and kept)."""
+    key = _memo_key(row, run)
+    if key not in memo:
+        loaded = loaded or LoadedRun.read(run, row.staged, row.eval_collection, row.split)
+        memo[key] = loaded.hits(None, "emb", None)
+    return memo[key]
+
+
+def _interval_note(row: Row) -> str:
+    """How the row's intervals were computed (the CSV's bootstrap column says with how many resamples)."""
+    how = "each fold's queries resampled on their own, the statistic the mean over the folds" if row.per_fold \
+        else "queries resampled, each direction on its own"
+    if row.emb_runs:
+        how += f"; delta_* = this row minus {BASELINE} of the same model and pool, paired over the same queries"
+    return f"intervals: {how}"

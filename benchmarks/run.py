@@ -47,7 +47,7 @@ import click
 
 from benchmarks import jobs as jb
 from benchmarks import latency, report, suites
-from benchmarks.rows import ce_pairs_scored, evaluate_row
+from benchmarks.rows import RowHits, ce_pairs_scored, evaluate_row
 from benchmarks.suites import DEFAULT_MAX_QUERIES, SUITES, Models, Plan, SuiteConfig
 from pipelines import demo_assets
 from pipelines.common import UnknownFlagError, unknown_beam_flags
@@ -69,9 +69,10 @@ def job_rows(results: Sequence[jb.JobResult], beam_args: Sequence[str]) -> list[
 
 
 def execute(plan: Plan, beam_args: Sequence[str], costs: jb.UnitCosts, costs_path: str, env: dict,
-            log=print, preload: bool = True) -> tuple[list[dict], list[jb.JobResult]]:
+            log=print, preload: bool = True) -> tuple[list[dict], list[jb.JobResult], list[Optional[RowHits]]]:
     """Run the plan's jobs in order (learning unit costs from each), then evaluate its rows. ``preload``:
-    jobs forked from the preloaded forkserver (``benchmarks.jobs``), not fresh interpreters."""
+    jobs forked from the preloaded forkserver (``benchmarks.jobs``), not fresh interpreters. Returns the CSV
+    rows, the job results and, for each CSV row, the per-query hits behind it (the seed summary's input)."""
     runner = jb.JobRunner(tuple(beam_args), log, preload=preload)
     for job in plan.jobs:
         res = runner.run(job)
@@ -82,12 +83,13 @@ def execute(plan: Plan, beam_args: Sequence[str], costs: jb.UnitCosts, costs_pat
                                    res.wall_s, res.peak_rss_kib, preloaded=res.preloaded)
             costs.learn(res)
             costs.save(costs_path)
-    rows = []
+    rows, hits, memo = [], [], {}
     for row in plan.rows:
-        got = evaluate_row(row, runner.results, env)
+        got, row_hits = evaluate_row(row, runner.results, env, memo=memo)
         peak = round(_own_peak_rss_mb(), 1)  # after reading this row's rankings and gold
         rows += [{**r, "launcher_peak_rss_mb": peak} for r in got]
-    return rows, list(runner.results.values())
+        hits += [row_hits] * len(got)
+    return rows, list(runner.results.values()), hits
 
 
 def _own_peak_rss_mb() -> float:
@@ -245,7 +247,7 @@ def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, recipe, model_seeds, no
         raise click.UsageError("--model-seed with several seeds trains the recipe's models: give no model folders")
     if workdir:
         os.environ["RR_WORKDIR"] = os.path.abspath(workdir)
-    rows_by_seed = {}
+    rows_by_seed, hits_by_seed = {}, {}
     for seed in seeds:
         t_start = time.time()
         models = resolve_models(join_dir, be_dir, ce_dir, no_sep, suite, plan_only, beam_args, recipe, seed)
@@ -265,22 +267,26 @@ def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, recipe, model_seeds, no
                           plan_only=plan_only, beam_args=beam_args, anns=_anns(ann), hnsw_max_n=hnsw_max_n,
                           eval_budget_s=eval_budget, recipe=recipe if trained else "",
                           model_seed=seed if trained else "", preload=not fresh_interpreters)
-        rows_by_seed[seed] = run_suite(cfg, opts, t_start)
+        rows_by_seed[seed], hits_by_seed[seed] = run_suite(cfg, opts, t_start) or (None, None)
     if len(seeds) > 1 and all(rows_by_seed.values()):
-        summary = report.seed_summary(rows_by_seed)
+        summary = report.seed_summary(rows_by_seed, hits_by_seed)
         path = report.write_csv(os.path.join(output, f"{suite}_seeds.csv"), summary, report.SEED_COLUMNS)
-        print(report.seed_summary_table(summary, f"{suite}: mean ± std over model seeds {model_seeds}"))
+        print(report.seed_summary_table(summary, f"{suite}: mean ± std over model seeds {model_seeds}; "
+                                                 f"[95 % interval of the seed mean]"))
         print(f"wrote {path}")
 
 
-def run_suite(cfg: SuiteConfig, opts: RunOptions, t_start: float) -> Optional[list[dict]]:
-    """One suite run for one model set: its jobs, <output>/<suite>.csv, the jobs CSV, plots and the summary."""
+def run_suite(cfg: SuiteConfig, opts: RunOptions,
+              t_start: float) -> Optional[tuple[list[dict], list[Optional[RowHits]]]]:
+    """One suite run for one model set: its jobs, <output>/<suite>.csv, the jobs CSV, plots and the summary.
+    Returns the rows and, per row, the per-query hits behind it (None without a plan run)."""
     suite, output, beam_args = cfg.suite, opts.output, opts.beam_args
     if not opts.plan_only:
         os.makedirs(output, exist_ok=True)
     try:
         if suite == "latency":
             rows, results = run_latency_suite(cfg, opts)
+            hits = [None] * len(rows or [])
         else:
             plan = suites.plan_suite(cfg, baseline_model(cfg, opts.plan_only) if suite == "baseline" else None)
             if opts.plan_only:
@@ -291,8 +297,8 @@ def run_suite(cfg: SuiteConfig, opts: RunOptions, t_start: float) -> Optional[li
                    "recipe": opts.recipe,
                    "model_seed": opts.model_seed}
             # the memory suite's figure is each job's RSS: fresh interpreters, without the preloaded modules
-            rows, results = execute(plan, beam_args, jb.UnitCosts.load(unit_costs_path(cfg)),
-                                    unit_costs_path(cfg), env, preload=opts.preload and suite != "memory")
+            rows, results, hits = execute(plan, beam_args, jb.UnitCosts.load(unit_costs_path(cfg)),
+                                          unit_costs_path(cfg), env, preload=opts.preload and suite != "memory")
     except jb.JobFailed as exc:
         raise click.ClickException(str(exc)) from None
     if rows is None:
@@ -307,7 +313,7 @@ def run_suite(cfg: SuiteConfig, opts: RunOptions, t_start: float) -> Optional[li
         report.plot_recall_vs_k(rows, os.path.join(output, "k_ablation.png"))
     print(report.summary_table(rows, f"{suite} ({time.time() - t_start:.0f}s)"))
     print(f"wrote {path}")
-    return rows
+    return rows, hits
 
 
 def _seeds(text: str) -> tuple[int, ...]:

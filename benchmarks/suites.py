@@ -119,7 +119,9 @@ class SuiteConfig:
 class Row:
     """One CSV row group (one row per direction): ``runs`` (one rerank run, or one per fold: the mean) read
     by evaluate_run with ``eval_k`` / ``eval_mode`` / ``eval_lam``; ``timing`` = ((CSV column, job name),
-    ...) whose wall times the row reports; ``skip`` = why the row was not run (then nothing else matters)."""
+    ...) whose wall times the row reports; ``emb_runs``: the runs (one per fold) whose EMB ranking the row's
+    difference is paired with (empty: no difference); ``skip`` = why the row was not run (then nothing else
+    matters)."""
     suite: str
     collection: str
     model: str
@@ -137,6 +139,7 @@ class Row:
     tune_staged: str = ""
     timing: tuple[tuple[str, str], ...] = ()
     per_fold: bool = False  # index_s / rerank_s are per fold (means); encode_s is shared by the folds
+    emb_runs: tuple[str, ...] = ()  # a reranked row's paired baseline: the EMB ranking of these runs (one per fold)
     pool_images: int = 0
     notes: tuple[str, ...] = ()
     skip: str = ""
@@ -419,19 +422,22 @@ def one_pool(p: Planner, st: Staged, collection: str, label: str, *, k: int, que
             for kk in (ks or (k,)):
                 extra = f"derived from the stored CE scores of the k={k} run (ce_pairs and rerank_s are that run's)" \
                     if kk != k else ""
-                p.row(mode="CO", k=kk, eval_mode="co", eval_k=kk, timing=timing, **{**base, **_note(base, extra)})
+                p.row(mode="CO", k=kk, eval_mode="co", eval_k=kk, timing=timing, emb_runs=tuple(runs),
+                      **{**base, **_note(base, extra)})
         if auto and "CO" in rows and not ks and not lams:  # the dev-chosen fusion beside CO, same stored scores
             dev, dev_st = p.dev_run(family, be, ce, k)
             p.row(mode="AUTO", k=k, eval_mode="auto", eval_k=k, tune_on=dev.output, tune_staged=dev_st.path,
-                  timing=timing + (("rerank_s", dev.name),), **{**base, **_note(
+                  timing=timing + (("rerank_s", dev.name),), emb_runs=tuple(runs), **{**base, **_note(
                       base, f"fusion chosen by dev mR on {TUNE_MANIFEST}/{TUNE_SPLIT} (rerank --mode auto's "
                             f"choose_fusion), applied to the stored scores of the CO k={k} run")})
         for mode in ("add", "norm_add"):
             for lam in lams:
                 p.row(mode=MODE_LABELS[mode], k=k, lam=lam, eval_mode=mode, eval_k=k, eval_lam=lam, timing=timing,
-                      **{**base, **_note(base, f"fused from the stored scores of the CO k={k} run")})
+                      emb_runs=tuple(runs), **{**base, **_note(base, f"fused from the stored scores of the CO k={k} "
+                                                                     f"run")})
         if exhaustive and run_exhaustive:
-            p.row(mode="CE", k="all", timing=tuple(enc_t + index_t + ce_t), **{**base, "runs": tuple(ce_runs)})
+            p.row(mode="CE", k="all", timing=tuple(enc_t + index_t + ce_t), emb_runs=tuple(runs),
+                  **{**base, "runs": tuple(ce_runs)})
         elif exhaustive:
             p.row(mode="CE", k="all", skip=f"skipped: exhaustive CE needs {exh_pairs:,} pairs"
                   f"{' per fold' if fold_jobs else ''}, over the pair budget {cfg.ce_pair_budget:,} "

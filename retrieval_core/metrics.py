@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 from typing import Collection, Mapping, Sequence, Union
 
 import faiss
@@ -220,15 +221,14 @@ def first_hit_ranks(ranked_ids: RankedIds, gold: Sequence[Collection[int]]) -> n
     return out
 
 
-def direction_recall(direction: str, ranked_ids: RankedIds, query_ids: Sequence[int],
-                     caption_to_image: Mapping[int, int], image_to_captions: Mapping[int, Collection[int]],
-                     ks: Sequence[int] = DEFAULT_KS) -> dict:
-    """R@k of one direction ("t2i": caption queries, gold = its image; "i2t": image queries, gold = any of
-    its captions). Keys ``<direction>_R@<k>`` and ``<direction>_queries``. A query without gold (unknown id,
-    or an image with no captions) raises ValueError naming it; so does a duplicate query id."""
+def direction_first_hits(direction: str, ranked_ids: RankedIds, query_ids: Sequence[int],
+                         caption_to_image: Mapping[int, int], image_to_captions: Mapping[int, Collection[int]]
+                         ) -> np.ndarray:
+    """:func:`first_hit_ranks` of one direction's queries ("t2i": caption queries, gold = its image; "i2t": image
+    queries, gold = any of its captions). A query without gold (unknown id, or an image with no captions) raises
+    ValueError naming it; so does a duplicate query id."""
     if direction not in ("t2i", "i2t"):
         raise ValueError(f"direction must be 't2i' or 'i2t', got {direction!r}")
-    ks = _check_ks(ks)
     gold = []
     for q in _query_list(query_ids, ranked_ids, direction):
         if direction == "t2i":
@@ -240,9 +240,20 @@ def direction_recall(direction: str, ranked_ids: RankedIds, query_ids: Sequence[
             if not caps:
                 raise ValueError(f"i2t query (image) {q} has no gold captions")
             gold.append(caps)
-    recall = recall_at_k(ranked_ids, gold, ks)
-    result: dict = {f"{direction}_R@{k}": recall[k] for k in ks}
-    result[f"{direction}_queries"] = len(gold)
+    if not gold:
+        raise ValueError(f"{direction}: no queries")
+    return first_hit_ranks(ranked_ids, gold)
+
+
+def direction_recall(direction: str, ranked_ids: RankedIds, query_ids: Sequence[int],
+                     caption_to_image: Mapping[int, int], image_to_captions: Mapping[int, Collection[int]],
+                     ks: Sequence[int] = DEFAULT_KS) -> dict:
+    """R@k of one direction (:func:`direction_first_hits`). Keys ``<direction>_R@<k>`` and
+    ``<direction>_queries``."""
+    ks = _check_ks(ks)
+    first = direction_first_hits(direction, ranked_ids, query_ids, caption_to_image, image_to_captions)
+    result: dict = {f"{direction}_R@{k}": float(100.0 * np.mean(first < k)) for k in ks}
+    result[f"{direction}_queries"] = len(first)
     return result
 
 
@@ -320,16 +331,27 @@ def check_queries(direction: str, ranked: np.ndarray, gold_keys: Collection[int]
                               f"({len(missing)} missing; first: {missing[:5]})")
 
 
-def evaluate_rankings(rankings: Union[pd.DataFrame, pa.Table], caption_to_image: Mapping[int, int],
-                      image_to_captions: Mapping[int, Collection[int]], ks: Sequence[int] = DEFAULT_KS,
-                      directions: Sequence[str] = DIRECTIONS) -> dict:
-    """Recall of the given directions of a rankings table (schema.RANKING_SCHEMA columns).
+@dataclass(frozen=True)
+class DirectionHits:
+    """One direction of a ranking, query by query: the query ids (ascending), the 0-based rank of each query's
+    first gold item (:func:`first_hit_ranks`; a large sentinel when absent, so a hit at K is ``first_hit < K``)
+    and the length of its shortest ranked list. What recall and its confidence intervals are computed from."""
+    direction: str
+    query_ids: np.ndarray
+    first_hit: np.ndarray
+    depth: int
 
-    Returns ``<d>_R@<k>`` and ``<d>_queries`` for both directions (NaN and 0 for a direction not evaluated),
-    ``mR`` (mean of the evaluated recalls), ``collection_size`` (gold images) and ``ranked_depth`` (shortest
-    ranked list). Every gold query of an evaluated direction must be ranked and vice versa. Gold mappings are
-    only read.
-    """
+    def recall(self, k: int) -> float:
+        return float(100.0 * np.mean(self.first_hit < k))
+
+
+def rankings_hits(rankings: Union[pd.DataFrame, pa.Table], caption_to_image: Mapping[int, int],
+                  image_to_captions: Mapping[int, Collection[int]],
+                  directions: Sequence[str] = DIRECTIONS) -> dict[str, DirectionHits]:
+    """:class:`DirectionHits` of each given direction of a rankings table (schema.RANKING_SCHEMA columns).
+
+    Every gold query of an evaluated direction must be ranked and vice versa (RankingsError otherwise). Gold
+    mappings are only read."""
     df = rankings.to_pandas() if isinstance(rankings, pa.Table) else rankings
     missing_cols = [c for c in ("direction", "query_id", "rank", "item_id") if c not in df.columns]
     if missing_cols:
@@ -342,21 +364,40 @@ def evaluate_rankings(rankings: Union[pd.DataFrame, pa.Table], caption_to_image:
     extra = set(df["direction"].unique()) - set(directions)
     if extra:
         raise RankingsError(f"rankings hold direction(s) {sorted(extra)} that are not evaluated")
-    result: dict = {}
-    depth = []
+    out = {}
     for d in DIRECTIONS:
         if d not in directions:
-            result.update({f"{d}_R@{kk}": float("nan") for kk in ks})
-            result[f"{d}_queries"] = 0
             continue
         queries, lists = ranked_lists(df, d)
         check_queries(d, queries, (caption_to_image if d == schema.DIRECTION_T2I else image_to_captions).keys())
-        result.update(direction_recall(d, lists, queries, caption_to_image, image_to_captions, ks))
-        depth += [len(x) for x in lists]
-    result["mR"] = float(np.mean([result[f"{d}_R@{kk}"] for d in directions for kk in ks]))
-    result["collection_size"] = len(image_to_captions)
-    result["ranked_depth"] = int(min(depth))
+        first = direction_first_hits(d, lists, queries, caption_to_image, image_to_captions)
+        out[d] = DirectionHits(d, queries, first, int(min(len(x) for x in lists)))
+    return out
+
+
+def recall_summary(hits: Mapping[str, DirectionHits], collection_size: int,
+                   ks: Sequence[int] = DEFAULT_KS) -> dict:
+    """``<d>_R@<k>`` and ``<d>_queries`` for both directions (NaN and 0 for a direction not in ``hits``), ``mR``
+    (mean of the evaluated recalls), ``collection_size`` and ``ranked_depth`` (shortest ranked list)."""
+    ks = _check_ks(ks)
+    result: dict = {}
+    for d in DIRECTIONS:
+        h = hits.get(d)
+        result.update({f"{d}_R@{kk}": h.recall(kk) if h else float("nan") for kk in ks})
+        result[f"{d}_queries"] = len(h.query_ids) if h else 0
+    result["mR"] = float(np.mean([result[f"{d}_R@{kk}"] for d in hits for kk in ks]))
+    result["collection_size"] = int(collection_size)
+    result["ranked_depth"] = int(min(h.depth for h in hits.values()))
     if result["ranked_depth"] < max(ks):
         log.warning("some ranked lists hold only %d items (< %d): R@%d counts them as misses beyond",
                     result["ranked_depth"], max(ks), max(ks))
     return result
+
+
+def evaluate_rankings(rankings: Union[pd.DataFrame, pa.Table], caption_to_image: Mapping[int, int],
+                      image_to_captions: Mapping[int, Collection[int]], ks: Sequence[int] = DEFAULT_KS,
+                      directions: Sequence[str] = DIRECTIONS) -> dict:
+    """Recall of the given directions of a rankings table: :func:`recall_summary` of :func:`rankings_hits`, the
+    collection size being the gold images."""
+    return recall_summary(rankings_hits(rankings, caption_to_image, image_to_captions, directions),
+                          len(image_to_captions), ks)

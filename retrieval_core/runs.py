@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from retrieval_core import schema
-from retrieval_core.metrics import evaluate_rankings
+from retrieval_core.metrics import DirectionHits, rankings_hits, recall_summary
 from retrieval_core.paths import LOCAL_FILES, FileAccess, join_path, read_file, split_path
 from retrieval_core.rerank import (
     FUSION_MODES,
@@ -28,6 +28,7 @@ from retrieval_core.rerank import (
     RUN_TO_RANK_MODE,
     derive_rankings,
 )
+from retrieval_core.stats import Bootstrap, recall_intervals
 from retrieval_core.store import StagedDataset
 
 DIRECTIONS = (schema.DIRECTION_T2I, schema.DIRECTION_I2T)
@@ -156,6 +157,7 @@ class LoadedRun:
         self.manifest_path, self.manifest, self.table, self.dataset = manifest_path, manifest, table, dataset
         self.collection, self.split, self.directions = collection, split, directions
         self.caption_to_image, self.image_to_captions = caption_to_image, image_to_captions
+        self._hits: dict[tuple, dict[str, DirectionHits]] = {}
 
     @classmethod
     def read(cls, run_dir: str, staged: str, collection: Optional[str] = None, split: Optional[str] = None,
@@ -204,24 +206,37 @@ class LoadedRun:
         except ValueError as exc:
             raise RunError(f"{self.manifest_path}: {exc}") from None
 
-    def evaluate(self, k: Optional[int] = None, mode: Optional[str] = None, lam: Optional[float] = None) -> dict:
-        """Recall of the run ranked for (k, mode, lam): ``metrics.evaluate_rankings``' keys plus ``k``, ``mode``,
-        ``lam`` as applied, ``collection``, ``split``; ``collection_size`` is the t2i candidate pool."""
+    def hits(self, k: Optional[int] = None, mode: Optional[str] = None,
+             lam: Optional[float] = None) -> dict[str, DirectionHits]:
+        """Per direction, the ranked queries and the rank of each one's first gold item, for the run ranked for
+        (k, mode, lam): what its recalls and their intervals (``retrieval_core.stats``) are computed from. Kept per
+        (k, mode, lam), so that a run's EMB hits are derived once whatever compares with them."""
+        key = self.resolve(k, mode, lam)
+        if key not in self._hits:
+            self._hits[key] = rankings_hits(self.ranked(*key), self.caption_to_image, self.image_to_captions,
+                                            directions=self.directions)
+        return self._hits[key]
+
+    def evaluate(self, k: Optional[int] = None, mode: Optional[str] = None, lam: Optional[float] = None,
+                 bootstrap: Optional[Bootstrap] = None) -> dict:
+        """Recall of the run ranked for (k, mode, lam): ``metrics.recall_summary``'s keys plus ``k``, ``mode``,
+        ``lam`` as applied, ``collection``, ``split``; ``collection_size`` is the t2i candidate pool (else the gold
+        images). With ``bootstrap``: ``intervals``, ``stats.recall_intervals`` of its recalls and mR."""
         k, mode, lam = self.resolve(k, mode, lam)
-        result = evaluate_rankings(self.ranked(k, mode, lam), self.caption_to_image, self.image_to_captions,
-                                   directions=self.directions)
+        hits = self.hits(k, mode, lam)
         pool = self.manifest.get("pool_size", {}).get(schema.DIRECTION_T2I)
-        if pool is not None:
-            result["collection_size"] = int(pool)
+        result = recall_summary(hits, int(pool) if pool is not None else len(self.image_to_captions))
         result.update(k=k, mode=mode, lam=lam, collection=self.collection, split=self.split)
+        if bootstrap is not None:
+            result["intervals"] = recall_intervals(hits, bootstrap)
         return result
 
 
 def evaluate_run(run_dir: str, staged: str, *, k: Optional[int] = None, mode: Optional[str] = None,
                  lam: Optional[float] = None, collection: Optional[str] = None, split: Optional[str] = None,
-                 files: Optional[FileAccess] = None) -> dict:
+                 files: Optional[FileAccess] = None, bootstrap: Optional[Bootstrap] = None) -> dict:
     """Recall of a run, re-derived for (k, mode, lam) (default: the run's own): see :meth:`LoadedRun.evaluate`."""
-    return LoadedRun.read(run_dir, staged, collection, split, files).evaluate(k, mode, lam)
+    return LoadedRun.read(run_dir, staged, collection, split, files).evaluate(k, mode, lam, bootstrap)
 
 
 #: How choose_fusion ranks the candidates (recorded with every choice).

@@ -131,6 +131,30 @@ def test_quick_suite_runs_the_pipeline_jobs_and_rows_match_their_rankings(quick)
     for d in ("t2i", "i2t"):
         assert float(rows[("AUTO", d)]["R@1"]) == pytest.approx(want[f"{d}_R@1"], abs=1e-4)
 
+    # intervals: every recall row has them; reranked rows carry their paired difference to EMB of the same run,
+    # the same numbers benchmarks.evaluate --mode co --against-mode emb writes for that run
+    from benchmarks.evaluate import evaluate_ranking
+    staged = os.path.join(quick["work"], "bench", "staged", "synthetic_f30k1k-f16-quick")
+    co = evaluate_ranking(run_dir, staged, k=K, mode="co", against_mode="emb", files=None)
+    for (mode, d), r in rows.items():
+        if mode == "CE":
+            continue
+        for m in ("R@1", "R@5", "R@10", "mR"):
+            assert float(r[f"{m}_lo"]) <= float(r[m]) <= float(r[f"{m}_hi"]), (mode, d, m)
+        assert "1000 bootstrap resamples" in r["bootstrap"] and "intervals: queries resampled" in r["notes"]
+        if mode == "EMB":
+            assert r["against"] == "" and r["delta_R@1"] == ""
+        else:
+            assert r["against"] == "EMB"
+            assert float(r["delta_R@1"]) == pytest.approx(float(r["R@1"]) - float(rows[("EMB", d)]["R@1"]), abs=1e-3)
+    for d in ("t2i", "i2t"):
+        r = rows[("CO", d)]
+        assert (float(r["R@1_lo"]), float(r["R@1_hi"])) == pytest.approx(
+            (co["intervals"][f"{d}_R@1"].lo, co["intervals"][f"{d}_R@1"].hi), abs=1e-4)
+        assert (float(r["delta_R@1_lo"]), float(r["delta_R@1_hi"])) == pytest.approx(
+            (co["delta"][f"{d}_R@1"].lo, co["delta"][f"{d}_R@1"].hi), abs=1e-4)
+    assert "R@1 minus EMB [95% CI]" in quick["stdout"]
+
 
 def test_pipeline_rankings_equal_a_reference_from_retrieval_core(quick):
     """What benchmarks/engine.py used to compute in-process (exact BE top-k, CE scores of the top k,
@@ -570,3 +594,58 @@ def test_the_seed_summary_keeps_one_auto_row_whatever_fusion_each_seed_chose():
     # a row one seed lacks is still an error: the seeds must have run the same plan
     with pytest.raises(ValueError, match="missing for seed"):
         report.seed_summary({0: rows(0, 0.3, "norm_add_0.3", 50.0), 1: rows(1, "", "co", 54.0)[:1]})
+
+
+def test_the_seed_summary_gives_the_interval_of_each_seed_mean_and_of_its_difference_to_emb(tmp_path):
+    """Three seeds rank the same queries: the seed-mean difference CO - EMB and its interval come from one resample
+    of the queries applied to every seed's CO and EMB hits (retrieval_core.stats), not from the CSV numbers."""
+    from benchmarks.rows import RowHits
+    from retrieval_core.metrics import DirectionHits
+    from retrieval_core.stats import Bootstrap, difference_intervals, recall_intervals
+
+    rng = np.random.default_rng(0)
+    ids = {"t2i": np.arange(300), "i2t": np.arange(1000, 1100)}
+    miss = np.iinfo(np.int64).max
+
+    def hits(p_first):
+        return {d: DirectionHits(d, q, np.where(rng.random(len(q)) < p_first, 0, miss), 10) for d, q in ids.items()}
+
+    rows_by_seed, hits_by_seed, per_seed = {}, {}, {}
+    for seed in (0, 1, 2):
+        emb, co = hits(0.4), hits(0.6)
+        per_seed[seed] = (co, emb)
+        rows, row_hits = [], []
+        for mode, h, base in (("EMB", emb, None), ("CO", co, emb)):
+            for d in ("t2i", "i2t"):
+                r1 = 100 * float(np.mean(h[d].first_hit < 1))
+                rows.append({"suite": "standard", "collection": "c", "model": "JOIN", "mode": mode,
+                             "k": 20 if mode == "CO" else "", "direction": d, "R@1": r1, "R@5": r1, "R@10": r1,
+                             "mR": 0.0, "queries": len(ids[d]), "against": "EMB" if base else ""})
+                row_hits.append(RowHits(h, base))
+        rows_by_seed[seed], hits_by_seed[seed] = rows, row_hits
+    summary = report.seed_summary(rows_by_seed, hits_by_seed)
+    co_t2i = next(r for r in summary if r["mode"] == "CO" and r["direction"] == "t2i")
+    boot = Bootstrap()
+    want = difference_intervals([per_seed[s][0] for s in (0, 1, 2)], [per_seed[s][1] for s in (0, 1, 2)], boot)
+    mean = recall_intervals([per_seed[s][0] for s in (0, 1, 2)], boot)
+    assert co_t2i["delta_R@1_mean"] == pytest.approx(
+        np.mean([100 * (np.mean(per_seed[s][0]["t2i"].first_hit < 1) - np.mean(per_seed[s][1]["t2i"].first_hit < 1))
+                 for s in (0, 1, 2)]), abs=1e-3)
+    assert (co_t2i["delta_R@1_mean_lo"], co_t2i["delta_R@1_mean_hi"]) == pytest.approx(
+        (want["t2i_R@1"].lo, want["t2i_R@1"].hi), abs=1e-3)
+    assert co_t2i["delta_R@1_mean_lo"] > 0  # a 20-point lift over 300 queries and 3 seeds: the interval excludes 0
+    assert (co_t2i["R@1_mean_lo"], co_t2i["R@1_mean_hi"]) == pytest.approx((mean["t2i_R@1"].lo, mean["t2i_R@1"].hi),
+                                                                           abs=1e-3)
+    assert co_t2i["against"] == "EMB" and "jointly across the seeds" in co_t2i["bootstrap"]
+    emb_t2i = next(r for r in summary if r["mode"] == "EMB" and r["direction"] == "t2i")
+    assert "delta_R@1_mean" not in emb_t2i and emb_t2i["R@1_mean_lo"] < emb_t2i["R@1_mean"] < emb_t2i["R@1_mean_hi"]
+    table = report.seed_summary_table(summary)
+    assert "seed-mean R@1 minus EMB: t2i +" in table and "lifts" in table
+    path = report.write_csv(str(tmp_path / "x_seeds.csv"), summary, report.SEED_COLUMNS)
+    assert set(report.read_csv(path)[0]) == set(report.SEED_COLUMNS)
+    # seeds that ranked other queries cannot be resampled jointly
+    other = dict(hits_by_seed)
+    shifted = {d: DirectionHits(d, q + 1, per_seed[2][0][d].first_hit, 10) for d, q in ids.items()}
+    other[2] = [RowHits(shifted, h.baseline) if h.baseline is not None else h for h in hits_by_seed[2]]
+    with pytest.raises(ValueError, match="rank different queries"):
+        report.seed_summary(rows_by_seed, other)

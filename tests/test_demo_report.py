@@ -1,39 +1,61 @@
+import numpy as np
 import pandas as pd
 
-from benchmarks.demo import r1_changes
+from benchmarks.demo import compact_table, r1_changes
 
 
-def _table(co_r1_t2i, co_r1_i2t):
-    return pd.DataFrame({
-        "model": ["JOIN", "JOIN", "JOIN/JOIN", "JOIN/JOIN", "SEP-BE", "SEP-BE/SEP-CE"],
-        "mode": ["EMB", "EMB", "JOIN+CO", "JOIN+CO", "EMB", "SEP+CO"],
-        "direction": ["t2i", "i2t", "t2i", "i2t", "t2i", "t2i"],
-        "R@1": [20.0, 30.0, co_r1_t2i, co_r1_i2t, 10.0, 12.5],
-    })
+def _table(t2i, i2t, sep=(2.5, 0.5, 4.5)):
+    """Demo table rows: EMB rows, then each reranked row with its paired difference to EMB, (estimate, lo, hi)."""
+    rows = [{"model": "JOIN", "mode": "EMB", "direction": d, "R@1": r1} for d, r1 in (("t2i", 20.0), ("i2t", 30.0))]
+    for d, (est, lo, hi) in (("t2i", t2i), ("i2t", i2t)):
+        rows.append({"model": "JOIN/JOIN", "mode": "JOIN+CO", "direction": d, "R@1": 20.0 + est, "against": "emb",
+                     "delta_R@1": est, "delta_R@1_lo": lo, "delta_R@1_hi": hi})
+    rows.append({"model": "SEP-BE", "mode": "EMB", "direction": "t2i", "R@1": 10.0})
+    rows.append({"model": "SEP-BE/SEP-CE", "mode": "SEP+CO", "direction": "t2i", "R@1": 10.0 + sep[0],
+                 "against": "emb", "delta_R@1": sep[0], "delta_R@1_lo": sep[1], "delta_R@1_hi": sep[2]})
+    return pd.DataFrame(rows)
 
 
-def test_r1_changes_compares_each_rerank_mode_with_emb_of_its_own_bi_encoder():
-    lines = r1_changes(_table(25.0, 29.0))
-    assert lines[0] == ("R@1 of JOIN+CO minus EMB (JOIN): t2i +5.00, i2t -1.00 points -> "
-                        "reranking does NOT lift R@1 in this run")
-    # SEP+CO is compared with the SEP bi-encoder's EMB row (10.0), not with the JOIN one (20.0)
-    assert lines[1] == "R@1 of SEP+CO minus EMB (SEP-BE): t2i +2.50 points -> reranking lifts R@1"
+def test_r1_changes_says_per_direction_what_the_interval_of_the_difference_says():
+    lines = r1_changes(_table((3.1, 1.2, 5.0), (0.4, -1.6, 2.4)))
+    assert lines[0] == ("R@1 of JOIN+CO minus EMB (JOIN): t2i R@1 +3.10 [+1.20, +5.00] -> lifts; "
+                        "i2t R@1 +0.40 [-1.60, +2.40] -> no significant difference")
+    # each reranked row names the bi-encoder its own difference was paired with
+    assert lines[1] == "R@1 of SEP+CO minus EMB (SEP-BE): t2i R@1 +2.50 [+0.50, +4.50] -> lifts"
 
 
-def test_r1_changes_says_lift_only_when_every_direction_improves():
-    assert r1_changes(_table(21.0, 31.0))[0].endswith("-> reranking lifts R@1")
+def test_r1_changes_never_decides_from_the_point_estimate():
+    # +5 points that the interval does not separate from 0 is no lift; -0.5 with an interval below 0 lowers
+    line = r1_changes(_table((5.0, -0.2, 10.2), (-0.5, -0.9, -0.1)))[0]
+    assert line.endswith("t2i R@1 +5.00 [-0.20, +10.20] -> no significant difference; "
+                         "i2t R@1 -0.50 [-0.90, -0.10] -> lowers")
+    # an interval touching 0 is not "entirely above 0"
+    assert "-> no significant difference" in r1_changes(_table((2.0, 0.0, 4.0), (1.0, 0.5, 1.5)))[0]
+    # a row without an interval of its difference says so instead of guessing
+    bare = _table((3.1, 1.2, 5.0), (0.4, -1.6, 2.4)).drop(columns=["delta_R@1_lo"])
+    assert "has no interval of its difference to EMB" in r1_changes(bare)[0]
 
 
 def _metrics_csv(tmp_path, runs):
     """metrics.csv as benchmarks.evaluate accumulates it over several demo runs: [(model, mode, k, t2i R@1,
-    i2t R@1)], written and merged in order, then read back from disk."""
+    i2t R@1)] (a reranked row with its paired difference to EMB, an interval of +-2 points around it), written
+    and merged in order, then read back from disk."""
     from benchmarks.evaluate import csv_rows, merge_csv
+    from retrieval_core.stats import Interval
 
-    table = None
+    table, emb = None, {}
     for model, mode, k, t2i, i2t in runs:
         result = {"mR": 0.0, "t2i_queries": 10, "i2t_queries": 5, "collection_size": 5}
         for d, r1 in (("t2i", t2i), ("i2t", i2t)):
             result.update({f"{d}_R@1": r1, f"{d}_R@5": r1, f"{d}_R@10": r1})
+        if mode == "EMB":
+            emb[(model, k)] = result
+        else:
+            base = emb[(model.split("/")[0], k)]
+            result["against"] = {"label": "emb"}
+            result["delta"] = {key: Interval(result[key] - base[key], result[key] - base[key] - 2,
+                                             result[key] - base[key] + 2)
+                               for key in [f"{d}_R@{kk}" for d in ("t2i", "i2t") for kk in (1, 5, 10)] + ["mR"]}
         table = merge_csv(table, csv_rows(result, collection="demo", split="test", model=model, mode=mode, k=k,
                                           tags={}), [])
     path = tmp_path / "metrics.csv"
@@ -49,15 +71,27 @@ def test_r1_changes_compares_within_k_across_accumulated_runs(tmp_path):
     ])
     # the whole file used to crash r1_changes (EMB of JOIN twice, once per k)
     assert r1_changes(table) == [
-        "R@1 of JOIN+CO minus EMB (JOIN, k=20): t2i +5.00, i2t +5.00 points -> reranking lifts R@1",
-        "R@1 of JOIN+CO minus EMB (JOIN, k=10): t2i -1.00, i2t +1.00 points -> "
-        "reranking does NOT lift R@1 in this run"]
+        "R@1 of JOIN+CO minus EMB (JOIN, k=20): t2i R@1 +5.00 [+3.00, +7.00] -> lifts; "
+        "i2t R@1 +5.00 [+3.00, +7.00] -> lifts",
+        "R@1 of JOIN+CO minus EMB (JOIN, k=10): t2i R@1 -1.00 [-3.00, +1.00] -> no significant difference; "
+        "i2t R@1 +1.00 [-1.00, +3.00] -> no significant difference"]
 
 
 def test_r1_changes_counts_a_repeated_configuration_once_using_its_last_row():
-    table = pd.concat([_table(25.0, 29.0), _table(21.0, 31.0)], ignore_index=True)
-    assert r1_changes(table)[0] == "R@1 of JOIN+CO minus EMB (JOIN): t2i +1.00, i2t +1.00 points -> " \
-                                   "reranking lifts R@1"
+    table = pd.concat([_table((3.1, 1.2, 5.0), (0.4, -1.6, 2.4)), _table((1.0, 0.5, 1.5), (1.0, 0.5, 1.5))],
+                      ignore_index=True)
+    assert r1_changes(table)[0] == "R@1 of JOIN+CO minus EMB (JOIN): t2i R@1 +1.00 [+0.50, +1.50] -> lifts; " \
+                                   "i2t R@1 +1.00 [+0.50, +1.50] -> lifts"
+
+
+def test_the_demo_table_shows_each_recall_with_its_interval():
+    table = pd.DataFrame([{"model": "JOIN", "mode": "EMB", "k": 10, "direction": "t2i", "R@1": 45.2, "R@1_lo": 41.0,
+                           "R@1_hi": 49.4, "R@5": 80.0, "R@5_lo": 76.5, "R@5_hi": 83.25, "R@10": 90.0,
+                           "R@10_lo": np.nan, "R@10_hi": np.nan, "mR": 70.0, "mR_lo": 68.0, "mR_hi": 72.0,
+                           "queries": 500, "collection_size": 500}])
+    text = compact_table(table)
+    assert "45.20 [41.00, 49.40]" in text and "80.00 [76.50, 83.25]" in text and "70.00 [68.00, 72.00]" in text
+    assert "90.00" in text and "90.00 [" not in text  # no interval: the recall alone
 
 
 # ------------------------------------------------------------------------------ benchmarks.report

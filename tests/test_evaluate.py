@@ -261,3 +261,62 @@ def test_clip_benchmark_json_refuses_extra_keys_that_clash():
     assert out["metrics"] == {"image_retrieval_recall@1": 0.0224, "mean_recall": 0.0224}
     with pytest.raises(ValueError, match="pretrained"):
         clip_benchmark_json(result, collection="c", model="m", pretrained="p", ks=[1], extra={"pretrained": "x"})
+
+
+def test_cli_writes_intervals_and_the_paired_difference_to_another_mode(tmp_path):
+    from retrieval_core.metrics import DirectionHits
+    from retrieval_core.stats import Bootstrap, difference_intervals, recall_intervals
+
+    staged = _staged_dir(tmp_path / "staged")
+    co = write_run(tmp_path / "co", _ce_tables(), mode="co", k=3)
+    out = tmp_path / "results"
+    args = ["--rankings", str(co), "--staged", str(staged), "--output", str(out), "--model", "toy-m",
+            "--bootstrap", "2000", "--seed", "5"]
+    res = CliRunner().invoke(main, args + ["--against-mode", "emb"])
+    assert res.exit_code == 0, res.output
+    assert "minus emb (paired): t2i_R@1 -33.33 [" in res.output
+    row = pd.read_csv(out / "metrics.csv").set_index("direction").loc["t2i"]
+    # the same intervals from the per-query first gold ranks written out by hand (T2I / I2T above; CO reverses each
+    # BE top 3): EMB t2i first ranks 0,1,0,2,-,0 -> CO 2,1,2,0,-,2; i2t EMB 1,0,- -> CO 1,2,-
+    miss = np.iinfo(np.int64).max
+    emb = {"t2i": DirectionHits("t2i", np.arange(1, 7), np.array([0, 1, 0, 2, miss, 0]), 3),
+           "i2t": DirectionHits("i2t", np.array([100, 200, 300]), np.array([1, 0, miss]), 3)}
+    mine = {"t2i": DirectionHits("t2i", np.arange(1, 7), np.array([2, 1, 2, 0, miss, 2]), 3),
+            "i2t": DirectionHits("i2t", np.array([100, 200, 300]), np.array([1, 2, miss]), 3)}
+    boot = Bootstrap(2000, 5)
+    want, delta = recall_intervals(mine, boot), difference_intervals(mine, emb, boot)
+    assert row["R@1"] == pytest.approx(100 / 6, abs=1e-3)
+    assert (row["R@1_lo"], row["R@1_hi"]) == pytest.approx((want["t2i_R@1"].lo, want["t2i_R@1"].hi), abs=1e-4)
+    assert (row["mR_lo"], row["mR_hi"]) == pytest.approx((want["mR"].lo, want["mR"].hi), abs=1e-4)
+    assert row["against"] == "emb" and row["delta_R@1"] == pytest.approx(100 / 6 - 50, abs=1e-3)
+    assert (row["delta_R@1_lo"], row["delta_R@1_hi"]) == pytest.approx(
+        (delta["t2i_R@1"].lo, delta["t2i_R@1"].hi), abs=1e-4)
+    assert row["delta_R@1_lo"] <= row["delta_R@1"] <= row["delta_R@1_hi"]
+    assert "2000 bootstrap resamples" in row["bootstrap"] and "seed 5" in row["bootstrap"]
+    payload = json.loads((out / "toy_toy-m_co_k3.json").read_text())
+    assert payload["metrics"]["image_retrieval_recall@1"] == pytest.approx(0.1667)  # CLIP_benchmark keys as before
+    assert payload["bootstrap"] == {"method": "percentile", "resampled": "queries", "resamples": 2000, "seed": 5,
+                                    "level": 0.95}
+    assert payload["intervals"]["t2i_R@1"] == [round(want["t2i_R@1"].lo, 4), round(want["t2i_R@1"].hi, 4)]
+    diff = payload["difference"]
+    assert diff["against"]["mode"] == "emb" and diff["t2i_R@1"]["estimate"] == pytest.approx(-33.3333, abs=1e-4)
+    assert diff["mR"]["verdict"] == delta["mR"].verdict
+
+    # the same seed gives the same intervals; without --against-mode there are intervals but no difference
+    again = tmp_path / "again"
+    assert CliRunner().invoke(main, args[:5] + [str(again)] + args[6:]).exit_code == 0
+    plain = pd.read_csv(again / "metrics.csv").set_index("direction").loc["t2i"]
+    assert (plain["R@1_lo"], plain["R@1_hi"]) == (row["R@1_lo"], row["R@1_hi"]) and "delta_R@1" not in plain
+
+
+def test_a_difference_to_a_run_of_other_queries_is_refused_in_one_line(tmp_path):
+    staged = _staged_dir(tmp_path / "staged")
+    full = write_run(tmp_path / "full", _table())
+    some = write_run(tmp_path / "some", _table(t2i={q: T2I[q] for q in (1, 2, 5)}),
+                     queries_file={"path": "q.parquet", "sha256": "x", "counts": {"t2i": 3, "i2t": 3}})
+    base = ["--rankings", str(full), "--staged", str(staged), "--output", str(tmp_path / "out")]
+    res = CliRunner().invoke(main, base + ["--against", str(some)])
+    assert res.exit_code == 1 and res.output.count("\n") == 1
+    assert "t2i: the rankings rank different queries (6 and 3; 3 only in the first" in res.output
+    res = CliRunner().invoke(main, base + ["--bootstrap", "10"])
+    assert res.exit_code == 2 and "--bootstrap" in res.output
