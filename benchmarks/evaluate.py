@@ -63,7 +63,7 @@ from retrieval_core.stats import (
 log = logging.getLogger(__name__)
 
 METRICS_CSV = "metrics.csv"
-KEY_COLUMNS = ("collection", "split", "model", "mode", "k", "direction")
+KEY_COLUMNS = ("collection", "split", "lang", "model", "mode", "k", "direction")
 
 
 def csv_rows(result: dict, *, collection: str, split: str, model: str, mode: str, k: int,
@@ -74,8 +74,8 @@ def csv_rows(result: dict, *, collection: str, split: str, model: str, mode: str
     for direction in DIRECTIONS:
         if not result.get(f"{direction}_queries"):
             continue
-        row = {"collection": collection, "split": split, "model": model, "mode": mode, "k": int(k),
-               "direction": direction}
+        row = {"collection": collection, "split": split, "lang": result.get("lang") or "", "model": model,
+               "mode": mode, "k": int(k), "direction": direction}
         row.update({f"R@{kk}": round(result[f"{direction}_R@{kk}"], 4) for kk in ks})
         row.update({"mR": round(result["mR"], 4), "queries": result[f"{direction}_queries"],
                     "collection_size": result["collection_size"]})
@@ -95,17 +95,18 @@ def evaluate_ranking(rankings: str, staged: str, *, k: Optional[int] = None, mod
                      lam: Optional[float] = None, collection: Optional[str] = None, split: Optional[str] = None,
                      bootstrap: Bootstrap = Bootstrap(), against: Optional[str] = None,
                      against_mode: Optional[str] = None, against_k: Optional[int] = None,
-                     against_lam: Optional[float] = None, files=BEAM_FILES) -> dict:
+                     against_lam: Optional[float] = None, files=BEAM_FILES, lang: Optional[str] = None) -> dict:
     """A run's recalls for (k, mode, lam) with their ``intervals`` and ``bootstrap``; given ``against`` (another
     run ranking the same queries) and/or ``against_mode``, also ``delta``: the paired intervals of this ranking
     minus that one (its k defaults to ``k`` where given, its mode and lam to its run's own), and ``against``
-    (what it was: run, mode, k, lam, label)."""
-    run = LoadedRun.read(rankings, staged, collection, split, files)
+    (what it was: run, mode, k, lam, label). ``lang``: evaluated on that language's captions only."""
+    run = LoadedRun.read(rankings, staged, collection, split, files, lang)
     result = run.evaluate(k, mode, lam, bootstrap)
     result["bootstrap"] = bootstrap
     if against is None and against_mode is None:
         return result
-    other = run if against is None else LoadedRun.read(against, staged, result["collection"], result["split"], files)
+    other = run if against is None else LoadedRun.read(against, staged, result["collection"], result["split"], files,
+                                                       lang)
     b_mode = (against_mode or other.manifest["mode"]).lower()
     if against_k is None and b_mode != "ce":  # the depth asked for this ranking (exhaustive CE has none)
         against_k = k
@@ -126,7 +127,8 @@ def merge_csv(existing: Optional[pd.DataFrame], new_rows: list[dict], tag_keys: 
     for col in key:
         if col not in existing.columns:
             existing[col] = pd.NA
-    as_key = lambda df: df[key].astype(str).agg("\x1f".join, axis=1)  # noqa: E731
+    # a missing value (a CSV's empty cell reads back as NaN) keys as the empty string
+    as_key = lambda df: df[key].map(lambda v: "" if pd.isna(v) else str(v)).agg("\x1f".join, axis=1)  # noqa: E731
     kept = existing[~as_key(existing).isin(set(as_key(new)))]
     return pd.concat([kept, new], ignore_index=True)
 
@@ -224,7 +226,9 @@ def parse_tags(tags: Sequence[str]) -> dict[str, str]:
 @click.option("--pretrained", default=None,
               help="The JSON's CLIP_benchmark 'pretrained' key (default: <label>_k<k>, the retrieval configuration; "
                    "CLIP_benchmark's build names a row '<model> <pretrained>').")
-@click.option("--language", default="en", show_default=True, help="The JSON's CLIP_benchmark 'language' key.")
+@click.option("--lang", default=None, help="Evaluate on the captions of this language only (the lang column: t2i "
+                                          "queries and i2t gold); also the JSON's CLIP_benchmark 'language' key "
+                                          "[all captions; the key says en].")
 @click.option("--against", default=None,
               help="A pipelines.rerank run of the same queries: also the paired difference to its ranking "
                    "[the --rankings run, with --against-mode].")
@@ -239,7 +243,7 @@ def parse_tags(tags: Sequence[str]) -> dict[str, str]:
 @click.option("--seed", type=click.IntRange(min=0), default=DEFAULT_SEED, show_default=True,
               help="Seed of the bootstrap resampling.")
 def main(rankings, staged, output, collection, split, model, mode, k, lam, label, collection_size, tags, pretrained,
-         language, against, against_mode, against_k, against_lam, resamples, seed):
+         lang, against, against_mode, against_k, against_lam, resamples, seed):
     """Recall@1/5/10 and mR of a rankings run with 95 % bootstrap intervals, for its own or a re-derived mode, k
     and lam; with --against-mode / --against, the paired difference to another ranking of the same queries."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -248,7 +252,7 @@ def main(rankings, staged, output, collection, split, model, mode, k, lam, label
     with cli_errors(RunError):  # a missing staged / rankings dir, bad rankings or unpaired queries: one line, exit 1
         result = evaluate_ranking(rankings, staged, k=k, mode=mode, lam=lam, collection=collection, split=split,
                                   bootstrap=Bootstrap(resamples, seed), against=against, against_mode=against_mode,
-                                  against_k=against_k, against_lam=against_lam)
+                                  against_k=against_k, against_lam=against_lam, lang=lang)
     if collection_size is not None:
         result["collection_size"] = int(collection_size)
     collection, split, k = result["collection"], result["split"], result["k"]
@@ -262,14 +266,15 @@ def main(rankings, staged, output, collection, split, model, mode, k, lam, label
     buf = io.StringIO()
     merged.to_csv(buf, index=False)
     write_atomic(csv_path, buf.getvalue().encode("utf-8"))
-    json_path = join(output, f"{_safe(collection)}_{_safe(model)}_{_safe(label)}_k{k}.json")
+    suffix = f"_{_safe(lang)}" if lang else ""
+    json_path = join(output, f"{_safe(collection)}_{_safe(model)}_{_safe(label)}_k{k}{suffix}.json")
     extra = {"split": split, "mode": result["mode"], "label": label, "k": k, "lam": result["lam"],
              "mR": round(result["mR"], CLIP_BENCHMARK_DECIMALS),
              "queries": {"t2i": result["t2i_queries"], "i2t": result["i2t_queries"]},
              "collection_size": result["collection_size"], "tags": tag_map, **interval_json(result)}
     write_json_atomic(json_path, clip_benchmark_json(result, collection=collection, model=model,
                                                      pretrained=pretrained or f"{label}_k{k}", ks=DEFAULT_KS,
-                                                     extra=extra, language=language))
+                                                     extra=extra, language=lang or "en"))
     click.echo(f"{collection}/{split} {model} {label} k={k} ({result['bootstrap'].label}): {summary_line(result)}")
     click.echo(f"(t2i {result['t2i_queries']} / i2t {result['i2t_queries']} queries, {result['collection_size']} "
                f"images) in {time.time() - t0:.1f} s")

@@ -153,15 +153,17 @@ class LoadedRun:
 
     def __init__(self, manifest_path: str, manifest: dict, table: pa.Table, dataset: StagedDataset,
                  collection: str, split: Optional[str], caption_to_image: dict, image_to_captions: dict,
-                 directions: tuple[str, ...]):
+                 directions: tuple[str, ...], lang: Optional[str] = None):
         self.manifest_path, self.manifest, self.table, self.dataset = manifest_path, manifest, table, dataset
-        self.collection, self.split, self.directions = collection, split, directions
+        self.collection, self.split, self.directions, self.lang = collection, split, directions, lang
         self.caption_to_image, self.image_to_captions = caption_to_image, image_to_captions
         self._hits: dict[tuple, dict[str, DirectionHits]] = {}
 
     @classmethod
     def read(cls, run_dir: str, staged: str, collection: Optional[str] = None, split: Optional[str] = None,
-             files: Optional[FileAccess] = None) -> "LoadedRun":
+             files: Optional[FileAccess] = None, lang: Optional[str] = None) -> "LoadedRun":
+        """The run and its gold; ``lang``: evaluated on the captions of that language only (its t2i queries, and
+        the gold captions of its i2t queries; rank it against that language's captions for a fair i2t pool)."""
         dataset = StagedDataset(staged, files=files)
         manifest_path, manifest = read_run_manifest(run_dir, files)
         collection = run_collection(manifest, dataset, collection)
@@ -180,11 +182,16 @@ class LoadedRun:
                              .to_pylist()) for d in directions}
             restrict = {"captions": ranked.get(schema.DIRECTION_T2I, set()),
                         "images": ranked.get(schema.DIRECTION_I2T, set())}
-        caption_to_image, image_to_captions = dataset.gold(collection, split, **restrict)
+        caption_to_image, image_to_captions = dataset.gold(collection, split, lang=lang, **restrict)
         if not caption_to_image and not restrict:
-            raise RunError(f"no {split!r} captions for collection {collection!r} in {staged}")
+            raise RunError(f"no {split!r} captions for collection {collection!r} in {staged}"
+                           + (f" in language {lang!r}" if lang else ""))
+        if lang is not None:  # the t2i queries of other languages are not this evaluation's
+            keep = pc.or_(pc.not_equal(table.column("direction"), schema.DIRECTION_T2I),
+                          pc.is_in(table.column("query_id"), pa.array(list(caption_to_image), pa.int64())))
+            table = table.filter(keep)
         return cls(manifest_path, manifest, table, dataset, collection, split, caption_to_image, image_to_captions,
-                   directions)
+                   directions, lang)
 
     @property
     def run_dir(self) -> str:
@@ -226,7 +233,7 @@ class LoadedRun:
         hits = self.hits(k, mode, lam)
         pool = self.manifest.get("pool_size", {}).get(schema.DIRECTION_T2I)
         result = recall_summary(hits, int(pool) if pool is not None else len(self.image_to_captions))
-        result.update(k=k, mode=mode, lam=lam, collection=self.collection, split=self.split)
+        result.update(k=k, mode=mode, lam=lam, collection=self.collection, split=self.split, lang=self.lang)
         if bootstrap is not None:
             result["intervals"] = recall_intervals(hits, bootstrap)
         return result
@@ -234,9 +241,10 @@ class LoadedRun:
 
 def evaluate_run(run_dir: str, staged: str, *, k: Optional[int] = None, mode: Optional[str] = None,
                  lam: Optional[float] = None, collection: Optional[str] = None, split: Optional[str] = None,
-                 files: Optional[FileAccess] = None, bootstrap: Optional[Bootstrap] = None) -> dict:
+                 files: Optional[FileAccess] = None, bootstrap: Optional[Bootstrap] = None,
+                 lang: Optional[str] = None) -> dict:
     """Recall of a run, re-derived for (k, mode, lam) (default: the run's own): see :meth:`LoadedRun.evaluate`."""
-    return LoadedRun.read(run_dir, staged, collection, split, files).evaluate(k, mode, lam, bootstrap)
+    return LoadedRun.read(run_dir, staged, collection, split, files, lang).evaluate(k, mode, lam, bootstrap)
 
 
 #: How choose_fusion ranks the candidates (recorded with every choice).
@@ -245,13 +253,14 @@ CHOICE_CRITERION = ("the largest R@1 gain over EMB in the worse direction on the
 
 
 def choose_fusion(dev_run: str, staged: str, k: int, lams: Sequence[float] = AUTO_LAMS,
-                  collection: Optional[str] = None, files: Optional[FileAccess] = None) -> dict:
+                  collection: Optional[str] = None, files: Optional[FileAccess] = None,
+                  lang: Optional[str] = None) -> dict:
     """The ranking users get by default, chosen on a dev run (a CE-scored run on a held-out split): among EMB,
     CO and ADD_lam / NORM_ADD_lam for every lam, each derived at depth ``k`` from the run's stored scores, the one
     whose worse direction gains most R@1 over EMB (CHOICE_CRITERION). EMB is a candidate, so a gain in one
     direction is never bought with a measured loss in the other. Returns ``{"mode", "lam", "label", "dev":
     {label: {t2i_R@1, i2t_R@1, mR}}, "dev_mR": {label: mR}, "criterion", "dev_run", "dev_split", "k"}``."""
-    run = LoadedRun.read(dev_run, staged, collection, files=files)
+    run = LoadedRun.read(dev_run, staged, collection, files=files, lang=lang)
     candidates = [("emb", None), ("co", None)] + [(m, float(lam)) for m in FUSION_MODES for lam in lams]
     results = {mode_label(m, lam): run.evaluate(k, m, lam) for m, lam in candidates}
     base = results["emb"]
