@@ -3,13 +3,13 @@
     python -m benchmarks.demo [--k 10] [--queries 500] [--with-sep] [Beam options]
 
 Stages the synthetic demo collection, trains the demo JOIN model from the shipped all-MiniLM-L6-v2, encodes
-the test split, builds a FAISS index, selects the queries (``benchmarks.queries --scale``: every test image and
-one caption of each, as the scale suites do; ``--queries 0`` ranks every test caption too), retrieves and
-reranks once per model family (JOIN+CO; SEP+CO with
---with-sep), evaluates, prints the recall table, and ends by writing the inspection page of EMB vs JOIN+CO
-(``benchmarks.inspect``: the queries whose gold item the reranker moved) and printing its path. Score once,
-evaluate many: the rerank run stores the BE top-k with its BE and CE scores, so the EMB row is derived from
-the same run (``benchmarks.evaluate --mode emb``) instead of a rerank run of its own.
+the test and dev splits, builds a FAISS index, selects the queries (``benchmarks.queries --scale``: every test
+image and one caption of each, as the scale suites do; ``--queries 0`` ranks every test caption too), retrieves and
+reranks once per model family with rerank's default (``--mode auto``: the ranking chosen on the dev split, whose
+pool is the test pool's size), evaluates, prints the recall table with 95 % intervals (EMB, the paper's CO and the
+default) and the verdicts, and ends by writing the inspection page of the default vs EMB (``benchmarks.inspect``)
+and printing its path. Score once, evaluate many: the rerank run stores the BE top-k with its BE and CE scores, so
+the EMB and CO rows are derived from the same run (``benchmarks.evaluate --mode``) instead of runs of their own.
 Every step runs the same CLI a user would run (printed with a leading '+'), so the demo doubles as a worked
 example. Everything lands under $RR_WORKDIR/demo (default ./runs/demo); finished steps are reused by a rerun.
 """
@@ -27,6 +27,7 @@ import pandas as pd
 from benchmarks.evaluate import csv_rows, evaluate_ranking
 from pipelines import demo_assets, launch
 from pipelines.common import BEAM_CLI_CONTEXT, check_beam_flags
+from retrieval_core.runs import read_run_manifest
 from retrieval_core.stats import Bootstrap, verdict
 
 launch.preload("benchmarks.queries", "benchmarks.evaluate", "benchmarks.inspect")  # the demo's own steps
@@ -61,9 +62,9 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
         timings["train SEP"] = time.time() - t0
 
     results = os.path.join(root, "results")
-    runs = [("JOIN+CO", "JOIN", "JOIN")]  # (label, BE model, CE model): one CO rerank run each
+    runs = [("JOIN", "JOIN", "JOIN")]  # (family, BE model, CE model): one rerank run each, with its dev pass
     if with_sep:
-        runs.append(("SEP+CO", "SEP-BE", "SEP-CE"))
+        runs.append(("SEP", "SEP-BE", "SEP-CE"))
 
     rows = []
     run_dirs = {}
@@ -73,28 +74,34 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
         _run(_py("benchmarks.queries", "--staged", staged, "--collection", demo_assets.DEMO_MANIFEST, "--split",
                  "test", "--output", query_dir, "--scale", str(queries)))
         query_args = ["--queries", os.path.join(query_dir, "queries.parquet")]
-    for label, be, ce in runs:
-        emb_dir = os.path.join(root, f"embeddings-{be}")
+    for family, be, ce in runs:
+        emb_dir, dev_dir = os.path.join(root, f"embeddings-{be}"), os.path.join(root, f"embeddings-{be}-dev")
         index_dir = os.path.join(root, f"index-{be}")
         t0 = time.time()
-        _run(_py("pipelines.encode", "--staged", staged, "--model", models[be], "--output", emb_dir,
-                 "--split", "test", *beam_args))
+        for split, out_dir in (("test", emb_dir), ("dev", dev_dir)):  # dev: the pool the default is chosen on
+            _run(_py("pipelines.encode", "--staged", staged, "--model", models[be], "--output", out_dir,
+                     "--split", split, *beam_args))
         _run(_py("pipelines.build_index", "--embeddings", emb_dir, "--output", index_dir, "--modality", "image",
                  "--index-factory", "Flat", *beam_args))
         timings[f"encode+index {be}"] = time.time() - t0
-        out = os.path.join(root, f"rankings-{label}-k{k}-q{queries or 'all'}".replace("+", ""))
-        run_dirs[label] = out
+        out = os.path.join(root, f"rankings-{family}-k{k}-q{queries or 'all'}")
+        run_dirs[family] = out
         t0 = time.time()
+        # rerank's default, --mode auto: first CO on --queries sampled dev queries (dev pool = test pool size), then
+        # the test queries ranked as chosen there; the run keeps every CE score, so CO is derived from it too
         _run(_py("pipelines.rerank", "--staged", staged, "--embeddings", emb_dir, "--index", index_dir,
-                 "--split", "test", "--k", str(k), "--output", out, "--mode", "co", "--ce-model", models[ce],
-                 *query_args, *beam_args))
-        timings[f"rerank {label}"] = time.time() - t0
-        for mode, row_label, model in (("emb", "EMB", be), ("co", label, result_model(be, ce))):
+                 "--split", "test", "--k", str(k), "--output", out, "--ce-model", models[ce],
+                 "--tune-embeddings", dev_dir, "--tune-queries", str(queries or 500), *query_args, *beam_args))
+        timings[f"rerank {family} (with its dev pass)"] = time.time() - t0
+        default = f"{family} default ({chosen_label(out)})"
+        for mode, row_label, model in (("emb", "EMB", be), ("co", f"{family}+CO", result_model(be, ce)),
+                                       (None, default, result_model(be, ce))):
             against = ["--against-mode", "emb"] if mode != "emb" else []  # the paired difference the verdict reads
+            how = ["--mode", mode, "--k", str(k)] if mode else []  # None: the run's own (the default's) ranking
             _run(_py("benchmarks.evaluate", "--rankings", out, "--staged", staged, "--output", results,
-                     "--split", "test", "--model", model, "--mode", mode, "--k", str(k), "--label", row_label,
-                     *against))
-            rows += table_rows(out, staged, mode, k, model, row_label, "emb" if against else None)
+                     "--split", "test", "--model", model, *how, "--label", row_label, *against))
+            rows += table_rows(out, staged, mode, k if mode else None, model, row_label,
+                               "emb" if against else None)
 
     table = pd.DataFrame(rows)
     print("\nDemo results (synthetic demo collection, test split; recall in %, NOTES.md section 2 convention; "
@@ -106,12 +113,17 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
     # the cores this process may run on (taskset / a container's cpuset), not the machine's count (Linux only)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(f"total {time.time() - t_start:.0f} s on {cores} CPU cores; outputs under {root}")
-    # the queries behind the numbers: where JOIN+CO moved the gold item relative to EMB (same run, two modes)
-    page = os.path.join(results, "inspect_JOIN-CO_vs_EMB.html")
-    _run(_py("benchmarks.inspect", "--rankings", run_dirs["JOIN+CO"], "--mode", "co", "--against-mode", "emb",
-             "--staged", staged, "--output", page))
-    print(f"inspection page (EMB vs JOIN+CO, query by query): {page}")
+    # the queries behind the numbers: where the default ranking moved the gold item relative to EMB (one run)
+    page = os.path.join(results, "inspect_JOIN-default_vs_EMB.html")
+    _run(_py("benchmarks.inspect", "--rankings", run_dirs["JOIN"], "--against-mode", "emb", "--staged", staged,
+             "--output", page))
+    print(f"inspection page (EMB vs the JOIN default, query by query): {page}")
     return table
+
+
+def chosen_label(run: str) -> str:
+    """What rerank's --mode auto chose for a run (its manifest's fusion_choice), e.g. co or norm_add_0.5."""
+    return read_run_manifest(run)[1]["fusion_choice"]["label"]
 
 
 def result_model(be: str, ce: str | None) -> str:
@@ -119,14 +131,15 @@ def result_model(be: str, ce: str | None) -> str:
     return be if ce is None else f"{be}/{ce}"
 
 
-def table_rows(run: str, staged: str, mode: str, k: int, model: str, label: str,
+def table_rows(run: str, staged: str, mode: Optional[str], k: Optional[int], model: str, label: str,
                against_mode: Optional[str] = None) -> list[dict]:
     """The demo table's two rows (t2i, i2t) of one rerank run evaluated in ``mode`` (EMB is derived from the
     run's stored BE scores), with their intervals and, given ``against_mode``, the paired difference to that
     mode's ranking of the same run: benchmarks.evaluate's metrics.csv rows (``csv_rows``) of the same result."""
     res = evaluate_ranking(run, staged, k=k, mode=mode, split="test", against_mode=against_mode)
-    return [{c: v for c, v in r.items() if c not in ("collection", "split", "bootstrap")}
-            for r in csv_rows(res, collection=res["collection"], split="test", model=model, mode=label, k=k, tags={})]
+    return [{c: v for c, v in r.items() if c not in ("collection", "split", "lang", "bootstrap")}
+            for r in csv_rows(res, collection=res["collection"], split="test", model=model, mode=label,
+                              k=res["k"], tags={})]
 
 
 def compact_table(table: pd.DataFrame) -> str:
