@@ -35,23 +35,25 @@ def evaluate_row(row: Row, results: dict, env: dict, boot: Bootstrap = Bootstrap
     (None for a skipped row). ``memo``: EMB hits by run, shared by the rows of one plan (a run's EMB ranking is
     derived once for its EMB row and every difference to it)."""
     common = {"suite": row.suite, "collection": row.collection, "model": row.model, "mode": row.mode, "k": row.k,
-              "lam": row.lam, "collection_size": row.pool_images, "split": row.split or "", **env}
+              "lam": row.lam, "collection_size": row.pool_images, "split": row.split or "", "lang": row.lang or "",
+              **env}
     if row.skip:
         return [{**common, "direction": "both", "measured": False, "notes": row.skip}], None
     memo = {} if memo is None else memo
     t0 = time.perf_counter()
     eval_mode, eval_lam, chosen = row.eval_mode, row.eval_lam, ""
     if eval_mode == "auto":  # what pipelines.rerank --mode auto --tune-on would run, from the stored scores
-        choice = choose_fusion(row.tune_on, row.tune_staged, row.eval_k)
+        choice = choose_fusion(row.tune_on, row.tune_staged, row.eval_k, lang=row.lang)
         eval_mode, eval_lam = choice["mode"], choice["lam"]
-        dev_mr = choice["dev_mR"]
-        chosen = f"chosen on {choice['dev_split']}: {choice['label']} (dev mR {dev_mr[choice['label']]:.2f}, " \
-                 f"co {dev_mr['co']:.2f})"
+        dev, got = choice["dev"]["emb"], choice["dev"][choice["label"]]
+        chosen = f"chosen on {choice['dev_split']}: {choice['label']} (dev R@1 " + \
+            ", ".join(f"{d} {dev[f'{d}_R@1']:.2f} -> {got[f'{d}_R@1']:.2f}" for d in DIRECTIONS if f"{d}_R@1" in got) \
+            + " from emb)"
         common["lam"] = eval_lam if eval_lam is not None else ""
         common["fusion"] = choice["label"]
     metrics, hits, base = [], [], []
     for i, run in enumerate(row.runs):
-        loaded = LoadedRun.read(run, row.staged, row.eval_collection, row.split)
+        loaded = LoadedRun.read(run, row.staged, row.eval_collection, row.split, lang=row.lang)
         metrics.append(loaded.evaluate(row.eval_k, eval_mode, eval_lam))
         hits.append(loaded.hits(row.eval_k, eval_mode, eval_lam))
         if eval_mode == "emb" and row.eval_k is None and eval_lam is None:
@@ -97,14 +99,14 @@ def evaluate_row(row: Row, results: dict, env: dict, boot: Bootstrap = Bootstrap
 
 
 def _memo_key(row: Row, run: str) -> tuple:
-    return run, row.staged, row.eval_collection, row.split
+    return run, row.staged, row.eval_collection, row.split, row.lang
 
 
 def _emb_hits(row: Row, run: str, loaded: Optional[LoadedRun], memo: dict) -> Hits:
     """The EMB hits of ``run`` (a row's paired baseline): from the memo, else derived (and kept)."""
     key = _memo_key(row, run)
     if key not in memo:
-        loaded = loaded or LoadedRun.read(run, row.staged, row.eval_collection, row.split)
+        loaded = loaded or LoadedRun.read(run, row.staged, row.eval_collection, row.split, lang=row.lang)
         memo[key] = loaded.hits(None, "emb", None)
     return memo[key]
 

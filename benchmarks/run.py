@@ -128,12 +128,24 @@ def check_beam_args(beam_args: Sequence[str]) -> None:
 #: Suites whose SEP rows need the SEP models named (--be-model, --ce-model): latency times the JOIN model; at
 #: scale, SEP doubles the encoding of the whole collection (100k: 500k more captions, ~17 min on 2 cores).
 JOIN_BY_DEFAULT = ("latency", "scale_100k", "scale_1m")
+#: The multilingual suite's model families: (label, demo_assets.ML_RECIPES key).
+ML_FAMILIES = (("JOIN-e5-en (zero-shot)", "zero_shot"), ("JOIN-e5-all", "all_languages"),
+               ("JOIN-MiniLM-en", "english_reference"))
 
 
 def resolve_models(join_dir, be_dir, ce_dir, no_sep: bool, suite: str, plan_only: bool, beam_args,
                    recipe_name: str = "bench", seed: int = 0) -> Models:
     """Model folders: the given ones, else the cached models of ``recipe_name`` at ``seed``
-    (pipelines.demo_assets; trained on first use, with --plan only named)."""
+    (pipelines.demo_assets; trained on first use, with --plan only named). The multilingual suite's models are
+    its own recipes' JOIN models (demo_assets.ML_RECIPES), whatever --recipe says."""
+    if suite == "multilingual" and not (join_dir or be_dir or ce_dir):
+        named = []
+        for label, recipe in ML_FAMILIES:
+            r = demo_assets.ML_RECIPES[recipe]
+            folder = demo_assets.trained_model_path(demo_assets.model_dirs(r, seed).join) if plan_only else \
+                demo_assets.ensure_models(r, seed, beam_args=tuple(beam_args)).join
+            named.append((label, os.path.abspath(folder)))
+        return Models(named=tuple(named))
     recipe = demo_assets.RECIPES[recipe_name]
     no_sep = no_sep or (suite in JOIN_BY_DEFAULT and not (be_dir and ce_dir))
     need_sep = not no_sep and (be_dir is None or ce_dir is None)
@@ -173,13 +185,13 @@ def plan_costs(plan_jobs: Sequence[jb.Job], cfg: SuiteConfig) -> jb.UnitCosts:
     """Unit costs for --plan: from earlier runs' JSON; missing model rates measured now on a small sample."""
     costs = jb.UnitCosts.load(unit_costs_path(cfg))
     missing = set(costs.missing(plan_jobs))
-    if missing and suites.model_feature_dim(cfg.models.join) is not None:
+    if missing and suites.model_feature_dim(cfg.models.first) is not None:
 
-        for unit, per_s in latency.sample_rates(cfg.models.join, cfg.batch_size, cfg.threads,
+        for unit, per_s in latency.sample_rates(cfg.models.first, cfg.batch_size, cfg.threads,
                                                 quantize=cfg.quantize).items():
             if unit in missing:
                 what = "; generation + validation, no writes" if unit == "stage_records" else ""
-                costs.set(unit, per_s, f"measured now on a small in-process sample ({cfg.models.join}, batch "
+                costs.set(unit, per_s, f"measured now on a small in-process sample ({cfg.models.first}, batch "
                                        f"{cfg.batch_size}, --quantize {cfg.quantize}{what})")
         costs.save(unit_costs_path(cfg))
     return costs
@@ -251,7 +263,7 @@ def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, recipe, model_seeds, no
     for seed in seeds:
         t_start = time.time()
         models = resolve_models(join_dir, be_dir, ce_dir, no_sep, suite, plan_only, beam_args, recipe, seed)
-        feature_dim = suites.model_feature_dim(models.join) or _demo_feature_dim()
+        feature_dim = suites.model_feature_dim(models.first) or _demo_feature_dim()
         try:
             cfg = SuiteConfig(suite=suite, workdir=demo_assets.workdir(), models=models, feature_dim=feature_dim,
                               quick=quick, manifest=manifest,

@@ -43,7 +43,10 @@ COCO_1K_FOLDS = 5
 COCO_1K_SIZE = 1000
 SCALE_QUERIES = 5000
 SUITES = ("standard", "distractor_20k", "scale_100k", "scale_1m", "k_ablation", "combination", "baseline", "latency",
-          "memory")
+          "memory", "multilingual")
+#: multilingual: the collection (en/de/fr/cs captions of the same Flickr30k-like scenes) and its languages
+ML_MANIFEST = "synthetic_multi30k"
+ML_LANGUAGES = ("en", "de", "fr", "cs")
 #: memory: collection sizes (images) whose per-job peak RSS is compared; --quick uses QUICK_MEMORY_SIZES.
 MEMORY_SIZES = (20_000, 100_000, 200_000)
 QUICK_MEMORY_SIZES = (200, 400)
@@ -52,10 +55,10 @@ MEMORY_QUERIES = 500
 #: COCO 5k CO protocol (~600k pairs per model) takes ~22 min there. Pools are never cut; 0 = every query.
 DEFAULT_MAX_QUERIES = {"standard": 500, "distractor_20k": 500, "k_ablation": 500, "combination": 500,
                        "baseline": 0, "scale_100k": 0, "scale_1m": 0, "latency": 0,
-                       "memory": 0}
+                       "memory": 0, "multilingual": 500}
 #: --quick: every collection shrunk to this many images (staged for real, through the same stage CLI).
 QUICK_IMAGES = {"synthetic_coco5k": 100, "synthetic_f30k1k": 40, "synthetic_cc14k": 60, "synthetic_100k": 300,
-                "synthetic_1m": 300}
+                "synthetic_1m": 300, "synthetic_multi30k": 80}
 QUICK_SCALE_QUERIES = 50
 MODE_LABELS = {"emb": "EMB", "co": "CO", "add": "CO-ADD", "norm_add": "CO-NORM_ADD", "ce": "CE"}
 # The AUTO rows (pipelines.rerank --mode auto's choice, benchmarks.evaluate.choose_fusion) choose on this split:
@@ -70,6 +73,7 @@ class Models:
     join: Optional[str] = None
     be: Optional[str] = None
     ce: Optional[str] = None
+    named: tuple[tuple[str, str], ...] = ()  # more JOIN models, (family name, folder): the multilingual suite's
 
     def families(self) -> list[tuple[str, str, str]]:
         """(family, BE model, CE model) of every family given."""
@@ -78,9 +82,15 @@ class Models:
             out.append(("SEP", self.be, self.ce))
         if self.join:
             out.append(("JOIN", self.join, self.join))
+        out += [(name, folder, folder) for name, folder in self.named]
         if not out:
             raise ValueError("no models: give --model (JOIN) and/or --be-model with --ce-model (SEP)")
         return out
+
+    @property
+    def first(self) -> Optional[str]:
+        """A model folder of the set (the JOIN model where there is one): what unit costs and widths are read from."""
+        return self.join or next((folder for _, folder in self.named), None) or self.be
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,7 @@ class Row:
     timing: tuple[tuple[str, str], ...] = ()
     per_fold: bool = False  # index_s / rerank_s are per fold (means); encode_s is shared by the folds
     emb_runs: tuple[str, ...] = ()  # a reranked row's paired baseline: the EMB ranking of these runs (one per fold)
+    lang: Optional[str] = None  # evaluated on the captions of this language only (multilingual)
     pool_images: int = 0
     notes: tuple[str, ...] = ()
     skip: str = ""
@@ -283,7 +294,8 @@ class Planner:
         return self._staged[(manifest, images)]
 
     def select(self, st: Staged, collection: str, *, max_queries: int = 0, fold: Optional[int] = None,
-               folds: int = 0, fold_size: int = 0, scale: int = 0, split: str = "test") -> Job:
+               folds: int = 0, fold_size: int = 0, scale: int = 0, split: str = "test",
+               lang: Optional[str] = None) -> Job:
         seed = self.cfg.seed
         if fold is not None:
             what = f"fold{fold}of{folds}x{fold_size}-q{max_queries}"
@@ -291,11 +303,13 @@ class Planner:
             what = f"scale{scale}"
         else:
             what = f"q{max_queries}" if max_queries else "all"
+        what += f"-{lang}" if lang else ""
         out = os.path.join(self.cfg.root, "queries", st.name, _slug(collection, split, what, f"seed{seed}"))
         plan = sel.QueriesPlan(staged=st.path, collection=collection, output=out, split=split, max_queries=max_queries,
                                seed=seed, fold=fold, folds=folds if fold is not None else 0,
-                               fold_size=fold_size if fold is not None else 0, scale=scale)
-        return self.plan.add(Job.of(f"queries {st.name}/{collection} {what}", plan, sel.SELECTION_FILE,
+                               fold_size=fold_size if fold is not None else 0, scale=scale, lang=lang)
+        where = collection if split == "test" else f"{collection}/{split}"
+        return self.plan.add(Job.of(f"queries {st.name}/{where} {what}", plan, sel.SELECTION_FILE,
                                     inputs=(st.summary,)))
 
     def model_key(self, model: str) -> str:
@@ -587,9 +601,45 @@ def plan_suite(cfg: SuiteConfig, baseline_model: Optional[str] = None) -> Plan:
     elif s == "baseline":
         for m in ("synthetic_coco5k", "synthetic_f30k1k"):
             _task_rows(p, s, m, baseline_model)
+    elif s == "multilingual":
+        multilingual_task(p)
     else:
         raise ValueError(f"suite {s!r} has no recall plan")
     return p.plan
+
+
+def multilingual_task(p: Planner, k: int = STANDARD_K) -> None:
+    """The paper's multilingual and zero-shot settings on ML_MANIFEST: per model family and language, t2i with
+    that language's test captions and i2t against that language's test captions (a caption index of them), one
+    CO run each, with EMB derived and AUTO chosen on the dev split of the same language and pool size."""
+    cfg = p.cfg
+    st = p.stage(ML_MANIFEST)
+    coll = next(iter(st.manifest.collections))
+    n_img = round(st.images[coll] * split_share(st.manifest, "test"))
+    for family, be, ce in cfg.models.families():
+        enc = p.encode(st, be)
+        img_idx = p.index(st, be, enc, "image")
+        dev_enc = p.encode(st, be, split="dev")
+        dev_img = p.index(st, be, dev_enc, "image", pool="dev-all")
+        for lang in ML_LANGUAGES:
+            q = p.select(st, coll, max_queries=cfg.max_queries, lang=lang)
+            txt_idx = p.index(st, be, enc, "text", ids=q, pool=f"all-{lang}")
+            n_q = min(cfg.max_queries or n_img, n_img)
+            run = p.rerank(st, family, be, ce, enc, q, mode="co", k=k, index=img_idx, text_index=txt_idx,
+                           pool=f"all-{lang}", pairs=2 * n_q * k)
+            dev_q = p.select(st, coll, max_queries=cfg.max_queries, split="dev", lang=lang)
+            dev_txt = p.index(st, be, dev_enc, "text", ids=dev_q, pool=f"dev-{lang}")
+            dev = p.rerank(st, family, be, ce, dev_enc, dev_q, mode="co", k=k, index=dev_img, text_index=dev_txt,
+                           split="dev", pool=f"dev-{lang}", pairs=2 * n_q * k)
+            timing = (("encode_s", enc.name), ("index_s", img_idx.name), ("index_s", txt_idx.name),
+                      ("rerank_s", run.name))
+            base = dict(collection=f"{coll}/{lang}", model=family, runs=(run.output,), staged=st.path,
+                        eval_collection=coll, pool_images=n_img, lang=lang,
+                        notes=(f"{lang} captions only: t2i queries and the i2t pool (a caption index of them)",))
+            p.row(mode="EMB", eval_mode="emb", timing=timing[:3], **base)
+            p.row(mode="CO", k=k, eval_mode="co", eval_k=k, timing=timing, emb_runs=(run.output,), **base)
+            p.row(mode="AUTO", k=k, eval_mode="auto", eval_k=k, tune_on=dev.output, tune_staged=st.path,
+                  timing=timing + (("rerank_s", dev.name),), emb_runs=(run.output,), **base)
 
 
 def _task_rows(p: Planner, suite: str, manifest: str, baseline_model: Optional[str]) -> None:

@@ -649,3 +649,26 @@ def test_the_seed_summary_gives_the_interval_of_each_seed_mean_and_of_its_differ
     other[2] = [RowHits(shifted, h.baseline) if h.baseline is not None else h for h in hits_by_seed[2]]
     with pytest.raises(ValueError, match="rank different queries"):
         report.seed_summary(rows_by_seed, other)
+
+
+def test_multilingual_plan_ranks_each_language_against_its_own_captions(model, tmp_path):
+    """multilingual: per family and language one CO run whose t2i queries are that language's test captions and whose
+    i2t pool is a caption index of exactly those captions (--ids from the language's selection); its AUTO row chooses
+    on a dev run of the same language and pool; every row is evaluated on that language."""
+    cfg = suites.SuiteConfig(suite="multilingual", workdir=str(tmp_path), quick=True, feature_dim=F,
+                             models=suites.Models(named=(("A", model), ("B", model))))
+    plan = suites.plan_suite(cfg)
+    reranks = [j for j in plan.jobs if j.module == "pipelines.rerank"]
+    assert len(reranks) == 2 * len(suites.ML_LANGUAGES) * 2  # families x languages x (test, dev): A and B share none
+    for lang in suites.ML_LANGUAGES:
+        rows = [r for r in plan.rows if r.lang == lang and r.model == "A"]
+        assert {r.mode for r in rows} == {"EMB", "CO", "AUTO"} and all(r.collection.endswith(f"/{lang}") for r in rows)
+        run = next(j.plan for j in reranks if j.output == rows[0].runs[0])
+        q = next(j.plan for j in plan.jobs if j.output == os.path.dirname(run.queries))
+        txt = next(j.plan for j in plan.jobs if j.output == run.text_index)
+        assert (q.lang, q.split, txt.modality) == (lang, "test", "text")
+        assert txt.ids == os.path.join(q.output, queries.CAPTION_IDS_FILE)
+        auto = next(r for r in rows if r.mode == "AUTO")
+        dev = next(j.plan for j in reranks if j.output == auto.tune_on)
+        assert dev.split == "dev" and next(j.plan for j in plan.jobs
+                                           if j.output == os.path.dirname(dev.queries)).lang == lang
