@@ -276,12 +276,6 @@ def ensure_model(staged: str) -> str:
     return _ensure_trained(staged, model_dir(), DEMO_RECIPE.join, DEMO_RECIPE)
 
 
-def ensure_sep_models(staged: str) -> tuple[str, str]:
-    """(be_dir, ce_dir): the demo SEP pair."""
-    models = ensure_models(DEMO_RECIPE, sep=True)
-    return models.be, models.ce
-
-
 def ensure_demo_assets(beam_args: tuple[str, ...] = ()) -> tuple[str, str]:
     """(staged_dir, model_dir) of the embedded default, building whichever is missing."""
     staged = ensure_staged(beam_args)
