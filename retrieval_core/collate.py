@@ -5,6 +5,7 @@ RunInference hands it. Padding is always to the longest item of the batch, never
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -37,6 +38,22 @@ class TextCollator:
         enc = self.tokenizer(list(texts), padding="longest", truncation=True, max_length=self.max_len,
                              return_tensors="pt", return_token_type_ids=False)
         return {"input_ids": enc["input_ids"].long(), "attention_mask": enc["attention_mask"].long()}
+
+
+@dataclass
+class TokenCounts:
+    """Token positions the encoder ran: ``useful`` (mask 1) and ``computed`` (the padded batch's B x L), summed over
+    every batch added. ``fraction`` = useful / computed: 1.0 means no padding."""
+    useful: int = 0
+    computed: int = 0
+
+    def add(self, mask: torch.Tensor) -> None:
+        self.useful += int(mask.sum())
+        self.computed += int(mask.numel())
+
+    @property
+    def fraction(self) -> float:
+        return self.useful / self.computed if self.computed else float("nan")
 
 
 def length_chunks(texts: Sequence[str], rows: int) -> list[np.ndarray]:

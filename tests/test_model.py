@@ -293,3 +293,84 @@ def test_bf16_serving_runs_the_heads_in_bf16_and_is_refused_where_the_cpu_emulat
             assert got.dtype == torch.float32 and 0 < diff < 0.05, (name, diff)
     with pytest.raises(ValueError, match="applies to VLRetrievalModel"):
         quantize_model(torch.nn.Linear(2, 2), "bf16")
+
+
+def test_ce_reads_a_cls_only_last_layer_equal_to_the_full_one(model, data):
+    """ce_logits runs the last layer for [CLS] alone (_cls_layer): the same logits as the full encoder's [CLS]
+    (float32, within 1e-5), for a batch with padded captions and regions."""
+    captions, images = data
+    model.eval()
+    texts = captions["text"].tolist()[:6]
+    batch = collate_pairs(model.text_collator(), texts, [images.regions(i % 3) for i in range(6)])
+    assert batch["attention_mask"].min() == 0  # padding inside the stream, between caption and regions
+    with torch.no_grad():
+        tokens, mask = model._ce_input(batch)
+        full = model._encode(tokens, mask, "ce")[:, :1]
+        cls = model._encode(tokens, mask, "ce", cls_only=True)
+    assert cls.shape == (6, 1, model.embedding_dim)
+    torch.testing.assert_close(cls, full, rtol=0, atol=1e-5)
+    pooled = torch.tanh(model.ce_pooler(full[:, 0])) if model.ce_pooler is not None else full[:, 0]
+    with torch.no_grad():
+        torch.testing.assert_close(model.ce_logits(batch), model.ce_classifier(pooled), rtol=0, atol=1e-5)
+
+
+def test_sdpa_attention_is_the_default_and_equals_the_eager_path(model, data, tmp_path):
+    """The encoder runs PyTorch's fused scaled_dot_product_attention (attn_implementation "sdpa"), also after a
+    save/load; the eager path gives the same BE embeddings and CE scores within float32 rounding (1e-5)."""
+    from retrieval_core.model import ATTENTION_IMPLEMENTATIONS
+
+    assert model.attention == "sdpa" and ATTENTION_IMPLEMENTATIONS == ("sdpa", "eager")
+    model.save(str(tmp_path / "m"))
+    loaded = VLRetrievalModel.load(str(tmp_path / "m"))
+    assert loaded.attention == "sdpa"
+    sdpa = _outputs(loaded, data)
+    loaded.set_attention("eager")
+    assert loaded.attention == "eager" and loaded.bert.encoder.layer[0].attention.self.config._attn_implementation \
+        == "eager"
+    for a, b in zip(sdpa, _outputs(loaded, data)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        loaded.set_attention("flash")
+
+
+def test_token_counts_measure_the_padding_the_encoder_runs(model, data):
+    """model.token_counts: useful (mask 1) and computed (B x L) positions of every sequence encoded, per head."""
+    from retrieval_core.collate import TokenCounts
+
+    captions, images = data
+    texts = ["a dog", "a red dog and a blue cat"]
+    regions = [images.regions(0), (images.regions(1)[0][:1], images.regions(1)[1][:1])]
+    model.reset_token_counts()
+    model.encode_text(texts, batch_size=2)
+    mask = model.text_collator()(texts)["attention_mask"]
+    assert (model.token_counts["be"].useful, model.token_counts["be"].computed) == (int(mask.sum()), mask.numel())
+    model.token_counts["be"] = TokenCounts()
+    model.encode_image(regions, batch_size=2)
+    width = min(len(images.regions(0)[0]), model.cfg.max_regions)
+    assert (model.token_counts["be"].useful, model.token_counts["be"].computed) == (2 + width + 1, 2 * (1 + width))
+    assert model.token_counts["be"].fraction == pytest.approx((width + 3) / (2 * width + 2))
+    assert model.token_counts["ce"].computed == 0
+    model.score(texts, regions, batch_size=2)
+    assert (model.token_counts["ce"].useful, model.token_counts["ce"].computed) == \
+        (int(mask.sum()) + width + 1, 2 * (mask.shape[1] + width))
+
+
+def test_flop_counts_of_the_cls_only_layer_and_of_training_steps(model):
+    """The CE's FLOPs count its last layer as run (keys and values of every token, the rest for [CLS]); a
+    training step is 3x the forward (2x for the region projection, whose input needs no gradient)."""
+    from types import SimpleNamespace
+
+    from retrieval_core.model import model_flops, sequence_flops
+    from retrieval_core.train import TrainConfig, step_flops
+
+    cfg = SimpleNamespace(hidden_size=8, intermediate_size=32, num_hidden_layers=2)
+    full = sequence_flops(cfg, 5)
+    last = 2 * 5 * 2 * 64 + 2 * (2 * 64 + 2 * 8 * 32) + 4 * 5 * 8  # K, V over 5 tokens; Q, out, FFN for one
+    assert sequence_flops(cfg, 5, cls_only=True) == full / 2 + last
+    proj = 2 * 4 * (model.feature_dim + 6) * model.embedding_dim
+    assert model_flops(model, "image", regions=4, training=True) == \
+        3 * (model_flops(model, "image", regions=4) - proj) + 2 * proj
+    tc = TrainConfig(batch_size=4, ce_batch_size=2, ce_negatives=3)
+    f = step_flops(model, tc, text_tokens=7, regions=4, images=3)
+    assert f["be"] == 4 * model_flops(model, "text", 7, training=True) + 3 * model_flops(model, "image", 0, 4, True)
+    assert f["ce"] == 2 * 4 * model_flops(model, "pair", 7, 4, training=True) and f["joint"] == f["be"] + f["ce"]
