@@ -59,6 +59,7 @@ class LatencyConfig:
     recall_target: float = 0.99  # nprobe / efSearch: the smallest of index_choice's sweep reaching it
     hnsw_max_n: int = 100_000  # HNSW build is ~O(N log N) graph inserts: 1M on 2 cores is many minutes
     roofline: bool = True  # CE/BE rates against the GEMM roofline, fp32 and int8
+    train_steps: int = 5  # training rows: timed steps per recipe and precision (0: no training rows)
     pipeline_overhead_images: int = 5_000  # pipelines.encode vs the raw model on this many images (0: skip)
     base_images: int = 2000
     jitter: float = 0.5  # noise norm relative to the unit base vector: larger = harder for ANN
@@ -72,7 +73,7 @@ class LatencyConfig:
 def quick_config() -> LatencyConfig:
     return LatencyConfig(sizes=(200, 2_000), eval_sizes=(20, 60), ks=(5, 10), reps=5, warmup=1, paper_reps=2,
                          base_images=40, recall_queries=20, ce_measure_budget_s=5.0, eval_budget_s=60.0,
-                         pipeline_overhead_images=60)
+                         pipeline_overhead_images=60, train_steps=2)
 
 
 def _percentiles(samples: Sequence[float]) -> dict:
@@ -150,6 +151,7 @@ class _Bench:
     cfg: LatencyConfig
     env: dict
     unit: dict = field(default_factory=dict)
+    useful: dict = field(default_factory=dict)  # unit cost key -> useful / computed tokens of its batches
 
     def texts(self, i: int) -> list[str]:
         caps = self.captions["text"].tolist()
@@ -166,24 +168,30 @@ def _row(b: _Bench, **kw) -> dict:
 
 
 def measure_unit_costs(b: _Bench, ctx_log) -> None:
-    """Seconds per image encode, per caption encode, per CE pair (batched and one call per pair)."""
+    """Seconds per image encode, per caption encode, per CE pair (batched and one call per pair), and the
+    useful / computed tokens of the batched calls (b.useful)."""
     m, cfg = b.model, b.cfg
     n_img = len(b.images)
     texts = b.captions["text"].tolist()
     # warm-up: the first calls pay one-off costs (allocator, tokenizer caches, OpenMP pool start)
     m.encode_text(texts[:8], batch_size=cfg.batch_size)
     m.score(texts[:2], b.regions([0, 0]), batch_size=cfg.batch_size)
+    m.reset_token_counts()
     t0 = time.perf_counter()
     m.encode_image(b.images, batch_size=cfg.batch_size)
     b.unit["image_encode_s"] = (time.perf_counter() - t0) / n_img
+    b.useful["image_encode_s"] = m.token_counts["be"].fraction
+    m.reset_token_counts()
     t0 = time.perf_counter()
     m.encode_text(texts, batch_size=cfg.batch_size)
     b.unit["caption_encode_s"] = (time.perf_counter() - t0) / len(texts)
+    b.useful["caption_encode_s"] = m.token_counts["be"].fraction
     n_pairs = min(4 * cfg.batch_size, len(texts))
     pos = np.arange(n_pairs) % n_img
     t0 = time.perf_counter()
     m.score(texts[:n_pairs], b.regions(pos), batch_size=cfg.batch_size)
     b.unit["ce_pair_batched_s"] = (time.perf_counter() - t0) / n_pairs
+    b.useful["ce_pair_batched_s"] = m.token_counts["ce"].fraction
     n_single = 30 if n_pairs >= 30 else n_pairs
     t0 = time.perf_counter()
     for i in range(n_single):
@@ -365,11 +373,20 @@ def gemm_rate(config, tokens: int, reps: int = 5, dtype=None) -> float:
     return flops / best
 
 
+def mean_lengths(b: _Bench) -> tuple[float, float]:
+    """Average caption tokens ([CLS] and [SEP] included) and regions (capped at the model's max_regions) of the
+    bench's captions and images: the lengths FLOPs are counted at."""
+    m = b.model
+    text_tokens = float(m.text_collator()(b.captions["text"].tolist())["attention_mask"].sum(1).float().mean())
+    return text_tokens, float(np.minimum(b.images.num_boxes(), m.cfg.max_regions).mean())
+
+
 def roofline_rows(b: _Bench, log) -> list[dict]:
     """CE pairs/s and BE images/s, captions/s (fp32, with int8 dynamic quantisation, and - on a CPU with native
     bf16 - served in bf16) as a fraction of the roofline: the measured GEMM rate at the model's layer shapes
     (float32; bfloat16 for the bf16 rows) / the model's FLOPs per unit, at the average sequence lengths of the
-    bench's captions and images."""
+    bench's captions and images. Each row also carries the useful / computed tokens of its batches and, in its
+    notes, the attention kernel and (bf16) the oneDNN matmul kernels that ran."""
     import copy
 
     import torch
@@ -378,49 +395,174 @@ def roofline_rows(b: _Bench, log) -> list[dict]:
 
     m, cfg = b.model, b.cfg
     config = m.bert.config
-    texts = b.captions["text"].tolist()
-    text_tokens = float(m.text_collator()(texts)["attention_mask"].sum(1).float().mean())
-    regions = float(np.minimum(b.images.num_boxes(), m.cfg.max_regions).mean())
+    text_tokens, regions = mean_lengths(b)
     units = {  # task -> (unit cost key, FLOPs per unit, tokens per unit)
         "CE pairs": ("ce_pair_batched_s", model_flops(m, "pair", text_tokens, regions), text_tokens + regions),
         "BE images": ("image_encode_s", model_flops(m, "image", regions=regions), 1 + regions),
         "BE captions": ("caption_encode_s", model_flops(m, "text", text_tokens=text_tokens), text_tokens)}
     t0 = time.perf_counter()
-    q = quantize_model(m, "int8")
-    qb = replace(b, model=q, unit={})
+    qb = replace(b, model=quantize_model(m, "int8"), unit={}, useful={})
     measure_unit_costs(qb, lambda msg: log(f"int8 {msg}"))
     log(f"roofline: int8 dynamic quantisation took {time.perf_counter() - t0:.1f} s incl. its unit costs")
-    variants = [("fp32", b.unit), ("int8", qb.unit)]
+    variants = [("fp32", b), ("int8", qb)]
     if cpu_has_native_bf16() and m.device.type == "cpu":
-        hb = replace(b, model=quantize_model(copy.deepcopy(m), "bf16"), unit={})
+        hb = replace(b, model=quantize_model(copy.deepcopy(m), "bf16"), unit={}, useful={})
         measure_unit_costs(hb, lambda msg: log(f"bf16 {msg}"))
-        variants.append(("bf16", hb.unit))
+        variants.append(("bf16", hb))
     shape = (f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, intermediate "
              f"{config.intermediate_size}; avg {text_tokens:.1f} caption tokens, {regions:.1f} regions")
     rows = []
-    for task, (key, flops, seq) in units.items():
-        tokens = int(round(cfg.batch_size * seq))
-        fp32_rate = gemm_rate(config, tokens)
-        for variant, unit in variants:
-            rate = gemm_rate(config, tokens, dtype=torch.bfloat16) if variant == "bf16" else fp32_rate
+    for variant, vb in variants:
+        few = min(8, len(b.images))
+        kernels = kernel_note(vb.model, lambda: vb.model.score(b.texts(0) * few, b.regions(range(few)),
+                                                               batch_size=few))
+        for task, (key, flops, seq) in units.items():
+            tokens = int(round(cfg.batch_size * seq))
+            rate = gemm_rate(config, tokens, dtype=torch.bfloat16 if variant == "bf16" else None)
             roof = rate / flops
-            per_s = 1.0 / unit[key]
+            per_s = 1.0 / vb.unit[key]
             rows.append(_row(b, collection="roofline", collection_size="", model="JOIN",
                              mode=f"{task} ({variant})", rate_per_s=per_s, roofline_fraction=per_s / roof,
-                             measured=True, notes=(
+                             useful_token_fraction=vb.useful[key], measured=True, notes=(
                                  f"{flops / 1e6:.1f} MFLOP per unit ({shape}; dense GEMMs + attention, "
-                                 f"softmax/LayerNorm/GELU not counted); roofline {roof:,.0f}/s = "
-                                 f"{'bf16' if variant == 'bf16' else 'fp32'} GEMM rate "
+                                 f"softmax/LayerNorm/GELU not counted; the CE's last layer for [CLS] alone); "
+                                 f"roofline {roof:,.0f}/s = {'bf16' if variant == 'bf16' else 'fp32'} GEMM rate "
                                  f"{rate / 1e9:.1f} GFLOP/s at {tokens} x {config.hidden_size} x "
                                  f"{config.intermediate_size}-class shapes (torch.mm, best of 5) / FLOPs; "
-                                 f"measured {per_s:,.0f}/s at batch {cfg.batch_size}"
+                                 f"measured {per_s:,.0f}/s at batch {cfg.batch_size}, useful tokens "
+                                 f"{vb.useful[key]:.3f} of computed; {kernels}"
                                  + ("; int8 = torch.ao dynamic quantisation of the Linear layers, against the "
                                     "fp32 roofline (int8 GEMMs can exceed it)" if variant == "int8" else "")
-                                 + ("; bf16 = --quantize bf16 (autocast), against the bf16 GEMM roofline"
+                                 + ("; bf16 = --quantize bf16, against the bf16 GEMM roofline"
                                     if variant == "bf16" else ""))))
             log(f"  roofline {task} {variant}: {per_s:,.0f}/s = {per_s / roof:.2f} of {roof:,.0f}/s "
-                f"({rate / 1e9:.1f} GFLOP/s, {flops / 1e6:.1f} MFLOP each)")
+                f"({rate / 1e9:.1f} GFLOP/s, {flops / 1e6:.1f} MFLOP each), useful tokens {vb.useful[key]:.3f}")
     return rows
+
+
+def training_rows(b: _Bench, log) -> list[dict]:
+    """Seconds per BE, CE and JOIN step of the demo and bench recipes (pipelines.demo_assets), fp32 and - where
+    native - bf16 (CPU: --cpu-bf16; CUDA: bf16 autocast), as a fraction of the roofline: the measured GEMM rate at
+    the step's token count / its forward + backward FLOPs (train.step_flops, at the bench's average lengths and
+    the steps' distinct images). The Trainer's own steps (length-chunked forwards, backward, clipping, fused
+    AdamW; deterministic algorithms on CPU, as train() sets them) on a copy of the model and the bench's
+    synthetic images and captions; the first step (it mines the BE negatives) is not timed."""
+    import copy
+    import tempfile
+
+    import torch
+
+    from pipelines.demo_assets import BENCH_RECIPE, DEMO_RECIPE
+    from retrieval_core.model import cpu_has_native_bf16
+    from retrieval_core.train import TrainData, Trainer, step_flops
+
+    m, cfg = b.model, b.cfg
+    config = m.bert.config
+    data = TrainData(b.captions, b.images)
+    text_tokens, regions = mean_lengths(b)
+    cpu = m.device.type == "cpu"
+    precisions = ("fp32", "bf16") if (cpu_has_native_bf16() or not cpu) else ("fp32",)
+    rows = []
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    for recipe in (DEMO_RECIPE, BENCH_RECIPE):
+        for precision in precisions:
+            bf16 = precision == "bf16"
+            tc = replace(recipe.join, progress=False, device=str(m.device), cpu_bf16=bf16 and cpu, amp=bf16)
+            model = copy.deepcopy(m)
+            seconds: dict[str, list[float]] = {"be": [], "ce": []}
+            images = []
+            torch.use_deterministic_algorithms(cpu, warn_only=True)
+            try:
+                with tempfile.TemporaryDirectory(prefix="training-rows-") as out:
+                    trainer = Trainer(model, data, tc, out)
+                    model.train()
+                    first = tc.ce_start_step  # a JOIN step: both objectives
+                    trainer.train_step(first)
+                    model.reset_token_counts()
+                    for step in range(first + 1, first + 1 + cfg.train_steps):
+                        for rec in trainer.train_step(step):
+                            seconds[rec["objective"]].append(rec["seconds"])
+                        images.append(len(np.unique(data.image_pos[trainer._batch_indices(step)])))
+            finally:
+                torch.use_deterministic_algorithms(deterministic)
+            flops = step_flops(model, tc, text_tokens, regions, float(np.mean(images)))
+            counts = model.token_counts
+            useful = {"be": counts["be"].fraction, "ce": counts["ce"].fraction,
+                      "joint": (counts["be"].useful + counts["ce"].useful) /
+                               (counts["be"].computed + counts["ce"].computed)}
+            step_s = {"be": float(np.median(seconds["be"])), "ce": float(np.median(seconds["ce"])),
+                      "joint": float(np.median(np.add(seconds["be"], seconds["ce"])))}
+            pairs = (tc.ce_batch_size or tc.batch_size) * (1 + tc.ce_negatives)
+            step_tokens = {"be": tc.batch_size * text_tokens + float(np.mean(images)) * (1 + regions),
+                           "ce": pairs * (text_tokens + regions)}
+            step_tokens["joint"] = step_tokens["ce"]
+            for objective, label in (("be", "BE"), ("ce", "CE"), ("joint", "JOIN")):
+                tokens = int(round(step_tokens[objective]))
+                rate = gemm_rate(config, tokens, dtype=torch.bfloat16 if bf16 else None)
+                per_s = 1.0 / step_s[objective]
+                fraction = flops[objective] / step_s[objective] / rate
+                rows.append(_row(b, collection="training", collection_size="", model="JOIN", batch_size=tc.batch_size,
+                                 mode=f"{label} step ({recipe.name}, {precision})", rate_per_s=per_s,
+                                 roofline_fraction=fraction, useful_token_fraction=useful[objective], measured=True,
+                                 notes=(f"Trainer.train_step of the {recipe.name} recipe's JOIN config ({tc.batch_size} "
+                                        f"captions, {np.mean(images):.1f} distinct images; CE {pairs} pairs; length "
+                                        f"chunks of {tc.length_chunk_rows}), median of {cfg.train_steps} steps after "
+                                        f"step {first} (untimed), {step_s[objective]:.3f} s per step; "
+                                        f"{flops[objective] / 1e9:.1f} GFLOP forward + backward at avg "
+                                        f"{text_tokens:.1f} caption tokens, {regions:.1f} regions; roofline = "
+                                        f"{precision if bf16 else 'fp32'} GEMM rate {rate / 1e9:.1f} GFLOP/s at {tokens}"
+                                        f" rows (torch.mm, best of 5); useful tokens {useful[objective]:.3f} of "
+                                        f"computed" + ("; bf16 autocast (TrainConfig.cpu_bf16 / amp)" if bf16 else ""))))
+                log(f"  training {label} step {recipe.name} {precision}: {step_s[objective]:.3f} s = {fraction:.2f} of "
+                    f"the roofline ({flops[objective] / 1e9:.1f} GFLOP, {rate / 1e9:.1f} GFLOP/s), useful tokens "
+                    f"{useful[objective]:.3f}")
+    return rows
+
+
+def kernel_note(model, fn) -> str:
+    """Which attention kernel and which oneDNN matmul kernels ``fn`` runs (one call, profiled): the profiler's
+    attention op, and the implementations in oneDNN's verbose log (CPU bf16 matmuls run there, e.g.
+    brg_matmul:avx512_core_amx; float32 GEMMs go to MKL and log nothing)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = {e.key for e in prof.key_averages()}
+    attention = sorted(n for n in names if n.startswith("aten::_scaled_dot_product") or n == "aten::_softmax")
+    note = f"attention {model.attention}: {', '.join(attention) or 'none seen'}"
+    if model.device.type == "cpu":
+        matmuls = onednn_kernels(fn)
+        note += f"; oneDNN matmuls: {', '.join(matmuls) if matmuls else 'none (MKL)'}"
+    return note
+
+
+def onednn_kernels(fn) -> list[str]:
+    """The oneDNN primitive implementations ``fn`` executes (e.g. matmul brg_matmul:avx512_core_bf16), from
+    oneDNN's verbose log, which it writes to the process's stdout: read by pointing file descriptor 1 at a
+    temporary file while torch.backends.mkldnn.verbose is on."""
+    import os
+    import sys
+    import tempfile
+
+    import torch
+
+    with tempfile.TemporaryFile() as log_file:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(log_file.fileno(), 1)
+        try:
+            with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                fn()
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+        log_file.seek(0)
+        lines = log_file.read().decode("utf-8", errors="replace").splitlines()
+    # onednn_verbose,v1,primitive,exec,cpu,matmul,brg_matmul:avx512_core_bf16,...
+    found = {f"{p[5]} {p[6]}" for p in (line.split(",") for line in lines) if len(p) > 6 and p[3] == "exec"}
+    return sorted(found)
 
 
 def pipeline_overhead_rows(b: _Bench, cfg, beam_args, log, n: int = 5_000) -> list[dict]:
@@ -446,9 +588,11 @@ def pipeline_overhead_rows(b: _Bench, cfg, beam_args, log, n: int = 5_000) -> li
     table = ds.load_images()
     m, bs = b.model, b.cfg.batch_size
     m.encode_image(table.take(range(min(len(table), bs))), batch_size=bs)  # warm-up, as the pipeline's load
+    m.reset_token_counts()
     t0 = time.perf_counter()
     m.encode_image(table, batch_size=bs)
     raw_s = time.perf_counter() - t0
+    raw_useful = m.token_counts["be"].fraction
     t0 = time.perf_counter()
     for rel in ds.shard_names("images"):  # what encode's read step does per shard (checksum, decode, to float32)
         ds.read_image_shard(rel)
@@ -463,6 +607,7 @@ def pipeline_overhead_rows(b: _Bench, cfg, beam_args, log, n: int = 5_000) -> li
     if image["encoded"] != n_img:
         raise RuntimeError(f"pipeline overhead: encode wrote {image['encoded']} of {n_img} images")
     model_s = image["metrics"].get("inference_batch_latency_micro_secs", (0, 0))[0] / 1e6
+    beam_useful = image["metrics"].get("useful_tokens", 0) / max(1, image["metrics"].get("computed_tokens", 0))
     raw, beam_rate, model_rate = n_img / raw_s, n_img / beam_s, n_img / model_s
     rest_s = beam_s - model_s - read_s
     log(f"pipeline overhead: encode through Beam {beam_rate:,.0f} images/s vs raw model {raw:,.0f} images/s "
@@ -473,7 +618,8 @@ def pipeline_overhead_rows(b: _Bench, cfg, beam_args, log, n: int = 5_000) -> li
              f"(graph start, batching, writing embedding shards and the manifest)")
     common_cols = dict(collection="pipeline_overhead", collection_size=n_img, model="JOIN", measured=True)
     raw_note = (f"VLRetrievalModel.encode_image on the same {n_img:,} staged images already in memory "
-                f"({raw:,.0f} images/s, {raw_s:.1f} s), batch {bs}, back to back")
+                f"({raw:,.0f} images/s, {raw_s:.1f} s, useful tokens {raw_useful:.3f}), batch {bs}, back to back")
+    common_cols["useful_token_fraction"] = beam_useful  # Beam's batches, counted by the handler
     return [_row(b, mode="encode images (Beam)", rate_per_s=beam_rate, roofline_fraction=beam_rate / raw,
                  wall_s=beam_s, **common_cols,
                  notes=(f"pipelines.encode.run (modality image, {common_runner(beam_args)}, in-process: no job "
@@ -695,6 +841,8 @@ def run_latency(cfg, lcfg: LatencyConfig, beam_args: Sequence[str] = (), log=pri
     model = VLRetrievalModel.load(cfg.models.join, device=cfg.device)
     b = _bench(model, lcfg, env, log)
     rows = roofline_rows(b, log) if lcfg.roofline else []
+    if lcfg.train_steps:
+        rows += training_rows(b, log)
     if lcfg.pipeline_overhead_images:
         rows += pipeline_overhead_rows(b, cfg, beam_args, log, lcfg.pipeline_overhead_images)
     rows += per_query_latency(b, log)

@@ -60,7 +60,8 @@ from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 
 from pipelines import common
-from pipelines.handlers import TASK_EMBED_IMAGE, TASK_EMBED_TEXT, FailedBatch, VLModelHandler, element_length
+from pipelines.handlers import (COMPUTED_TOKENS, TASK_EMBED_IMAGE, TASK_EMBED_TEXT, USEFUL_TOKENS, FailedBatch,
+                               VLModelHandler, element_length)
 from retrieval_core import embeddings as emb
 from retrieval_core import schema
 
@@ -444,7 +445,9 @@ def throughput_line(modality: str, metrics: dict, device: str) -> str:
     bs_sum, bs_n = metrics.get("inference_request_batch_size", (0, 0))
     rate = n / (lat_sum / 1e6) if lat_sum else float("nan")
     mean_bs = bs_sum / bs_n if bs_n else float("nan")
-    return (f"{modality}: {n} encoded in {batches} batches, mean batch {mean_bs:.1f}, "
+    computed = metrics.get(COMPUTED_TOKENS, 0)
+    useful = f", useful tokens {metrics.get(USEFUL_TOKENS, 0) / computed:.3f} of computed" if computed else ""
+    return (f"{modality}: {n} encoded in {batches} batches, mean batch {mean_bs:.1f}{useful}, "
             f"{rate:.1f} items/s of model time, device {device}, torch threads {torch.get_num_threads()}")
 
 

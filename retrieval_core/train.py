@@ -33,7 +33,7 @@ from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_e
 from retrieval_core.collate import collate_images, collate_pairs, length_chunks
 from retrieval_core.losses import (HardNegatives, MinedNegatives, batch_hard_triplet_loss, ce_listwise_loss,
                                    ce_pair_loss, infonce_loss, sample_ce_groups)
-from retrieval_core.model import VLRetrievalModel, _autocast
+from retrieval_core.model import VLRetrievalModel, _autocast, model_flops
 from retrieval_core.schema import ImageTable
 
 OBJECTIVES = ("be", "ce", "joint")
@@ -290,6 +290,20 @@ def lstsq_image_embedding(model: VLRetrievalModel, data: TrainData, ridge: float
         layer.weight.copy_(torch.from_numpy(w.T).to(layer.weight.dtype))
         layer.bias.copy_(torch.from_numpy(t_mean - x_mean @ w).to(layer.bias.dtype))
     return r2
+
+
+def step_flops(model: VLRetrievalModel, cfg: TrainConfig, text_tokens: float, regions: float,
+               images: Optional[float] = None) -> dict[str, float]:
+    """Forward + backward FLOPs of one training step per objective (model_flops, training=True) at the given
+    average caption tokens and regions: "be" (batch_size captions and ``images`` distinct images, default
+    batch_size; the loss's similarity matrix is left out), "ce" (ce_batch_size x (1 + ce_negatives) pairs) and
+    "joint" (both). Padding is not counted: it is what the steps waste."""
+    images = cfg.batch_size if images is None else images
+    be = cfg.batch_size * model_flops(model, "text", text_tokens=text_tokens, training=True) + \
+        images * model_flops(model, "image", regions=regions, training=True)
+    pairs = (cfg.ce_batch_size or cfg.batch_size) * (1 + cfg.ce_negatives)
+    ce = pairs * model_flops(model, "pair", text_tokens, regions, training=True)
+    return {"be": be, "ce": ce, "joint": be + ce}
 
 
 def evaluate(model: VLRetrievalModel, dev: TrainData, device: str = "cpu", batch_size: int = 128,
