@@ -16,7 +16,7 @@ import io
 import math
 import platform
 import re
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import click
 
@@ -189,12 +189,15 @@ def normalise_row(row: Mapping) -> dict:
     return out
 
 
-def write_csv(path: str, rows: Iterable[Mapping], columns: Sequence[str] = CSV_COLUMNS) -> str:
-    """Writes the rows atomically (pipelines.common.write_atomic: a crashed run never leaves a half CSV) and
-    its column documentation beside it (:func:`schema_path`); returns the CSV's path."""
+def write_csv(path: str, rows: Iterable[Mapping], columns: Sequence[str] = CSV_COLUMNS,
+              write_atomic: Optional[Callable[[str, bytes], object]] = None) -> str:
+    """Writes the rows atomically (default pipelines.common.write_atomic: a crashed run never leaves a half CSV)
+    and its column documentation beside it (:func:`schema_path`); returns the CSV's path. ``write_atomic``:
+    another writer of (path, bytes), for callers that run without Beam (benchmarks.roofline)."""
     import json
 
-    from pipelines.common import write_atomic
+    if write_atomic is None:
+        from pipelines.common import write_atomic
 
     doc = column_schema(columns)  # before writing anything: an undocumented column is refused
     write_atomic(schema_path(path), (json.dumps({"csv": path.rsplit("/", 1)[-1], **doc}, indent=1) + "\n")
