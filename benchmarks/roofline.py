@@ -130,15 +130,17 @@ def mean_lengths(b: UnitBench) -> tuple[float, float]:
 class Variant:
     """One way of serving the model: a label, the precision the GEMMs run in, and the attention kernel."""
     label: str
-    precision: str = "fp32"  # fp32, int8 (CPU dynamic quantisation), bf16 or fp16 (CUDA autocast only)
+    precision: str = "fp32"  # fp32, int8 (CPU dynamic quantisation), bf16 (weights), bf16-amp or fp16-amp
     attention: str = "sdpa"
 
 
 def serving_variants(device: str, eager: bool = False) -> list[Variant]:
-    """What roofline_rows measures: CPU fp32, int8 and (native) bf16; CUDA fp32, bf16 and fp16 autocast.
+    """What roofline_rows measures: CPU fp32, int8 and (native) bf16 (--quantize: model.quantize_model); CUDA
+    fp32, bf16 (--quantize bf16: bf16 weights) and bf16 and fp16 autocast (the amp_dtype of encode_*).
     ``eager``: each float variant once more with the eager attention path."""
     if torch.device(device).type == "cuda":
-        floats = [Variant("fp32"), Variant("bf16", "bf16"), Variant("fp16", "fp16")]
+        floats = [Variant("fp32"), Variant("bf16", "bf16"), Variant("bf16 amp", "bf16-amp"),
+                  Variant("fp16 amp", "fp16-amp")]
         out = list(floats)
     else:
         floats = [Variant("fp32")] + ([Variant("bf16", "bf16")] if cpu_has_native_bf16() else [])
@@ -153,14 +155,12 @@ def _served(b: UnitBench, v: Variant) -> UnitBench:
     if v.precision == "fp32" and v.attention == b.model.attention:
         return b
     m = b.model
-    if v.precision == "int8":
-        m = quantize_model(m, "int8")
+    if v.precision in ("int8", "bf16"):
+        m = quantize_model(m if v.precision == "int8" else copy.deepcopy(m), v.precision, str(m.device))
     else:
         m = copy.deepcopy(m)
-        if v.precision == "bf16" and m.device.type == "cpu":
-            m = quantize_model(m, "bf16")
     m.set_attention(v.attention)
-    amp = v.precision if v.precision in ("bf16", "fp16") and m.device.type == "cuda" else None
+    amp = v.precision.split("-")[0] if v.precision.endswith("-amp") else None
     return replace(b, model=m, amp_dtype=amp, unit={}, useful={})
 
 
@@ -190,7 +190,8 @@ def roofline_rows(b: UnitBench, log, variants: Optional[Sequence[Variant]] = Non
         few = min(8, len(b.images))
         kernels = kernel_note(vb.model, lambda: vb.model.score(b.texts(0) * few, b.regions(range(few)), batch_size=few,
                                                                device=device, amp_dtype=vb.amp_dtype))
-        gemm_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(v.precision, torch.float32)
+        gemm_dtype = {"bf16": torch.bfloat16, "bf16-amp": torch.bfloat16, "fp16-amp": torch.float16}.get(
+            v.precision, torch.float32)
         for task, (key, flops, seq) in units.items():
             tokens = int(round(b.batch_size * seq))
             rate = gemm_rate(config, tokens, dtype=gemm_dtype, device=device)
@@ -208,7 +209,8 @@ def roofline_rows(b: UnitBench, log, variants: Optional[Sequence[Variant]] = Non
                                   f"{vb.useful[key]:.3f} of computed; {kernels}"
                                   + ("; int8 = torch.ao dynamic quantisation of the Linear layers, against the "
                                      "fp32 roofline (int8 GEMMs can exceed it)" if v.precision == "int8" else "")
-                                  + (f"; {v.precision} = --quantize {v.precision}" if v.precision == "bf16" else ""))))
+                                  + ("; bf16 = --quantize bf16 (bf16 weights)" if v.precision == "bf16" else "")
+                                  + (f"; {v.label} = autocast (amp_dtype)" if v.precision.endswith("amp") else ""))))
             log(f"  roofline {task} {v.label}: {per_s:,.0f}/s = {per_s / roof:.2f} of {roof:,.0f}/s "
                 f"({rate / 1e9:.1f} GFLOP/s, {flops / 1e6:.1f} MFLOP each), useful tokens {vb.useful[key]:.3f}")
     return rows

@@ -18,7 +18,6 @@ One object carries both heads: SEP = two models trained separately, JOIN = one t
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -98,9 +97,6 @@ class VLRetrievalModel(nn.Module):
         self.ce_dropout = nn.Dropout(bert_config.hidden_dropout_prob)
         self.ce_classifier = nn.Linear(hidden, 2)
         self._init_new_weights(bert_config.initializer_range)
-        # Set by quantize_model(model, "bf16"): the three heads run their matrix products under bf16 autocast
-        # (LayerNorm, softmax and the pooled outputs stay float32). Not saved: a property of how it is served.
-        self.autocast_dtype: Optional[torch.dtype] = None
         self.reset_token_counts()
 
     def _init_new_weights(self, std: float) -> None:
@@ -150,7 +146,8 @@ class VLRetrievalModel(nn.Module):
         return self.bert.embeddings(input_ids=input_ids, token_type_ids=torch.zeros_like(input_ids))
 
     def _image_tokens(self, img_feats: torch.Tensor, img_boxes: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([img_feats, img_boxes.to(img_feats.dtype)], dim=-1)
+        dtype = self.bert.embeddings.word_embeddings.weight.dtype  # float32, or bf16 as quantize_model serves it
+        x = torch.cat([img_feats, img_boxes.to(img_feats.dtype)], dim=-1).to(dtype)
         if x.shape[-1] != self.img_embedding.in_features:
             raise ValueError(f"image input has {x.shape[-1] - self.cfg.box_dim} feature dims, "
                              f"model expects {self.cfg.feature_dim}")
@@ -194,24 +191,15 @@ class VLRetrievalModel(nn.Module):
         ones = torch.ones(feats.shape[0], 1, dtype=img_mask.dtype, device=feats.device)
         return torch.cat([cls, img.to(cls.dtype)], 1), torch.cat([ones, img_mask], 1)
 
-    def _precision(self):
-        """The serving precision quantize_model chose: bf16 autocast, or nothing (float32, or the caller's)."""
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
-
     def embed_text(self, batch: dict) -> torch.Tensor:
         """(B, hidden) L2-normalised BE embeddings of a TextCollator batch."""
-        with self._precision():
-            hidden = self._encode(self._text_tokens(batch["input_ids"]), batch["attention_mask"], "be")
+        hidden = self._encode(self._text_tokens(batch["input_ids"]), batch["attention_mask"], "be")
         return self._mean_pool(hidden, batch["attention_mask"])
 
     def embed_image(self, batch: dict) -> torch.Tensor:
         """(B, hidden) L2-normalised BE embeddings of a collate_images batch ([CLS] + regions)."""
-        with self._precision():
-            tokens, mask = self._image_sequence(batch)
-            hidden = self._encode(tokens, mask, "be")
-        return self._mean_pool(hidden, mask)
+        tokens, mask = self._image_sequence(batch)
+        return self._mean_pool(self._encode(tokens, mask, "be"), mask)
 
     def _ce_input(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The CE's single stream of a collate_pairs batch: caption tokens (padded to the batch's longest), then
@@ -230,7 +218,7 @@ class VLRetrievalModel(nn.Module):
                                                                               else out))
                  for layer in self.bert.encoder.layer]
         try:
-            with torch.no_grad(), self._precision():
+            with torch.no_grad():
                 tokens, mask = self._ce_input(batch)
                 self._encode(tokens, mask, "ce")
         finally:
@@ -240,11 +228,10 @@ class VLRetrievalModel(nn.Module):
 
     def ce_logits(self, batch: dict) -> torch.Tensor:
         """(B, 2) CE logits (class 1 = match) of a collate_pairs batch."""
-        with self._precision():
-            cls = self._encode(*self._ce_input(batch), "ce", cls_only=True)[:, 0]
-            if self.ce_pooler is not None:
-                cls = torch.tanh(self.ce_pooler(cls))
-            return self.ce_classifier(self.ce_dropout(cls))
+        cls = self._encode(*self._ce_input(batch), "ce", cls_only=True)[:, 0]
+        if self.ce_pooler is not None:
+            cls = torch.tanh(self.ce_pooler(cls))
+        return self.ce_classifier(self.ce_dropout(cls))
 
     def score_pairs(self, batch: dict) -> torch.Tensor:
         """(B,) CE scores under ``cfg.ce_score``: match log-odds (sigmoid(score) = P(match)) or MMT's logit1."""
@@ -402,9 +389,11 @@ def quantize_model(model: nn.Module, quantize: Optional[str], device: str = "cpu
     - ``none``: the model itself, float32;
     - ``int8``: a copy with its nn.Linear layers dynamically quantised (weights int8, activations quantised per
       batch: torch.ao.quantization.quantize_dynamic); int8 dynamic kernels exist on CPU only;
-    - ``bf16``: the model itself, its BE and CE heads running under bf16 autocast (matrix products in
-      bfloat16, float32 accumulation, LayerNorm/softmax/outputs in float32). On CPU only where the CPU has
-      native bf16 (NATIVE_BF16_FLAGS): elsewhere it is emulated, slower than float32, and refused.
+    - ``bf16``: the model itself with its weights cast to bfloat16, so every layer runs in bf16 (oneDNN's bf16
+      matmuls on CPU; LayerNorm, softmax and GEMMs accumulate in float32 inside their kernels) and no cast is
+      paid per call, as autocast did (its casts cost 1.2x on a 2-core AMD EPYC, docs/PERFORMANCE.md); the
+      embeddings are pooled and the CE scores returned in float32. On CPU only where the CPU has native bf16
+      (NATIVE_BF16_FLAGS): elsewhere it is emulated, slower than float32, and refused.
     Anything else, or a mode the device cannot run, raises ValueError."""
     if quantize in (None, "none"):
         return model
@@ -417,8 +406,7 @@ def quantize_model(model: nn.Module, quantize: Optional[str], device: str = "cpu
         if dev.type == "cpu" and not cpu_has_native_bf16():
             raise ValueError(f"--quantize bf16 needs a CPU with native bf16 ({' or '.join(NATIVE_BF16_FLAGS)} in "
                              f"/proc/cpuinfo); this one emulates it, slower than float32: use --quantize none")
-        model.autocast_dtype = torch.bfloat16
-        return model
+        return model.to(torch.bfloat16)
     if dev.type != "cpu":
         raise ValueError(f"--quantize {quantize} (dynamic int8 Linear layers) runs on CPU only; refused on "
                          f"{device}")

@@ -264,8 +264,8 @@ def test_quantize_refused_off_cpu_and_flop_count_of_a_layer():
 
 
 def test_bf16_serving_runs_the_heads_in_bf16_and_is_refused_where_the_cpu_emulates_it(tmp_path, monkeypatch):
-    """--quantize bf16: the same model object, its three heads under bf16 autocast (outputs float32, close to
-    float32's but not equal); refused on a CPU without native bf16 (there it is slower than float32)."""
+    """--quantize bf16: the same model object, its weights in bfloat16 (outputs float32, close to float32's but
+    not equal); refused on a CPU without native bf16 (there it is slower than float32)."""
     from retrieval_core import model as model_mod
     from retrieval_core.collate import collate_images, collate_pairs
     from retrieval_core.model import VLRetrievalModel, quantize_model
@@ -284,8 +284,10 @@ def test_bf16_serving_runs_the_heads_in_bf16_and_is_refused_where_the_cpu_emulat
     with pytest.raises(ValueError, match="native bf16"):
         quantize_model(VLRetrievalModel.load(model_dir), "bf16")
     monkeypatch.setattr(model_mod, "cpu_has_native_bf16", lambda: True)
-    bf16 = quantize_model(VLRetrievalModel.load(model_dir), "bf16")
-    assert bf16.autocast_dtype == torch.bfloat16 and fp32.autocast_dtype is None
+    loaded = VLRetrievalModel.load(model_dir)
+    bf16 = quantize_model(loaded, "bf16")
+    assert bf16 is loaded and {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in fp32.parameters()} == {torch.float32}
     with torch.inference_mode():
         for name, b in batches.items():
             got = getattr(bf16, name)(b)
