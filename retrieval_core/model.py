@@ -161,21 +161,34 @@ class VLRetrievalModel(nn.Module):
         ids = torch.full((batch_size, 1), int(cls_id), dtype=torch.long, device=device)
         return self._text_tokens(ids)
 
-    def _encode(self, tokens: torch.Tensor, mask: torch.Tensor, head: str, cls_only: bool = False) -> torch.Tensor:
-        """Runs the BERT layers over already-embedded tokens with an additive (B,1,1,L) mask, counting the tokens
-        under ``head`` (token_counts). ``cls_only``: the last layer computes the [CLS] output alone, (B, 1, H)
-        (_cls_layer)."""
-        self.token_counts[head].add(mask)
+    @staticmethod
+    def _additive_mask(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The (B,1,1,L) additive attention mask of a 0/1 (B, L) mask, in the attention's dtype."""
         dtype = tokens.dtype
         if tokens.is_cuda and torch.is_autocast_enabled("cuda"):
             dtype = torch.get_autocast_dtype("cuda")  # SDPA wants the mask in the query's dtype
-        additive = (1.0 - mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
-        if not cls_only:
-            return self.bert.encoder(tokens, attention_mask=additive).last_hidden_state
+        return (1.0 - mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+
+    def _encode(self, tokens: torch.Tensor, mask: torch.Tensor, head: str, cls_only: bool = False) -> torch.Tensor:
+        """Runs the BERT layers over already-embedded (B, L, H) tokens and their 0/1 mask: the dense layers on the
+        real tokens only (_packed_layer), counted under ``head`` (token_counts). Returns (B, L, H), padded
+        positions zero; ``cls_only``: the last layer computes the [CLS] output alone, (B, 1, H)."""
+        b, length, hidden = tokens.shape
+        flat = mask.reshape(-1).bool()
+        keep = None if bool(flat.all()) else flat.nonzero().squeeze(1)  # None: no padding to skip
+        self.token_counts[head].add(mask)
+        additive = self._additive_mask(tokens, mask)
+        x = tokens.reshape(-1, hidden) if keep is None else tokens.reshape(-1, hidden)[keep]
         layers = self.bert.encoder.layer
-        for layer in layers[:-1]:
-            tokens = layer(tokens, additive)
-        return _cls_layer(layers[-1], tokens, additive)
+        for layer in layers[:-1] if cls_only else layers:
+            x = _packed_layer(layer, x, keep, (b, length), additive)
+        if cls_only:  # [CLS] is every row's first position, a real token
+            cls = torch.arange(b, device=x.device) * length
+            cls = cls if keep is None else torch.searchsorted(keep, cls)
+            return _packed_layer(layers[-1], x, keep, (b, length), additive, queries=cls).view(b, 1, hidden)
+        if keep is None:
+            return x.view(b, length, hidden)
+        return x.new_zeros(b * length, hidden).index_copy(0, keep, x).view(b, length, hidden)
 
     @staticmethod
     def _mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -220,7 +233,7 @@ class VLRetrievalModel(nn.Module):
         try:
             with torch.no_grad():
                 tokens, mask = self._ce_input(batch)
-                self._encode(tokens, mask, "ce")
+                self.bert.encoder(tokens, attention_mask=self._additive_mask(tokens, mask))
         finally:
             for h in hooks:
                 h.remove()
@@ -246,7 +259,7 @@ class VLRetrievalModel(nn.Module):
         """(n, d) float32 L2-normalised text embeddings, in input order."""
         texts = list(texts)
         collate = self.text_collator()
-        order = np.argsort([len(t) for t in texts], kind="stable")
+        order = np.argsort(collate.token_lengths(texts), kind="stable")
         return self._run_batched(order, batch_size, device, amp_dtype, progress, "encode text", self.embedding_dim,
                                  lambda idx: collate([texts[i] for i in idx]), self.embed_text)
 
@@ -267,7 +280,7 @@ class VLRetrievalModel(nn.Module):
         if len(texts) != len(counts):
             raise ValueError(f"score: {len(texts)} texts but {len(counts)} images")
         collate = self.text_collator()
-        order = np.lexsort((np.array([len(t) for t in texts]), np.minimum(counts, self.cfg.max_regions)))
+        order = np.lexsort((collate.token_lengths(texts), np.minimum(counts, self.cfg.max_regions)))
         mr = self.cfg.max_regions
         out = self._run_batched(order, batch_size, device, amp_dtype, progress, "CE score", 1,
                                 lambda idx: collate_pairs(collate, [texts[i] for i in idx], [get(i) for i in idx], mr),
@@ -331,22 +344,35 @@ class VLRetrievalModel(nn.Module):
         return os.path.isfile(os.path.join(directory, MODEL_JSON))
 
 
-def _cls_layer(layer: nn.Module, hidden: torch.Tensor, additive: torch.Tensor) -> torch.Tensor:
-    """One BertLayer's output at position 0 alone, (B, 1, H): keys and values over every token, but the query,
-    attention output and feed-forward of [CLS] only - all the CE head reads of its last layer. Equal to
-    ``layer(hidden, additive)[:, :1]`` up to float rounding; for the halved MiniLM (3 layers) it saves ~28 % of a
-    pair's FLOPs. The same submodules and attention kernel as BertLayer (transformers' attention interface)."""
+def _packed_layer(layer: nn.Module, x: torch.Tensor, keep: Optional[torch.Tensor], shape: tuple[int, int],
+                  additive: torch.Tensor, queries: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One BertLayer over a batch's real tokens only: ``x`` (N, H) are the tokens of a (B, L) batch at the flat
+    positions ``keep`` (None: every position, no padding). Q, K, V, the attention output and the feed-forward -
+    the dense layers, ~95 % of the FLOPs - run on the N real tokens; attention runs on the padded (B, heads, L, d)
+    layout, padded keys masked by ``additive``. ``queries``: rows of ``x`` whose outputs are wanted, one per
+    batch row (the CE head reads [CLS] alone: its last layer then computes keys and values of every token and
+    the rest for [CLS], ~28 % of a pair's FLOPs for the halved MiniLM), default all. Equal to BertLayer on the
+    padded batch at those positions up to float rounding; the same submodules and attention kernel
+    (transformers' attention interface)."""
     attn = layer.attention.self
-    first = hidden[:, :1]
-    heads = (hidden.shape[0], -1, attn.num_attention_heads, attn.attention_head_size)
-    query = attn.query(first).view(heads).transpose(1, 2)
-    key = attn.key(hidden).view(heads).transpose(1, 2)
-    value = attn.value(hidden).view(heads).transpose(1, 2)
+    b, length = shape
+    heads = (attn.num_attention_heads, attn.attention_head_size)
+
+    def padded(t: torch.Tensor) -> torch.Tensor:  # (N, H) -> (B, heads, L, d), zeros at padded positions
+        if keep is not None:
+            t = t.new_zeros(b * length, t.shape[1]).index_copy(0, keep, t)
+        return t.view(b, length, *heads).transpose(1, 2)
+
+    key, value = padded(attn.key(x)), padded(attn.value(x))
+    rows = x if queries is None else x[queries]
+    query = padded(attn.query(x)) if queries is None else attn.query(rows).view(b, 1, *heads).transpose(1, 2)
     kernel = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
     context, _ = kernel(attn, query, key, value, additive, dropout=attn.dropout.p if attn.training else 0.0,
                         scaling=attn.scaling)
-    out = layer.attention.output(context.reshape(first.shape[0], 1, -1), first)
-    return layer.feed_forward_chunk(out)
+    context = context.reshape(-1, attn.all_head_size)  # (B * L or B, H): the kernels return (B, Lq, heads, d)
+    if queries is None and keep is not None:
+        context = context[keep]
+    return layer.feed_forward_chunk(layer.attention.output(context, rows))
 
 
 def _region_access(images: ImageTable | Sequence[Regions]) -> tuple[Callable[[int], Regions], np.ndarray]:

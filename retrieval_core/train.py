@@ -473,7 +473,7 @@ class Trainer:
 
     def _by_length_chunks(self, texts: list[str], make_batch, forward) -> torch.Tensor:
         """``forward`` over length-sorted chunks of the batch (cfg.length_chunk_rows), rows back in input order."""
-        chunks = length_chunks(texts, self.cfg.length_chunk_rows)
+        chunks = length_chunks(self.collate_text.token_lengths(texts), self.cfg.length_chunk_rows)
         if len(chunks) == 1:
             return forward(self._to_device(make_batch(np.arange(len(texts)))))
         out = torch.cat([forward(self._to_device(make_batch(idx))) for idx in chunks])

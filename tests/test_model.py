@@ -297,23 +297,62 @@ def test_bf16_serving_runs_the_heads_in_bf16_and_is_refused_where_the_cpu_emulat
         quantize_model(torch.nn.Linear(2, 2), "bf16")
 
 
-def test_ce_reads_a_cls_only_last_layer_equal_to_the_full_one(model, data):
-    """ce_logits runs the last layer for [CLS] alone (_cls_layer): the same logits as the full encoder's [CLS]
-    (float32, within 1e-5), for a batch with padded captions and regions."""
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_the_packed_encoder_equals_the_padded_one_and_the_ce_reads_cls_alone(model, data, attention):
+    """_encode runs the dense layers on the real tokens only and, for the CE, the last layer for [CLS] alone:
+    at every real position the states of transformers' own padded BertEncoder (float32, within 1e-5), zeros at
+    padded ones, for a CE batch padded inside its stream (caption, then regions) and a BE caption batch."""
     captions, images = data
     model.eval()
+    model.set_attention(attention)
     texts = captions["text"].tolist()[:6]
-    batch = collate_pairs(model.text_collator(), texts, [images.regions(i % 3) for i in range(6)])
-    assert batch["attention_mask"].min() == 0  # padding inside the stream, between caption and regions
-    with torch.no_grad():
-        tokens, mask = model._ce_input(batch)
-        full = model._encode(tokens, mask, "ce")[:, :1]
-        cls = model._encode(tokens, mask, "ce", cls_only=True)
-    assert cls.shape == (6, 1, model.embedding_dim)
-    torch.testing.assert_close(cls, full, rtol=0, atol=1e-5)
-    pooled = torch.tanh(model.ce_pooler(full[:, 0])) if model.ce_pooler is not None else full[:, 0]
-    with torch.no_grad():
-        torch.testing.assert_close(model.ce_logits(batch), model.ce_classifier(pooled), rtol=0, atol=1e-5)
+    regions = [images.regions(i % 3) for i in range(6)]
+    regions[1] = (regions[1][0][:2], regions[1][1][:2])
+    pairs = collate_pairs(model.text_collator(), texts, regions, 4)
+    assert pairs["attention_mask"].min() == 0 and pairs["img_mask"].min() == 0  # padding in both segments
+    try:
+        with torch.no_grad():
+            for tokens, mask in (model._ce_input(pairs), (model._text_tokens(model.text_collator()(texts)["input_ids"]),
+                                                          model.text_collator()(texts)["attention_mask"])):
+                padded = model.bert.encoder(tokens, attention_mask=model._additive_mask(tokens, mask)).last_hidden_state
+                packed = model._encode(tokens, mask, "ce")
+                real = mask.bool()
+                torch.testing.assert_close(packed[real], padded[real], rtol=0, atol=1e-5)
+                assert not packed[~real].any()
+            tokens, mask = model._ce_input(pairs)
+            cls = model._encode(tokens, mask, "ce", cls_only=True)
+            assert cls.shape == (6, 1, model.embedding_dim)
+            torch.testing.assert_close(cls, padded_cls := model.bert.encoder(
+                tokens, attention_mask=model._additive_mask(tokens, mask)).last_hidden_state[:, :1], rtol=0, atol=1e-5)
+            pooled = torch.tanh(model.ce_pooler(padded_cls[:, 0])) if model.ce_pooler is not None else padded_cls[:, 0]
+            torch.testing.assert_close(model.ce_logits(pairs), model.ce_classifier(pooled), rtol=0, atol=1e-5)
+    finally:
+        model.set_attention("sdpa")
+
+
+def test_packed_training_gradients_equal_the_padded_ones(model, data):
+    """Packing is arithmetic, not approximation: with dropout off, the gradients of a CE loss through the packed
+    encoder equal those through transformers' padded one (float32, within 1e-5)."""
+    captions, images = data
+    texts = captions["text"].tolist()[:4]
+    regions = [images.regions(i % 3) for i in range(4)]
+    regions[0] = (regions[0][0][:2], regions[0][1][:2])
+    pairs = collate_pairs(model.text_collator(), texts, regions, 4)
+    model.eval()  # dropout off: both paths see the same arithmetic
+    grads = []
+    for packed in (True, False):
+        model.zero_grad()
+        tokens, mask = model._ce_input(pairs)
+        if packed:
+            cls = model._encode(tokens, mask, "ce", cls_only=True)[:, 0]
+        else:
+            cls = model.bert.encoder(tokens, attention_mask=model._additive_mask(tokens, mask)).last_hidden_state[:, 0]
+        model.ce_classifier(torch.tanh(model.ce_pooler(cls))).logsumexp(1).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    model.zero_grad()
+    assert grads[0].keys() == grads[1].keys() and "img_embedding.weight" in grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=1e-5, msg=name)
 
 
 def test_sdpa_attention_is_the_default_and_equals_the_eager_path(model, data, tmp_path):
