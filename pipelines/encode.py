@@ -103,7 +103,7 @@ class EncodePlan:
     texts_per_shard: int = 50_000
     model_copies: Optional[int] = None
     threads: Optional[int] = None  # torch intra-op threads per model
-    quantize: str = "none"  # schema.QUANTIZE_CHOICES: int8 Linear layers (CPU) or bf16 weights (see model.quantize_model)
+    quantize: str = "none"  # schema.QUANTIZE_CHOICES: int8 Linear layers (CPU) or bf16 weights (model.quantize_model)
 
     def __post_init__(self):
         for name in ("staged", "model", "output"):

