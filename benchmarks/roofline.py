@@ -128,16 +128,18 @@ def mean_lengths(b: UnitBench) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Variant:
-    """One way of serving the model: a label, the precision the GEMMs run in, and the attention kernel."""
+    """One way of serving the model: a label, the precision the GEMMs run in, and the attention kernel (None:
+    the one the served model runs, model.quantize_model's choice)."""
     label: str
     precision: str = "fp32"  # fp32, int8 (CPU dynamic quantisation), bf16 (weights), bf16-amp or fp16-amp
-    attention: str = "sdpa"
+    attention: Optional[str] = None
 
 
-def serving_variants(device: str, eager: bool = False) -> list[Variant]:
+def serving_variants(device: str, other_attention: bool = False) -> list[Variant]:
     """What roofline_rows measures: CPU fp32, int8 and (native) bf16 (--quantize: model.quantize_model); CUDA
     fp32, bf16 (--quantize bf16: bf16 weights) and bf16 and fp16 autocast (the amp_dtype of encode_*).
-    ``eager``: each float variant once more with the eager attention path."""
+    ``other_attention``: each float variant once more with the other attention kernel (eager where it serves
+    sdpa, and the reverse)."""
     if torch.device(device).type == "cuda":
         floats = [Variant("fp32"), Variant("bf16", "bf16"), Variant("bf16 amp", "bf16-amp"),
                   Variant("fp16 amp", "fp16-amp")]
@@ -145,21 +147,25 @@ def serving_variants(device: str, eager: bool = False) -> list[Variant]:
     else:
         floats = [Variant("fp32")] + ([Variant("bf16", "bf16")] if cpu_has_native_bf16() else [])
         out = [floats[0], Variant("int8", "int8")] + floats[1:]
-    if eager:
-        out += [replace(v, label=f"{v.label} eager", attention="eager") for v in floats]
+    if other_attention:
+        cpu_bf16_eager = torch.device(device).type == "cpu"  # quantize_model serves CPU bf16 with eager attention
+        for v in floats:
+            other = "sdpa" if v.precision == "bf16" and cpu_bf16_eager else "eager"
+            out.append(replace(v, label=f"{v.label} {other}", attention=other))
     return out
 
 
 def _served(b: UnitBench, v: Variant) -> UnitBench:
-    """The bench with its model served as ``v`` (a copy; fp32 + sdpa is the bench itself)."""
-    if v.precision == "fp32" and v.attention == b.model.attention:
+    """The bench with its model served as ``v`` (a copy; fp32 as served is the bench itself)."""
+    if v.precision == "fp32" and v.attention in (None, b.model.attention):
         return b
     m = b.model
     if v.precision in ("int8", "bf16"):
         m = quantize_model(m if v.precision == "int8" else copy.deepcopy(m), v.precision, str(m.device))
     else:
         m = copy.deepcopy(m)
-    m.set_attention(v.attention)
+    if v.attention is not None:
+        m.set_attention(v.attention)
     amp = v.precision.split("-")[0] if v.precision.endswith("-amp") else None
     return replace(b, model=m, amp_dtype=amp, unit={}, useful={})
 
@@ -388,9 +394,11 @@ def write_backbone(output: str) -> None:
               help="Region feature width (the demo collection's).")
 @click.option("--train-steps", type=click.IntRange(min=0), default=5, show_default=True,
               help="Timed training steps per recipe and precision (0: no training rows).")
-@click.option("--eager", is_flag=True, help="Also each float variant with the eager attention path.")
+@click.option("--other-attention", is_flag=True,
+              help="Also each float variant with the other attention kernel (eager or sdpa).")
 @click.option("--output", help="CSV to write (report.CSV_COLUMNS) [print only].")
-def measure(backbone, device, threads, batch_size, images, feature_dim, train_steps, eager, output) -> None:
+def measure(backbone, device, threads, batch_size, images, feature_dim, train_steps, other_attention,
+            output) -> None:
     """Roofline and training rows of a model built from BACKBONE on DEVICE (synthetic inputs)."""
     from retrieval_core.checkpoints import from_text_backbone
 
@@ -410,7 +418,7 @@ def measure(backbone, device, threads, batch_size, images, feature_dim, train_st
         b = UnitBench(model, table, caps, batch_size, env)
         log(f"{device} ({env['device']}, {env['threads']} threads, {env['cpu_model']}): {len(table)} images")
         measure_unit_costs(b, log)
-        rows = roofline_rows(b, log, serving_variants(device, eager=eager))
+        rows = roofline_rows(b, log, serving_variants(device, other_attention=other_attention))
         if train_steps:
             rows += training_rows(b, log, recipes, train_steps)
         if output:

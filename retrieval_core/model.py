@@ -417,9 +417,10 @@ def quantize_model(model: nn.Module, quantize: Optional[str], device: str = "cpu
       batch: torch.ao.quantization.quantize_dynamic); int8 dynamic kernels exist on CPU only;
     - ``bf16``: the model itself with its weights cast to bfloat16, so every layer runs in bf16 (oneDNN's bf16
       matmuls on CPU; LayerNorm, softmax and GEMMs accumulate in float32 inside their kernels) and no cast is
-      paid per call, as autocast did (its casts cost 1.2x on a 2-core AMD EPYC, docs/PERFORMANCE.md); the
-      embeddings are pooled and the CE scores returned in float32. On CPU only where the CPU has native bf16
-      (NATIVE_BF16_FLAGS): elsewhere it is emulated, slower than float32, and refused.
+      paid per call, as autocast did (its casts cost 1.1-1.2x on a 2-core AMD EPYC, docs/PERFORMANCE.md); the
+      embeddings are pooled and the CE scores returned in float32. On CPU the attention runs the eager path; only
+      where the CPU has native bf16 (NATIVE_BF16_FLAGS): elsewhere it is emulated, slower than float32, and
+      refused.
     Anything else, or a mode the device cannot run, raises ValueError."""
     if quantize in (None, "none"):
         return model
@@ -432,6 +433,8 @@ def quantize_model(model: nn.Module, quantize: Optional[str], device: str = "cpu
         if dev.type == "cpu" and not cpu_has_native_bf16():
             raise ValueError(f"--quantize bf16 needs a CPU with native bf16 ({' or '.join(NATIVE_BF16_FLAGS)} in "
                              f"/proc/cpuinfo); this one emulates it, slower than float32: use --quantize none")
+        if dev.type == "cpu":  # the fused CPU attention kernel is the slower one in bf16 at these short lengths
+            model.set_attention("eager")  # (eager 1.06x CE pairs, 1.12x images; docs/PERFORMANCE.md)
         return model.to(torch.bfloat16)
     if dev.type != "cpu":
         raise ValueError(f"--quantize {quantize} (dynamic int8 Linear layers) runs on CPU only; refused on "

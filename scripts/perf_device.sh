@@ -34,7 +34,7 @@ echo "CPUs, one per physical core first: ${C[*]}" >> "$OUT/env.txt"
 G=${C[0]},${C[1]}; A=${C[2]},${C[3]}; R=${C[4]},${C[5]}; V=${C[6]},${C[7]}
 measure() { taskset -c "$1" $PY -m benchmarks.roofline measure --backbone $BB "${@:2}"; }
 (
-  measure $G --device cuda --threads 2 --images 2048 --batch-size 128 --train-steps 5 --eager \
+  measure $G --device cuda --threads 2 --images 2048 --batch-size 128 --train-steps 5 --other-attention \
     --output /tmp/gpu_b128.csv > /tmp/gpu.log 2>&1 && cp /tmp/gpu_b128.csv "$OUT/"
   measure $G --device cuda --threads 2 --images 2048 --batch-size 512 --train-steps 0 \
     --output /tmp/gpu_b512.csv >> /tmp/gpu.log 2>&1 && cp /tmp/gpu_b512.csv "$OUT/"

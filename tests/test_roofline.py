@@ -32,19 +32,21 @@ def test_measure_runs_without_beam_faiss_or_the_minilm_wheel(tmp_path):
     code = (f"import sys\nfor m in {BLOCKED!r}: sys.modules[m] = None\n"
             "from benchmarks.roofline import main\n"
             f"main(['measure', '--backbone', {backbone!r}, '--device', 'cpu', '--threads', '1', '--images', '12', "
-            f"'--batch-size', '8', '--feature-dim', '16', '--train-steps', '1', '--eager', '--output', {out!r}])")
+            f"'--batch-size', '8', '--feature-dim', '16', '--train-steps', '1', '--other-attention', '--output', "
+            f"{out!r}])")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = report.read_csv(out)
     floats = ("fp32",) + (("bf16",) if cpu_has_native_bf16() else ())
     roof = {r["mode"]: r for r in rows if r["collection"] == "roofline"}
+    others = ("fp32 eager",) + (("bf16 sdpa",) if cpu_has_native_bf16() else ())  # bf16 serves eager on CPU
     assert set(roof) == {f"{t} ({v})" for t in ("CE pairs", "BE images", "BE captions")
-                         for v in floats + ("int8",) + tuple(f"{f} eager" for f in floats)}
+                         for v in floats + ("int8",) + others}
     for r in roof.values():
         assert float(r["rate_per_s"]) > 0 and float(r["roofline_fraction"]) > 0 and r["measured"] == "true"
         assert 0 < float(r["useful_token_fraction"]) <= 1 and r["threads"] == "1" and r["device"] == "cpu"
-        attention = "eager" if r["mode"].endswith("eager)") else "sdpa"
-        assert f"attention {attention}: aten::_" in r["notes"]
+        eager = r["mode"].endswith(("eager)", "(bf16)"))
+        assert f"attention {'eager' if eager else 'sdpa'}: aten::_" in r["notes"], r["notes"]
     assert "_scaled_dot_product" in roof["CE pairs (fp32)"]["notes"]
     assert "aten::_softmax" in roof["CE pairs (fp32 eager)"]["notes"]
     train = {r["mode"] for r in rows if r["collection"] == "training"}
