@@ -59,6 +59,21 @@ def gemm_rate(config, tokens: int, reps: int = 5, dtype=None, device: str = "cpu
     return flops / best
 
 
+class GemmRates:
+    """gemm_rate per (rows, dtype), measured once per bench and reused by every row at those shapes: a table's
+    rows then share one roofline, and their fractions differ by their own rates alone (best of ``reps``)."""
+
+    def __init__(self, config, device: str, reps: int = 10):
+        self.config, self.device, self.reps = config, device, reps
+        self._rates: dict = {}
+
+    def __call__(self, tokens: int, dtype=None) -> float:
+        key = (int(tokens), dtype or torch.float32)
+        if key not in self._rates:
+            self._rates[key] = gemm_rate(self.config, key[0], self.reps, key[1], self.device)
+        return self._rates[key]
+
+
 @dataclass
 class UnitBench:
     """A model (as served: ``amp_dtype`` for CUDA autocast), real synthetic images and captions, and the unit
@@ -72,6 +87,12 @@ class UnitBench:
     amp_dtype: Optional[str] = None
     unit: dict = field(default_factory=dict)
     useful: dict = field(default_factory=dict)  # unit cost key -> useful / computed tokens of its batches
+    gemm: Optional[GemmRates] = None  # the GEMM rates of its rows (set on first use)
+
+    def gemm_rate(self, tokens: int, dtype=None) -> float:
+        if self.gemm is None:
+            self.gemm = GemmRates(self.model.bert.config, str(self.model.device))
+        return self.gemm(tokens, dtype)
 
     def texts(self, i: int) -> list[str]:
         caps = self.captions["text"].tolist()
@@ -200,7 +221,7 @@ def roofline_rows(b: UnitBench, log, variants: Optional[Sequence[Variant]] = Non
             v.precision, torch.float32)
         for task, (key, flops, seq) in units.items():
             tokens = int(round(b.batch_size * seq))
-            rate = gemm_rate(config, tokens, dtype=gemm_dtype, device=device)
+            rate = b.gemm_rate(tokens, gemm_dtype)
             roof = rate / flops
             per_s = 1.0 / vb.unit[key]
             rows.append(b.row(collection="roofline", collection_size="", model="JOIN", mode=f"{task} ({v.label})",
@@ -210,7 +231,7 @@ def roofline_rows(b: UnitBench, log, variants: Optional[Sequence[Variant]] = Non
                                   f"softmax/LayerNorm/GELU not counted; the CE's last layer for [CLS] alone); "
                                   f"roofline {roof:,.0f}/s = {str(gemm_dtype).split('.')[-1]} GEMM rate "
                                   f"{rate / 1e9:.1f} GFLOP/s at {tokens} x {config.hidden_size} x "
-                                  f"{config.intermediate_size}-class shapes (torch.mm, best of 5) / FLOPs; "
+                                  f"{config.intermediate_size}-class shapes (torch.mm, best of 10) / FLOPs; "
                                   f"measured {per_s:,.0f}/s at batch {b.batch_size}, useful tokens "
                                   f"{vb.useful[key]:.3f} of computed; {kernels}"
                                   + ("; int8 = torch.ao dynamic quantisation of the Linear layers, against the "
@@ -275,7 +296,7 @@ def training_rows(b: UnitBench, log, recipes: dict[str, TrainConfig], steps: int
             step_tokens["joint"] = step_tokens["ce"]
             for objective, label in (("be", "BE"), ("ce", "CE"), ("joint", "JOIN")):
                 tokens = int(round(step_tokens[objective]))
-                rate = gemm_rate(config, tokens, dtype=torch.bfloat16 if bf16 else None, device=device)
+                rate = b.gemm_rate(tokens, torch.bfloat16 if bf16 else None)
                 fraction = flops[objective] / step_s[objective] / rate
                 rows.append(b.row(collection="training", collection_size="", model="JOIN", batch_size=tc.batch_size,
                                   mode=f"{label} step ({name}, {precision})", rate_per_s=1.0 / step_s[objective],
@@ -288,7 +309,7 @@ def training_rows(b: UnitBench, log, recipes: dict[str, TrainConfig], steps: int
                                          f"step; {flops[objective] / 1e9:.1f} GFLOP forward + backward at avg "
                                          f"{text_tokens:.1f} caption tokens, {regions:.1f} regions; roofline = "
                                          f"{precision} GEMM rate {rate / 1e9:.1f} GFLOP/s at {tokens} rows (torch.mm, "
-                                         f"best of 5); useful tokens {useful[objective]:.3f} of computed"
+                                         f"best of 10); useful tokens {useful[objective]:.3f} of computed"
                                          + ("; bf16 autocast (TrainConfig.cpu_bf16 / amp)" if bf16 else ""))))
                 log(f"  training {label} step {name} {precision}: {step_s[objective]:.3f} s = {fraction:.2f} of the "
                     f"roofline ({flops[objective] / 1e9:.1f} GFLOP, {rate / 1e9:.1f} GFLOP/s), useful tokens "
