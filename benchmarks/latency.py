@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -44,12 +44,15 @@ import numpy as np
 from benchmarks import jobs as jb
 from benchmarks.jobs import JOB_START_S
 from benchmarks.report import PAPER_CODE_MODEL, set_threads
+from benchmarks.roofline import UnitBench, measure_unit_costs, roofline_rows, training_rows
 from benchmarks.rows import evaluate_row
 from benchmarks.suites import MODE_LABELS, Planner
 from pipelines import common
+from pipelines.demo_assets import BENCH_RECIPE, DEMO_RECIPE
 from pipelines.encode.plan import EncodePlan
 from pipelines.encode.run import run as run_encode
 from retrieval_core.store import StagedDataset
+from retrieval_core.synthetic import SyntheticSpec, synthetic_collection
 
 EVAL_CAPTIONS_PER_IMAGE = 5
 
@@ -67,6 +70,7 @@ class LatencyConfig:
     recall_target: float = 0.99  # nprobe / efSearch: the smallest of index_choice's sweep reaching it
     hnsw_max_n: int = 100_000  # HNSW build is ~O(N log N) graph inserts: 1M on 2 cores is many minutes
     roofline: bool = True  # CE/BE rates against the GEMM roofline, fp32 and int8
+    train_steps: int = 5  # training rows: timed steps per recipe and precision (0: no training rows)
     pipeline_overhead_images: int = 5_000  # pipelines.encode vs the raw model on this many images (0: skip)
     base_images: int = 2000
     jitter: float = 0.5  # noise norm relative to the unit base vector: larger = harder for ANN
@@ -80,7 +84,7 @@ class LatencyConfig:
 def quick_config() -> LatencyConfig:
     return LatencyConfig(sizes=(200, 2_000), eval_sizes=(20, 60), ks=(5, 10), reps=5, warmup=1, paper_reps=2,
                          base_images=40, recall_queries=20, ce_measure_budget_s=5.0, eval_budget_s=60.0,
-                         pipeline_overhead_images=60)
+                         pipeline_overhead_images=60, train_steps=2)
 
 
 def _percentiles(samples: Sequence[float]) -> dict:
@@ -149,55 +153,11 @@ def jittered_collection(base: np.ndarray, n: int, sigma: float, seed: int, chunk
 
 
 @dataclass
-class _Bench:
-    """The model, the real base images/captions and the unit costs measured once per run."""
-    model: object
-    images: object  # ImageTable
-    captions: object  # DataFrame
-    base_vecs: np.ndarray
-    cfg: LatencyConfig
-    env: dict
-    unit: dict = field(default_factory=dict)
-
-    def texts(self, i: int) -> list[str]:
-        caps = self.captions["text"].tolist()
-        return [caps[i % len(caps)]]
-
-    def regions(self, positions) -> list:
-        return [self.images.regions(int(p)) for p in positions]
-
-
-def _row(b: _Bench, **kw) -> dict:
-    row = {"suite": "latency", "direction": "t2i", **b.env, "batch_size": b.cfg.batch_size}
-    row.update(kw)
-    return row
-
-
-def measure_unit_costs(b: _Bench, ctx_log) -> None:
-    """Seconds per image encode, per caption encode, per CE pair (batched and one call per pair)."""
-    m, cfg = b.model, b.cfg
-    n_img = len(b.images)
-    texts = b.captions["text"].tolist()
-    # warm-up: the first calls pay one-off costs (allocator, tokenizer caches, OpenMP pool start)
-    m.encode_text(texts[:8], batch_size=cfg.batch_size)
-    m.score(texts[:2], b.regions([0, 0]), batch_size=cfg.batch_size)
-    t0 = time.perf_counter()
-    m.encode_image(b.images, batch_size=cfg.batch_size)
-    b.unit["image_encode_s"] = (time.perf_counter() - t0) / n_img
-    t0 = time.perf_counter()
-    m.encode_text(texts, batch_size=cfg.batch_size)
-    b.unit["caption_encode_s"] = (time.perf_counter() - t0) / len(texts)
-    n_pairs = min(4 * cfg.batch_size, len(texts))
-    pos = np.arange(n_pairs) % n_img
-    t0 = time.perf_counter()
-    m.score(texts[:n_pairs], b.regions(pos), batch_size=cfg.batch_size)
-    b.unit["ce_pair_batched_s"] = (time.perf_counter() - t0) / n_pairs
-    n_single = 30 if n_pairs >= 30 else n_pairs
-    t0 = time.perf_counter()
-    for i in range(n_single):
-        m.score([texts[i]], b.regions([pos[i]]), batch_size=1)
-    b.unit["ce_pair_single_s"] = (time.perf_counter() - t0) / n_single
-    ctx_log("unit costs: " + ", ".join(f"{k}={v * 1000:.2f}ms" for k, v in b.unit.items()))
+class _Bench(UnitBench):
+    """The JOIN model, the real base images/captions and the unit costs measured once per run (UnitBench), the
+    base images' embeddings the per-query collections are jittered from, and the suite's config."""
+    base_vecs: Optional[np.ndarray] = None
+    cfg: Optional[LatencyConfig] = None
 
 
 def per_query_latency(b: _Bench, log) -> list[dict]:
@@ -251,23 +211,23 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
         search_cols = dict(bound_ms=bound_ms)
         paper_emb_t = _timed(paper_emb, max(cfg.paper_reps, 3), 1)
         t_flat = _timed(emb_flat, cfg.reps, cfg.warmup)
-        rows.append(_row(b, mode="EMB-Flat", k=10, **_percentiles(t_flat), index_s=flat_build, search_p50_ms=s_flat,
+        rows.append(b.row(mode="EMB-Flat", k=10, **_percentiles(t_flat), index_s=flat_build, search_p50_ms=s_flat,
                          speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_flat), notes=note,
                          **search_cols, **common))
         t_ex = _timed(lambda i: metrics.exact_topk(enc(i), items, ids, 10), cfg.reps, cfg.warmup)
-        rows.append(_row(b, mode="EMB-Exact", k=10, **_percentiles(t_ex), search_p50_ms=s_exact, **search_cols,
+        rows.append(b.row(mode="EMB-Exact", k=10, **_percentiles(t_ex), search_p50_ms=s_exact, **search_cols,
                          speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_ex), **common,
                          notes=f"{note}; retrieval_core.metrics.exact_topk (one query: the chunked scan kernel, "
                                f"torch.mm + top-k per cache-sized chunk); "
                                f"search alone {s_exact / bound_ms:.2f}x the bound; {bw_note}"))
-        rows.append(_row(b, mode="EMB-bound", k=10, latency_p50_ms=bound_ms, latency_p95_ms=bound_ms,
+        rows.append(b.row(mode="EMB-bound", k=10, latency_p50_ms=bound_ms, latency_p95_ms=bound_ms,
                          latency_p99_ms=bound_ms, search_p50_ms=bound_ms, **search_cols, **common,
                          notes=f"memory-bandwidth bound of one exact scan (no query encoding): {bw_note}"))
         for kind in cfg.anns:
             fac = ann_factory(kind, n, items.shape[1])
             if fac.startswith("HNSW") and n > cfg.hnsw_max_n:
                 log(f"  N={n:,} {fac}: skipped (N > hnsw_max_n={cfg.hnsw_max_n:,}: build too slow on this machine)")
-                rows.append(_row(b, mode=f"EMB-{kind}", k=10, **{**common, "measured": False},
+                rows.append(b.row(mode=f"EMB-{kind}", k=10, **{**common, "measured": False},
                                  notes=f"{fac} not built: N > --hnsw-max-n {cfg.hnsw_max_n:,}"))
                 continue
             t0 = time.perf_counter()
@@ -278,7 +238,7 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
             t_ann = _timed(lambda i: ann.search(enc(i), 10), cfg.reps, cfg.warmup)
             par = ", ".join(f"{k}={v}" for k, v in params.items())
             met = "meets" if ann_recall >= cfg.recall_target else "MISSES"
-            rows.append(_row(b, mode=f"EMB-{kind}", k=10, **_percentiles(t_ann), index_s=ann_build,
+            rows.append(b.row(mode=f"EMB-{kind}", k=10, **_percentiles(t_ann), index_s=ann_build,
                              **{"ann_recall@10": ann_recall}, search_p50_ms=s_ann,
                              index_bytes=sum(len(rindex.index_bytes(x)) for x in ann.shards),
                              speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_ann),
@@ -289,7 +249,7 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
                                    f"({s_torch:.1f} ms); ann_recall@10 = knn_intersection_measure vs exact",
                              **common))
             ann = None  # frees the index before the next one (not del: closures above read the name)
-        rows.append(_row(b, mode="EMB", k=10, **_percentiles(paper_emb_t), search_p50_ms=s_torch, **search_cols,
+        rows.append(b.row(mode="EMB", k=10, **_percentiles(paper_emb_t), search_p50_ms=s_torch, **search_cols,
                          **{**common, "model": PAPER_CODE_MODEL}, notes=f"{note}; torch.mm + topk over all items"))
         log(f"  N={n:,} search alone p50: torch {s_torch:.2f} ms, faiss Flat {s_flat:.2f} ms, exact_topk "
             f"{s_exact:.2f} ms, bound {bound_ms:.2f} ms ({bw / 1e9:.1f} GB/s)")
@@ -317,9 +277,9 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
                 paper = dict(latency_p50_ms=p, latency_p95_ms=p, latency_p99_ms=p, measured=False)
                 pnote += "; composed: this N's measured torch.mm+topk p50 + the k-call CE loop measured at the " \
                          "smallest N"
-            rows.append(_row(b, mode="CO", k=kk, **_percentiles(t_co), **common, notes=note,
+            rows.append(b.row(mode="CO", k=kk, **_percentiles(t_co), **common, notes=note,
                              speedup_vs_paper_code=paper["latency_p50_ms"] / 1000 / np.median(t_co)))
-            rows.append(_row(b, mode="CO", k=kk, **{**common, "model": PAPER_CODE_MODEL, **paper}, notes=pnote))
+            rows.append(b.row(mode="CO", k=kk, **{**common, "model": PAPER_CODE_MODEL, **paper}, notes=pnote))
         # CE over the whole collection for one query.
         est = n * b.unit["ce_pair_batched_s"]
         paper_est = n * b.unit["ce_pair_single_s"] + float(np.median(paper_emb_t))
@@ -328,16 +288,16 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
                 q = b.texts(i)
                 m.score(q * n, b.regions(src), batch_size=cfg.batch_size)
             t_ce = _timed(ce_all, 1, 0)
-            rows.append(_row(b, mode="CE", k="all", **_percentiles(t_ce), **common, notes=f"{note}; one query, "
+            rows.append(b.row(mode="CE", k="all", **_percentiles(t_ce), **common, notes=f"{note}; one query, "
                              f"measured once", speedup_vs_paper_code=paper_est / t_ce[0]))
         else:
             p = est * 1000
-            rows.append(_row(b, mode="CE", k="all", latency_p50_ms=p, latency_p95_ms=p, latency_p99_ms=p,
+            rows.append(b.row(mode="CE", k="all", latency_p50_ms=p, latency_p95_ms=p, latency_p99_ms=p,
                              **{**common, "measured": False}, speedup_vs_paper_code=paper_est / est,
                              notes=f"extrapolated: {n:,} pairs x {b.unit['ce_pair_batched_s'] * 1000:.2f} ms per "
                                    f"pair (batched, measured)"))
         p = paper_est * 1000
-        rows.append(_row(b, mode="CE", k="all", latency_p50_ms=p, latency_p95_ms=p, latency_p99_ms=p,
+        rows.append(b.row(mode="CE", k="all", latency_p50_ms=p, latency_p95_ms=p, latency_p99_ms=p,
                          **{**common, "model": PAPER_CODE_MODEL, "measured": False},
                          notes=f"extrapolated: {n:,} x {b.unit['ce_pair_single_s'] * 1000:.2f} ms per single-pair "
                                f"CE call (measured) + torch.mm search"))
@@ -346,88 +306,6 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
                 log(f"  N={n:,} {r['model']} {r['mode']} k={r.get('k', '')}: p50 {r['latency_p50_ms']:.1f} ms"
                     + (" (extrapolated)" if not r["measured"] else ""))
         flat = items = items_t = None  # frees this size before the next (closures read these names)
-    return rows
-
-
-def gemm_rate(config, tokens: int, reps: int = 5, dtype=None) -> float:
-    """FLOP/s of one BERT layer's dense GEMMs (model.layer_gemm_shapes) over ``tokens`` rows in ``dtype``
-    (default float32), torch.mm with torch's thread setting, best of ``reps``: the machine's attainable rate at
-    the model's shapes."""
-    import torch
-
-    from retrieval_core.model import layer_gemm_shapes
-
-    shapes = layer_gemm_shapes(config, int(tokens))
-    g = torch.Generator().manual_seed(0)
-    dtype = dtype or torch.float32
-    mats = [(torch.randn(m, k, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype))
-            for m, k, n in shapes]
-    flops = sum(2.0 * m * k * n for m, k, n in shapes)
-    best = math.inf
-    for r in range(reps + 1):
-        t0 = time.perf_counter()
-        for a, w in mats:
-            torch.mm(a, w)
-        if r:  # the first pass warms the pool and the caches
-            best = min(best, time.perf_counter() - t0)
-    return flops / best
-
-
-def roofline_rows(b: _Bench, log) -> list[dict]:
-    """CE pairs/s and BE images/s, captions/s (fp32, with int8 dynamic quantisation, and - on a CPU with native
-    bf16 - served in bf16) as a fraction of the roofline: the measured GEMM rate at the model's layer shapes
-    (float32; bfloat16 for the bf16 rows) / the model's FLOPs per unit, at the average sequence lengths of the
-    bench's captions and images."""
-    import copy
-
-    import torch
-
-    from retrieval_core.model import cpu_has_native_bf16, model_flops, quantize_model
-
-    m, cfg = b.model, b.cfg
-    config = m.bert.config
-    texts = b.captions["text"].tolist()
-    text_tokens = float(m.text_collator()(texts)["attention_mask"].sum(1).float().mean())
-    regions = float(np.minimum(b.images.num_boxes(), m.cfg.max_regions).mean())
-    units = {  # task -> (unit cost key, FLOPs per unit, tokens per unit)
-        "CE pairs": ("ce_pair_batched_s", model_flops(m, "pair", text_tokens, regions), text_tokens + regions),
-        "BE images": ("image_encode_s", model_flops(m, "image", regions=regions), 1 + regions),
-        "BE captions": ("caption_encode_s", model_flops(m, "text", text_tokens=text_tokens), text_tokens)}
-    t0 = time.perf_counter()
-    q = quantize_model(m, "int8")
-    qb = replace(b, model=q, unit={})
-    measure_unit_costs(qb, lambda msg: log(f"int8 {msg}"))
-    log(f"roofline: int8 dynamic quantisation took {time.perf_counter() - t0:.1f} s incl. its unit costs")
-    variants = [("fp32", b.unit), ("int8", qb.unit)]
-    if cpu_has_native_bf16() and m.device.type == "cpu":
-        hb = replace(b, model=quantize_model(copy.deepcopy(m), "bf16"), unit={})
-        measure_unit_costs(hb, lambda msg: log(f"bf16 {msg}"))
-        variants.append(("bf16", hb.unit))
-    shape = (f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, intermediate "
-             f"{config.intermediate_size}; avg {text_tokens:.1f} caption tokens, {regions:.1f} regions")
-    rows = []
-    for task, (key, flops, seq) in units.items():
-        tokens = int(round(cfg.batch_size * seq))
-        fp32_rate = gemm_rate(config, tokens)
-        for variant, unit in variants:
-            rate = gemm_rate(config, tokens, dtype=torch.bfloat16) if variant == "bf16" else fp32_rate
-            roof = rate / flops
-            per_s = 1.0 / unit[key]
-            rows.append(_row(b, collection="roofline", collection_size="", model="JOIN",
-                             mode=f"{task} ({variant})", rate_per_s=per_s, roofline_fraction=per_s / roof,
-                             measured=True, notes=(
-                                 f"{flops / 1e6:.1f} MFLOP per unit ({shape}; dense GEMMs + attention, "
-                                 f"softmax/LayerNorm/GELU not counted); roofline {roof:,.0f}/s = "
-                                 f"{'bf16' if variant == 'bf16' else 'fp32'} GEMM rate "
-                                 f"{rate / 1e9:.1f} GFLOP/s at {tokens} x {config.hidden_size} x "
-                                 f"{config.intermediate_size}-class shapes (torch.mm, best of 5) / FLOPs; "
-                                 f"measured {per_s:,.0f}/s at batch {cfg.batch_size}"
-                                 + ("; int8 = torch.ao dynamic quantisation of the Linear layers, against the "
-                                    "fp32 roofline (int8 GEMMs can exceed it)" if variant == "int8" else "")
-                                 + ("; bf16 = --quantize bf16 (autocast), against the bf16 GEMM roofline"
-                                    if variant == "bf16" else ""))))
-            log(f"  roofline {task} {variant}: {per_s:,.0f}/s = {per_s / roof:.2f} of {roof:,.0f}/s "
-                f"({rate / 1e9:.1f} GFLOP/s, {flops / 1e6:.1f} MFLOP each)")
     return rows
 
 
@@ -447,9 +325,11 @@ def pipeline_overhead_rows(b: _Bench, cfg, beam_args, log, n: int = 5_000) -> li
     table = ds.load_images()
     m, bs = b.model, b.cfg.batch_size
     m.encode_image(table.take(range(min(len(table), bs))), batch_size=bs)  # warm-up, as the pipeline's load
+    m.reset_token_counts()
     t0 = time.perf_counter()
     m.encode_image(table, batch_size=bs)
     raw_s = time.perf_counter() - t0
+    raw_useful = m.token_counts["be"].fraction
     t0 = time.perf_counter()
     for rel in ds.shard_names("images"):  # what encode's read step does per shard (checksum, decode, to float32)
         ds.read_image_shard(rel)
@@ -464,6 +344,7 @@ def pipeline_overhead_rows(b: _Bench, cfg, beam_args, log, n: int = 5_000) -> li
     if image["encoded"] != n_img:
         raise RuntimeError(f"pipeline overhead: encode wrote {image['encoded']} of {n_img} images")
     model_s = image["metrics"].get("inference_batch_latency_micro_secs", (0, 0))[0] / 1e6
+    beam_useful = image["metrics"].get("useful_tokens", 0) / max(1, image["metrics"].get("computed_tokens", 0))
     raw, beam_rate, model_rate = n_img / raw_s, n_img / beam_s, n_img / model_s
     rest_s = beam_s - model_s - read_s
     log(f"pipeline overhead: encode through Beam {beam_rate:,.0f} images/s vs raw model {raw:,.0f} images/s "
@@ -474,13 +355,14 @@ def pipeline_overhead_rows(b: _Bench, cfg, beam_args, log, n: int = 5_000) -> li
              f"(graph start, batching, writing embedding shards and the manifest)")
     common_cols = dict(collection="pipeline_overhead", collection_size=n_img, model="JOIN", measured=True)
     raw_note = (f"VLRetrievalModel.encode_image on the same {n_img:,} staged images already in memory "
-                f"({raw:,.0f} images/s, {raw_s:.1f} s), batch {bs}, back to back")
-    return [_row(b, mode="encode images (Beam)", rate_per_s=beam_rate, roofline_fraction=beam_rate / raw,
+                f"({raw:,.0f} images/s, {raw_s:.1f} s, useful tokens {raw_useful:.3f}), batch {bs}, back to back")
+    common_cols["useful_token_fraction"] = beam_useful  # Beam's batches, counted by the handler
+    return [b.row(mode="encode images (Beam)", rate_per_s=beam_rate, roofline_fraction=beam_rate / raw,
                  wall_s=beam_s, **common_cols,
                  notes=(f"pipelines.encode.run (modality image, {common_runner(beam_args)}, in-process: no job "
                         f"start-up; reads staged shards, writes embedding shards + manifest) vs {raw_note}; "
                         f"roofline_fraction = Beam / raw; {split}")),
-            _row(b, mode="encode images (Beam, model time)", rate_per_s=model_rate,
+            b.row(mode="encode images (Beam, model time)", rate_per_s=model_rate,
                  roofline_fraction=model_rate / raw, wall_s=model_s, **common_cols,
                  notes=(f"the same job's RunInference batch latencies summed ({image['metrics'].get('num_inferences')}"
                         f" images) vs {raw_note}: what Beam's batching costs the model itself"))]
@@ -584,21 +466,21 @@ def eval_time(b: _Bench, cfg, beam_args, log) -> tuple[list[dict], list]:
                 budget -= spent
                 (r_t2i, r_i2t), _ = evaluate_row(row, runner.results, b.env)
                 job_wall = sum(runner.results[name].wall_s for _, name in row.timing)
-                rows.append(_row(b, **base, model="JOIN", mode=method, measured=True,
+                rows.append(b.row(**base, model="JOIN", mode=method, measured=True,
                                  **{c: r_t2i[c] for c in ("wall_s", "encode_s", "index_s", "rerank_s", "ce_pairs",
                                                           "peak_rss_mb")},
                                  speedup_vs_paper_code=paper[method] / job_wall if method != "EMB" else "",
                                  notes=f"{row.notes[0]}; mR={r_t2i['mR']:.1f}"))
                 log(f"  N={n:,} {method}: {r_t2i['wall_s']:.1f}s measured (jobs + evaluate)")
             else:
-                rows.append(_row(b, **base, model="JOIN", mode=method, wall_s=wall, measured=False,
+                rows.append(b.row(**base, model="JOIN", mode=method, wall_s=wall, measured=False,
                                  ce_pairs=pairs or "",
                                  speedup_vs_paper_code=paper[method] / wall if method != "EMB" else "",
                                  notes=f"extrapolated: encode {n:,} images + {n_cap:,} captions at the measured "
                                        f"per-item cost + {3 * JOB_START_S:.0f}s job start-up" + (
                                            f" + {pairs:,} CE pairs x {u['ce_pair_batched_s'] * 1000:.2f} ms "
                                            f"(batched)" if pairs else "")))
-            rows.append(_row(b, **base, model=PAPER_CODE_MODEL, mode=method, wall_s=paper[method], measured=False,
+            rows.append(b.row(**base, model=PAPER_CODE_MODEL, mode=method, wall_s=paper[method], measured=False,
                              ce_pairs=est[method][1] or "",
                              notes="extrapolated: same batched encoding" + (
                                  f" + {est[method][1]:,} single-pair CE calls x {u['ce_pair_single_s'] * 1000:.2f} ms"
@@ -618,40 +500,13 @@ def flat_or_ann_index(factory: str, ids: np.ndarray, vectors: np.ndarray, seed: 
     return rindex.ShardedIndex([rindex.build_shard(trained, ids, vectors)])
 
 
-def synthetic_collection(spec):
-    """(ImageTable, captions DataFrame) of one synthetic collection in memory, validated with the stager's
-    per-record functions (no Beam): the real images and captions the per-query latency rows score."""
-    import pandas as pd
-
-    from retrieval_core import staging, synthetic
-    from retrieval_core.schema import DEFAULT_MAX_REGIONS, ImageTable, Reject
-
-    rows = []
-    for raw in synthetic.generate_images(spec):
-        r = staging.stage_image(raw, collection=spec.collection, feature_dim=spec.feature_dim,
-                                max_regions=DEFAULT_MAX_REGIONS, source="synthetic")
-        if isinstance(r, Reject):
-            raise ValueError(f"synthetic image rejected: {r.reason}")
-        rows.append(r)
-    caps = []
-    for raw in synthetic.generate_captions(spec):
-        r = staging.stage_caption(raw, collection=spec.collection, source="synthetic")
-        if isinstance(r, Reject):
-            raise ValueError(f"synthetic caption rejected: {r.reason}")
-        caps.append({"caption_id": r["caption_id"], "image_item_id": r["image_item_id"], "text": r["text"]})
-    table = ImageTable.from_lists([r["item_id"] for r in rows], [r["features"] for r in rows],
-                                  [r["boxes"] for r in rows])
-    return table, pd.DataFrame(caps).sort_values("caption_id").reset_index(drop=True)
-
-
 def _bench(model, lcfg: LatencyConfig, env: dict, log) -> _Bench:
-    from retrieval_core.synthetic import SyntheticSpec
-
     spec = SyntheticSpec("latency_base", lcfg.base_images, seed=lcfg.seed + 3, domain="coco",
                          feature_dim=model.feature_dim, captions_per_image=1)
     images, caps = synthetic_collection(spec)
-    base = model.encode_image(images, batch_size=lcfg.batch_size)
-    b = _Bench(model, images, caps, np.asarray(base, dtype=np.float32), lcfg, env)
+    base = model.encode_image(images, batch_size=lcfg.batch_size, device=str(model.device))
+    b = _Bench(model, images, caps, lcfg.batch_size, env, suite="latency", base_vecs=np.asarray(base, np.float32),
+               cfg=lcfg)
     measure_unit_costs(b, log)
     return b
 
@@ -662,7 +517,6 @@ def sample_rates(model_dir: str, batch_size: int = 128, threads: Optional[int] =
     pairs scored (batched) by the model served as ``quantize`` - for estimates when no earlier run recorded
     them."""
     from retrieval_core.model import VLRetrievalModel, quantize_model
-    from retrieval_core.synthetic import SyntheticSpec
 
     set_threads(threads)
     model = quantize_model(VLRetrievalModel.load(model_dir), quantize)
@@ -686,6 +540,8 @@ def run_latency(cfg, lcfg: LatencyConfig, beam_args: Sequence[str] = (), log=pri
     model = VLRetrievalModel.load(cfg.models.join, device=cfg.device)
     b = _bench(model, lcfg, env, log)
     rows = roofline_rows(b, log) if lcfg.roofline else []
+    if lcfg.train_steps:
+        rows += training_rows(b, log, {r.name: r.join for r in (DEMO_RECIPE, BENCH_RECIPE)}, lcfg.train_steps)
     if lcfg.pipeline_overhead_images:
         rows += pipeline_overhead_rows(b, cfg, beam_args, log, lcfg.pipeline_overhead_images)
     rows += per_query_latency(b, log)

@@ -16,11 +16,10 @@ import io
 import math
 import platform
 import re
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import click
 
-from pipelines.common import write_atomic
 from retrieval_core.stats import Bootstrap, Interval, difference_intervals, recall_intervals, verdict
 
 #: ``model`` of the rows that measure the paper's code path (benchmarks.latency)
@@ -38,7 +37,7 @@ CSV_COLUMNS = (
     "R@1", "R@5", "R@10", "mR", *INTERVAL_COLUMNS, "queries", "collection_size",
     "wall_s", "encode_s", "index_s", "search_s", "rerank_s", "ce_pairs", "peak_rss_mb", "launcher_peak_rss_mb",
     "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "ann_recall@10", "speedup_vs_paper_code",
-    "search_p50_ms", "bound_ms", "index_bytes", "rate_per_s", "roofline_fraction",
+    "search_p50_ms", "bound_ms", "index_bytes", "rate_per_s", "roofline_fraction", "useful_token_fraction",
     "split", "recipe", "model_seed", "device", "cpu_model", "threads", "torch", "faiss", "transformers",
     "batch_size", "quantize", "measured", "rankings", "notes",
 )
@@ -104,6 +103,8 @@ COLUMN_DOCS = {
     "rate_per_s": "measured throughput in the row's unit per second (latency roofline/pipeline rows: see notes)",
     "roofline_fraction": "rate_per_s / the roofline rate from the measured GEMM rate and the model's FLOPs per "
                          "unit (or, for pipeline rows, / the raw model's rate)",
+    "useful_token_fraction": "token positions that carry a token / all the encoder computed (padding included) in "
+                             "the row's batches: 1.0 = no padding (latency roofline, training and pipeline rows)",
     "split": "split of the queries (e.g. test)",
     "recipe": "training recipe of the cached models behind the row (pipelines.demo_assets: bench or demo; empty "
               "when the model folders were given)",
@@ -217,11 +218,15 @@ def normalise_row(row: Mapping) -> dict:
     return out
 
 
-def write_csv(path: str, rows: Iterable[Mapping], columns: Sequence[str] = CSV_COLUMNS) -> str:
-    """Writes the rows atomically (pipelines.common.write_atomic: a crashed run never leaves a half CSV) and
-    its column documentation beside it (:func:`schema_path`); returns the CSV's path."""
+def write_csv(path: str, rows: Iterable[Mapping], columns: Sequence[str] = CSV_COLUMNS,
+              write_atomic: Optional[Callable[[str, bytes], object]] = None) -> str:
+    """Writes the rows atomically (default pipelines.common.write_atomic: a crashed run never leaves a half CSV)
+    and its column documentation beside it (:func:`schema_path`); returns the CSV's path. ``write_atomic``:
+    another writer of (path, bytes), for callers that run without Beam (benchmarks.roofline)."""
     import json
 
+    if write_atomic is None:  # Beam's FileSystems only when used: benchmarks.roofline runs where Beam is absent
+        from pipelines.common import write_atomic
 
     doc = column_schema(columns)  # before writing anything: an undocumented column is refused
     write_atomic(schema_path(path), (json.dumps({"csv": path.rsplit("/", 1)[-1], **doc}, indent=1) + "\n")
@@ -456,6 +461,36 @@ def plot_latency(rows: Sequence[Mapping], path: str, title: str = "Per-query lat
     ax.set_title(title + " (hollow = extrapolated)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_roofline(rows: Sequence[Mapping], path: str, title: str = "Fraction of the GEMM roofline") -> Optional[str]:
+    """One horizontal bar per roofline and training row (latency suite): roofline_fraction, labelled with the
+    rate and the useful / computed tokens of its batches; rows not measured are hatched."""
+    rows = [normalise_row(r) for r in rows if r.get("collection") in ("roofline", "training")
+            and r.get("roofline_fraction", "") not in ("", None)]
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.4))
+    ys = range(len(rows))[::-1]
+    for y, r in zip(ys, rows):
+        frac = float(r["roofline_fraction"])
+        colour = "tab:orange" if r["collection"] == "training" else "tab:blue"
+        ax.barh(y, frac, color=colour, hatch="" if str(r["measured"]) == "true" else "//", alpha=0.85)
+        useful = r["useful_token_fraction"]
+        ax.text(frac + 0.01, y, f"{float(r['rate_per_s']):,.1f}/s" + (f", useful {float(useful):.2f}" if useful != ""
+                                                                      else ""), va="center", fontsize=7)
+    ax.set_yticks(list(ys))
+    ax.set_yticklabels([f"{r['mode']}" for r in rows], fontsize=7)
+    ax.set_xlim(0, max(1.0, max(float(r["roofline_fraction"]) for r in rows) * 1.25))
+    ax.axvline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("measured rate / roofline (blue: inference, orange: training steps; hatched = not measured)")
+    ax.set_title(title)
+    ax.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

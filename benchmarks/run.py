@@ -386,6 +386,7 @@ def run_latency_suite(cfg: SuiteConfig, opts: RunOptions):
         f"[{time.strftime('%H:%M:%S')}] {m}", flush=True))
     report.plot_latency([r for r in rows if str(r.get("collection", "")).startswith("per_query")],
                         os.path.join(opts.output, "latency.png"))
+    report.plot_roofline(rows, os.path.join(opts.output, "roofline.png"))
     return rows, results
 
 

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
+from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from pipelines.common import BEAM_FILES
@@ -50,6 +51,8 @@ TASK_HEAD = {TASK_EMBED_TEXT: "be", TASK_EMBED_IMAGE: "be", TASK_SCORE_PAIRS: "c
 #: RunInference metrics (num_inferences, inference_batch_latency_micro_secs, inference_request_batch_size,
 #: load_model_latency_milli_secs) land in ``<METRICS_NAMESPACE>_<task>``, one namespace per task.
 METRICS_NAMESPACE = "RR_VLRetrieval"
+#: Counters beside them: the token positions the encoder ran that carry tokens, and all it ran (padding included).
+USEFUL_TOKENS, COMPUTED_TOKENS = "useful_tokens", "computed_tokens"
 
 
 class DeviceUnavailableError(RuntimeError):
@@ -133,9 +136,14 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
             return [PredictionResult(example, out) for example, out in zip(batch, self._baseline(batch, model))]
         tensors = self.collate(batch, model)
         dev = model.device
+        counts = model.token_counts[TASK_HEAD[self.task]]
+        before = (counts.useful, counts.computed)
         with torch.inference_mode():
             tensors = {k: v.to(dev, non_blocking=True) for k, v in tensors.items()}
             out = getattr(model, self.task)(tensors).float().cpu().numpy()
+        # the padding of the batches as formed: useful / computed token positions (encode reports the ratio)
+        Metrics.counter(self.get_metrics_namespace(), USEFUL_TOKENS).inc(counts.useful - before[0])
+        Metrics.counter(self.get_metrics_namespace(), COMPUTED_TOKENS).inc(counts.computed - before[1])
         return [PredictionResult(example, out[i]) for i, example in enumerate(batch)]
 
     def _baseline(self, batch: list, model) -> np.ndarray:

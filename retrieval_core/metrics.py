@@ -13,7 +13,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Collection, Mapping, Sequence, Union
 
-import faiss
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -154,6 +153,8 @@ def _topk_block(q: np.ndarray, items: np.ndarray, items_t, item_ids: np.ndarray,
 
 def _l2_topk(queries: np.ndarray, items: np.ndarray, item_ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Exact L2 top-k as (negated squared distances, ids): higher is better, as for inner products."""
+    import faiss  # only here: the training and roofline code imports this module on machines without faiss
+
     dist, pos = faiss.knn(np.ascontiguousarray(queries, np.float32), np.ascontiguousarray(items, np.float32),
                           min(k, len(item_ids)), faiss.METRIC_L2)
     return -dist, item_ids[pos]

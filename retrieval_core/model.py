@@ -18,7 +18,6 @@ One object carries both heads: SEP = two models trained separately, JOIN = one t
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -30,15 +29,21 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoTokenizer, BertConfig, BertModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.bert.modeling_bert import eager_attention_forward
 
 from retrieval_core import schema
-from retrieval_core.collate import Regions, TextCollator, collate_images, collate_pairs
+from retrieval_core.collate import Regions, TextCollator, TokenCounts, collate_images, collate_pairs
 from retrieval_core.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS, SCHEMA_VERSION, ImageTable
 
 MODEL_JSON = "rr_model.json"
 #: CE score keys: ``logit_diff`` = logit1 - logit0 (log-odds of a match), ``logit1`` = MMT-Retrieval's key.
 CE_SCORES = ("logit_diff", "logit1")
 WEIGHTS_FILE = "model.safetensors"
+
+#: The encoder's attention kernels (transformers' attn_implementation): PyTorch's fused scaled_dot_product_attention
+#: (the default) or the eager matmul-softmax-matmul path (the reference the tests compare it with).
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 #: A batched inference call's progress: its own tqdm bar (True), none (False), or a callback given the number of
 #: items in each finished batch (one bar over several calls, e.g. train's dev evaluation).
@@ -81,6 +86,7 @@ class VLRetrievalModel(nn.Module):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.bert = BertModel(bert_config, add_pooling_layer=False)
+        self.set_attention("sdpa")
         hidden = bert_config.hidden_size
         self.img_embedding = nn.Linear(cfg.feature_dim + cfg.box_dim, hidden)
         self.img_layer_norm = (nn.LayerNorm(hidden, eps=cfg.image_layer_norm_eps) if cfg.image_layer_norm
@@ -90,9 +96,7 @@ class VLRetrievalModel(nn.Module):
         self.ce_dropout = nn.Dropout(bert_config.hidden_dropout_prob)
         self.ce_classifier = nn.Linear(hidden, 2)
         self._init_new_weights(bert_config.initializer_range)
-        # Set by quantize_model(model, "bf16"): the three heads run their matrix products under bf16 autocast
-        # (LayerNorm, softmax and the pooled outputs stay float32). Not saved: a property of how it is served.
-        self.autocast_dtype: Optional[torch.dtype] = None
+        self.reset_token_counts()
 
     def _init_new_weights(self, std: float) -> None:
         """BERT's init for the layers the text backbone does not provide."""
@@ -114,6 +118,22 @@ class VLRetrievalModel(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
+    @property
+    def attention(self) -> str:
+        """The attention kernel the encoder runs (ATTENTION_IMPLEMENTATIONS)."""
+        return str(self.bert.config._attn_implementation)
+
+    def set_attention(self, implementation: str) -> None:
+        if implementation not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {implementation!r}")
+        self.bert.set_attn_implementation(implementation)
+
+    def reset_token_counts(self) -> None:
+        """Useful and computed token positions of every sequence the encoder runs from now on, per head
+        (``token_counts``; benchmarks read the padding): "be" (embed_text, embed_image) and "ce" (ce_logits,
+        ce_layer_states)."""
+        self.token_counts = {"be": TokenCounts(), "ce": TokenCounts()}
+
     def text_collator(self) -> TextCollator:
         if self.tokenizer is None:
             raise RuntimeError("this model has no tokenizer attached")
@@ -125,7 +145,8 @@ class VLRetrievalModel(nn.Module):
         return self.bert.embeddings(input_ids=input_ids, token_type_ids=torch.zeros_like(input_ids))
 
     def _image_tokens(self, img_feats: torch.Tensor, img_boxes: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([img_feats, img_boxes.to(img_feats.dtype)], dim=-1)
+        dtype = self.bert.embeddings.word_embeddings.weight.dtype  # float32, or bf16 as quantize_model serves it
+        x = torch.cat([img_feats, img_boxes.to(img_feats.dtype)], dim=-1).to(dtype)
         if x.shape[-1] != self.img_embedding.in_features:
             raise ValueError(f"image input has {x.shape[-1] - self.cfg.box_dim} feature dims, "
                              f"model expects {self.cfg.feature_dim}")
@@ -139,13 +160,34 @@ class VLRetrievalModel(nn.Module):
         ids = torch.full((batch_size, 1), int(cls_id), dtype=torch.long, device=device)
         return self._text_tokens(ids)
 
-    def _encode(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Runs the BERT layers over already-embedded tokens with an additive (B,1,1,L) mask."""
+    @staticmethod
+    def _additive_mask(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The (B,1,1,L) additive attention mask of a 0/1 (B, L) mask, in the attention's dtype."""
         dtype = tokens.dtype
         if tokens.is_cuda and torch.is_autocast_enabled("cuda"):
             dtype = torch.get_autocast_dtype("cuda")  # SDPA wants the mask in the query's dtype
-        additive = (1.0 - mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
-        return self.bert.encoder(tokens, attention_mask=additive).last_hidden_state
+        return (1.0 - mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+
+    def _encode(self, tokens: torch.Tensor, mask: torch.Tensor, head: str, cls_only: bool = False) -> torch.Tensor:
+        """Runs the BERT layers over already-embedded (B, L, H) tokens and their 0/1 mask: the dense layers on the
+        real tokens only (_packed_layer), counted under ``head`` (token_counts). Returns (B, L, H), padded
+        positions zero; ``cls_only``: the last layer computes the [CLS] output alone, (B, 1, H)."""
+        b, length, hidden = tokens.shape
+        flat = mask.reshape(-1).bool()
+        keep = None if bool(flat.all()) else flat.nonzero().squeeze(1)  # None: no padding to skip
+        self.token_counts[head].add(mask)
+        additive = self._additive_mask(tokens, mask)
+        x = tokens.reshape(-1, hidden) if keep is None else tokens.reshape(-1, hidden)[keep]
+        layers = self.bert.encoder.layer
+        for layer in layers[:-1] if cls_only else layers:
+            x = _packed_layer(layer, x, keep, (b, length), additive)
+        if cls_only:  # [CLS] is every row's first position, a real token
+            cls = torch.arange(b, device=x.device) * length
+            cls = cls if keep is None else torch.searchsorted(keep, cls)
+            return _packed_layer(layers[-1], x, keep, (b, length), additive, queries=cls).view(b, 1, hidden)
+        if keep is None:
+            return x.view(b, length, hidden)
+        return x.new_zeros(b * length, hidden).index_copy(0, keep, x).view(b, length, hidden)
 
     @staticmethod
     def _mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -161,24 +203,15 @@ class VLRetrievalModel(nn.Module):
         ones = torch.ones(feats.shape[0], 1, dtype=img_mask.dtype, device=feats.device)
         return torch.cat([cls, img.to(cls.dtype)], 1), torch.cat([ones, img_mask], 1)
 
-    def _precision(self):
-        """The serving precision quantize_model chose: bf16 autocast, or nothing (float32, or the caller's)."""
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
-
     def embed_text(self, batch: dict) -> torch.Tensor:
         """(B, hidden) L2-normalised BE embeddings of a TextCollator batch."""
-        with self._precision():
-            hidden = self._encode(self._text_tokens(batch["input_ids"]), batch["attention_mask"])
+        hidden = self._encode(self._text_tokens(batch["input_ids"]), batch["attention_mask"], "be")
         return self._mean_pool(hidden, batch["attention_mask"])
 
     def embed_image(self, batch: dict) -> torch.Tensor:
         """(B, hidden) L2-normalised BE embeddings of a collate_images batch ([CLS] + regions)."""
-        with self._precision():
-            tokens, mask = self._image_sequence(batch)
-            hidden = self._encode(tokens, mask)
-        return self._mean_pool(hidden, mask)
+        tokens, mask = self._image_sequence(batch)
+        return self._mean_pool(self._encode(tokens, mask, "be"), mask)
 
     def _ce_input(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The CE's single stream of a collate_pairs batch: caption tokens (padded to the batch's longest), then
@@ -197,9 +230,9 @@ class VLRetrievalModel(nn.Module):
                                                                               else out))
                  for layer in self.bert.encoder.layer]
         try:
-            with torch.no_grad(), self._precision():
+            with torch.no_grad():
                 tokens, mask = self._ce_input(batch)
-                self._encode(tokens, mask)
+                self.bert.encoder(tokens, attention_mask=self._additive_mask(tokens, mask))
         finally:
             for h in hooks:
                 h.remove()
@@ -207,11 +240,10 @@ class VLRetrievalModel(nn.Module):
 
     def ce_logits(self, batch: dict) -> torch.Tensor:
         """(B, 2) CE logits (class 1 = match) of a collate_pairs batch."""
-        with self._precision():
-            cls = self._encode(*self._ce_input(batch))[:, 0]
-            if self.ce_pooler is not None:
-                cls = torch.tanh(self.ce_pooler(cls))
-            return self.ce_classifier(self.ce_dropout(cls))
+        cls = self._encode(*self._ce_input(batch), "ce", cls_only=True)[:, 0]
+        if self.ce_pooler is not None:
+            cls = torch.tanh(self.ce_pooler(cls))
+        return self.ce_classifier(self.ce_dropout(cls))
 
     def score_pairs(self, batch: dict) -> torch.Tensor:
         """(B,) CE scores under ``cfg.ce_score``: match log-odds (sigmoid(score) = P(match)) or MMT's logit1."""
@@ -226,7 +258,7 @@ class VLRetrievalModel(nn.Module):
         """(n, d) float32 L2-normalised text embeddings, in input order."""
         texts = list(texts)
         collate = self.text_collator()
-        order = np.argsort([len(t) for t in texts], kind="stable")
+        order = np.argsort(collate.token_lengths(texts), kind="stable")
         return self._run_batched(order, batch_size, device, amp_dtype, progress, "encode text", self.embedding_dim,
                                  lambda idx: collate([texts[i] for i in idx]), self.embed_text)
 
@@ -247,7 +279,7 @@ class VLRetrievalModel(nn.Module):
         if len(texts) != len(counts):
             raise ValueError(f"score: {len(texts)} texts but {len(counts)} images")
         collate = self.text_collator()
-        order = np.lexsort((np.array([len(t) for t in texts]), np.minimum(counts, self.cfg.max_regions)))
+        order = np.lexsort((collate.token_lengths(texts), np.minimum(counts, self.cfg.max_regions)))
         mr = self.cfg.max_regions
         out = self._run_batched(order, batch_size, device, amp_dtype, progress, "CE score", 1,
                                 lambda idx: collate_pairs(collate, [texts[i] for i in idx], [get(i) for i in idx], mr),
@@ -307,6 +339,37 @@ class VLRetrievalModel(nn.Module):
         return model.to(device).eval()
 
 
+def _packed_layer(layer: nn.Module, x: torch.Tensor, keep: Optional[torch.Tensor], shape: tuple[int, int],
+                  additive: torch.Tensor, queries: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One BertLayer over a batch's real tokens only: ``x`` (N, H) are the tokens of a (B, L) batch at the flat
+    positions ``keep`` (None: every position, no padding). Q, K, V, the attention output and the feed-forward -
+    the dense layers, ~95 % of the FLOPs - run on the N real tokens; attention runs on the padded (B, heads, L, d)
+    layout, padded keys masked by ``additive``. ``queries``: rows of ``x`` whose outputs are wanted, one per
+    batch row (the CE head reads [CLS] alone: its last layer then computes keys and values of every token and
+    the rest for [CLS], ~28 % of a pair's FLOPs for the halved MiniLM), default all. Equal to BertLayer on the
+    padded batch at those positions up to float rounding; the same submodules and attention kernel
+    (transformers' attention interface)."""
+    attn = layer.attention.self
+    b, length = shape
+    heads = (attn.num_attention_heads, attn.attention_head_size)
+
+    def padded(t: torch.Tensor) -> torch.Tensor:  # (N, H) -> (B, heads, L, d), zeros at padded positions
+        if keep is not None:
+            t = t.new_zeros(b * length, t.shape[1]).index_copy(0, keep, t)
+        return t.view(b, length, *heads).transpose(1, 2)
+
+    key, value = padded(attn.key(x)), padded(attn.value(x))
+    rows = x if queries is None else x[queries]
+    query = padded(attn.query(x)) if queries is None else attn.query(rows).view(b, 1, *heads).transpose(1, 2)
+    kernel = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
+    context, _ = kernel(attn, query, key, value, additive, dropout=attn.dropout.p if attn.training else 0.0,
+                        scaling=attn.scaling)
+    context = context.reshape(-1, attn.all_head_size)  # (B * L or B, H): the kernels return (B, Lq, heads, d)
+    if queries is None and keep is not None:
+        context = context[keep]
+    return layer.feed_forward_chunk(layer.attention.output(context, rows))
+
+
 def _region_access(images: ImageTable | Sequence[Regions]) -> tuple[Callable[[int], Regions], np.ndarray]:
     if isinstance(images, ImageTable):
         return images.regions, images.num_boxes()
@@ -347,9 +410,12 @@ def quantize_model(model: nn.Module, quantize: Optional[str], device: str = "cpu
     - ``none``: the model itself, float32;
     - ``int8``: a copy with its nn.Linear layers dynamically quantised (weights int8, activations quantised per
       batch: torch.ao.quantization.quantize_dynamic); int8 dynamic kernels exist on CPU only;
-    - ``bf16``: the model itself, its BE and CE heads running under bf16 autocast (matrix products in
-      bfloat16, float32 accumulation, LayerNorm/softmax/outputs in float32). On CPU only where the CPU has
-      native bf16 (NATIVE_BF16_FLAGS): elsewhere it is emulated, slower than float32, and refused.
+    - ``bf16``: the model itself with its weights cast to bfloat16, so every layer runs in bf16 (oneDNN's bf16
+      matmuls on CPU; LayerNorm, softmax and GEMMs accumulate in float32 inside their kernels) and no cast is
+      paid per call, as autocast did (its casts cost 1.1-1.2x on a 2-core AMD EPYC, docs/PERFORMANCE.md); the
+      embeddings are pooled and the CE scores returned in float32. On CPU the attention runs the eager path; only
+      where the CPU has native bf16 (NATIVE_BF16_FLAGS): elsewhere it is emulated, slower than float32, and
+      refused.
     Anything else, or a mode the device cannot run, raises ValueError."""
     if quantize in (None, "none"):
         return model
@@ -362,8 +428,9 @@ def quantize_model(model: nn.Module, quantize: Optional[str], device: str = "cpu
         if dev.type == "cpu" and not cpu_has_native_bf16():
             raise ValueError(f"--quantize bf16 needs a CPU with native bf16 ({' or '.join(NATIVE_BF16_FLAGS)} in "
                              f"/proc/cpuinfo); this one emulates it, slower than float32: use --quantize none")
-        model.autocast_dtype = torch.bfloat16
-        return model
+        if dev.type == "cpu":  # the fused CPU attention kernel is the slower one in bf16 at these short lengths
+            model.set_attention("eager")  # (eager 1.06x CE pairs, 1.12x images; docs/PERFORMANCE.md)
+        return model.to(torch.bfloat16)
     if dev.type != "cpu":
         raise ValueError(f"--quantize {quantize} (dynamic int8 Linear layers) runs on CPU only; refused on "
                          f"{device}")
@@ -380,26 +447,35 @@ def layer_gemm_shapes(config, tokens: int) -> list[tuple[int, int, int]]:
     return [(tokens, h, h)] * 4 + [(tokens, h, i), (tokens, i, h)]
 
 
-def sequence_flops(config, length: float) -> float:
+def sequence_flops(config, length: float, cls_only: bool = False) -> float:
     """Multiply-add FLOPs (2 per MAC) of the encoder layers over one sequence of ``length`` tokens: the dense
-    GEMMs (layer_gemm_shapes) and attention's QK^T and AV; softmax, LayerNorm and GELU are left out."""
+    GEMMs (layer_gemm_shapes) and attention's QK^T and AV; softmax, LayerNorm and GELU are left out.
+    ``cls_only``: the last layer as the CE runs it (_cls_layer: keys and values of every token, the rest for
+    [CLS] alone)."""
     h, i, n = int(config.hidden_size), int(config.intermediate_size), int(config.num_hidden_layers)
     dense = 2 * length * (4 * h * h + 2 * h * i)
     attention = 2 * 2 * length * length * h
-    return n * (dense + attention)
+    if not cls_only:
+        return n * (dense + attention)
+    last = 2 * length * 2 * h * h + 2 * (2 * h * h + 2 * h * i) + 2 * 2 * length * h
+    return (n - 1) * (dense + attention) + last
 
 
-def model_flops(model: "VLRetrievalModel", task: str, text_tokens: float = 0.0, regions: float = 0.0) -> float:
+def model_flops(model: "VLRetrievalModel", task: str, text_tokens: float = 0.0, regions: float = 0.0,
+                training: bool = False) -> float:
     """FLOPs of one unit of ``task`` from the model's config and the given average lengths:
-    "pair" (CE: text tokens + regions in one sequence, region projection, pooler and classifier), "image"
-    (BE: [CLS] + regions) or "text" (BE: the caption's tokens)."""
+    "pair" (CE: text tokens + regions in one sequence, its last layer for [CLS] alone, region projection, pooler
+    and classifier), "image" (BE: [CLS] + regions) or "text" (BE: the caption's tokens). ``training``: forward
+    and backward - 3x the forward (input and weight gradients) except the region projection, whose input is
+    data (2x: weight gradients only)."""
     cfg, h = model.bert.config, int(model.bert.config.hidden_size)
     region_proj = 2 * regions * (model.cfg.feature_dim + model.cfg.box_dim) * h
+    grads, proj_grads = (3, 2) if training else (1, 1)
     if task == "pair":
         head = (2 * h * h if model.ce_pooler is not None else 0) + 2 * h * 2
-        return sequence_flops(cfg, text_tokens + regions) + region_proj + head
+        return grads * (sequence_flops(cfg, text_tokens + regions, cls_only=True) + head) + proj_grads * region_proj
     if task == "image":
-        return sequence_flops(cfg, 1 + regions) + region_proj
+        return grads * sequence_flops(cfg, 1 + regions) + proj_grads * region_proj
     if task == "text":
-        return sequence_flops(cfg, text_tokens)
+        return grads * sequence_flops(cfg, text_tokens)
     raise ValueError(f"task must be pair, image or text, got {task!r}")

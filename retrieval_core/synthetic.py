@@ -38,9 +38,10 @@ from dataclasses import dataclass, fields
 from typing import Iterator, Optional
 
 import numpy as np
+import pandas as pd
 
-from retrieval_core import synthetic_languages
-from retrieval_core.schema import RawCaption, RawImage
+from retrieval_core import staging, synthetic_languages
+from retrieval_core.schema import DEFAULT_MAX_REGIONS, ImageTable, RawCaption, RawImage, Reject
 
 # ------------------------------------------------------------------------------------- vocabulary
 # Colours are shared by every domain (one world). name -> caption variants (first = canonical).
@@ -593,3 +594,24 @@ def generate_captions(spec: SyntheticSpec, start: int = 0, stop: Optional[int] =
     stop = spec.num_images if stop is None else min(stop, spec.num_images)
     for i in range(max(start, 0), stop):
         yield from generate_captions_for(spec, i)
+
+
+def synthetic_collection(spec: SyntheticSpec) -> tuple[ImageTable, pd.DataFrame]:
+    """(ImageTable, captions DataFrame) of one synthetic collection in memory, validated with the stager's
+    per-record functions (no Beam): real images and captions for in-process benchmarks."""
+    rows = []
+    for raw in generate_images(spec):
+        r = staging.stage_image(raw, collection=spec.collection, feature_dim=spec.feature_dim,
+                                max_regions=DEFAULT_MAX_REGIONS, source="synthetic")
+        if isinstance(r, Reject):
+            raise ValueError(f"synthetic image rejected: {r.reason}")
+        rows.append(r)
+    caps = []
+    for raw in generate_captions(spec):
+        r = staging.stage_caption(raw, collection=spec.collection, source="synthetic")
+        if isinstance(r, Reject):
+            raise ValueError(f"synthetic caption rejected: {r.reason}")
+        caps.append({"caption_id": r["caption_id"], "image_item_id": r["image_item_id"], "text": r["text"]})
+    table = ImageTable.from_lists([r["item_id"] for r in rows], [r["features"] for r in rows],
+                                  [r["boxes"] for r in rows])
+    return table, pd.DataFrame(caps).sort_values("caption_id").reset_index(drop=True)

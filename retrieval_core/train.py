@@ -59,7 +59,7 @@ from retrieval_core.losses import (
     infonce_loss,
     sample_ce_groups,
 )
-from retrieval_core.model import VLRetrievalModel, _autocast
+from retrieval_core.model import VLRetrievalModel, _autocast, model_flops
 from retrieval_core.schema import ImageTable
 from retrieval_core.store import StagedDataset
 
@@ -333,6 +333,20 @@ def lstsq_image_embedding(model: VLRetrievalModel, data: TrainData, ridge: float
     return r2
 
 
+def step_flops(model: VLRetrievalModel, cfg: TrainConfig, text_tokens: float, regions: float,
+               images: Optional[float] = None) -> dict[str, float]:
+    """Forward + backward FLOPs of one training step per objective (model_flops, training=True) at the given
+    average caption tokens and regions: "be" (batch_size captions and ``images`` distinct images, default
+    batch_size; the loss's similarity matrix is left out), "ce" (ce_batch_size x (1 + ce_negatives) pairs) and
+    "joint" (both). Padding is not counted: it is what the steps waste."""
+    images = cfg.batch_size if images is None else images
+    be = cfg.batch_size * model_flops(model, "text", text_tokens=text_tokens, training=True) + \
+        images * model_flops(model, "image", regions=regions, training=True)
+    pairs = (cfg.ce_batch_size or cfg.batch_size) * (1 + cfg.ce_negatives)
+    ce = pairs * model_flops(model, "pair", text_tokens, regions, training=True)
+    return {"be": be, "ce": ce, "joint": be + ce}
+
+
 def evaluate(model: VLRetrievalModel, dev: TrainData, device: str = "cpu", batch_size: int = 128,
              amp_dtype: Optional[str] = None, k: int = 10, ce_pairs: int = 256, seed: int = 0,
              progress: bool = False, desc: str = "dev eval") -> dict:
@@ -500,7 +514,7 @@ class Trainer:
 
     def _by_length_chunks(self, texts: list[str], make_batch, forward) -> torch.Tensor:
         """``forward`` over length-sorted chunks of the batch (cfg.length_chunk_rows), rows back in input order."""
-        chunks = length_chunks(texts, self.cfg.length_chunk_rows)
+        chunks = length_chunks(self.collate_text.token_lengths(texts), self.cfg.length_chunk_rows)
         if len(chunks) == 1:
             return forward(self._to_device(make_batch(np.arange(len(texts)))))
         out = torch.cat([forward(self._to_device(make_batch(idx))) for idx in chunks])

@@ -473,7 +473,8 @@ def test_unit_costs_learn_and_estimate():
 def test_latency_per_query_rows_and_extrapolated_totals(model, tmp_path):
     lcfg = latency.LatencyConfig(sizes=(100, 400), eval_sizes=(6,), ks=(4,), reps=3, warmup=1, paper_reps=1,
                                  base_images=12, recall_queries=8, ce_measure_budget_s=0.0, eval_budget_s=0.0,
-                                 batch_size=16, threads=1, hnsw_max_n=100, pipeline_overhead_images=0)
+                                 batch_size=16, threads=1, hnsw_max_n=100, pipeline_overhead_images=0,
+                                 train_steps=1)
     cfg = suites.SuiteConfig(suite="latency", workdir=str(tmp_path), models=suites.Models(join=model), feature_dim=F)
     rows, results = latency.run_latency(cfg, lcfg, log=lambda m: None)
     assert results == []  # a zero budget runs no Table 4 job
@@ -502,6 +503,23 @@ def test_latency_per_query_rows_and_extrapolated_totals(model, tmp_path):
     for r in roof.values():  # a measured rate below what the GEMMs at the model's shapes allow
         assert float(r["rate_per_s"]) > 0 and 0 < float(r["roofline_fraction"]) and "MFLOP per unit" in r["notes"]
     assert all(0 < float(roof[f"{t} (fp32)"]["roofline_fraction"]) < 1.5 for t in ("CE pairs", "BE images"))
+    for r in roof.values():  # the padding of the measured batches, and the kernels that ran
+        assert 0 < float(r["useful_token_fraction"]) <= 1
+        assert ("attention eager: aten::_softmax" if r["mode"].endswith("(bf16)") else  # CPU bf16 serves eager
+                "attention sdpa: aten::_scaled_dot_product") in r["notes"]
+    if cpu_has_native_bf16():
+        assert "matmul brg_matmul:" in roof["CE pairs (bf16)"]["notes"]  # bf16 GEMMs run in oneDNN
+    # training rows: BE, CE and JOIN steps of both recipes, fp32 and (native) bf16, with FLOPs and padding
+    train = {r["mode"]: r for r in back if r["collection"] == "training"}
+    assert set(train) == {f"{o} step ({recipe}, {v})" for o in ("BE", "CE", "JOIN") for recipe in ("demo", "bench")
+                          for v in ("fp32",) + (("bf16",) if cpu_has_native_bf16() else ())}
+    for r in train.values():
+        assert r["measured"] == "true" and float(r["rate_per_s"]) > 0 and float(r["roofline_fraction"]) > 0
+        assert 0 < float(r["useful_token_fraction"]) <= 1 and "GFLOP forward + backward" in r["notes"]
+    for recipe in ("demo", "bench"):  # a JOIN step is a BE step and a CE step
+        join = float(train[f"JOIN step ({recipe}, fp32)"]["rate_per_s"])
+        assert join < min(float(train[f"{o} step ({recipe}, fp32)"]["rate_per_s"]) for o in ("BE", "CE"))
+    assert report.plot_roofline(back, str(tmp_path / "roofline.png"))
     totals = [r for r in back if r["collection"].startswith("eval_total")]
     assert {(r["mode"], r["measured"]) for r in totals if r["model"] == "JOIN"} == \
         {("EMB", "false"), ("CO", "false"), ("CE", "false")}

@@ -111,6 +111,10 @@ def test_encode_matches_direct_model_output_and_rerun_skips(assets):
     assert summary["modalities"]["image"] == {**summary["modalities"]["image"], "inputs": 24, "encoded": 24,
                                               "dead_lettered": 0, "reused": 0}
     assert summary["modalities"]["image"]["metrics"]["num_inferences"] == 24
+    # the padding of Beam's batches, counted by the handler: every region (capped) and [CLS] is useful
+    tokens = summary["modalities"]["image"]["metrics"]
+    assert tokens["useful_tokens"] == int((np.minimum(table.num_boxes(), model.cfg.max_regions) + 1).sum())
+    assert tokens["useful_tokens"] <= tokens["computed_tokens"]
     assert open(os.path.join(out, encode_run.DEAD_LETTER_FILE)).read() == ""
     assert not os.path.exists(os.path.join(out, common.SPILL_DIR))  # spill pieces removed at the end
 

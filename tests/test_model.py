@@ -265,8 +265,8 @@ def test_quantize_refused_off_cpu_and_flop_count_of_a_layer():
 
 
 def test_bf16_serving_runs_the_heads_in_bf16_and_is_refused_where_the_cpu_emulates_it(tmp_path, monkeypatch):
-    """--quantize bf16: the same model object, its three heads under bf16 autocast (outputs float32, close to
-    float32's but not equal); refused on a CPU without native bf16 (there it is slower than float32)."""
+    """--quantize bf16: the same model object, its weights in bfloat16 (outputs float32, close to float32's but
+    not equal); refused on a CPU without native bf16 (there it is slower than float32)."""
     from retrieval_core import model as model_mod
     from retrieval_core.collate import collate_images, collate_pairs
     from retrieval_core.model import VLRetrievalModel, quantize_model
@@ -285,8 +285,11 @@ def test_bf16_serving_runs_the_heads_in_bf16_and_is_refused_where_the_cpu_emulat
     with pytest.raises(ValueError, match="native bf16"):
         quantize_model(VLRetrievalModel.load(model_dir), "bf16")
     monkeypatch.setattr(model_mod, "cpu_has_native_bf16", lambda: True)
-    bf16 = quantize_model(VLRetrievalModel.load(model_dir), "bf16")
-    assert bf16.autocast_dtype == torch.bfloat16 and fp32.autocast_dtype is None
+    loaded = VLRetrievalModel.load(model_dir)
+    bf16 = quantize_model(loaded, "bf16")
+    assert bf16 is loaded and {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    assert bf16.attention == "eager" and fp32.attention == "sdpa"  # measured faster in bf16 on CPU
+    assert {p.dtype for p in fp32.parameters()} == {torch.float32}
     with torch.inference_mode():
         for name, b in batches.items():
             got = getattr(bf16, name)(b)
@@ -294,3 +297,123 @@ def test_bf16_serving_runs_the_heads_in_bf16_and_is_refused_where_the_cpu_emulat
             assert got.dtype == torch.float32 and 0 < diff < 0.05, (name, diff)
     with pytest.raises(ValueError, match="applies to VLRetrievalModel"):
         quantize_model(torch.nn.Linear(2, 2), "bf16")
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_the_packed_encoder_equals_the_padded_one_and_the_ce_reads_cls_alone(model, data, attention):
+    """_encode runs the dense layers on the real tokens only and, for the CE, the last layer for [CLS] alone:
+    at every real position the states of transformers' own padded BertEncoder (float32, within 1e-5), zeros at
+    padded ones, for a CE batch padded inside its stream (caption, then regions) and a BE caption batch."""
+    captions, images = data
+    model.eval()
+    model.set_attention(attention)
+    texts = captions["text"].tolist()[:6]
+    regions = [images.regions(i % 3) for i in range(6)]
+    regions[1] = (regions[1][0][:2], regions[1][1][:2])
+    pairs = collate_pairs(model.text_collator(), texts, regions, 4)
+    assert pairs["attention_mask"].min() == 0 and pairs["img_mask"].min() == 0  # padding in both segments
+    try:
+        with torch.no_grad():
+            for tokens, mask in (model._ce_input(pairs), (model._text_tokens(model.text_collator()(texts)["input_ids"]),
+                                                          model.text_collator()(texts)["attention_mask"])):
+                padded = model.bert.encoder(tokens, attention_mask=model._additive_mask(tokens, mask)).last_hidden_state
+                packed = model._encode(tokens, mask, "ce")
+                real = mask.bool()
+                torch.testing.assert_close(packed[real], padded[real], rtol=0, atol=1e-5)
+                assert not packed[~real].any()
+            tokens, mask = model._ce_input(pairs)
+            cls = model._encode(tokens, mask, "ce", cls_only=True)
+            assert cls.shape == (6, 1, model.embedding_dim)
+            torch.testing.assert_close(cls, padded_cls := model.bert.encoder(
+                tokens, attention_mask=model._additive_mask(tokens, mask)).last_hidden_state[:, :1], rtol=0, atol=1e-5)
+            pooled = torch.tanh(model.ce_pooler(padded_cls[:, 0])) if model.ce_pooler is not None else padded_cls[:, 0]
+            torch.testing.assert_close(model.ce_logits(pairs), model.ce_classifier(pooled), rtol=0, atol=1e-5)
+    finally:
+        model.set_attention("sdpa")
+
+
+def test_packed_training_gradients_equal_the_padded_ones(model, data):
+    """Packing is arithmetic, not approximation: with dropout off, the gradients of a CE loss through the packed
+    encoder equal those through transformers' padded one (float32, within 1e-5)."""
+    captions, images = data
+    texts = captions["text"].tolist()[:4]
+    regions = [images.regions(i % 3) for i in range(4)]
+    regions[0] = (regions[0][0][:2], regions[0][1][:2])
+    pairs = collate_pairs(model.text_collator(), texts, regions, 4)
+    model.eval()  # dropout off: both paths see the same arithmetic
+    grads = []
+    for packed in (True, False):
+        model.zero_grad()
+        tokens, mask = model._ce_input(pairs)
+        if packed:
+            cls = model._encode(tokens, mask, "ce", cls_only=True)[:, 0]
+        else:
+            cls = model.bert.encoder(tokens, attention_mask=model._additive_mask(tokens, mask)).last_hidden_state[:, 0]
+        model.ce_classifier(torch.tanh(model.ce_pooler(cls))).logsumexp(1).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    model.zero_grad()
+    assert grads[0].keys() == grads[1].keys() and "img_embedding.weight" in grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_sdpa_attention_is_the_default_and_equals_the_eager_path(model, data, tmp_path):
+    """The encoder runs PyTorch's fused scaled_dot_product_attention (attn_implementation "sdpa"), also after a
+    save/load; the eager path gives the same BE embeddings and CE scores within float32 rounding (1e-5)."""
+    from retrieval_core.model import ATTENTION_IMPLEMENTATIONS
+
+    assert model.attention == "sdpa" and ATTENTION_IMPLEMENTATIONS == ("sdpa", "eager")
+    model.save(str(tmp_path / "m"))
+    loaded = VLRetrievalModel.load(str(tmp_path / "m"))
+    assert loaded.attention == "sdpa"
+    sdpa = _outputs(loaded, data)
+    loaded.set_attention("eager")
+    assert loaded.attention == "eager" and loaded.bert.encoder.layer[0].attention.self.config._attn_implementation \
+        == "eager"
+    for a, b in zip(sdpa, _outputs(loaded, data)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        loaded.set_attention("flash")
+
+
+def test_token_counts_measure_the_padding_the_encoder_runs(model, data):
+    """model.token_counts: useful (mask 1) and computed (B x L) positions of every sequence encoded, per head."""
+    from retrieval_core.collate import TokenCounts
+
+    captions, images = data
+    texts = ["a dog", "a red dog and a blue cat"]
+    regions = [images.regions(0), (images.regions(1)[0][:1], images.regions(1)[1][:1])]
+    model.reset_token_counts()
+    model.encode_text(texts, batch_size=2)
+    mask = model.text_collator()(texts)["attention_mask"]
+    assert (model.token_counts["be"].useful, model.token_counts["be"].computed) == (int(mask.sum()), mask.numel())
+    model.token_counts["be"] = TokenCounts()
+    model.encode_image(regions, batch_size=2)
+    width = min(len(images.regions(0)[0]), model.cfg.max_regions)
+    assert (model.token_counts["be"].useful, model.token_counts["be"].computed) == (2 + width + 1, 2 * (1 + width))
+    assert model.token_counts["be"].fraction == pytest.approx((width + 3) / (2 * width + 2))
+    assert model.token_counts["ce"].computed == 0
+    model.score(texts, regions, batch_size=2)
+    assert (model.token_counts["ce"].useful, model.token_counts["ce"].computed) == \
+        (int(mask.sum()) + width + 1, 2 * (mask.shape[1] + width))
+
+
+def test_flop_counts_of_the_cls_only_layer_and_of_training_steps(model):
+    """The CE's FLOPs count its last layer as run (keys and values of every token, the rest for [CLS]); a
+    training step is 3x the forward (2x for the region projection, whose input needs no gradient)."""
+    from types import SimpleNamespace
+
+    from retrieval_core.model import model_flops, sequence_flops
+    from retrieval_core.train import TrainConfig, step_flops
+
+    cfg = SimpleNamespace(hidden_size=8, intermediate_size=32, num_hidden_layers=2)
+    full = sequence_flops(cfg, 5)
+    last = 2 * 5 * 2 * 64 + 2 * (2 * 64 + 2 * 8 * 32) + 4 * 5 * 8  # K, V over 5 tokens; Q, out, FFN for one
+    assert sequence_flops(cfg, 5, cls_only=True) == full / 2 + last
+    proj = 2 * 4 * (model.feature_dim + 6) * model.embedding_dim
+    assert model_flops(model, "image", regions=4, training=True) == \
+        3 * (model_flops(model, "image", regions=4) - proj) + 2 * proj
+    tc = TrainConfig(batch_size=4, ce_batch_size=2, ce_negatives=3)
+    f = step_flops(model, tc, text_tokens=7, regions=4, images=3)
+    assert f["be"] == 4 * model_flops(model, "text", 7, training=True) + 3 * model_flops(model, "image", 0, 4, True)
+    assert f["ce"] == 2 * 4 * model_flops(model, "pair", 7, 4, training=True) and f["joint"] == f["be"] + f["ce"]

@@ -119,7 +119,9 @@ def test_joint_ce_head_learns_to_rank_positives_first(tmp_path, data):
     wins = scores[np.arange(len(gold)), gold][:, None] > scores
     others = np.ones_like(wins)
     others[np.arange(len(gold)), gold] = False
-    assert wins[others].mean() > 0.7, wins[others].mean()  # seeds 0-2 measured 0.76-0.82
+    # chance is 0.5. Seeds 0-5 measured 0.75-0.85 before the encoder skipped padding, 0.68-0.88 after (the same
+    # arithmetic, but dropout masks fall on other draws: seed noise, mean 0.79 vs 0.78)
+    assert wins[others].mean() > 0.65, wins[others].mean()
 
 
 def test_infonce_be_training_runs_and_learns(tmp_path, data):
@@ -385,16 +387,21 @@ def test_no_mined_negatives_before_mine_start_step(tmp_path, data):
         TrainConfig(**common, mine_start_step=-1)
 
 
-def test_length_chunks_cover_the_batch_shortest_first():
+def test_length_chunks_cover_the_batch_shortest_first(data, tmp_path):
     from retrieval_core.collate import length_chunks
 
-    texts = ["a" * n for n in (9, 2, 7, 2, 5, 1, 8)]
-    chunks = length_chunks(texts, 3)
+    lengths = np.array([9, 2, 7, 2, 5, 1, 8])
+    chunks = length_chunks(lengths, 3)
     assert [len(c) for c in chunks] == [3, 3, 1]
     flat = np.concatenate(chunks)
-    assert sorted(flat.tolist()) == list(range(len(texts)))
-    assert [len(texts[i]) for i in flat] == sorted(len(t) for t in texts)
-    assert np.array_equal(length_chunks(texts, 0)[0], np.arange(len(texts)))
+    assert sorted(flat.tolist()) == list(range(len(lengths)))
+    assert lengths[flat].tolist() == sorted(lengths.tolist())
+    assert np.array_equal(length_chunks(lengths, 0)[0], np.arange(len(lengths)))
+    # the key: word pieces as a batch holds them ([CLS] and [SEP] included, truncated), not characters
+    collate = tiny_model(str(tmp_path / "m"), feature_dim=F).text_collator()
+    texts = ["a dog", "xqzw", "a red dog and a blue cat"]
+    assert collate.token_lengths(texts).tolist() == collate(texts)["attention_mask"].sum(1).tolist()
+    assert collate.token_lengths(texts)[1] > collate.token_lengths(texts)[0]  # fewer characters, more pieces
 
 
 def test_length_chunked_losses_equal_one_padded_batch(tmp_path, data):

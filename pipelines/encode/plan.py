@@ -43,8 +43,8 @@ class EncodePlan:
                                          help="model copies per worker machine (Dataflow GPU: 1)")
     threads: Optional[int] = threads_option()
     quantize: str = option("none", type=click.Choice(schema.QUANTIZE_CHOICES),
-                           help="int8: dynamic int8 Linear layers of the BE (CPU only); bf16: matrix products in "
-                                "bfloat16 (CUDA, or a CPU with native bf16). Recorded in the embeddings manifest.")
+                           help="int8: dynamic int8 Linear layers of the BE (CPU only); bf16: a bfloat16 copy of the "
+                                "weights (CUDA, or a CPU with native bf16). Recorded in the embeddings manifest.")
 
     def __post_init__(self):
         for name in ("staged", "model", "output"):

@@ -29,7 +29,7 @@ from pipelines.encode.plan import (
     plan_shards,
     staged_ids,
 )
-from pipelines.handlers import VLModelHandler
+from pipelines.handlers import COMPUTED_TOKENS, USEFUL_TOKENS, VLModelHandler
 from retrieval_core import embeddings as emb
 from retrieval_core import schema
 from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
@@ -67,7 +67,9 @@ def throughput_line(modality: str, metrics: dict, device: str) -> str:
     bs_sum, bs_n = metrics.get("inference_request_batch_size", (0, 0))
     rate = n / (lat_sum / 1e6) if lat_sum else float("nan")
     mean_bs = bs_sum / bs_n if bs_n else float("nan")
-    return (f"{modality}: {n} encoded in {batches} batches, mean batch {mean_bs:.1f}, "
+    computed = metrics.get(COMPUTED_TOKENS, 0)
+    useful = f", useful tokens {metrics.get(USEFUL_TOKENS, 0) / computed:.3f} of computed" if computed else ""
+    return (f"{modality}: {n} encoded in {batches} batches, mean batch {mean_bs:.1f}{useful}, "
             f"{rate:.1f} items/s of model time, device {device}, torch threads {torch.get_num_threads()}")
 
 
