@@ -197,7 +197,7 @@ def roofline_rows(b: UnitBench, log, variants: Optional[Sequence[Variant]] = Non
     Each row also carries the useful / computed tokens of its batches and, in its notes, the attention kernel and
     the oneDNN matmul kernels that ran."""
     m = b.model
-    device = str(m.device)
+    device = m.device.type  # TrainConfig spells a device cpu|cuda (no index)
     config = m.bert.config
     text_tokens, regions = mean_lengths(b)
     units = {  # task -> (unit cost key, FLOPs per unit, tokens per unit)
@@ -251,7 +251,7 @@ def training_rows(b: UnitBench, log, recipes: dict[str, TrainConfig], steps: int
     and captions; the first step is not timed. Hard and mined negatives are off: they change which images a
     CE step scores, not its FLOPs, and need faiss and a mining pass."""
     m = b.model
-    device = str(m.device)
+    device = m.device.type  # TrainConfig spells a device cpu|cuda (no index)
     data = TrainData(b.captions, b.images)
     text_tokens, regions = mean_lengths(b)
     cpu = m.device.type == "cpu"
