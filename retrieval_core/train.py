@@ -15,6 +15,7 @@ Output folder: ``last/`` (model + trainer_state.*), ``best/`` (model with the be
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -164,6 +165,12 @@ class TrainConfig:
                                     help="Forward captions and CE pairs in length-sorted chunks of this many rows "
                                          "(0: one padded batch).")
     progress: bool = option(True, off="--no-progress", help="No progress bars.")
+    # An exponential moving average of the trained weights is what gets evaluated and saved (best/, kept
+    # checkpoints): the average of the last ~1/(1-decay) steps, less at the mercy of the last few updates, which
+    # swing a short CPU run with the seed and the CPU's rounding. last/ keeps the raw weights (and the average) for
+    # a resume. 0: off.
+    ema_decay: float = option(0.0, help="Evaluate and save an exponential moving average of the weights with this "
+                                        "decay (e.g. 0.98; 0: the weights as trained).")
 
     def __post_init__(self):
         object.__setattr__(self, "device", check_device(self.device))
@@ -195,6 +202,8 @@ class TrainConfig:
             raise ValueError("mine_model is the BE that mines CE negatives: set mined_negative_prob > 0 too")
         if self.length_chunk_rows < 0:
             raise ValueError(f"length_chunk_rows must be >= 0, got {self.length_chunk_rows}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
         if self.keep_checkpoints and self.checkpoint_every < 1:
             raise ValueError("keep_checkpoints keeps the model of every checkpoint_every step: set checkpoint_every")
         if self.steps < 1 or self.batch_size < 2:
@@ -424,6 +433,9 @@ class Trainer:
         self.miner: Optional[VLRetrievalModel] = None  # a given BE checkpoint; None: the model being trained
         if cfg.objective != "be" and cfg.mine_model:
             self.miner = VLRetrievalModel.load(cfg.mine_model, device=cfg.device)
+        # the moving average of the trained weights (cfg.ema_decay), float32, by parameter name
+        self.ema: Optional[dict[str, torch.Tensor]] = None if not cfg.ema_decay else {
+            n: p.detach().float().clone() for n, p in self.model.named_parameters() if p.requires_grad}
 
     # --------------------------------------------------------------------------------- set-up
     def _make_optimizer(self) -> torch.optim.AdamW:
@@ -530,6 +542,33 @@ class Trainer:
             g["lr"] = lr * g.get("lr_mult", 1.0)
         self.optimizer.step()
 
+    def _update_ema(self, step: int) -> None:
+        """The average after ``step``: its decay ramps up over the first steps ((1 + s) / (10 + s)), so the start's
+        random new layers do not linger in it."""
+        decay = min(self.cfg.ema_decay, (1.0 + step) / (10.0 + step))
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                if n in self.ema:
+                    self.ema[n].mul_(decay).add_(p.detach().float(), alpha=1.0 - decay)
+
+    @contextlib.contextmanager
+    def _averaged(self):
+        """The model holds the averaged weights inside the block (none without ema_decay), its own after."""
+        if self.ema is None:
+            yield
+            return
+        params = dict(self.model.named_parameters())
+        raw = {n: params[n].detach().clone() for n in self.ema}
+        with torch.no_grad():
+            for n, v in self.ema.items():
+                params[n].copy_(v)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, v in raw.items():
+                    params[n].copy_(v)
+
     def train_step(self, step: int) -> list[dict]:
         torch.manual_seed(self.cfg.seed * 1_000_003 + step)  # dropout of this step, independent of history
         caps = self._batch_indices(step)
@@ -544,6 +583,8 @@ class Trainer:
             self._optimizer_step(loss, lr)
             records.append({"step": step + 1, "objective": objective, "loss": float(loss.detach()), "lr": lr,
                             "seconds": round(time.perf_counter() - t0, 4)})
+        if self.ema is not None:
+            self._update_ema(step)
         return records
 
     # ------------------------------------------------------------------------------ the loop
@@ -581,7 +622,8 @@ class Trainer:
                     self._evaluate_and_keep_best(log)
                 scheduled = bool(self.cfg.checkpoint_every) and self.step % self.cfg.checkpoint_every == 0
                 if self.cfg.keep_checkpoints and (scheduled or last):  # before last/: a resume never skips it
-                    self._save_model(checkpoint_path(self.out, self.step))
+                    with self._averaged():
+                        self._save_model(checkpoint_path(self.out, self.step))
                 if last or self.step == end or scheduled:
                     self.save_state(os.path.join(self.out, "last"))
                 log.flush()
@@ -603,16 +645,17 @@ class Trainer:
 
     def _evaluate_and_keep_best(self, log) -> None:
         t0 = time.perf_counter()
-        ev = evaluate(self.model, self.dev, str(self.device), self.cfg.eval_batch_size,
-                      "bf16" if (self.cfg.amp and self.device.type == "cuda") else None, seed=self.cfg.seed,
-                      progress=self.cfg.progress, desc=f"dev eval at step {self.step}")
-        self.model.train()
-        ev["seconds"] = round(time.perf_counter() - t0, 3)
-        log.write(json.dumps({"step": self.step, "eval": ev}) + "\n")
-        metric = self._selection_metric(ev)
-        if metric > self.best_metric:
-            self.best_metric, self.best_eval = metric, {"step": self.step, **ev}
-            self._save_model(os.path.join(self.out, "best"), extra_files={"eval.json": self.best_eval})
+        with self._averaged():  # what is evaluated is what best/ gets
+            ev = evaluate(self.model, self.dev, str(self.device), self.cfg.eval_batch_size,
+                          "bf16" if (self.cfg.amp and self.device.type == "cuda") else None, seed=self.cfg.seed,
+                          progress=self.cfg.progress, desc=f"dev eval at step {self.step}")
+            self.model.train()
+            ev["seconds"] = round(time.perf_counter() - t0, 3)
+            log.write(json.dumps({"step": self.step, "eval": ev}) + "\n")
+            metric = self._selection_metric(ev)
+            if metric > self.best_metric:
+                self.best_metric, self.best_eval = metric, {"step": self.step, **ev}
+                self._save_model(os.path.join(self.out, "best"), extra_files={"eval.json": self.best_eval})
 
     # ---------------------------------------------------------------------- checkpoint state
     def _save_model(self, directory: str, extra_files: Optional[dict] = None, state: bool = False) -> None:
@@ -649,6 +692,8 @@ class Trainer:
         groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
         if self.mined is not None:  # a resumed run keeps the negatives mined by the model of their window start
             tensors.update({f"mined.{k}": torch.from_numpy(v) for k, v in self.mined.arrays().items()})
+        if self.ema is not None:
+            tensors.update({f"ema.{n}": v.detach().cpu().contiguous() for n, v in self.ema.items()})
         save_file(tensors, os.path.join(directory, STATE_TENSORS))
         with open(os.path.join(directory, STATE_JSON), "w") as f:
             json.dump({"step": self.step, "best_metric": self.best_metric, "best_eval": self.best_eval,
@@ -670,6 +715,11 @@ class Trainer:
         tensors = load_file(os.path.join(directory, STATE_TENSORS), device=str(self.device))
         mined = {key.split(".", 1)[1]: tensors.pop(key).cpu().numpy()
                  for key in list(tensors) if key.startswith("mined.")}
+        ema = {key.split(".", 1)[1]: tensors.pop(key) for key in list(tensors) if key.startswith("ema.")}
+        if self.ema is not None:
+            if set(ema) != set(self.ema):
+                raise ValueError(f"cannot resume: {directory} holds no weight average of this run's parameters")
+            self.ema = {n: v.to(self.device) for n, v in ema.items()}
         if mined:
             self.mined, self.mined_until = MinedNegatives(**mined), int(meta["mined_until"])
         state: dict[int, dict] = {}

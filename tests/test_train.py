@@ -451,3 +451,25 @@ def test_languages_train_and_select_on_those_captions_only(tmp_path):
     assert 2 * len(en.caption_ids) == len(both.caption_ids)
     with pytest.raises(ValueError, match=r"in language\(s\) fr"):
         load_split(ds, "train", languages=("fr",))
+
+
+def test_weight_average_is_what_best_holds_and_resumes_bit_identically(tmp_path, data):
+    """ema_decay: best/ (evaluated and saved) holds the moving average of the weights, last/ the raw weights and the
+    average for a resume; a run killed midway and resumed gives the uninterrupted run's bytes, average included."""
+    train, dev = data
+    cfg = TrainConfig(objective="joint", steps=8, batch_size=8, lr=1e-3, eval_every=8, checkpoint_every=100,
+                      ema_decay=0.8, progress=False)
+    straight = Trainer(tiny_model(str(tmp_path / "a"), feature_dim=F), train, cfg, str(tmp_path / "straight"), dev)
+    straight.train()
+    Trainer(tiny_model(str(tmp_path / "b"), feature_dim=F), train, cfg, str(tmp_path / "resumed"), dev).train(stop_at=5)
+    resumed = Trainer(tiny_model(str(tmp_path / "c"), feature_dim=F, seed=5), train, cfg, str(tmp_path / "resumed"),
+                      dev)
+    resumed.train(resume=True)
+    for name in ("best/model.safetensors", "last/model.safetensors", "last/trainer_state.safetensors"):
+        assert (tmp_path / "straight" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes(), name
+    best = load_file(str(tmp_path / "straight" / "best" / "model.safetensors"))
+    raw = load_file(str(tmp_path / "straight" / "last" / "model.safetensors"))
+    averaged = [n for n in straight.ema if not torch.equal(best[n], raw[n])]
+    assert averaged and all(torch.equal(best[n], straight.ema[n]) for n in straight.ema)
+    with pytest.raises(ValueError, match="ema_decay"):
+        TrainConfig(ema_decay=1.0)
