@@ -38,7 +38,7 @@ CSV_COLUMNS = (
     "wall_s", "encode_s", "index_s", "search_s", "rerank_s", "ce_pairs", "peak_rss_mb", "launcher_peak_rss_mb",
     "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "ann_recall@10", "speedup_vs_paper_code",
     "search_p50_ms", "bound_ms", "index_bytes", "rate_per_s", "roofline_fraction", "useful_token_fraction",
-    "split", "recipe", "model_seed", "device", "cpu_model", "threads", "torch", "faiss", "transformers",
+    "split", "lang", "recipe", "model_seed", "device", "cpu_model", "threads", "torch", "faiss", "transformers",
     "batch_size", "quantize", "measured", "rankings", "notes",
 )
 
@@ -106,6 +106,7 @@ COLUMN_DOCS = {
     "useful_token_fraction": "token positions that carry a token / all the encoder computed (padding included) in "
                              "the row's batches: 1.0 = no padding (latency roofline, training and pipeline rows)",
     "split": "split of the queries (e.g. test)",
+    "lang": "language of the caption side (ISO 639-1, e.g. en, de); empty where the collection has one language",
     "recipe": "training recipe of the cached models behind the row (pipelines.demo_assets: bench or demo; empty "
               "when the model folders were given)",
     "model_seed": "training seed of those cached models (empty when the model folders were given)",

@@ -6,6 +6,8 @@ call (open, os.path.exists, faiss.read_index, from_pretrained) would fail: ``rrt
 Also: the local cache of URL model folders (checkpoints.local_model_folder)."""
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 
@@ -150,8 +152,8 @@ def test_evaluate_cli_reads_and_merges_its_csv_by_url(chains):
                 "--model", "tiny", "--label", label] + (["--mode", "emb"] if label == "EMB" else [])
         res = CliRunner().invoke(evaluate.main, args)
         assert res.exit_code == 0, (res.output, res.exception)
-    csv = read(f"{out}/{evaluate.METRICS_CSV}").decode().splitlines()
-    assert len(csv) == 1 + 4 and {line.split(",")[3] for line in csv[1:]} == {"JOIN+CO", "EMB"}  # rows merged
+    rows = list(csv.DictReader(io.StringIO(read(f"{out}/{evaluate.METRICS_CSV}").decode())))
+    assert len(rows) == 4 and {r["mode"] for r in rows} == {"JOIN+CO", "EMB"}  # rows merged
     assert os.path.isfile(root / "results" / "syn_tiny_JOIN_CO_k4.json")
 
 
