@@ -61,9 +61,11 @@ QUICK_IMAGES = {"synthetic_coco5k": 100, "synthetic_f30k1k": 40, "synthetic_cc14
                 "synthetic_1m": 300, "synthetic_multi30k": 80}
 QUICK_SCALE_QUERIES = 50
 MODE_LABELS = {"emb": "EMB", "co": "CO", "add": "CO-ADD", "norm_add": "CO-NORM_ADD", "ce": "CE"}
-# The AUTO rows (pipelines.rerank --mode auto's choice, benchmarks.evaluate.choose_fusion) choose on this split:
+# The AUTO rows (pipelines.rerank --mode auto's choice, runs.choose_fusion) choose on this split's queries:
 # the demo collection's dev split, held out from the demo models' training and from every suite's test data.
 TUNE_MANIFEST, TUNE_SPLIT = "demo", "dev"
+# Pools larger than that dev split add distractors from here, so the fusion is chosen at the evaluated pool's size.
+DEV_POOL_MANIFEST, DEV_DISTRACTORS = "synthetic_dev_pool", "synthetic_dev_distractors"
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -240,20 +242,25 @@ def _collection_sizes(m) -> tuple[dict, dict]:
     return images, captions
 
 
-def split_share(manifest, split: str) -> float:
-    """The share of a manifest's images in ``split`` (its collections' ``splits`` fractions; 1.0 when a
-    collection is not split): what an encode of that split costs relative to the whole collection."""
-    shares = []
-    for c in manifest.collections.values():
-        fractions = c.images.options.get("splits")
-        shares.append(float(fractions.get(split, 0.0)) / sum(fractions.values()) if fractions else 1.0)
-    return max(shares) if shares else 1.0
+def split_share(collection, split: str) -> float:
+    """The share of a collection's images in ``split`` (its ``splits`` fractions; 1.0 when it is not split)."""
+    fractions = collection.images.options.get("splits")
+    return float(fractions.get(split, 0.0)) / sum(fractions.values()) if fractions else 1.0
 
 
-def stage_job(cfg: SuiteConfig, manifest: str, images: Optional[int] = None) -> Staged:
+def split_sizes(st: Staged, split: str) -> tuple[int, int]:
+    """(images, captions) of ``split`` over a staged dataset's collections: what an encode of that split costs."""
+    shares = {name: split_share(c, split) for name, c in st.manifest.collections.items()}
+    return (round(sum(st.images[n] * f for n, f in shares.items())),
+            round(sum(st.captions[n] * f for n, f in shares.items())))
+
+
+def stage_job(cfg: SuiteConfig, manifest: str, images: Optional[int] = None,
+              sizes: tuple[tuple[str, int, int], ...] = ()) -> Staged:
     """The stage job of ``manifest`` at the models' feature_dim (synthetic features only: real features are
     read from files, so another width is refused naming both) and, with --quick, shrunk (QUICK_IMAGES);
-    ``images`` cuts every collection to that many images instead."""
+    ``images`` cuts every collection to that many images instead; ``sizes``: (collection, images, captions per
+    image) of single collections, applied last."""
     m = load_manifest(manifest)
     sets, suffix = [], ""
     if cfg.feature_dim != m.feature_dim:
@@ -270,6 +277,10 @@ def stage_job(cfg: SuiteConfig, manifest: str, images: Optional[int] = None) -> 
             sets += [f"{name}.images.num_images={images or QUICK_IMAGES.get(name, 50)}",
                      f"{name}.expected_images=null", f"{name}.expected_captions=null"]
         suffix += f"-n{images}" if images else "-quick"
+    for name, n, per_image in sizes:
+        sets += [f"{name}.images.num_images={n}", f"{name}.captions.captions_per_image={per_image}",
+                 f"{name}.expected_images=null", f"{name}.expected_captions=null"]
+        suffix += f"-{name.split('_')[-1]}{n}x{per_image}"
     m = load_manifest(manifest, overrides=sets)
     images, captions = _collection_sizes(m)
     out = os.path.join(cfg.root, "staged", m.name + suffix)
@@ -286,12 +297,13 @@ class Planner:
         self._staged: dict[str, Staged] = {}
 
     # -- jobs
-    def stage(self, manifest: str, images: Optional[int] = None) -> Staged:
-        if (manifest, images) not in self._staged:
-            st = stage_job(self.cfg, manifest, images)
+    def stage(self, manifest: str, images: Optional[int] = None, sizes: tuple = ()) -> Staged:
+        key = (manifest, images, sizes)
+        if key not in self._staged:
+            st = stage_job(self.cfg, manifest, images, sizes)
             self.plan.add(st.job)
-            self._staged[(manifest, images)] = st
-        return self._staged[(manifest, images)]
+            self._staged[key] = st
+        return self._staged[key]
 
     def select(self, st: Staged, collection: str, *, max_queries: int = 0, fold: Optional[int] = None,
                folds: int = 0, fold_size: int = 0, scale: int = 0, split: str = "test",
@@ -321,9 +333,8 @@ class Planner:
                                                                                      f"-{split}"))
         plan = EncodePlan(staged=st.path, model=model, output=out, split=split, quantize=self.cfg.quantize,
                           **_run_options(self.cfg))
-        share = split_share(st.manifest, split)
-        work = (("images_encoded", round(share * sum(st.images.values()))),
-                ("captions_encoded", round(share * sum(st.captions.values()))))
+        n_img, n_cap = split_sizes(st, split)
+        work = (("images_encoded", n_img), ("captions_encoded", n_cap))
         return self.plan.add(Job.of(f"encode {self.model_key(model)} {st.name}{'' if split == 'test' else '/' + split}",
                                     plan, "embeddings_manifest.json", work, inputs=(st.summary, *_model_inputs(model))))
 
@@ -365,17 +376,27 @@ class Planner:
         return self.plan.add(Job.of(name, plan, "rankings_manifest.json",
                                     (("ce_pairs", pairs),) if mode != "emb" else (), inputs=tuple(inputs)))
 
-    def dev_run(self, family: str, be_model: str, ce_model: str, k: int) -> tuple[Job, Staged]:
-        """The CO run on the dev split of TUNE_MANIFEST (held out from the demo models' training) that the AUTO
-        rows choose their fusion on: one per family and k, shared by every suite row."""
-        st = self.stage(TUNE_MANIFEST)
-        coll = next(iter(st.manifest.collections))
+    def dev_run(self, family: str, be_model: str, ce_model: str, k: int, pool_images: int, pool_captions: int,
+                text_index: bool = False) -> tuple[Job, Staged]:
+        """The CO run the AUTO rows choose their fusion on: queries from the dev split of TUNE_MANIFEST (held out
+        from the demo models' training) against a dev pool as large as the evaluated one (DEV_POOL_MANIFEST:
+        unseen distractors added, with about as many captions); one per family, k and pool size."""
+        demo = stage_job(self.cfg, TUNE_MANIFEST)  # not planned: its sizes only
+        coll = next(iter(demo.manifest.collections))
+        n_dev = round(demo.images[coll] * split_share(demo.manifest.collections[coll], TUNE_SPLIT))
+        extra = pool_images - n_dev
+        if extra > 0:
+            per_image = max(1, round((pool_captions - demo.captions[coll] / demo.images[coll] * n_dev) / extra))
+            st = self.stage(DEV_POOL_MANIFEST, sizes=((DEV_DISTRACTORS, extra, per_image),))
+        else:
+            st = self.stage(TUNE_MANIFEST)
         n = self.cfg.max_queries
         qjob = self.select(st, coll, max_queries=n, split=TUNE_SPLIT)
         enc = self.encode(st, be_model, split=TUNE_SPLIT)
         idx = self.index(st, be_model, enc, "image", pool=f"{TUNE_SPLIT}-all")
-        run = self.rerank(st, family, be_model, ce_model, enc, qjob, mode="co", k=k, index=idx, split=TUNE_SPLIT,
-                          pool=TUNE_SPLIT, pairs=2 * (n or 500) * k)
+        txt = self.index(st, be_model, enc, "text", pool=f"{TUNE_SPLIT}-all") if text_index else None
+        run = self.rerank(st, family, be_model, ce_model, enc, qjob, mode="co", k=k, index=idx, text_index=txt,
+                          split=TUNE_SPLIT, pool=TUNE_SPLIT, pairs=2 * (n or n_dev) * k)
         return run, st
 
     # -- rows
@@ -439,11 +460,13 @@ def one_pool(p: Planner, st: Staged, collection: str, label: str, *, k: int, que
                 p.row(mode="CO", k=kk, eval_mode="co", eval_k=kk, timing=timing, emb_runs=tuple(runs),
                       **{**base, **_note(base, extra)})
         if auto and "CO" in rows and not ks and not lams:  # the dev-chosen fusion beside CO, same stored scores
-            dev, dev_st = p.dev_run(family, be, ce, k)
+            dev, dev_st = p.dev_run(family, be, ce, k, pool_images, pool_captions, text_index)
             p.row(mode="AUTO", k=k, eval_mode="auto", eval_k=k, tune_on=dev.output, tune_staged=dev_st.path,
                   timing=timing + (("rerank_s", dev.name),), emb_runs=tuple(runs), **{**base, **_note(
-                      base, f"fusion chosen by dev mR on {TUNE_MANIFEST}/{TUNE_SPLIT} (rerank --mode auto's "
-                            f"choose_fusion), applied to the stored scores of the CO k={k} run")})
+                      base, f"fusion chosen on the {TUNE_MANIFEST}/{TUNE_SPLIT} queries against the dev pool "
+                            f"{dev_st.name} (its images: {sum(dev_st.images.values()):,} staged, those of the "
+                            f"{TUNE_SPLIT} split ranked; rerank --mode auto's choose_fusion), applied to the "
+                            f"stored scores of the CO k={k} run")})
         for mode in ("add", "norm_add"):
             for lam in lams:
                 p.row(mode=MODE_LABELS[mode], k=k, lam=lam, eval_mode=mode, eval_k=k, eval_lam=lam, timing=timing,
@@ -615,7 +638,7 @@ def multilingual_task(p: Planner, k: int = STANDARD_K) -> None:
     cfg = p.cfg
     st = p.stage(ML_MANIFEST)
     coll = next(iter(st.manifest.collections))
-    n_img = round(st.images[coll] * split_share(st.manifest, "test"))
+    n_img = round(st.images[coll] * split_share(st.manifest.collections[coll], "test"))
     for family, be, ce in cfg.models.families():
         enc = p.encode(st, be)
         img_idx = p.index(st, be, enc, "image")

@@ -22,6 +22,7 @@ from click.testing import CliRunner
 from benchmarks import jobs as jb
 from benchmarks import latency, queries, report, suites
 from pipelines import launch
+from retrieval_core.manifest import load_manifest
 from tests.helpers_model import tiny_model
 
 F = 16
@@ -87,8 +88,9 @@ def test_quick_suite_runs_the_pipeline_jobs_and_rows_match_their_rankings(quick)
     steps = [j["step"] for j in quick["jobs"]]
     one_pool = ["pipelines.stage", "benchmarks.queries", "pipelines.encode", "pipelines.build_index",
                 "pipelines.rerank"]
-    assert steps == one_pool * 2  # ONE rerank job for EMB and CO; then the demo dev run AUTO chooses on
-    assert [j["job"] for j in quick["jobs"]][5].startswith("stage demo") and "/dev" in quick["jobs"][7]["job"]
+    assert steps == one_pool * 2  # ONE rerank job for EMB and CO; then the dev run AUTO chooses on
+    assert [j["job"] for j in quick["jobs"]][5].startswith("stage synthetic_dev_pool") and \
+        "/dev" in quick["jobs"][7]["job"]
     assert all(float(j["peak_rss_mb"]) > 0 and float(j["wall_s"]) > 0 and j["reused"] == "false"
                for j in quick["jobs"])
     rows = {(r["mode"], r["direction"]): r for r in quick["rows"]}
@@ -246,8 +248,35 @@ def test_standard_plan_wires_each_fold_through_ids_and_its_own_queries(model, tm
         assert img_idx.ids == os.path.join(qdir, queries.IMAGE_IDS_FILE) and img_idx.modality == "image"
         assert txt_idx.ids == os.path.join(qdir, queries.CAPTION_IDS_FILE) and txt_idx.modality == "text"
     # one encode per (model, staged collection), shared by the 5k pool and every fold
-    # (+ the demo dev split the AUTO rows choose their fusion on)
-    assert sum(j.module == "pipelines.encode" for j in plan.jobs) == 3  # synthetic_coco5k, synthetic_f30k1k, demo
+    # (+ one dev pool per evaluated pool size, the AUTO rows choose their fusion on: 100, 20 and 40 images)
+    assert sum(j.module == "pipelines.encode" for j in plan.jobs) == 2 + 3
+
+
+@pytest.mark.parametrize("suite", ["standard", "distractor_20k", "scale_100k"])
+def test_auto_rows_choose_on_a_dev_pool_the_size_of_the_evaluated_pool(model, tmp_path, suite):
+    """The dev run of every AUTO row ranks the demo's dev queries (held out from the demo models' training)
+    against as many images as the evaluated pool has (unseen distractors added), and about as many captions;
+    planned only, at full size."""
+    cfg = suites.SuiteConfig(suite=suite, workdir=str(tmp_path), models=suites.Models(join=model), feature_dim=F)
+    plan = suites.plan_suite(cfg)
+    by_out = {j.output: j for j in plan.jobs}
+    autos = [r for r in plan.rows if r.mode == "AUTO"]
+    assert autos
+    for r in autos:
+        dev = by_out[r.tune_on].plan
+        assert dev.split == suites.TUNE_SPLIT and dev.mode == "co"
+        stage = by_out[r.tune_staged]
+        m = load_manifest(stage.plan.manifest, overrides=stage.plan.overrides)
+        images = {n: c.images.options["num_images"] for n, c in m.collections.items()}
+        dev_images = round(images["demo"] * 0.1) + images.get(suites.DEV_DISTRACTORS, 0)
+        assert dev_images == r.pool_images, (r.collection, stage.name)
+        evaluated = by_out[r.staged].plan
+        pool = load_manifest(evaluated.manifest, overrides=evaluated.overrides).collections.values()
+        captions = r.pool_images * sum(c.images.options["num_images"] * c.captions.options["captions_per_image"]
+                                       for c in pool) / sum(c.images.options["num_images"] for c in pool)
+        dev_caps = round(images["demo"] * 0.1) * 5 + images.get(suites.DEV_DISTRACTORS, 0) * \
+            m.collections.get(suites.DEV_DISTRACTORS, m.collections["demo"]).captions.options["captions_per_image"]
+        assert abs(dev_caps - captions) <= 0.1 * captions, (r.collection, dev_caps, captions)
 
 
 def test_quantize_goes_to_the_model_jobs_and_their_outputs_are_kept_apart(model, tmp_path):
@@ -328,14 +357,15 @@ def test_scale_1m_plan_prints_jobs_and_estimates_without_running(model, tmp_path
     assert "stage synthetic_1m-f16 (6,000,000 stage records; estimate 10.0 min)" in out
     assert "1,000,000 images encoded, 5,000,000 captions encoded; estimate 58.3 min" in out
     assert "(200,000 ce pairs; estimate 6.7 min)" in out
-    # + the AUTO row's dev run (demo dev split: 30,000 records staged, 3,000 items encoded, 20,000 CE pairs)
-    assert "estimated work: 75.7 min" in out
+    # + the AUTO row's dev run: the demo's dev queries against a dev pool as large as the 1M pool
+    assert "stage synthetic_dev_pool-f16-distractors999500x5 (6,027,000 stage records" in out
+    assert "dev (1,000,000 images encoded, 5,000,000 captions encoded; estimate 58.3 min)" in out
+    assert "estimated work: 2.4 h" in out
     commands = [line.strip() for line in out.splitlines() if line.strip().startswith("python -m ")]
     pool_run = ["pipelines.stage", "benchmarks.queries", "pipelines.encode", "pipelines.build_index",
                 "pipelines.build_index", "pipelines.rerank"]
-    dev_run = ["pipelines.stage", "benchmarks.queries", "pipelines.encode", "pipelines.build_index", "pipelines.rerank"]
-    assert [c.split()[2] for c in commands] == pool_run + dev_run
-    assert all("--manifest demo" in c or "demo-f16" in c for c in commands[len(pool_run):])
+    assert [c.split()[2] for c in commands] == pool_run * 2
+    assert all("--manifest synthetic_dev_pool" in c or "synthetic_dev_pool-f16" in c for c in commands[len(pool_run):])
     for c in commands:  # Beam flags go to every pipeline job, not to the queries helper
         assert all(f in c.split() for f in dask) == c.startswith("python -m pipelines.")
     assert "--modality text" in commands[4] and "--text-index" in commands[5] and "--scale 5000" in commands[1]
