@@ -29,7 +29,8 @@ from benchmarks.report import cpu_model, write_csv
 from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
 from retrieval_core.model import VLRetrievalModel, cpu_has_native_bf16, layer_gemm_shapes, model_flops, quantize_model
 from retrieval_core.synthetic import SyntheticSpec, synthetic_collection
-from retrieval_core.train import TrainConfig, TrainData, Trainer, step_flops
+from retrieval_core.train import TrainConfig, Trainer, step_flops
+from retrieval_core.train_data import TrainData
 
 #: Written beside the backbone by write-backbone: the TrainConfigs of the recipes whose steps ``measure`` times.
 RECIPES_JSON = "recipes.json"

@@ -74,7 +74,7 @@ class ModelSet:
 # every second layer kept (the paper's "halved" model), sized for about five minutes on 2 CPU cores. Each choice
 # was measured on the demo dev split (docs/TRAINING.md):
 # - the image embedding starts from the least-squares fit to the captions' word embeddings
-#   (train.lstsq_image_embedding); from a random start InfoNCE sat at ln(batch) for up to 100 steps;
+#   (model_init.lstsq_image_embedding); from a random start InfoNCE sat at ln(batch) for up to 100 steps;
 # - the new layers get a 20x learning rate; InfoNCE is the BE loss (the triplet loss stayed at chance in 60 steps);
 # - the CE objective starts at step 40: a CE on a text-only backbone stays at chance until the BE has aligned
 #   image and text tokens (CE-only from MiniLM: loss flat at ln 4 for 200 steps), so earlier CE steps cost time;

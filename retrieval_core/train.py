@@ -25,19 +25,10 @@ from typing import Optional
 
 import click
 import numpy as np
-import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
-from retrieval_core import metrics
-from retrieval_core.backbones import BACKBONES, E5_NAMES, backbone_path, is_backbone_name
-from retrieval_core.checkpoints import (
-    KIND_BASELINE,
-    CheckpointError,
-    from_text_backbone,
-    inspect_model_folder,
-    load_model_folder,
-)
+from retrieval_core.backbones import E5_NAMES
 from retrieval_core.cli import (
     CONTEXT_SETTINGS,
     apply_device_and_threads,
@@ -51,6 +42,7 @@ from retrieval_core.cli import (
     threads_option,
 )
 from retrieval_core.collate import collate_images, collate_pairs, length_chunks
+from retrieval_core.dev_eval import evaluate
 from retrieval_core.losses import (
     HardNegatives,
     MinedNegatives,
@@ -61,8 +53,9 @@ from retrieval_core.losses import (
     sample_ce_groups,
 )
 from retrieval_core.model import VLRetrievalModel, _autocast, model_flops
-from retrieval_core.schema import ImageTable
+from retrieval_core.model_init import build_model, lstsq_image_embedding
 from retrieval_core.store import StagedDataset
+from retrieval_core.train_data import TrainData, feature_neighbours, load_split, mine_be_negatives
 
 OBJECTIVES = ("be", "ce", "joint")
 IMAGE_INITS = ("random", "lstsq")
@@ -210,138 +203,6 @@ class TrainConfig:
             raise ValueError(f"need steps >= 1 and batch_size >= 2, got {self.steps}, {self.batch_size}")
 
 
-class TrainData:
-    """Captions (schema.CAPTION_COLUMNS; caption_id, image_item_id, text used) + the ImageTable of their images."""
-
-    def __init__(self, captions: pd.DataFrame, images: ImageTable):
-        if len(captions) == 0:
-            raise ValueError("no captions to train/evaluate on")
-        pos = images.position_of()
-        img_ids = captions["image_item_id"].to_numpy(np.int64)
-        missing = sorted({int(i) for i in img_ids if int(i) not in pos})
-        if missing:
-            raise ValueError(f"{len(missing)} caption image(s) are not in the image table, e.g. {missing[:5]}")
-        self.texts: list[str] = captions["text"].astype(str).tolist()
-        self.caption_ids = captions["caption_id"].to_numpy(np.int64)
-        self.image_pos = np.array([pos[int(i)] for i in img_ids], dtype=np.int64)
-        self.images = images
-
-    def __len__(self) -> int:
-        return len(self.texts)
-
-    def gold(self) -> tuple[dict[int, int], dict[int, list[int]]]:
-        cap2img = {int(c): int(self.images.item_ids[p]) for c, p in zip(self.caption_ids, self.image_pos)}
-        img2caps: dict[int, list[int]] = {}
-        for c, i in cap2img.items():
-            img2caps.setdefault(i, []).append(c)
-        return cap2img, img2caps
-
-
-def feature_neighbours(images: ImageTable, k: int, max_regions: Optional[int] = None,
-                       positions: Optional[np.ndarray] = None) -> np.ndarray:
-    """(n, k) positions (into ``positions``, default all images) of each image's k nearest other images by
-    cosine of the centred mean of its first ``max_regions`` region features - no model needed. Exact faiss
-    inner-product search, O(n^2 F): seconds for tens of thousands of images."""
-    import faiss
-
-    positions = np.arange(len(images)) if positions is None else np.asarray(positions, dtype=np.int64)
-    if len(positions) < 2:
-        raise ValueError("neighbours need at least 2 images")
-    k = min(k, len(positions) - 1)
-    pooled = np.stack([images.regions(int(p))[0][:max_regions].mean(0) for p in positions]).astype(np.float32)
-    pooled -= pooled.mean(0)  # region features are post-ReLU: without centring every pair looks alike
-    pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
-    index = faiss.IndexFlatIP(pooled.shape[1])
-    index.add(pooled)
-    _, nn = index.search(pooled, k + 1)
-    out = np.empty((len(positions), k), dtype=np.int64)
-    for i, row in enumerate(nn):
-        row = row[(row != i) & (row >= 0)]  # drop self (ties with exact duplicates may put it anywhere)
-        out[i] = row[:k] if len(row) >= k else np.resize(row, k)
-    return out
-
-
-def mine_be_negatives(model: VLRetrievalModel, data: TrainData, caption_pos: np.ndarray, k: int, pool_size: int,
-                      seed: int, batch_size: int = 128, device: str = "cpu") -> tuple[MinedNegatives, dict]:
-    """The BE's top-k wrong images of each caption in ``caption_pos`` (among every training image with a
-    caption) and its top-k wrong captions of each of their gold images (among a pool: ``caption_pos`` plus a
-    seeded sample of the other captions, ``pool_size`` in all). Returns the negatives and a log record (the
-    BE's R@1 on these captions, seconds)."""
-    t0 = time.perf_counter()
-    caption_pos = np.unique(np.asarray(caption_pos, dtype=np.int64))
-    img_pos = np.unique(data.image_pos)
-    rest = np.setdiff1d(np.arange(len(data)), caption_pos)
-    fill = max(0, min(pool_size - len(caption_pos), len(rest)))
-    pool = np.union1d(caption_pos, np.random.default_rng([seed, 13]).choice(rest, fill, replace=False))
-    was_training = model.training
-    model.eval()
-    img_emb = model.encode_image(data.images.take(img_pos), batch_size, device)
-    txt_emb = model.encode_text([data.texts[i] for i in pool], batch_size, device)
-    model.train(was_training)
-    depth_i, depth_c = min(k + 1, len(img_pos)), min(k + 5 * 2, len(pool))  # room for the gold item(s) dropped
-    _, t2i = metrics.exact_topk(txt_emb[np.searchsorted(pool, caption_pos)], img_emb, img_pos, depth_i)
-    gold = data.image_pos[caption_pos]
-    caption_images = np.full((len(caption_pos), k), -1, dtype=np.int64)
-    for row, (top, g) in enumerate(zip(t2i, gold)):
-        wrong = top[top != g][:k]
-        caption_images[row, :len(wrong)] = wrong
-    gold_images = np.unique(gold)
-    _, i2t = metrics.exact_topk(img_emb[np.searchsorted(img_pos, gold_images)], txt_emb, pool, depth_c)
-    image_captions = np.full((len(gold_images), k), -1, dtype=np.int64)
-    for row, (top, g) in enumerate(zip(i2t, gold_images)):
-        wrong = top[data.image_pos[top] != g][:k]
-        image_captions[row, :len(wrong)] = wrong
-    # a short row (tiny sets) repeats its entries so that every draw is a real negative
-    for rows in (caption_images, image_captions):
-        for row in rows:
-            n = int((row >= 0).sum())
-            if 0 < n < k:
-                row[n:] = np.resize(row[:n], k - n)
-    record = {"mined_captions": int(len(caption_pos)), "caption_pool": int(len(pool)),
-              "be_t2i_R@1": round(float(np.mean(t2i[:, 0] == gold)) * 100.0, 2),
-              "seconds": round(time.perf_counter() - t0, 3)}
-    return MinedNegatives(caption_pos, caption_images, gold_images, image_captions), record
-
-
-def lstsq_image_embedding(model: VLRetrievalModel, data: TrainData, ridge: float = 1e-2) -> float:
-    """Training-free start for the image embedding (the least-squares map of seed paper 004, one layer down).
-
-    Fits ``img_embedding`` (Linear(F + 6 -> hidden)) so that the mean of an image's region tokens before
-    LayerNorm approximates the mean input word embedding of its captions (special tokens excluded). The
-    layer is linear, so a map fitted on image means applies to each region: regions enter the encoder
-    looking like the words that describe them. Ridge ``ridge * mean eigenvalue`` (the feature dimension
-    exceeds the number of images in small sets). Returns the fit's R² on the training images.
-    """
-    from retrieval_core.baseline import pooled_image_vectors
-
-    img_pos = np.unique(data.image_pos)
-    x = pooled_image_vectors(data.images.take(img_pos), model.cfg.max_regions)
-    # float32, widened per caption: a float64 copy of multilingual-e5's 250k-row matrix would take 768 MB
-    words = model.bert.embeddings.word_embeddings.weight.detach().cpu().numpy()
-    tok = model.tokenizer
-    special = set(tok.all_special_ids)
-    target = np.zeros((len(img_pos), words.shape[1]))
-    count = np.zeros(len(img_pos))
-    row_of = np.searchsorted(img_pos, data.image_pos)
-    for ids, row in zip(tok(data.texts, truncation=True, max_length=model.cfg.max_text_len)["input_ids"], row_of):
-        ids = [i for i in ids if i not in special]
-        if ids:
-            target[row] += words[ids].astype(np.float64).mean(0)
-            count[row] += 1
-    keep = count > 0
-    x, target = x[keep], target[keep] / count[keep, None]
-    x_mean, t_mean = x.mean(0), target.mean(0)
-    xc, tc = x - x_mean, target - t_mean
-    gram = xc.T @ xc
-    w = np.linalg.solve(gram + ridge * np.trace(gram) / len(gram) * np.eye(len(gram)), xc.T @ tc)
-    r2 = 1.0 - float(((xc @ w - tc) ** 2).sum() / max((tc ** 2).sum(), 1e-12))
-    with torch.no_grad():
-        layer = model.img_embedding
-        layer.weight.copy_(torch.from_numpy(w.T).to(layer.weight.dtype))
-        layer.bias.copy_(torch.from_numpy(t_mean - x_mean @ w).to(layer.bias.dtype))
-    return r2
-
-
 def step_flops(model: VLRetrievalModel, cfg: TrainConfig, text_tokens: float, regions: float,
                images: Optional[float] = None) -> dict[str, float]:
     """Forward + backward FLOPs of one training step per objective (model_flops, training=True) at the given
@@ -354,57 +215,6 @@ def step_flops(model: VLRetrievalModel, cfg: TrainConfig, text_tokens: float, re
     pairs = (cfg.ce_batch_size or cfg.batch_size) * (1 + cfg.ce_negatives)
     ce = pairs * model_flops(model, "pair", text_tokens, regions, training=True)
     return {"be": be, "ce": ce, "joint": be + ce}
-
-
-def evaluate(model: VLRetrievalModel, dev: TrainData, device: str = "cpu", batch_size: int = 128,
-             amp_dtype: Optional[str] = None, k: int = 10, ce_pairs: int = 256, seed: int = 0,
-             progress: bool = False, desc: str = "dev eval") -> dict:
-    """BE retrieval on ``dev`` (exact dot-product top-k, recall both directions, NOTES.md section 2) and the CE
-    head's pair accuracies: the share of up to ``ce_pairs`` dev captions whose gold image scores above a random
-    other image (``ce_pair_acc``) and above the gold image's nearest dev image by pooled region features
-    (``ce_hard_pair_acc``: the near-duplicates a reranker must tell apart).
-
-    ``progress``: one bar over every item encoded or scored (captions, images, CE pairs) with rate and ETA;
-    on the demo an evaluation takes as long as ~40 training steps, so a silent one looks like a hang."""
-    from tqdm.auto import tqdm
-
-    # only the images that have captions are retrieval targets/queries
-    img_pos = np.unique(dev.image_pos)
-    images = dev.images.take(img_pos)
-    n_pairs = min(ce_pairs, len(dev)) if len(img_pos) >= 2 and ce_pairs > 0 else 0
-    with tqdm(total=len(dev) + len(img_pos) + 2 * n_pairs, desc=desc, unit="item", disable=not progress,
-              leave=False) as bar:
-        # models without progress reporting (baseline.MappedBaseline) are evaluated quietly
-        report = {"progress": bar.update} if progress else {}
-        return _evaluate(model, dev, img_pos, images, device, batch_size, amp_dtype, k, n_pairs, seed, report)
-
-
-def _evaluate(model: VLRetrievalModel, dev: TrainData, img_pos: np.ndarray, images: ImageTable, device: str,
-              batch_size: int, amp_dtype: Optional[str], k: int, n_pairs: int, seed: int, report: dict) -> dict:
-    text_emb = model.encode_text(dev.texts, batch_size, device, amp_dtype, **report)
-    img_emb = model.encode_image(images, batch_size, device, amp_dtype, **report)
-    _, t2i = metrics.exact_topk(text_emb, img_emb, images.item_ids, k)
-    _, i2t = metrics.exact_topk(img_emb, text_emb, dev.caption_ids, k)
-    cap2img, img2caps = dev.gold()
-    out = metrics.bidirectional_recall(t2i, dev.caption_ids, i2t, images.item_ids, cap2img, img2caps)
-    if n_pairs:
-        rng = np.random.default_rng([seed, 99])
-        caps = rng.choice(len(dev), size=n_pairs, replace=False)
-        gold = dev.image_pos[caps]
-        neg = img_pos[rng.integers(0, len(img_pos), size=len(caps))]
-        clash = neg == gold
-        while clash.any():
-            neg[clash] = img_pos[rng.integers(0, len(img_pos), size=int(clash.sum()))]
-            clash = neg == gold
-        nearest = img_pos[feature_neighbours(dev.images, 1, positions=img_pos)[:, 0]]
-        hard = nearest[np.searchsorted(img_pos, gold)]
-        texts = [dev.texts[i] for i in caps]
-        score = lambda pos: model.score(texts, [dev.images.regions(int(p)) for p in pos], batch_size,  # noqa: E731
-                                        device, amp_dtype, **report)
-        pos_s = score(gold)
-        out["ce_pair_acc"] = float(np.mean(pos_s > score(neg)) * 100.0)
-        out["ce_hard_pair_acc"] = float(np.mean(pos_s > score(hard)) * 100.0)
-    return out
 
 
 class Trainer:
@@ -732,56 +542,6 @@ class Trainer:
 
 
 # ----------------------------------------------------------------------------------------- CLI
-def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int) -> VLRetrievalModel:
-    """A named backbone (``backbones``: minilm, multilingual-e5-small / e5), a plain HF BERT folder, or any
-    retrieval model folder ``checkpoints.load_model_folder`` knows (ours, MMT-Retrieval, OSCAR: continue
-    fine-tuning; a head it lacks starts fresh and is trained here)."""
-    if not is_backbone_name(base_model):
-        if not os.path.isdir(base_model):
-            raise FileNotFoundError(f"base model {base_model!r}: no such folder (give a backbone name "
-                                    f"({', '.join(BACKBONES)}), a plain HF BERT folder or a retrieval model "
-                                    f"folder: ours, MMT-Retrieval or OSCAR)")
-        try:
-            info = inspect_model_folder(base_model)
-        except CheckpointError:
-            info = None  # not a retrieval model: a plain BERT folder, or an error below
-        if info is not None:
-            if info.kind == KIND_BASELINE:
-                raise ValueError(f"base model {base_model!r} is a training-free baseline; it cannot be fine-tuned")
-            if halve_layers:
-                raise ValueError("--halve-layers applies to a text backbone, not to an existing retrieval model")
-            model = load_model_folder(base_model)
-            if model.feature_dim != feature_dim:
-                raise ValueError(f"{base_model} expects {model.feature_dim}-d features, the staged data has "
-                                 f"{feature_dim}")
-            return model
-        if not os.path.isfile(os.path.join(base_model, "config.json")):
-            raise ValueError(f"base model {base_model!r} is neither a retrieval model folder (rr_model.json, "
-                             f"modules.json, OSCAR config.json) nor a HF BERT folder (config.json)")
-    path = backbone_path(base_model)
-    try:
-        return from_text_backbone(path, feature_dim, keep_every_other_layer=halve_layers, seed=seed)
-    except (OSError, KeyError) as exc:  # transformers' "not a valid model identifier", missing weights...
-        raise ValueError(f"base model {path!r} cannot be loaded as a BERT folder: "
-                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-
-
-def load_split(staged, split: str, max_captions: Optional[int] = None, seed: int = 0,
-               languages: tuple[str, ...] = ()) -> TrainData:
-    """The captions of ``split`` (only those of ``languages`` when given) and their images."""
-    captions = staged.captions(split=split)
-    if languages:
-        captions = captions[captions["lang"].isin(languages)].reset_index(drop=True)
-    if len(captions) == 0:
-        raise ValueError(f"the staged data has no captions in split {split!r}"
-                         + (f" in language(s) {', '.join(languages)}" if languages else ""))
-    if max_captions is not None and len(captions) > max_captions:
-        keep = np.sort(np.random.default_rng([seed, 7]).choice(len(captions), max_captions, replace=False))
-        captions = captions.iloc[keep].reset_index(drop=True)
-    image_ids = np.unique(captions["image_item_id"].to_numpy(np.int64))
-    return TrainData(captions, staged.load_images(item_ids=image_ids))
-
-
 @dataclass(frozen=True)
 class TrainPlan:
     """One ``python -m retrieval_core.train`` run: where the data comes from and goes, the model to start

@@ -12,8 +12,10 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
+from retrieval_core.dev_eval import evaluate
 from retrieval_core.model import VLRetrievalModel
-from retrieval_core.train import TrainConfig, TrainData, Trainer, evaluate, main
+from retrieval_core.train import TrainConfig, Trainer, main
+from retrieval_core.train_data import TrainData
 from tests.helpers_model import make_tiny_dataset, split_dataset, tiny_model
 
 F = 16
@@ -208,7 +210,8 @@ def test_cli_with_the_demo_flags_trains_exactly_what_the_library_trains(tmp_path
     from retrieval_core.checkpoints import from_text_backbone
     from retrieval_core.cli import plan_from_cli, to_argv
     from retrieval_core.store import StagedDataset
-    from retrieval_core.train import TrainPlan, load_split
+    from retrieval_core.train import TrainPlan
+    from retrieval_core.train_data import load_split
 
     staged, base = cli_inputs
     cfg = TrainConfig(objective="joint", be_loss="infonce", image_init="lstsq", new_layers_lr_mult=20.0,
@@ -285,7 +288,7 @@ def test_dev_evaluation_shows_items_rate_and_eta(data, tmp_path, monkeypatch, ca
 
 def test_feature_neighbours_find_the_near_duplicate():
     from retrieval_core.schema import ImageTable
-    from retrieval_core.train import feature_neighbours
+    from retrieval_core.train_data import feature_neighbours
 
     rng = np.random.default_rng(0)
     base = [rng.normal(size=(5, F)).astype(np.float32) for _ in range(6)]
@@ -299,7 +302,7 @@ def test_feature_neighbours_find_the_near_duplicate():
 
 
 def test_lstsq_image_embedding_is_a_training_free_start(tmp_path, data):
-    from retrieval_core.train import lstsq_image_embedding
+    from retrieval_core.model_init import lstsq_image_embedding
 
     train, dev = data
     warm = tiny_model(str(tmp_path / "b"), feature_dim=F)
@@ -326,7 +329,7 @@ def test_lstsq_image_embedding_is_a_training_free_start(tmp_path, data):
 def test_mined_negatives_are_the_be_top_k_wrong_items_in_both_directions(tmp_path, data):
     """mine_be_negatives against a brute-force ranking by the model's own embeddings: per caption its k best
     wrong images (t2i), per gold image its k best wrong captions in the pool (i2t); never a positive."""
-    from retrieval_core.train import mine_be_negatives
+    from retrieval_core.train_data import mine_be_negatives
 
     train, _ = data
     model = tiny_model(str(tmp_path / "m"), feature_dim=F)
@@ -439,7 +442,7 @@ def test_languages_train_and_select_on_those_captions_only(tmp_path):
     from pipelines.stage.plan import StagePlan
     from pipelines.stage.run import run as stage
     from retrieval_core.store import StagedDataset
-    from retrieval_core.train import load_split
+    from retrieval_core.train_data import load_split
 
     staged = str(tmp_path / "staged")
     stage(StagePlan(staged, "demo", overrides=("demo.images.num_images=40", "demo.expected_images=null",
