@@ -43,10 +43,11 @@ import numpy as np
 
 from benchmarks import jobs as jb
 from benchmarks.jobs import JOB_START_S
+from benchmarks.planner import Planner
 from benchmarks.report import PAPER_CODE_MODEL, set_threads
 from benchmarks.roofline import UnitBench, measure_unit_costs, roofline_rows, training_rows
 from benchmarks.rows import evaluate_row
-from benchmarks.suites import MODE_LABELS, Planner
+from benchmarks.suites import MODE_LABELS
 from pipelines import common
 from pipelines.demo_assets import BENCH_RECIPE, DEMO_RECIPE
 from pipelines.encode.plan import EncodePlan

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from benchmarks.suites import DIRECTIONS, Row
+from benchmarks.planner import DIRECTIONS, Row
 from retrieval_core.runs import LoadedRun, choose_fusion, read_run_manifest
 from retrieval_core.stats import Bootstrap, Hits, difference_intervals, fold_hits, interval_columns, recall_intervals
 

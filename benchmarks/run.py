@@ -47,8 +47,9 @@ import click
 
 from benchmarks import jobs as jb
 from benchmarks import latency, report, suites
+from benchmarks.planner import SUITES, Models, Plan, SuiteConfig, model_feature_dim
 from benchmarks.rows import RowHits, ce_pairs_scored, evaluate_row
-from benchmarks.suites import DEFAULT_MAX_QUERIES, SUITES, Models, Plan, SuiteConfig
+from benchmarks.suites import DEFAULT_MAX_QUERIES
 from pipelines import demo_assets
 from pipelines.common import UnknownFlagError, unknown_beam_flags
 from retrieval_core import baseline as bl
@@ -185,7 +186,7 @@ def plan_costs(plan_jobs: Sequence[jb.Job], cfg: SuiteConfig) -> jb.UnitCosts:
     """Unit costs for --plan: from earlier runs' JSON; missing model rates measured now on a small sample."""
     costs = jb.UnitCosts.load(unit_costs_path(cfg))
     missing = set(costs.missing(plan_jobs))
-    if missing and suites.model_feature_dim(cfg.models.first) is not None:
+    if missing and model_feature_dim(cfg.models.first) is not None:
 
         for unit, per_s in latency.sample_rates(cfg.models.first, cfg.batch_size, cfg.threads,
                                                 quantize=cfg.quantize).items():
@@ -263,7 +264,7 @@ def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, recipe, model_seeds, no
     for seed in seeds:
         t_start = time.time()
         models = resolve_models(join_dir, be_dir, ce_dir, no_sep, suite, plan_only, beam_args, recipe, seed)
-        feature_dim = suites.model_feature_dim(models.first) or _demo_feature_dim()
+        feature_dim = model_feature_dim(models.first) or _demo_feature_dim()
         try:
             cfg = SuiteConfig(suite=suite, workdir=demo_assets.workdir(), models=models, feature_dim=feature_dim,
                               quick=quick, manifest=manifest,
@@ -375,7 +376,7 @@ def run_latency_suite(cfg: SuiteConfig, opts: RunOptions):
                                     "anns": opts.anns, "hnsw_max_n": opts.hnsw_max_n,
                                     "eval_budget_s": opts.eval_budget_s})
     if opts.plan_only:
-        if suites.model_feature_dim(cfg.models.join) is None:
+        if model_feature_dim(cfg.models.join) is None:
             raise click.ClickException(f"latency --plan measures unit costs with the JOIN model; {cfg.models.join} "
                                        f"does not exist yet (pass --model, or run the demo first)")
         plan = latency.plan_eval_time(cfg, lcfg, latency.measured_units(cfg.models.join, lcfg))

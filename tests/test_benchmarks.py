@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from benchmarks import jobs as jb
-from benchmarks import latency, queries, report, suites
+from benchmarks import latency, planner, queries, report, suites
 from pipelines import launch
 from retrieval_core.manifest import load_manifest
 from tests.helpers_model import tiny_model
@@ -232,7 +232,7 @@ def test_scale_queries_are_seeded_images_and_the_smallest_caption_of_each(quick)
 
 
 def test_standard_plan_wires_each_fold_through_ids_and_its_own_queries(model, tmp_path):
-    cfg = suites.SuiteConfig(suite="standard", workdir=str(tmp_path), models=suites.Models(join=model),
+    cfg = planner.SuiteConfig(suite="standard", workdir=str(tmp_path), models=planner.Models(join=model),
                              feature_dim=F, quick=True, max_queries=500)
     plan = suites.plan_suite(cfg)
     by_name = {j.name: j for j in plan.jobs}
@@ -257,25 +257,25 @@ def test_auto_rows_choose_on_a_dev_pool_the_size_of_the_evaluated_pool(model, tm
     """The dev run of every AUTO row ranks the demo's dev queries (held out from the demo models' training)
     against as many images as the evaluated pool has (unseen distractors added), and about as many captions;
     planned only, at full size."""
-    cfg = suites.SuiteConfig(suite=suite, workdir=str(tmp_path), models=suites.Models(join=model), feature_dim=F)
+    cfg = planner.SuiteConfig(suite=suite, workdir=str(tmp_path), models=planner.Models(join=model), feature_dim=F)
     plan = suites.plan_suite(cfg)
     by_out = {j.output: j for j in plan.jobs}
     autos = [r for r in plan.rows if r.mode == "AUTO"]
     assert autos
     for r in autos:
         dev = by_out[r.tune_on].plan
-        assert dev.split == suites.TUNE_SPLIT and dev.mode == "co"
+        assert dev.split == planner.TUNE_SPLIT and dev.mode == "co"
         stage = by_out[r.tune_staged]
         m = load_manifest(stage.plan.manifest, overrides=stage.plan.overrides)
         images = {n: c.images.options["num_images"] for n, c in m.collections.items()}
-        dev_images = round(images["demo"] * 0.1) + images.get(suites.DEV_DISTRACTORS, 0)
+        dev_images = round(images["demo"] * 0.1) + images.get(planner.DEV_DISTRACTORS, 0)
         assert dev_images == r.pool_images, (r.collection, stage.name)
         evaluated = by_out[r.staged].plan
         pool = load_manifest(evaluated.manifest, overrides=evaluated.overrides).collections.values()
         captions = r.pool_images * sum(c.images.options["num_images"] * c.captions.options["captions_per_image"]
                                        for c in pool) / sum(c.images.options["num_images"] for c in pool)
-        dev_caps = round(images["demo"] * 0.1) * 5 + images.get(suites.DEV_DISTRACTORS, 0) * \
-            m.collections.get(suites.DEV_DISTRACTORS, m.collections["demo"]).captions.options["captions_per_image"]
+        dev_caps = round(images["demo"] * 0.1) * 5 + images.get(planner.DEV_DISTRACTORS, 0) * \
+            m.collections.get(planner.DEV_DISTRACTORS, m.collections["demo"]).captions.options["captions_per_image"]
         assert abs(dev_caps - captions) <= 0.1 * captions, (r.collection, dev_caps, captions)
 
 
@@ -283,8 +283,8 @@ def test_quantize_goes_to_the_model_jobs_and_their_outputs_are_kept_apart(model,
     """--quantize bf16: every encode and every CE-scoring rerank carries it, EMB-only reranks and model-free jobs
     do not; embeddings, indexes and runs go to folders of their own (float32 results are never overwritten),
     staged data and query selections are shared."""
-    plans = {q: suites.plan_suite(suites.SuiteConfig(suite="standard", workdir=str(tmp_path), quantize=q, quick=True,
-                                                     models=suites.Models(join=model), feature_dim=F))
+    plans = {q: suites.plan_suite(planner.SuiteConfig(suite="standard", workdir=str(tmp_path), quantize=q, quick=True,
+                                                     models=planner.Models(join=model), feature_dim=F))
              for q in ("none", "bf16")}
     for job in plans["bf16"].jobs:
         runs_model = job.module == "pipelines.encode" or (job.module == "pipelines.rerank" and job.plan.mode != "emb")
@@ -301,15 +301,15 @@ def test_quantize_goes_to_the_model_jobs_and_their_outputs_are_kept_apart(model,
     for module in ("pipelines.stage", "benchmarks.queries"):
         assert outputs["none"][module] == outputs["bf16"][module], module
     with pytest.raises(ValueError, match="CPU only"):
-        suites.SuiteConfig(suite="standard", workdir=str(tmp_path), quantize="int8", device="cuda",
-                           models=suites.Models(join=model), feature_dim=F)
+        planner.SuiteConfig(suite="standard", workdir=str(tmp_path), quantize="int8", device="cuda",
+                           models=planner.Models(join=model), feature_dim=F)
 
 
 def test_k_ablation_and_combination_plan_one_rerank_per_family(model, tmp_path):
     for suite, rows in (("k_ablation", {("CO", 10, ""), ("CO", 20, ""), ("CO", 50, "")}),
                         ("combination", {("CO", 20, "")} | {(m, 20, lam) for m in ("CO-ADD", "CO-NORM_ADD")
                                                              for lam in suites.COMBINATION_LAMS})):
-        cfg = suites.SuiteConfig(suite=suite, workdir=str(tmp_path), models=suites.Models(join=model), feature_dim=F)
+        cfg = planner.SuiteConfig(suite=suite, workdir=str(tmp_path), models=planner.Models(join=model), feature_dim=F)
         plan = suites.plan_suite(cfg)
         reranks = [j for j in plan.jobs if j.module == "pipelines.rerank"]
         assert len(reranks) == 1 and reranks[0].plan.k == (50 if suite == "k_ablation" else 20)
@@ -333,7 +333,8 @@ def test_scale_suites_plan_sep_only_when_its_models_are_named(model):
 def test_scale_100k_reports_the_dev_chosen_fusion_beside_co(model, tmp_path):
     """scale_100k's AUTO row: the fusion chosen on the dev run, applied to the stored scores of its one CO run
     (no second CE pass over the 100k pool)."""
-    cfg = suites.SuiteConfig(suite="scale_100k", workdir=str(tmp_path), models=suites.Models(join=model), feature_dim=F)
+    cfg = planner.SuiteConfig(suite="scale_100k", workdir=str(tmp_path), models=planner.Models(join=model),
+                              feature_dim=F)
     plan = suites.plan_suite(cfg)
     rows = {r.mode: r for r in plan.rows}
     assert set(rows) == {"EMB", "CO", "AUTO"}
@@ -505,7 +506,7 @@ def test_latency_per_query_rows_and_extrapolated_totals(model, tmp_path):
                                  base_images=12, recall_queries=8, ce_measure_budget_s=0.0, eval_budget_s=0.0,
                                  batch_size=16, threads=1, hnsw_max_n=100, pipeline_overhead_images=0,
                                  train_steps=1)
-    cfg = suites.SuiteConfig(suite="latency", workdir=str(tmp_path), models=suites.Models(join=model), feature_dim=F)
+    cfg = planner.SuiteConfig(suite="latency", workdir=str(tmp_path), models=planner.Models(join=model), feature_dim=F)
     rows, results = latency.run_latency(cfg, lcfg, log=lambda m: None)
     assert results == []  # a zero budget runs no Table 4 job
     back = report.read_csv(report.write_csv(str(tmp_path / "latency.csv"), rows))
@@ -563,7 +564,7 @@ def test_cli_help_lists_suites():
 
     res = CliRunner().invoke(main, ["-h"])
     assert res.exit_code == 0
-    for s in suites.SUITES + ("--quick", "--plan", "--threads", "--device"):
+    for s in planner.SUITES + ("--quick", "--plan", "--threads", "--device"):
         assert s in res.output
 
 
@@ -703,8 +704,8 @@ def test_multilingual_plan_ranks_each_language_against_its_own_captions(model, t
     """multilingual: per family and language one CO run whose t2i queries are that language's test captions and whose
     i2t pool is a caption index of exactly those captions (--ids from the language's selection); its AUTO row chooses
     on a dev run of the same language and pool; every row is evaluated on that language."""
-    cfg = suites.SuiteConfig(suite="multilingual", workdir=str(tmp_path), quick=True, feature_dim=F,
-                             models=suites.Models(named=(("A", model), ("B", model))))
+    cfg = planner.SuiteConfig(suite="multilingual", workdir=str(tmp_path), quick=True, feature_dim=F,
+                             models=planner.Models(named=(("A", model), ("B", model))))
     plan = suites.plan_suite(cfg)
     reranks = [j for j in plan.jobs if j.module == "pipelines.rerank"]
     assert len(reranks) == 2 * len(suites.ML_LANGUAGES) * 2  # families x languages x (test, dev): A and B share none
