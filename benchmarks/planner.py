@@ -320,9 +320,10 @@ class Planner:
 
     def rerank(self, st: Staged, family: str, be_model: str, ce_model: str, enc: Job, queries: Job, *, mode: str,
                k: int, index: Optional[Job], text_index: Optional[Job] = None, pool: str = "all", pairs: int = 0,
-               split: str = "test", exhaustive_limit: int = 0) -> Job:
+               split: str = "test", exhaustive_limit: int = 0, collection: Optional[str] = None) -> Job:
         """``pairs``: CE pairs it will score (estimates); ``exhaustive_limit``: --max-exhaustive-pairs of a
-        --mode ce run (queries x pool summed over directions; default ``pairs``)."""
+        --mode ce run (queries x pool summed over directions; default ``pairs``); ``collection``: the queries'
+        collection, recorded in the run (needed to read a run whose staged folder holds several)."""
         models = _slug(family, self.model_key(be_model), self.model_key(ce_model) if mode != "emb" else "")
         out = os.path.join(self.cfg.root, "runs", st.name, _slug(pool, os.path.basename(queries.output)), models,
                            f"{mode}-k{k}")
@@ -336,7 +337,7 @@ class Planner:
         if mode == "ce":
             extra["max_exhaustive_pairs"] = max(exhaustive_limit or pairs, 1)
         plan = RerankPlan(staged=st.path, embeddings=enc.output, output=out, mode=mode, k=k, split=split,
-                          queries=queries_file, index=index.output if index else None,
+                          collection=collection, queries=queries_file, index=index.output if index else None,
                           text_index=text_index.output if text_index else None, **_run_options(self.cfg), **extra)
         # the query selection is in the name: distractor_20k ranks two query sets against one pool
         name = f"rerank {family} {mode} k={k} {st.name}/{pool} {os.path.basename(queries.output)}"
@@ -363,7 +364,7 @@ class Planner:
         idx = self.index(st, be_model, enc, "image", pool=f"{TUNE_SPLIT}-all")
         txt = self.index(st, be_model, enc, "text", pool=f"{TUNE_SPLIT}-all") if text_index else None
         run = self.rerank(st, family, be_model, ce_model, enc, qjob, mode="co", k=k, index=idx, text_index=txt,
-                          split=TUNE_SPLIT, pool=TUNE_SPLIT, pairs=2 * (n or n_dev) * k)
+                          split=TUNE_SPLIT, pool=TUNE_SPLIT, pairs=2 * (n or n_dev) * k, collection=coll)
         return run, st
 
     # -- rows
