@@ -702,6 +702,34 @@ def memory_table_from(output_dir: str, *remeasured_dirs: str, suite: str = "memo
                         [read_csv(os.path.join(d, f"{suite}_jobs.csv")) for d in remeasured_dirs])
 
 
+def recall_table(rows: Sequence[Mapping]) -> str:
+    """A Markdown table of a suite CSV's recall rows, as the paper's tables read: one line per (collection, model,
+    mode, k), R@1 with its 95 % interval, R@5, R@10 per direction, mR [interval], and a reranked row's R@1 minus
+    EMB per direction with the verdict of its paired interval. Written for the docs, generated, not copied."""
+    rows = [normalise_row(r) for r in rows if str(r.get("R@1", "")) not in ("", "nan")]
+    lines = ["| collection | model | mode | t2i R@1 | t2i R@5 | t2i R@10 | i2t R@1 | i2t R@5 | i2t R@10 | mR | "
+             "R@1 minus EMB: t2i | R@1 minus EMB: i2t |", "|" + "---|" * 12]
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        groups.setdefault((r["collection"], r["model"], r["mode"], r["k"], r["fusion"]), {})[r["direction"]] = r
+
+    def ci(r: Optional[Mapping], m: str) -> str:
+        if r is None:
+            return "-"
+        lo, hi = r.get(f"{m}_lo", ""), r.get(f"{m}_hi", "")
+        return _fmt(r[m]) + (f" [{_fmt(lo)}, {_fmt(hi)}]" if str(lo) not in ("", "nan") else "")
+
+    for (collection, model, mode, k, fusion), by_dir in groups.items():
+        t, i = by_dir.get("t2i"), by_dir.get("i2t")
+        label = f"{mode} k={k}" if str(k) not in ("", "nan") and mode != "EMB" else str(mode)
+        label += f" ({fusion})" if str(fusion) not in ("", "nan") else ""
+        cells = [str(collection), str(model), label, ci(t, "R@1"), *(_fmt(t[m]) if t else "-" for m in ("R@5", "R@10")),
+                 ci(i, "R@1"), *(_fmt(i[m]) if i else "-" for m in ("R@5", "R@10")), ci(t or i, "mR"),
+                 _signed(t, "R@1"), _signed(i, "R@1")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 @click.group()
 def main():
     """Tables from benchmark CSVs already written."""
@@ -714,6 +742,13 @@ def memory_table_cmd(output_dir, remeasured_dirs):
     """Print the memory suite's peak-RSS table (Markdown) from OUTPUT_DIR/memory.csv and memory_jobs.csv;
     the memory_jobs.csv in each REMEASURED_DIR (later runs of some of the same jobs) replaces their cells."""
     click.echo(memory_table_from(output_dir, *remeasured_dirs))
+
+
+@main.command("recall-table")
+@click.argument("csv_path", type=click.Path(exists=True, dir_okay=False))
+def recall_table_cmd(csv_path):
+    """Print the recall rows of a suite CSV (benchmarks.run's <suite>.csv) as a Markdown table with intervals."""
+    click.echo(recall_table(read_csv(csv_path)))
 
 
 if __name__ == "__main__":

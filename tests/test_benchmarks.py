@@ -721,3 +721,22 @@ def test_multilingual_plan_ranks_each_language_against_its_own_captions(model, t
         dev = next(j.plan for j in reranks if j.output == auto.tune_on)
         assert dev.split == "dev" and next(j.plan for j in plan.jobs
                                            if j.output == os.path.dirname(dev.queries)).lang == lang
+
+
+def test_recall_table_is_one_markdown_line_per_ranking_with_intervals_and_verdicts(tmp_path):
+    base = dict(suite="multilingual", collection="synthetic_multi30k/de", model="JOIN-e5", k=20)
+    rows = [dict(base, mode="EMB", direction=d, **{"R@1": r1, "R@5": 80.0, "R@10": 90.0, "mR": 70.0,
+                                                  "R@1_lo": r1 - 3, "R@1_hi": r1 + 3, "mR_lo": 68.0, "mR_hi": 72.0})
+            for d, r1 in (("t2i", 50.0), ("i2t", 60.0))]
+    rows += [dict(base, mode="CO", direction=d, **{"R@1": r1, "R@5": 81.0, "R@10": 91.0, "mR": 72.0,
+                                                  "R@1_lo": r1 - 3, "R@1_hi": r1 + 3, "mR_lo": 70.0, "mR_hi": 74.0,
+                                                  "delta_R@1": dl, "delta_R@1_lo": lo, "delta_R@1_hi": hi})
+             for d, r1, dl, lo, hi in (("t2i", 54.0, 4.0, 1.5, 6.5), ("i2t", 59.0, -1.0, -3.0, 1.0))]
+    rows.append(dict(base, mode="CO", direction="both", notes="skipped: over the budget"))  # no recall: left out
+    path = report.write_csv(str(tmp_path / "multilingual.csv"), rows)
+    lines = report.recall_table(report.read_csv(path)).splitlines()
+    assert len(lines) == 4 and lines[0].startswith("| collection |")
+    emb, co = lines[2].split(" | "), lines[3].split(" | ")
+    assert emb[2] == "EMB" and emb[3] == "50.0 [47.0, 53.0]" and emb[9] == "70.0 [68.0, 72.0]" and emb[10] == "-"
+    assert co[2] == "CO k=20" and co[6] == "59.0 [56.0, 62.0]"
+    assert co[10] == "+4.0 [+1.5, +6.5] lifts" and co[11].startswith("-1.0 [-3.0, +1.0] no significant difference")
