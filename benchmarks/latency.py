@@ -44,7 +44,7 @@ import numpy as np
 from benchmarks import jobs as jb
 from benchmarks.jobs import JOB_START_S
 from benchmarks.planner import Planner
-from benchmarks.report import PAPER_CODE_MODEL, set_threads
+from benchmarks.report import PAPER_CODE_MODEL, environment, set_threads
 from benchmarks.roofline import UnitBench, measure_unit_costs, roofline_rows, training_rows
 from benchmarks.rows import evaluate_row
 from benchmarks.suites import MODE_LABELS
@@ -52,6 +52,10 @@ from pipelines import common
 from pipelines.demo_assets import BENCH_RECIPE, DEMO_RECIPE
 from pipelines.encode.plan import EncodePlan
 from pipelines.encode.run import run as run_encode
+from retrieval_core import index as rindex
+from retrieval_core import index_choice, metrics, rerank
+from retrieval_core.index_choice import ivf_nlist
+from retrieval_core.model import VLRetrievalModel, quantize_model
 from retrieval_core.store import StagedDataset
 from retrieval_core.synthetic import SyntheticSpec, synthetic_collection
 
@@ -117,7 +121,6 @@ def ann_factory(kind: str, n: int, d: int = 384) -> str:
     codes = {"IVF-FLAT": "Flat", "IVF-SQ8": "SQ8", "IVF-PQ": f"PQ{max(1, d // 4)}x8"}
     if up not in codes:
         raise ValueError(f"ANN kind must be one of {ANN_KINDS}, got {kind!r}")
-    from retrieval_core.index_choice import ivf_nlist
 
     return f"IVF{ivf_nlist(n)},{codes[up]}"
 
@@ -164,8 +167,6 @@ class _Bench(UnitBench):
 def per_query_latency(b: _Bench, log) -> list[dict]:
     import torch
 
-    from retrieval_core import index as rindex
-    from retrieval_core import index_choice, metrics, rerank
 
     cfg, m = b.cfg, b.model
     rows: list[dict] = []
@@ -419,7 +420,6 @@ def plan_eval_setting(p, n: int, method: str, k: int, pairs: int):
 
 def measured_units(model_dir: str, lcfg: LatencyConfig) -> dict:
     """Seconds per image / caption encoded and per CE pair (batched, single), measured in-process now."""
-    from retrieval_core.model import VLRetrievalModel
 
     set_threads(lcfg.threads)
     return _bench(VLRetrievalModel.load(model_dir), lcfg, {}, lambda m: None).unit
@@ -492,7 +492,6 @@ def eval_time(b: _Bench, cfg, beam_args, log) -> tuple[list[dict], list]:
 # ------------------------------------------------------------------------------------------ helpers
 def flat_or_ann_index(factory: str, ids: np.ndarray, vectors: np.ndarray, seed: int = 0):
     """A one-shard inner-product index over ``vectors`` (the library calls pipelines.build_index makes)."""
-    from retrieval_core import index as rindex
 
     d = int(vectors.shape[1])
     sample = rindex.training_sample(ids, vectors, min(len(ids), 100_000), seed=seed) \
@@ -517,7 +516,6 @@ def sample_rates(model_dir: str, batch_size: int = 128, threads: Optional[int] =
     """Units per second measured in-process on a small synthetic sample: images and captions encoded, CE
     pairs scored (batched) by the model served as ``quantize`` - for estimates when no earlier run recorded
     them."""
-    from retrieval_core.model import VLRetrievalModel, quantize_model
 
     set_threads(threads)
     model = quantize_model(VLRetrievalModel.load(model_dir), quantize)
@@ -532,8 +530,6 @@ def sample_rates(model_dir: str, batch_size: int = 128, threads: Optional[int] =
 
 def run_latency(cfg, lcfg: LatencyConfig, beam_args: Sequence[str] = (), log=print) -> tuple[list[dict], list]:
     """All latency rows (per-query in-process; Table 4 through the pipeline jobs) for the JOIN model."""
-    from benchmarks.report import environment
-    from retrieval_core.model import VLRetrievalModel
 
     threads = set_threads(lcfg.threads)
     env = {**environment(cfg.device, lcfg.batch_size), "threads": threads}

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from retrieval_core.backbones import BACKBONES, backbone_path, is_backbone_name
+from retrieval_core.baseline import pooled_image_vectors
 from retrieval_core.checkpoints import (
     KIND_BASELINE,
     CheckpointError,
@@ -62,8 +63,6 @@ def lstsq_image_embedding(model: VLRetrievalModel, data: TrainData, ridge: float
     looking like the words that describe them. Ridge ``ridge * mean eigenvalue`` (the feature dimension
     exceeds the number of images in small sets). Returns the fit's R² on the training images.
     """
-    from retrieval_core.baseline import pooled_image_vectors
-
     img_pos = np.unique(data.image_pos)
     x = pooled_image_vectors(data.images.take(img_pos), model.cfg.max_regions)
     # float32, widened per caption: a float64 copy of multilingual-e5's 250k-row matrix would take 768 MB
