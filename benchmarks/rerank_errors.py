@@ -42,10 +42,14 @@ def category(spec: synthetic.SyntheticSpec, first: int, gold: int) -> str:
                                                                                       "other scene, no focus class")
 
 
-def first_places(run: LoadedRun, mode: str, k: Optional[int]) -> pd.DataFrame:
+def first_places(run: LoadedRun, mode: str, k: Optional[int], caption_image: Optional[dict] = None) -> pd.DataFrame:
     """Per query (direction, query_id): the rank-1 item, the gold item it is judged against (t2i: the caption's
     image; i2t: the query image itself, the rank-1 caption standing for its image), and the CE / BE margins of the
-    rank-1 item over the best-ranked gold item (NaN where the gold is outside the reranked top-k)."""
+    rank-1 item over the best-ranked gold item (NaN where the gold is outside the reranked top-k).
+    ``caption_image``: every ranked caption's image (the run's gold maps only its query captions when it ranked a
+    query selection; an i2t first place is any caption of the pool) [read from the staged folder]."""
+    if caption_image is None:
+        caption_image = run.dataset.gold()[0]
     table = run.ranked(k, mode, None).to_pandas()
     rows = []
     for (direction, qid), g in table.groupby(["direction", "query_id"], sort=True):
@@ -56,7 +60,7 @@ def first_places(run: LoadedRun, mode: str, k: Optional[int]) -> pd.DataFrame:
             first_image, gold_image = int(top["item_id"]), run.caption_to_image[int(qid)]
         else:
             gold_items = set(run.image_to_captions.get(int(qid), ()))
-            first_image, gold_image = run.caption_to_image.get(int(top["item_id"]), -1), int(qid)
+            first_image, gold_image = caption_image.get(int(top["item_id"]), -1), int(qid)
         gold_rows = g[g["item_id"].isin(gold_items)]
         best_gold = gold_rows.iloc[0] if len(gold_rows) else None
         rows.append({"direction": direction, "query_id": int(qid), "first_image": first_image,
@@ -72,9 +76,9 @@ def analyse(run: LoadedRun, spec: synthetic.SyntheticSpec, modes: tuple[str, ...
     (or improved) the first, what each put first."""
     index_of = dict(zip(run.dataset.images_meta(collection=spec.collection)["item_id"].astype(np.int64),
                         run.dataset.images_meta(collection=spec.collection)["source_id"].astype(int)))
-    places = {}
+    places, caption_image = {}, run.dataset.gold()[0]
     for mode in modes:
-        p = first_places(run, mode, k if mode != "emb" else None)
+        p = first_places(run, mode, k if mode != "emb" else None, caption_image)
         p["category"] = [category(spec, index_of[f], index_of[g]) if f in index_of else "not in the collection"
                          for f, g in zip(p["first_image"], p["gold_image"])]
         places[mode] = p
