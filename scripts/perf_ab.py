@@ -48,6 +48,12 @@ def _pairs(captions, images, n: int, seed: int = 0):
             [images.regions(int(p)) for p in rng.integers(0, len(images), n)])
 
 
+def _model_and_data(f):
+    """--backbone (a write-backbone folder) and --data (a prepare folder): every measuring command takes both."""
+    f = click.option("--data", required=True, help="A `prepare` folder.")(f)
+    return click.option("--backbone", required=True, help="A `benchmarks.roofline write-backbone` folder.")(f)
+
+
 @click.group()
 def main() -> None:
     """Side-by-side speed comparisons (module docstring)."""
@@ -70,8 +76,7 @@ def prepare(images, output) -> None:
 
 
 @main.command()
-@click.option("--backbone", required=True)
-@click.option("--data", required=True)
+@_model_and_data
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--steps", type=int, default=6, show_default=True)
 def rates(backbone, data, threads, steps) -> None:
@@ -113,8 +118,7 @@ def rates(backbone, data, threads, steps) -> None:
 
 @main.command()
 @click.option("--base", "base_dir", required=True, help="The older checkout (its retrieval_core goes on PYTHONPATH).")
-@click.option("--backbone", required=True)
-@click.option("--data", required=True)
+@_model_and_data
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--reps", type=int, default=3, show_default=True)
 def versions(base_dir, backbone, data, threads, reps) -> None:
@@ -142,8 +146,7 @@ def versions(base_dir, backbone, data, threads, reps) -> None:
 
 
 @main.command()
-@click.option("--backbone", required=True)
-@click.option("--data", required=True)
+@_model_and_data
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--reps", type=int, default=5, show_default=True)
 def variants(backbone, data, threads, reps) -> None:
@@ -194,8 +197,7 @@ def variants(backbone, data, threads, reps) -> None:
 
 
 @main.command()
-@click.option("--backbone", required=True)
-@click.option("--data", required=True)
+@_model_and_data
 @click.option("--threads", default="1,2", show_default=True, help="Thread counts to compare.")
 @click.option("--batch-sizes", default="32,64,128,256", show_default=True)
 @click.option("--reps", type=int, default=3, show_default=True)
