@@ -137,11 +137,12 @@ def _load_into(model: VLRetrievalModel, mapped: dict[str, torch.Tensor], allowed
 
 def from_text_backbone(path: str, feature_dim: int, keep_every_other_layer: bool = False, seed: int = 0,
                        max_text_len: int = DEFAULT_MAX_TEXT_TOKENS,
-                       max_regions: int = DEFAULT_MAX_REGIONS) -> VLRetrievalModel:
+                       max_regions: int = DEFAULT_MAX_REGIONS, ce_agreement: str = "none") -> VLRetrievalModel:
     """A new VLRetrievalModel whose BERT trunk comes from a plain HF BERT-family folder.
 
     ``keep_every_other_layer`` keeps layers 0, 2, 4, .. (the paper's "halved" model). The image projection
-    and the CE classifier are freshly initialised from ``seed``.
+    and the CE head are freshly initialised from ``seed``; ``ce_agreement``: the CE head's agreement term
+    (VLModelConfig.ce_agreement).
     """
     path = backbone_path(path)
     bert_config = BertConfig.from_pretrained(path)
@@ -149,8 +150,9 @@ def from_text_backbone(path: str, feature_dim: int, keep_every_other_layer: bool
     keep = list(range(0, n_layers, 2)) if keep_every_other_layer else list(range(n_layers))
     bert_config.num_hidden_layers = len(keep)
     cfg = VLModelConfig(feature_dim=int(feature_dim), max_text_len=max_text_len, max_regions=max_regions,
-                        provenance={"init": "text_backbone", "backbone": os.path.abspath(path),
-                                    "layers_kept": keep, "seed": seed})
+                        ce_agreement=ce_agreement,
+                        provenance={"init": "text_backbone", "backbone": os.path.abspath(path), "layers_kept": keep,
+                                    "seed": seed})
     with torch.random.fork_rng(devices=[]):  # seed the new layers without touching the caller's RNG
         torch.manual_seed(seed)
         model = VLRetrievalModel(bert_config, cfg, AutoTokenizer.from_pretrained(path))

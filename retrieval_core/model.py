@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
@@ -37,6 +38,15 @@ from retrieval_core.collate import Regions, TextCollator, TokenCounts, collate_i
 from retrieval_core.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS, SCHEMA_VERSION, ImageTable
 
 MODEL_JSON = "rr_model.json"
+#: Start of the CE agreement term's learned scale (VLModelConfig.ce_agreement): cosines of matching and random
+#: pairs differ by ~0.1 at the first CE step, a logit gap of ~1 at this scale.
+AGREEMENT_SCALE_INIT = 10.0
+
+#: The CE head's agreement terms (VLModelConfig.ce_agreement).
+CE_AGREEMENTS = ("none", "mean", "maxsim")
+#: The agreement term of a model built from a text backbone unless asked otherwise (docs/TRAINING.md).
+NEW_MODEL_CE_AGREEMENT = "maxsim"
+
 #: CE score keys: ``logit_diff`` = logit1 - logit0 (log-odds of a match), ``logit1`` = MMT-Retrieval's key.
 CE_SCORES = ("logit_diff", "logit1")
 WEIGHTS_FILE = "model.safetensors"
@@ -65,12 +75,21 @@ class VLModelConfig:
     # CE head on pooler(dense+tanh)([CLS]) (MMT input_key "pooled_cls_token_embeddings") or on raw [CLS].
     ce_pooler: bool = True
     ce_score: str = "logit_diff"  # one of CE_SCORES: what score_pairs returns
+    # The CE's match logit also adds s * agreement(caption states, region states) of the pair's single stream as it
+    # enters the last layer (s learned, log-parametrised): "maxsim" = the mean over caption tokens of their best
+    # cosine with a region (late interaction, FILIP / ColBERT style), "mean" = the cosine of the two mean states.
+    # A [CLS] head alone on a text-only backbone sat at chance for 60 to 190 CE steps depending on the seed; with the
+    # term it learns from the first CE step, and maxsim's token-to-region matching is the only head here that tells
+    # binding siblings apart above chance (docs/TRAINING.md). Converted OSCAR / MMT-Retrieval checkpoints: "none".
+    ce_agreement: str = "none"
     schema_version: str = SCHEMA_VERSION
     provenance: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.ce_score not in CE_SCORES:
             raise ValueError(f"ce_score must be one of {CE_SCORES}, got {self.ce_score!r}")
+        if self.ce_agreement not in CE_AGREEMENTS:
+            raise ValueError(f"ce_agreement must be one of {CE_AGREEMENTS}, got {self.ce_agreement!r}")
 
     @staticmethod
     def from_json(d: dict) -> "VLModelConfig":
@@ -95,6 +114,9 @@ class VLRetrievalModel(nn.Module):
         self.ce_pooler = nn.Linear(hidden, hidden) if cfg.ce_pooler else None
         self.ce_dropout = nn.Dropout(bert_config.hidden_dropout_prob)
         self.ce_classifier = nn.Linear(hidden, 2)
+        # shape (1,), not a scalar: the optimizer keeps 1-d weights out of weight decay
+        self.ce_agreement_log_scale = (nn.Parameter(torch.full((1,), math.log(AGREEMENT_SCALE_INIT)))
+                                       if cfg.ce_agreement != "none" else None)
         self._init_new_weights(bert_config.initializer_range)
         self.reset_token_counts()
 
@@ -168,10 +190,13 @@ class VLRetrievalModel(nn.Module):
             dtype = torch.get_autocast_dtype("cuda")  # SDPA wants the mask in the query's dtype
         return (1.0 - mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
 
-    def _encode(self, tokens: torch.Tensor, mask: torch.Tensor, head: str, cls_only: bool = False) -> torch.Tensor:
+    def _encode(self, tokens: torch.Tensor, mask: torch.Tensor, head: str, cls_only: bool = False,
+                entering_last: Optional[list] = None) -> torch.Tensor:
         """Runs the BERT layers over already-embedded (B, L, H) tokens and their 0/1 mask: the dense layers on the
         real tokens only (_packed_layer), counted under ``head`` (token_counts). Returns (B, L, H), padded
-        positions zero; ``cls_only``: the last layer computes the [CLS] output alone, (B, 1, H)."""
+        positions zero; ``cls_only``: the last layer computes the [CLS] output alone, (B, 1, H).
+        ``entering_last``: a list that receives the (B, L, H) states entering the last layer, padded positions
+        zero."""
         b, length, hidden = tokens.shape
         flat = mask.reshape(-1).bool()
         keep = None if bool(flat.all()) else flat.nonzero().squeeze(1)  # None: no padding to skip
@@ -181,6 +206,11 @@ class VLRetrievalModel(nn.Module):
         layers = self.bert.encoder.layer
         for layer in layers[:-1] if cls_only else layers:
             x = _packed_layer(layer, x, keep, (b, length), additive)
+        if entering_last is not None:
+            if not cls_only:
+                raise ValueError("entering_last is read on the CE's path (cls_only)")
+            entering_last.append(x.view(b, length, hidden) if keep is None else
+                                 x.new_zeros(b * length, hidden).index_copy(0, keep, x).view(b, length, hidden))
         if cls_only:  # [CLS] is every row's first position, a real token
             cls = torch.arange(b, device=x.device) * length
             cls = cls if keep is None else torch.searchsorted(keep, cls)
@@ -239,11 +269,44 @@ class VLRetrievalModel(nn.Module):
         return [tokens] + states
 
     def ce_logits(self, batch: dict) -> torch.Tensor:
-        """(B, 2) CE logits (class 1 = match) of a collate_pairs batch."""
-        cls = self._encode(*self._ce_input(batch), "ce", cls_only=True)[:, 0]
+        """(B, 2) CE logits (class 1 = match) of a collate_pairs batch: the classifier over the last layer's
+        [CLS], plus, with ``cfg.ce_agreement``, the agreement term on the match logit."""
+        tokens, mask = self._ce_input(batch)
+        entering: Optional[list] = [] if self.ce_agreement_log_scale is not None else None
+        cls = self._encode(tokens, mask, "ce", cls_only=True, entering_last=entering)[:, 0]
         if self.ce_pooler is not None:
             cls = torch.tanh(self.ce_pooler(cls))
-        return self.ce_classifier(self.ce_dropout(cls))
+        logits = self.ce_classifier(self.ce_dropout(cls))
+        if entering is None:
+            return logits
+        agreement = self.ce_agreement(entering[0], batch["attention_mask"], batch["img_mask"])
+        return logits + torch.stack([torch.zeros_like(agreement), agreement], 1).to(logits.dtype)
+
+    def add_ce_agreement(self, kind: str) -> None:
+        """Gives the CE head an agreement term (CE_AGREEMENTS) at its starting scale: a model folder built without
+        one, e.g. a converted checkpoint, fine-tuned with it."""
+        if kind not in CE_AGREEMENTS[1:] or self.ce_agreement_log_scale is not None:
+            raise ValueError(f"cannot add a {kind!r} agreement term to a CE head with {self.cfg.ce_agreement!r}")
+        self.cfg.ce_agreement = kind
+        self.ce_agreement_log_scale = nn.Parameter(
+                torch.full((1,), math.log(AGREEMENT_SCALE_INIT), device=self.ce_classifier.weight.device))
+
+    def ce_agreement(self, states: torch.Tensor, text_mask: torch.Tensor, img_mask: torch.Tensor) -> torch.Tensor:
+        """(B,) s * agreement of (B, T + R, H) pair states (caption positions first, as _ce_input lays them out),
+        in float32: "mean": cos(mean caption state, mean region state); "maxsim": the mean over caption tokens of
+        their best cosine with a real region."""
+        text_len = text_mask.shape[1]
+        if self.cfg.ce_agreement == "mean":
+            text = self._mean_pool(states[:, :text_len], text_mask)
+            regions = self._mean_pool(states[:, text_len:], img_mask)
+            agreement = (text * regions).sum(-1)
+        else:
+            text = nn.functional.normalize(states[:, :text_len].float(), dim=-1)
+            regions = nn.functional.normalize(states[:, text_len:].float(), dim=-1)
+            sim = torch.einsum("btd,brd->btr", text, regions).masked_fill(~img_mask.bool()[:, None, :], -2.0)
+            m = text_mask.to(torch.float32)
+            agreement = (sim.amax(-1) * m).sum(1) / m.sum(1).clamp(min=1.0)
+        return self.ce_agreement_log_scale.float().exp() * agreement
 
     def score_pairs(self, batch: dict) -> torch.Tensor:
         """(B,) CE scores under ``cfg.ce_score``: match log-odds (sigmoid(score) = P(match)) or MMT's logit1."""

@@ -20,7 +20,8 @@ from retrieval_core.model import VLRetrievalModel
 from retrieval_core.train_data import TrainData
 
 
-def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int) -> VLRetrievalModel:
+def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int,
+                ce_agreement: str = "none") -> VLRetrievalModel:
     """A named backbone (``backbones``: minilm, multilingual-e5-small / e5), a plain HF BERT folder, or any
     retrieval model folder ``checkpoints.load_model_folder`` knows (ours, MMT-Retrieval, OSCAR: continue
     fine-tuning; a head it lacks starts fresh and is trained here)."""
@@ -48,7 +49,8 @@ def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int
                              f"modules.json, OSCAR config.json) nor a HF BERT folder (config.json)")
     path = backbone_path(base_model)
     try:
-        return from_text_backbone(path, feature_dim, keep_every_other_layer=halve_layers, seed=seed)
+        return from_text_backbone(path, feature_dim, keep_every_other_layer=halve_layers, seed=seed,
+                                  ce_agreement=ce_agreement)
     except (OSError, KeyError) as exc:  # transformers' "not a valid model identifier", missing weights...
         raise ValueError(f"base model {path!r} cannot be loaded as a BERT folder: "
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None

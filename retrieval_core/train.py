@@ -52,7 +52,7 @@ from retrieval_core.losses import (
     infonce_loss,
     sample_ce_groups,
 )
-from retrieval_core.model import VLRetrievalModel, _autocast, model_flops
+from retrieval_core.model import CE_AGREEMENTS, NEW_MODEL_CE_AGREEMENT, VLRetrievalModel, _autocast, model_flops
 from retrieval_core.model_init import build_model, lstsq_image_embedding
 from retrieval_core.store import StagedDataset
 from retrieval_core.train_data import TrainData, feature_neighbours, load_split, mine_be_negatives
@@ -555,6 +555,12 @@ class TrainPlan:
     halve_layers: bool = option(False, help="Keep every other backbone layer (0, 2, 4, ..).")
     max_regions: Optional[int] = option(None, type=int, help="Regions per image the model uses (kept with the "
                                                              "model; fewer = faster on CPU).")
+    ce_agreement: Optional[str] = option(
+        None, type=click.Choice(CE_AGREEMENTS, case_sensitive=False),
+        help="The CE's match logit also adds a learned multiple of the agreement of the pair's caption and region "
+             "states entering the last layer: mean = cosine of their means, maxsim = caption tokens' best cosine "
+             "with a region, averaged; none = the [CLS] classifier alone (added to a model folder that has none) "
+             f"[a model built from a text backbone: {NEW_MODEL_CE_AGREEMENT}; a model folder keeps its own]")
     max_train_captions: Optional[int] = option(None, type=int,
                                                help="Train on a seeded random subset of this many captions.")
     train_split: str = option("train")
@@ -582,7 +588,15 @@ def run(plan: TrainPlan) -> dict:
         dev = load_split(staged, plan.dev_split, languages=plan.languages)
     else:
         click.echo(f"note: no captions in split {plan.dev_split!r}: no dev evaluation, best = last", err=True)
-    model = build_model(plan.base_model, staged.feature_dim, plan.halve_layers, cfg.seed)
+    model = build_model(plan.base_model, staged.feature_dim, plan.halve_layers, cfg.seed,
+                        plan.ce_agreement or NEW_MODEL_CE_AGREEMENT)
+    if plan.ce_agreement is not None and model.cfg.ce_agreement != plan.ce_agreement:
+        if model.cfg.ce_agreement != "none":  # dropping a trained term would silently change what the CE computes
+            raise ValueError(f"base model {plan.base_model!r} has the {model.cfg.ce_agreement!r} CE agreement term: "
+                             f"continue with --ce-agreement {model.cfg.ce_agreement}")
+        click.echo(f"note: {plan.base_model} has no CE agreement term: {plan.ce_agreement!r} starts at its initial "
+                   f"scale", err=True)
+        model.add_ce_agreement(plan.ce_agreement)
     if plan.base_model in E5_NAMES and not cfg.freeze_word_embeddings:
         click.echo("note: multilingual-e5-small's 96M word-embedding weights train too (+1.5 GB memory, slower "
                    "steps, and rows of the training language drift from the other languages'); "

@@ -103,6 +103,53 @@ def test_ce_layer_states_are_the_states_ce_logits_reads(model, data):
     assert not any(layer._forward_hooks for layer in model.bert.encoder.layer)  # hooks removed
 
 
+@pytest.mark.parametrize("kind", ["mean", "maxsim"])
+def test_ce_agreement_adds_its_scaled_term_of_the_states_entering_the_last_layer(model, data, tmp_path, kind):
+    """With an agreement term the match logit gains s * agreement of the states entering the last layer
+    (ce_layer_states[-2]), computed by hand here - mean: cos(mean caption state, mean region state); maxsim: the
+    mean over caption tokens of their best cosine with a real region; the [CLS] logits stay the CE's own, and
+    save/load keeps the term and its scale."""
+    captions, images = data
+    agreeing = VLRetrievalModel(model.bert.config, VLModelConfig(**{**model.cfg.__dict__, "ce_agreement": kind}),
+                                model.tokenizer)
+    missing, unexpected = agreeing.load_state_dict(model.state_dict(), strict=False)
+    assert missing == ["ce_agreement_log_scale"] and not unexpected
+    with torch.no_grad():
+        agreeing.ce_agreement_log_scale.fill_(np.log(3.0))
+    agreeing.eval()
+    model.eval()
+    texts = captions["text"].tolist()[:6]
+    regions = [images.regions(i) for i in (0, 5, 1, 3, 2, 2)]
+    batch = collate_pairs(model.text_collator(), texts, regions)
+    entering = agreeing.ce_layer_states(batch)[-2].double()
+    n_text = batch["input_ids"].shape[1]
+    by_hand = []
+    for row in range(len(texts)):
+        t = entering[row, :n_text][batch["attention_mask"][row].bool()]
+        r = entering[row, n_text:][batch["img_mask"][row].bool()]
+        assert len(r) == min(len(regions[row][0]), model.cfg.max_regions)
+        if kind == "mean":
+            by_hand.append(torch.nn.functional.cosine_similarity(t.mean(0), r.mean(0), dim=0))
+        else:
+            cos = torch.nn.functional.normalize(t, dim=-1) @ torch.nn.functional.normalize(r, dim=-1).T
+            by_hand.append(cos.max(1).values.mean())
+    by_hand = 3.0 * torch.stack(by_hand)
+    with torch.no_grad():
+        plain, agreed = model.ce_logits(batch), agreeing.ce_logits(batch)
+    torch.testing.assert_close(agreed[:, 0], plain[:, 0])
+    torch.testing.assert_close((agreed[:, 1] - plain[:, 1]).double(), by_hand, atol=1e-5, rtol=1e-5)
+    assert by_hand.std() > 0  # the pairs differ: the test would see a term that ignored its input
+    agreeing.save(str(tmp_path / "a"))
+    again = VLRetrievalModel.load(str(tmp_path / "a"))
+    assert again.cfg.ce_agreement == kind
+    assert float(again.ce_agreement_log_scale.detach()) == pytest.approx(np.log(3.0))
+    with torch.no_grad():
+        torch.testing.assert_close(again.ce_logits(batch), agreed)
+    assert VLModelConfig.from_json({"feature_dim": F}).ce_agreement == "none"  # folders written before it: none
+    with pytest.raises(ValueError, match="ce_agreement must be one of"):
+        VLModelConfig(feature_dim=F, ce_agreement="max")
+
+
 def _outputs(m, data):
     captions, images = data
     texts = captions["text"].tolist()

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from retrieval_core.dev_eval import evaluate
-from retrieval_core.model import VLRetrievalModel
+from retrieval_core.model import NEW_MODEL_CE_AGREEMENT, VLRetrievalModel
 from retrieval_core.train import TrainConfig, Trainer, main
 from retrieval_core.train_data import TrainData
 from tests.helpers_model import make_tiny_dataset, split_dataset, tiny_model
@@ -134,23 +134,32 @@ def test_infonce_be_training_runs_and_learns(tmp_path, data):
     assert result["best_eval"]["mR"] > chance_mr(20, 2) + 5
 
 
-def test_resume_gives_identical_weights(tmp_path, data):
+@pytest.mark.parametrize("agreement", [False, True], ids=["cls-head", "ce-agreement"])
+def test_resume_gives_identical_weights(tmp_path, data, agreement):
     train, dev = data
     cfg = TrainConfig(objective="joint", steps=8, batch_size=8, lr=1e-3, eval_every=3, checkpoint_every=100,
                       progress=False)
-    straight = Trainer(tiny_model(str(tmp_path / "a"), feature_dim=F), train, cfg, str(tmp_path / "straight"), dev)
+
+    def fresh(folder, seed=0):
+        model = tiny_model(str(tmp_path / folder), feature_dim=F, seed=seed)
+        if agreement:
+            model.add_ce_agreement("mean")
+        return model
+
+    straight = Trainer(fresh("a"), train, cfg, str(tmp_path / "straight"), dev)
     straight.train()
 
-    first = Trainer(tiny_model(str(tmp_path / "b"), feature_dim=F), train, cfg, str(tmp_path / "resumed"), dev)
+    first = Trainer(fresh("b"), train, cfg, str(tmp_path / "resumed"), dev)
     first.train(stop_at=4)  # an interrupted job: last/ holds step 4
     assert json.load(open(tmp_path / "resumed" / "last" / "trainer_state.json"))["step"] == 4
     # a new process would start from the base model again; resume must replace it entirely
-    second = Trainer(tiny_model(str(tmp_path / "c"), feature_dim=F, seed=5), train, cfg, str(tmp_path / "resumed"), dev)
+    second = Trainer(fresh("c", seed=5), train, cfg, str(tmp_path / "resumed"), dev)
     second.train(resume=True)
 
     a = load_file(str(tmp_path / "straight" / "last" / "model.safetensors"))
     b = load_file(str(tmp_path / "resumed" / "last" / "model.safetensors"))
     assert a.keys() == b.keys()
+    assert ("ce_agreement_log_scale" in a) == agreement
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert straight.best_metric == second.best_metric
@@ -196,11 +205,45 @@ def test_cli_trains_from_a_staged_dir_and_continues_a_model(tmp_path, cli_inputs
     assert "best model:" in res.stdout and "dev mR" in res.stdout
     model = VLRetrievalModel.load(str(tmp_path / "run" / "best"))
     assert model.cfg.provenance["train_captions"] == 30
-    # continue fine-tuning the trained model (an existing VLRetrievalModel folder as --base-model)
+    assert model.cfg.ce_agreement == NEW_MODEL_CE_AGREEMENT  # a new model's CE head, unless asked otherwise
+    # continue fine-tuning the trained model (an existing VLRetrievalModel folder as --base-model): its own head
     args2 = ["--staged", staged, "--objective", "ce", "--base-model", str(tmp_path / "run" / "best"), "--steps", "3",
              "--batch-size", "8", "--output", str(tmp_path / "run2"), "--dev-split", "test", "--no-progress"]
     assert CliRunner().invoke(main, args2, catch_exceptions=False).exit_code == 0
     assert os.path.isdir(tmp_path / "run2" / "last")
+    assert VLRetrievalModel.load(str(tmp_path / "run2" / "last")).cfg.ce_agreement == NEW_MODEL_CE_AGREEMENT
+
+
+def test_cli_ce_agreement_is_built_trained_kept_and_never_dropped(tmp_path, cli_inputs):
+    """--ce-agreement builds the CE head's agreement term and a joint run trains its scale; a model folder keeps its
+    own term unless asked, gets one it lacks (with a note), and another or none in place of its own is refused in
+    one line."""
+    from retrieval_core.model import AGREEMENT_SCALE_INIT
+
+    staged, base = cli_inputs
+    common = ["--staged", staged, "--steps", "4", "--batch-size", "8", "--lr", "1e-3", "--dev-split", "test",
+              "--no-progress", "--max-train-captions", "30"]
+    res = CliRunner().invoke(main, [*common, "--base-model", base, "--ce-agreement", "maxsim", "--output",
+                                    str(tmp_path / "a")], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    trained = VLRetrievalModel.load(str(tmp_path / "a" / "last"))
+    assert trained.cfg.ce_agreement == "maxsim"
+    assert float(trained.ce_agreement_log_scale.detach()) != pytest.approx(np.log(AGREEMENT_SCALE_INIT), abs=1e-6)
+    for other in ("none", "mean"):
+        res = CliRunner().invoke(main, [*common, "--objective", "ce", "--base-model", str(tmp_path / "a" / "last"),
+                                        "--ce-agreement", other, "--output", str(tmp_path / "b")])
+        assert res.exit_code == 1 and "has the 'maxsim' CE agreement term: continue with --ce-agreement maxsim" in \
+            res.output
+    res = CliRunner().invoke(main, [*common, "--objective", "ce", "--base-model", str(tmp_path / "a" / "last"),
+                                    "--output", str(tmp_path / "b")], catch_exceptions=False)
+    assert res.exit_code == 0 and VLRetrievalModel.load(str(tmp_path / "b" / "last")).cfg.ce_agreement == "maxsim"
+    res = CliRunner().invoke(main, [*common, "--base-model", base, "--ce-agreement", "none", "--output",
+                                    str(tmp_path / "c")])
+    assert res.exit_code == 0 and VLRetrievalModel.load(str(tmp_path / "c" / "last")).cfg.ce_agreement == "none"
+    res = CliRunner().invoke(main, [*common, "--objective", "ce", "--base-model", str(tmp_path / "c" / "last"),
+                                    "--ce-agreement", "mean", "--output", str(tmp_path / "d")], catch_exceptions=False)
+    assert res.exit_code == 0 and "has no CE agreement term" in res.output
+    assert VLRetrievalModel.load(str(tmp_path / "d" / "last")).cfg.ce_agreement == "mean"
 
 
 def test_cli_with_the_demo_flags_trains_exactly_what_the_library_trains(tmp_path, cli_inputs):
@@ -220,7 +263,7 @@ def test_cli_with_the_demo_flags_trains_exactly_what_the_library_trains(tmp_path
                       length_chunk_rows=4, freeze_word_embeddings=True, steps=8, batch_size=8, lr=1e-4, eval_every=4,
                       checkpoint_every=2, seed=3, progress=False)
     plan = TrainPlan(staged=staged, output=str(tmp_path / "cli"), config=cfg, base_model=base, halve_layers=True,
-                     max_regions=3, dev_split="test", threads=1)
+                     max_regions=3, dev_split="test", threads=1, ce_agreement="maxsim")
     args = to_argv(plan)
     assert "--no-progress" in args and "--objective" not in args  # the default objective is not written
     assert plan_from_cli(TrainPlan, main.make_context("train", list(args)).params) == plan  # the round trip
@@ -232,7 +275,7 @@ def test_cli_with_the_demo_flags_trains_exactly_what_the_library_trains(tmp_path
         to_argv(dataclasses.replace(plan, config=dataclasses.replace(cfg, temperature=0.1)))
 
     ds = StagedDataset(staged)
-    model = from_text_backbone(base, ds.feature_dim, keep_every_other_layer=True, seed=3)
+    model = from_text_backbone(base, ds.feature_dim, keep_every_other_layer=True, seed=3, ce_agreement="maxsim")
     model.cfg.max_regions = 3
     Trainer(model, load_split(ds, "train", seed=3), cfg, str(tmp_path / "lib"), load_split(ds, "test")).train()
     for name in ("best/model.safetensors", "last/model.safetensors", "last/trainer_state.safetensors"):
