@@ -90,6 +90,10 @@ class ModelSet:
 #   +1.0 / +3.4, seed 2 -5.5 / -4.6 -> +3.8 / +5.2; CO mR 82.5 / 79.6 / 77.1 -> 82.8 / 81.5 / 82.0. Three
 #   minings cost ~30 s of the ~260 s training (AMD EPYC, 225 GFLOP/s fp32 GEMM). A cheaper CE (8 captions per
 #   CE step instead of 16: training 167 s) lost the lift (seed 0: -1.3 / -4.4);
+# - the CE head's late-interaction term (Recipe.ce_agreement = "maxsim"): with the [CLS] classifier alone the CE
+#   loss sat at chance until a seed-dependent step (98-233) and CO minus EMB (test t2i R@1) ranged -33.0 to -1.6
+#   over five seeds; with it the CE learns from its first step and the default lifts R@1 in both directions for all
+#   five seeds (docs/RESULTS.md, "The CE head: five seeds");
 # - 12 regions per image (stored most-confident first: the object detections, little clutter);
 # - captions and CE pairs go through the model in length-sorted chunks of 16 rows, each padded to its own longest
 #   caption (a batch pads its 20-token average caption to ~30): the 340 steps take 214 s instead of 259 s (same
