@@ -289,7 +289,7 @@ class VLRetrievalModel(nn.Module):
             raise ValueError(f"cannot add a {kind!r} agreement term to a CE head with {self.cfg.ce_agreement!r}")
         self.cfg.ce_agreement = kind
         self.ce_agreement_log_scale = nn.Parameter(
-                torch.full((1,), math.log(AGREEMENT_SCALE_INIT), device=self.ce_classifier.weight.device))
+            torch.full((1,), math.log(AGREEMENT_SCALE_INIT), device=self.ce_classifier.weight.device))
 
     def ce_agreement(self, states: torch.Tensor, text_mask: torch.Tensor, img_mask: torch.Tensor) -> torch.Tensor:
         """(B,) s * agreement of (B, T + R, H) pair states (caption positions first, as _ce_input lays them out),
@@ -303,6 +303,7 @@ class VLRetrievalModel(nn.Module):
         else:
             text = nn.functional.normalize(states[:, :text_len].float(), dim=-1)
             regions = nn.functional.normalize(states[:, text_len:].float(), dim=-1)
+            # below any cosine: a padded region is never a token's best match
             sim = torch.einsum("btd,brd->btr", text, regions).masked_fill(~img_mask.bool()[:, None, :], -2.0)
             m = text_mask.to(torch.float32)
             agreement = (sim.amax(-1) * m).sum(1) / m.sum(1).clamp(min=1.0)
