@@ -114,9 +114,7 @@ class VLRetrievalModel(nn.Module):
         self.ce_pooler = nn.Linear(hidden, hidden) if cfg.ce_pooler else None
         self.ce_dropout = nn.Dropout(bert_config.hidden_dropout_prob)
         self.ce_classifier = nn.Linear(hidden, 2)
-        # shape (1,), not a scalar: the optimizer keeps 1-d weights out of weight decay
-        self.ce_agreement_log_scale = (nn.Parameter(torch.full((1,), math.log(AGREEMENT_SCALE_INIT)))
-                                       if cfg.ce_agreement != "none" else None)
+        self.ce_agreement_log_scale = _agreement_scale() if cfg.ce_agreement != "none" else None
         self._init_new_weights(bert_config.initializer_range)
         self.reset_token_counts()
 
@@ -288,8 +286,7 @@ class VLRetrievalModel(nn.Module):
         if kind not in CE_AGREEMENTS[1:] or self.ce_agreement_log_scale is not None:
             raise ValueError(f"cannot add a {kind!r} agreement term to a CE head with {self.cfg.ce_agreement!r}")
         self.cfg.ce_agreement = kind
-        self.ce_agreement_log_scale = nn.Parameter(
-            torch.full((1,), math.log(AGREEMENT_SCALE_INIT), device=self.ce_classifier.weight.device))
+        self.ce_agreement_log_scale = _agreement_scale(self.ce_classifier.weight.device)
 
     def ce_agreement(self, states: torch.Tensor, text_mask: torch.Tensor, img_mask: torch.Tensor) -> torch.Tensor:
         """(B,) s * agreement of (B, T + R, H) pair states (caption positions first, as _ce_input lays them out),
@@ -401,6 +398,12 @@ class VLRetrievalModel(nn.Module):
         state = load_file(os.path.join(directory, WEIGHTS_FILE))
         model.load_state_dict(state, strict=True)
         return model.to(device).eval()
+
+
+def _agreement_scale(device: Optional[torch.device] = None) -> nn.Parameter:
+    """The agreement term's log scale at its start. Shape (1,), not a scalar: the optimizer keeps 1-d weights out
+    of weight decay."""
+    return nn.Parameter(torch.full((1,), math.log(AGREEMENT_SCALE_INIT), device=device))
 
 
 def _packed_layer(layer: nn.Module, x: torch.Tensor, keep: Optional[torch.Tensor], shape: tuple[int, int],
