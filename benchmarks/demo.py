@@ -27,8 +27,8 @@ import pandas as pd
 from benchmarks.evaluate import csv_rows, evaluate_ranking
 from pipelines import demo_assets, launch
 from pipelines.common import BEAM_CLI_CONTEXT, check_beam_flags
-from retrieval_core.runs import read_run_manifest
-from retrieval_core.stats import Bootstrap, verdict
+from retrieval_core.evaluation.runs import read_run_manifest
+from retrieval_core.evaluation.stats import Bootstrap, verdict
 
 launch.preload("benchmarks.queries", "benchmarks.evaluate", "benchmarks.inspect")  # the demo's own steps
 

@@ -9,7 +9,7 @@ rankings_manifest.json are read, checksum-verified. The run, --staged and --outp
 are read and written through Beam FileSystems (pipelines.common). Score once, evaluate many: the run stores,
 per query, its BE top-n with be_rank, be_score and (CE modes) the CE scores of its BE top-k, so ``--k`` (any
 k' <= the run's k), ``--mode`` (emb, co, add, norm_add; ce for an exhaustive run) and ``--lam`` re-rank the
-stored rows (``retrieval_core.rerank.derive_rankings``) exactly as a run with those settings would have; each
+stored rows (``retrieval_core.search.rerank.derive_rankings``) exactly as a run with those settings would have; each
 defaults to the run's own (rankings_manifest.json). CE modes on an EMB run, k' > k, and runs written before be_rank
 existed are refused in one line.
 
@@ -27,7 +27,7 @@ Outputs in ``--output``:
                 CLIP_benchmark, recalls there are fractions in [0, 1], rounded to 4 decimals.
                 image_retrieval = text->image, text_retrieval = image->text.
 
-Confidence intervals (retrieval_core.stats, docs/STATISTICS.md): every recall and mR gets its 95 % bootstrap
+Confidence intervals (retrieval_core.evaluation.stats, docs/STATISTICS.md): every recall and mR gets its 95 % bootstrap
 percentile interval (``--bootstrap`` resamples of the queries, ``--seed``): CSV columns ``R@<k>_lo``,
 ``R@<k>_hi``, ``mR_lo``, ``mR_hi``; the JSON's ``intervals`` (percent). ``--against-mode MODE`` (and/or
 ``--against RUN``, a run ranking the same queries) adds the paired difference of this ranking minus that one:
@@ -47,10 +47,9 @@ import pandas as pd
 
 from pipelines.common import BEAM_FILES, exists, join, makedirs, read_bytes, write_atomic, write_json_atomic
 from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
-from retrieval_core.metrics import DEFAULT_KS, DIRECTIONS
-from retrieval_core.rerank import RUN_MODES
-from retrieval_core.runs import LoadedRun, RunError, mode_label
-from retrieval_core.stats import (
+from retrieval_core.evaluation.metrics import DEFAULT_KS, DIRECTIONS
+from retrieval_core.evaluation.runs import LoadedRun, RunError, mode_label
+from retrieval_core.evaluation.stats import (
     DEFAULT_RESAMPLES,
     DEFAULT_SEED,
     MIN_RESAMPLES,
@@ -59,6 +58,7 @@ from retrieval_core.stats import (
     difference_intervals,
     interval_columns,
 )
+from retrieval_core.search.rerank import RUN_MODES
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
         [--ce-model DIR] --split test --output results/ [--device cpu|cuda] [--threads N]
 
 Every caption of the split (or a seeded sample, ``--max-captions``) is scored against each member of its
-image's family (retrieval_core.synthetic: a base scene and siblings that differ from it in one way) by the
+image's family (the synthetic generator: a base scene and siblings that differ from it in one way) by the
 bi-encoder (cosine of the embeddings) and by the cross-encoder. Two tables, written to
 ``family_probe.csv`` and printed:
 
@@ -34,11 +34,11 @@ import click
 import numpy as np
 import pandas as pd
 
-from retrieval_core import synthetic
 from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, device_flag, threads_flag
-from retrieval_core.manifest import load_manifest
-from retrieval_core.model import VLRetrievalModel
-from retrieval_core.store import StagedDataset
+from retrieval_core.data.manifest import load_manifest
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.data.synthetic import generator as synthetic
+from retrieval_core.model.network import VLRetrievalModel
 
 
 def _difference(a: dict, b: dict) -> str:

@@ -3,16 +3,16 @@
     python -m benchmarks.inspect --rankings RUN_A [--mode co] [--against RUN_B] [--against-mode emb] \\
         --staged STAGED --output report.html [--images DIR] [--manifest NAME|PATH]
 
-``--rankings`` / ``--against`` are pipelines.rerank runs (read and checksum-verified by retrieval_core.runs);
+``--rankings`` / ``--against`` are pipelines.rerank runs (read and checksum-verified by retrieval_core.evaluation.runs);
 each side is re-derived for its ``--mode``/``--k``/``--lam`` from the stored scores
-(``retrieval_core.rerank.derive_rankings``), so "EMB vs JOIN+CO" needs the one CO run: ``--against``
+(``retrieval_core.search.rerank.derive_rankings``), so "EMB vs JOIN+CO" needs the one CO run: ``--against``
 defaults to the same run, ``--mode`` to A's own mode and ``--against-mode`` to emb.
 
 The page holds, per direction: a summary (R@1 of both sides; queries improved = A has the gold at rank 1 and
 B does not, hurt = the other way round, unchanged = the rest), then the queries whose gold moved most, in three
 groups (improved, hurt, gold rank changed otherwise): the query (caption text, or the query image), its gold
 item(s) and both top lists with BE rank, BE score, CE score and the gold marked. Images are shown by their
-scene description where the collection is synthetic (``retrieval_core.synthetic.describe_scene`` from the
+scene description where the collection is synthetic (``retrieval_core.data.synthetic.generator.describe_scene`` from the
 manifest recorded in the staged summary, or ``--manifest``) and by a thumbnail where ``--images DIR`` holds a
 file named after the image's source id (``DIR/<source_id>.<ext>``, subfolders allowed: ``DIR/a/b.jpg`` is
 source id ``a/b``). Everything is inline (CSS, base64 thumbnails): the page opens anywhere, offline.
@@ -34,13 +34,13 @@ import numpy as np
 import pandas as pd
 
 from pipelines.common import BEAM_FILES, write_atomic
-from retrieval_core import schema
 from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
-from retrieval_core.manifest import load_manifest
-from retrieval_core.metrics import DIRECTIONS, check_queries
-from retrieval_core.rerank import RUN_MODES
-from retrieval_core.runs import LoadedRun, RunError
-from retrieval_core.synthetic import describe_scene
+from retrieval_core.data import schema
+from retrieval_core.data.manifest import load_manifest
+from retrieval_core.data.synthetic.generator import describe_scene
+from retrieval_core.evaluation.metrics import DIRECTIONS, check_queries
+from retrieval_core.evaluation.runs import LoadedRun, RunError
+from retrieval_core.search.rerank import RUN_MODES
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Side:
 def load_side(run: str, staged: str, mode: Optional[str] = None, k: Optional[int] = None,
               lam: Optional[float] = None) -> Side:
     """A run's rankings as ranked by ``mode``/``k``/``lam`` (each default: the run's own), verified and
-    re-derived from its stored scores (retrieval_core.runs)."""
+    re-derived from its stored scores (retrieval_core.evaluation.runs)."""
     loaded = LoadedRun.read(run, staged, files=BEAM_FILES)
     k, mode, lam = loaded.resolve(k, mode, lam)
     rows = loaded.ranked(k, mode, lam).to_pandas()

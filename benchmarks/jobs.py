@@ -35,7 +35,7 @@ from pipelines.encode.plan import EncodePlan
 from pipelines.rerank.plan import RerankPlan
 from pipelines.stage.plan import StagePlan
 from retrieval_core.cli import to_argv
-from retrieval_core.paths import local_sha256
+from retrieval_core.data.paths import local_sha256
 
 #: What a job's work is measured in, for cost estimates (``UnitCosts``).
 UNITS = ("stage_records", "images_encoded", "captions_encoded", "ce_pairs")

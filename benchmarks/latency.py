@@ -6,7 +6,7 @@ synthetic images, each replicated with Gaussian jitter and renormalised, so the 
 cluster structure (pure random unit vectors would make every ANN index look useless) and every item maps
 to a real image whose regions the CE scores. Methods:
   EMB-Flat   query encode + exact FAISS inner-product top-10
-  EMB-Exact  query encode + retrieval_core.metrics.exact_topk (the project's exact search, kernel by batch)
+  EMB-Exact  query encode + retrieval_core.search.exact.exact_topk (the project's exact search, kernel by batch)
   EMB-bound  the memory-bandwidth bound of one exact scan: collection bytes / read bandwidth measured in the
              same run over the same array (read_bandwidth)
   EMB-<ANN>  query encode + IVF-Flat / IVF-SQ8 / HNSW32 top-10, nprobe / efSearch the smallest of
@@ -52,12 +52,12 @@ from pipelines import common
 from pipelines.demo_assets import BENCH_RECIPE, DEMO_RECIPE
 from pipelines.encode.plan import EncodePlan
 from pipelines.encode.run import run as run_encode
-from retrieval_core import index as rindex
-from retrieval_core import index_choice, metrics, rerank
-from retrieval_core.index_choice import ivf_nlist
-from retrieval_core.model import VLRetrievalModel, quantize_model
-from retrieval_core.store import StagedDataset
-from retrieval_core.synthetic import SyntheticSpec, synthetic_collection
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.data.synthetic.generator import SyntheticSpec, synthetic_collection
+from retrieval_core.model.network import VLRetrievalModel, quantize_model
+from retrieval_core.search import exact, index_choice, rerank
+from retrieval_core.search import index as rindex
+from retrieval_core.search.index_choice import ivf_nlist
 
 EVAL_CAPTIONS_PER_IMAGE = 5
 
@@ -192,7 +192,7 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
         t0 = time.perf_counter()
         flat = flat_or_ann_index("Flat", ids, items)
         flat_build = time.perf_counter() - t0
-        _, exact_i = metrics.exact_topk(recall_q, items, ids, 10)
+        _, exact_i = exact.exact_topk(recall_q, items, ids, 10)
         items_t = torch.from_numpy(items)
 
         def emb_flat(i, k=10):
@@ -209,17 +209,17 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
 
         s_torch = searched(lambda q: torch.topk(torch.mm(torch.from_numpy(q), items_t.T), 10, dim=1))
         s_flat = searched(lambda q: flat.search(q, 10))
-        s_exact = searched(lambda q: metrics.exact_topk(q, items, ids, 10))
+        s_exact = searched(lambda q: exact.exact_topk(q, items, ids, 10))
         search_cols = dict(bound_ms=bound_ms)
         paper_emb_t = _timed(paper_emb, max(cfg.paper_reps, 3), 1)
         t_flat = _timed(emb_flat, cfg.reps, cfg.warmup)
         rows.append(b.row(mode="EMB-Flat", k=10, **_percentiles(t_flat), index_s=flat_build, search_p50_ms=s_flat,
                          speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_flat), notes=note,
                          **search_cols, **common))
-        t_ex = _timed(lambda i: metrics.exact_topk(enc(i), items, ids, 10), cfg.reps, cfg.warmup)
+        t_ex = _timed(lambda i: exact.exact_topk(enc(i), items, ids, 10), cfg.reps, cfg.warmup)
         rows.append(b.row(mode="EMB-Exact", k=10, **_percentiles(t_ex), search_p50_ms=s_exact, **search_cols,
                          speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_ex), **common,
-                         notes=f"{note}; retrieval_core.metrics.exact_topk (one query: the chunked scan kernel, "
+                         notes=f"{note}; retrieval_core.search.exact.exact_topk (one query: the chunked scan kernel, "
                                f"torch.mm + top-k per cache-sized chunk); "
                                f"search alone {s_exact / bound_ms:.2f}x the bound; {bw_note}"))
         rows.append(b.row(mode="EMB-bound", k=10, latency_p50_ms=bound_ms, latency_p95_ms=bound_ms,

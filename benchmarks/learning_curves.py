@@ -3,7 +3,7 @@
     python -m benchmarks.learning_curves --run join=runs/join [--run sep_ce=runs/sep_ce] [--window 20] \\
         [--staged runs/staged_demo --manifest demo --split dev --max-captions 500] --output results/curves
 
-Per run (a ``retrieval_core.train`` output folder):
+Per run (a ``retrieval_core.training.train`` output folder):
 
 * from its ``train_log.jsonl``: each objective's loss as the mean over windows of ``--window`` steps (one
   step's loss is one batch: noisy), the BE's R@1 at every mining of CE negatives, and every dev evaluation (mR,
@@ -30,10 +30,10 @@ from benchmarks.family_probe import probe
 from benchmarks.report import _pyplot
 from pipelines.common import write_atomic
 from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, device_flag, threads_flag
-from retrieval_core.manifest import load_manifest
-from retrieval_core.model import VLRetrievalModel
-from retrieval_core.store import StagedDataset
-from retrieval_core.train import LOG_FILE, kept_checkpoints
+from retrieval_core.data.manifest import load_manifest
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.model.network import VLRetrievalModel
+from retrieval_core.training.train import LOG_FILE, kept_checkpoints
 
 DEV_SERIES = ("mR", "t2i_R@1", "i2t_R@1", "ce_pair_acc", "ce_hard_pair_acc")
 PROBE_CHANGES = ("attribute", "binding", "all")
@@ -43,7 +43,7 @@ HEAD_OF_OBJECTIVE = {"be": ("BE",), "ce": ("CE",)}
 def read_log(train_dir: str) -> list[dict]:
     path = os.path.join(train_dir, LOG_FILE)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{train_dir} has no {LOG_FILE}: not a retrieval_core.train output folder")
+        raise FileNotFoundError(f"{train_dir} has no {LOG_FILE}: not a retrieval_core.training.train output folder")
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -138,7 +138,7 @@ def _run_spec(value: str) -> tuple[str, str]:
 
 @click.command(context_settings=CONTEXT_SETTINGS)
 @click.option("--run", "runs", multiple=True, required=True, metavar="LABEL=TRAIN_DIR",
-              help="A retrieval_core.train output folder and its label in the curves (repeatable).")
+              help="A retrieval_core.training.train output folder and its label in the curves (repeatable).")
 @click.option("--window", type=click.IntRange(min=1), default=20, show_default=True,
               help="Steps per loss point (their mean).")
 @click.option("--staged", help="Staged synthetic collection: probe every kept model (benchmarks.family_probe).")

@@ -18,10 +18,10 @@ from pipelines.build_index.plan import IndexPlan
 from pipelines.encode.plan import EncodePlan
 from pipelines.rerank.plan import RerankPlan
 from pipelines.stage.plan import StagePlan
-from retrieval_core import schema
 from retrieval_core.cli import check_device
-from retrieval_core.manifest import load_manifest
-from retrieval_core.schema import DIRECTION_I2T, DIRECTION_T2I
+from retrieval_core.data import schema
+from retrieval_core.data.manifest import load_manifest
+from retrieval_core.data.schema import DIRECTION_I2T, DIRECTION_T2I
 
 DIRECTIONS = (DIRECTION_T2I, DIRECTION_I2T)
 SUITES = ("standard", "distractor_20k", "scale_100k", "scale_1m", "k_ablation", "combination", "baseline", "latency",

@@ -33,10 +33,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.common import BEAM_FILES, write_atomic, write_json_atomic
-from retrieval_core import schema
 from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors, option, plan_from_cli, plan_options
-from retrieval_core.schema import DIRECTION_I2T, DIRECTION_T2I
-from retrieval_core.store import StagedDataset
+from retrieval_core.data import schema
+from retrieval_core.data.schema import DIRECTION_I2T, DIRECTION_T2I
+from retrieval_core.data.store import StagedDataset
 
 QUERIES_FILE = "queries.parquet"
 IMAGE_IDS_FILE = "image_ids.parquet"

@@ -20,12 +20,12 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import click
 
-from retrieval_core.stats import Bootstrap, Interval, difference_intervals, recall_intervals, verdict
+from retrieval_core.evaluation.stats import Bootstrap, Interval, difference_intervals, recall_intervals, verdict
 
 #: ``model`` of the rows that measure the paper's code path (benchmarks.latency)
 PAPER_CODE_MODEL = "paper-code"
 
-#: The recalls whose bootstrap intervals every recall row carries (retrieval_core.stats).
+#: The recalls whose bootstrap intervals every recall row carries (retrieval_core.evaluation.stats).
 METRICS = ("R@1", "R@5", "R@10", "mR")
 #: Per recall row: each recall's interval, then the reranked rows' paired difference to EMB with its interval.
 INTERVAL_COLUMNS = tuple(f"{m}_{e}" for m in METRICS for e in ("lo", "hi")) + ("against",) + tuple(
@@ -78,7 +78,7 @@ COLUMN_DOCS = {
                          f"entirely < 0 = lowers, else no significant difference" for m in METRICS
        for e in ("lo", "hi")},
     "bootstrap": "how the intervals were computed: level, bootstrap resamples of the queries, seed "
-                 "(retrieval_core.stats; docs/STATISTICS.md)",
+                 "(retrieval_core.evaluation.stats; docs/STATISTICS.md)",
     "queries": "number of queries evaluated in this direction",
     "collection_size": "candidate pool size in images (the t2i pool)",
     "wall_s": "seconds of the jobs behind the row (encode + index + rerank + evaluation), as measured",

@@ -4,7 +4,7 @@
         [--modes emb,co] [--k 10]
 
 For every query of a rerank run, ranked by each mode (derived from the run's stored scores), the rank-1 item is
-compared with the gold by the scene it shows (``retrieval_core.synthetic.describe_scene``): a sibling of the gold's
+compared with the gold by the scene it shows (``synthetic.generator.describe_scene``): a sibling of the gold's
 family (by the change that separates them: attribute, binding, ...), another scene that shares both, one or none of
 the gold's two focus classes. The CE's margin at a wrong first place (its score of the rank-1 item minus its score
 of the gold, when the gold is in the reranked top-k) says how sure it was. Queries one mode gets right and the other
@@ -22,10 +22,11 @@ import pandas as pd
 
 from benchmarks.family_probe import _difference
 from pipelines.common import BEAM_FILES, write_atomic
-from retrieval_core import schema, synthetic
 from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
-from retrieval_core.manifest import load_manifest
-from retrieval_core.runs import LoadedRun, RunError
+from retrieval_core.data import schema
+from retrieval_core.data.manifest import load_manifest
+from retrieval_core.data.synthetic import generator as synthetic
+from retrieval_core.evaluation.runs import LoadedRun, RunError
 
 CORRECT = "correct"
 

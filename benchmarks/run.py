@@ -52,10 +52,10 @@ from benchmarks.rows import RowHits, ce_pairs_scored, evaluate_row
 from benchmarks.suites import DEFAULT_MAX_QUERIES
 from pipelines import demo_assets
 from pipelines.common import UnknownFlagError, unknown_beam_flags
-from retrieval_core import baseline as bl
-from retrieval_core.manifest import load_manifest
-from retrieval_core.schema import QUANTIZE_CHOICES, check_quantize
-from retrieval_core.store import StagedDataset
+from retrieval_core.data.manifest import load_manifest
+from retrieval_core.data.schema import QUANTIZE_CHOICES, check_quantize
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.model import baseline as bl
 
 
 def unit_costs_path(cfg: SuiteConfig) -> str:

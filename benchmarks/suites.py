@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from benchmarks.jobs import Job
 from benchmarks.planner import QUICK_IMAGES, TUNE_MANIFEST, TUNE_SPLIT, Plan, Planner, Staged, SuiteConfig, split_share
-from retrieval_core.manifest import load_manifest
+from retrieval_core.data.manifest import load_manifest
 
 STANDARD_K = 20  # the paper's default rerank depth
 ABLATION_KS = (10, 20, 50)  # paper Table 8

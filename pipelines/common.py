@@ -22,7 +22,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from retrieval_core.cli import DEBUG_ENV  # noqa: F401  (RR_DEBUG=1: full tracebacks; re-exported)
-from retrieval_core.paths import LOCAL_FILES, is_url
+from retrieval_core.data.paths import LOCAL_FILES, is_url
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ def open_file(path: str):
 
 
 class BeamFileAccess:
-    """retrieval_core.paths.FileAccess over Beam FileSystems: the readers reach URL inputs (gs://, or any
+    """retrieval_core.data.paths.FileAccess over Beam FileSystems: the readers reach URL inputs (gs://, or any
     scheme a registered Beam FileSystem serves) on the launcher (planning) and on the workers (reading), and
     so do the embeddings, index and model-folder readers.
 

@@ -3,9 +3,10 @@ trains on it, built on first use.
 
 `python -m pipelines.encode` with no --staged/--model, and `python -m benchmarks.demo`, call
 :func:`ensure_demo_assets`; `python -m benchmarks.run` calls :func:`ensure_models` with BENCH_RECIPE. A recipe
-(:class:`Recipe`) is typed: one ``retrieval_core.train.TrainConfig`` per model it trains (JOIN, and the SEP pair:
+(:class:`Recipe`) is typed: one ``training.train.TrainConfig`` per model it trains (JOIN, and the SEP pair:
 a bi-encoder, then a cross-encoder fine-tuned from that bi-encoder's checkpoint), run through the same
-``python -m retrieval_core.train`` a user would run (a ``TrainPlan`` written back as its arguments), so what the
+``python -m retrieval_core.training.train``
+a user would run (a ``TrainPlan`` written back as its arguments), so what the
 demo does is exactly what docs/TRAINING.md shows. Caches: the staged collection and the demo models under
 ``$RR_WORKDIR/demo`` (default ``./runs/demo``), the benchmark models under ``$RR_WORKDIR/bench-models/seed<N>``; a
 complete asset is reused, a missing or incomplete one is (re)built, and one built otherwise is rebuilt: the staged
@@ -23,12 +24,12 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from pipelines import common, launch
-from retrieval_core import synthetic
-from retrieval_core.backbones import is_backbone_name
 from retrieval_core.cli import to_argv
-from retrieval_core.model import NEW_MODEL_CE_AGREEMENT
-from retrieval_core.store import StagedDataset
-from retrieval_core.train import TrainConfig, TrainPlan
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.data.synthetic import generator as synthetic
+from retrieval_core.model.backbones import is_backbone_name
+from retrieval_core.model.network import NEW_MODEL_CE_AGREEMENT
+from retrieval_core.training.train import TrainConfig, TrainPlan
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +262,7 @@ def _ensure_trained(staged: str, out: str, cfg: TrainConfig, recipe: Recipe, bas
     resume = os.path.exists(os.path.join(out, "last", "trainer_state.json"))
     # checkpoints let a killed run resume; not in the stamp: a resumed run reproduces an uninterrupted one (CPU)
     run = replace(plan, config=replace(cfg, checkpoint_every=CHECKPOINT_EVERY), resume=resume)
-    _run([sys.executable, "-m", "retrieval_core.train", *to_argv(run)])
+    _run([sys.executable, "-m", "retrieval_core.training.train", *to_argv(run)])
     return best
 
 

@@ -6,7 +6,7 @@ A handler serves one task:
   ``embed_image``  element: (features (n,F), boxes (n,6)) numpy     -> (d,) float32 BE embedding
   ``score_pairs``  element: (text, features, boxes)                  -> () float32 CE match log-odds
 
-``run_inference`` collates the batch it is given itself (per-batch padding through retrieval_core.collate),
+``run_inference`` collates the batch it is given itself (per-batch padding through retrieval_core.model.collate),
 so batches may mix lengths freely. Wrap it in ``KeyedModelHandler`` to keep ids attached::
 
     handler = KeyedModelHandler(VLModelHandler(model_dir, "embed_image", max_batch_size=64))
@@ -35,10 +35,10 @@ from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from pipelines.common import BEAM_FILES
-from retrieval_core.checkpoints import load_model_folder
 from retrieval_core.cli import check_device
-from retrieval_core.collate import collate_images, collate_pairs
-from retrieval_core.schema import check_quantize
+from retrieval_core.data.schema import check_quantize
+from retrieval_core.model.checkpoints import load_model_folder
+from retrieval_core.model.collate import collate_images, collate_pairs
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def element_length(task: str, example: Any) -> int:
 
 class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
     """ModelHandler for one task of a model folder (see module docstring): any folder that
-    ``retrieval_core.checkpoints.load_model_folder`` loads and that has the task's head."""
+    ``retrieval_core.model.checkpoints.load_model_folder`` loads and that has the task's head."""
 
     def __init__(self, model_dir: str, task: str, *, device: str = "cpu", max_batch_size: int = 64,
                  min_batch_size: int = 1, model_copies: Optional[int] = None, large_model: bool = False,
@@ -132,7 +132,7 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
             return [PredictionResult(example, failed) for example in batch]
 
     def _infer(self, batch: list, model) -> list[PredictionResult]:
-        if not hasattr(model, "cfg"):  # retrieval_core.baseline.MappedBaseline: numpy in, numpy out
+        if not hasattr(model, "cfg"):  # retrieval_core.model.baseline.MappedBaseline: numpy in, numpy out
             return [PredictionResult(example, out) for example, out in zip(batch, self._baseline(batch, model))]
         tensors = self.collate(batch, model)
         dev = model.device

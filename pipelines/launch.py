@@ -33,7 +33,7 @@ _WAIT4 = ("import os, subprocess, sys\n"
 #: What the forkserver imports before forking steps: Beam with RunInference (which imports torch), transformers'
 #: BERT, and the step modules themselves (the pipelines and the trainer; callers add theirs with :func:`preload`).
 PRELOAD = ["apache_beam.ml.inference.base", "transformers.models.bert.modeling_bert", "pipelines.stage.run",
-           "pipelines.encode.run", "pipelines.build_index.run", "pipelines.rerank.run", "retrieval_core.train"]
+           "pipelines.encode.run", "pipelines.build_index.run", "pipelines.rerank.run", "retrieval_core.training.train"]
 
 
 def preload(*modules: str) -> None:

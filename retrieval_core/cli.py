@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import click
 
-from retrieval_core.store import StagedDataError
+from retrieval_core.data.store import StagedDataError
 
 #: Set to 1 to get the full traceback of an error that cli_errors would report in one line.
 DEBUG_ENV = "RR_DEBUG"

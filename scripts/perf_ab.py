@@ -30,8 +30,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _load(backbone: str, data: str):
     import pandas as pd
 
-    from retrieval_core.checkpoints import from_text_backbone
-    from retrieval_core.schema import ImageTable
+    from retrieval_core.data.schema import ImageTable
+    from retrieval_core.model.checkpoints import from_text_backbone
 
     spec = json.load(open(os.path.join(backbone, "recipes.json")))
     arrays = np.load(os.path.join(data, "images.npz"))
@@ -65,7 +65,7 @@ def main() -> None:
 def prepare(images, output) -> None:
     """Synthetic demo-like images (1024-d features, 5 captions each) saved as arrays, for every process of a
     comparison."""
-    from retrieval_core.synthetic import SyntheticSpec, synthetic_collection
+    from retrieval_core.data.synthetic.generator import SyntheticSpec, synthetic_collection
 
     table, caps = synthetic_collection(SyntheticSpec("perf_ab", images, seed=5, domain="coco", feature_dim=1024))
     os.makedirs(output, exist_ok=True)
@@ -81,8 +81,8 @@ def prepare(images, output) -> None:
 @click.option("--steps", type=int, default=6, show_default=True)
 def rates(backbone, data, threads, steps) -> None:
     """One process's rates with whatever retrieval_core is importable (this checkout's, or PYTHONPATH's)."""
-    from retrieval_core.train import TrainConfig, Trainer
-    from retrieval_core.train_data import TrainData
+    from retrieval_core.training.train import TrainConfig, Trainer
+    from retrieval_core.training.train_data import TrainData
 
     torch.set_num_threads(threads)
     model, images, captions, spec = _load(backbone, data)
@@ -151,8 +151,8 @@ def versions(base_dir, backbone, data, threads, reps) -> None:
 @click.option("--reps", type=int, default=5, show_default=True)
 def variants(backbone, data, threads, reps) -> None:
     """float32 sdpa / eager, bf16 weights, bf16 autocast on the same batches, alternately in one process."""
-    from retrieval_core.collate import collate_images, collate_pairs
-    from retrieval_core.model import cpu_has_native_bf16, quantize_model
+    from retrieval_core.model.collate import collate_images, collate_pairs
+    from retrieval_core.model.network import cpu_has_native_bf16, quantize_model
 
     torch.set_num_threads(threads)
     model, images, captions, _ = _load(backbone, data)

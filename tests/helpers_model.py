@@ -9,7 +9,7 @@ import string
 import numpy as np
 import pandas as pd
 
-from retrieval_core.schema import KIND_CAPTION, KIND_IMAGE, ImageTable, make_item_id
+from retrieval_core.data.schema import KIND_CAPTION, KIND_IMAGE, ImageTable, make_item_id
 
 OBJECTS = ["dog", "cat", "horse", "car", "bus", "bike", "tree", "house", "boat", "bird", "man", "woman",
            "person", "table", "chair", "plate", "pizza", "train", "sheep", "cow", "kite", "ball", "clock", "bed"]
@@ -22,9 +22,9 @@ SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 @functools.lru_cache(maxsize=1)
 def synthetic_words() -> tuple[str, ...]:
-    """The words of retrieval_core.synthetic's captions (every domain), harvested from generated captions."""
+    """The words of the synthetic generator's captions (every domain), harvested from generated captions."""
     try:
-        from retrieval_core import synthetic
+        from retrieval_core.data.synthetic import generator as synthetic
     except ImportError:
         return ()
     words = set()
@@ -124,7 +124,7 @@ def split_dataset(captions: pd.DataFrame, images: ImageTable, split: str):
 
 def tiny_model(tmp_dir: str, feature_dim: int = 16, seed: int = 0):
     """A VLRetrievalModel on a fresh tiny BERT written under tmp_dir."""
-    from retrieval_core.checkpoints import from_text_backbone
+    from retrieval_core.model.checkpoints import from_text_backbone
 
     folder = write_tiny_bert(os.path.join(tmp_dir, "tiny_bert"), seed=seed)
     return from_text_backbone(folder, feature_dim=feature_dim, seed=seed)

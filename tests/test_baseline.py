@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from retrieval_core.baseline import MappedBaseline
-from retrieval_core.dev_eval import evaluate
-from retrieval_core.train_data import TrainData
+from retrieval_core.model.baseline import MappedBaseline
+from retrieval_core.training.dev_eval import evaluate
+from retrieval_core.training.train_data import TrainData
 from tests.helpers_model import make_tiny_dataset, split_dataset, write_tiny_bert
 from tests.test_train import chance_mr
 

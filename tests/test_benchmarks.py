@@ -2,9 +2,9 @@
 staged collection, the --plan of scale_1m, Beam-flag pass-through, the fold/--ids wiring, job reuse.
 
 Each row's recalls are recomputed here from the run's rankings with a few lines of recall code of our own
-(not benchmarks.evaluate / retrieval_core.metrics), and the pipeline's rankings are compared with a
+(not benchmarks.evaluate / retrieval_core.evaluation.metrics), and the pipeline's rankings are compared with a
 reference computed in the test from retrieval_core calls (exact search, the model's CE scores,
-retrieval_core.rerank.rank_query), so neither a row nor the pipeline can claim what the other does not.
+retrieval_core.search.rerank.rank_query), so neither a row nor the pipeline can claim what the other does not.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from benchmarks import jobs as jb
 from benchmarks import latency, planner, queries, report, suites
 from pipelines import launch
-from retrieval_core.manifest import load_manifest
+from retrieval_core.data.manifest import load_manifest
 from tests.helpers_model import tiny_model
 
 F = 16
@@ -77,7 +77,7 @@ def _my_recall(rankings: pd.DataFrame, direction: str, order: str, cap_img: dict
 
 
 def _staged_gold(staged: str) -> dict:
-    from retrieval_core.store import StagedDataset
+    from retrieval_core.data.store import StagedDataset
 
     caps = StagedDataset(staged).captions()
     return dict(zip(caps["caption_id"].tolist(), caps["image_item_id"].tolist()))
@@ -122,7 +122,7 @@ def test_quick_suite_runs_the_pipeline_jobs_and_rows_match_their_rankings(quick)
     assert emb_t2i["ce_pairs"] == "" and "derived from the stored BE scores" in emb_t2i["notes"]
 
     # AUTO: the fusion chosen on the demo dev run, applied to the same CO run's stored scores
-    from retrieval_core.runs import choose_fusion, evaluate_run
+    from retrieval_core.evaluation.runs import choose_fusion, evaluate_run
     dev_run = [j["output"] for j in quick["jobs"] if j["step"] == "pipelines.rerank"][1]
     dev_staged = [j["output"] for j in quick["jobs"] if j["step"] == "pipelines.stage"][1]
     choice = choose_fusion(dev_run, dev_staged, K)
@@ -161,10 +161,10 @@ def test_quick_suite_runs_the_pipeline_jobs_and_rows_match_their_rankings(quick)
 def test_pipeline_rankings_equal_a_reference_from_retrieval_core(quick):
     """What benchmarks/engine.py used to compute in-process (exact BE top-k, CE scores of the top k,
     rank_query), recomputed from retrieval_core calls: the pipeline's top-10 lists must be the same."""
-    from retrieval_core import embeddings as emb
-    from retrieval_core.model import VLRetrievalModel
-    from retrieval_core.rerank import rank_query
-    from retrieval_core.store import StagedDataset
+    from retrieval_core.data.store import StagedDataset
+    from retrieval_core.model.network import VLRetrievalModel
+    from retrieval_core.search import embeddings as emb
+    from retrieval_core.search.rerank import rank_query
 
     co = next(r for r in quick["rows"] if r["mode"] == "CO")
     run_dir = co["rankings"].split(" (")[0]
@@ -528,7 +528,7 @@ def test_latency_per_query_rows_and_extrapolated_totals(model, tmp_path):
         if r["mode"] == "CE":  # the budget is 0: whole-collection CE is extrapolated and says so
             assert r["measured"] == "false" and r["notes"].startswith("extrapolated")
     roof = {r["mode"]: r for r in back if r["collection"] == "roofline"}
-    from retrieval_core.model import cpu_has_native_bf16
+    from retrieval_core.model.network import cpu_has_native_bf16
     variants = ("fp32", "int8") + (("bf16",) if cpu_has_native_bf16() else ())  # bf16 rows where the CPU has it
     assert set(roof) == {f"{t} ({v})" for t in ("CE pairs", "BE images", "BE captions") for v in variants}
     for r in roof.values():  # a measured rate below what the GEMMs at the model's shapes allow
@@ -647,10 +647,10 @@ def test_the_seed_summary_keeps_one_auto_row_whatever_fusion_each_seed_chose():
 
 def test_the_seed_summary_gives_the_interval_of_each_seed_mean_and_of_its_difference_to_emb(tmp_path):
     """Three seeds rank the same queries: the seed-mean difference CO - EMB and its interval come from one resample
-    of the queries applied to every seed's CO and EMB hits (retrieval_core.stats), not from the CSV numbers."""
+    of the queries applied to every seed's CO and EMB hits (evaluation.stats), not from the CSV numbers."""
     from benchmarks.rows import RowHits
-    from retrieval_core.metrics import DirectionHits
-    from retrieval_core.stats import Bootstrap, difference_intervals, recall_intervals
+    from retrieval_core.evaluation.metrics import DirectionHits
+    from retrieval_core.evaluation.stats import Bootstrap, difference_intervals, recall_intervals
 
     rng = np.random.default_rng(0)
     ids = {"t2i": np.arange(300), "i2t": np.arange(1000, 1100)}

@@ -50,7 +50,7 @@ def test_cli_probes_both_sides_at_every_layer(staged_and_model, tmp_path):
     import pandas as pd
 
     rows = pd.read_csv(tmp_path / "binding_probe.csv")
-    from retrieval_core.model import VLRetrievalModel
+    from retrieval_core.model.network import VLRetrievalModel
 
     layers = VLRetrievalModel.load(model_dir).bert.config.num_hidden_layers + 1
     assert sorted(rows["side"].unique()) == ["caption", "cross", "image", "text"]
@@ -71,9 +71,9 @@ def test_cli_probes_both_sides_at_every_layer(staged_and_model, tmp_path):
 
 def test_cross_pairs_alternate_gold_and_binding_sibling_with_the_image_colour_as_label(staged_and_model):
     from benchmarks.family_probe import sampled_captions
-    from retrieval_core import synthetic
-    from retrieval_core.manifest import load_manifest
-    from retrieval_core.store import StagedDataset
+    from retrieval_core.data.manifest import load_manifest
+    from retrieval_core.data.store import StagedDataset
+    from retrieval_core.data.synthetic import generator as synthetic
 
     staged, _ = staged_and_model
     spec = load_manifest("demo", OVERRIDES).synthetic_spec("demo")

@@ -6,9 +6,9 @@ from click.testing import CliRunner
 
 from pipelines.build_index.plan import IndexPlan
 from pipelines.build_index.run import main, run
-from retrieval_core import embeddings as emb
-from retrieval_core import index as ix
-from retrieval_core.metrics import exact_topk
+from retrieval_core.search import embeddings as emb
+from retrieval_core.search import index as ix
+from retrieval_core.search.exact import exact_topk
 
 D = 16
 

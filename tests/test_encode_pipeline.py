@@ -15,11 +15,11 @@ from pipelines.encode import run as encode_run
 from pipelines.handlers import METRICS_NAMESPACE
 from pipelines.stage import plan as stage_plan
 from pipelines.stage import run as stage_run
-from retrieval_core import embeddings as emb
-from retrieval_core import staging
-from retrieval_core.checkpoints import inspect_model_folder
-from retrieval_core.model import VLRetrievalModel
-from retrieval_core.store import StagedDataset
+from retrieval_core.data import staging
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.model.checkpoints import inspect_model_folder
+from retrieval_core.model.network import VLRetrievalModel
+from retrieval_core.search import embeddings as emb
 from tests.helpers_model import make_tiny_dataset, tiny_model
 
 FEATURE_DIM = 16

@@ -8,9 +8,9 @@ import pytest
 from click.testing import CliRunner
 
 from benchmarks.evaluate import main
-from retrieval_core import schema, staging
-from retrieval_core.metrics import evaluate_rankings
-from retrieval_core.rerank import rank_query, rankings_table
+from retrieval_core.data import schema, staging
+from retrieval_core.evaluation.metrics import evaluate_rankings
+from retrieval_core.search.rerank import rank_query, rankings_table
 
 # images 100, 200, 300 with captions 1-2, 3-5, 6
 C2I = {1: 100, 2: 100, 3: 200, 4: 200, 5: 200, 6: 300}
@@ -141,7 +141,7 @@ def test_cli_writes_csv_and_json_and_merges(tmp_path):
 
 
 def test_evaluate_run_refuses_old_rankings_and_unlisted_or_changed_shards(tmp_path):
-    from retrieval_core.runs import evaluate_run
+    from retrieval_core.evaluation.runs import evaluate_run
 
     staged = _staged_dir(tmp_path / "staged")
     with pytest.raises(ValueError, match="rankings path not found"):
@@ -169,7 +169,7 @@ def _ce_tables(k=3):
 
 
 def test_evaluate_run_derives_modes_k_and_lam_from_stored_scores(tmp_path):
-    from retrieval_core.runs import evaluate_run
+    from retrieval_core.evaluation.runs import evaluate_run
 
     staged = _staged_dir(tmp_path / "staged")
     co = write_run(tmp_path / "co", _ce_tables(), mode="co", k=3)
@@ -195,7 +195,7 @@ def test_evaluate_run_derives_modes_k_and_lam_from_stored_scores(tmp_path):
 
 
 def test_evaluate_run_of_restricted_queries_and_one_direction(tmp_path):
-    from retrieval_core.runs import evaluate_run
+    from retrieval_core.evaluation.runs import evaluate_run
 
     staged = _staged_dir(tmp_path / "staged")
     t2i = {q: T2I[q] for q in (1, 2, 5)}  # R@1: 1 hit, 2 miss, 5 miss
@@ -264,8 +264,8 @@ def test_clip_benchmark_json_refuses_extra_keys_that_clash():
 
 
 def test_cli_writes_intervals_and_the_paired_difference_to_another_mode(tmp_path):
-    from retrieval_core.metrics import DirectionHits
-    from retrieval_core.stats import Bootstrap, difference_intervals, recall_intervals
+    from retrieval_core.evaluation.metrics import DirectionHits
+    from retrieval_core.evaluation.stats import Bootstrap, difference_intervals, recall_intervals
 
     staged = _staged_dir(tmp_path / "staged")
     co = write_run(tmp_path / "co", _ce_tables(), mode="co", k=3)

@@ -7,9 +7,9 @@ import pytest
 from click.testing import CliRunner
 
 from benchmarks import family_probe
-from retrieval_core import synthetic
-from retrieval_core.manifest import load_manifest
-from retrieval_core.store import StagedDataset
+from retrieval_core.data.manifest import load_manifest
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.data.synthetic import generator as synthetic
 from tests.helpers_model import staged_demo_and_tiny_model
 
 F = 16
@@ -25,7 +25,7 @@ def setup(tmp_path_factory):
 
 def test_probe_counts_and_accuracies_match_the_heads_scores(setup):
     staged, model_dir, spec = setup
-    from retrieval_core.model import VLRetrievalModel
+    from retrieval_core.model.network import VLRetrievalModel
 
     model = VLRetrievalModel.load(model_dir)
     rows = family_probe.probe(StagedDataset(staged), spec, model, model, split="test")

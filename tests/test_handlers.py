@@ -37,7 +37,7 @@ def regions(n: int, seed: int):
 
 
 def test_keyed_ids_stay_attached_through_run_inference(model_dir):
-    from retrieval_core.model import VLRetrievalModel
+    from retrieval_core.model.network import VLRetrievalModel
 
     model = VLRetrievalModel.load(model_dir)
     images = {100 + i: regions(n, i) for i, n in enumerate([1, 7, 3, 12, 2, 5, 9])}  # varied region counts
@@ -66,7 +66,7 @@ def test_keyed_ids_stay_attached_through_run_inference(model_dir):
 
 
 def test_batches_are_padded_to_their_own_longest_element(model_dir):
-    from retrieval_core.model import VLRetrievalModel
+    from retrieval_core.model.network import VLRetrievalModel
 
     model = VLRetrievalModel.load(model_dir)
     h = VLModelHandler(model_dir, TASK_EMBED_IMAGE)

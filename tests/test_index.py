@@ -3,9 +3,9 @@ import faiss
 import numpy as np
 import pytest
 
-from retrieval_core import embeddings as emb
-from retrieval_core import index as ix
-from retrieval_core.metrics import exact_topk
+from retrieval_core.search import embeddings as emb
+from retrieval_core.search import index as ix
+from retrieval_core.search.exact import exact_topk
 
 D = 16
 

@@ -6,9 +6,9 @@ import pytest
 from click.testing import CliRunner
 
 from pipelines.build_index.run import main
-from retrieval_core import embeddings as emb
-from retrieval_core import index as ix
-from retrieval_core import index_choice as ic
+from retrieval_core.search import embeddings as emb
+from retrieval_core.search import index as ix
+from retrieval_core.search import index_choice as ic
 
 D = 16
 
@@ -65,7 +65,7 @@ def test_auto_chooses_within_the_memory_budget_and_records_measured_recall(tmp_p
     held_out = ix.select_training_ids(t_ids, 200, 2)  # the queries build_index drew (seed + 2)
     order = np.argsort(t_ids)
     t = t[order[np.searchsorted(t_ids[order], held_out)]]
-    exact = ic.metrics.exact_topk(t, x, ids, 10)[1]
+    exact = ic.exact_topk(t, x, ids, 10)[1]
     assert ic.recall_at_10(index.search(t, 10)[1], exact) == pytest.approx(measured["recall@10"])
 
 

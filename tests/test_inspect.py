@@ -8,9 +8,10 @@ import pytest
 from click.testing import CliRunner
 
 from benchmarks import inspect as insp
-from retrieval_core import schema, staging, synthetic
-from retrieval_core.manifest import load_manifest
-from retrieval_core.rerank import derive_rankings, rank_query, rankings_table
+from retrieval_core.data import schema, staging
+from retrieval_core.data.manifest import load_manifest
+from retrieval_core.data.synthetic import generator as synthetic
+from retrieval_core.search.rerank import derive_rankings, rank_query, rankings_table
 from tests.test_evaluate import write_run
 
 MANIFEST = """name: toy

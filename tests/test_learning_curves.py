@@ -13,11 +13,11 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from benchmarks import family_probe, learning_curves
-from retrieval_core.manifest import load_manifest
-from retrieval_core.model import VLRetrievalModel
-from retrieval_core.store import StagedDataset
-from retrieval_core.train import TrainConfig, kept_checkpoints
-from retrieval_core.train import main as train_main
+from retrieval_core.data.manifest import load_manifest
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.model.network import VLRetrievalModel
+from retrieval_core.training.train import TrainConfig, kept_checkpoints
+from retrieval_core.training.train import main as train_main
 from tests.helpers_model import staged_demo_and_tiny_model, write_tiny_bert
 
 F = 16

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from retrieval_core.losses import batch_hard_triplet_loss, ce_pair_loss, infonce_loss, sample_ce_pairs
+from retrieval_core.training.losses import batch_hard_triplet_loss, ce_pair_loss, infonce_loss, sample_ce_pairs
 
 
 def _unit(angle_deg):
@@ -102,7 +102,7 @@ def test_ce_pair_loss_two_class_equals_bce_on_log_odds():
 
 
 def test_hard_negatives_come_from_the_neighbour_pool_and_are_mismatches():
-    from retrieval_core.losses import HardNegatives
+    from retrieval_core.training.losses import HardNegatives
 
     rng = np.random.default_rng(1)
     image_pos_of_caption = np.repeat(np.arange(12), 2)  # 12 images x 2 captions
@@ -122,7 +122,7 @@ def test_hard_negatives_come_from_the_neighbour_pool_and_are_mismatches():
 
 
 def test_sample_ce_groups_positive_first_and_negatives_replace_one_side_per_group():
-    from retrieval_core.losses import sample_ce_groups
+    from retrieval_core.training.losses import sample_ce_groups
 
     image_pos_of_caption = np.repeat(np.arange(10), 3)  # 10 images x 3 captions
     batch = np.arange(0, 30, 2)
@@ -139,7 +139,7 @@ def test_sample_ce_groups_positive_first_and_negatives_replace_one_side_per_grou
 
 
 def test_ce_listwise_loss_is_softmax_cross_entropy_with_the_positive_first():
-    from retrieval_core.losses import ce_listwise_loss
+    from retrieval_core.training.losses import ce_listwise_loss
 
     scores = torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.0, 1.0]])
     hand = np.mean([-(2.0 - np.log(np.exp([2.0, 0.0, -1.0]).sum())), -(0.0 - np.log(np.exp([0.0, 1.0, 1.0]).sum()))])

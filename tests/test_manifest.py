@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from retrieval_core.manifest import (
+from retrieval_core.data.manifest import (
     CAPTION_FORMATS,
     IMAGE_FORMATS,
     Manifest,
@@ -17,7 +17,7 @@ from retrieval_core.manifest import (
     load_manifest,
     resolve_manifest_path,
 )
-from retrieval_core.synthetic import split_of
+from retrieval_core.data.synthetic.generator import split_of
 from tests.conftest import require_realdata
 
 SHIPPED = {"demo", "synthetic_coco5k", "synthetic_f30k1k", "synthetic_cc14k", "synthetic_distractor20k",
@@ -275,7 +275,7 @@ def test_missing_paths_and_globs(tmp_path):
 def test_url_paths_are_kept_as_written_and_not_checked_locally(tmp_path):
     """gs:// inputs (Dataflow) are not local paths: no expanduser / normpath / join with RR_DATA_ROOT (that
     made gs://bucket/x.tsv into <root>/gs:/bucket/x.tsv), and no os.path existence check."""
-    from retrieval_core.manifest import _resolve
+    from retrieval_core.data.manifest import _resolve
 
     assert _resolve("gs://b/x.tsv", "/root") == "gs://b/x.tsv"
     assert _resolve(["gs://b/feats/*.tsv", "rel.tsv", "~/h.tsv"], "/root") == \

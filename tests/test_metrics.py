@@ -3,7 +3,9 @@ from types import MappingProxyType
 import numpy as np
 import pytest
 
-from retrieval_core.metrics import bidirectional_recall, exact_topk, exact_topk_shards, recall_at_k
+from retrieval_core.evaluation.metrics import bidirectional_recall, recall_at_k
+from retrieval_core.search import exact
+from retrieval_core.search.exact import exact_topk, exact_topk_shards
 
 
 def _brute_topk(queries, items, ids, k):
@@ -123,9 +125,8 @@ def test_bidirectional_recall_errors_name_the_query():
 @pytest.mark.parametrize("n_q", [1, 3, 45])  # the small-batch scan (< SMALL_BATCH queries) and the GEMM path
 def test_exact_topk_chunked_kernels_keep_ties_exact(monkeypatch, n_q):
     # Chunks of a few items: ties at the k-th score straddle chunks, so a chunk's top-k leaves tied items out.
-    from retrieval_core import metrics
-    monkeypatch.setattr(metrics, "SCAN_CHUNK_SCORES", 36)
-    monkeypatch.setattr(metrics, "GEMM_CHUNK_ROWS", 11)
+    monkeypatch.setattr(exact, "SCAN_CHUNK_SCORES", 36)
+    monkeypatch.setattr(exact, "GEMM_CHUNK_ROWS", 11)
     rng = np.random.default_rng(2)
     q = rng.integers(-1, 2, size=(n_q, 4)).astype(np.float32)
     x = rng.integers(-1, 2, size=(101, 4)).astype(np.float32)

@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import BertConfig
 
-from retrieval_core.backbones import minilm_path
-from retrieval_core.checkpoints import CheckpointError, from_text_backbone, load_mmt_retrieval, load_oscar
-from retrieval_core.collate import TextCollator, collate_images, collate_pairs
-from retrieval_core.losses import batch_hard_triplet_loss, ce_pair_loss
-from retrieval_core.model import VLModelConfig, VLRetrievalModel
+from retrieval_core.model.backbones import minilm_path
+from retrieval_core.model.checkpoints import CheckpointError, from_text_backbone, load_mmt_retrieval, load_oscar
+from retrieval_core.model.collate import TextCollator, collate_images, collate_pairs
+from retrieval_core.model.network import VLModelConfig, VLRetrievalModel
+from retrieval_core.training.losses import batch_hard_triplet_loss, ce_pair_loss
 from tests.helpers_model import make_tiny_dataset, tiny_model, write_tiny_bert
 
 F = 16
@@ -294,7 +294,7 @@ def test_quantize_refused_off_cpu_and_flop_count_of_a_layer():
     from types import SimpleNamespace
 
     from pipelines.encode.plan import EncodeError, EncodePlan
-    from retrieval_core.model import layer_gemm_shapes, quantize_model, sequence_flops
+    from retrieval_core.model.network import layer_gemm_shapes, quantize_model, sequence_flops
 
     lin = torch.nn.Sequential(torch.nn.Linear(4, 4))
     assert quantize_model(lin, "none") is lin
@@ -314,9 +314,9 @@ def test_quantize_refused_off_cpu_and_flop_count_of_a_layer():
 def test_bf16_serving_runs_the_heads_in_bf16_and_is_refused_where_the_cpu_emulates_it(tmp_path, monkeypatch):
     """--quantize bf16: the same model object, its weights in bfloat16 (outputs float32, close to float32's but
     not equal); refused on a CPU without native bf16 (there it is slower than float32)."""
-    from retrieval_core import model as model_mod
-    from retrieval_core.collate import collate_images, collate_pairs
-    from retrieval_core.model import VLRetrievalModel, quantize_model
+    from retrieval_core.model import network as model_mod
+    from retrieval_core.model.collate import collate_images, collate_pairs
+    from retrieval_core.model.network import VLRetrievalModel, quantize_model
     model_dir = str(tmp_path / "m")
     tiny_model(str(tmp_path)).save(model_dir)
     fp32 = VLRetrievalModel.load(model_dir)
@@ -407,7 +407,7 @@ def test_packed_training_gradients_equal_the_padded_ones(model, data):
 def test_sdpa_attention_is_the_default_and_equals_the_eager_path(model, data, tmp_path):
     """The encoder runs PyTorch's fused scaled_dot_product_attention (attn_implementation "sdpa"), also after a
     save/load; the eager path gives the same BE embeddings and CE scores within float32 rounding (1e-5)."""
-    from retrieval_core.model import ATTENTION_IMPLEMENTATIONS
+    from retrieval_core.model.network import ATTENTION_IMPLEMENTATIONS
 
     assert model.attention == "sdpa" and ATTENTION_IMPLEMENTATIONS == ("sdpa", "eager")
     model.save(str(tmp_path / "m"))
@@ -425,7 +425,7 @@ def test_sdpa_attention_is_the_default_and_equals_the_eager_path(model, data, tm
 
 def test_token_counts_measure_the_padding_the_encoder_runs(model, data):
     """model.token_counts: useful (mask 1) and computed (B x L) positions of every sequence encoded, per head."""
-    from retrieval_core.collate import TokenCounts
+    from retrieval_core.model.collate import TokenCounts
 
     captions, images = data
     texts = ["a dog", "a red dog and a blue cat"]
@@ -450,8 +450,8 @@ def test_flop_counts_of_the_cls_only_layer_and_of_training_steps(model):
     training step is 3x the forward (2x for the region projection, whose input needs no gradient)."""
     from types import SimpleNamespace
 
-    from retrieval_core.model import model_flops, sequence_flops
-    from retrieval_core.train import TrainConfig, step_flops
+    from retrieval_core.model.network import model_flops, sequence_flops
+    from retrieval_core.training.train import TrainConfig, step_flops
 
     cfg = SimpleNamespace(hidden_size=8, intermediate_size=32, num_hidden_layers=2)
     full = sequence_flops(cfg, 5)

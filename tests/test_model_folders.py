@@ -13,10 +13,10 @@ from click.testing import CliRunner
 
 from pipelines.encode import run as encode_run
 from pipelines.rerank import run as rerank_run
-from retrieval_core import embeddings as emb
-from retrieval_core.baseline import MappedBaseline
-from retrieval_core.checkpoints import CheckpointError, inspect_model_folder, load_model_folder
-from retrieval_core.store import StagedDataset
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.model.baseline import MappedBaseline
+from retrieval_core.model.checkpoints import CheckpointError, inspect_model_folder, load_model_folder
+from retrieval_core.search import embeddings as emb
 from tests.helpers_model import make_tiny_dataset, write_tiny_bert
 from tests.test_encode_pipeline import write_tiny_model, write_tiny_staged
 from tests.test_model import F, _oscar_keys, _oscar_like_model, _write_bert_config

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from retrieval_core import readers
-from retrieval_core.readers import features as feature_readers
-from retrieval_core.schema import KIND_CAPTION, KIND_IMAGE, RawCaption, RawImage, Reject
+from retrieval_core.data import readers
+from retrieval_core.data.readers import features as feature_readers
+from retrieval_core.data.schema import KIND_CAPTION, KIND_IMAGE, RawCaption, RawImage, Reject
 from tests.conftest import require_realdata
 
 RNG = np.random.default_rng(0)
@@ -442,7 +442,7 @@ def test_local_file_access_refuses_urls_with_a_clear_error(tmp_path):
 
 
 def test_synthetic_tasks_cover_the_collection_in_chunks():
-    synthetic = pytest.importorskip("retrieval_core.synthetic", reason="retrieval_core.synthetic not written yet")
+    synthetic = pytest.importorskip("retrieval_core.data.synthetic.generator", reason="no synthetic generator")
     options = {"num_images": 23}
     try:
         spec = synthetic.SyntheticSpec.from_options("syn", options, 16)
@@ -608,8 +608,7 @@ def _bua_npz(path, n, conf, info_extra=None):
 
 
 def test_bua_npz_keeps_regions_most_confident_first_from_info(tmp_path):
-    from retrieval_core import staging
-
+    from retrieval_core.data import staging
     conf = np.array([0.3, 0.9, 0.2, 0.7, 0.5], np.float32)
     x = _bua_npz(tmp_path / "7.npz", 5, conf)
     (img,) = readers.read_bua_npz(str(tmp_path / "7.npz"))

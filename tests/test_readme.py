@@ -80,7 +80,7 @@ def test_every_readme_command_runs_as_shown():
             assert not unknown_beam_flags(ctx.args), f"flags Beam does not know in {line!r}: {ctx.args}"
         modules.add(module)
     # the front door shows every pipeline and the steps around it
-    assert {"pipelines.stage", "retrieval_core.train", "pipelines.encode", "pipelines.build_index",
+    assert {"pipelines.stage", "retrieval_core.training.train", "pipelines.encode", "pipelines.build_index",
             "pipelines.rerank", "benchmarks.evaluate", "benchmarks.run"} <= modules
     assert "bash scripts/demo.sh" in [ln.split("#")[0].strip() for ln in lines]
     assert "bash scripts/test.sh" in [ln.split("#")[0].strip() for ln in lines]

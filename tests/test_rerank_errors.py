@@ -13,10 +13,10 @@ from pipelines.encode.plan import EncodePlan
 from pipelines.encode.run import run as encode
 from pipelines.rerank.plan import RerankPlan
 from pipelines.rerank.run import run as rerank
-from retrieval_core import synthetic
-from retrieval_core.manifest import load_manifest
-from retrieval_core.runs import LoadedRun
-from retrieval_core.store import StagedDataset
+from retrieval_core.data.manifest import load_manifest
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.data.synthetic import generator as synthetic
+from retrieval_core.evaluation.runs import LoadedRun
 from tests.helpers_model import staged_demo_and_tiny_model
 from tests.test_family_probe import OVERRIDES, F
 

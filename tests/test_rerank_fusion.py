@@ -2,8 +2,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from retrieval_core import schema
-from retrieval_core.rerank import fuse, rank_query, rankings_table
+from retrieval_core.data import schema
+from retrieval_core.search.rerank import fuse, rank_query, rankings_table
 
 
 def test_fuse_modes_hand_values():
@@ -78,7 +78,7 @@ def test_rankings_table_schema_and_nulls():
 
 
 def test_query_pairs_orient_pairs_by_direction_and_requests_are_deduplicated():
-    from retrieval_core.rerank import merge_requesters, pair_requests, query_pairs
+    from retrieval_core.search.rerank import merge_requesters, pair_requests, query_pairs
 
     assert query_pairs("t2i", 7, np.array([100, 200, 300]), k=2) == [(7, 100), (7, 200)]
     assert query_pairs("i2t", 100, [7, 8], k=5) == [(7, 100), (8, 100)]
@@ -91,7 +91,7 @@ def test_query_pairs_orient_pairs_by_direction_and_requests_are_deduplicated():
 
 
 def test_ce_scores_of_reads_the_top_k_and_refuses_a_gap():
-    from retrieval_core.rerank import ce_scores_of
+    from retrieval_core.search.rerank import ce_scores_of
 
     np.testing.assert_array_equal(ce_scores_of([5, 6, 7], 2, {5: 0.5, 6: -1.0, 9: 3.0}), [0.5, -1.0])
     with pytest.raises(ValueError, match="q1: no CE score for candidate\\(s\\) \\[6\\]"):
@@ -117,7 +117,7 @@ def _stored_run(k, mode="ce", seed=0):
 
 
 def test_derive_rankings_reproduces_the_stored_run_and_a_smaller_k():
-    from retrieval_core.rerank import derive_rankings
+    from retrieval_core.search.rerank import derive_rankings
 
     table, _ = _stored_run(k=12)
     assert derive_rankings(table, 12, "ce").equals(table)  # the run's own mode: the stored ranking
@@ -140,7 +140,7 @@ def test_derive_rankings_reproduces_the_stored_run_and_a_smaller_k():
 
 
 def test_derive_rankings_refuses_missing_ce_scores():
-    from retrieval_core.rerank import derive_rankings
+    from retrieval_core.search.rerank import derive_rankings
 
     table, _ = _stored_run(k=4)
     with pytest.raises(ValueError, match="no stored CE score at BE rank 5"):

@@ -16,11 +16,11 @@ from pipelines.encode import run as encode_run
 from pipelines.rerank import graph as rerank_graph
 from pipelines.rerank import plan as rerank_plan
 from pipelines.rerank import run as rerank_run
-from retrieval_core import embeddings as emb
-from retrieval_core.metrics import exact_topk
-from retrieval_core.model import VLRetrievalModel
-from retrieval_core.rerank import RANKINGS_MANIFEST, _sigmoid
-from retrieval_core.store import StagedDataset
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.model.network import VLRetrievalModel
+from retrieval_core.search import embeddings as emb
+from retrieval_core.search.exact import exact_topk
+from retrieval_core.search.rerank import RANKINGS_MANIFEST, _sigmoid
 from tests.test_encode_pipeline import write_tiny_model, write_tiny_staged
 
 NUM_IMAGES = 24  # 6 test images, 12 test captions; pools: 24 images, 48 captions
@@ -296,8 +296,8 @@ def test_score_once_evaluate_many_gives_exactly_the_fresh_runs(assets, tmp_path)
     the EMB run. CE batches of one pair (--batch-size 1) make a pair's CE score independent of the other
     pairs a run scores, so the comparison can be exact (in batches of 16, 9 of these 180 pairs' scores move by
     up to 7e-9, and this tiny random CE's scores are that close)."""
-    from retrieval_core.rerank import derive_rankings
-    from retrieval_core.runs import evaluate_run
+    from retrieval_core.evaluation.runs import evaluate_run
+    from retrieval_core.search.rerank import derive_rankings
 
     root, staged, model_dir, emb_dir = assets
     out = {name: str(tmp_path / name) for name in ("co20", "co10", "emb")}
@@ -329,7 +329,7 @@ def write_queries(path, rows):
 
 
 def test_queries_file_restricts_the_run_and_evaluate_to_those_queries(assets, tmp_path):
-    from retrieval_core.runs import evaluate_run
+    from retrieval_core.evaluation.runs import evaluate_run
 
     root, staged, _, emb_dir = assets
     ds = StagedDataset(staged)
@@ -450,8 +450,8 @@ def test_embeddings_or_gold_of_another_staging_are_refused(assets, tmp_path):
     """Issue 14: artifacts carry the fingerprint of the staged shards they came from. Embeddings encoded from
     one staging and a --staged folder of another (same ids, other captions and regions) used to rerank
     silently; a run evaluated against another staging's gold likewise."""
-    from retrieval_core.runs import RunError as EvaluationError
-    from retrieval_core.runs import evaluate_run
+    from retrieval_core.evaluation.runs import RunError as EvaluationError
+    from retrieval_core.evaluation.runs import evaluate_run
 
     root, staged, _, emb_dir = assets
     other = write_tiny_staged(str(tmp_path / "other"), num_images=NUM_IMAGES, seed=1)
@@ -474,7 +474,7 @@ def test_mode_auto_runs_the_ranking_whose_worse_direction_gains_most_on_dev_and_
     """--mode auto --tune-on DEV: every candidate's dev R@1 and mR are what evaluate gives for that derivation
     of the dev run; the chosen one has the largest R@1 gain over EMB in its worse direction (EMB itself is a
     candidate: never below 0), ties by mR; the run is exactly a run of the chosen mode/lam."""
-    from retrieval_core.runs import AUTO_LAMS, evaluate_run, mode_label
+    from retrieval_core.evaluation.runs import AUTO_LAMS, evaluate_run, mode_label
 
     root, staged, model_dir, emb_dir = assets
     one = dict(k=5, ce_model=model_dir, batch_size=1)  # batch 1: CE scores independent of the batch
@@ -500,7 +500,7 @@ def test_mode_auto_runs_the_ranking_whose_worse_direction_gains_most_on_dev_and_
 def test_mode_auto_chooses_on_its_own_dev_run_from_the_dev_embeddings(assets, tmp_path):
     """The default mode: with --tune-embeddings the job first ranks a seeded sample of the dev split's queries with
     CO (<output>/_tune, a run of its own) and chooses on it exactly as --tune-on that run would."""
-    from retrieval_core.runs import choose_fusion
+    from retrieval_core.evaluation.runs import choose_fusion
 
     root, staged, model_dir, emb_dir = assets
     out = str(tmp_path / "auto")
@@ -540,8 +540,8 @@ def test_a_quantized_ce_scores_the_pairs_and_is_recorded(assets, tmp_path, monke
     """--quantize int8 / bf16: the CE scores are the served model's (close to fp32, not equal: the CE really
     ran quantised), the manifest says so, and it is refused where it has nothing to quantise (emb) or, for
     int8, cannot run (cuda). Native bf16 is taken as given here (the refusal on CPUs that emulate it: test_model)."""
-    from retrieval_core import model as model_mod
-    from retrieval_core.checkpoints import load_model_folder
+    from retrieval_core.model import network as model_mod
+    from retrieval_core.model.checkpoints import load_model_folder
 
     monkeypatch.setattr(model_mod, "cpu_has_native_bf16", lambda: True)
     root, staged, model_dir, emb_dir = assets

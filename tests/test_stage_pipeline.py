@@ -26,9 +26,9 @@ from pipelines.stage.graph import (
     spill_path,
 )
 from pipelines.stage.plan import Settings, StageError, StagePlan, default_chunk_size
-from retrieval_core import schema, staging
-from retrieval_core.readers import plan_read_tasks
-from retrieval_core.store import INCOMPLETE_FILE, StagedDataset
+from retrieval_core.data import schema, staging
+from retrieval_core.data.readers import plan_read_tasks
+from retrieval_core.data.store import INCOMPLETE_FILE, StagedDataset
 
 F = 16
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -268,7 +268,7 @@ def test_read_and_stage_spills_rows_and_regions_so_shuffles_carry_refs_only(tmp_
     """Beam's local runners keep a shuffle's whole input in memory: a read task's rows and regions go to its
     spill file, and what it emits for the shuffles is (spill key, id, row number) refs and owner tuples, not
     rows; the rows and regions read back are the staged ones."""
-    from retrieval_core.readers import read_task
+    from retrieval_core.data.readers import read_task
 
     write_inputs(tmp_path)
     tasks = plan_read_tasks("tsv", "image", "butd_tsv", str(tmp_path / "feats.tsv"), {}, F)
@@ -384,7 +384,7 @@ def test_beam_file_access_reads_urls_raw_and_lists_like_local(tmp_path):
     are not unpacked by name: the readers detect gzip themselves)."""
     import gzip as gz
 
-    from retrieval_core.readers import LOCAL_FILES, read_multi30k
+    from retrieval_core.data.readers import LOCAL_FILES, read_multi30k
     from tests.helpers_beamfs import url
 
     files = common.BEAM_FILES

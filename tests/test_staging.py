@@ -1,12 +1,12 @@
-"""Validation and normalisation of single records (retrieval_core.staging)."""
+"""Validation and normalisation of single records (retrieval_core.data.staging)."""
 import io
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from retrieval_core import schema, staging
-from retrieval_core.schema import RawCaption, RawImage, Reject
+from retrieval_core.data import schema, staging
+from retrieval_core.data.schema import RawCaption, RawImage, Reject
 
 F = 8
 

@@ -1,4 +1,4 @@
-"""retrieval_core.stats: the paired bootstrap against the exact bootstrap distribution of tiny cases (every
+"""retrieval_core.evaluation.stats: the paired bootstrap against the exact bootstrap distribution of tiny cases (every
 resample enumerated), pairing, folds, seeds, determinism and the verdict."""
 import itertools
 import time
@@ -6,8 +6,8 @@ import time
 import numpy as np
 import pytest
 
-from retrieval_core.metrics import DirectionHits
-from retrieval_core.stats import (
+from retrieval_core.evaluation.metrics import DirectionHits
+from retrieval_core.evaluation.stats import (
     LIFTS,
     LOWERS,
     NO_DIFFERENCE,

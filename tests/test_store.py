@@ -1,4 +1,4 @@
-"""Staged shards written by retrieval_core.staging read back through retrieval_core.store.StagedDataset."""
+"""Staged shards written by retrieval_core.data.staging read back through retrieval_core.data.store.StagedDataset."""
 import hashlib
 import json
 import os
@@ -7,10 +7,10 @@ import shutil
 import numpy as np
 import pytest
 
-from retrieval_core import schema, staging
-from retrieval_core.paths import LOCAL_FILES, URLAccessError
-from retrieval_core.schema import RawCaption, RawImage
-from retrieval_core.store import INCOMPLETE_FILE, StagedDataError, StagedDataset, to_torch
+from retrieval_core.data import schema, staging
+from retrieval_core.data.paths import LOCAL_FILES, URLAccessError
+from retrieval_core.data.schema import RawCaption, RawImage
+from retrieval_core.data.store import INCOMPLETE_FILE, StagedDataError, StagedDataset, to_torch
 
 
 class MemFiles:
@@ -273,8 +273,8 @@ def test_retrieval_core_never_imports_beam():
         "import retrieval_core\n"
         "for m in pkgutil.walk_packages(retrieval_core.__path__, 'retrieval_core.'):\n"
         "    importlib.import_module(m.name)\n"
-        "from retrieval_core.paths import URLAccessError\n"
-        "from retrieval_core.store import StagedDataset\n"
+        "from retrieval_core.data.paths import URLAccessError\n"
+        "from retrieval_core.data.store import StagedDataset\n"
         "try:\n"
         "    StagedDataset('gs://bucket/staged')\n"
         "except URLAccessError:\n"

@@ -9,8 +9,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from retrieval_core.schema import RawCaption, RawImage
-from retrieval_core.synthetic import (
+from retrieval_core.data.schema import RawCaption, RawImage
+from retrieval_core.data.synthetic.generator import (
     COLOURS,
     COUNT_WORDS,
     DOMAINS,

@@ -14,12 +14,12 @@ import pytest
 from click.testing import CliRunner
 
 from pipelines.stage.run import main as stage_main
-from retrieval_core import readers
-from retrieval_core import synthetic_languages as sl
-from retrieval_core.manifest import ManifestError, load_manifest
-from retrieval_core.schema import KIND_CAPTION, RawCaption
-from retrieval_core.store import StagedDataset
-from retrieval_core.synthetic import (
+from retrieval_core.data import readers
+from retrieval_core.data.manifest import ManifestError, load_manifest
+from retrieval_core.data.schema import KIND_CAPTION, RawCaption
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.data.synthetic import languages as sl
+from retrieval_core.data.synthetic.generator import (
     COLOURS,
     DOMAINS,
     INVERSE,

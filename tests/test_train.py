@@ -12,10 +12,10 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from retrieval_core.dev_eval import evaluate
-from retrieval_core.model import NEW_MODEL_CE_AGREEMENT, VLRetrievalModel
-from retrieval_core.train import TrainConfig, Trainer, main
-from retrieval_core.train_data import TrainData
+from retrieval_core.model.network import NEW_MODEL_CE_AGREEMENT, VLRetrievalModel
+from retrieval_core.training.dev_eval import evaluate
+from retrieval_core.training.train import TrainConfig, Trainer, main
+from retrieval_core.training.train_data import TrainData
 from tests.helpers_model import make_tiny_dataset, split_dataset, tiny_model
 
 F = 16
@@ -174,8 +174,8 @@ def test_resume_gives_identical_weights(tmp_path, data, agreement):
 
 
 def run_train_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "retrieval_core.train", *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-m", "retrieval_core.training.train", *args], capture_output=True,
+                          text=True, timeout=300)
 
 
 def test_cli_help():
@@ -218,7 +218,7 @@ def test_cli_ce_agreement_is_built_trained_kept_and_never_dropped(tmp_path, cli_
     """--ce-agreement builds the CE head's agreement term and a joint run trains its scale; a model folder keeps its
     own term unless asked, gets one it lacks (with a note), and another or none in place of its own is refused in
     one line."""
-    from retrieval_core.model import AGREEMENT_SCALE_INIT
+    from retrieval_core.model.network import AGREEMENT_SCALE_INIT
 
     staged, base = cli_inputs
     common = ["--staged", staged, "--steps", "4", "--batch-size", "8", "--lr", "1e-3", "--dev-split", "test",
@@ -250,11 +250,11 @@ def test_cli_with_the_demo_flags_trains_exactly_what_the_library_trains(tmp_path
     """The click port keeps every flag's meaning: the demo recipe's flag set (pipelines/demo_assets.py, scaled
     down) gives bit-identical weights, optimizer state and log to the same run built through the library; and
     to_argv (how the recipes run the CLI) writes exactly the flags that build its TrainPlan."""
-    from retrieval_core.checkpoints import from_text_backbone
     from retrieval_core.cli import plan_from_cli, to_argv
-    from retrieval_core.store import StagedDataset
-    from retrieval_core.train import TrainPlan
-    from retrieval_core.train_data import load_split
+    from retrieval_core.data.store import StagedDataset
+    from retrieval_core.model.checkpoints import from_text_backbone
+    from retrieval_core.training.train import TrainPlan
+    from retrieval_core.training.train_data import load_split
 
     staged, base = cli_inputs
     cfg = TrainConfig(objective="joint", be_loss="infonce", image_init="lstsq", new_layers_lr_mult=20.0,
@@ -330,8 +330,8 @@ def test_dev_evaluation_shows_items_rate_and_eta(data, tmp_path, monkeypatch, ca
 
 
 def test_feature_neighbours_find_the_near_duplicate():
-    from retrieval_core.schema import ImageTable
-    from retrieval_core.train_data import feature_neighbours
+    from retrieval_core.data.schema import ImageTable
+    from retrieval_core.training.train_data import feature_neighbours
 
     rng = np.random.default_rng(0)
     base = [rng.normal(size=(5, F)).astype(np.float32) for _ in range(6)]
@@ -345,7 +345,7 @@ def test_feature_neighbours_find_the_near_duplicate():
 
 
 def test_lstsq_image_embedding_is_a_training_free_start(tmp_path, data):
-    from retrieval_core.model_init import lstsq_image_embedding
+    from retrieval_core.training.model_init import lstsq_image_embedding
 
     train, dev = data
     warm = tiny_model(str(tmp_path / "b"), feature_dim=F)
@@ -353,7 +353,7 @@ def test_lstsq_image_embedding_is_a_training_free_start(tmp_path, data):
     assert 0.3 < r2 <= 1.0
     # each dev image's mean region token (before LayerNorm) is nearest to the mean word embedding of its own
     # captions: the map generalises beyond the images it was fitted on
-    from retrieval_core.baseline import pooled_image_vectors
+    from retrieval_core.model.baseline import pooled_image_vectors
 
     with torch.no_grad():
         img = warm.img_embedding(torch.from_numpy(pooled_image_vectors(dev.images)).float()).numpy()
@@ -372,7 +372,7 @@ def test_lstsq_image_embedding_is_a_training_free_start(tmp_path, data):
 def test_mined_negatives_are_the_be_top_k_wrong_items_in_both_directions(tmp_path, data):
     """mine_be_negatives against a brute-force ranking by the model's own embeddings: per caption its k best
     wrong images (t2i), per gold image its k best wrong captions in the pool (i2t); never a positive."""
-    from retrieval_core.train_data import mine_be_negatives
+    from retrieval_core.training.train_data import mine_be_negatives
 
     train, _ = data
     model = tiny_model(str(tmp_path / "m"), feature_dim=F)
@@ -434,7 +434,7 @@ def test_no_mined_negatives_before_mine_start_step(tmp_path, data):
 
 
 def test_length_chunks_cover_the_batch_shortest_first(data, tmp_path):
-    from retrieval_core.collate import length_chunks
+    from retrieval_core.model.collate import length_chunks
 
     lengths = np.array([9, 2, 7, 2, 5, 1, 8])
     chunks = length_chunks(lengths, 3)
@@ -484,8 +484,8 @@ def test_languages_train_and_select_on_those_captions_only(tmp_path):
     """--languages en: the zero-shot setting trains (and selects its checkpoint) on English captions only."""
     from pipelines.stage.plan import StagePlan
     from pipelines.stage.run import run as stage
-    from retrieval_core.store import StagedDataset
-    from retrieval_core.train_data import load_split
+    from retrieval_core.data.store import StagedDataset
+    from retrieval_core.training.train_data import load_split
 
     staged = str(tmp_path / "staged")
     stage(StagePlan(staged, "demo", overrides=("demo.images.num_images=40", "demo.expected_images=null",

@@ -23,11 +23,16 @@ from pipelines.rerank import plan as rerank_plan
 from pipelines.rerank import run as rerank_run
 from pipelines.stage import plan as stage_plan
 from pipelines.stage import run as stage_run
-from retrieval_core import embeddings as emb
-from retrieval_core import index as ix
-from retrieval_core import runs
-from retrieval_core.backbones import MODEL_CACHE_ENV
-from retrieval_core.checkpoints import CheckpointError, inspect_model_folder, load_model_folder, local_model_folder
+from retrieval_core.evaluation import runs
+from retrieval_core.model.backbones import MODEL_CACHE_ENV
+from retrieval_core.model.checkpoints import (
+    CheckpointError,
+    inspect_model_folder,
+    load_model_folder,
+    local_model_folder,
+)
+from retrieval_core.search import embeddings as emb
+from retrieval_core.search import index as ix
 from tests.helpers_beamfs import PREFIX, url
 from tests.test_dataflow import MANIFEST  # a synthetic collection of 16 images (8 test), 2 captions each
 from tests.test_encode_pipeline import write_tiny_model

@@ -235,7 +235,7 @@ def _summary(staged: Path) -> dict:
 
 def test_walkthrough_runs_as_written(walked):
     modules = [argv[0] for argv in walked["commands"]]
-    assert modules == ["pipelines.stage", "retrieval_core.train", "pipelines.encode", "pipelines.build_index",
+    assert modules == ["pipelines.stage", "retrieval_core.training.train", "pipelines.encode", "pipelines.build_index",
                        "pipelines.rerank", "benchmarks.evaluate", "benchmarks.evaluate",
                        "pipelines.stage", "pipelines.encode", "pipelines.build_index", "pipelines.rerank",
                        "benchmarks.evaluate", "benchmarks.evaluate"]
@@ -280,7 +280,7 @@ def test_the_csv_holds_the_5k_and_20k_rows(walked):
 
 def test_the_distractor_run_ranks_and_reranks_the_other_collections_items(walked):
     """Queries are COCO's, candidates every collection's: the CE scored Flickr30k and CC images too."""
-    from retrieval_core.store import StagedDataset
+    from retrieval_core.data.store import StagedDataset
 
     staged = StagedDataset(str(walked["W"] / "staged_20k"))
     meta = staged.images_meta()
@@ -310,7 +310,7 @@ def test_the_caption_side_is_the_real_caption_files(walked):
     if walked["real"] is None:
         pytest.skip("real data not found (../shared/realdata/laps_karpathy_ids): the walkthrough ran on "
                     "generated captions")
-    from retrieval_core.store import StagedDataset
+    from retrieval_core.data.store import StagedDataset
 
     staged = StagedDataset(str(walked["W"] / "staged"))
     caps = staged.captions(split="test")

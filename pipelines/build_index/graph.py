@@ -13,8 +13,8 @@ from apache_beam.metrics import Metrics
 
 from pipelines import common
 from pipelines.build_index.plan import IndexBuildError, IndexPlan
-from retrieval_core import embeddings as emb
-from retrieval_core import index as ix
+from retrieval_core.search import embeddings as emb
+from retrieval_core.search import index as ix
 
 log = logging.getLogger(__name__)
 

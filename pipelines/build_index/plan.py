@@ -6,10 +6,10 @@ from typing import Optional
 
 import click
 
-from retrieval_core import index as ix
-from retrieval_core import index_choice as ic
-from retrieval_core import schema
 from retrieval_core.cli import check_choice, check_positive, option
+from retrieval_core.data import schema
+from retrieval_core.search import index as ix
+from retrieval_core.search import index_choice as ic
 
 #: --index-factory value that chooses the factory and its search parameters under budgets (index_choice).
 AUTO = "auto"

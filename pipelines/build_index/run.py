@@ -1,7 +1,7 @@
 """``python -m pipelines.build_index``: a sharded FAISS index from an embeddings directory, one index shard per
 embedding shard. The launcher trains once (a deterministic, shard-order independent sample), the graph builds
 the shards, the launcher writes index_manifest.json; a rerun keeps every shard still valid. ``--index-factory
-auto`` chooses the index under budgets (retrieval_core.index_choice). docs/ARCHITECTURE.md has the details.
+auto`` chooses the index under budgets (retrieval_core.search.index_choice). docs/ARCHITECTURE.md has the details.
 
     python -m pipelines.build_index --embeddings EMB --output INDEX --modality image --index-factory "IVF256,Flat"
 """
@@ -20,11 +20,12 @@ import numpy as np
 from pipelines import common
 from pipelines.build_index.graph import METRICS_NAMESPACE, BuildShard, _Blob, build_graph
 from pipelines.build_index.plan import AUTO, IndexBuildError, IndexPlan
-from retrieval_core import embeddings as emb
-from retrieval_core import index as ix
-from retrieval_core import index_choice as ic
-from retrieval_core import metrics, schema
 from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
+from retrieval_core.data import schema
+from retrieval_core.search import embeddings as emb
+from retrieval_core.search import exact
+from retrieval_core.search import index as ix
+from retrieval_core.search import index_choice as ic
 
 log = logging.getLogger(__name__)
 CREATED_BY = "pipelines.build_index"
@@ -230,7 +231,7 @@ def _exact_ids(plan: IndexPlan, shards: list[dict], ids: Optional[np.ndarray], q
         for sid, vec in emb.iter_embedding_shards(plan.embeddings, plan.modality, files=common.BEAM_FILES):
             keep = np.isin(sid, ids) if ids is not None else slice(None)
             yield sid[keep], vec[keep]
-    [(_, found)] = metrics.exact_topk_shards([queries], listed(), ic.K, plan.metric)
+    [(_, found)] = exact.exact_topk_shards([queries], listed(), ic.K, plan.metric)
     return found
 
 

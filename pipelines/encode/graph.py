@@ -13,9 +13,9 @@ from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 from pipelines import common
 from pipelines.encode.plan import EncodeError, EncodePlan, ShardPlan, record_path
 from pipelines.handlers import TASK_EMBED_IMAGE, TASK_EMBED_TEXT, FailedBatch, VLModelHandler, element_length
-from retrieval_core import embeddings as emb
-from retrieval_core import schema
-from retrieval_core.store import StagedDataset
+from retrieval_core.data import schema
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.search import embeddings as emb
 
 MODALITY_TASK = {schema.MODALITY_IMAGE: TASK_EMBED_IMAGE, schema.MODALITY_TEXT: TASK_EMBED_TEXT}
 #: Beam counters (namespace "encode"): images_encoded, captions_encoded, images_dead_lettered, ...

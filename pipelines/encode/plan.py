@@ -10,11 +10,11 @@ import click
 import numpy as np
 
 from pipelines import common
-from retrieval_core import embeddings as emb
-from retrieval_core import schema
-from retrieval_core.checkpoints import CheckpointError, ModelFolder, inspect_model_folder
 from retrieval_core.cli import check_choice, check_device, check_positive, device_option, option, threads_option
-from retrieval_core.store import StagedDataset
+from retrieval_core.data import schema
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.model.checkpoints import CheckpointError, ModelFolder, inspect_model_folder
+from retrieval_core.search import embeddings as emb
 
 MODALITY_CHOICES = (*schema.MODALITIES, "both")
 STAGED_ID = {schema.MODALITY_IMAGE: schema.ITEM_ID, schema.MODALITY_TEXT: "caption_id"}
@@ -70,7 +70,7 @@ class EncodePlan:
 
 
 def be_model_folder(model_dir: str) -> ModelFolder:
-    """The folder's kind, files and fingerprint (retrieval_core.checkpoints), refused unless it has a BE head; a
+    """The folder's kind, files and fingerprint (retrieval_core.model.checkpoints), refused unless it has a BE head; a
     gs:// folder is read from its local copy."""
     try:
         return inspect_model_folder(model_dir, files=common.BEAM_FILES).require(("be",))

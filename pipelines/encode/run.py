@@ -30,10 +30,10 @@ from pipelines.encode.plan import (
     staged_ids,
 )
 from pipelines.handlers import COMPUTED_TOKENS, USEFUL_TOKENS, VLModelHandler
-from retrieval_core import embeddings as emb
-from retrieval_core import schema
 from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
-from retrieval_core.store import StagedDataset
+from retrieval_core.data import schema
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.search import embeddings as emb
 
 log = logging.getLogger(__name__)
 

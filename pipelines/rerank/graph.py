@@ -15,10 +15,10 @@ from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 from pipelines import common
 from pipelines.handlers import TASK_SCORE_PAIRS, VLModelHandler, element_length
 from pipelines.rerank.plan import PROGRESS_DIR, T2I, RerankError, Resolved, SearcherSpec, shard_pairs
-from retrieval_core import embeddings as emb
-from retrieval_core import rerank as rr
-from retrieval_core.index import StreamedExact, StreamedIndex, set_threads
-from retrieval_core.store import StagedDataset
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.search import embeddings as emb
+from retrieval_core.search import rerank as rr
+from retrieval_core.search.index import StreamedExact, StreamedIndex, set_threads
 
 #: Beam counters (namespace "rerank"): queries_searched, ce_pairs_scored (unique pairs), ce_pair_requests,
 #: queries_ranked, ranking_shards_written.

@@ -18,15 +18,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipelines import common
-from retrieval_core import embeddings as emb
-from retrieval_core import rerank as rr
-from retrieval_core import schema
-from retrieval_core.checkpoints import CheckpointError, ModelFolder, inspect_model_folder
 from retrieval_core.cli import check_device, check_positive, device_option, option, threads_option
-from retrieval_core.index import INDEX_MANIFEST, check_search_params, load_index_manifest
-from retrieval_core.paths import is_url
-from retrieval_core.runs import RunError, choose_fusion, read_run_manifest
-from retrieval_core.store import StagedDataset
+from retrieval_core.data import schema
+from retrieval_core.data.paths import is_url
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.evaluation.runs import RunError, choose_fusion, read_run_manifest
+from retrieval_core.model.checkpoints import CheckpointError, ModelFolder, inspect_model_folder
+from retrieval_core.search import embeddings as emb
+from retrieval_core.search import rerank as rr
+from retrieval_core.search.index import INDEX_MANIFEST, check_search_params, load_index_manifest
 
 log = logging.getLogger(__name__)
 
@@ -425,7 +425,7 @@ def resolve(plan: RerankPlan) -> Resolved:
 
 def resolve_auto(plan: RerankPlan) -> tuple[RerankPlan, Optional[dict]]:
     """--mode auto: the plan with the mode and lam that give the best mR on the --tune-on dev run
-    (retrieval_core.runs.choose_fusion, derived from the dev run's stored BE and CE scores at this run's k),
+    (retrieval_core.evaluation.runs.choose_fusion, derived from the dev run's stored BE and CE scores at this run's k),
     and the record of that choice for the manifest. Other plans pass through unchanged (record None).
 
     The dev run must rank another split (or collection) than this run - a fusion tuned on the evaluated

@@ -2,7 +2,7 @@
 
 The launcher runs the graph in waves of output shards (one Beam job each; a killed run keeps every finished
 shard whose progress record matches the plan), then writes rankings_manifest.json (the run contract that
-``retrieval_core.runs`` reads). docs/ARCHITECTURE.md describes the graph, resume and determinism.
+``retrieval_core.evaluation.runs`` reads). docs/ARCHITECTURE.md describes the graph, resume and determinism.
 
     python -m pipelines.rerank --staged S --embeddings E --index I --ce-model M --mode co --k 20 --output OUT
 """
@@ -38,9 +38,9 @@ from pipelines.rerank.plan import (
     sampled_queries,
     shard_pairs,
 )
-from retrieval_core import rerank as rr
-from retrieval_core import schema
 from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
+from retrieval_core.data import schema
+from retrieval_core.search import rerank as rr
 
 log = logging.getLogger(__name__)
 

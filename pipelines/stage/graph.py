@@ -16,13 +16,9 @@ from apache_beam.metrics import Metrics
 
 from pipelines import common
 from pipelines.stage.plan import CAPTIONS_DIR, FEATURES_DIR, IMAGES_DIR, REJECTS_DIR, Settings, shard_rel
-from retrieval_core import (
-    readers,  # noqa: F401 (imported once per worker)
-    schema,
-    staging,
-)
-from retrieval_core.paths import is_url
-from retrieval_core.readers import caption_image_splits, read_task
+from retrieval_core.data import schema, staging
+from retrieval_core.data.paths import is_url
+from retrieval_core.data.readers import caption_image_splits, read_task
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ from typing import Optional
 import click
 
 from pipelines import common
-from retrieval_core import schema, staging
 from retrieval_core.cli import check_choice, check_positive, option
-from retrieval_core.manifest import Manifest
-from retrieval_core.readers import plan_read_tasks
+from retrieval_core.data import schema, staging
+from retrieval_core.data.manifest import Manifest
+from retrieval_core.data.readers import plan_read_tasks
 
 IMAGES_DIR, FEATURES_DIR, CAPTIONS_DIR, REJECTS_DIR = "images", "features", "captions", "rejects"
 FEATURE_FORMATS = ("parquet", "hdf5")

@@ -33,10 +33,10 @@ from pipelines.stage.plan import (
     default_chunk_size,
     plan_tasks,
 )
-from retrieval_core import schema, staging
 from retrieval_core.cli import plan_from_cli, plan_options
-from retrieval_core.manifest import ManifestError, load_manifest
-from retrieval_core.store import INCOMPLETE_FILE
+from retrieval_core.data import schema, staging
+from retrieval_core.data.manifest import ManifestError, load_manifest
+from retrieval_core.data.store import INCOMPLETE_FILE
 
 log = logging.getLogger(__name__)
 

@@ -33,11 +33,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, BertConfig
 
-from retrieval_core.backbones import backbone_path, is_backbone_name, model_cache_dir
-from retrieval_core.baseline import BASELINE_JSON, BASELINE_TENSORS, MappedBaseline
-from retrieval_core.model import CE_SCORES, MODEL_JSON, VLModelConfig, VLRetrievalModel, quantize_model
-from retrieval_core.paths import FileAccess, is_url, local_sha256
-from retrieval_core.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS
+from retrieval_core.data.paths import FileAccess, is_url, local_sha256
+from retrieval_core.data.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS
+from retrieval_core.model.backbones import backbone_path, is_backbone_name, model_cache_dir
+from retrieval_core.model.baseline import BASELINE_JSON, BASELINE_TENSORS, MappedBaseline
+from retrieval_core.model.network import CE_SCORES, MODEL_JSON, VLModelConfig, VLRetrievalModel, quantize_model
 
 #: Source keys we deliberately drop: non-persistent buffers some versions serialised, and BERT
 #: pre-training heads that retrieval never uses.

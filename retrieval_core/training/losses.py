@@ -57,7 +57,7 @@ class HardNegatives:
     """Per image, the positions of its ``k`` most similar other images, plus a caption index by image, so a
     hard negative is drawn in O(1): an image from the gold image's neighbours, or a caption of one of them.
 
-    Built by :func:`retrieval_core.train_data.feature_neighbours` (nearest images by pooled region features), which
+    Built by :func:`training.train_data.feature_neighbours` (nearest images by pooled region features), which
     needs no trained model: in the synthetic benchmark those are the near-duplicate siblings, in real data
     visually similar scenes - the candidates a CE must learn to reject when it reranks a BE's top-k.
     """
@@ -84,7 +84,7 @@ class HardNegatives:
 class MinedNegatives:
     """CE negatives from the bi-encoder's own top-k (what the CE will rerank): per caption, the images the BE
     ranks highest that are not its gold image (t2i); per image, the captions the BE ranks highest that are not
-    its own (i2t). Built by :func:`retrieval_core.train_data.mine_be_negatives` for the captions of the coming steps.
+    its own (i2t). Built by :func:`training.train_data.mine_be_negatives` for the captions of the coming steps.
 
     ``caption_keys`` (sorted caption positions) with ``caption_images`` (n, k) image positions, ``image_keys``
     (sorted image positions) with ``image_captions`` (m, k) caption positions; -1 pads a short row."""

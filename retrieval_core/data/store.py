@@ -16,11 +16,11 @@ before it replaces the first shard and deletes once summary.json is written. Res
 features are stored inline in Parquet or in HDF5 shards.
 
 Local paths are read with Python's own file access. A URL path (gs://...) is read through the ``files`` given
-(a ``retrieval_core.paths.FileAccess``): this library does not import Beam, so the pipelines pass theirs.
+(a ``retrieval_core.data.paths.FileAccess``): this library does not import Beam, so the pipelines pass theirs.
 
 Example::
 
-    from retrieval_core.store import StagedDataset
+    from retrieval_core.data.store import StagedDataset
     ds = StagedDataset("/data/staged/demo")
     ds.collections                       # ['demo']
     meta = ds.images_meta(split="test")  # pandas: item_id, collection, source_id, split, image_w, ...

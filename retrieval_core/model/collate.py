@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from retrieval_core.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS
+from retrieval_core.data.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS
 
 #: One image as the model consumes it: features (n, F) and normalised boxes (n, 6).
 Regions = tuple[np.ndarray, np.ndarray]

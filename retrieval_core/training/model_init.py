@@ -7,17 +7,17 @@ import os
 import numpy as np
 import torch
 
-from retrieval_core.backbones import BACKBONES, backbone_path, is_backbone_name
-from retrieval_core.baseline import pooled_image_vectors
-from retrieval_core.checkpoints import (
+from retrieval_core.model.backbones import BACKBONES, backbone_path, is_backbone_name
+from retrieval_core.model.baseline import pooled_image_vectors
+from retrieval_core.model.checkpoints import (
     KIND_BASELINE,
     CheckpointError,
     from_text_backbone,
     inspect_model_folder,
     load_model_folder,
 )
-from retrieval_core.model import VLRetrievalModel
-from retrieval_core.train_data import TrainData
+from retrieval_core.model.network import VLRetrievalModel
+from retrieval_core.training.train_data import TrainData
 
 
 def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int,

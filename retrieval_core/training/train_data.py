@@ -9,10 +9,10 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from retrieval_core import metrics
-from retrieval_core.losses import MinedNegatives
-from retrieval_core.model import VLRetrievalModel
-from retrieval_core.schema import ImageTable
+from retrieval_core.data.schema import ImageTable
+from retrieval_core.model.network import VLRetrievalModel
+from retrieval_core.search import exact
+from retrieval_core.training.losses import MinedNegatives
 
 
 class TrainData:
@@ -84,14 +84,14 @@ def mine_be_negatives(model: VLRetrievalModel, data: TrainData, caption_pos: np.
     txt_emb = model.encode_text([data.texts[i] for i in pool], batch_size, device)
     model.train(was_training)
     depth_i, depth_c = min(k + 1, len(img_pos)), min(k + 5 * 2, len(pool))  # room for the gold item(s) dropped
-    _, t2i = metrics.exact_topk(txt_emb[np.searchsorted(pool, caption_pos)], img_emb, img_pos, depth_i)
+    _, t2i = exact.exact_topk(txt_emb[np.searchsorted(pool, caption_pos)], img_emb, img_pos, depth_i)
     gold = data.image_pos[caption_pos]
     caption_images = np.full((len(caption_pos), k), -1, dtype=np.int64)
     for row, (top, g) in enumerate(zip(t2i, gold)):
         wrong = top[top != g][:k]
         caption_images[row, :len(wrong)] = wrong
     gold_images = np.unique(gold)
-    _, i2t = metrics.exact_topk(img_emb[np.searchsorted(img_pos, gold_images)], txt_emb, pool, depth_c)
+    _, i2t = exact.exact_topk(img_emb[np.searchsorted(img_pos, gold_images)], txt_emb, pool, depth_c)
     image_captions = np.full((len(gold_images), k), -1, dtype=np.int64)
     for row, (top, g) in enumerate(zip(i2t, gold_images)):
         wrong = top[data.image_pos[top] != g][:k]

@@ -33,7 +33,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 import numpy as np
 import pyarrow as pa
 
-from retrieval_core import schema
+from retrieval_core.data import schema
 
 MODES = ("emb", "ce", "add", "norm_add")
 #: The modes a run is made and evaluated with (pipelines.rerank / benchmarks.evaluate --mode): "co" reranks

@@ -40,8 +40,9 @@ from typing import Iterator, Optional
 import numpy as np
 import pandas as pd
 
-from retrieval_core import staging, synthetic_languages
-from retrieval_core.schema import DEFAULT_MAX_REGIONS, ImageTable, RawCaption, RawImage, Reject
+from retrieval_core.data import staging
+from retrieval_core.data.schema import DEFAULT_MAX_REGIONS, ImageTable, RawCaption, RawImage, Reject
+from retrieval_core.data.synthetic import languages as synthetic_languages
 
 # ------------------------------------------------------------------------------------- vocabulary
 # Colours are shared by every domain (one world). name -> caption variants (first = canonical).

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from ..schema import KIND_CAPTION, KIND_IMAGE, RawCaption, RawImage, Reject
-from ..synthetic import SyntheticSpec, generate_captions, generate_images
+from ..synthetic.generator import SyntheticSpec, generate_captions, generate_images
 from ._common import (
     LOCAL_FILES,
     FileAccess,

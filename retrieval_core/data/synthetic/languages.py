@@ -1,4 +1,4 @@
-"""German, French and Czech captions of the synthetic scenes (``retrieval_core.synthetic`` writes English).
+"""German, French and Czech captions of the synthetic scenes (``generator`` writes English).
 
 Every caption states what the English ones state: both focus groups with count, colour (sometimes size), their
 relation, sometimes a setting or a third group. Each language has a lexicon that writes out every word form its

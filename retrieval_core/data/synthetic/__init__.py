@@ -1,0 +1,1 @@
+"""The synthetic benchmark: scenes, their captions in four languages."""

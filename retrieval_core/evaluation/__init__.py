@@ -1,0 +1,1 @@
+"""Evaluation: recall, bootstrap intervals, and the metrics of a ranking run."""

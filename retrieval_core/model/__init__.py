@@ -1,0 +1,1 @@
+"""The model: the single-stream transformer, its collation, backbones, checkpoints and baselines."""

@@ -1,0 +1,1 @@
+"""Training: objectives, losses, negatives, initialisation and the dev evaluation."""
