@@ -57,7 +57,7 @@ COLLECTION_KEYS = ("images", "captions", "expected_images", "expected_captions",
 UNCAPTIONED = ("keep", "skip")
 #: Generator options a synthetic ``captions:`` block may set (the others describe the images: under ``images:``).
 SYNTHETIC_CAPTION_OPTIONS = ("captions_per_image", "languages")
-MANIFEST_DIR = Path(__file__).resolve().parent.parent / "data_manifests"
+MANIFEST_DIR = Path(__file__).resolve().parents[2] / "data_manifests"
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 _GLOB_CHARS = re.compile(r"[*?\[]")
