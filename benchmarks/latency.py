@@ -54,7 +54,8 @@ from pipelines.encode.plan import EncodePlan
 from pipelines.encode.run import run as run_encode
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.data.synthetic.generator import SyntheticSpec, synthetic_collection
-from retrieval_core.model.network import VLRetrievalModel, quantize_model
+from retrieval_core.model.network import VLRetrievalModel
+from retrieval_core.model.quantize import quantize_model
 from retrieval_core.search import exact, index_choice, rerank
 from retrieval_core.search import index as rindex
 from retrieval_core.search.index_choice import ivf_nlist

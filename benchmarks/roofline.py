@@ -28,13 +28,9 @@ import torch
 from benchmarks.report import cpu_model, write_csv
 from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
 from retrieval_core.data.synthetic.generator import SyntheticSpec, synthetic_collection
-from retrieval_core.model.network import (
-    VLRetrievalModel,
-    cpu_has_native_bf16,
-    layer_gemm_shapes,
-    model_flops,
-    quantize_model,
-)
+from retrieval_core.model.flops import layer_gemm_shapes, model_flops
+from retrieval_core.model.network import VLRetrievalModel
+from retrieval_core.model.quantize import cpu_has_native_bf16, quantize_model
 from retrieval_core.training.train import TrainConfig, Trainer, step_flops
 from retrieval_core.training.train_data import TrainData
 
@@ -43,7 +39,7 @@ RECIPES_JSON = "recipes.json"
 
 
 def gemm_rate(config, tokens: int, reps: int = 5, dtype=None, device: str = "cpu") -> float:
-    """FLOP/s of one BERT layer's dense GEMMs (model.layer_gemm_shapes) over ``tokens`` rows in ``dtype``
+    """FLOP/s of one BERT layer's dense GEMMs (model.flops.layer_gemm_shapes) over ``tokens`` rows in ``dtype``
     (default float32), torch.mm on ``device`` with torch's thread setting, best of ``reps``: the machine's
     attainable rate at the model's shapes."""
     shapes = layer_gemm_shapes(config, int(tokens))
@@ -156,14 +152,14 @@ def mean_lengths(b: UnitBench) -> tuple[float, float]:
 @dataclass(frozen=True)
 class Variant:
     """One way of serving the model: a label, the precision the GEMMs run in, and the attention kernel (None:
-    the one the served model runs, model.quantize_model's choice)."""
+    the one the served model runs, model.quantize.quantize_model's choice)."""
     label: str
     precision: str = "fp32"  # fp32, int8 (CPU dynamic quantisation), bf16 (weights), bf16-amp or fp16-amp
     attention: Optional[str] = None
 
 
 def serving_variants(device: str, other_attention: bool = False) -> list[Variant]:
-    """What roofline_rows measures: CPU fp32, int8 and (native) bf16 (--quantize: model.quantize_model); CUDA
+    """What roofline_rows measures: CPU fp32, int8 and (native) bf16 (--quantize: model.quantize.quantize_model); CUDA
     fp32, bf16 (--quantize bf16: bf16 weights) and bf16 and fp16 autocast (the amp_dtype of encode_*).
     ``other_attention``: each float variant once more with the other attention kernel (eager where it serves
     sdpa, and the reverse)."""

@@ -152,7 +152,7 @@ def versions(base_dir, backbone, data, threads, reps) -> None:
 def variants(backbone, data, threads, reps) -> None:
     """float32 sdpa / eager, bf16 weights, bf16 autocast on the same batches, alternately in one process."""
     from retrieval_core.model.collate import collate_images, collate_pairs
-    from retrieval_core.model.network import cpu_has_native_bf16, quantize_model
+    from retrieval_core.model.quantize import cpu_has_native_bf16, quantize_model
 
     torch.set_num_threads(threads)
     model, images, captions, _ = _load(backbone, data)

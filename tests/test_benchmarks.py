@@ -528,7 +528,7 @@ def test_latency_per_query_rows_and_extrapolated_totals(model, tmp_path):
         if r["mode"] == "CE":  # the budget is 0: whole-collection CE is extrapolated and says so
             assert r["measured"] == "false" and r["notes"].startswith("extrapolated")
     roof = {r["mode"]: r for r in back if r["collection"] == "roofline"}
-    from retrieval_core.model.network import cpu_has_native_bf16
+    from retrieval_core.model.quantize import cpu_has_native_bf16
     variants = ("fp32", "int8") + (("bf16",) if cpu_has_native_bf16() else ())  # bf16 rows where the CPU has it
     assert set(roof) == {f"{t} ({v})" for t in ("CE pairs", "BE images", "BE captions") for v in variants}
     for r in roof.values():  # a measured rate below what the GEMMs at the model's shapes allow

@@ -294,7 +294,8 @@ def test_quantize_refused_off_cpu_and_flop_count_of_a_layer():
     from types import SimpleNamespace
 
     from pipelines.encode.plan import EncodeError, EncodePlan
-    from retrieval_core.model.network import layer_gemm_shapes, quantize_model, sequence_flops
+    from retrieval_core.model.flops import layer_gemm_shapes, sequence_flops
+    from retrieval_core.model.quantize import quantize_model
 
     lin = torch.nn.Sequential(torch.nn.Linear(4, 4))
     assert quantize_model(lin, "none") is lin
@@ -314,9 +315,10 @@ def test_quantize_refused_off_cpu_and_flop_count_of_a_layer():
 def test_bf16_serving_runs_the_heads_in_bf16_and_is_refused_where_the_cpu_emulates_it(tmp_path, monkeypatch):
     """--quantize bf16: the same model object, its weights in bfloat16 (outputs float32, close to float32's but
     not equal); refused on a CPU without native bf16 (there it is slower than float32)."""
-    from retrieval_core.model import network as model_mod
+    from retrieval_core.model import quantize as quantize_mod
     from retrieval_core.model.collate import collate_images, collate_pairs
-    from retrieval_core.model.network import VLRetrievalModel, quantize_model
+    from retrieval_core.model.network import VLRetrievalModel
+    from retrieval_core.model.quantize import quantize_model
     model_dir = str(tmp_path / "m")
     tiny_model(str(tmp_path)).save(model_dir)
     fp32 = VLRetrievalModel.load(model_dir)
@@ -328,10 +330,10 @@ def test_bf16_serving_runs_the_heads_in_bf16_and_is_refused_where_the_cpu_emulat
                "score_pairs": collate_pairs(fp32.text_collator(), texts, regions, 8)}
     with torch.inference_mode():
         ref = {name: getattr(fp32, name)(b) for name, b in batches.items()}
-    monkeypatch.setattr(model_mod, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(quantize_mod, "cpu_has_native_bf16", lambda: False)
     with pytest.raises(ValueError, match="native bf16"):
         quantize_model(VLRetrievalModel.load(model_dir), "bf16")
-    monkeypatch.setattr(model_mod, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(quantize_mod, "cpu_has_native_bf16", lambda: True)
     loaded = VLRetrievalModel.load(model_dir)
     bf16 = quantize_model(loaded, "bf16")
     assert bf16 is loaded and {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
@@ -450,7 +452,7 @@ def test_flop_counts_of_the_cls_only_layer_and_of_training_steps(model):
     training step is 3x the forward (2x for the region projection, whose input needs no gradient)."""
     from types import SimpleNamespace
 
-    from retrieval_core.model.network import model_flops, sequence_flops
+    from retrieval_core.model.flops import model_flops, sequence_flops
     from retrieval_core.training.train import TrainConfig, step_flops
 
     cfg = SimpleNamespace(hidden_size=8, intermediate_size=32, num_hidden_layers=2)

@@ -540,10 +540,10 @@ def test_a_quantized_ce_scores_the_pairs_and_is_recorded(assets, tmp_path, monke
     """--quantize int8 / bf16: the CE scores are the served model's (close to fp32, not equal: the CE really
     ran quantised), the manifest says so, and it is refused where it has nothing to quantise (emb) or, for
     int8, cannot run (cuda). Native bf16 is taken as given here (the refusal on CPUs that emulate it: test_model)."""
-    from retrieval_core.model import network as model_mod
+    from retrieval_core.model import quantize as quantize_mod
     from retrieval_core.model.checkpoints import load_model_folder
 
-    monkeypatch.setattr(model_mod, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(quantize_mod, "cpu_has_native_bf16", lambda: True)
     root, staged, model_dir, emb_dir = assets
     out = str(tmp_path / quantize)
     manifest = run_rerank(staged, emb_dir, out, mode="co", k=4, ce_model=model_dir, directions=("t2i",),

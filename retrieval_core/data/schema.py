@@ -274,7 +274,7 @@ class ImageTable:
 
 
 #: Model-loading options of the inference CLIs (--quantize): none (float32), int8 dynamic quantisation of the
-#: Linear layers (CPU only), or bf16 weights (CUDA, or a CPU with native bf16); model.network.quantize_model.
+#: Linear layers (CPU only), or bf16 weights (CUDA, or a CPU with native bf16); model.quantize.quantize_model.
 QUANTIZE_CHOICES = ("none", "int8", "bf16")
 #: The --quantize modes a device can run ("cpu" / "cuda"); bf16 on CPU also needs native bf16 (checked at load).
 QUANTIZE_DEVICES = {"none": ("cpu", "cuda"), "int8": ("cpu",), "bf16": ("cpu", "cuda")}

@@ -37,7 +37,8 @@ from retrieval_core.data.paths import FileAccess, is_url, local_sha256
 from retrieval_core.data.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS
 from retrieval_core.model.backbones import backbone_path, is_backbone_name, model_cache_dir
 from retrieval_core.model.baseline import BASELINE_JSON, BASELINE_TENSORS, MappedBaseline
-from retrieval_core.model.network import CE_SCORES, MODEL_JSON, VLModelConfig, VLRetrievalModel, quantize_model
+from retrieval_core.model.network import CE_SCORES, MODEL_JSON, VLModelConfig, VLRetrievalModel
+from retrieval_core.model.quantize import quantize_model
 
 #: Source keys we deliberately drop: non-persistent buffers some versions serialised, and BERT
 #: pre-training heads that retrieval never uses.
@@ -383,7 +384,7 @@ def load_model_folder(path: str, need: Sequence[str] = (), device: str = "cpu", 
 
     ``need`` names the heads the caller uses ("be", "ce"); a folder without one is refused. ``ce_score``
     overrides the folder's CE score key (e.g. "logit1" to rank a native CE by MMT's key). ``quantize="int8"``:
-    dynamic int8 Linear layers (model.quantize_model; CPU only). A URL folder is loaded from its local copy
+    dynamic int8 Linear layers (model.quantize.quantize_model; CPU only). A URL folder is loaded from its local copy
     (``files``: how to reach it, see :func:`local_model_folder`)."""
     info = inspect_model_folder(path, files).require(need)
     local = info.local_dir

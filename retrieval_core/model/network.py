@@ -18,7 +18,6 @@ One object carries both heads: SEP = two models trained separately, JOIN = one t
 """
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -33,7 +32,6 @@ from transformers import AutoTokenizer, BertConfig, BertModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import eager_attention_forward
 
-from retrieval_core.data import schema
 from retrieval_core.data.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS, SCHEMA_VERSION, ImageTable
 from retrieval_core.model.collate import Regions, TextCollator, TokenCounts, collate_images, collate_pairs
 
@@ -452,97 +450,3 @@ def _autocast(device: torch.device, amp_dtype: Optional[str]):
     if amp_dtype not in dtypes:
         raise ValueError(f"amp_dtype must be one of {sorted(dtypes)}, got {amp_dtype!r}")
     return torch.autocast(device_type="cuda", dtype=dtypes[amp_dtype])
-
-
-# ----------------------------------------------------------------------- CPU int8 / bf16, FLOP counts
-#: CPU flags (/proc/cpuinfo) of native bfloat16 matrix instructions: AVX-512 BF16 (AMD Zen 4+, Intel Cooper
-#: Lake+) and AMX (Intel Sapphire Rapids+). Without them bf16 is emulated and slower than float32.
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_has_native_bf16() -> bool:
-    """Whether this machine's CPU computes bf16 matrix products natively (Linux /proc/cpuinfo flags)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
-
-
-def quantize_model(model: nn.Module, quantize: Optional[str], device: str = "cpu") -> nn.Module:
-    """The model as it will be served (schema.QUANTIZE_CHOICES):
-
-    - ``none``: the model itself, float32;
-    - ``int8``: a copy with its nn.Linear layers dynamically quantised (weights int8, activations quantised per
-      batch: torch.ao.quantization.quantize_dynamic); int8 dynamic kernels exist on CPU only;
-    - ``bf16``: the model itself with its weights cast to bfloat16, so every layer runs in bf16 (oneDNN's bf16
-      matmuls on CPU; LayerNorm, softmax and GEMMs accumulate in float32 inside their kernels) and no cast is
-      paid per call, as autocast did (its casts cost 1.1-1.2x on a 2-core AMD EPYC, docs/PERFORMANCE.md); the
-      embeddings are pooled and the CE scores returned in float32. On CPU the attention runs the eager path; only
-      where the CPU has native bf16 (NATIVE_BF16_FLAGS): elsewhere it is emulated, slower than float32, and
-      refused.
-    Anything else, or a mode the device cannot run, raises ValueError."""
-    if quantize in (None, "none"):
-        return model
-    if quantize not in schema.QUANTIZE_CHOICES:
-        raise ValueError(f"quantize must be one of {'|'.join(schema.QUANTIZE_CHOICES)}, got {quantize!r}")
-    dev = torch.device(device)
-    if quantize == "bf16":
-        if not isinstance(model, VLRetrievalModel):
-            raise ValueError(f"--quantize bf16 applies to VLRetrievalModel, not {type(model).__name__}")
-        if dev.type == "cpu" and not cpu_has_native_bf16():
-            raise ValueError(f"--quantize bf16 needs a CPU with native bf16 ({' or '.join(NATIVE_BF16_FLAGS)} in "
-                             f"/proc/cpuinfo); this one emulates it, slower than float32: use --quantize none")
-        if dev.type == "cpu":  # the fused CPU attention kernel is the slower one in bf16 at these short lengths
-            model.set_attention("eager")  # (eager 1.06x CE pairs, 1.12x images; docs/PERFORMANCE.md)
-        return model.to(torch.bfloat16)
-    if dev.type != "cpu":
-        raise ValueError(f"--quantize {quantize} (dynamic int8 Linear layers) runs on CPU only; refused on "
-                         f"{device}")
-    import warnings
-    with warnings.catch_warnings():  # torch.ao.quantization is deprecated in favour of torchao, not installed
-        warnings.simplefilter("ignore")
-        return torch.ao.quantization.quantize_dynamic(model.to("cpu"), {nn.Linear}, dtype=torch.qint8).eval()
-
-
-def layer_gemm_shapes(config, tokens: int) -> list[tuple[int, int, int]]:
-    """(M, K, N) of one BERT layer's dense GEMMs over ``tokens`` rows: Q, K, V, attention output,
-    intermediate, output."""
-    h, i = int(config.hidden_size), int(config.intermediate_size)
-    return [(tokens, h, h)] * 4 + [(tokens, h, i), (tokens, i, h)]
-
-
-def sequence_flops(config, length: float, cls_only: bool = False) -> float:
-    """Multiply-add FLOPs (2 per MAC) of the encoder layers over one sequence of ``length`` tokens: the dense
-    GEMMs (layer_gemm_shapes) and attention's QK^T and AV; softmax, LayerNorm and GELU are left out.
-    ``cls_only``: the last layer as the CE runs it (_packed_layer with queries: keys and values of every
-    token, the rest for [CLS] alone)."""
-    h, i, n = int(config.hidden_size), int(config.intermediate_size), int(config.num_hidden_layers)
-    dense = 2 * length * (4 * h * h + 2 * h * i)
-    attention = 2 * 2 * length * length * h
-    if not cls_only:
-        return n * (dense + attention)
-    last = 2 * length * 2 * h * h + 2 * (2 * h * h + 2 * h * i) + 2 * 2 * length * h
-    return (n - 1) * (dense + attention) + last
-
-
-def model_flops(model: "VLRetrievalModel", task: str, text_tokens: float = 0.0, regions: float = 0.0,
-                training: bool = False) -> float:
-    """FLOPs of one unit of ``task`` from the model's config and the given average lengths:
-    "pair" (CE: text tokens + regions in one sequence, its last layer for [CLS] alone, region projection, pooler
-    and classifier), "image" (BE: [CLS] + regions) or "text" (BE: the caption's tokens). ``training``: forward
-    and backward - 3x the forward (input and weight gradients) except the region projection, whose input is
-    data (2x: weight gradients only)."""
-    cfg, h = model.bert.config, int(model.bert.config.hidden_size)
-    region_proj = 2 * regions * (model.cfg.feature_dim + model.cfg.box_dim) * h
-    grads, proj_grads = (3, 2) if training else (1, 1)
-    if task == "pair":
-        head = (2 * h * h if model.ce_pooler is not None else 0) + 2 * h * 2
-        return grads * (sequence_flops(cfg, text_tokens + regions, cls_only=True) + head) + proj_grads * region_proj
-    if task == "image":
-        return grads * sequence_flops(cfg, 1 + regions) + proj_grads * region_proj
-    if task == "text":
-        return grads * sequence_flops(cfg, text_tokens)
-    raise ValueError(f"task must be pair, image or text, got {task!r}")

@@ -43,7 +43,8 @@ from retrieval_core.cli import (
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model.backbones import E5_NAMES
 from retrieval_core.model.collate import collate_images, collate_pairs, length_chunks
-from retrieval_core.model.network import CE_AGREEMENTS, NEW_MODEL_CE_AGREEMENT, VLRetrievalModel, _autocast, model_flops
+from retrieval_core.model.flops import model_flops
+from retrieval_core.model.network import CE_AGREEMENTS, NEW_MODEL_CE_AGREEMENT, VLRetrievalModel, _autocast
 from retrieval_core.training.dev_eval import evaluate
 from retrieval_core.training.losses import (
     HardNegatives,
