@@ -12,7 +12,7 @@ probes, each a multinomial logistic regression per layer (layer 0 = the input to
   colour. A caption names two focus objects of different colours, so a noun that only knows the caption's bag
   of words cannot tell its own colour from the other one;
 * ``image``: inside the CE input (caption + its gold image), from a region token that the codebook oracle
-  (``synthetic.decode_regions``) decodes to one of the caption's two focus (class, colour) pairs, predict the
+  (``synthetic.regions.decode_regions``) decodes to one of the caption's two focus (class, colour) pairs, predict the
   colour. A region mixed into the image's average would lose it;
 * ``cross``: does the noun fetch the colour the *image* gives its object? Captions of a family's base scene go
   into the CE with their gold image (every other caption) or with its binding sibling, where the two focus
@@ -47,13 +47,16 @@ from benchmarks.family_probe import sampled_captions
 from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, threads_flag
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.store import StagedDataset
-from retrieval_core.data.synthetic import generator as synthetic
+from retrieval_core.data.synthetic.regions import decode_regions
+from retrieval_core.data.synthetic.scenes import describe_scene, focus_pairs
+from retrieval_core.data.synthetic.spec import SyntheticSpec
+from retrieval_core.data.synthetic.vocabulary import COLOURS
 from retrieval_core.model.collate import collate_pairs
 from retrieval_core.model.network import VLRetrievalModel
 
 #: caption spelling -> colour name (the generator's variants: "violet" is purple, "gray" grey)
-_COLOUR_OF = {variant: name for name, variants in synthetic.COLOURS.items() for variant in variants}
-_COLOURS = sorted(synthetic.COLOURS)
+_COLOUR_OF = {variant: name for name, variants in COLOURS.items() for variant in variants}
+_COLOURS = sorted(COLOURS)
 _WORD = re.compile(r"[A-Za-z]+")
 
 
@@ -109,7 +112,7 @@ def fit_and_score(x_fit: np.ndarray, y_fit: np.ndarray, x: np.ndarray, y: np.nda
     return top1, own
 
 
-def collect_tokens(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: VLRetrievalModel, split: str,
+def collect_tokens(staged: StagedDataset, spec: SyntheticSpec, model: VLRetrievalModel, split: str,
                    max_captions: Optional[int], batch_size: int = 64, seed: int = 0) -> dict[str, dict]:
     """Per side ("text", "image"): per-layer hidden states of the probed tokens (``x``: [(n, H)] per layer),
     their colour (``y``) and the caption's other focus colour (``other``), from the CE input caption + gold image."""
@@ -145,13 +148,13 @@ def collect_tokens(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: 
                 out["text"]["y"].append(_COLOURS.index(colour))
                 out["text"]["other"].append(_COLOURS.index(other))
             index = index_of[int(img)]
-            scene = scenes.setdefault(index, synthetic.describe_scene(spec, index))
-            focus = synthetic.focus_pairs(scene)
+            scene = scenes.setdefault(index, describe_scene(spec, index))
+            focus = focus_pairs(scene)
             focus_colours = sorted({c for _, c in focus})
             if len(focus_colours) != 2:
                 continue
             n_reg = int(batch["img_mask"][j].sum())
-            decoded = synthetic.decode_regions(codebook, batch["img_feats"][j, :n_reg].numpy())
+            decoded = decode_regions(codebook, batch["img_feats"][j, :n_reg].numpy())
             for r, pair in enumerate(decoded):
                 if pair in focus:
                     for layer, s in enumerate(states):
@@ -161,7 +164,7 @@ def collect_tokens(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: 
     return out
 
 
-def cross_pairs(spec: synthetic.SyntheticSpec, caps: pd.DataFrame, index_of: dict) -> list[tuple]:
+def cross_pairs(spec: SyntheticSpec, caps: pd.DataFrame, index_of: dict) -> list[tuple]:
     """(caption, paired image item_id, [(noun span, its object's colour in that image, the other focus colour)])
     for the captions of base scenes that name both focus colours: every other one paired with its gold image,
     the rest with the gold image's binding sibling (same split), where the two focus objects trade colours."""
@@ -172,9 +175,9 @@ def cross_pairs(spec: synthetic.SyntheticSpec, caps: pd.DataFrame, index_of: dic
         if gold % spec.family_size:
             continue  # only a base scene's captions differ from its binding sibling by the swap alone
         sibling = next((i for i in range(gold + 1, min(gold + spec.family_size, spec.num_images))
-                        if synthetic.describe_scene(spec, i)["change"] == "binding"), None)
+                        if describe_scene(spec, i)["change"] == "binding"), None)
         found = colour_nouns(text)
-        focus_colours = {c for _, c in synthetic.focus_pairs(synthetic.describe_scene(spec, gold))}
+        focus_colours = {c for _, c in focus_pairs(describe_scene(spec, gold))}
         if sibling not in item_of or len(found) < 2 or {c for c, _ in found} != focus_colours:
             continue
         swapped = len(pairs) % 2 == 1
@@ -187,7 +190,7 @@ def cross_pairs(spec: synthetic.SyntheticSpec, caps: pd.DataFrame, index_of: dic
     return pairs
 
 
-def collect_cross_tokens(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: VLRetrievalModel, split: str,
+def collect_cross_tokens(staged: StagedDataset, spec: SyntheticSpec, model: VLRetrievalModel, split: str,
                          max_captions: Optional[int], batch_size: int = 64, seed: int = 0) -> dict[str, dict]:
     """Per-layer states of the colour nouns of base-scene captions inside the CE input with their gold image (even
     rows) or its binding sibling (odd rows), labelled two ways: ``cross``: ``y`` = the colour the paired image
@@ -230,7 +233,7 @@ def _rows_where(side: dict, keep: np.ndarray) -> dict:
             "y": [v for v, k in zip(side["y"], keep) if k], "other": [v for v, k in zip(side["other"], keep) if k]}
 
 
-def probe(staged: StagedDataset, spec: synthetic.SyntheticSpec, model: VLRetrievalModel, fit_split: str = "train",
+def probe(staged: StagedDataset, spec: SyntheticSpec, model: VLRetrievalModel, fit_split: str = "train",
           split: str = "dev", max_captions: Optional[int] = 3000, batch_size: int = 64) -> pd.DataFrame:
     """Rows (side, layer, top1, own_over_other, fitted_on, scored_on) of the four probes: ``text``, ``image``,
     ``cross`` (the image's colour for the noun's object) and ``caption`` (the caption's colour for the noun,

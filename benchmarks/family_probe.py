@@ -16,7 +16,7 @@ bi-encoder (cosine of the embeddings) and by the cross-encoder. Two tables, writ
   chance = 50 %.
 
 A third head, ``oracle``, is the ceiling the features allow: it decodes each region the CE sees to the
-(class, colour) it correlates with most in the generator's codebook (``synthetic.decode_regions``) and scores
+(class, colour) it correlates with most in the generator's codebook (``synthetic.regions.decode_regions``) and scores
 an image by how many of the caption's two focus (class, colour) pairs it contains (ties count as misses in
 ``pairwise``). It separates binding siblings although mean pooling cannot: a miss of a learned head there is a
 learning failure, not missing information.
@@ -37,7 +37,9 @@ import pandas as pd
 from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, device_flag, threads_flag
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.store import StagedDataset
-from retrieval_core.data.synthetic import generator as synthetic
+from retrieval_core.data.synthetic.regions import decode_regions
+from retrieval_core.data.synthetic.scenes import describe_scene, focus_pairs
+from retrieval_core.data.synthetic.spec import SyntheticSpec
 from retrieval_core.model.network import VLRetrievalModel
 
 
@@ -48,7 +50,7 @@ def _difference(a: dict, b: dict) -> str:
     return "+".join(changes)
 
 
-def sampled_captions(staged: StagedDataset, spec: synthetic.SyntheticSpec, split: str,
+def sampled_captions(staged: StagedDataset, spec: SyntheticSpec, split: str,
                      max_captions: Optional[int], seed: int = 0, stream: int = 11) -> tuple[pd.DataFrame, dict]:
     """The captions of a synthetic collection's split (a seeded sample of ``max_captions``, drawn from random
     stream ``stream``, when given) and ``{image item_id: generator index}`` of the split's images."""
@@ -62,7 +64,7 @@ def sampled_captions(staged: StagedDataset, spec: synthetic.SyntheticSpec, split
     return caps, dict(zip(meta["item_id"].astype(np.int64), meta["source_id"].astype(int)))
 
 
-def probe(staged: StagedDataset, spec: synthetic.SyntheticSpec, be_model: VLRetrievalModel,
+def probe(staged: StagedDataset, spec: SyntheticSpec, be_model: VLRetrievalModel,
           ce_model: VLRetrievalModel, split: str = "test", max_captions: Optional[int] = None, seed: int = 0,
           batch_size: int = 128, device: str = "cpu") -> pd.DataFrame:
     """Rows (table, head, change, correct, total, accuracy %) for one synthetic collection."""
@@ -80,7 +82,7 @@ def probe(staged: StagedDataset, spec: synthetic.SyntheticSpec, be_model: VLRetr
         if len(family) < 2:
             continue  # a family cut by the collection's end has nothing to compare
         for i in family:
-            scenes.setdefault(i, synthetic.describe_scene(spec, i))
+            scenes.setdefault(i, describe_scene(spec, i))
         texts.append(text)
         members.append(family)
         golds.append(gold)
@@ -99,8 +101,8 @@ def probe(staged: StagedDataset, spec: synthetic.SyntheticSpec, be_model: VLRetr
     decoded: dict[int, set] = {}
     for i, (feats, _) in zip(flat, regions):
         if i not in decoded:
-            decoded[i] = set(synthetic.decode_regions(codebook, feats[:ce_model.cfg.max_regions]))
-    oracle = np.array([len(synthetic.focus_pairs(scenes[gold]) & decoded[i])
+            decoded[i] = set(decode_regions(codebook, feats[:ce_model.cfg.max_regions]))
+    oracle = np.array([len(focus_pairs(scenes[gold]) & decoded[i])
                        for fam, gold in zip(members, golds) for i in fam], dtype=np.float64)
 
     rows = []

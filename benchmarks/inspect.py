@@ -12,7 +12,7 @@ The page holds, per direction: a summary (R@1 of both sides; queries improved = 
 B does not, hurt = the other way round, unchanged = the rest), then the queries whose gold moved most, in three
 groups (improved, hurt, gold rank changed otherwise): the query (caption text, or the query image), its gold
 item(s) and both top lists with BE rank, BE score, CE score and the gold marked. Images are shown by their
-scene description where the collection is synthetic (``retrieval_core.data.synthetic.generator.describe_scene`` from the
+scene description where the collection is synthetic (``retrieval_core.data.synthetic.scenes.describe_scene`` from the
 manifest recorded in the staged summary, or ``--manifest``) and by a thumbnail where ``--images DIR`` holds a
 file named after the image's source id (``DIR/<source_id>.<ext>``, subfolders allowed: ``DIR/a/b.jpg`` is
 source id ``a/b``). Everything is inline (CSS, base64 thumbnails): the page opens anywhere, offline.
@@ -37,7 +37,7 @@ from pipelines.common import BEAM_FILES, write_atomic
 from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
 from retrieval_core.data import schema
 from retrieval_core.data.manifest import load_manifest
-from retrieval_core.data.synthetic.generator import describe_scene
+from retrieval_core.data.synthetic.scenes import describe_scene
 from retrieval_core.evaluation.metrics import DIRECTIONS, check_queries
 from retrieval_core.evaluation.runs import LoadedRun, RunError
 from retrieval_core.search.rerank import RUN_MODES

@@ -53,7 +53,8 @@ from pipelines.demo_assets import BENCH_RECIPE, DEMO_RECIPE
 from pipelines.encode.plan import EncodePlan
 from pipelines.encode.run import run as run_encode
 from retrieval_core.data.store import StagedDataset
-from retrieval_core.data.synthetic.generator import SyntheticSpec, synthetic_collection
+from retrieval_core.data.synthetic.collection import synthetic_collection
+from retrieval_core.data.synthetic.spec import SyntheticSpec
 from retrieval_core.model.network import VLRetrievalModel
 from retrieval_core.model.quantize import quantize_model
 from retrieval_core.search import exact, index_choice, rerank

@@ -4,7 +4,7 @@
         [--modes emb,co] [--k 10]
 
 For every query of a rerank run, ranked by each mode (derived from the run's stored scores), the rank-1 item is
-compared with the gold by the scene it shows (``synthetic.generator.describe_scene``): a sibling of the gold's
+compared with the gold by the scene it shows (``synthetic.scenes.describe_scene``): a sibling of the gold's
 family (by the change that separates them: attribute, binding, ...), another scene that shares both, one or none of
 the gold's two focus classes. The CE's margin at a wrong first place (its score of the rank-1 item minus its score
 of the gold, when the gold is in the reranked top-k) says how sure it was. Queries one mode gets right and the other
@@ -25,17 +25,18 @@ from pipelines.common import BEAM_FILES, write_atomic
 from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
 from retrieval_core.data import schema
 from retrieval_core.data.manifest import load_manifest
-from retrieval_core.data.synthetic import generator as synthetic
+from retrieval_core.data.synthetic.scenes import describe_scene
+from retrieval_core.data.synthetic.spec import SyntheticSpec
 from retrieval_core.evaluation.runs import LoadedRun, RunError
 
 CORRECT = "correct"
 
 
-def category(spec: synthetic.SyntheticSpec, first: int, gold: int) -> str:
+def category(spec: SyntheticSpec, first: int, gold: int) -> str:
     """How the scene at rank 1 (generator index ``first``) relates to the gold scene (``gold``)."""
     if first == gold:
         return CORRECT
-    a, b = synthetic.describe_scene(spec, first), synthetic.describe_scene(spec, gold)
+    a, b = describe_scene(spec, first), describe_scene(spec, gold)
     if a["family"] == b["family"]:
         return f"sibling: {_difference(a, b)}"
     shared = len({a["groups"][g]["class"] for g in a["focus"]} & {b["groups"][g]["class"] for g in b["focus"]})
@@ -71,7 +72,7 @@ def first_places(run: LoadedRun, mode: str, k: Optional[int], caption_image: Opt
     return pd.DataFrame(rows)
 
 
-def analyse(run: LoadedRun, spec: synthetic.SyntheticSpec, modes: tuple[str, ...], k: Optional[int]
+def analyse(run: LoadedRun, spec: SyntheticSpec, modes: tuple[str, ...], k: Optional[int]
             ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(errors, flips): per mode and direction the categories of the first places, and where the second mode hurt
     (or improved) the first, what each put first."""

@@ -27,7 +27,8 @@ import torch
 
 from benchmarks.report import cpu_model, write_csv
 from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
-from retrieval_core.data.synthetic.generator import SyntheticSpec, synthetic_collection
+from retrieval_core.data.synthetic.collection import synthetic_collection
+from retrieval_core.data.synthetic.spec import SyntheticSpec
 from retrieval_core.model.flops import layer_gemm_shapes, model_flops
 from retrieval_core.model.network import VLRetrievalModel
 from retrieval_core.model.quantize import cpu_has_native_bf16, quantize_model

@@ -26,7 +26,7 @@ from typing import Optional
 from pipelines import common, launch
 from retrieval_core.cli import to_argv
 from retrieval_core.data.store import StagedDataset
-from retrieval_core.data.synthetic import generator as synthetic
+from retrieval_core.data.synthetic.spec import DEFAULT_SIBLING_CHANGES
 from retrieval_core.model.backbones import is_backbone_name
 from retrieval_core.model.network import NEW_MODEL_CE_AGREEMENT
 from retrieval_core.training.train import TrainConfig, TrainPlan
@@ -204,7 +204,7 @@ def ensure_staged(beam_args: tuple[str, ...] = (), manifest: str = DEMO_MANIFEST
     numbers."""
     root = demo_dir() if manifest == DEMO_MANIFEST else os.path.join(workdir(), "staged", manifest)
     stamp = os.path.join(root, "assets.json")
-    want = {"assets_version": ASSETS_VERSION, "synthetic_sibling_changes": list(synthetic.DEFAULT_SIBLING_CHANGES)}
+    want = {"assets_version": ASSETS_VERSION, "synthetic_sibling_changes": list(DEFAULT_SIBLING_CHANGES)}
     if not _stamp_matches(stamp, want):
         if os.path.isdir(root):
             print(f"note: {root} was built by another generator or assets version: rebuilding it", flush=True)

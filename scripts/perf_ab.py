@@ -65,7 +65,8 @@ def main() -> None:
 def prepare(images, output) -> None:
     """Synthetic demo-like images (1024-d features, 5 captions each) saved as arrays, for every process of a
     comparison."""
-    from retrieval_core.data.synthetic.generator import SyntheticSpec, synthetic_collection
+    from retrieval_core.data.synthetic.collection import synthetic_collection
+    from retrieval_core.data.synthetic.spec import SyntheticSpec
 
     table, caps = synthetic_collection(SyntheticSpec("perf_ab", images, seed=5, domain="coco", feature_dim=1024))
     os.makedirs(output, exist_ok=True)

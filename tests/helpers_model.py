@@ -24,13 +24,15 @@ SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 def synthetic_words() -> tuple[str, ...]:
     """The words of the synthetic generator's captions (every domain), harvested from generated captions."""
     try:
-        from retrieval_core.data.synthetic import generator as synthetic
+        from retrieval_core.data.synthetic.captions import generate_captions
+        from retrieval_core.data.synthetic.spec import SyntheticSpec
+        from retrieval_core.data.synthetic.vocabulary import DOMAINS
     except ImportError:
         return ()
     words = set()
-    for domain in synthetic.DOMAINS:
-        spec = synthetic.SyntheticSpec("vocab", 64, domain=domain, feature_dim=8)
-        for cap in synthetic.generate_captions(spec):
+    for domain in DOMAINS:
+        spec = SyntheticSpec("vocab", 64, domain=domain, feature_dim=8)
+        for cap in generate_captions(spec):
             words.update(re.findall(r"[a-z]+", cap.text.lower()))
     return tuple(sorted(words))
 

@@ -73,7 +73,7 @@ def test_cross_pairs_alternate_gold_and_binding_sibling_with_the_image_colour_as
     from benchmarks.family_probe import sampled_captions
     from retrieval_core.data.manifest import load_manifest
     from retrieval_core.data.store import StagedDataset
-    from retrieval_core.data.synthetic import generator as synthetic
+    from retrieval_core.data.synthetic.scenes import describe_scene, focus_pairs
 
     staged, _ = staged_and_model
     spec = load_manifest("demo", OVERRIDES).synthetic_spec("demo")
@@ -84,7 +84,7 @@ def test_cross_pairs_alternate_gold_and_binding_sibling_with_the_image_colour_as
     for n, (text, item, nouns) in enumerate(pairs):
         gold = index_of[gold_of[text]]
         assert gold % spec.family_size == 0  # captions of base scenes only
-        scene = synthetic.describe_scene(spec, index_of[item])
+        scene = describe_scene(spec, index_of[item])
         if n % 2 == 0:
             assert index_of[item] == gold
         else:  # the binding sibling of the same family: the two focus objects swapped colours
@@ -94,8 +94,8 @@ def test_cross_pairs_alternate_gold_and_binding_sibling_with_the_image_colour_as
             [(caption_colours[0], caption_colours[1]), (caption_colours[1], caption_colours[0])] if n % 2 == 0
             else [(caption_colours[1], caption_colours[0]), (caption_colours[0], caption_colours[1])])
         # why the sibling's label is the caption's other colour: there the two focus objects trade colours
-        base_pairs = synthetic.focus_pairs(synthetic.describe_scene(spec, gold))
+        base_pairs = focus_pairs(describe_scene(spec, gold))
         (ca, cola), (cb, colb) = sorted(base_pairs)
         sibling = next(i for i in range(gold + 1, gold + spec.family_size)
-                       if synthetic.describe_scene(spec, i)["change"] == "binding")
-        assert synthetic.focus_pairs(synthetic.describe_scene(spec, sibling)) == {(ca, colb), (cb, cola)}
+                       if describe_scene(spec, i)["change"] == "binding")
+        assert focus_pairs(describe_scene(spec, sibling)) == {(ca, colb), (cb, cola)}

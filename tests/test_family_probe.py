@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from benchmarks import family_probe
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.store import StagedDataset
-from retrieval_core.data.synthetic import generator as synthetic
+from retrieval_core.data.synthetic.scenes import describe_scene
 from tests.helpers_model import staged_demo_and_tiny_model
 
 F = 16
@@ -54,7 +54,7 @@ def test_probe_counts_and_accuracies_match_the_heads_scores(setup):
     hits = []
     for text, img in zip(caps["text"], caps["image_item_id"]):
         gold = index_of[img]
-        if synthetic.describe_scene(spec, gold)["member"] != 0:
+        if describe_scene(spec, gold)["member"] != 0:
             continue
         fam = [gold + j for j in range(4)]
         s = model.score([text] * 4, [table.regions(pos[item_of[i]]) for i in fam])

@@ -10,7 +10,9 @@ from click.testing import CliRunner
 from benchmarks import inspect as insp
 from retrieval_core.data import schema, staging
 from retrieval_core.data.manifest import load_manifest
-from retrieval_core.data.synthetic import generator as synthetic
+from retrieval_core.data.synthetic.captions import generate_captions
+from retrieval_core.data.synthetic.regions import generate_images
+from retrieval_core.data.synthetic.scenes import describe_scene
 from retrieval_core.search.rerank import derive_rankings, rank_query, rankings_table
 from tests.test_evaluate import write_run
 
@@ -35,9 +37,9 @@ def _staged(root):
     path.write_text(MANIFEST)
     spec = load_manifest(str(path)).synthetic_spec("toy")
     images = [staging.stage_image(r, collection="toy", feature_dim=8, max_regions=6, source="synthetic")
-              for r in synthetic.generate_images(spec)]
+              for r in generate_images(spec)]
     caps = [staging.stage_caption(c, collection="toy", source="synthetic")
-            for c in synthetic.generate_captions(spec)]
+            for c in generate_captions(spec)]
     (root / "images").mkdir()
     (root / "captions").mkdir()
     (root / "images" / "toy-00000-of-00001.parquet").write_bytes(staging.image_shard_parquet(images, 8))
@@ -189,8 +191,8 @@ def test_page_summary_and_listed_queries_match_the_tables(tmp_path):
             assert 1 not in (want["a"], want["b"]) or want["a"] == want["b"] == 1
     text = "".join(page.text)
     spec = load_manifest(str(staged / "toy.yaml")).synthetic_spec("toy")
-    assert insp.scene_text(synthetic.describe_scene(spec, 0)) in text or \
-        any(insp.scene_text(synthetic.describe_scene(spec, i)) in text for i in range(8))
+    assert insp.scene_text(describe_scene(spec, 0)) in text or \
+        any(insp.scene_text(describe_scene(spec, i)) in text for i in range(8))
     assert caps[0]["text"] in text or any(c["text"] in text for c in caps)
     assert "http" not in out.read_text()  # self-contained
 

@@ -17,7 +17,7 @@ from retrieval_core.data.manifest import (
     load_manifest,
     resolve_manifest_path,
 )
-from retrieval_core.data.synthetic.generator import split_of
+from retrieval_core.data.synthetic.scenes import split_of
 from tests.conftest import require_realdata
 
 SHIPPED = {"demo", "synthetic_coco5k", "synthetic_f30k1k", "synthetic_cc14k", "synthetic_distractor20k",

@@ -442,7 +442,7 @@ def test_local_file_access_refuses_urls_with_a_clear_error(tmp_path):
 
 
 def test_synthetic_tasks_cover_the_collection_in_chunks():
-    synthetic = pytest.importorskip("retrieval_core.data.synthetic.generator", reason="no synthetic generator")
+    synthetic = pytest.importorskip("retrieval_core.data.synthetic.spec", reason="no synthetic generator")
     options = {"num_images": 23}
     try:
         spec = synthetic.SyntheticSpec.from_options("syn", options, 16)

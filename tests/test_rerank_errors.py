@@ -15,7 +15,7 @@ from pipelines.rerank.plan import RerankPlan
 from pipelines.rerank.run import run as rerank
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.store import StagedDataset
-from retrieval_core.data.synthetic import generator as synthetic
+from retrieval_core.data.synthetic.scenes import describe_scene
 from retrieval_core.evaluation.runs import LoadedRun
 from tests.helpers_model import staged_demo_and_tiny_model
 from tests.test_family_probe import OVERRIDES, F
@@ -64,7 +64,7 @@ def test_first_places_are_classified_once_and_correct_ones_are_r_at_1(run, which
 
 def test_a_sibling_is_named_by_its_change():
     spec = load_manifest("demo", OVERRIDES).synthetic_spec("demo")
-    changes = [synthetic.describe_scene(spec, i)["change"] for i in range(4)]
+    changes = [describe_scene(spec, i)["change"] for i in range(4)]
     assert rerank_errors.category(spec, 0, 0) == rerank_errors.CORRECT
     assert rerank_errors.category(spec, 2, 0) == f"sibling: {changes[2]}"
     assert rerank_errors.category(spec, 1, 2).startswith("sibling: ") and "+" in rerank_errors.category(spec, 1, 2)

@@ -10,22 +10,11 @@ import numpy as np
 import pytest
 
 from retrieval_core.data.schema import RawCaption, RawImage
-from retrieval_core.data.synthetic.generator import (
-    COLOURS,
-    COUNT_WORDS,
-    DOMAINS,
-    RELATION_WORDS,
-    SyntheticSpec,
-    decode_regions,
-    describe_scene,
-    focus_pairs,
-    generate_captions,
-    generate_captions_for,
-    generate_image,
-    generate_images,
-    image_source_id,
-    split_of,
-)
+from retrieval_core.data.synthetic.captions import generate_captions, generate_captions_for
+from retrieval_core.data.synthetic.regions import decode_regions, generate_image, generate_images
+from retrieval_core.data.synthetic.scenes import describe_scene, focus_pairs, image_source_id, split_of
+from retrieval_core.data.synthetic.spec import SyntheticSpec
+from retrieval_core.data.synthetic.vocabulary import COLOURS, COUNT_WORDS, DOMAINS, RELATION_WORDS
 
 
 def _same(a: RawImage, b: RawImage) -> bool:

@@ -18,24 +18,17 @@ from retrieval_core.data import readers
 from retrieval_core.data.manifest import ManifestError, load_manifest
 from retrieval_core.data.schema import KIND_CAPTION, RawCaption
 from retrieval_core.data.store import StagedDataset
-from retrieval_core.data.synthetic import languages as sl
-from retrieval_core.data.synthetic.generator import (
-    COLOURS,
-    DOMAINS,
-    INVERSE,
-    RELATION_WORDS,
-    SIZES,
-    SyntheticSpec,
-    caption_key,
-    describe_scene,
-    generate_captions,
-    generate_captions_for,
-)
+from retrieval_core.data.synthetic import translation
+from retrieval_core.data.synthetic.captions import caption_key, generate_captions, generate_captions_for
+from retrieval_core.data.synthetic.grammar import Group, Wording
+from retrieval_core.data.synthetic.scenes import describe_scene
+from retrieval_core.data.synthetic.spec import SyntheticSpec
+from retrieval_core.data.synthetic.vocabulary import COLOURS, DOMAINS, INVERSE, RELATION_WORDS, SIZES
 from tests.conftest import require_realdata
 from tests.test_stage_pipeline import tsv_row
 
-G = sl.Group
-W = sl.Wording
+G = Group
+W = Wording
 SINGLE, SIZE = W(single=True), W(size=True)
 
 
@@ -77,14 +70,14 @@ def test_demo_manifest_captions_unchanged():
 # --------------------------------------------------------------------------------------- the lexicons
 def test_every_language_has_words_for_every_class_colour_size_and_relation():
     classes = {d: [n.name for n in nouns] for d, nouns in DOMAINS.items()}
-    assert sl.missing_words(classes, list(COLOURS), list(SIZES), list(RELATION_WORDS)) == []
-    for lang, w in sl.WRITERS.items():
+    assert translation.missing_words(classes, list(COLOURS), list(SIZES), list(RELATION_WORDS)) == []
+    for lang, w in translation.WRITERS.items():
         for domain, templates in w.templates.items():
             assert len(templates) >= 3 and len(set(templates)) == len(templates), (lang, domain)
             for t in templates:  # every field of every template is one the writer knows
-                fields = sl._Fields(lang, domain, np.random.default_rng(0), {"A": G("cube", "red", "small", 2, False),
-                                    "B": G("cup", "blue", "large", 1, False), "C": G("ball", "green", "small", 1,
-                                                                                     False)}, "left of", "right of")
+                groups = {"A": G("cube", "red", "small", 2, False), "B": G("cup", "blue", "large", 1, False),
+                          "C": G("ball", "green", "small", 1, False)}
+                fields = translation._Fields(lang, domain, np.random.default_rng(0), groups, "left of", "right of")
                 t.format_map(fields)
 
 
@@ -127,17 +120,17 @@ GERMAN = [  # (group, case, definite, wording, expected)
 
 @pytest.mark.parametrize("group,case,definite,wording,expected", GERMAN)
 def test_german_agreement(group, case, definite, wording, expected):
-    assert sl.noun_phrase("de", group, case, definite, wording) == expected
+    assert translation.noun_phrase("de", group, case, definite, wording) == expected
 
 
 def test_german_prepositions_govern_the_dative_and_contract():
-    assert sl.prepositional_phrase("de", "links von", "dat", CUBE, True) == "links vom roten Würfel"
-    assert sl.prepositional_phrase("de", "links von", "dat", BOOK, True) == "links vom grünen Buch"
-    assert sl.prepositional_phrase("de", "rechts von", "dat", CUP, True) == "rechts von der blauen Tasse"
-    assert sl.prepositional_phrase("de", "links von", "dat", CUBE) == "links von einem roten Würfel"
-    assert sl.prepositional_phrase("de", "neben", "dat", CUP) == "neben einer blauen Tasse"
-    assert sl.prepositional_phrase("de", "über", "dat", BOOKS, True) == "über den grünen Büchern"
-    assert sl.prepositional_phrase("de", "unter", "dat", MEN) == "unter zwei Männern in Rot"
+    assert translation.prepositional_phrase("de", "links von", "dat", CUBE, True) == "links vom roten Würfel"
+    assert translation.prepositional_phrase("de", "links von", "dat", BOOK, True) == "links vom grünen Buch"
+    assert translation.prepositional_phrase("de", "rechts von", "dat", CUP, True) == "rechts von der blauen Tasse"
+    assert translation.prepositional_phrase("de", "links von", "dat", CUBE) == "links von einem roten Würfel"
+    assert translation.prepositional_phrase("de", "neben", "dat", CUP) == "neben einer blauen Tasse"
+    assert translation.prepositional_phrase("de", "über", "dat", BOOKS, True) == "über den grünen Büchern"
+    assert translation.prepositional_phrase("de", "unter", "dat", MEN) == "unter zwei Männern in Rot"
 
 
 # ------------------------------------------------------------------------- agreement: French
@@ -167,7 +160,7 @@ FRENCH = [  # (group, definite, wording, expected)
 
 @pytest.mark.parametrize("group,definite,wording,expected", FRENCH)
 def test_french_agreement_and_placement(group, definite, wording, expected):
-    assert sl.noun_phrase("fr", group, None, definite, wording) == expected
+    assert translation.noun_phrase("fr", group, None, definite, wording) == expected
 
 
 @pytest.mark.parametrize("prep,group,definite,expected", [
@@ -181,7 +174,7 @@ def test_french_agreement_and_placement(group, definite, wording, expected):
     ("en dessous de", CUBES, True, "en dessous des cubes rouges"),
 ])
 def test_french_contractions_and_elision(prep, group, definite, expected):
-    assert sl.prepositional_phrase("fr", prep, None, group, definite) == expected
+    assert translation.prepositional_phrase("fr", prep, None, group, definite) == expected
 
 
 # -------------------------------------------------------------------------- agreement: Czech
@@ -228,21 +221,22 @@ CZECH = [  # (group, case, definite, wording, expected)
 
 @pytest.mark.parametrize("group,case,definite,wording,expected", CZECH)
 def test_czech_agreement(group, case, definite, wording, expected):
-    assert sl.noun_phrase("cs", group, case, definite, wording) == expected
+    assert translation.noun_phrase("cs", group, case, definite, wording) == expected
 
 
 def test_czech_prepositions_govern_their_case():
-    assert sl.prepositional_phrase("cs", "vlevo od", "gen", CUBE, False, SINGLE) == "vlevo od jedné červené kostky"
-    assert sl.prepositional_phrase("cs", "nad", "ins", BALLS2) == "nad dvěma modrými míči"
-    assert sl.prepositional_phrase("cs", "pod", "ins", DOG, True) == "pod hnědým psem"
-    assert sl.prepositional_phrase("cs", "vedle", "gen", CARS) == "vedle dvou bílých aut"
+    assert translation.prepositional_phrase("cs", "vlevo od", "gen", CUBE, False, SINGLE) == \
+        "vlevo od jedné červené kostky"
+    assert translation.prepositional_phrase("cs", "nad", "ins", BALLS2) == "nad dvěma modrými míči"
+    assert translation.prepositional_phrase("cs", "pod", "ins", DOG, True) == "pod hnědým psem"
+    assert translation.prepositional_phrase("cs", "vedle", "gen", CARS) == "vedle dvou bílých aut"
 
 
 # ---------------------------------------------------------------------- whole captions of chosen scenes
 def _sentences(lang, domain, groups, relation, seed=0, n=None):
-    w = sl.WRITERS[lang]
+    w = translation.WRITERS[lang]
     n = n or len(w.templates[domain])
-    return sl.write_captions(lang, domain, groups, relation, INVERSE[relation], n, np.random.default_rng(seed))
+    return translation.write_captions(lang, domain, groups, relation, INVERSE[relation], n, np.random.default_rng(seed))
 
 
 AGREEMENT = [  # (lang, group A, required in every caption, forbidden anywhere); B is one blue cup, A left of B

@@ -37,7 +37,7 @@ import yaml
 from . import readers
 from .paths import is_url
 from .schema import DEFAULT_MAX_REGIONS
-from .synthetic.generator import SyntheticSpec
+from .synthetic.spec import SyntheticSpec
 
 IMAGE_FORMATS = ("synthetic", "butd_tsv", "bua_npz", "uniter_npz", "oscar_pt", "plain_npz")
 CAPTION_FORMATS = ("synthetic", "karpathy_json", "caption_lines", "flickr30k_entities", "cc_tsv", "multi30k")

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from ..schema import KIND_CAPTION, KIND_IMAGE, RawCaption, RawImage, Reject
-from ..synthetic.generator import SyntheticSpec, generate_captions, generate_images
+from ..synthetic.captions import generate_captions
+from ..synthetic.regions import generate_images
+from ..synthetic.spec import SyntheticSpec
 from ._common import (
     LOCAL_FILES,
     FileAccess,
