@@ -33,7 +33,7 @@ from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_e
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model.network import VLRetrievalModel
-from retrieval_core.training.train import LOG_FILE, kept_checkpoints
+from retrieval_core.training.trainer import LOG_FILE, kept_checkpoints
 
 DEV_SERIES = ("mR", "t2i_R@1", "i2t_R@1", "ce_pair_acc", "ce_hard_pair_acc")
 PROBE_CHANGES = ("attribute", "binding", "all")

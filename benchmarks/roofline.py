@@ -32,8 +32,9 @@ from retrieval_core.data.synthetic.spec import SyntheticSpec
 from retrieval_core.model.flops import layer_gemm_shapes, model_flops
 from retrieval_core.model.network import VLRetrievalModel
 from retrieval_core.model.quantize import cpu_has_native_bf16, quantize_model
-from retrieval_core.training.train import TrainConfig, Trainer, step_flops
+from retrieval_core.training.config import TrainConfig
 from retrieval_core.training.train_data import TrainData
+from retrieval_core.training.trainer import Trainer, step_flops
 
 #: Written beside the backbone by write-backbone: the TrainConfigs of the recipes whose steps ``measure`` times.
 RECIPES_JSON = "recipes.json"
@@ -249,7 +250,7 @@ def roofline_rows(b: UnitBench, log, variants: Optional[Sequence[Variant]] = Non
 def training_rows(b: UnitBench, log, recipes: dict[str, TrainConfig], steps: int) -> list[dict]:
     """Seconds per BE, CE and JOIN step of each recipe's JOIN config (name -> TrainConfig), fp32 and - where
     native - bf16 (CPU: cpu_bf16; CUDA: bf16 autocast), as a fraction of the roofline: the measured GEMM rate at
-    the step's token count / its forward + backward FLOPs (train.step_flops, at the bench's average lengths and
+    the step's token count / its forward + backward FLOPs (trainer.step_flops, at the bench's average lengths and
     the steps' distinct images). The Trainer's own steps (length-chunked forwards, backward, clipping, fused
     AdamW; deterministic algorithms on CPU, as train() sets them) on a copy of the model and the bench's images
     and captions; the first step is not timed. Hard and mined negatives are off: they change which images a

@@ -3,7 +3,7 @@ trains on it, built on first use.
 
 `python -m pipelines.encode` with no --staged/--model, and `python -m benchmarks.demo`, call
 :func:`ensure_demo_assets`; `python -m benchmarks.run` calls :func:`ensure_models` with BENCH_RECIPE. A recipe
-(:class:`Recipe`) is typed: one ``training.train.TrainConfig`` per model it trains (JOIN, and the SEP pair:
+(:class:`Recipe`) is typed: one ``training.config.TrainConfig`` per model it trains (JOIN, and the SEP pair:
 a bi-encoder, then a cross-encoder fine-tuned from that bi-encoder's checkpoint), run through the same
 ``python -m retrieval_core.training.train``
 a user would run (a ``TrainPlan`` written back as its arguments), so what the
@@ -29,7 +29,8 @@ from retrieval_core.data.store import StagedDataset
 from retrieval_core.data.synthetic.spec import DEFAULT_SIBLING_CHANGES
 from retrieval_core.model.backbones import is_backbone_name
 from retrieval_core.model.network import NEW_MODEL_CE_AGREEMENT
-from retrieval_core.training.train import TrainConfig, TrainPlan
+from retrieval_core.training.config import TrainConfig
+from retrieval_core.training.train import TrainPlan
 
 log = logging.getLogger(__name__)
 

@@ -82,8 +82,9 @@ def prepare(images, output) -> None:
 @click.option("--steps", type=int, default=6, show_default=True)
 def rates(backbone, data, threads, steps) -> None:
     """One process's rates with whatever retrieval_core is importable (this checkout's, or PYTHONPATH's)."""
-    from retrieval_core.training.train import TrainConfig, Trainer
+    from retrieval_core.training.config import TrainConfig
     from retrieval_core.training.train_data import TrainData
+    from retrieval_core.training.trainer import Trainer
 
     torch.set_num_threads(threads)
     model, images, captions, spec = _load(backbone, data)

@@ -63,7 +63,7 @@ def test_a_cached_model_is_reused_only_for_the_same_training_command(tmp_path, c
     import os
     from dataclasses import replace
 
-    from retrieval_core.training.train import TrainConfig
+    from retrieval_core.training.config import TrainConfig
     from tests.helpers_model import write_tiny_bert
     from tests.test_encode_pipeline import write_tiny_staged
 

@@ -16,8 +16,9 @@ from benchmarks import family_probe, learning_curves
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model.network import VLRetrievalModel
-from retrieval_core.training.train import TrainConfig, kept_checkpoints
+from retrieval_core.training.config import TrainConfig
 from retrieval_core.training.train import main as train_main
+from retrieval_core.training.trainer import kept_checkpoints
 from tests.helpers_model import staged_demo_and_tiny_model, write_tiny_bert
 
 F = 16

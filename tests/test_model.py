@@ -453,7 +453,8 @@ def test_flop_counts_of_the_cls_only_layer_and_of_training_steps(model):
     from types import SimpleNamespace
 
     from retrieval_core.model.flops import model_flops, sequence_flops
-    from retrieval_core.training.train import TrainConfig, step_flops
+    from retrieval_core.training.config import TrainConfig
+    from retrieval_core.training.trainer import step_flops
 
     cfg = SimpleNamespace(hidden_size=8, intermediate_size=32, num_hidden_layers=2)
     full = sequence_flops(cfg, 5)

@@ -18,7 +18,8 @@ from pipelines.rerank.run import main as rerank_main
 from pipelines.stage.plan import StagePlan
 from pipelines.stage.run import main as stage_main
 from retrieval_core.cli import plan_from_cli, to_argv
-from retrieval_core.training.train import TrainConfig, TrainPlan
+from retrieval_core.training.config import TrainConfig
+from retrieval_core.training.train import TrainPlan
 from retrieval_core.training.train import main as train_main
 
 PLANS = {

@@ -13,9 +13,11 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from retrieval_core.model.network import NEW_MODEL_CE_AGREEMENT, VLRetrievalModel
+from retrieval_core.training.config import TrainConfig
 from retrieval_core.training.dev_eval import evaluate
-from retrieval_core.training.train import TrainConfig, Trainer, main
+from retrieval_core.training.train import main
 from retrieval_core.training.train_data import TrainData
+from retrieval_core.training.trainer import Trainer
 from tests.helpers_model import make_tiny_dataset, split_dataset, tiny_model
 
 F = 16
