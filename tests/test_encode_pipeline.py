@@ -15,7 +15,7 @@ from pipelines.encode import run as encode_run
 from pipelines.handlers import METRICS_NAMESPACE
 from pipelines.stage import plan as stage_plan
 from pipelines.stage import run as stage_run
-from retrieval_core.data import staging
+from retrieval_core.data.shards import caption_shard_parquet, image_shard_parquet
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model.checkpoints import inspect_model_folder
 from retrieval_core.model.network import VLRetrievalModel
@@ -46,12 +46,12 @@ def write_tiny_staged(directory: str, num_images: int = 24, collection: str = "t
     for s in range(image_shards):
         part = [r for r in rows if r["item_id"] % image_shards == s]
         name = f"images/{collection}-{s:05d}-of-{image_shards:05d}.parquet"
-        data = staging.image_shard_parquet(part, feature_dim)
+        data = image_shard_parquet(part, feature_dim)
         with open(os.path.join(directory, name), "wb") as f:
             f.write(data)
         img_shards.append({"name": name, "rows": len(part), "sha256": hashlib.sha256(data).hexdigest()})
     name = f"captions/{collection}-00000-of-00001.parquet"
-    data = staging.caption_shard_parquet(captions.to_dict("records"))
+    data = caption_shard_parquet(captions.to_dict("records"))
     with open(os.path.join(directory, name), "wb") as f:
         f.write(data)
     cap_shards.append({"name": name, "rows": len(captions), "sha256": hashlib.sha256(data).hexdigest()})

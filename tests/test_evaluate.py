@@ -8,7 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from benchmarks.evaluate import main
-from retrieval_core.data import schema, staging
+from retrieval_core.data import schema
+from retrieval_core.data.shards import caption_shard_parquet
 from retrieval_core.evaluation.metrics import evaluate_rankings
 from retrieval_core.search.rerank import rank_query, rankings_table
 
@@ -70,7 +71,7 @@ def _staged_dir(root):
     rows.append({"caption_id": 50, "image_item_id": 500, "collection": "toy", "source_id": "s50",
                  "text": "a train caption", "lang": "en", "split": "train"})
     (root / "captions").mkdir(parents=True)
-    (root / "captions" / "toy-00000-of-00001.parquet").write_bytes(staging.caption_shard_parquet(rows))
+    (root / "captions" / "toy-00000-of-00001.parquet").write_bytes(caption_shard_parquet(rows))
     summary = {"complete": True, "feature_dim": 8, "collections": {"toy": {
         "images": {"shards": []},
         "captions": {"shards": [{"name": "captions/toy-00000-of-00001.parquet", "rows": len(rows)}]}}}}

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from benchmarks import inspect as insp
 from retrieval_core.data import schema, staging
 from retrieval_core.data.manifest import load_manifest
+from retrieval_core.data.shards import caption_shard_parquet, image_shard_parquet
 from retrieval_core.data.synthetic.captions import generate_captions
 from retrieval_core.data.synthetic.regions import generate_images
 from retrieval_core.data.synthetic.scenes import describe_scene
@@ -42,8 +43,8 @@ def _staged(root):
             for c in generate_captions(spec)]
     (root / "images").mkdir()
     (root / "captions").mkdir()
-    (root / "images" / "toy-00000-of-00001.parquet").write_bytes(staging.image_shard_parquet(images, 8))
-    (root / "captions" / "toy-00000-of-00001.parquet").write_bytes(staging.caption_shard_parquet(caps))
+    (root / "images" / "toy-00000-of-00001.parquet").write_bytes(image_shard_parquet(images, 8))
+    (root / "captions" / "toy-00000-of-00001.parquet").write_bytes(caption_shard_parquet(caps))
     block = lambda kind, n: {"format": "synthetic", "shards": [  # noqa: E731
         {"name": f"{kind}/toy-00000-of-00001.parquet", "rows": n}]}
     summary = {"complete": True, "feature_dim": 8, "manifest": {"name": "toy", "path": str(path)},

@@ -28,6 +28,7 @@ from pipelines.stage.graph import (
 from pipelines.stage.plan import Settings, StageError, StagePlan, default_chunk_size
 from retrieval_core.data import schema, staging
 from retrieval_core.data.readers import plan_read_tasks
+from retrieval_core.data.spill import FeatureSpill, load_spilled
 from retrieval_core.data.store import INCOMPLETE_FILE, StagedDataset
 
 F = 16
@@ -123,7 +124,7 @@ def _spilled_refs(tmp_path, settings, coll, rows, key=7):
     """Rows written to a read task's spill file (as ReadAndStage does) and their refs."""
     path = spill_path(settings.spill_dir, coll, key)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    spill = staging.FeatureSpill(path, path, F, settings.feature_dtype)
+    spill = FeatureSpill(path, path, F, settings.feature_dtype)
     refs = [(key, int(r["item_id"]), spill.add_row(spill.append(r))) for r in rows]
     spill.close()
     return refs
@@ -285,7 +286,7 @@ def test_read_and_stage_spills_rows_and_regions_so_shuffles_carry_refs_only(tmp_
                                   source=str(tmp_path / "feats.tsv"))
               for r in read_task(tasks[0]) if isinstance(r, schema.RawImage)]
     direct = {r[staging.K_LOCATOR]: r for r in direct if isinstance(r, dict)}
-    back = staging.load_spilled(_load_rows(settings, "tsv", refs))
+    back = load_spilled(_load_rows(settings, "tsv", refs))
     assert len(back) == len(direct) == 5
     for r in back:
         orig = direct[r[staging.K_LOCATOR]]

@@ -7,6 +7,8 @@ import pytest
 
 from retrieval_core.data import schema, staging
 from retrieval_core.data.schema import RawCaption, RawImage, Reject
+from retrieval_core.data.shards import caption_shard_parquet, image_shard_hdf5, image_shard_parquet
+from retrieval_core.data.spill import K_SPILL_AT, FeatureSpill, load_spilled, load_spilled_rows
 
 F = 8
 
@@ -155,22 +157,22 @@ def test_hash_collisions_are_detected():
 
 def test_shards_are_deterministic_and_sorted():
     rows = [stage(raw_image(n=1 + i % 3, source_id=f"s{i}")) for i in range(7)]
-    b1 = staging.image_shard_parquet(rows, F)
-    assert b1 == staging.image_shard_parquet(rows[::-1], F)
+    b1 = image_shard_parquet(rows, F)
+    assert b1 == image_shard_parquet(rows[::-1], F)
     table = pq.read_table(io.BytesIO(b1))
     ids = table.column("item_id").to_pylist()
     assert ids == sorted(ids) and table.schema.metadata[schema.META_FEATURE_DIM] == str(F).encode()
-    h1, m1 = staging.image_shard_hdf5(rows, "float16", feature_shard="features/x.h5")
-    assert (h1, m1) == staging.image_shard_hdf5(rows[::-1], "float16", feature_shard="features/x.h5")
+    h1, m1 = image_shard_hdf5(rows, "float16", feature_shard="features/x.h5")
+    assert (h1, m1) == image_shard_hdf5(rows[::-1], "float16", feature_shard="features/x.h5")
     caps = [staging.stage_caption(RawCaption(f"s{i}", f"t{i}", "0"), collection="c") for i in range(5)]
-    assert staging.caption_shard_parquet(caps) == staging.caption_shard_parquet(caps[::-1])
+    assert caption_shard_parquet(caps) == caption_shard_parquet(caps[::-1])
 
 
 def test_float_arrays_are_not_dictionary_encoded():
     """A dictionary over float features overflows and falls back to plain pages: it only costs time (reads of
     a 100k-benchmark shard were 3.5x slower). Scalar columns keep their dictionaries."""
     rows = [stage(raw_image(n=2, source_id=f"s{i}")) for i in range(3)]
-    meta = pq.ParquetFile(io.BytesIO(staging.image_shard_parquet(rows, F, "float16"))).metadata.row_group(0)
+    meta = pq.ParquetFile(io.BytesIO(image_shard_parquet(rows, F, "float16"))).metadata.row_group(0)
     encodings = {meta.column(i).path_in_schema.split(".")[0]: meta.column(i).encodings
                  for i in range(meta.num_columns)}
     for column in ("features", "boxes"):
@@ -221,12 +223,12 @@ def test_an_image_takes_its_captions_split_or_is_skipped_or_rejected():
 def test_feature_spill_round_trip_across_flushes(tmp_path, dtype):
     rows = [stage(raw_image(n=n, source_id=f"img{n}")) for n in (3, 1, 5, 2)]
     path = str(tmp_path / "t.h5")
-    spill = staging.FeatureSpill(path, path, F, dtype, flush_regions=4)  # several partial flushes
+    spill = FeatureSpill(path, path, F, dtype, flush_regions=4)  # several partial flushes
     refs = [spill.append(r) for r in rows]
     spill.close()
     assert all("features" not in r and "boxes" not in r for r in refs)
-    assert [r[staging.K_SPILL_AT] for r in refs] == [0, 3, 4, 9]
-    restored = staging.load_spilled(list(reversed(refs)))[::-1]
+    assert [r[K_SPILL_AT] for r in refs] == [0, 3, 4, 9]
+    restored = load_spilled(list(reversed(refs)))[::-1]
     np_dtype = np.float16 if dtype == "float16" else np.float32
     for r, orig in zip(restored, rows):
         assert set(r) == set(orig)  # the pointer keys are gone, the arrays are back
@@ -234,23 +236,23 @@ def test_feature_spill_round_trip_across_flushes(tmp_path, dtype):
         np.testing.assert_array_equal(r["boxes"], orig["boxes"])
         assert r["features"].dtype == np_dtype and r["item_id"] == orig["item_id"]
     # rows that never went through a spill pass unchanged
-    assert staging.load_spilled([rows[0]])[0] is rows[0]
+    assert load_spilled([rows[0]])[0] is rows[0]
 
 
 def test_spilled_rows_read_back_exactly_by_row_number_across_flushes(tmp_path):
     """The rows a read task spills (what the staging shuffles point into) come back equal, types included
     (None, big ints, unicode), in the order asked, however they were flushed."""
     path = str(tmp_path / "rows.h5")
-    spill = staging.FeatureSpill(path, path, F, flush_rows=3)
+    spill = FeatureSpill(path, path, F, flush_rows=3)
     rows = [{"caption_id": 2**62 + i, "text": f"caf\u00e9 n\u00b0{i}", "split": None if i % 2 else "test",
              staging.K_LOCATOR: f"f.json:{i}"} for i in range(8)]
     numbers = [spill.add_row(r) for r in rows]
     spill.close()
     assert numbers == list(range(8))
     order = [5, 0, 7, 5, 2]  # any order, repeats allowed
-    assert staging.load_spilled_rows([(path, n) for n in order]) == [rows[n] for n in order]
+    assert load_spilled_rows([(path, n) for n in order]) == [rows[n] for n in order]
     other = str(tmp_path / "other.h5")
-    spill2 = staging.FeatureSpill(other, other, F)
+    spill2 = FeatureSpill(other, other, F)
     spill2.add_row({"x": 1})
     spill2.close()
-    assert staging.load_spilled_rows([(other, 0), (path, 1)]) == [{"x": 1}, rows[1]]
+    assert load_spilled_rows([(other, 0), (path, 1)]) == [{"x": 1}, rows[1]]

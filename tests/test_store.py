@@ -10,6 +10,7 @@ import pytest
 from retrieval_core.data import schema, staging
 from retrieval_core.data.paths import LOCAL_FILES, URLAccessError
 from retrieval_core.data.schema import RawCaption, RawImage
+from retrieval_core.data.shards import caption_shard_parquet, image_shard_hdf5, image_shard_parquet
 from retrieval_core.data.store import INCOMPLETE_FILE, StagedDataError, StagedDataset, to_torch
 
 
@@ -64,18 +65,18 @@ def write_staged(root, images, captions, feature_format="parquet", feature_dtype
         name = f"images/c-{idx:05d}-of-{num_shards:05d}.parquet"
         if feature_format == "hdf5":
             h5name = f"features/c-{idx:05d}-of-{num_shards:05d}.h5"
-            h5, data = staging.image_shard_hdf5(rows, feature_dtype, feature_dim=F, feature_shard=h5name)
+            h5, data = image_shard_hdf5(rows, feature_dtype, feature_dim=F, feature_shard=h5name)
             os.makedirs(root / "features", exist_ok=True)
             (root / h5name).write_bytes(h5)
             shards["feature_shards"].append({"name": h5name, "rows": len(rows), "sha256": sha256(h5)})
         else:
-            data = staging.image_shard_parquet(rows, F, feature_dtype)
+            data = image_shard_parquet(rows, F, feature_dtype)
         os.makedirs(root / "images", exist_ok=True)
         (root / name).write_bytes(data)
         shards["images"].append({"name": name, "rows": len(rows), "sha256": sha256(data)})
         cname = f"captions/c-{idx:05d}-of-{num_shards:05d}.parquet"
         os.makedirs(root / "captions", exist_ok=True)
-        (root / cname).write_bytes(cdata := staging.caption_shard_parquet(caps))
+        (root / cname).write_bytes(cdata := caption_shard_parquet(caps))
         shards["captions"].append({"name": cname, "rows": len(caps), "sha256": sha256(cdata)})
     summary = {"complete": True, "feature_dim": F, "feature_format": feature_format, "feature_dtype": feature_dtype,
                "collections": {"c": {"images": {"shards": shards["images"],

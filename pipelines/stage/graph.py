@@ -19,6 +19,8 @@ from pipelines.stage.plan import CAPTIONS_DIR, FEATURES_DIR, IMAGES_DIR, REJECTS
 from retrieval_core.data import schema, staging
 from retrieval_core.data.paths import is_url
 from retrieval_core.data.readers import caption_image_splits, read_task
+from retrieval_core.data.shards import caption_shard_parquet, image_shard_hdf5, image_shard_parquet
+from retrieval_core.data.spill import FeatureSpill, load_spilled, load_spilled_rows
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class _TaskSpill:
             self.local = f"{self.final}.tmp-{uuid.uuid4().hex[:12]}"
         else:
             self.local = tempfile.mkstemp(suffix=".h5")[1]
-        self.spill = staging.FeatureSpill(self.local, self.final, feature_dim, feature_dtype)
+        self.spill = FeatureSpill(self.local, self.final, feature_dim, feature_dtype)
 
     def close(self) -> None:
         import os
@@ -244,8 +246,8 @@ def _route_refs(element):
 
 def _load_rows(settings: Settings, coll: str, refs) -> list[dict]:
     """The spilled rows the refs [(spill key, id, row)] name (each task's file opened once)."""
-    return staging.load_spilled_rows(((spill_path(settings.spill_dir, coll, key), row) for key, _, row in refs),
-                                     _open_spill)
+    return load_spilled_rows(((spill_path(settings.spill_dir, coll, key), row) for key, _, row in refs),
+                             _open_spill)
 
 
 class WriteImageShard(beam.DoFn):
@@ -264,7 +266,7 @@ class WriteImageShard(beam.DoFn):
         rows, rejects = staging.resolve_duplicates(_load_rows(self.s, coll, refs))
         for rej in rejects:
             yield T_REJECT, _reject_out(coll, rej)
-        rows = staging.load_spilled(rows, _open_spill)  # features of the kept rows only
+        rows = load_spilled(rows, _open_spill)  # features of the kept rows only
         info = {"type": "shard", "collection": coll, "kind": "images", "index": idx, "total": total,
                 "rows": len(rows), "cap": dict(Counter(r[staging.K_CAP_POLICY] for r in rows
                                                     if r[staging.K_CAP_POLICY])),
@@ -272,14 +274,14 @@ class WriteImageShard(beam.DoFn):
         name = shard_rel(IMAGES_DIR, coll, idx, total, ".parquet")
         if self.s.feature_format == "hdf5":
             h5_name = shard_rel(FEATURES_DIR, coll, idx, total, ".h5")
-            h5, meta = staging.image_shard_hdf5(rows, self.s.feature_dtype, feature_dim=self.s.feature_dim,
-                                                feature_shard=h5_name)
+            h5, meta = image_shard_hdf5(rows, self.s.feature_dtype, feature_dim=self.s.feature_dim,
+                                        feature_shard=h5_name)
             sha, kept = write_or_keep(common.join(self.s.output, h5_name), h5)
             info["feature_shard"] = {"name": h5_name, "rows": len(rows), "sha256": sha, "kept": kept,
                                      "bytes": len(h5)}
             data = meta
         else:
-            data = staging.image_shard_parquet(rows, self.s.feature_dim, self.s.feature_dtype)
+            data = image_shard_parquet(rows, self.s.feature_dim, self.s.feature_dtype)
         sha, kept = write_or_keep(common.join(self.s.output, name), data)
         info.update(name=name, sha256=sha, kept=kept, bytes=len(data))
         log.info("%s %s: %d images (%s)", "kept" if kept else "wrote", name, len(rows),
@@ -317,7 +319,7 @@ class WriteCaptionShard(beam.DoFn):
         for rej in rejects:
             yield T_REJECT, _reject_out(coll, rej)
         name = shard_rel(CAPTIONS_DIR, coll, idx, total, ".parquet")
-        data = staging.caption_shard_parquet(rows)
+        data = caption_shard_parquet(rows)
         sha, kept = write_or_keep(common.join(self.s.output, name), data)
         log.info("%s %s: %d captions", "kept" if kept else "wrote", name, len(rows))
         Metrics.counter("stage", "caption_shards_written" if not kept else "caption_shards_kept").inc()

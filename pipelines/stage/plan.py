@@ -9,9 +9,10 @@ import click
 
 from pipelines import common
 from retrieval_core.cli import check_choice, check_positive, option
-from retrieval_core.data import schema, staging
+from retrieval_core.data import schema
 from retrieval_core.data.manifest import Manifest
 from retrieval_core.data.readers import plan_read_tasks
+from retrieval_core.data.shards import num_shards_for
 
 IMAGES_DIR, FEATURES_DIR, CAPTIONS_DIR, REJECTS_DIR = "images", "features", "captions", "rejects"
 FEATURE_FORMATS = ("parquet", "hdf5")
@@ -88,7 +89,7 @@ class Settings:
 
     def num_shards(self, collection: str, counts: dict) -> int:
         count = self.expected_images.get(collection) or counts.get(collection, 0)
-        return staging.num_shards_for(count, self.images_per_shard)
+        return num_shards_for(count, self.images_per_shard)
 
 
 def shard_rel(kind_dir: str, collection: str, index: int, total: int, suffix: str) -> str:

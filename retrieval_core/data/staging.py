@@ -1,28 +1,22 @@
-"""Validate and normalise raw records into staged rows, and encode staged shards (plain library, no Beam).
+"""Validate and normalise raw records into staged rows, resolve duplicates and summarise a source (plain library,
+no Beam).
 
 One record in, one outcome out: :func:`stage_image` / :func:`stage_caption` return either a staged row
 (a dict keyed by ``schema.IMAGE_COLUMNS`` / ``schema.CAPTION_COLUMNS`` plus a few private ``_``-prefixed
 bookkeeping keys) or a :class:`schema.Reject` that says why. Nothing is dropped silently.
 
 Every reject reason starts with a fixed category followed by ``": "`` and the specifics, so the summary
-can count reasons by category (:func:`reason_category`).
-
-Shard encoders (:func:`image_shard_parquet`, :func:`image_shard_hdf5`, :func:`caption_shard_parquet`)
-return bytes, so a Beam DoFn can write them atomically through FileSystems. Encodings are deterministic
-(same rows -> same bytes), which is what lets a rerun recognise a finished shard by its sha256.
+can count reasons by category (:func:`reason_category`). The staged rows are written as shards by
+``data.shards`` (through the per-task ``data.spill`` in the staging pipeline).
 """
 from __future__ import annotations
 
 import dataclasses
-import io
-import math
 import re
 from collections import Counter
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from . import schema
 from .schema import RawCaption, RawImage, Reject
@@ -301,125 +295,6 @@ def find_id_collisions(owners: Iterable[tuple[int, tuple[str, str, str]]]) -> li
     return [{"item_id": i, "first": list(a), "second": list(b)} for i, a, b in registry.collisions]
 
 
-# ------------------------------------------------------------------------------------------ shards
-def _packed(rows: Sequence[dict], key: str, width: int, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate each row's (n_i, width) array into one (total, width) buffer + (n+1,) offsets."""
-    counts = np.fromiter((r[key].shape[0] for r in rows), dtype=np.int64, count=len(rows))
-    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    flat = np.empty((int(offsets[-1]), width), dtype=dtype)
-    for r, a, b in zip(rows, offsets[:-1], offsets[1:]):
-        flat[a:b] = r[key]
-    return flat, offsets
-
-
-def _nested_fixed(flat: np.ndarray, offsets: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
-    """list<fixed_size_list<value, width>> built from one flat numpy buffer (no Python floats)."""
-    width = flat.shape[1]
-    values = pa.array(flat.reshape(-1), type=value_type)
-    inner = pa.FixedSizeListArray.from_arrays(values, width)
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), inner)
-
-
-def _sorted(rows: Iterable[dict], key: str) -> list[dict]:
-    return sorted(rows, key=lambda r: int(r[key]))
-
-
-def _parquet_bytes(table: pa.Table) -> bytes:
-    sink = io.BytesIO()
-    # no statistics on the big nested columns: they cost time and say nothing useful
-    pq.write_table(table, sink, compression="zstd", write_statistics=["item_id", "caption_id", "image_item_id"],
-                   use_dictionary=schema.dictionary_columns(table.schema))
-    return sink.getvalue()
-
-
-def _image_meta_columns(rows: Sequence[dict]) -> dict:
-    return {
-        "item_id": pa.array([int(r["item_id"]) for r in rows], pa.int64()),
-        "collection": pa.array([r["collection"] for r in rows], pa.string()),
-        "source_id": pa.array([r["source_id"] for r in rows], pa.string()),
-        "split": pa.array([r["split"] for r in rows], pa.string()),
-        "image_w": pa.array([int(r["image_w"]) for r in rows], pa.int32()),
-        "image_h": pa.array([int(r["image_h"]) for r in rows], pa.int32()),
-        "num_boxes": pa.array([int(r["num_boxes"]) for r in rows], pa.int32()),
-    }
-
-
-def image_shard_parquet(rows: Iterable[dict], feature_dim: int, feature_dtype: str = "float32") -> bytes:
-    """One Parquet image shard (features inline), rows sorted by item_id."""
-    rows = _sorted(rows, "item_id")
-    sch = schema.image_schema(feature_dim, feature_dtype)
-    np_dtype = np.float16 if feature_dtype == "float16" else np.float32
-    feats, offsets = _packed(rows, "features", feature_dim, np_dtype)
-    boxes, _ = _packed(rows, "boxes", schema.BOX_DIM, np.float32)
-    cols = _image_meta_columns(rows)
-    cols["boxes"] = _nested_fixed(boxes, offsets, pa.float32())
-    cols["features"] = _nested_fixed(feats, offsets, sch.field("features").type.value_type.value_type)
-    cols["feature_shard"] = pa.nulls(len(rows), pa.string())
-    cols["feature_row"] = pa.nulls(len(rows), pa.int64())
-    return _parquet_bytes(pa.table([cols[c] for c in schema.IMAGE_COLUMNS], schema=sch))
-
-
-def image_shard_hdf5(rows: Iterable[dict], feature_dtype: str = "float32", *, feature_dim: Optional[int] = None,
-                     feature_shard: str = "") -> tuple[bytes, bytes]:
-    """(HDF5 feature shard bytes, Parquet meta shard bytes) for one shard, rows sorted by item_id.
-
-    The HDF5 file holds ``schema.H5_ITEM_ID`` (n,), ``H5_OFFSETS`` (n+1,), ``H5_FEATURES`` (total, F) and
-    ``H5_BOXES`` (total, 6); the meta rows point at it by ``feature_shard`` (its path relative to the
-    staged dir) and ``feature_row``, with null boxes/features. Built in memory (no temp file), with
-    object timestamps off so that the same rows always give the same bytes.
-    """
-    import h5py
-
-    rows = _sorted(rows, "item_id")
-    np_dtype = np.float16 if feature_dtype == "float16" else np.float32
-    if feature_dim is None:
-        if not rows:
-            raise ValueError("feature_dim is needed for an empty HDF5 shard")
-        feature_dim = int(rows[0]["features"].shape[1])
-    feats, offsets = _packed(rows, "features", feature_dim, np_dtype)
-    boxes, _ = _packed(rows, "boxes", schema.BOX_DIM, np.float32)
-    item_ids = np.array([int(r["item_id"]) for r in rows], dtype=np.int64)
-
-    buf = io.BytesIO()
-    with h5py.File(buf, "w", libver="latest", track_order=False) as f:
-        f.attrs["schema_version"] = schema.SCHEMA_VERSION
-        f.attrs["feature_dim"] = int(feature_dim)
-        f.attrs["feature_dtype"] = feature_dtype
-        for name, arr in ((schema.H5_ITEM_ID, item_ids), (schema.H5_OFFSETS, offsets),
-                          (schema.H5_FEATURES, feats), (schema.H5_BOXES, boxes)):
-            f.create_dataset(name, data=arr, track_times=False)
-    h5_bytes = buf.getvalue()
-
-    sch = schema.image_schema(feature_dim, feature_dtype)
-    cols = _image_meta_columns(rows)
-    cols["boxes"] = pa.nulls(len(rows), sch.field("boxes").type)
-    cols["features"] = pa.nulls(len(rows), sch.field("features").type)
-    cols["feature_shard"] = pa.array([feature_shard] * len(rows), pa.string())
-    cols["feature_row"] = pa.array(np.arange(len(rows), dtype=np.int64), pa.int64())
-    meta = _parquet_bytes(pa.table([cols[c] for c in schema.IMAGE_COLUMNS], schema=sch))
-    return h5_bytes, meta
-
-
-def caption_shard_parquet(rows: Iterable[dict]) -> bytes:
-    """One caption shard, rows sorted by caption_id."""
-    rows = _sorted(rows, "caption_id")
-    cols = {
-        "caption_id": pa.array([int(r["caption_id"]) for r in rows], pa.int64()),
-        "image_item_id": pa.array([int(r["image_item_id"]) for r in rows], pa.int64()),
-        "collection": pa.array([r["collection"] for r in rows], pa.string()),
-        "source_id": pa.array([r["source_id"] for r in rows], pa.string()),
-        "text": pa.array([r["text"] for r in rows], pa.string()),
-        "lang": pa.array([r["lang"] for r in rows], pa.string()),
-        "split": pa.array([r["split"] for r in rows], pa.string()),
-    }
-    return _parquet_bytes(pa.table([cols[c] for c in schema.CAPTION_COLUMNS], schema=schema.CAPTION_SCHEMA))
-
-
-def num_shards_for(count: int, images_per_shard: int) -> int:
-    return max(1, math.ceil(max(int(count), 0) / max(int(images_per_shard), 1)))
-
-
 # ----------------------------------------------------------------------------------------- summary
 SUMMARY_FILE = "summary.json"
 
@@ -490,139 +365,3 @@ def in_equals_line(label: str, src: dict) -> str:
     if len(by_split) > 1:
         line += " [" + ", ".join(f"{k}: {v}" for k, v in by_split.items()) + "]"
     return line
-
-
-# ----------------------------------------------------------------------------------- spill (temp files)
-# Beam's local runners keep a shuffle's whole input in memory: shuffling region features put the whole
-# collection in RAM (staging 100k synthetic images was OOM-killed at 24 GB), and shuffling the staged rows
-# still grew the stager by ~7 KB per image and caption. The staging pipeline therefore writes each read
-# task's rows (and an image task's regions) once to a spill file, and shuffles only (id, row number) refs into
-# it; a shard writer reads back the rows (and regions) of its own ids. Memory per worker is then one task's
-# write buffer plus one shard, whatever the collection size.
-K_SPILL = "_spill"  # spill file path
-K_SPILL_AT = "_spill_at"  # first region row of this image in that file
-
-
-class FeatureSpill:
-    """Append-only HDF5 file of one read task's staged rows (JSON, ``rows``) and, for images, region features
-    (``feature_dtype``) and boxes (float32), written in blocks so a task of any size streams through bounded
-    memory. :meth:`append` spills an image's regions and returns the row that points to them; :meth:`add_row`
-    stores a row and returns its number, which :func:`load_spilled_rows` reads back."""
-
-    def __init__(self, path: str, spill_name: str, feature_dim: int, feature_dtype: str = "float32",
-                 flush_regions: int = 8192, flush_rows: int = 512):
-        import h5py
-
-        self.name = spill_name  # what the reference rows record (may be a remote path)
-        self._dtype = np.float16 if feature_dtype == "float16" else np.float32
-        self._f = h5py.File(path, "w")
-        # Small chunks: a reader pulls one image (~10-50 regions) at a time, and HDF5 reads whole chunks.
-        self._feats = self._f.create_dataset("features", (0, feature_dim), dtype=self._dtype,
-                                             maxshape=(None, feature_dim), chunks=(32, feature_dim))
-        self._boxes = self._f.create_dataset("boxes", (0, schema.BOX_DIM), dtype=np.float32,
-                                             maxshape=(None, schema.BOX_DIM), chunks=(256, schema.BOX_DIM))
-        self._rows = self._f.create_dataset("rows", (0,), dtype=h5py.string_dtype("utf-8"), maxshape=(None,),
-                                            chunks=(64,))
-        self._buf_f: list[np.ndarray] = []
-        self._buf_b: list[np.ndarray] = []
-        self._buf_rows: list[str] = []
-        self._buffered = 0
-        self._flush_regions = flush_regions
-        self._flush_rows = flush_rows
-        self.regions = 0  # regions appended so far (flushed or not)
-        self.rows = 0  # rows added so far (flushed or not)
-
-    def append(self, row: dict) -> dict:
-        at = self.regions
-        self._buf_f.append(np.asarray(row["features"], dtype=self._dtype))
-        self._buf_b.append(np.asarray(row["boxes"], dtype=np.float32))
-        n = int(row["features"].shape[0])
-        self.regions += n
-        self._buffered += n
-        if self._buffered >= self._flush_regions:
-            self._flush()
-        ref = {k: v for k, v in row.items() if k not in ("features", "boxes")}
-        ref[K_SPILL], ref[K_SPILL_AT] = self.name, at
-        return ref
-
-    def add_row(self, row: dict) -> int:
-        """Store a row without arrays (JSON: ints, strings, None round-trip exactly); returns its number."""
-        import json
-
-        self._buf_rows.append(json.dumps(row, separators=(",", ":"), sort_keys=True))
-        self.rows += 1
-        if len(self._buf_rows) >= self._flush_rows:
-            self._flush_row_block()
-        return self.rows - 1
-
-    def _flush(self) -> None:
-        if not self._buf_f:
-            return
-        start = self._feats.shape[0]
-        for ds, buf in ((self._feats, self._buf_f), (self._boxes, self._buf_b)):
-            block = np.concatenate(buf)
-            ds.resize(start + len(block), axis=0)
-            ds[start:start + len(block)] = block
-        self._buf_f, self._buf_b, self._buffered = [], [], 0
-
-    def _flush_row_block(self) -> None:
-        if not self._buf_rows:
-            return
-        start = self._rows.shape[0]
-        self._rows.resize(start + len(self._buf_rows), axis=0)
-        self._rows[start:] = self._buf_rows
-        self._buf_rows = []
-
-    def close(self) -> None:
-        self._flush()
-        self._flush_row_block()
-        self._f.close()
-
-
-def load_spilled_rows(refs: Iterable[tuple[str, int]], open_file=None) -> list[dict]:
-    """The rows ``refs`` = [(spill file, row number)] name, in that order; each file is opened once and read in
-    row order. ``open_file(name)`` returns an open ``h5py.File`` (default: opens the local path)."""
-    import json
-
-    import h5py
-
-    refs = list(refs)
-    by_file: dict[str, list[int]] = {}
-    for i, (name, _) in enumerate(refs):
-        by_file.setdefault(name, []).append(i)
-    out: list = [None] * len(refs)
-    for name, idx in sorted(by_file.items()):
-        idx = sorted(idx, key=lambda j: refs[j][1])
-        at = [int(refs[j][1]) for j in idx]
-        with (open_file(name) if open_file is not None else h5py.File(name, "r")) as f:
-            ds = f["rows"]
-            # h5py fancy indexing wants strictly increasing rows: read each distinct row once
-            uniq = sorted(set(at))
-            texts = ds[uniq] if len(uniq) > 1 else [ds[uniq[0]]]
-            by_row = {r: json.loads(t.decode("utf-8") if isinstance(t, bytes) else t) for r, t in zip(uniq, texts)}
-        for j, r in zip(idx, at):
-            out[j] = dict(by_row[r])
-    return out
-
-
-def load_spilled(rows: Sequence[dict], open_file=None) -> list[dict]:
-    """Rows with ``features``/``boxes`` restored from their spill files (rows that still carry their arrays
-    pass unchanged). ``open_file(name)`` returns an open ``h5py.File`` (default: opens the local path); each
-    file is opened once per call and read in region order."""
-    import h5py
-
-    by_file: dict[str, list[int]] = {}
-    for i, r in enumerate(rows):
-        if K_SPILL in r:
-            by_file.setdefault(r[K_SPILL], []).append(i)
-    out = list(rows)
-    for name, idx in by_file.items():
-        with (open_file(name) if open_file is not None else h5py.File(name, "r")) as f:
-            for i in sorted(idx, key=lambda j: rows[j][K_SPILL_AT]):
-                r = rows[i]
-                a, b = int(r[K_SPILL_AT]), int(r[K_SPILL_AT]) + int(r["num_boxes"])
-                restored = {k: v for k, v in r.items() if k not in (K_SPILL, K_SPILL_AT)}
-                restored["features"] = f["features"][a:b]
-                restored["boxes"] = f["boxes"][a:b]
-                out[i] = restored
-    return out
