@@ -7,8 +7,8 @@ from click.testing import CliRunner
 from pipelines.build_index.plan import IndexPlan
 from pipelines.build_index.run import main, run
 from retrieval_core.search import embeddings as emb
-from retrieval_core.search import index as ix
 from retrieval_core.search.exact import exact_topk
+from retrieval_core.search.index_folder import INDEX_MANIFEST, load_sharded_index
 
 D = 16
 
@@ -42,7 +42,7 @@ def test_flat_index_pipeline_and_rerun_keeps_shards(tmp_path):
     args = ["--embeddings", str(emb_dir), "--output", str(out), "--index-factory", "Flat", "--threads", "1"]
     text = _run(args)
     assert "600 vectors in 3 shards (3 built, 0 kept)" in text
-    index = ix.load_sharded_index(str(out))
+    index = load_sharded_index(str(out))
     q = x[:7] + 0.01
     _, got = index.search(q, 5)
     np.testing.assert_array_equal(got, exact_topk(q, x, ids, 5)[1])
@@ -54,7 +54,7 @@ def test_flat_index_pipeline_and_rerun_keeps_shards(tmp_path):
     assert "(1 built, 2 kept)" in text
     after = {p.name: p.stat().st_mtime_ns for p in (out / "shards").iterdir()}
     assert after["toy-00000-of-00003.faiss"] == before["toy-00000-of-00003.faiss"]
-    assert ix.load_sharded_index(str(out)).ntotal == 600
+    assert load_sharded_index(str(out)).ntotal == 600
     assert not list((out / "_work").glob("shard_infos*"))
 
 
@@ -64,9 +64,9 @@ def test_ivf_pipeline_trains_once_and_reuses_training(tmp_path):
     args = ["--embeddings", str(emb_dir), "--output", str(out), "--index-factory", "IVF4,Flat",
             "--train-sample", "400", "--threads", "1"]
     _run(args)
-    manifest = json.loads((out / ix.INDEX_MANIFEST).read_text())
+    manifest = json.loads((out / INDEX_MANIFEST).read_text())
     assert manifest["ntotal"] == 600 and manifest["trained"]["train_sample"] == 400
-    index = ix.load_sharded_index(str(out))
+    index = load_sharded_index(str(out))
     np.testing.assert_array_equal(index.all_ids(), np.sort(ids))
     assert "(0 built, 3 kept)" in _run(args)
     # a different factory rebuilds everything
@@ -100,11 +100,11 @@ def test_ids_index_holds_only_the_listed_items(tmp_path):
     text = _run(["--embeddings", str(emb_dir), "--output", str(out), "--modality", "image",
                  "--ids", ids_file, "--index-factory", "IVF2,Flat", "--train-sample", "100", "--threads", "1"])
     assert "150 vectors of the 150 ids in" in text and "(3 built, 0 kept)" in text
-    manifest = json.loads((out / ix.INDEX_MANIFEST).read_text())
+    manifest = json.loads((out / INDEX_MANIFEST).read_text())
     import hashlib
     assert manifest["ids"] == {"path": ids_file, "count": 150,
                                "sha256": hashlib.sha256(open(ids_file, "rb").read()).hexdigest()}
-    index = ix.load_sharded_index(str(out))  # checks the id set against the id list
+    index = load_sharded_index(str(out))  # checks the id set against the id list
     np.testing.assert_array_equal(index.all_ids(), np.sort(fold))
     assert "(0 built, 3 kept)" in _run(["--embeddings", str(emb_dir), "--output", str(out), "--ids", ids_file,
                                         "--index-factory", "IVF2,Flat", "--train-sample", "100"])
@@ -112,7 +112,7 @@ def test_ids_index_holds_only_the_listed_items(tmp_path):
     other = _write_ids(tmp_path / "other.parquet", ids[:50])
     assert "(3 built, 0 kept)" in _run(["--embeddings", str(emb_dir), "--output", str(out), "--ids", other])
     assert "600 vectors in 3 shards (3 built, 0 kept)" in _run(["--embeddings", str(emb_dir), "--output", str(out)])
-    assert json.loads((out / ix.INDEX_MANIFEST).read_text())["ids"] is None
+    assert json.loads((out / INDEX_MANIFEST).read_text())["ids"] is None
 
 
 def test_ids_missing_from_the_embeddings_are_refused_before_anything_is_written(tmp_path):

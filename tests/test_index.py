@@ -4,8 +4,24 @@ import numpy as np
 import pytest
 
 from retrieval_core.search import embeddings as emb
-from retrieval_core.search import index as ix
 from retrieval_core.search.exact import exact_topk
+from retrieval_core.search.index import (
+    IndexIntegrityError,
+    ShardedIndex,
+    build_shard,
+    index_bytes,
+    needs_training,
+    read_id_list,
+    train_index,
+    training_sample,
+)
+from retrieval_core.search.index_folder import (
+    INDEX_MANIFEST,
+    StreamedIndex,
+    load_sharded_index,
+    make_index_manifest,
+    shard_file_name,
+)
 
 D = 16
 
@@ -19,15 +35,15 @@ def _data(n=1200, seed=0):
 
 
 def _shards(factory, ids, x, parts=3, sample_n=800):
-    sample = ix.training_sample(ids, x, sample_n, seed=0) if ix.needs_training(factory, D) else None
-    trained = ix.train_index(factory, D, "ip", sample)
-    return [ix.build_shard(trained, ids[i::parts], x[i::parts]) for i in range(parts)]
+    sample = training_sample(ids, x, sample_n, seed=0) if needs_training(factory, D) else None
+    trained = train_index(factory, D, "ip", sample)
+    return [build_shard(trained, ids[i::parts], x[i::parts]) for i in range(parts)]
 
 
 @pytest.mark.parametrize("factory", ["Flat", "IVF8,Flat", "HNSW16", "IVF8,PQ4x4"])
 def test_sharded_ids_and_ntotal(factory):
     ids, x = _data()
-    sharded = ix.ShardedIndex(_shards(factory, ids, x))
+    sharded = ShardedIndex(_shards(factory, ids, x))
     assert sharded.ntotal == len(ids)
     np.testing.assert_array_equal(sharded.all_ids(), np.sort(ids))
     assert sharded.id_set() == frozenset(ids.tolist())
@@ -45,7 +61,7 @@ def test_sharded_ids_and_ntotal(factory):
 def test_flat_sharded_search_equals_exact_topk():
     ids, x = _data(seed=1)
     q = np.random.default_rng(2).normal(size=(30, D)).astype(np.float32)
-    scores, found = ix.ShardedIndex(_shards("Flat", ids, x, parts=4)).search(q, 10)
+    scores, found = ShardedIndex(_shards("Flat", ids, x, parts=4)).search(q, 10)
     es, ei = exact_topk(q, x, ids, 10)
     np.testing.assert_array_equal(found, ei)
     np.testing.assert_allclose(scores, es, rtol=1e-5, atol=1e-6)
@@ -54,8 +70,8 @@ def test_flat_sharded_search_equals_exact_topk():
 @pytest.mark.parametrize("metric", ["ip", "l2"])
 def test_search_scores_are_higher_is_better_for_every_metric(metric):
     ids, x = _data(n=300, seed=4)
-    trained = ix.train_index("Flat", D, metric, None)
-    sharded = ix.ShardedIndex([ix.build_shard(trained, ids[i::3], x[i::3]) for i in range(3)])
+    trained = train_index("Flat", D, metric, None)
+    sharded = ShardedIndex([build_shard(trained, ids[i::3], x[i::3]) for i in range(3)])
     q = np.random.default_rng(5).normal(size=(8, D)).astype(np.float32)
     raw, raw_ids = sharded.search(q, 10)
     scores, found = sharded.search_scores(q, 10)
@@ -73,7 +89,7 @@ def test_index_shards_successive_ids_regression():
     for s in shards:
         good.add_shard(s)
         bad.add_shard(s)
-    _, ours = ix.ShardedIndex(shards).search(x[:10], 3)
+    _, ours = ShardedIndex(shards).search(x[:10], 3)
     _, g = good.search(x[:10], 3)
     _, b = bad.search(x[:10], 3)
     np.testing.assert_array_equal(ours, g)
@@ -83,24 +99,24 @@ def test_index_shards_successive_ids_regression():
 def test_training_sample_is_order_independent_and_warns():
     ids, x = _data(n=500)
     perm = np.random.default_rng(0).permutation(500)
-    a = ix.training_sample(ids, x, 100, seed=5)
-    b = ix.training_sample(ids[perm], x[perm], 100, seed=5)
+    a = training_sample(ids, x, 100, seed=5)
+    b = training_sample(ids[perm], x[perm], 100, seed=5)
     np.testing.assert_array_equal(a, b)
-    assert not np.array_equal(a, ix.training_sample(ids, x, 100, seed=6))
+    assert not np.array_equal(a, training_sample(ids, x, 100, seed=6))
     with pytest.warns(RuntimeWarning, match="fewer than 39"):
-        ix.train_index("IVF8,Flat", D, "ip", a)
+        train_index("IVF8,Flat", D, "ip", a)
     with pytest.raises(ValueError, match="needs training"):
-        ix.train_index("IVF8,Flat", D, "ip", None)
-    assert not ix.needs_training("Flat") and not ix.needs_training("HNSW32") and ix.needs_training("IVF16,Flat")
+        train_index("IVF8,Flat", D, "ip", None)
+    assert not needs_training("Flat") and not needs_training("HNSW32") and needs_training("IVF16,Flat")
 
 
 def test_build_shard_rejects_duplicates_and_bad_shapes():
     ids, x = _data(n=10)
-    trained = ix.train_index("Flat", D, "ip", None)
+    trained = train_index("Flat", D, "ip", None)
     with pytest.raises(ValueError, match="duplicate"):
-        ix.build_shard(trained, np.array([1] * 10), x)
+        build_shard(trained, np.array([1] * 10), x)
     with pytest.raises(ValueError):
-        ix.build_shard(trained, ids, x[:, :8])
+        build_shard(trained, ids, x[:, :8])
 
 
 def _index_dir(tmp_path, ids, x, factory="Flat", parts=2):
@@ -108,33 +124,33 @@ def _index_dir(tmp_path, ids, x, factory="Flat", parts=2):
     (emb_dir / "embeddings" / "image").mkdir(parents=True)
     (index_dir / "shards").mkdir(parents=True)
     emb_entries, idx_entries = [], []
-    sample = ix.training_sample(ids, x, len(ids), seed=0) if ix.needs_training(factory, D) else None
-    trained = ix.train_index(factory, D, "ip", sample)
+    sample = training_sample(ids, x, len(ids), seed=0) if needs_training(factory, D) else None
+    trained = train_index(factory, D, "ip", sample)
     for i in range(parts):
         name = f"toy-{i:05d}-of-{parts:05d}.parquet"
         data = emb.embedding_shard_bytes(ids[i::parts], x[i::parts])
         (emb_dir / "embeddings" / "image" / name).write_bytes(data)
         emb_entries.append(emb.shard_info(name, data, len(ids[i::parts])))
-        shard_bytes = ix.index_bytes(ix.build_shard(trained, ids[i::parts], x[i::parts]))
-        (index_dir / "shards" / ix.shard_file_name(name)).write_bytes(shard_bytes)
-        idx_entries.append(dict(emb.shard_info(ix.shard_file_name(name), shard_bytes, len(ids[i::parts])),
+        shard_bytes = index_bytes(build_shard(trained, ids[i::parts], x[i::parts]))
+        (index_dir / "shards" / shard_file_name(name)).write_bytes(shard_bytes)
+        idx_entries.append(dict(emb.shard_info(shard_file_name(name), shard_bytes, len(ids[i::parts])),
                                 source=name, source_sha256=emb_entries[-1]["sha256"]))
     import hashlib
     import json
     m = emb.make_embeddings_manifest("model", "0" * 64, D, {"image": emb_entries}, "test")
     mb = json.dumps(m).encode()
     (emb_dir / emb.EMBEDDINGS_MANIFEST).write_bytes(mb)
-    im = ix.make_index_manifest(factory, D, "ip", "image", idx_entries,
+    im = make_index_manifest(factory, D, "ip", "image", idx_entries,
                                 {"dir": str(emb_dir), "manifest_sha256": hashlib.sha256(mb).hexdigest(),
                                  "count": len(ids)}, {"sha256": "", "train_sample": 0, "seed": 0}, "test")
-    (index_dir / ix.INDEX_MANIFEST).write_text(json.dumps(im))
+    (index_dir / INDEX_MANIFEST).write_text(json.dumps(im))
     return emb_dir, index_dir
 
 
 def test_load_sharded_index_verifies(tmp_path):
     ids, x = _data(n=200)
     emb_dir, index_dir = _index_dir(tmp_path, ids, x)
-    loaded = ix.load_sharded_index(str(index_dir))
+    loaded = load_sharded_index(str(index_dir))
     assert loaded.ntotal == 200
     np.testing.assert_array_equal(loaded.all_ids(), np.sort(ids))
     # embeddings read back intact through the manifest
@@ -144,8 +160,8 @@ def test_load_sharded_index_verifies(tmp_path):
     shard = index_dir / "shards" / "toy-00001-of-00002.faiss"
     good = shard.read_bytes()
     shard.write_bytes(good[:-8] + b"\0" * 8)
-    with pytest.raises(ix.IndexIntegrityError, match="sha256"):
-        ix.load_sharded_index(str(index_dir))
+    with pytest.raises(IndexIntegrityError, match="sha256"):
+        load_sharded_index(str(index_dir))
     shard.write_bytes(good)
 
     emb_shard = emb_dir / "embeddings" / "image" / "toy-00000-of-00002.parquet"
@@ -160,7 +176,7 @@ def test_streamed_index_gives_the_loaded_index_results_holding_one_shard(tmp_pat
     reading one shard at a time; it runs the same checks when opened and re-verifies shards per search."""
     ids, x = _data(n=200)
     _, index_dir = _index_dir(tmp_path, ids, x, factory=factory)
-    loaded, streamed = ix.load_sharded_index(str(index_dir)), ix.StreamedIndex(str(index_dir))
+    loaded, streamed = load_sharded_index(str(index_dir)), StreamedIndex(str(index_dir))
     assert streamed.ntotal == loaded.ntotal == 200 and streamed.keep_max
     if "IVF" in factory:
         loaded.set_params(nprobe=3)
@@ -174,10 +190,10 @@ def test_streamed_index_gives_the_loaded_index_results_holding_one_shard(tmp_pat
 
     shard = index_dir / "shards" / "toy-00001-of-00002.faiss"
     shard.write_bytes(shard.read_bytes()[:-8] + b"\0" * 8)
-    with pytest.raises(ix.IndexIntegrityError, match="sha256"):
+    with pytest.raises(IndexIntegrityError, match="sha256"):
         streamed.search_batches(batches, 3)  # changed after opening: caught on the next read
-    with pytest.raises(ix.IndexIntegrityError, match="sha256"):
-        ix.StreamedIndex(str(index_dir))
+    with pytest.raises(IndexIntegrityError, match="sha256"):
+        StreamedIndex(str(index_dir))
 
 
 def test_load_sharded_index_detects_id_mismatch(tmp_path):
@@ -188,13 +204,13 @@ def test_load_sharded_index_detects_id_mismatch(tmp_path):
     name = "toy-00000-of-00002.parquet"
     data = emb.embedding_shard_bytes(ids[0::2] + 1, x[0::2])
     (emb_dir / "embeddings" / "image" / name).write_bytes(data)
-    with pytest.raises(ix.IndexIntegrityError, match="ids differ"):
-        ix.load_sharded_index(str(index_dir))
+    with pytest.raises(IndexIntegrityError, match="ids differ"):
+        load_sharded_index(str(index_dir))
     m = json.loads((emb_dir / emb.EMBEDDINGS_MANIFEST).read_text())
     m["dim"] = 3
     (emb_dir / emb.EMBEDDINGS_MANIFEST).write_text(json.dumps(m))
-    with pytest.raises(ix.IndexIntegrityError, match="changed"):
-        ix.load_sharded_index(str(index_dir))
+    with pytest.raises(IndexIntegrityError, match="changed"):
+        load_sharded_index(str(index_dir))
 
 
 def test_read_id_list_refuses_what_is_not_a_clean_int64_id_column(tmp_path):
@@ -206,12 +222,12 @@ def test_read_id_list_refuses_what_is_not_a_clean_int64_id_column(tmp_path):
         return str(tmp_path / name)
 
     good = write("good.parquet", pa.table({"item_id": pa.array([5, 1, 3], pa.int64())}))
-    np.testing.assert_array_equal(ix.read_id_list(good), [1, 3, 5])
+    np.testing.assert_array_equal(read_id_list(good), [1, 3, 5])
     with pytest.raises(ValueError, match="must be int64, got int32"):
-        ix.read_id_list(write("i32.parquet", pa.table({"item_id": pa.array([1], pa.int32())})))
+        read_id_list(write("i32.parquet", pa.table({"item_id": pa.array([1], pa.int32())})))
     with pytest.raises(ValueError, match="1 null item_id"):
-        ix.read_id_list(write("null.parquet", pa.table({"item_id": pa.array([1, None], pa.int64())})))
+        read_id_list(write("null.parquet", pa.table({"item_id": pa.array([1, None], pa.int64())})))
     with pytest.raises(ValueError, match="cannot read an int64 'item_id' column"):
-        ix.read_id_list(write("other.parquet", pa.table({"id": pa.array([1], pa.int64())})))
+        read_id_list(write("other.parquet", pa.table({"id": pa.array([1], pa.int64())})))
     with pytest.raises(ValueError, match="listed more than once"):
-        ix.read_id_list(write("dup.parquet", pa.table({"item_id": pa.array([2, 2], pa.int64())})))
+        read_id_list(write("dup.parquet", pa.table({"item_id": pa.array([2, 2], pa.int64())})))

@@ -7,8 +7,9 @@ from click.testing import CliRunner
 
 from pipelines.build_index.run import main
 from retrieval_core.search import embeddings as emb
-from retrieval_core.search import index as ix
 from retrieval_core.search import index_choice as ic
+from retrieval_core.search.index import select_training_ids
+from retrieval_core.search.index_folder import INDEX_MANIFEST, load_sharded_index
 
 D = 16
 
@@ -47,7 +48,7 @@ def test_auto_chooses_within_the_memory_budget_and_records_measured_recall(tmp_p
     res = _invoke("--embeddings", emb_dir, "--output", out, "--index-factory", "auto", "--max-index-memory", "25KB",
                   "--max-query-ms", "50", "--recall-target", "0.95", "--threads", "1")
     assert res.exit_code == 0, (res.output, res.exception)
-    m = json.loads((out / ix.INDEX_MANIFEST).read_text())
+    m = json.loads((out / INDEX_MANIFEST).read_text())
     assert m["factory"].startswith("IVF") and ("SQ8" in m["factory"] or "PQ" in m["factory"])
     assert set(m["search_params"]) == {"nprobe"} and m["search_params"]["nprobe"] >= 1
     measured = m["auto"]["measured"]
@@ -58,11 +59,11 @@ def test_auto_chooses_within_the_memory_budget_and_records_measured_recall(tmp_p
     rejected = {c["factory"]: c["rejected"] for c in m["auto"]["candidates"]}
     assert "KB > 25.0 KB" in rejected["Flat"] and "KB > 25.0 KB" in rejected["HNSW32"]
     # the recorded recall is real: the loaded index with the recorded nprobe finds what exact search finds
-    index = ix.load_sharded_index(str(out))
+    index = load_sharded_index(str(out))
     index.set_params(**m["search_params"])
     ids, x = emb.read_embeddings(str(emb_dir), "image")
     t_ids, t = emb.read_embeddings(str(emb_dir), "text")
-    held_out = ix.select_training_ids(t_ids, 200, 2)  # the queries build_index drew (seed + 2)
+    held_out = select_training_ids(t_ids, 200, 2)  # the queries build_index drew (seed + 2)
     order = np.argsort(t_ids)
     t = t[order[np.searchsorted(t_ids[order], held_out)]]
     exact = ic.exact_topk(t, x, ids, 10)[1]
@@ -77,7 +78,7 @@ def test_auto_refuses_a_budget_nothing_meets_in_one_line(tmp_path):
     assert res.exit_code == 1
     lines = res.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: no index meets the budget") and "Flat:" in lines[0]
-    assert not (tmp_path / "i" / ix.INDEX_MANIFEST).exists()
+    assert not (tmp_path / "i" / INDEX_MANIFEST).exists()
     bad = _invoke("--embeddings", emb_dir, "--output", tmp_path / "j", "--max-query-ms", "5")
     assert bad.exit_code == 1 and "need --index-factory auto" in bad.output
     bad = _invoke("--embeddings", emb_dir, "--output", tmp_path / "j", "--index-factory", "auto",

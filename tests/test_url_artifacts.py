@@ -32,7 +32,7 @@ from retrieval_core.model.checkpoints import (
     local_model_folder,
 )
 from retrieval_core.search import embeddings as emb
-from retrieval_core.search import index as ix
+from retrieval_core.search.index_folder import INDEX_MANIFEST
 from tests.helpers_beamfs import PREFIX, url
 from tests.test_dataflow import MANIFEST  # a synthetic collection of 16 images (8 test), 2 captions each
 from tests.test_encode_pipeline import write_tiny_model
@@ -95,7 +95,7 @@ def test_url_chain_writes_the_bytes_of_the_local_chain(chains):
             rel = emb.shard_relpath(modality, s["name"])
             assert read(f"{by_url['emb']}/{rel}") == read(f"{on_disk['emb']}/{rel}")
 
-    ix_a, ix_b = (json.loads(read(f"{c['index']}/{ix.INDEX_MANIFEST}")) for c in (on_disk, by_url))
+    ix_a, ix_b = (json.loads(read(f"{c['index']}/{INDEX_MANIFEST}")) for c in (on_disk, by_url))
     keys = ("name", "rows", "sha256", "source", "source_sha256")
     assert shard_entries(ix_b, keys) == shard_entries(ix_a, keys)
     assert ix_b["trained"]["sha256"] == ix_a["trained"]["sha256"]

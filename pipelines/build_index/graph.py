@@ -14,7 +14,8 @@ from apache_beam.metrics import Metrics
 from pipelines import common
 from pipelines.build_index.plan import IndexBuildError, IndexPlan
 from retrieval_core.search import embeddings as emb
-from retrieval_core.search import index as ix
+from retrieval_core.search.index import build_shard, index_bytes, read_id_list, set_threads
+from retrieval_core.search.index_folder import SHARDS_SUBDIR, shard_file_name
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,10 @@ class BuildShard(beam.DoFn):
         self.plan, self.dim, self.trained, self.ids = plan, dim, trained, ids
 
     def setup(self):
-        ix.set_threads(self.plan.threads)  # faiss bundles its own OpenMP pool
+        set_threads(self.plan.threads)  # faiss bundles its own OpenMP pool
         self._trained = self.trained.read()
         # The id list: 8 bytes per listed item, read once per worker process (never pickled into the graph).
-        self._ids = ix.read_id_list(self.ids.read(), self.ids.path) if self.ids else None
+        self._ids = read_id_list(self.ids.read(), self.ids.path) if self.ids else None
 
     def process(self, entry: dict):
         t0 = time.time()
@@ -57,9 +58,9 @@ class BuildShard(beam.DoFn):
         if self._ids is not None:
             keep = np.isin(ids, self._ids)
             ids, vectors = ids[keep], vectors[keep]
-        shard = ix.build_shard(self._trained, ids, vectors)
-        name = ix.shard_file_name(entry["name"])
-        sha = common.write_atomic(common.join(self.plan.output, ix.SHARDS_SUBDIR, name), ix.index_bytes(shard))
+        shard = build_shard(self._trained, ids, vectors)
+        name = shard_file_name(entry["name"])
+        sha = common.write_atomic(common.join(self.plan.output, SHARDS_SUBDIR, name), index_bytes(shard))
         log.info("built %s: %d vectors in %.1f s", name, shard.ntotal, time.time() - t0)
         Metrics.counter(METRICS_NAMESPACE, "vectors_added").inc(int(shard.ntotal))
         Metrics.counter(METRICS_NAMESPACE, "shards_built").inc()

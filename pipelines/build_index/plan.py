@@ -8,8 +8,8 @@ import click
 
 from retrieval_core.cli import check_choice, check_positive, option
 from retrieval_core.data import schema
-from retrieval_core.search import index as ix
 from retrieval_core.search import index_choice as ic
+from retrieval_core.search.index import METRICS, THREADS_ENV
 
 #: --index-factory value that chooses the factory and its search parameters under budgets (index_choice).
 AUTO = "auto"
@@ -46,12 +46,12 @@ class IndexPlan:
                                "the cheapest of Flat / IVF-Flat / IVF-SQ8 / IVF-PQ / HNSW32 (and its nprobe / "
                                "efSearch) reaching --recall-target within the budgets, measured and written into "
                                "the index manifest.")
-    metric: str = option("ip", type=click.Choice(sorted(ix.METRICS)))
+    metric: str = option("ip", type=click.Choice(sorted(METRICS)))
     train_sample: int = option(50_000, type=click.IntRange(min=1),
                                help="training vectors for factories that need training (>= 39 per IVF list)")
     seed: int = option(0)
     threads: Optional[int] = option(None, type=click.IntRange(min=1),
-                                    help=f"faiss OpenMP threads per process (default ${ix.THREADS_ENV} or all)")
+                                    help=f"faiss OpenMP threads per process (default ${THREADS_ENV} or all)")
     ids: Optional[str] = option(None, help="Parquet file with an int64 item_id column: index only these items "
                                            "(a fold, a sub-pool)")
     # factory "auto" only: budgets of the choice, the tuning collection and the held-out queries
@@ -87,7 +87,7 @@ class IndexPlan:
             raise IndexBuildError(f"seed must be an integer, got {self.seed!r}")
         try:
             check_choice("modality", self.modality, schema.MODALITIES)
-            check_choice("metric", self.metric, sorted(ix.METRICS))
+            check_choice("metric", self.metric, sorted(METRICS))
             check_positive("train_sample", self.train_sample)
             check_positive("threads", self.threads, allow_none=True)
             if self.factory == AUTO:

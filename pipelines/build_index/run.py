@@ -24,15 +24,25 @@ from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
 from retrieval_core.data import schema
 from retrieval_core.search import embeddings as emb
 from retrieval_core.search import exact
-from retrieval_core.search import index as ix
 from retrieval_core.search import index_choice as ic
+from retrieval_core.search.index import (
+    ShardedIndex,
+    index_bytes,
+    index_from_bytes,
+    needs_training,
+    read_id_list,
+    select_training_ids,
+    set_threads,
+    train_index,
+)
+from retrieval_core.search.index_folder import INDEX_MANIFEST, SHARDS_SUBDIR, TRAINED_INDEX, make_index_manifest
 
 log = logging.getLogger(__name__)
 CREATED_BY = "pipelines.build_index"
 
 
 def _previous_manifest(output: str) -> Optional[dict]:
-    path = common.join(output, ix.INDEX_MANIFEST)
+    path = common.join(output, INDEX_MANIFEST)
     if not common.exists(path):
         return None
     try:
@@ -64,7 +74,7 @@ def _training_vectors(plan: IndexPlan, shards: list[dict], dim: int, ids: Option
     collection."""
     if ids is None:
         ids = np.concatenate([_shard_ids(plan.embeddings, plan.modality, s) for s in shards])
-    chosen = ix.select_training_ids(ids, plan.train_sample if n is None else n, plan.seed if seed is None else seed)
+    chosen = select_training_ids(ids, plan.train_sample if n is None else n, plan.seed if seed is None else seed)
     return _gather(plan.embeddings, plan.modality, shards, chosen, dim)
 
 
@@ -91,7 +101,7 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
     t0 = time.time()
     options = common.task_pipeline_options(beam_args)
     dry = common.is_dry_run(options)
-    ix.set_threads(plan.threads)
+    set_threads(plan.threads)
     manifest_path = common.join(plan.embeddings, emb.EMBEDDINGS_MANIFEST)
     if not common.exists(manifest_path):
         raise emb.EmbeddingsError(f"no {emb.EMBEDDINGS_MANIFEST} in {plan.embeddings}: not an embeddings "
@@ -109,7 +119,7 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
         if not common.exists(plan.ids):
             raise IndexBuildError(f"--ids {plan.ids}: no such file")
         ids_bytes = common.read_bytes(plan.ids)
-        ids = ix.read_id_list(ids_bytes, f"--ids {plan.ids}")
+        ids = read_id_list(ids_bytes, f"--ids {plan.ids}")
         if not len(ids):
             raise IndexBuildError(f"--ids {plan.ids}: lists no ids")
         check_ids_present(ids, plan.embeddings, plan.modality, shards, f"--ids {plan.ids}")
@@ -126,7 +136,7 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
     prev = _previous_manifest(plan.output)
     same_config = prev is not None and all(prev.get(k) == v for k, v in config.items()) and \
         (prev.get("ids") or {}).get("sha256") == train_cfg["ids_sha256"]
-    trained_path = common.join(plan.output, ix.TRAINED_INDEX)
+    trained_path = common.join(plan.output, TRAINED_INDEX)
     prev_trained = (prev or {}).get("trained", {})
     if same_config and {k: prev_trained.get(k) for k in train_cfg} == train_cfg \
             and common.shard_is_valid(trained_path, prev_trained.get("sha256")):
@@ -134,10 +144,10 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
         log.info("reusing trained index %s", trained_path)
     else:
         sample = None
-        if ix.needs_training(factory, dim, plan.metric):
+        if needs_training(factory, dim, plan.metric):
             sample = _training_vectors(plan, shards, dim, ids)
             log.info("training %s on %d vectors", factory, len(sample))
-        trained = ix.train_index(factory, dim, plan.metric, sample, seed=plan.seed)
+        trained = train_index(factory, dim, plan.metric, sample, seed=plan.seed)
     trained_sha = hashlib.sha256(trained).hexdigest()
 
     # Keep shards that still match the previous manifest, built from the same source, trained index and ids.
@@ -147,7 +157,7 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
     for s in shards:
         old = prev_shards.get(s["name"])
         if old and old.get("source_sha256") == s["sha256"] and common.shard_is_valid(
-                common.join(plan.output, ix.SHARDS_SUBDIR, old["name"]), old["sha256"]):
+                common.join(plan.output, SHARDS_SUBDIR, old["name"]), old["sha256"]):
             kept.append(old)
         else:
             todo.append(s)
@@ -173,17 +183,17 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
         print(common.dry_run_message("build_index", options))
         return None
 
-    manifest = ix.make_index_manifest(
+    manifest = make_index_manifest(
         factory, dim, plan.metric, plan.modality, kept + built,
         embeddings={"dir": plan.embeddings, "manifest_sha256": emb_sha, "count": int(entry["count"])},
-        trained={"name": ix.TRAINED_INDEX, "sha256": trained_sha, **train_cfg},
+        trained={"name": TRAINED_INDEX, "sha256": trained_sha, **train_cfg},
         created_by=CREATED_BY, ids=ids_entry)
     if manifest["ntotal"] != expected or len(manifest["shards"]) != len(shards):
         raise IndexBuildError(f"index holds {manifest['ntotal']} vectors in {len(manifest['shards'])} shards; "
                               f"expected {expected} in {len(shards)} (the runner lost shards?)")
     if auto is not None:  # measured on the index as built: the recorded numbers are the full index's
         manifest["search_params"], manifest["auto"] = _measure_built(plan, manifest, shards, ids, auto)
-    common.write_json_atomic(common.join(plan.output, ix.INDEX_MANIFEST), manifest)
+    common.write_json_atomic(common.join(plan.output, INDEX_MANIFEST), manifest)
     return {"factory": factory, "metric": plan.metric, "search_params": manifest.get("search_params"), "d": dim,
             "ntotal": manifest["ntotal"], "shards": len(shards), "built": len(built), "kept": len(kept),
             "ids": ids_entry, "runner": common.runner_name(options), "seconds": round(time.time() - t0, 2)}
@@ -197,7 +207,7 @@ def _held_out_queries(plan: IndexPlan, emb_manifest: dict, shards: list[dict], d
     if other in emb_manifest["modalities"] and emb_manifest["modalities"][other]["shards"]:
         o_shards = emb_manifest["modalities"][other]["shards"]
         o_ids = np.concatenate([_shard_ids(plan.embeddings, other, s) for s in o_shards])
-        chosen = ix.select_training_ids(o_ids, plan.auto_queries, plan.seed + 2)
+        chosen = select_training_ids(o_ids, plan.auto_queries, plan.seed + 2)
         return _gather(plan.embeddings, other, o_shards, chosen, dim), f"{len(chosen)} {other} embeddings"
     q = _training_vectors(plan, shards, dim, ids, n=plan.auto_queries, seed=plan.seed + 2)
     return q, f"{len(q)} {plan.modality} embeddings of the index itself (no {other} embeddings)"
@@ -209,7 +219,7 @@ def _choose(plan: IndexPlan, emb_manifest: dict, shards: list[dict], dim: int, i
     t0 = time.time()
     tune_ids = ids if ids is not None else np.concatenate([_shard_ids(plan.embeddings, plan.modality, s)
                                                            for s in shards])
-    tune_ids = ix.select_training_ids(tune_ids, plan.auto_sample, plan.seed + 1)
+    tune_ids = select_training_ids(tune_ids, plan.auto_sample, plan.seed + 1)
     vectors = _gather(plan.embeddings, plan.modality, shards, tune_ids, dim)
     queries, source = _held_out_queries(plan, emb_manifest, shards, dim, ids)
     log.info("auto index: choosing among %s on %d of %d items, %s as queries",
@@ -240,10 +250,10 @@ def _measure_built(plan: IndexPlan, manifest: dict, shards: list[dict], ids: Opt
     """Tune the search parameter on the built index against exact search, measure its query time and memory;
     a built index outside the budget is an error (the choice on a sample can be wrong at full size)."""
     queries = auto.pop("queries_array")
-    index = ix.ShardedIndex([ix.index_from_bytes(common.read_bytes(common.join(plan.output, ix.SHARDS_SUBDIR,
-                                                                                s["name"])))
-                             for s in manifest["shards"]])
-    memory = int(sum(len(ix.index_bytes(x)) for x in index.shards))
+    index = ShardedIndex([index_from_bytes(common.read_bytes(common.join(plan.output, SHARDS_SUBDIR,
+                                                                             s["name"])))
+                          for s in manifest["shards"]])
+    memory = int(sum(len(index_bytes(x)) for x in index.shards))
     params, recall, sweep = ic.tune_search(index, manifest["factory"], queries,
                                            _exact_ids(plan, shards, ids, queries), plan.budget.recall_target)
     ms = ic.query_ms(index, queries)

@@ -18,7 +18,8 @@ from pipelines.rerank.plan import PROGRESS_DIR, T2I, RerankError, Resolved, Sear
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.search import embeddings as emb
 from retrieval_core.search import rerank as rr
-from retrieval_core.search.index import StreamedExact, StreamedIndex, set_threads
+from retrieval_core.search.index import set_threads
+from retrieval_core.search.index_folder import StreamedExact, StreamedIndex
 
 #: Beam counters (namespace "rerank"): queries_searched, ce_pairs_scored (unique pairs), ce_pair_requests,
 #: queries_ranked, ranking_shards_written.

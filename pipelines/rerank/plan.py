@@ -26,7 +26,8 @@ from retrieval_core.evaluation.runs import RunError, choose_fusion, read_run_man
 from retrieval_core.model.checkpoints import CheckpointError, ModelFolder, inspect_model_folder
 from retrieval_core.search import embeddings as emb
 from retrieval_core.search import rerank as rr
-from retrieval_core.search.index import INDEX_MANIFEST, check_search_params, load_index_manifest
+from retrieval_core.search.index import check_search_params
+from retrieval_core.search.index_folder import INDEX_MANIFEST, load_index_manifest
 
 log = logging.getLogger(__name__)
 

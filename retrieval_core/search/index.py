@@ -4,42 +4,21 @@ and merge (NOTES.md section 5).
 Plain functions over numpy arrays and bytes (faiss.contrib style); ``pipelines.build_index`` is the Beam
 graph around them. Why not ``faiss.IndexShards``: with its default ``successive_ids=True`` it adds a
 per-shard offset to the returned ids, which silently corrupts global ids; searching each shard and merging
-with ``faiss.merge_knn_results`` is explicit and keeps ids as stored.
-
-Index directory layout::
-
-    index_manifest.json      factory, d, metric, ntotal, shards [{name, rows, sha256, source...}],
-                             the embeddings manifest it came from (+ its sha256), the trained index, and
-                             for a sub-pool index the id list it holds (``ids``: path, sha256, count)
-    trained.faiss            the trained empty index every shard started from
-    shards/<name>.faiss      one serialized index per embedding shard
-
-Readers take ``files`` (a ``paths.FileAccess``, default local): index folders (and the embeddings and id
-list a manifest records) may be URLs when the caller passes one (the pipelines: Beam FileSystems). Shards are
-always deserialized from bytes (``faiss.read_index`` takes local paths only).
+with ``faiss.merge_knn_results`` is explicit and keeps ids as stored. An index folder on disk (its manifest,
+loading and verifying it) is ``search.index_folder``'s.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
 import os
 import warnings
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import faiss
 import numpy as np
 
 from retrieval_core.data import schema
-from retrieval_core.data.paths import FileAccess, file_exists, join_path, read_file
-from retrieval_core.search import embeddings as emb
-from retrieval_core.search import exact
+from retrieval_core.search import embeddings
 
-log = logging.getLogger(__name__)
-
-INDEX_MANIFEST = "index_manifest.json"
-TRAINED_INDEX = "trained.faiss"
-SHARDS_SUBDIR = "shards"
 METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
 #: faiss k-means warns below this many training points per centroid.
 MIN_POINTS_PER_CENTROID = 39
@@ -188,7 +167,7 @@ def build_shard(trained: bytes, ids: np.ndarray, vectors: np.ndarray) -> faiss.I
         raise ValueError(f"{ids.shape} ids for {vectors.shape[0]} vectors")
     if not index.is_trained:
         raise ValueError("the index passed to build_shard is not trained")
-    emb.check_unique_ids(ids, "shard")
+    embeddings.check_unique_ids(ids, "shard")
     if len(ids):
         index.add_with_ids(vectors, ids)
     return index
@@ -267,7 +246,7 @@ class ShardedIndex:
 
     def all_ids(self) -> np.ndarray:
         """Sorted ids of all shards; raises on an id stored in more than one place."""
-        return _sorted_unique_ids([index_ids(s) for s in self.shards])
+        return sorted_unique_ids([index_ids(s) for s in self.shards])
 
     def id_set(self) -> frozenset:
         return frozenset(self.all_ids().tolist())
@@ -298,209 +277,10 @@ def read_id_list(source, where: str = "id list") -> np.ndarray:
     return ids
 
 
-# ----------------------------------------------------------------------------------------- manifest
-def shard_file_name(embedding_shard_name: str) -> str:
-    """Index shard file for an embedding shard: same stem, ``.faiss``."""
-    stem = embedding_shard_name.rsplit(".", 1)[0] if embedding_shard_name.endswith(".parquet") else embedding_shard_name
-    return f"{stem}.faiss"
-
-
-def make_index_manifest(factory: str, d: int, metric: str, modality: str, shards: Sequence[dict],
-                        embeddings: dict, trained: dict, created_by: str, ids: Optional[dict] = None) -> dict:
-    """``shards``: [{name, rows, sha256, source, source_sha256}]; ``embeddings``: {dir, manifest_sha256,
-    count}; ``trained``: {name, sha256, train_sample, seed}; ``ids`` (a sub-pool index only): {path, sha256,
-    count} of the id list it was built from (None: the index holds every embedding)."""
-    shards = sorted((dict(s) for s in shards), key=lambda s: s["name"])
-    return {
-        "schema_version": schema.SCHEMA_VERSION,
-        "factory": factory, "d": int(d), "metric": metric, "modality": modality,
-        "ntotal": int(sum(int(s["rows"]) for s in shards)),
-        "shards": shards, "embeddings": dict(embeddings), "trained": dict(trained),
-        "ids": dict(ids) if ids else None, "created_by": created_by,
-    }
-
-
-def load_index_manifest(index_dir: str, files: Optional[FileAccess] = None) -> dict:
-    path = join_path(index_dir, INDEX_MANIFEST)
-    try:
-        manifest = json.loads(read_file(path, files).decode("utf-8"))
-    except FileNotFoundError:
-        raise IndexIntegrityError(f"no {INDEX_MANIFEST} in {index_dir}") from None
-    for key in ("factory", "d", "metric", "ntotal", "shards", "embeddings"):
-        if key not in manifest:
-            raise IndexIntegrityError(f"{path}: missing key {key!r}")
-    return manifest
-
-
-def iter_index_shards(index_dir: str, manifest: dict, verify: bool = True,
-                      files: Optional[FileAccess] = None) -> Iterator[faiss.Index]:
-    """The shards ``manifest`` lists, read one at a time (with ``verify``: checksum and row count)."""
-    for s in manifest["shards"]:
-        path = join_path(index_dir, f"{SHARDS_SUBDIR}/{s['name']}")
-        try:
-            data = read_file(path, files)
-        except FileNotFoundError:
-            raise IndexIntegrityError(f"index shard listed in the manifest is missing: {path}") from None
-        if verify:
-            digest = hashlib.sha256(data).hexdigest()
-            if digest != s["sha256"]:
-                raise IndexIntegrityError(f"{path}: sha256 {digest[:12]}... does not match the manifest "
-                                          f"({s['sha256'][:12]}...); the shard was changed or truncated")
-        index = index_from_bytes(data)
-        del data
-        if verify and index.ntotal != int(s["rows"]):
-            raise IndexIntegrityError(f"{path}: holds {index.ntotal} vectors, manifest says {s['rows']}")
-        yield index
-
-
-def load_sharded_index(index_dir: str, verify: bool = True, embeddings_dir: Optional[str] = None,
-                       check_id_set: bool = True, files: Optional[FileAccess] = None) -> ShardedIndex:
-    """Load every shard listed in the index manifest (the whole index in memory; :class:`StreamedIndex`
-    searches one shard at a time).
-
-    With ``verify``: shard checksums, per-shard and total counts, d and metric, and the ids against the
-    embeddings the index was built from — the count always; when the embeddings directory (recorded in the
-    manifest, or ``embeddings_dir``) is readable, also its manifest checksum and, with ``check_id_set``,
-    the exact id set (one Parquet column per shard, cheap). Any mismatch raises IndexIntegrityError.
-    """
-    manifest = load_index_manifest(index_dir, files)
-    sharded = ShardedIndex(list(iter_index_shards(index_dir, manifest, verify, files)))
-    if verify:
-        _verify_whole(index_dir, manifest, sharded.ntotal, sharded.d, sharded.metric_type, sharded.all_ids,
-                      embeddings_dir, check_id_set, files)
-    return sharded
-
-
-def _sorted_unique_ids(parts: Sequence[np.ndarray]) -> np.ndarray:
+def sorted_unique_ids(parts: Sequence[np.ndarray]) -> np.ndarray:
     """Sorted ids of several shards; raises on an id stored in more than one place."""
     ids = np.sort(np.concatenate(parts)) if len(parts) else np.zeros(0, dtype=np.int64)
     if len(ids) > 1 and np.any(ids[1:] == ids[:-1]):
         dup = np.unique(ids[1:][ids[1:] == ids[:-1]])[:5].tolist()
         raise IndexIntegrityError(f"item_id(s) {dup} are stored more than once across shards")
     return ids
-
-
-def _verify_whole(index_dir: str, manifest: dict, ntotal: int, d: int, metric: int, all_ids,
-                  embeddings_dir: Optional[str], check_id_set: bool, files: Optional[FileAccess]) -> None:
-    """The whole-index checks of load_sharded_index (``all_ids()``: the sorted ids of every shard)."""
-    if ntotal != int(manifest["ntotal"]):
-        raise IndexIntegrityError(f"{index_dir}: shards hold {ntotal} vectors, manifest says "
-                                  f"{manifest['ntotal']}")
-    if d != int(manifest["d"]) or metric != metric_type(manifest["metric"]):
-        raise IndexIntegrityError(f"{index_dir}: shards have d={d}, metric={metric}; "
-                                  f"manifest says d={manifest['d']}, metric={manifest['metric']}")
-    src, subset = manifest["embeddings"], manifest.get("ids")
-    if subset and int(subset.get("count", -1)) != ntotal:
-        raise IndexIntegrityError(f"{index_dir}: index holds {ntotal} vectors but its id list "
-                                  f"{subset.get('path')} holds {subset.get('count')}")
-    if not subset and int(src.get("count", -1)) != ntotal:
-        raise IndexIntegrityError(f"{index_dir}: index holds {ntotal} vectors but the embeddings it was "
-                                  f"built from hold {src.get('count')}")
-    emb_dir = embeddings_dir or src.get("dir")
-    if emb_dir and file_exists(emb.manifest_path(emb_dir), files):
-        digest = hashlib.sha256(read_file(emb.manifest_path(emb_dir), files)).hexdigest()
-        if src.get("manifest_sha256") and digest != src["manifest_sha256"]:
-            raise IndexIntegrityError(f"{index_dir}: the embeddings manifest in {emb_dir} changed since the index "
-                                      f"was built (sha256 {digest[:12]}... != {src['manifest_sha256'][:12]}...)")
-        if check_id_set:
-            expected = _expected_ids(index_dir, manifest, emb_dir, files)
-            got = all_ids()
-            if expected is not None and (len(expected) != len(got) or not np.array_equal(expected, got)):
-                missing = np.setdiff1d(expected, got)[:5].tolist()
-                extra = np.setdiff1d(got, expected)[:5].tolist()
-                raise IndexIntegrityError(f"{index_dir}: index ids differ from the embeddings' ids "
-                                          f"(missing e.g. {missing}, unexpected e.g. {extra})")
-    else:
-        log.warning("embeddings of %s not readable (%s); checked the id count only", index_dir, emb_dir)
-
-
-class StreamedIndex:
-    """A sharded index searched without holding it: a search reads the shards one at a time (checksums
-    verified), searches each and merges as :meth:`ShardedIndex.search` does, so the results are the same
-    bits. Memory: one shard and the results, whatever the collection size (a Flat index is every vector of
-    the collection). Opening it runs load_sharded_index's checks, reading one shard at a time."""
-
-    def __init__(self, index_dir: str, embeddings_dir: Optional[str] = None, check_id_set: bool = True,
-                 files: Optional[FileAccess] = None):
-        self.index_dir, self.files = index_dir, files
-        self.manifest = load_index_manifest(index_dir, files)
-        ntotal, dims, ids = 0, set(), []
-        for shard in iter_index_shards(index_dir, self.manifest, files=files):
-            ntotal += int(shard.ntotal)
-            dims.add((int(shard.d), int(shard.metric_type)))
-            if check_id_set:
-                ids.append(index_ids(shard))
-        if len(dims) != 1:
-            raise IndexIntegrityError(f"{index_dir}: shards disagree on (d, metric): {sorted(dims)}")
-        (self.d, self.metric_type), = dims
-        _verify_whole(index_dir, self.manifest, ntotal, self.d, self.metric_type, lambda: _sorted_unique_ids(ids),
-                      embeddings_dir, check_id_set, files)
-        self.ntotal = ntotal
-        self._params: dict = {}
-
-    @property
-    def keep_max(self) -> bool:
-        return self.metric_type == faiss.METRIC_INNER_PRODUCT
-
-    def set_params(self, nprobe: Optional[int] = None, efSearch: Optional[int] = None) -> None:
-        """Search-time parameters, set on every shard as it is read (see ShardedIndex.set_params)."""
-        self._params = {name: v for name, v in (("nprobe", nprobe), ("efSearch", efSearch)) if v is not None}
-
-    def search_batches(self, batches: Sequence[np.ndarray], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """ShardedIndex.search of every query batch, in one pass over the shards: [(scores, ids)] per batch."""
-        batches = [np.ascontiguousarray(q, dtype=np.float32) for q in batches]
-        for q in batches:
-            if q.ndim != 2 or q.shape[1] != self.d:
-                raise ValueError(f"queries must be (Q, {self.d}), got {q.shape}")
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
-        found: list[list] = [[] for _ in batches]
-        for shard in iter_index_shards(self.index_dir, self.manifest, files=self.files):
-            ShardedIndex([shard]).set_params(**self._params)
-            for b, q in enumerate(batches):
-                found[b].append(shard.search(q, k))
-            del shard
-        out = []
-        for results in found:
-            if len(results) == 1:
-                out.append(results[0])
-            else:
-                out.append(faiss.merge_knn_results(np.stack([r[0] for r in results]), np.stack([r[1] for r in results]),
-                                                   keep_max=self.keep_max))
-        return out
-
-    def search_scores_batches(self, batches: Sequence[np.ndarray], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """:meth:`search_batches` with higher-is-better scores (L2 distances negated, as ShardedIndex.search_scores)."""
-        return [(s if self.keep_max else -s, i) for s, i in self.search_batches(batches, k)]
-
-
-class StreamedExact:
-    """Exact inner-product search over one modality's embeddings, read one shard at a time on every search
-    (checksums verified): the pool without an index, in StreamedIndex's interface. Ties: smaller id first."""
-
-    keep_max = True
-
-    def __init__(self, emb_dir: str, modality: str, files: Optional[FileAccess] = None):
-        self.emb_dir, self.modality, self.files = emb_dir, modality, files
-        self.manifest = emb.load_embeddings_manifest(emb_dir, files)
-        self.ntotal = int(emb.modality_entry(self.manifest, modality)["count"])
-
-    def search_scores_batches(self, batches: Sequence[np.ndarray], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """[(scores, ids)] of every query batch, in one pass over the shards."""
-        shards = emb.iter_embedding_shards(self.emb_dir, self.modality, files=self.files, manifest=self.manifest)
-        return exact.exact_topk_shards(batches, shards, k)
-
-
-def _expected_ids(index_dir: str, manifest: dict, emb_dir: str, files: Optional[FileAccess]) -> Optional[np.ndarray]:
-    """Sorted ids the index must hold: its id list's (when readable) or every embedding's."""
-    subset = manifest.get("ids")
-    if not subset:
-        return np.sort(emb.read_modality_ids(emb_dir, manifest.get("modality", schema.KIND_IMAGE), files))
-    path = subset.get("path")
-    if not path or not file_exists(path, files):
-        log.warning("id list %s of %s not readable; checked the id count only", path, index_dir)
-        return None
-    data = read_file(path, files)
-    if hashlib.sha256(data).hexdigest() != subset.get("sha256"):
-        raise IndexIntegrityError(f"{index_dir}: its id list {path} changed since the index was built")
-    return read_id_list(data, path)

@@ -24,8 +24,15 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from retrieval_core.search import index as ix
 from retrieval_core.search.exact import exact_topk
+from retrieval_core.search.index import (
+    MIN_POINTS_PER_CENTROID,
+    ShardedIndex,
+    build_shard,
+    needs_training,
+    train_index,
+    training_sample,
+)
 
 #: The search-parameter sweeps: the smallest value reaching the recall target wins.
 NPROBES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -70,7 +77,7 @@ class IndexBudget:
 
 def ivf_nlist(n: int) -> int:
     """IVF lists for N vectors: ~4 sqrt(N), at most 1024, >= 39 training points per list."""
-    return int(max(1, min(1024, 4 * math.sqrt(n), n // ix.MIN_POINTS_PER_CENTROID)))
+    return int(max(1, min(1024, 4 * math.sqrt(n), n // MIN_POINTS_PER_CENTROID)))
 
 
 def candidate_factories(n: int, d: int) -> list[str]:
@@ -118,7 +125,7 @@ def recall_at_10(found: np.ndarray, exact: np.ndarray) -> float:
     return float(knn_intersection_measure(found[:, :K], exact[:, :K]))
 
 
-def tune_search(index: ix.ShardedIndex, factory: str, queries: np.ndarray, exact_ids: np.ndarray,
+def tune_search(index: ShardedIndex, factory: str, queries: np.ndarray, exact_ids: np.ndarray,
                 recall_target: float, start: Optional[int] = None) -> tuple[dict, float, list]:
     """Sweep nprobe / efSearch upward (from ``start``) until recall@10 reaches the target; set the chosen
     value on ``index``. Returns ({name: value} or {} for Flat, its recall, the sweep [(value, recall)])."""
@@ -138,7 +145,7 @@ def tune_search(index: ix.ShardedIndex, factory: str, queries: np.ndarray, exact
     return {name: sweep[-1][0]}, sweep[-1][1], sweep
 
 
-def query_ms(index: ix.ShardedIndex, queries: np.ndarray, reps: int = 50, warmup: int = 3) -> float:
+def query_ms(index: ShardedIndex, queries: np.ndarray, reps: int = 50, warmup: int = 3) -> float:
     """p50 milliseconds of a single-query search (one query per call, as an interactive user sends)."""
     n = min(len(queries), reps + warmup)
     times = []
@@ -185,13 +192,13 @@ def choose_index(ids: np.ndarray, vectors: np.ndarray, queries: np.ndarray, n_to
             continue
         sample_fac = fac if not fac.startswith("IVF") else re.sub(r"IVF\d+", f"IVF{ivf_nlist(n_s)}", fac)
         t0 = time.perf_counter()
-        sample = ix.training_sample(ids, vectors, min(n_s, 100_000), seed=seed) \
-            if ix.needs_training(sample_fac, d, metric) else None
-        index = ix.ShardedIndex([ix.build_shard(ix.train_index(sample_fac, d, metric, sample, seed=seed), ids,
-                                                vectors)])
+        sample = training_sample(ids, vectors, min(n_s, 100_000), seed=seed) \
+            if needs_training(sample_fac, d, metric) else None
+        index = ShardedIndex([build_shard(train_index(sample_fac, d, metric, sample, seed=seed), ids,
+                                          vectors)])
         c.build_s = time.perf_counter() - t0
         if exact is None:
-            exact = ix.ShardedIndex([ix.build_shard(ix.train_index("Flat", d, metric, None), ids, vectors)]
+            exact = ShardedIndex([build_shard(train_index("Flat", d, metric, None), ids, vectors)]
                                     ).search(queries, K)[1]
         c.params, c.recall, c.sweep = tune_search(index, sample_fac, queries, exact, budget.recall_target)
         ms = query_ms(index, queries)
