@@ -141,8 +141,8 @@ def _index_dir(tmp_path, ids, x, factory="Flat", parts=2):
     mb = json.dumps(m).encode()
     (emb_dir / emb.EMBEDDINGS_MANIFEST).write_bytes(mb)
     im = make_index_manifest(factory, D, "ip", "image", idx_entries,
-                                {"dir": str(emb_dir), "manifest_sha256": hashlib.sha256(mb).hexdigest(),
-                                 "count": len(ids)}, {"sha256": "", "train_sample": 0, "seed": 0}, "test")
+                             {"dir": str(emb_dir), "manifest_sha256": hashlib.sha256(mb).hexdigest(),
+                              "count": len(ids)}, {"sha256": "", "train_sample": 0, "seed": 0}, "test")
     (index_dir / INDEX_MANIFEST).write_text(json.dumps(im))
     return emb_dir, index_dir
 
