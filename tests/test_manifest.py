@@ -7,16 +7,8 @@ import textwrap
 
 import pytest
 
-from retrieval_core.data.manifest import (
-    CAPTION_FORMATS,
-    IMAGE_FORMATS,
-    Manifest,
-    ManifestError,
-    env_path_var,
-    list_shipped_manifests,
-    load_manifest,
-    resolve_manifest_path,
-)
+from retrieval_core.data.manifest import env_path_var, list_shipped_manifests, load_manifest, resolve_manifest_path
+from retrieval_core.data.manifest_spec import CAPTION_FORMATS, IMAGE_FORMATS, Manifest, ManifestError
 from retrieval_core.data.synthetic.scenes import split_of
 from tests.conftest import require_realdata
 

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from pipelines.stage.run import main as stage_main
 from retrieval_core.data import readers
-from retrieval_core.data.manifest import ManifestError, load_manifest
+from retrieval_core.data.manifest import load_manifest
+from retrieval_core.data.manifest_spec import ManifestError
 from retrieval_core.data.schema import KIND_CAPTION, RawCaption
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.data.synthetic import translation

@@ -10,7 +10,7 @@ import click
 from pipelines import common
 from retrieval_core.cli import check_choice, check_positive, option
 from retrieval_core.data import schema
-from retrieval_core.data.manifest import Manifest
+from retrieval_core.data.manifest_spec import Manifest
 from retrieval_core.data.readers import plan_read_tasks
 from retrieval_core.data.shards import num_shards_for
 

@@ -35,7 +35,8 @@ from pipelines.stage.plan import (
 )
 from retrieval_core.cli import plan_from_cli, plan_options
 from retrieval_core.data import schema, staging
-from retrieval_core.data.manifest import ManifestError, load_manifest
+from retrieval_core.data.manifest import load_manifest
+from retrieval_core.data.manifest_spec import ManifestError
 from retrieval_core.data.store import INCOMPLETE_FILE
 
 log = logging.getLogger(__name__)
