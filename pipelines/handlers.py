@@ -2,12 +2,17 @@
 
 A handler serves one task:
 
-  ``embed_text``   element: caption text (str)                      -> (d,) float32 BE embedding
+  ``embed_text``   element: caption text (str or its token ids)     -> (d,) float32 BE embedding
   ``embed_image``  element: (features (n,F), boxes (n,6)) numpy     -> (d,) float32 BE embedding
-  ``score_pairs``  element: (text, features, boxes)                  -> () float32 CE match log-odds
+  ``score_pairs``  element: (text or token ids, features, boxes)     -> () float32 CE match log-odds
 
-``run_inference`` collates the batch it is given itself (per-batch padding through retrieval_core.model.collate),
-so batches may mix lengths freely. Wrap it in ``KeyedModelHandler`` to keep ids attached::
+A caption's token ids (int32, ``retrieval_core.model.token_store``: each staged caption tokenised once per
+tokenizer) skip the tokenizer here; ``tokenizer_fingerprint`` names the tokenizer that made them, and a model
+whose tokenizer differs is refused at load.
+
+``run_inference`` collates the batch it is given itself with the model's ``batch_maker`` (per-batch padding, the
+same code as the library's batched loops, pinned memory and asynchronous copies on CUDA), so batches may mix
+lengths freely. Wrap it in ``KeyedModelHandler`` to keep ids attached::
 
     handler = KeyedModelHandler(VLModelHandler(model_dir, "embed_image", max_batch_size=64))
     keyed_embeddings = keyed_regions | RunInference(handler)   # (item_id, PredictionResult)
@@ -36,9 +41,12 @@ from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from pipelines.common import BEAM_FILES
 from retrieval_core.cli import check_device
+from retrieval_core.data.paths import is_url
 from retrieval_core.data.schema import check_quantize
-from retrieval_core.model.checkpoints import load_model_folder
-from retrieval_core.model.collate import collate_images, collate_pairs
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.model.checkpoints import KIND_BASELINE, inspect_model_folder, load_model_folder
+from retrieval_core.model.collate import to_device
+from retrieval_core.model.token_store import TokenStore, ensure_token_store, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +74,56 @@ class FailedBatch:
     traceback: str = ""
 
 
+def prepare_token_ids(staged: StagedDataset, model_dir: str) -> Optional[str]:
+    """Tokenises the staged captions once for the model's tokenizer (``retrieval_core.model.token_store``, on
+    the launching host, before the graph runs) and returns its fingerprint, which the readers and the handler
+    are given; None where the model folder is the training-free baseline (its own text encoder) or either
+    folder is a URL: their handler tokenises each batch."""
+    if is_url(staged.root) or is_url(model_dir):
+        return None
+    if inspect_model_folder(model_dir).kind == KIND_BASELINE:
+        return None
+    model = load_model_folder(model_dir)
+    return ensure_token_store(staged, model.text_collator(), log=log.info).fingerprint
+
+
+class CaptionTexts:
+    """What a reader hands the handler for a staged caption shard's captions: their token ids from the store
+    of ``fingerprint`` (None: their text)."""
+
+    def __init__(self, fingerprint: Optional[str]):
+        self.fingerprint = fingerprint
+        self._store = None
+
+    def __call__(self, ds: StagedDataset, rel: str, split: Optional[str] = None,
+                 wanted: Optional[set] = None) -> tuple[list[int], list]:
+        """(caption ids, texts or token ids) of the shard's captions (of ``split``; only ``wanted`` ids)."""
+        columns = ("caption_id",) if self.fingerprint else ("caption_id", "text")
+        table = ds.read_shard_columns(rel, columns, split)
+        ids = [int(c) for c in table.column("caption_id").to_pylist()]
+        keep = [i for i, c in enumerate(ids) if wanted is None or c in wanted]
+        ids = [ids[i] for i in keep]
+        if not self.fingerprint:
+            texts = table.column("text").to_pylist()
+            return ids, [texts[i] for i in keep]
+        if self._store is None:
+            self._store = TokenStore(ds, self.fingerprint)
+        return ids, self._store.ids_of(rel, ids)
+
+
 def element_length(task: str, example: Any) -> int:
-    """Padded-length proxy of one element: word count for text, region count for images, both for pairs.
-    Used to sort elements so that a batch holds similar lengths (little padding)."""
+    """Padded-length proxy of one element: word count for text (token count for token ids), region count for
+    images, both for pairs. Used to sort elements so that a batch holds similar lengths (little padding)."""
     if task == TASK_EMBED_TEXT:
-        return len(example.split())
+        return _text_length(example)
     if task == TASK_EMBED_IMAGE:
         return int(len(example[0]))
     text, feats, _ = example
-    return len(text.split()) + int(len(feats))
+    return _text_length(text) + int(len(feats))
+
+
+def _text_length(text) -> int:
+    return len(text.split()) if isinstance(text, str) else int(len(text))
 
 
 class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
@@ -83,7 +132,8 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
 
     def __init__(self, model_dir: str, task: str, *, device: str = "cpu", max_batch_size: int = 64,
                  min_batch_size: int = 1, model_copies: Optional[int] = None, large_model: bool = False,
-                 num_threads: Optional[int] = None, dead_letter: bool = False, quantize: Optional[str] = None):
+                 num_threads: Optional[int] = None, dead_letter: bool = False, quantize: Optional[str] = None,
+                 token_fingerprint: Optional[str] = None):
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
         device = check_device(device)
@@ -100,6 +150,7 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
         if quantize not in (None, "none"):  # refused at plan time, not in a worker
             check_quantize(quantize, device)
         self.quantize = quantize
+        self.token_fingerprint = token_fingerprint
 
     def __repr__(self) -> str:
         return f"VLModelHandler({self.model_dir!r}, {self.task!r}, device={self.device!r})"
@@ -113,9 +164,15 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
             torch.set_num_threads(int(self.num_threads))
         # any model folder (ours, MMT-Retrieval, OSCAR, the training-free baseline), refused if it lacks the head;
         # a gs:// folder is copied to this machine's model cache once and loaded from there
-        return load_model_folder(self.model_dir, need=(TASK_HEAD[self.task],),
-                                 device=self.device, quantize=self.quantize,
-                                 files=BEAM_FILES)
+        model = load_model_folder(self.model_dir, need=(TASK_HEAD[self.task],),
+                                  device=self.device, quantize=self.quantize,
+                                  files=BEAM_FILES)
+        if self.token_fingerprint is not None:
+            have = tokenizer_fingerprint(model.text_collator()) if hasattr(model, "text_collator") else None
+            if have != self.token_fingerprint:
+                raise ValueError(f"{self}: the captions' token ids were made by tokenizer {self.token_fingerprint}, "
+                                 f"this model's tokenizer is {have}: its ids would mean other words")
+        return model
 
     def run_inference(self, batch: Sequence[Any], model, inference_args: Optional[dict] = None
                       ) -> Iterable[PredictionResult]:
@@ -135,12 +192,10 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
         if not hasattr(model, "cfg"):  # retrieval_core.model.baseline.MappedBaseline: numpy in, numpy out
             return [PredictionResult(example, out) for example, out in zip(batch, self._baseline(batch, model))]
         tensors = self.collate(batch, model)
-        dev = model.device
         counts = model.token_counts[TASK_HEAD[self.task]]
         before = (counts.useful, counts.computed)
         with torch.inference_mode():
-            tensors = {k: v.to(dev, non_blocking=True) for k, v in tensors.items()}
-            out = getattr(model, self.task)(tensors).float().cpu().numpy()
+            out = getattr(model, self.task)(to_device(tensors, model.device)).float().cpu().numpy()
         # the padding of the batches as formed: useful / computed token positions (encode reports the ratio)
         Metrics.counter(self.get_metrics_namespace(), USEFUL_TOKENS).inc(counts.useful - before[0])
         Metrics.counter(self.get_metrics_namespace(), COMPUTED_TOKENS).inc(counts.computed - before[1])
@@ -153,13 +208,12 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
 
     def collate(self, batch: Sequence[Any], model) -> dict:
         """The batch as model inputs, padded to its own longest text / region count."""
-        max_regions = model.cfg.max_regions
+        make = model.batch_maker()
         if self.task == TASK_EMBED_TEXT:
-            return model.text_collator()(batch)
+            return make.text(batch)
         if self.task == TASK_EMBED_IMAGE:
-            return collate_images([_regions(f, b) for f, b in batch], max_regions)
-        texts = [t for t, _, _ in batch]
-        return collate_pairs(model.text_collator(), texts, [_regions(f, b) for _, f, b in batch], max_regions)
+            return make.images([_regions(f, b) for f, b in batch])
+        return make.pairs([t for t, _, _ in batch], [_regions(f, b) for _, f, b in batch])
 
     # ------------------------------------------------------------------------- Beam plumbing
     def validate_inference_args(self, inference_args: Optional[dict]) -> None:

@@ -12,7 +12,14 @@ from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 
 from pipelines import common
 from pipelines.encode.plan import EncodeError, EncodePlan, ShardPlan, record_path
-from pipelines.handlers import TASK_EMBED_IMAGE, TASK_EMBED_TEXT, FailedBatch, VLModelHandler, element_length
+from pipelines.handlers import (
+    TASK_EMBED_IMAGE,
+    TASK_EMBED_TEXT,
+    CaptionTexts,
+    FailedBatch,
+    VLModelHandler,
+    element_length,
+)
 from retrieval_core.data import schema
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.search import embeddings as emb
@@ -32,8 +39,9 @@ class StagedShardReader:
     batch), so a shard's bytes never depend on bundles or on which other shards are redone."""
 
     def __init__(self, staged_dir: str, split: Optional[str], plans: dict[tuple[str, str], ShardPlan],
-                 batch_size: int):
+                 batch_size: int, token_fingerprint: Optional[str] = None):
         self.staged_dir = staged_dir
+        self.captions = CaptionTexts(token_fingerprint)
         self.split = split
         self.plans = plans
         self.batch_size = batch_size
@@ -53,9 +61,7 @@ class StagedShardReader:
                 feats, boxes = table.regions(i)
                 yield int(item_id), (feats.copy(), boxes.copy())
         else:
-            table = self._dataset().read_shard_columns(rel, ("caption_id", "text"), self.split)
-            for cid, text in zip(table.column("caption_id").to_pylist(), table.column("text").to_pylist()):
-                yield int(cid), text
+            yield from zip(*self.captions(self._dataset(), rel, self.split))
 
     def batches(self, task: tuple[str, str, str]) -> Iterable[list]:
         """Keyed examples in batches; the key (collection, item_id, batch tag, batch size) lets
@@ -164,13 +170,16 @@ def _write_shard(group, output: str, plans: dict[tuple[str, str], ShardPlan]) ->
 
 # ----------------------------------------------------------------------------------------- graph
 def build_graph(p: beam.Pipeline, plan: EncodePlan, shard_plans: dict[tuple[str, str], ShardPlan],
-                tasks: dict[str, list[tuple[str, str, str]]]) -> None:
-    reader = StagedShardReader(plan.staged, plan.split, shard_plans, plan.batch_size)
+                tasks: dict[str, list[tuple[str, str, str]]], token_fingerprint: Optional[str] = None) -> None:
+    """``token_fingerprint``: the captions' token ids are read from that store (prepare_token_ids), not tokenised
+    per batch."""
+    reader = StagedShardReader(plan.staged, plan.split, shard_plans, plan.batch_size, token_fingerprint)
     report_parts = []
     for modality, todo in tasks.items():
         handler = VLModelHandler(plan.model, MODALITY_TASK[modality], device=plan.device,
                                  max_batch_size=plan.batch_size, model_copies=plan.model_copies,
-                                 num_threads=plan.threads, dead_letter=True, quantize=plan.quantize)
+                                 num_threads=plan.threads, dead_letter=True, quantize=plan.quantize,
+                                 token_fingerprint=token_fingerprint if modality == schema.MODALITY_TEXT else None)
         results = (p | f"{modality}: staged shards" >> beam.Create(todo)
                    | f"{modality}: spread" >> beam.Reshuffle()  # shard names only: features never shuffle
                    | f"{modality}: read batches" >> beam.FlatMap(reader.batches)

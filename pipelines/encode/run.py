@@ -29,7 +29,7 @@ from pipelines.encode.plan import (
     plan_shards,
     staged_ids,
 )
-from pipelines.handlers import COMPUTED_TOKENS, USEFUL_TOKENS, VLModelHandler
+from pipelines.handlers import COMPUTED_TOKENS, USEFUL_TOKENS, VLModelHandler, prepare_token_ids
 from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
 from retrieval_core.data import schema
 from retrieval_core.data.store import StagedDataset
@@ -129,7 +129,9 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
     result, report = None, []
     if tasks:
         p = beam.Pipeline(options=options)
-        build_graph(p, plan, plans, tasks)
+        tokenise = schema.MODALITY_TEXT in tasks and not common.is_dry_run(options)  # each caption once, here
+        fingerprint = prepare_token_ids(ds, plan.model) if tokenise else None
+        build_graph(p, plan, plans, tasks, fingerprint)
         if common.translated_only(p, "encode"):
             return None
         common.makedirs(plan.output)

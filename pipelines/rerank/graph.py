@@ -13,7 +13,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 
 from pipelines import common
-from pipelines.handlers import TASK_SCORE_PAIRS, VLModelHandler, element_length
+from pipelines.handlers import TASK_SCORE_PAIRS, CaptionTexts, VLModelHandler, element_length
 from pipelines.rerank.plan import PROGRESS_DIR, T2I, RerankError, Resolved, SearcherSpec, shard_pairs
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.search import embeddings as emb
@@ -104,8 +104,9 @@ def read_query_vectors(task, emb_dir: str, wanted: Mapping[str, frozenset]):
 class StagedReader:
     """Staged captions (caption_id, text) and images (image_id, (features, boxes)), one shard per call."""
 
-    def __init__(self, staged_dir: str):
+    def __init__(self, staged_dir: str, token_fingerprint: Optional[str] = None):
         self.staged_dir = staged_dir
+        self.captions = CaptionTexts(token_fingerprint)
         self._ds = None
 
     def _dataset(self) -> StagedDataset:
@@ -119,13 +120,10 @@ class StagedReader:
 
     def texts_for_pairs(self, element):
         """(caption shard group, [(shard, caption_id, (pair, requesters))]) -> (image_id, (pair, requesters,
-        text)): each shard's text is read for the requested captions only."""
+        text)): each shard's text (or its token ids) is read for the requested captions only."""
         _group, wanted = element
         for rel, in_shard in _by_shard(wanted):
-            table = self._dataset().read_shard_columns(rel, ("caption_id", "text"))
-            need = {cid for cid, _ in in_shard}
-            text_of = {int(cid): text for cid, text in zip(table.column("caption_id").to_pylist(),
-                                                           table.column("text").to_pylist()) if int(cid) in need}
+            text_of = dict(zip(*self.captions(self._dataset(), rel, wanted={int(cid) for cid, _ in in_shard})))
             for caption_id, (pair, requesters) in sorted(in_shard, key=lambda w: w[1][0]):
                 yield pair[1], (pair, requesters, text_of[caption_id])
 
@@ -307,7 +305,7 @@ def build_graph(p: beam.Pipeline, res: Resolved, wave: Mapping[str, frozenset]) 
         requested = sum(shard_pairs(res, d, q) for d, q in wave.items())
         # ~8 length-sorted batches per group of image shards: little padding, one group's regions in memory
         image_group = shards_per_group(len(res.image_shards), requested, plan.batch_size * CE_BATCHES_PER_GROUP)
-        staged = StagedReader(plan.staged)
+        staged = StagedReader(plan.staged, res.token_fingerprint)
         requests = cands | "pairs" >> beam.FlatMap(pair_requests, res.ce_k)
         unique = requests | "dedupe pairs" >> beam.GroupByKey()
         # Pairs go to the caption shard holding their text, then to the group of image shards holding their
@@ -326,7 +324,8 @@ def build_graph(p: beam.Pipeline, res: Resolved, wave: Mapping[str, frozenset]) 
                                                                 res.ce_max_regions))
         handler = VLModelHandler(plan.cross_encoder, TASK_SCORE_PAIRS, device=plan.device,
                                  max_batch_size=plan.batch_size, num_threads=plan.threads,
-                                 model_copies=plan.model_copies, quantize=plan.quantize)
+                                 model_copies=plan.model_copies, quantize=plan.quantize,
+                                 token_fingerprint=res.token_fingerprint)
         scored = batches | "CE score" >> RunInference(KeyedModelHandler(handler).with_no_batching())
         ce_scores = scored | "scores to queries" >> beam.FlatMap(scores_to_queries)
         ranked = ({"cands": cands, "ce": ce_scores}

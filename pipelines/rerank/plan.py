@@ -203,6 +203,7 @@ class Resolved:
     queries_file: Optional[Mapping]  # {path, sha256, counts} of --queries
     fingerprint: str  # what a finished shard must have been computed under to be reused
     staged_sha256: Mapping[str, str] = None  # staged_fingerprints(): recorded for the run's readers
+    token_fingerprint: Optional[str] = None  # the captions' token-id store the CE reads (None: texts)
 
 
 def shard_pairs(res: Resolved, direction: str, ids) -> int:

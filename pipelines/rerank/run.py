@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
 from pipelines import common
+from pipelines.handlers import prepare_token_ids
 from pipelines.rerank.graph import METRICS_NAMESPACE, build_graph, write_shard
 from pipelines.rerank.plan import (
     AUTO,
@@ -40,6 +41,7 @@ from pipelines.rerank.plan import (
 )
 from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
 from retrieval_core.data import schema
+from retrieval_core.data.store import StagedDataset
 from retrieval_core.search import rerank as rr
 
 log = logging.getLogger(__name__)
@@ -108,6 +110,9 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
         plan = replace(plan, tune_on=dev_pass(plan, beam_args), tune_embeddings=None, tune_index=None)
     plan, fusion_choice = resolve_auto(plan)
     res = resolve(plan)
+    if res.ce_k and not common.is_dry_run(options):  # each caption tokenised once, not per batch and wave
+        res = replace(res, token_fingerprint=prepare_token_ids(StagedDataset(plan.staged, files=common.BEAM_FILES),
+                                                               plan.cross_encoder))
     if fusion_choice is not None:
         fusion_choice["pool_size"] = dict(res.pools)
         dev_pools = fusion_choice.get("dev_pool_size") or {}

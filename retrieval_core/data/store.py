@@ -143,6 +143,13 @@ class StagedDataset:
             parts.append(f"{shard['name']}:{sha}")
         return hashlib.sha256("\n".join(sorted(parts)).encode("utf-8")).hexdigest()
 
+    def shard_sha256(self, rel: str) -> str:
+        """The sha256 of one staged shard: the one summary.json records, else hashed here."""
+        if rel not in self._sha256:
+            with self._open(join_path(self.root, rel)) as f:
+                self._sha256[rel] = hashlib.sha256(f.read()).hexdigest()
+        return self._sha256[rel]
+
     def _file_exists(self, path: str) -> bool:
         return os.path.exists(path) if not is_url(path) else bool(self.files.exists(path))
 

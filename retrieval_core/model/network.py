@@ -18,6 +18,7 @@ One object carries both heads: SEP = two models trained separately, JOIN = one t
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -33,7 +34,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import eager_attention_forward
 
 from retrieval_core.data.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS, SCHEMA_VERSION, ImageTable
-from retrieval_core.model.collate import Regions, TextCollator, TokenCounts, collate_images, collate_pairs
+from retrieval_core.model.collate import BatchMaker, Regions, Text, TextCollator, TokenCounts, to_device
 
 MODEL_JSON = "rr_model.json"
 #: Start of the CE agreement term's learned scale (VLModelConfig.ce_agreement): cosines of matching and random
@@ -157,6 +158,13 @@ class VLRetrievalModel(nn.Module):
             raise RuntimeError("this model has no tokenizer attached")
         return TextCollator(self.tokenizer, self.cfg.max_text_len)
 
+    def batch_maker(self, device: Optional[torch.device] = None) -> BatchMaker:
+        """How this model's batches are made (collate.BatchMaker) for ``device`` (default: where the model is):
+        region features in the weights' dtype, pinned host memory for a CUDA device."""
+        dev = torch.device(device) if device is not None else self.device
+        return BatchMaker(self.text_collator() if self.tokenizer is not None else None, self.cfg.max_regions,
+                          self.bert.embeddings.word_embeddings.weight.dtype, pin=dev.type == "cuda")
+
     # ------------------------------------------------------------------------------------ embeddings
     def _text_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         # token type 0 for text, absolute positions from 0: exactly what BertModel would do.
@@ -200,8 +208,9 @@ class VLRetrievalModel(nn.Module):
         additive = self._additive_mask(tokens, mask)
         x = tokens.reshape(-1, hidden) if keep is None else tokens.reshape(-1, hidden)[keep]
         layers = self.bert.encoder.layer
-        for layer in layers[:-1] if cls_only else layers:
-            x = _packed_layer(layer, x, keep, (b, length), additive)
+        with attention_backends(x.device, x.dtype):
+            for layer in layers[:-1] if cls_only else layers:
+                x = _packed_layer(layer, x, keep, (b, length), additive)
         if entering_last is not None:
             if not cls_only:
                 raise ValueError("entering_last is read on the CE's path (cls_only)")
@@ -210,7 +219,8 @@ class VLRetrievalModel(nn.Module):
         if cls_only:  # [CLS] is every row's first position, a real token
             cls = torch.arange(b, device=x.device) * length
             cls = cls if keep is None else torch.searchsorted(keep, cls)
-            return _packed_layer(layers[-1], x, keep, (b, length), additive, queries=cls).view(b, 1, hidden)
+            with attention_backends(x.device, x.dtype):
+                return _packed_layer(layers[-1], x, keep, (b, length), additive, queries=cls).view(b, 1, hidden)
         if keep is None:
             return x.view(b, length, hidden)
         return x.new_zeros(b * length, hidden).index_copy(0, keep, x).view(b, length, hidden)
@@ -312,42 +322,47 @@ class VLRetrievalModel(nn.Module):
         return logits[:, 1] - logits[:, 0]
 
     # ------------------------------------------------------------------ numpy convenience (inference)
-    def encode_text(self, texts: Sequence[str], batch_size: int = 128, device: str = "cpu",
+    def encode_text(self, texts: Sequence[Text], batch_size: int = 128, device: str = "cpu",
                     amp_dtype: Optional[str] = None, progress: Progress = False) -> np.ndarray:
-        """(n, d) float32 L2-normalised text embeddings, in input order."""
+        """(n, d) float32 L2-normalised text embeddings, in input order. Texts are str or token ids
+        (TextCollator.ids); every str is tokenised once, before the first batch."""
         texts = list(texts)
-        collate = self.text_collator()
-        order = np.argsort(collate.token_lengths(texts), kind="stable")
+        make = self.batch_maker(torch.device(device))
+        ids = make.text_collator.ids(texts) if texts else []
+        order = np.argsort(_lengths(ids), kind="stable")
         return self._run_batched(order, batch_size, device, amp_dtype, progress, "encode text", self.embedding_dim,
-                                 lambda idx: collate([texts[i] for i in idx]), self.embed_text)
+                                 lambda idx: make.text([ids[i] for i in idx]), self.embed_text)
 
     def encode_image(self, images: ImageTable | Sequence[Regions], batch_size: int = 128, device: str = "cpu",
                      amp_dtype: Optional[str] = None, progress: Progress = False) -> np.ndarray:
         """(n, d) float32 L2-normalised image embeddings, in input order."""
         get, counts = _region_access(images)
         order = np.argsort(counts, kind="stable")
-        mr = self.cfg.max_regions
+        make = self.batch_maker(torch.device(device))
         return self._run_batched(order, batch_size, device, amp_dtype, progress, "encode images", self.embedding_dim,
-                                 lambda idx: collate_images([get(i) for i in idx], mr), self.embed_image)
+                                 lambda idx: make.images([get(i) for i in idx]), self.embed_image)
 
-    def score(self, texts: Sequence[str], images: ImageTable | Sequence[Regions], batch_size: int = 128,
+    def score(self, texts: Sequence[Text], images: ImageTable | Sequence[Regions], batch_size: int = 128,
               device: str = "cpu", amp_dtype: Optional[str] = None, progress: Progress = False) -> np.ndarray:
-        """(n,) CE match log-odds of the pairs (texts[i], images[i])."""
+        """(n,) CE match log-odds of the pairs (texts[i], images[i]); texts as in encode_text."""
         texts = list(texts)
         get, counts = _region_access(images)
         if len(texts) != len(counts):
             raise ValueError(f"score: {len(texts)} texts but {len(counts)} images")
-        collate = self.text_collator()
-        order = np.lexsort((collate.token_lengths(texts), np.minimum(counts, self.cfg.max_regions)))
-        mr = self.cfg.max_regions
+        make = self.batch_maker(torch.device(device))
+        ids = make.text_collator.ids(texts) if texts else []
+        order = np.lexsort((_lengths(ids), np.minimum(counts, self.cfg.max_regions)))
         out = self._run_batched(order, batch_size, device, amp_dtype, progress, "CE score", 1,
-                                lambda idx: collate_pairs(collate, [texts[i] for i in idx], [get(i) for i in idx], mr),
+                                lambda idx: make.pairs([ids[i] for i in idx], [get(i) for i in idx]),
                                 lambda b: self.score_pairs(b)[:, None])
         return out[:, 0]
 
     def _run_batched(self, order: np.ndarray, batch_size: int, device: str, amp_dtype: Optional[str],
                      progress: Progress, desc: str, width: int, make_batch: Callable,
                      fn: Callable) -> np.ndarray:
+        """``fn`` over the batches of ``order``: a worker thread makes the next PREFETCH_BATCHES batches while the
+        model runs the current one, and on a GPU the results stay on the device until the end (one sync, not one
+        per batch)."""
         from tqdm.auto import tqdm
 
         report = progress if callable(progress) else None
@@ -358,15 +373,24 @@ class VLRetrievalModel(nn.Module):
         was_training = self.training
         self.eval()
         out = np.zeros((len(order), width), dtype=np.float32)
+        chunks = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+        on_device: list[tuple[np.ndarray, torch.Tensor]] = []
         try:
             with torch.inference_mode(), _autocast(dev, amp_dtype):
                 own_bar = bool(progress) and report is None
-                for start in tqdm(range(0, len(order), batch_size), desc=desc, disable=not own_bar, unit="batch"):
-                    idx = order[start:start + batch_size]
-                    batch = {k: v.to(dev, non_blocking=True) for k, v in make_batch(idx).items()}
-                    out[idx] = fn(batch).float().cpu().numpy()
+                bar = tqdm(total=len(chunks), desc=desc, disable=not own_bar, unit="batch")
+                for idx, batch in prefetched(make_batch, chunks):
+                    result = fn(to_device(batch, dev)).float()
+                    if dev.type == "cpu":
+                        out[idx] = result.numpy()
+                    else:
+                        on_device.append((idx, result))
+                    bar.update(1)
                     if report is not None:
                         report(len(idx))
+                bar.close()
+                if on_device:
+                    out[np.concatenate([i for i, _ in on_device])] = torch.cat([r for _, r in on_device]).cpu().numpy()
         finally:
             self.train(was_training)
         return out
@@ -433,6 +457,62 @@ def _packed_layer(layer: nn.Module, x: torch.Tensor, keep: Optional[torch.Tensor
     if queries is None and keep is not None:
         context = context[keep]
     return layer.feed_forward_chunk(layer.attention.output(context, rows))
+
+
+def sdpa_backends(device: torch.device, dtype: torch.dtype) -> Optional[list]:
+    """The fused attention kernels the encoder may use on ``device`` in ``dtype`` (None: PyTorch's own choice).
+    On CUDA in 16-bit, cuDNN's attention is left out: it builds an execution plan per new (batch, length) shape,
+    and length-sorted batches bring a new shape nearly every batch (the suspected cause of bf16 sdpa running far
+    slower on varied batches than on one batch repeated; the GPU script's attention rows time both, see
+    docs/PERFORMANCE.md); the memory-efficient kernel takes the padding mask at any shape, math is the fallback."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    from torch.nn.attention import SDPBackend
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_backends(device: torch.device, dtype: torch.dtype):
+    """A context that holds sdpa to ``sdpa_backends(device, dtype)`` (no-op where that is None)."""
+    backends = sdpa_backends(device, dtype)
+    if backends is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+    return sdpa_kernel(backends)
+
+
+#: Batches a batched loop makes ahead of the one the model runs (one worker thread): enough to hide a batch's
+#: collation behind the model, few enough to keep memory small.
+PREFETCH_BATCHES = 2
+
+
+def prefetched(make_batch: Callable, chunks: Sequence[np.ndarray], depth: int = PREFETCH_BATCHES):
+    """(chunk, make_batch(chunk)) for each chunk in order, the next ``depth`` made in a worker thread while the
+    caller uses the current one (collation is numpy and tokenizer work outside the model's threads). An error
+    in ``make_batch`` is raised here, at its batch."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not chunks:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="collate") as pool:
+        pending: deque = deque()
+        it = iter(chunks)
+        try:
+            for chunk in it:
+                pending.append((chunk, pool.submit(make_batch, chunk)))
+                if len(pending) > depth:
+                    chunk0, fut = pending.popleft()
+                    yield chunk0, fut.result()
+            while pending:
+                chunk0, fut = pending.popleft()
+                yield chunk0, fut.result()
+        finally:
+            for _, fut in pending:
+                fut.cancel()
+
+
+def _lengths(ids: Sequence[np.ndarray]) -> np.ndarray:
+    return np.fromiter((len(t) for t in ids), dtype=np.int64, count=len(ids))
 
 
 def _region_access(images: ImageTable | Sequence[Regions]) -> tuple[Callable[[int], Regions], np.ndarray]:
