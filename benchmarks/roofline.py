@@ -435,7 +435,9 @@ def measure(backbone, device, threads, batch_size, images, feature_dim, train_st
         with open(os.path.join(backbone, RECIPES_JSON)) as f:
             spec = json.load(f)
         recipes = {name: TrainConfig(**cfg) for name, cfg in spec["recipes"].items()}
-        model = from_text_backbone(backbone, feature_dim, max_regions=int(spec["max_regions"])).to(device)
+        # the [CLS]-only CE head the documented roofline rows were measured with (docs/PERFORMANCE.md)
+        model = from_text_backbone(backbone, feature_dim, max_regions=int(spec["max_regions"]),
+                                   ce_agreement="none").to(device)
         env = environment(device, torch.get_num_threads())
         log = lambda msg: click.echo(f"[{time.strftime('%H:%M:%S')}] {msg}")  # noqa: E731
         table, caps = synthetic_collection(SyntheticSpec("roofline", images, seed=3, domain="coco",

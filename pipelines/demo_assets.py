@@ -28,7 +28,7 @@ from retrieval_core.cli import to_argv
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.data.synthetic.spec import DEFAULT_SIBLING_CHANGES
 from retrieval_core.model.backbones import is_backbone_name
-from retrieval_core.model.network import NEW_MODEL_CE_AGREEMENT
+from retrieval_core.model.network import ce_agreement_default
 from retrieval_core.training.config import TrainConfig
 from retrieval_core.training.train import TrainPlan
 
@@ -54,7 +54,7 @@ class Recipe:
     manifest: str = DEMO_MANIFEST  # the staged collection whose train split trains and dev split selects
     base_model: str = "minilm"  # a backbones name (or a BERT folder) the JOIN and SEP BE start from
     languages: tuple[str, ...] = ()  # train and select on captions of these languages only (all when empty)
-    ce_agreement: str = NEW_MODEL_CE_AGREEMENT  # the CE head's agreement term (TrainPlan.ce_agreement), every model
+    ce_agreement: str = ce_agreement_default("new")  # the CE head's agreement term of every model (TrainPlan's)
 
     def __post_init__(self):
         for role, want in (("join", "joint"), ("sep_be", "be"), ("sep_ce", "ce")):
@@ -138,7 +138,7 @@ BENCH_RECIPE = Recipe(
 # They keep the [CLS]-only CE head they were measured with (docs/MULTILINGUAL.md predates the agreement term).
 _ML_ZERO_SHOT = Recipe(name="ml-e5-en", join=_DEMO_JOIN, sep_be=DEMO_RECIPE.sep_be, sep_ce=DEMO_RECIPE.sep_ce,
                        manifest="synthetic_multi30k", base_model="multilingual-e5-small", languages=("en",),
-                       ce_agreement="none")
+                       ce_agreement=ce_agreement_default("multilingual_recipe"))
 ML_RECIPES = {"zero_shot": _ML_ZERO_SHOT, "all_languages": replace(_ML_ZERO_SHOT, name="ml-e5-all", languages=()),
               "english_reference": replace(_ML_ZERO_SHOT, name="ml-minilm-en", base_model="minilm")}
 RECIPES = {r.name: r for r in (DEMO_RECIPE, BENCH_RECIPE, *ML_RECIPES.values())}

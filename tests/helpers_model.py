@@ -124,12 +124,13 @@ def split_dataset(captions: pd.DataFrame, images: ImageTable, split: str):
     return captions[captions["split"] == split].reset_index(drop=True), table
 
 
-def tiny_model(tmp_dir: str, feature_dim: int = 16, seed: int = 0):
-    """A VLRetrievalModel on a fresh tiny BERT written under tmp_dir."""
+def tiny_model(tmp_dir: str, feature_dim: int = 16, seed: int = 0, ce_agreement: str = "none"):
+    """A VLRetrievalModel on a fresh tiny BERT written under tmp_dir; its CE head the [CLS] classifier alone
+    unless ``ce_agreement`` says otherwise (the tests that check the agreement term add it themselves)."""
     from retrieval_core.model.checkpoints import from_text_backbone
 
     folder = write_tiny_bert(os.path.join(tmp_dir, "tiny_bert"), seed=seed)
-    return from_text_backbone(folder, feature_dim=feature_dim, seed=seed)
+    return from_text_backbone(folder, feature_dim=feature_dim, seed=seed, ce_agreement=ce_agreement)
 
 
 def staged_demo_and_tiny_model(tmp_dir: str, overrides: tuple[str, ...], feature_dim: int = 16) -> tuple[str, str]:

@@ -9,7 +9,7 @@ from transformers import BertConfig
 from retrieval_core.model.backbones import minilm_path
 from retrieval_core.model.checkpoints import CheckpointError, from_text_backbone, load_mmt_retrieval, load_oscar
 from retrieval_core.model.collate import TextCollator, collate_images, collate_pairs
-from retrieval_core.model.network import VLModelConfig, VLRetrievalModel
+from retrieval_core.model.network import VLModelConfig, VLRetrievalModel, ce_agreement_default
 from retrieval_core.training.losses import batch_hard_triplet_loss, ce_pair_loss
 from tests.helpers_model import make_tiny_dataset, tiny_model, write_tiny_bert
 
@@ -150,6 +150,16 @@ def test_ce_agreement_adds_its_scaled_term_of_the_states_entering_the_last_layer
         VLModelConfig(feature_dim=F, ce_agreement="max")
 
 
+def test_one_rule_gives_the_ce_agreement_default(tmp_path):
+    """New models maxsim; converted checkpoints and the multilingual recipes none; a model folder its own; a
+    model built from a backbone without a term named gets the new models' one."""
+    assert [ce_agreement_default(o) for o in ("new", "converted", "multilingual_recipe")] == ["maxsim", "none", "none"]
+    assert ce_agreement_default("folder", "mean") == "mean" and ce_agreement_default("folder") == "none"
+    with pytest.raises(ValueError, match="origin must be one of"):
+        ce_agreement_default("backbone")
+    assert from_text_backbone(write_tiny_bert(str(tmp_path / "b")), feature_dim=F).cfg.ce_agreement == "maxsim"
+
+
 def _outputs(m, data):
     captions, images = data
     texts = captions["text"].tolist()
@@ -174,7 +184,7 @@ def _oscar_like_model(tmp_path, use_img_layernorm: bool):
     folder = write_tiny_bert(str(tmp_path / "bert"))
     from transformers import AutoTokenizer
     torch.manual_seed(3)
-    cfg = VLModelConfig(feature_dim=F, image_token_type=False, image_layer_norm=use_img_layernorm)
+    cfg = VLModelConfig(feature_dim=F, image_token_type=False, image_layer_norm=use_img_layernorm, ce_agreement="none")
     m = VLRetrievalModel(BertConfig.from_pretrained(folder), cfg, AutoTokenizer.from_pretrained(folder))
     with torch.no_grad():  # non-trivial LayerNorm / bias values so a wrong mapping shows
         for p in m.parameters():

@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from retrieval_core.model.network import NEW_MODEL_CE_AGREEMENT, VLRetrievalModel
+from retrieval_core.model.network import VLRetrievalModel, ce_agreement_default
 from retrieval_core.training.config import TrainConfig
 from retrieval_core.training.dev_eval import evaluate
 from retrieval_core.training.train import main
@@ -207,13 +207,13 @@ def test_cli_trains_from_a_staged_dir_and_continues_a_model(tmp_path, cli_inputs
     assert "best model:" in res.stdout and "dev mR" in res.stdout
     model = VLRetrievalModel.load(str(tmp_path / "run" / "best"))
     assert model.cfg.provenance["train_captions"] == 30
-    assert model.cfg.ce_agreement == NEW_MODEL_CE_AGREEMENT  # a new model's CE head, unless asked otherwise
+    assert model.cfg.ce_agreement == ce_agreement_default("new")  # a new model's CE head, unless asked otherwise
     # continue fine-tuning the trained model (an existing VLRetrievalModel folder as --base-model): its own head
     args2 = ["--staged", staged, "--objective", "ce", "--base-model", str(tmp_path / "run" / "best"), "--steps", "3",
              "--batch-size", "8", "--output", str(tmp_path / "run2"), "--dev-split", "test", "--no-progress"]
     assert CliRunner().invoke(main, args2, catch_exceptions=False).exit_code == 0
     assert os.path.isdir(tmp_path / "run2" / "last")
-    assert VLRetrievalModel.load(str(tmp_path / "run2" / "last")).cfg.ce_agreement == NEW_MODEL_CE_AGREEMENT
+    assert VLRetrievalModel.load(str(tmp_path / "run2" / "last")).cfg.ce_agreement == ce_agreement_default("new")
 
 
 def test_cli_ce_agreement_is_built_trained_kept_and_never_dropped(tmp_path, cli_inputs):

@@ -37,7 +37,7 @@ from retrieval_core.data.paths import FileAccess, is_url, local_sha256
 from retrieval_core.data.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS
 from retrieval_core.model.backbones import backbone_path, is_backbone_name, model_cache_dir
 from retrieval_core.model.baseline import BASELINE_JSON, BASELINE_TENSORS, MappedBaseline
-from retrieval_core.model.network import CE_SCORES, MODEL_JSON, VLModelConfig, VLRetrievalModel
+from retrieval_core.model.network import CE_SCORES, MODEL_JSON, VLModelConfig, VLRetrievalModel, ce_agreement_default
 from retrieval_core.model.quantize import quantize_model
 
 #: Source keys we deliberately drop: non-persistent buffers some versions serialised, and BERT
@@ -138,12 +138,13 @@ def _load_into(model: VLRetrievalModel, mapped: dict[str, torch.Tensor], allowed
 
 def from_text_backbone(path: str, feature_dim: int, keep_every_other_layer: bool = False, seed: int = 0,
                        max_text_len: int = DEFAULT_MAX_TEXT_TOKENS,
-                       max_regions: int = DEFAULT_MAX_REGIONS, ce_agreement: str = "none") -> VLRetrievalModel:
+                       max_regions: int = DEFAULT_MAX_REGIONS, ce_agreement: Optional[str] = None
+                       ) -> VLRetrievalModel:
     """A new VLRetrievalModel whose BERT trunk comes from a plain HF BERT-family folder.
 
     ``keep_every_other_layer`` keeps layers 0, 2, 4, .. (the paper's "halved" model). The image projection
     and the CE head are freshly initialised from ``seed``; ``ce_agreement``: the CE head's agreement term
-    (VLModelConfig.ce_agreement).
+    (VLModelConfig.ce_agreement; None: a new model's, ce_agreement_default).
     """
     path = backbone_path(path)
     bert_config = BertConfig.from_pretrained(path)
@@ -151,7 +152,7 @@ def from_text_backbone(path: str, feature_dim: int, keep_every_other_layer: bool
     keep = list(range(0, n_layers, 2)) if keep_every_other_layer else list(range(n_layers))
     bert_config.num_hidden_layers = len(keep)
     cfg = VLModelConfig(feature_dim=int(feature_dim), max_text_len=max_text_len, max_regions=max_regions,
-                        ce_agreement=ce_agreement,
+                        ce_agreement=ce_agreement or ce_agreement_default("new"),
                         provenance={"init": "text_backbone", "backbone": os.path.abspath(path), "layers_kept": keep,
                                     "seed": seed})
     with torch.random.fork_rng(devices=[]):  # seed the new layers without touching the caller's RNG
@@ -177,7 +178,7 @@ def _oscar_model(folder: str, bert_config: BertConfig, max_text_len: int, max_re
     cfg = VLModelConfig(feature_dim=int(img_dim) - BOX_DIM, max_text_len=max_text_len, max_regions=max_regions,
                         image_token_type=False, image_layer_norm=use_ln,
                         image_layer_norm_eps=float(getattr(bert_config, "img_layer_norm_eps", 1e-12)),
-                        ce_pooler=ce_pooler, provenance=provenance)
+                        ce_pooler=ce_pooler, ce_agreement=ce_agreement_default("converted"), provenance=provenance)
     return VLRetrievalModel(bert_config, cfg, AutoTokenizer.from_pretrained(folder))
 
 

@@ -43,8 +43,8 @@ AGREEMENT_SCALE_INIT = 10.0
 
 #: The CE head's agreement terms (VLModelConfig.ce_agreement).
 CE_AGREEMENTS = ("none", "mean", "maxsim")
-#: The agreement term of a model built from a text backbone unless asked otherwise (docs/TRAINING.md).
-NEW_MODEL_CE_AGREEMENT = "maxsim"
+#: Where a model comes from, as ce_agreement_default reads it.
+MODEL_ORIGINS = ("new", "converted", "multilingual_recipe", "folder")
 
 #: CE score keys: ``logit_diff`` = logit1 - logit0 (log-odds of a match), ``logit1`` = MMT-Retrieval's key.
 CE_SCORES = ("logit_diff", "logit1")
@@ -77,10 +77,11 @@ class VLModelConfig:
     # The CE's match logit also adds s * agreement(caption states, region states) of the pair's single stream as it
     # enters the last layer (s learned, log-parametrised): "maxsim" = the mean over caption tokens of their best
     # cosine with a region (late interaction, FILIP / ColBERT style), "mean" = the cosine of the two mean states.
-    # A [CLS] head alone on a text-only backbone sat at chance for 60 to 190 CE steps depending on the seed; with the
+    # A [CLS] head alone on a text-only backbone sat at chance for a seed-dependent number of CE steps; with the
     # term it learns from the first CE step, and maxsim's token-to-region matching is the only head here that tells
-    # binding siblings apart above chance (docs/TRAINING.md). Converted OSCAR / MMT-Retrieval checkpoints: "none".
-    ce_agreement: str = "none"
+    # binding siblings apart above chance (docs/TRAINING.md). Every config names its term: the default of each kind
+    # of model is ce_agreement_default's.
+    ce_agreement: str = field(kw_only=True)
     schema_version: str = SCHEMA_VERSION
     provenance: dict = field(default_factory=dict)
 
@@ -93,7 +94,27 @@ class VLModelConfig:
     @staticmethod
     def from_json(d: dict) -> "VLModelConfig":
         known = {k: d[k] for k in VLModelConfig.__dataclass_fields__ if k in d}
+        known["ce_agreement"] = ce_agreement_default("folder", d.get("ce_agreement"))
         return VLModelConfig(**known)
+
+
+def ce_agreement_default(origin: str, saved: Optional[str] = None) -> str:
+    """The CE head's agreement term (CE_AGREEMENTS) where nobody asks for one: the one place that decides it, by
+    where the model comes from (MODEL_ORIGINS).
+
+    - "new": a model built from a text backbone, as the demo and benchmark recipes build theirs -> maxsim (the
+      [CLS] head alone learns late and seed-dependently; docs/TRAINING.md);
+    - "converted": an OSCAR / MMT-Retrieval checkpoint, trained without the term -> none;
+    - "multilingual_recipe": the multilingual suite's recipes keep the [CLS]-only head they were measured with
+      (docs/MULTILINGUAL.md) -> none;
+    - "folder": one of our model folders keeps the term it was saved with (``saved``; none for a folder saved
+      before the term existed)."""
+    if origin == "folder":
+        return "none" if saved is None else saved
+    defaults = {"new": "maxsim", "converted": "none", "multilingual_recipe": "none"}
+    if origin not in defaults:
+        raise ValueError(f"origin must be one of {MODEL_ORIGINS}, got {origin!r}")
+    return defaults[origin]
 
 
 class VLRetrievalModel(nn.Module):
@@ -285,7 +306,7 @@ class VLRetrievalModel(nn.Module):
         logits = self.ce_classifier(self.ce_dropout(cls))
         if entering is None:
             return logits
-        agreement = self.ce_agreement(entering[0], batch["attention_mask"], batch["img_mask"])
+        agreement = self.agreement_logit(entering[0], batch["attention_mask"], batch["img_mask"])
         return logits + torch.stack([torch.zeros_like(agreement), agreement], 1).to(logits.dtype)
 
     def add_ce_agreement(self, kind: str) -> None:
@@ -296,7 +317,7 @@ class VLRetrievalModel(nn.Module):
         self.cfg.ce_agreement = kind
         self.ce_agreement_log_scale = _agreement_scale(self.ce_classifier.weight.device)
 
-    def ce_agreement(self, states: torch.Tensor, text_mask: torch.Tensor, img_mask: torch.Tensor) -> torch.Tensor:
+    def agreement_logit(self, states: torch.Tensor, text_mask: torch.Tensor, img_mask: torch.Tensor) -> torch.Tensor:
         """(B,) s * agreement of (B, T + R, H) pair states (caption positions first, as _ce_input lays them out),
         in float32: "mean": cos(mean caption state, mean region state); "maxsim": the mean over caption tokens of
         their best cosine with a real region."""

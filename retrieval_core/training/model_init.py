@@ -3,6 +3,7 @@ start of its image embedding (:func:`lstsq_image_embedding`)."""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import numpy as np
 import torch
@@ -21,10 +22,11 @@ from retrieval_core.training.train_data import TrainData
 
 
 def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int,
-                ce_agreement: str = "none") -> VLRetrievalModel:
+                ce_agreement: Optional[str] = None) -> VLRetrievalModel:
     """A named backbone (``backbones``: minilm, multilingual-e5-small / e5), a plain HF BERT folder, or any
     retrieval model folder ``checkpoints.load_model_folder`` knows (ours, MMT-Retrieval, OSCAR: continue
-    fine-tuning; a head it lacks starts fresh and is trained here)."""
+    fine-tuning; a head it lacks starts fresh and is trained here). ``ce_agreement``: the CE head's agreement term
+    of a model built from a backbone (None: ce_agreement_default's for a new model); a model folder keeps its own."""
     if not is_backbone_name(base_model):
         if not os.path.isdir(base_model):
             raise FileNotFoundError(f"base model {base_model!r}: no such folder (give a backbone name "

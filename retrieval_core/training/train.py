@@ -21,7 +21,7 @@ from retrieval_core.cli import (
 )
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model.backbones import E5_NAMES
-from retrieval_core.model.network import CE_AGREEMENTS, NEW_MODEL_CE_AGREEMENT
+from retrieval_core.model.network import CE_AGREEMENTS, ce_agreement_default
 from retrieval_core.training.config import TrainConfig
 from retrieval_core.training.model_init import build_model
 from retrieval_core.training.train_data import load_split
@@ -46,7 +46,7 @@ class TrainPlan:
         help="The CE's match logit also adds a learned multiple of the agreement of the pair's caption and region "
              "states entering the last layer: mean = cosine of their means, maxsim = caption tokens' best cosine "
              "with a region, averaged; none = the [CLS] classifier alone (added to a model folder that has none) "
-             f"[a model built from a text backbone: {NEW_MODEL_CE_AGREEMENT}; a model folder keeps its own]")
+             f"[a model built from a text backbone: {ce_agreement_default('new')}; a model folder keeps its own]")
     max_train_captions: Optional[int] = option(None, type=int,
                                                help="Train on a seeded random subset of this many captions.")
     train_split: str = option("train")
@@ -74,8 +74,7 @@ def run(plan: TrainPlan) -> dict:
         dev = load_split(staged, plan.dev_split, languages=plan.languages)
     else:
         click.echo(f"note: no captions in split {plan.dev_split!r}: no dev evaluation, best = last", err=True)
-    model = build_model(plan.base_model, staged.feature_dim, plan.halve_layers, cfg.seed,
-                        plan.ce_agreement or NEW_MODEL_CE_AGREEMENT)
+    model = build_model(plan.base_model, staged.feature_dim, plan.halve_layers, cfg.seed, plan.ce_agreement)
     if plan.ce_agreement is not None and model.cfg.ce_agreement != plan.ce_agreement:
         if model.cfg.ce_agreement != "none":  # dropping a trained term would silently change what the CE computes
             raise ValueError(f"base model {plan.base_model!r} has the {model.cfg.ce_agreement!r} CE agreement term: "
