@@ -44,7 +44,17 @@ import pandas as pd
 import torch
 
 from benchmarks.family_probe import sampled_captions
-from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, threads_flag
+from retrieval_core.cli import (
+    CONTEXT_SETTINGS,
+    apply_device_and_threads,
+    batch_size_option,
+    check_options,
+    cli_errors,
+    option,
+    plan_from_cli,
+    plan_options,
+    threads_option,
+)
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.data.synthetic.regions import decode_regions
@@ -259,36 +269,47 @@ def probe(staged: StagedDataset, spec: SyntheticSpec, model: VLRetrievalModel, f
     return pd.DataFrame(rows)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)  # kw_only: required options may follow optional ones
+class BindingProbePlan:
+    """The probe's options, each a typed field (checked when built)."""
+    staged: str = option(help="A staged synthetic collection (pipelines.stage).")
+    manifest: str = option(help="The manifest it was staged from (its generator settings).")
+    collection: Optional[str] = option(None, help="Collection [the manifest's query collection].")
+    model: str = option(help="Model folder whose cross-encoder is probed.")
+    fit_split: str = option("train", help="Split whose tokens fit the probes.")
+    split: str = option("dev", help="Split whose tokens score them.")
+    max_captions: int = option(3000, type=click.IntRange(min=0), help="Seeded sample of captions per split (0: all).")
+    output: Optional[str] = option(None, help="Folder for binding_probe.csv.")
+    batch_size: int = batch_size_option(64)
+    threads: Optional[int] = threads_option()
+
+    def __post_init__(self):
+        check_options(self)
+
+
 @click.command(context_settings=CONTEXT_SETTINGS)
-@click.option("--staged", required=True, help="A staged synthetic collection (pipelines.stage).")
-@click.option("--manifest", required=True, help="The manifest it was staged from (its generator settings).")
-@click.option("--collection", default=None, help="Collection [the manifest's query collection].")
-@click.option("--model", "model_dir", required=True, help="Model folder whose cross-encoder is probed.")
-@click.option("--fit-split", default="train", show_default=True, help="Split whose tokens fit the probes.")
-@click.option("--split", default="dev", show_default=True, help="Split whose tokens score them.")
-@click.option("--max-captions", default=3000, show_default=True, type=click.IntRange(min=0),
-              help="Seeded sample of captions per split (0: all).")
-@click.option("--output", default=None, help="Folder for binding_probe.csv.")
-@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1))
-@threads_flag()
-def main(staged: str, manifest: str, collection: Optional[str], model_dir: str, fit_split: str, split: str,
-         max_captions: int, output: Optional[str], batch_size: int, threads: Optional[int]) -> None:
+@plan_options(BindingProbePlan)
+def main(**values) -> None:
     """Per layer: does a caption's noun, and a focus region inside the CE, keep its own colour, and does the noun
     read its object's colour from the image? (CPU: a few thousand captions.)"""
-    apply_device_and_threads("cpu", threads)
     with cli_errors(KeyError):
-        m = load_manifest(manifest)
+        plan = plan_from_cli(BindingProbePlan, values)
+        apply_device_and_threads("cpu", plan.threads)
+        collection, model_dir, fit_split, split = plan.collection, plan.model, plan.fit_split, plan.split
+        m = load_manifest(plan.manifest)
         name = collection or m.benchmark.get("query_collection") or next(iter(m.collections))
         spec = m.synthetic_spec(name)
         model = VLRetrievalModel.load(model_dir).eval()
-        rows = probe(StagedDataset(staged), spec, model, fit_split, split, max_captions or None, batch_size)
+        rows = probe(StagedDataset(plan.staged), spec, model, fit_split, split, plan.max_captions or None,
+                     plan.batch_size)
     click.echo(f"\nown colour kept, per layer (%; {name}, fitted on {fit_split}, scored on {split}; "
                f"own_over_other chance 50 %):")
     click.echo(rows.pivot(index="layer", columns="side", values=["top1", "own_over_other"]).round(1).to_string())
-    if output:
-        os.makedirs(output, exist_ok=True)
-        rows.assign(model=model_dir, collection=name).to_csv(os.path.join(output, "binding_probe.csv"), index=False)
-        click.echo(f"wrote {os.path.join(output, 'binding_probe.csv')}")
+    if plan.output:
+        os.makedirs(plan.output, exist_ok=True)
+        path = os.path.join(plan.output, "binding_probe.csv")
+        rows.assign(model=model_dir, collection=name).to_csv(path, index=False)
+        click.echo(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,18 @@ import click
 import numpy as np
 import pandas as pd
 
-from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, device_flag, threads_flag
+from retrieval_core.cli import (
+    CONTEXT_SETTINGS,
+    apply_device_and_threads,
+    batch_size_option,
+    check_options,
+    cli_errors,
+    device_option,
+    option,
+    plan_from_cli,
+    plan_options,
+    threads_option,
+)
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.data.synthetic.regions import decode_regions
@@ -135,31 +146,40 @@ def summary_table(rows: pd.DataFrame) -> str:
     return wide.to_string(float_format=lambda v: f"{v:.1f}")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)  # kw_only: required options may follow optional ones
+class FamilyProbePlan:
+    """The probe's options, each a typed field (checked when built)."""
+    staged: str = option(help="Staged synthetic collection (pipelines.stage output).")
+    manifest: str = option(help="The manifest it was staged from (name or path).")
+    collection: Optional[str] = option(None, help="Synthetic collection [the manifest's query collection].")
+    model: str = option(help="Bi-encoder model folder (also the CE unless --ce-model).")
+    ce_model: Optional[str] = option(None, help="Cross-encoder model folder (SEP) [--model].")
+    split: str = option("test")
+    max_captions: int = option(1000, help="Seeded sample of captions (0 = all).")
+    output: Optional[str] = option(None, help="Folder for family_probe.csv [print only].")
+    batch_size: int = batch_size_option(128)
+    device: str = device_option()
+    threads: Optional[int] = threads_option()
+
+    def __post_init__(self):
+        check_options(self)
+
+
 @click.command(context_settings=CONTEXT_SETTINGS)
-@click.option("--staged", required=True, help="Staged synthetic collection (pipelines.stage output).")
-@click.option("--manifest", required=True, help="The manifest it was staged from (name or path).")
-@click.option("--collection", help="Synthetic collection [the manifest's query collection].")
-@click.option("--model", "be_model", required=True, help="Bi-encoder model folder (also the CE unless --ce-model).")
-@click.option("--ce-model", help="Cross-encoder model folder (SEP) [--model].")
-@click.option("--split", default="test", show_default=True)
-@click.option("--max-captions", type=int, default=1000, show_default=True,
-              help="Seeded sample of captions (0 = all).")
-@click.option("--output", help="Folder for family_probe.csv [print only].")
-@click.option("--batch-size", type=int, default=128, show_default=True)
-@device_flag()
-@threads_flag()
-def main(staged: str, manifest: str, collection: Optional[str], be_model: str, ce_model: Optional[str], split: str,
-         max_captions: int, output: Optional[str], batch_size: int, device: str, threads: Optional[int]) -> None:
+@plan_options(FamilyProbePlan)
+def main(**values) -> None:
     """Within-family accuracy of the BE and the CE, by the kind of difference (synthetic collections only)."""
-    apply_device_and_threads(device, threads)
     with cli_errors(KeyError):  # bad manifest, staged dir, model folder or collection: one line, exit 1
-        m = load_manifest(manifest)
-        name = collection or m.benchmark.get("query_collection") or next(iter(m.collections))
+        plan = plan_from_cli(FamilyProbePlan, values)
+        apply_device_and_threads(plan.device, plan.threads)
+        be_model, ce_model, split, output = plan.model, plan.ce_model, plan.split, plan.output
+        m = load_manifest(plan.manifest)
+        name = plan.collection or m.benchmark.get("query_collection") or next(iter(m.collections))
         spec = m.synthetic_spec(name)
         be = VLRetrievalModel.load(be_model)
         ce = VLRetrievalModel.load(ce_model) if ce_model else be
-        rows = probe(StagedDataset(staged), spec, be, ce, split, max_captions or None, batch_size=batch_size,
-                     device=device)
+        rows = probe(StagedDataset(plan.staged), spec, be, ce, split, plan.max_captions or None,
+                     batch_size=plan.batch_size, device=plan.device)
     click.echo(f"\nwithin-family accuracy (%), {name}/{split}, families of {spec.family_size} "
                f"(top1 chance {rows.attrs['chance_top1']:.0f} %, pairwise chance 50 %):")
     click.echo(summary_table(rows))

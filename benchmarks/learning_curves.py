@@ -19,6 +19,7 @@ per kind of series) and prints the probe curve.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Optional, Sequence
@@ -29,7 +30,18 @@ import pandas as pd
 from benchmarks.family_probe import probe
 from benchmarks.report import _pyplot
 from pipelines.common import write_atomic
-from retrieval_core.cli import CONTEXT_SETTINGS, apply_device_and_threads, cli_errors, device_flag, threads_flag
+from retrieval_core.cli import (
+    CONTEXT_SETTINGS,
+    apply_device_and_threads,
+    batch_size_option,
+    check_options,
+    cli_errors,
+    device_option,
+    option,
+    plan_from_cli,
+    plan_options,
+    threads_option,
+)
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model.network import VLRetrievalModel
@@ -136,28 +148,43 @@ def _run_spec(value: str) -> tuple[str, str]:
     return label, folder
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)  # kw_only: required options may follow optional ones
+class CurvesPlan:
+    """The learning curves' options, each a typed field (checked when built)."""
+    run: tuple[str, ...] = option(multiple=True, metavar="LABEL=TRAIN_DIR",
+                                  help="A retrieval_core.training.train output folder and its label in the curves "
+                                       "(repeatable).")
+    window: int = option(20, type=click.IntRange(min=1), help="Steps per loss point (their mean).")
+    staged: Optional[str] = option(None, help="Staged synthetic collection: probe every kept model "
+                                              "(benchmarks.family_probe).")
+    manifest: Optional[str] = option(None, help="The manifest --staged was staged from (name or path).")
+    split: str = option("dev", help="Split the probe reads.")
+    max_captions: int = option(500, help="Seeded sample of captions per probe (0 = all).")
+    output: str = option(help="Folder for learning_curves.csv and learning_curves.png.")
+    batch_size: int = batch_size_option(128)
+    device: str = device_option()
+    threads: Optional[int] = threads_option()
+
+    def __post_init__(self):
+        check_options(self)
+        if not self.run:
+            raise ValueError("give at least one --run LABEL=TRAIN_DIR")
+        if bool(self.staged) != bool(self.manifest):
+            raise ValueError("--staged and --manifest go together (the probe needs both)")
+
+
 @click.command(context_settings=CONTEXT_SETTINGS)
-@click.option("--run", "runs", multiple=True, required=True, metavar="LABEL=TRAIN_DIR",
-              help="A retrieval_core.training.train output folder and its label in the curves (repeatable).")
-@click.option("--window", type=click.IntRange(min=1), default=20, show_default=True,
-              help="Steps per loss point (their mean).")
-@click.option("--staged", help="Staged synthetic collection: probe every kept model (benchmarks.family_probe).")
-@click.option("--manifest", help="The manifest --staged was staged from (name or path).")
-@click.option("--split", default="dev", show_default=True, help="Split the probe reads.")
-@click.option("--max-captions", type=int, default=500, show_default=True,
-              help="Seeded sample of captions per probe (0 = all).")
-@click.option("--output", required=True, help="Folder for learning_curves.csv and learning_curves.png.")
-@click.option("--batch-size", type=int, default=128, show_default=True)
-@device_flag()
-@threads_flag()
-def main(runs: tuple[str, ...], window: int, staged: Optional[str], manifest: Optional[str], split: str,
-         max_captions: int, output: str, batch_size: int, device: str, threads: Optional[int]) -> None:
+@plan_options(CurvesPlan)
+def main(**values) -> None:
     """Learning curves of training runs: losses, minings and dev evaluations from their logs, and the
     within-family probe of every model they kept."""
-    if bool(staged) != bool(manifest):
-        raise click.UsageError("--staged and --manifest go together (the probe needs both)")
-    apply_device_and_threads(device, threads)
-    parsed = [_run_spec(r) for r in runs]
+    try:
+        plan = plan_from_cli(CurvesPlan, values)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    apply_device_and_threads(plan.device, plan.threads)
+    staged, split, output = plan.staged, plan.split, plan.output
+    parsed = [_run_spec(r) for r in plan.run]
     labels = [label for label, _ in parsed]
     if len(set(labels)) != len(labels):  # one label's curves would mix two runs
         raise click.UsageError(f"--run labels must differ, got {', '.join(labels)}")
@@ -166,16 +193,16 @@ def main(runs: tuple[str, ...], window: int, staged: Optional[str], manifest: Op
         spec = ds = None
         if staged:
 
-            m = load_manifest(manifest)
+            m = load_manifest(plan.manifest)
             spec = m.synthetic_spec(m.benchmark.get("query_collection") or next(iter(m.collections)))
             ds = StagedDataset(staged)
         for label, folder in parsed:
             records = read_log(folder)
-            frames.append(log_curves(records, window).assign(run=label))
+            frames.append(log_curves(records, plan.window).assign(run=label))
             if ds is not None:
                 click.echo(f"{label}: probing the kept models of {folder} ({split} split)")
-                frames.append(probe_curves(folder, trained_heads(records), ds, spec, split, max_captions or None,
-                                           batch_size, device).assign(run=label))
+                frames.append(probe_curves(folder, trained_heads(records), ds, spec, split,
+                                           plan.max_captions or None, plan.batch_size, plan.device).assign(run=label))
     curves = pd.concat(frames, ignore_index=True)[["run", "step", "series", "value"]]
     os.makedirs(output, exist_ok=True)
     csv_path = os.path.join(output, "learning_curves.csv")

@@ -22,8 +22,8 @@ elements comes back as ``PredictionResult(example, FailedBatch(reason, traceback
 ``with_exception_handling`` would need a tagged second output, which DaskRunner does not separate); the caller
 records them (pipelines.encode writes dead_letter.jsonl and exits non-zero).
 
-Device: "cpu" or "cuda" (``retrieval_core.cli.DEVICES``, the one spelling). Asking for "cuda" where CUDA is
-unusable raises in ``load_model`` instead of quietly running on CPU (Beam's PyTorch handlers fall back
+Device: "cpu", "cuda" or "cuda:N" (``retrieval_core.cli.check_device``, the one spelling). Asking for a GPU
+where CUDA is unusable raises in ``load_model`` instead of quietly running on CPU (Beam's PyTorch handlers fall back
 silently). On Dataflow GPU workers (one SDK process per vCPU) pass ``model_copies=1`` (or ``large_model=True``)
 so one copy per GPU is shared across processes.
 """
@@ -40,7 +40,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from pipelines.common import BEAM_FILES
-from retrieval_core.cli import check_device
+from retrieval_core.cli import check_device, device_kind
 from retrieval_core.data.paths import is_url
 from retrieval_core.data.schema import check_quantize
 from retrieval_core.data.store import StagedDataset
@@ -157,8 +157,8 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
 
     # ------------------------------------------------------------------------------------ model
     def load_model(self):
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise DeviceUnavailableError("device cuda was requested but torch.cuda.is_available() is False "
+        if device_kind(self.device) == "cuda" and not torch.cuda.is_available():
+            raise DeviceUnavailableError(f"device {self.device} was requested but torch.cuda.is_available() is False "
                                          f"(torch {torch.__version__}); use --device cpu or a CUDA worker")
         if self.num_threads:
             torch.set_num_threads(int(self.num_threads))

@@ -1,5 +1,5 @@
 """What every command-line entry point shares (no Beam): plans whose fields are the options, one spelling of
---device and --threads, and one-line errors at the CLI boundary.
+--device, --threads and --batch-size, and one-line errors at the CLI boundary.
 
 A plan is a frozen dataclass; each of its options is declared once, on its field (:func:`option`). The click
 CLI (:func:`plan_options`, :func:`plan_from_cli`) and the arguments a plan writes back (:func:`to_argv`: what
@@ -23,7 +23,7 @@ DEBUG_ENV = "RR_DEBUG"
 #: click context settings of every CLI here: -h is --help.
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
 
-#: The one spelling of a device, everywhere (Beam's handlers included).
+#: The kinds of device, everywhere (Beam's handlers included); a device is a kind, or cuda:N for one GPU of several.
 DEVICES = ("cpu", "cuda")
 
 
@@ -58,10 +58,17 @@ def check_choice(name: str, value, choices: Sequence) -> None:
 
 
 def check_device(device) -> str:
-    """``cpu`` or ``cuda`` in any case -> lower case; anything else is a one-line ValueError."""
+    """``cpu``, ``cuda`` or ``cuda:N`` in any case -> lower case; anything else is a one-line ValueError."""
     value = str(device).lower()
-    check_choice("device", value, DEVICES)
+    kind, _, index = value.partition(":")
+    if kind not in DEVICES or (":" in value and (kind != "cuda" or not index.isdigit())):
+        raise ValueError(f"device must be one of cpu|cuda|cuda:N, got {device!r}")
     return value
+
+
+def device_kind(device: str) -> str:
+    """``cpu`` or ``cuda`` (the kind of a checked device: cuda:1 -> cuda)."""
+    return check_device(device).partition(":")[0]
 
 
 def apply_device_and_threads(device: str, threads: Optional[int]) -> None:
@@ -70,8 +77,8 @@ def apply_device_and_threads(device: str, threads: Optional[int]) -> None:
 
     if threads:
         torch.set_num_threads(threads)
-    if device == "cuda" and not torch.cuda.is_available():
-        raise click.ClickException("--device cuda was requested but CUDA is not available on this machine")
+    if device_kind(device) == "cuda" and not torch.cuda.is_available():
+        raise click.ClickException(f"--device {device} was requested but CUDA is not available on this machine")
 
 
 # ------------------------------------------------------------------------------- plan options
@@ -104,30 +111,37 @@ def option_group(cls: type) -> Any:
     return dataclasses.field(default_factory=cls, metadata={_GROUP: cls})
 
 
-_DEVICE = dict(type=click.Choice(DEVICES, case_sensitive=False),
-               help="Where the model runs (cuda fails when no GPU is visible).")
-_THREADS = dict(type=click.IntRange(min=1), help="torch (and faiss) CPU threads per process [torch's default].")
+class DeviceType(click.ParamType):
+    """--device's click type: :func:`check_device`'s spelling, its error as click's usage error."""
+    name = "cpu|cuda|cuda:N"
+
+    def get_metavar(self, *args, **kwargs) -> str:
+        return "[cpu|cuda|cuda:N]"
+
+    def convert(self, value, param, ctx):
+        try:
+            return check_device(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 def device_option(default: str = "cpu") -> Any:
-    """A plan's --device field."""
-    return option(default, **_DEVICE)
+    """A plan's --device field: the one declaration of --device."""
+    return option(default, type=DeviceType(), help="Where the model runs: cpu, cuda or cuda:N (cuda fails when no "
+                                                      "GPU is visible).")
 
 
-def threads_option() -> Any:
-    """A plan's --threads field."""
-    return option(None, **_THREADS)
+def threads_option(default: Optional[int] = None, help: Optional[str] = None) -> Any:
+    """A plan's --threads field: the one declaration of --threads (``help``: what the threads run, where it is
+    not torch)."""
+    return option(default, type=click.IntRange(min=1),
+                  help=help or "torch (and faiss) CPU threads per process" + ("" if default else " [torch's default]")
+                  + ".")
 
 
-def device_flag(default: str = "cpu") -> Callable:
-    """--device on a CLI without a plan (the probes): the same option as :func:`device_option`."""
-    return click.option("--device", default=default, show_default=True,
-                        callback=lambda ctx, param, value: check_device(value), **_DEVICE)
-
-
-def threads_flag() -> Callable:
-    """--threads on a CLI without a plan: the same option as :func:`threads_option`."""
-    return click.option("--threads", default=None, **_THREADS)
+def batch_size_option(default: int, help: str = "items per model call") -> Any:
+    """A plan's --batch-size field: the one declaration of --batch-size (what one model call holds)."""
+    return option(default, type=click.IntRange(min=1), help=help)
 
 
 def _flagged(cls: type) -> Iterator[tuple[dataclasses.Field, Flag]]:
@@ -136,6 +150,25 @@ def _flagged(cls: type) -> Iterator[tuple[dataclasses.Field, Flag]]:
             yield from _flagged(f.metadata[_GROUP])
         elif _FLAG in f.metadata:
             yield f, f.metadata[_FLAG]
+
+
+def check_options(plan) -> None:
+    """Check (and normalise: a case-insensitive choice, a device) every flagged field of ``plan`` with its click
+    type, as the CLI would: a plan built in code is refused like the same arguments typed (one-line ValueError
+    naming the field). For a plan's ``__post_init__``; its option groups check themselves."""
+    for f in dataclasses.fields(plan):
+        fl = f.metadata.get(_FLAG)
+        value = getattr(plan, f.name)
+        if fl is None or not isinstance(fl.type, click.ParamType) or value is None:
+            continue
+        try:
+            if fl.multiple or fl.sep:
+                value = tuple(fl.type.convert(v, None, None) for v in value)
+            else:
+                value = fl.type.convert(value, None, None)
+        except click.BadParameter as exc:
+            raise ValueError(f"{fl.flag(f.name)}: {exc.message}") from None
+        object.__setattr__(plan, f.name, value)
 
 
 def _default(f: dataclasses.Field):
@@ -156,7 +189,7 @@ def plan_options(cls: type) -> Callable:
                 command = click.option(fl.flag(f.name), f.name, is_flag=True, help=fl.help)(command)
                 continue
             if fl.multiple:
-                kw.update(multiple=True, default=default or ())
+                kw.update(multiple=True, default=None if required else (default or ()))
             elif fl.sep:
                 kw.update(default=None if required else fl.sep.join(default), show_default=fl.show_default)
             else:

@@ -184,7 +184,8 @@ def test_cli_help():
     out = run_train_cli("-h")
     assert out.returncode == 0, out.stderr
     for flag in ("--staged", "--objective", "--base-model", "--halve-layers", "--be-loss", "--resume",
-                 "--max-train-captions", "--eval-every", "--checkpoint-every", "--device [cpu|cuda]", "--threads"):
+                 "--max-train-captions", "--eval-every", "--checkpoint-every", "--device [cpu|cuda|cuda:N]",
+                 "--threads"):
         assert flag in out.stdout
 
 
@@ -300,7 +301,7 @@ def test_cli_bad_input_is_one_line_not_a_traceback(tmp_path, cli_inputs):
                             (["--base-model", str(tmp_path)], "neither a retrieval model folder"),
                             (["--max-regions", "0"], "--max-regions must be >= 1, got 0"),
                             (["--batch-size", "1"], "need steps >= 1 and batch_size >= 2"),
-                            (["--device", "gpu"], "'gpu' is not one of 'cpu', 'cuda'")):
+                            (["--device", "gpu"], "device must be one of cpu|cuda|cuda:N, got 'gpu'")):
         res = runner.invoke(main, common + extra)
         assert res.exit_code in (1, 2) and expected in res.output, (extra, res.output)
         assert "Traceback" not in res.output and res.output.count("Error: ") == 1

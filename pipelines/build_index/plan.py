@@ -6,7 +6,7 @@ from typing import Optional
 
 import click
 
-from retrieval_core.cli import check_choice, check_positive, option
+from retrieval_core.cli import check_choice, check_positive, option, threads_option
 from retrieval_core.data import schema
 from retrieval_core.search import index_choice as ic
 from retrieval_core.search.index import METRICS, THREADS_ENV
@@ -50,8 +50,7 @@ class IndexPlan:
     train_sample: int = option(50_000, type=click.IntRange(min=1),
                                help="training vectors for factories that need training (>= 39 per IVF list)")
     seed: int = option(0)
-    threads: Optional[int] = option(None, type=click.IntRange(min=1),
-                                    help=f"faiss OpenMP threads per process (default ${THREADS_ENV} or all)")
+    threads: Optional[int] = threads_option(help=f"faiss OpenMP threads per process (default ${THREADS_ENV} or all)")
     ids: Optional[str] = option(None, help="Parquet file with an int64 item_id column: index only these items "
                                            "(a fold, a sub-pool)")
     # factory "auto" only: budgets of the choice, the tuning collection and the held-out queries

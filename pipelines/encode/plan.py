@@ -10,7 +10,15 @@ import click
 import numpy as np
 
 from pipelines import common
-from retrieval_core.cli import check_choice, check_device, check_positive, device_option, option, threads_option
+from retrieval_core.cli import (
+    batch_size_option,
+    check_choice,
+    check_device,
+    check_positive,
+    device_option,
+    option,
+    threads_option,
+)
 from retrieval_core.data import schema
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model.checkpoints import CheckpointError, ModelFolder, inspect_model_folder
@@ -33,7 +41,7 @@ class EncodePlan:
                              "OSCAR, or a training-free baseline")
     output: str = option(help="embeddings directory")
     modality: str = option("both", type=click.Choice(MODALITY_CHOICES), help="what to encode")
-    batch_size: int = option(64, type=click.IntRange(min=1), help="items per model call")
+    batch_size: int = batch_size_option(64)
     device: str = device_option()
     collection: Optional[str] = option(None, help="encode only this staged collection")
     split: Optional[str] = option(None, help="encode only this split (e.g. test)")

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipelines import common
-from retrieval_core.cli import check_device, check_positive, device_option, option, threads_option
+from retrieval_core.cli import batch_size_option, check_device, check_positive, device_option, option, threads_option
 from retrieval_core.data import schema
 from retrieval_core.data.paths import is_url
 from retrieval_core.data.store import StagedDataset
@@ -70,7 +70,7 @@ class RerankPlan:
     split: Optional[str] = option("test", help="queries of this split")
     queries: Optional[str] = option(None, help="Parquet file (direction, query_id): rank only these queries of the "
                                                "collection/split")
-    batch_size: int = option(64, help="CE pairs per batch")
+    batch_size: int = batch_size_option(64, "CE pairs per batch")
     search_batch_size: int = option(256, help="queries per search call")
     device: str = device_option()
     threads: Optional[int] = threads_option()

@@ -276,7 +276,7 @@ class ImageTable:
 #: Model-loading options of the inference CLIs (--quantize): none (float32), int8 dynamic quantisation of the
 #: Linear layers (CPU only), or bf16 weights (CUDA, or a CPU with native bf16); model.quantize.quantize_model.
 QUANTIZE_CHOICES = ("none", "int8", "bf16")
-#: The --quantize modes a device can run ("cpu" / "cuda"); bf16 on CPU also needs native bf16 (checked at load).
+#: The --quantize modes a device kind can run ("cpu" / "cuda"); bf16 on CPU also needs native bf16 (checked at load).
 QUANTIZE_DEVICES = {"none": ("cpu", "cuda"), "int8": ("cpu",), "bf16": ("cpu", "cuda")}
 
 
@@ -285,6 +285,6 @@ def check_quantize(quantize: str, device: str) -> None:
     when a plan is built; whether a CPU has native bf16 is checked where the model loads (the worker's CPU)."""
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize must be one of {'|'.join(QUANTIZE_CHOICES)}, got {quantize!r}")
-    if str(device).lower() not in QUANTIZE_DEVICES[quantize]:
+    if str(device).lower().partition(":")[0] not in QUANTIZE_DEVICES[quantize]:  # cuda:1 is a cuda
         raise ValueError(f"--quantize {quantize} runs on {' or '.join(d.upper() for d in QUANTIZE_DEVICES[quantize])} "
                          f"only; refused with --device {device}")

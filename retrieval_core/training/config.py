@@ -7,7 +7,7 @@ from typing import Optional
 
 import click
 
-from retrieval_core.cli import check_device, device_option, option
+from retrieval_core.cli import batch_size_option, check_device, device_option, option
 
 OBJECTIVES = ("be", "ce", "joint")
 IMAGE_INITS = ("random", "lstsq")
@@ -23,7 +23,7 @@ class TrainConfig:
     margin: float = option(0.1, help="Triplet margin.")
     temperature: float = 0.05
     steps: int = option(1000)
-    batch_size: int = option(32, help="Captions per step (CE: 2x pairs).")  # a CE step scores 2x this many pairs
+    batch_size: int = batch_size_option(32, "Captions per step (CE: 2x pairs).")  # a CE step scores 2x this many pairs
     lr: float = option(5e-5)
     # The image embedding and CE head start from random init while the encoder is pretrained: they get
     # lr * new_layers_lr_mult, so a short CPU run aligns the image space before it drifts the encoder.
