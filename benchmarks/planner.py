@@ -291,6 +291,11 @@ class Planner:
         return self.plan.add(Job.of(f"queries {st.name}/{where} {what}", plan, sel.SELECTION_FILE,
                                     inputs=(st.summary,)))
 
+    def _job_quantize(self) -> str:
+        """The jobs' --quantize: float32 on CPU is their default (auto), left unwritten; on CUDA written out,
+        since there their default is bf16."""
+        return schema.QUANTIZE_AUTO if self.cfg.quantize == "none" and self.cfg.device == "cpu" else self.cfg.quantize
+
     def model_key(self, model: str) -> str:
         """A model's folder name in this plan's outputs: another --quantize encodes and scores elsewhere."""
         return model_key(model) + ("" if self.cfg.quantize == "none" else f"-{self.cfg.quantize}")
@@ -298,7 +303,7 @@ class Planner:
     def encode(self, st: Staged, model: str, split: str = "test") -> Job:
         out = os.path.join(self.cfg.root, "embeddings", self.model_key(model), st.name + ("" if split == "test" else
                                                                                      f"-{split}"))
-        plan = EncodePlan(staged=st.path, model=model, output=out, split=split, quantize=self.cfg.quantize,
+        plan = EncodePlan(staged=st.path, model=model, output=out, split=split, quantize=self._job_quantize(),
                           **_run_options(self.cfg))
         n_img, n_cap = split_sizes(st, split)
         work = (("images_encoded", n_img), ("captions_encoded", n_cap))
@@ -332,7 +337,7 @@ class Planner:
         inputs += [os.path.join(j.output, "index_manifest.json") for j in (index, text_index) if j is not None]
         extra = {}
         if mode != "emb":
-            extra.update(ce_model=ce_model, quantize=self.cfg.quantize)
+            extra.update(ce_model=ce_model, quantize=self._job_quantize())
             inputs += _model_inputs(ce_model)
         if mode == "ce":
             extra["max_exhaustive_pairs"] = max(exhaustive_limit or pairs, 1)

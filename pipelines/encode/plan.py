@@ -2,6 +2,7 @@
 an earlier run already finished (completion records: a rerun encodes only the others)."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -50,9 +51,10 @@ class EncodePlan:
     model_copies: Optional[int] = option(None, type=click.IntRange(min=1),
                                          help="model copies per worker machine (Dataflow GPU: 1)")
     threads: Optional[int] = threads_option()
-    quantize: str = option("none", type=click.Choice(schema.QUANTIZE_CHOICES),
-                           help="int8: dynamic int8 Linear layers of the BE (CPU only); bf16: a bfloat16 copy of the "
-                                "weights (CUDA, or a CPU with native bf16). Recorded in the embeddings manifest.")
+    quantize: str = option(schema.QUANTIZE_AUTO, type=click.Choice((schema.QUANTIZE_AUTO,) + schema.QUANTIZE_CHOICES),
+                           help="auto: bf16 on a CUDA device with native bf16, none elsewhere; int8: dynamic int8 "
+                                "Linear layers of the BE (CPU only); bf16: a bfloat16 copy of the weights (CUDA, or a "
+                                "CPU with native bf16). Recorded in the embeddings manifest.")
 
     def __post_init__(self):
         for name in ("staged", "model", "output"):
@@ -65,9 +67,21 @@ class EncodePlan:
                 check_positive(name, getattr(self, name))
             for name in ("model_copies", "threads"):
                 check_positive(name, getattr(self, name), allow_none=True)
-            schema.check_quantize(self.quantize, self.device)
+            schema.check_quantize(self.precision, self.device)
         except ValueError as exc:
             raise EncodeError(str(exc)) from None
+
+    @functools.cached_property
+    def precision(self) -> str:
+        """The serving precision: --quantize with auto resolved (schema.resolve_quantize); the training-free
+        baseline (numpy) stays float32."""
+        if self.quantize != schema.QUANTIZE_AUTO or not self.device.startswith("cuda"):
+            return schema.resolve_quantize(self.quantize, self.device, cuda_bf16=False)
+        from retrieval_core.model.checkpoints import KIND_BASELINE
+        from retrieval_core.model.quantize import cuda_bf16_supported
+        if inspect_model_folder(self.model, files=common.BEAM_FILES).kind == KIND_BASELINE:
+            return "none"
+        return schema.resolve_quantize(self.quantize, self.device, cuda_bf16_supported())
 
     @property
     def modalities(self) -> tuple[str, ...]:

@@ -90,7 +90,7 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
         return {"model_sha256": model_sha, "dim": dim, "modality": modality, "collection": collection,
                 "split": split, "staged_sha256": ds.content_sha256(schema.STAGED_KIND[modality], collection),
                 # int8 vectors differ from fp32 ones: never kept across a change (fp32 keys stay as they were)
-                **({"quantize": plan.quantize} if plan.quantize != "none" else {})}
+                **({"quantize": plan.precision} if plan.precision != "none" else {})}
 
     plans: dict[tuple[str, str], ShardPlan] = {}
     for m in plan.modalities:
@@ -157,7 +157,7 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
         by_modality[r["modality"]].append({k: r[k] for k in ("name", "rows", "sha256")})
     manifest = emb.make_embeddings_manifest(plan.model, model_sha, dim, {m: s for m, s in by_modality.items() if s},
                                             CREATED_BY)
-    manifest["quantize"] = plan.quantize  # the serving precision the vectors come from (schema.QUANTIZE_CHOICES)
+    manifest["quantize"] = plan.precision  # the serving precision the vectors come from (schema.QUANTIZE_CHOICES)
     manifest["inputs"] = {"collections": collections, "split": plan.split,
                           "staged_sha256": {f"{m}/{c}": p.key["staged_sha256"] for (m, c), p in sorted(plans.items())}}
     common.makedirs(plan.output)

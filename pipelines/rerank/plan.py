@@ -3,6 +3,7 @@ which checks the plan against its inputs (staged folder, embeddings, indexes, mo
 the graph needs, before anything runs."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -98,9 +99,10 @@ class RerankPlan:
     tune_queries: int = option(500, help="--mode auto with --tune-embeddings: queries sampled per direction")
     score_ce: bool = option(False, help="--mode emb: still CE-score the BE top-k and store the scores (what --mode "
                                         "auto does when it chooses emb), so every mode can be derived from the run")
-    quantize: str = option("none", type=click.Choice(schema.QUANTIZE_CHOICES),
-                           help="int8: dynamic int8 Linear layers of the CE (CPU only); bf16: matrix products in "
-                                "bfloat16 (CUDA, or a CPU with native bf16). Recorded in the rankings manifest.")
+    quantize: str = option(schema.QUANTIZE_AUTO, type=click.Choice((schema.QUANTIZE_AUTO,) + schema.QUANTIZE_CHOICES),
+                           help="auto: bf16 on a CUDA device with native bf16, none elsewhere; int8: dynamic int8 "
+                                "Linear layers of the CE (CPU only); bf16: matrix products in bfloat16 (CUDA, or a CPU "
+                                "with native bf16). Recorded in the rankings manifest.")
 
     def __post_init__(self):
         for name in ("staged", "embeddings", "output"):
@@ -121,7 +123,7 @@ class RerankPlan:
                 check_positive(name, getattr(self, name))
             for name in ("threads", "model_copies", "nprobe", "ef_search"):
                 check_positive(name, getattr(self, name), allow_none=True)
-            schema.check_quantize(self.quantize, self.device)
+            schema.check_quantize(self.precision, self.device)
         except ValueError as exc:
             raise RerankError(str(exc)) from None
         if isinstance(self.lam, bool) or not isinstance(self.lam, (int, float)) or not 0.0 <= self.lam <= 1.0:
@@ -145,11 +147,21 @@ class RerankPlan:
             raise RerankError(f"--score-ce applies to --mode emb (--mode {mode} scores the top-k anyway)")
         if (mode != "emb" or self.score_ce) and not (self.ce_model or self.be_model):
             raise RerankError(f"mode {mode!r} needs --ce-model (or --be-model for a JOIN model)")
-        if self.quantize != "none" and mode == "emb" and not self.score_ce:
+        if self.quantize not in ("none", schema.QUANTIZE_AUTO) and mode == "emb" and not self.score_ce:
             raise RerankError(f"--quantize {self.quantize} quantises the CE: --mode emb scores nothing with it")
         if (self.nprobe is not None or self.ef_search is not None) and not self.uses_index:
             raise RerankError("--nprobe / --ef-search tune a FAISS index: pass --index (t2i) or --text-index "
                               "(i2t); the default exact search has no parameters")
+
+    @functools.cached_property
+    def precision(self) -> str:
+        """The serving precision: --quantize with auto resolved (schema.resolve_quantize); float32 where no CE
+        is scored."""
+        if self.quantize != schema.QUANTIZE_AUTO or not self.device.startswith("cuda") or self.cross_encoder is None:
+            return schema.resolve_quantize(self.quantize, "cpu" if self.cross_encoder is None else self.device,
+                                           cuda_bf16=False)
+        from retrieval_core.model.quantize import cuda_bf16_supported
+        return schema.resolve_quantize(self.quantize, self.device, cuda_bf16_supported())
 
     @property
     def cross_encoder(self) -> Optional[str]:
@@ -412,7 +424,7 @@ def resolve(plan: RerankPlan) -> Resolved:
         "batch_size": plan.batch_size, "search_batch_size": plan.search_batch_size, "device": plan.device,
         "queries_per_shard": plan.queries_per_shard, "shards_per_wave": plan.shards_per_wave,
         "pairs_per_wave": plan.pairs_per_wave,
-        **({"quantize": plan.quantize} if plan.quantize != "none" else {}),  # fp32 runs keep their fingerprint
+        **({"quantize": plan.precision} if plan.precision != "none" else {}),  # fp32 runs keep their fingerprint
     }
     fingerprint = hashlib.sha256(json.dumps(fingerprint_of, sort_keys=True).encode()).hexdigest()
     return Resolved(
@@ -451,9 +463,9 @@ def resolve_auto(plan: RerankPlan) -> tuple[RerankPlan, Optional[dict]]:
             ce_model_folder(dev["ce_model"]).fingerprint != ce_model_folder(plan.cross_encoder).fingerprint:
         raise RerankError(f"--tune-on {plan.tune_on} was reranked by another cross-encoder ({dev.get('ce_model')}) "
                           f"than {plan.cross_encoder}")
-    if dev.get("quantize", "none") != plan.quantize:
+    if dev.get("quantize", "none") != plan.precision:
         raise RerankError(f"--tune-on {plan.tune_on} scored with --quantize {dev.get('quantize', 'none')}, this run "
-                          f"with {plan.quantize}: the fusion would be chosen on other CE scores")
+                          f"with {plan.precision}: the fusion would be chosen on other CE scores")
     try:
         choice = choose_fusion(plan.tune_on, dev["staged"], plan.k, files=common.BEAM_FILES)
     except RunError as exc:

@@ -261,7 +261,7 @@ def _manifest(res: Resolved, shards: list[dict], reused: int, waves_run: int, co
         "be_model": dict(res.be_model), "ce_model": plan.cross_encoder,
         # the CE score key the ce_score column holds (model.CE_SCORES: logit_diff = log-odds, logit1 = MMT's)
         "ce_score_key": res.ce_score_key,
-        "quantize": plan.quantize,  # the serving precision of the CE scores (schema.QUANTIZE_CHOICES)
+        "quantize": plan.precision,  # the serving precision of the CE scores (schema.QUANTIZE_CHOICES)
         "search": dict(res.described),
         "search_params": {"nprobe": plan.nprobe, "efSearch": plan.ef_search},
         # what each direction's search ran with, and where it came from

@@ -276,8 +276,19 @@ class ImageTable:
 #: Model-loading options of the inference CLIs (--quantize): none (float32), int8 dynamic quantisation of the
 #: Linear layers (CPU only), or bf16 weights (CUDA, or a CPU with native bf16); model.quantize.quantize_model.
 QUANTIZE_CHOICES = ("none", "int8", "bf16")
+#: The jobs' default --quantize: bf16 on a CUDA device that computes it natively, float32 elsewhere
+#: (resolve_quantize); bf16 was at least as fast as float32 on every GPU path measured (docs/PERFORMANCE.md).
+QUANTIZE_AUTO = "auto"
 #: The --quantize modes a device kind can run ("cpu" / "cuda"); bf16 on CPU also needs native bf16 (checked at load).
 QUANTIZE_DEVICES = {"none": ("cpu", "cuda"), "int8": ("cpu",), "bf16": ("cpu", "cuda")}
+
+
+def resolve_quantize(quantize: str, device: str, cuda_bf16: bool) -> str:
+    """``quantize`` with QUANTIZE_AUTO made a mode: "bf16" on CUDA where ``cuda_bf16`` (the card has native bf16),
+    else "none"; any other value unchanged."""
+    if quantize != QUANTIZE_AUTO:
+        return quantize
+    return "bf16" if str(device).lower().partition(":")[0] == "cuda" and cuda_bf16 else "none"
 
 
 def check_quantize(quantize: str, device: str) -> None:

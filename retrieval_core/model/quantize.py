@@ -28,6 +28,13 @@ def cpu_has_native_bf16() -> bool:
     return any(flag in flags for flag in NATIVE_BF16_FLAGS)
 
 
+def cuda_bf16_supported() -> bool:
+    """Whether the CUDA device computes bf16 natively (Ampere or later). A launching host without a GPU answers
+    True: the job's GPU workers are taken to be of the class the project targets, and a card without bf16 is
+    refused where the model loads (quantize_model), never run emulated."""
+    return not torch.cuda.is_available() or torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def quantize_model(model: nn.Module, quantize: Optional[str], device: str = "cpu") -> nn.Module:
     """The model as it will be served (schema.QUANTIZE_CHOICES):
 
@@ -51,6 +58,9 @@ def quantize_model(model: nn.Module, quantize: Optional[str], device: str = "cpu
         if dev.type == "cpu" and not cpu_has_native_bf16():
             raise ValueError(f"--quantize bf16 needs a CPU with native bf16 ({' or '.join(NATIVE_BF16_FLAGS)} in "
                              f"/proc/cpuinfo); this one emulates it, slower than float32: use --quantize none")
+        if dev.type == "cuda" and not cuda_bf16_supported():
+            raise ValueError(f"--quantize bf16: {torch.cuda.get_device_name(dev)} has no native bf16; use "
+                             f"--quantize none")
         if dev.type == "cpu":  # the fused CPU attention kernel is the slower one in bf16 at these short lengths
             model.set_attention("eager")  # (docs/PERFORMANCE.md)
         return model.to(torch.bfloat16)
