@@ -413,7 +413,7 @@ def plan_eval_setting(p, n: int, method: str, k: int, pairs: int):
     run = p.rerank(st, "JOIN", join, join, enc, q, mode=mode, k=k, index=idx, pairs=pairs, exhaustive_limit=2 * pairs)
     timing = (("encode_s", enc.name), ("index_s", idx.name), ("rerank_s", run.name))
     row = p.row(collection="eval_total(synthetic_coco)", model="JOIN", mode=MODE_LABELS[mode],
-                k="" if method == "EMB" else (k if method == "CO" else "all"), runs=(run.output,), staged=st.path,
+                k=None if method == "EMB" else (k if method == "CO" else "all"), runs=(run.output,), staged=st.path,
                 eval_collection=coll, pool_images=st.images[coll], timing=timing,
                 notes=(f"pipeline jobs (encode + build_index + rerank --mode {mode} + evaluate; staging excluded), "
                        f"every caption and image a query",))

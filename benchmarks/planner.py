@@ -8,7 +8,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 import click
 
@@ -105,8 +105,8 @@ class Row:
     collection: str
     model: str
     mode: str
-    k: object = ""
-    lam: object = ""
+    k: Optional[int | Literal["all"]] = None  # the rerank depth the row reports; "all": exhaustive CE; None: EMB
+    lam: Optional[float] = None  # the fusion weight of an ADD / NORM_ADD row
     runs: tuple[str, ...] = ()
     staged: str = ""
     eval_collection: Optional[str] = None
@@ -123,6 +123,10 @@ class Row:
     pool_images: int = 0
     notes: tuple[str, ...] = ()
     skip: str = ""
+
+    def __post_init__(self):
+        if not (self.k is None or self.k == "all" or (isinstance(self.k, int) and self.k >= 1)):
+            raise ValueError(f"Row.k must be a depth >= 1, 'all' or None, got {self.k!r}")
 
 
 @dataclass

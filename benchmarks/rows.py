@@ -41,8 +41,9 @@ def evaluate_row(row: Row, results: dict, env: dict, boot: Bootstrap = Bootstrap
     """CSV rows (one per direction) of a planned Row, from its finished rerank run(s), and the hits behind them
     (None for a skipped row). ``memo``: EMB hits by run, shared by the rows of one plan (a run's EMB ranking is
     derived once for its EMB row and every difference to it)."""
-    common = {"suite": row.suite, "collection": row.collection, "model": row.model, "mode": row.mode, "k": row.k,
-              "lam": row.lam, "collection_size": row.pool_images, "split": row.split or "", "lang": row.lang or "",
+    common = {"suite": row.suite, "collection": row.collection, "model": row.model, "mode": row.mode,
+              "k": "" if row.k is None else row.k, "lam": "" if row.lam is None else row.lam,
+              "collection_size": row.pool_images, "split": row.split or "", "lang": row.lang or "",
               **env}
     if row.skip:
         return [{**common, "direction": "both", "measured": False, "notes": row.skip}], None

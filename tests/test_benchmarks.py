@@ -306,8 +306,8 @@ def test_quantize_goes_to_the_model_jobs_and_their_outputs_are_kept_apart(model,
 
 
 def test_k_ablation_and_combination_plan_one_rerank_per_family(model, tmp_path):
-    for suite, rows in (("k_ablation", {("CO", 10, ""), ("CO", 20, ""), ("CO", 50, "")}),
-                        ("combination", {("CO", 20, "")} | {(m, 20, lam) for m in ("CO-ADD", "CO-NORM_ADD")
+    for suite, rows in (("k_ablation", {("CO", 10, None), ("CO", 20, None), ("CO", 50, None)}),
+                        ("combination", {("CO", 20, None)} | {(m, 20, lam) for m in ("CO-ADD", "CO-NORM_ADD")
                                                              for lam in suites.COMBINATION_LAMS})):
         cfg = planner.SuiteConfig(suite=suite, workdir=str(tmp_path), models=planner.Models(join=model), feature_dim=F)
         plan = suites.plan_suite(cfg)
