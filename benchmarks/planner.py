@@ -18,7 +18,7 @@ from pipelines.build_index.plan import IndexPlan
 from pipelines.encode.plan import EncodePlan
 from pipelines.rerank.plan import RerankPlan
 from pipelines.stage.plan import StagePlan
-from retrieval_core.cli import check_device
+from retrieval_core.cli import batch_size_option, check_options, derived, device_option, option, threads_option
 from retrieval_core.data import schema
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.schema import DIRECTION_I2T, DIRECTION_T2I
@@ -62,36 +62,107 @@ class Models:
         return self.join or next((folder for _, folder in self.named), None) or self.be
 
 
-@dataclass(frozen=True)
+#: Default query caps per direction: a CE pair costs ~2 ms on 2 CPU cores (halved MiniLM, batched), so the full
+#: COCO 5k CO protocol (~600k pairs per model) takes ~22 min there. Pools are never cut; 0 = every query.
+DEFAULT_MAX_QUERIES = {"standard": 500, "distractor_20k": 500, "k_ablation": 500, "combination": 500,
+                       "baseline": 0, "scale_100k": 0, "scale_1m": 0, "latency": 0,
+                       "memory": 0, "multilingual": 500}
+ANN_KINDS = ("IVF-Flat", "IVF-SQ8", "HNSW32")
+
+
+@dataclass(frozen=True, kw_only=True)  # kw_only: the required --suite may come first, the resolved fields last
 class SuiteConfig:
-    """Everything a suite plan depends on, typed (built by benchmarks.run's CLI)."""
-    suite: str
-    workdir: str
-    models: Models
-    feature_dim: int
-    quick: bool = False
-    manifest: Optional[str] = None
-    max_queries: int = 500
-    ce_pair_budget: int = 200_000
-    index_factory: str = "Flat"
-    batch_size: int = 128
-    device: str = "cpu"
-    threads: Optional[int] = None
-    quantize: str = "none"  # encode and CE jobs' serving precision (schema.QUANTIZE_CHOICES)
-    seed: int = 0
-    memory_sizes: tuple[int, ...] = ()  # memory suite: collection sizes (default MEMORY_SIZES)
+    """A suite run, typed: every option of ``python -m benchmarks.run`` is a field (the CLI is built from them),
+    checked when built; ``models`` and ``feature_dim`` are resolved from the options when the suite runs."""
+    suite: str = option(type=click.Choice(SUITES), help="Which benchmark suite to run.")
+    manifest: Optional[str] = option(None, help="Run the suite on this manifest instead of its default ones.")
+    join_dir: Optional[str] = option(None, name="--model", help="JOIN model folder [the recipe's JOIN model].")
+    be_dir: Optional[str] = option(None, name="--be-model", help="SEP bi-encoder model folder [the recipe's SEP BE].")
+    ce_dir: Optional[str] = option(None, name="--ce-model",
+                                   help="SEP cross-encoder model folder [the recipe's SEP CE].")
+    recipe: str = option("bench", type=click.Choice(["bench", "demo"]),
+                         help="Which cached recipe trains the models not given (pipelines.demo_assets: the "
+                              "benchmark recipe, or the demo's).")
+    model_seeds: tuple[int, ...] = option((0,), name="--model-seed", sep=",", metavar="N[,N...]",
+                                          help="Training seed(s) of the recipe's models (cached per seed). Several: "
+                                               "the suite runs once per seed (<output>/seed<N>/) and "
+                                               "<output>/<suite>_seeds.csv holds mean, std, min and max.")
+    no_sep: bool = option(False, help="Skip the SEP rows (do not train the SEP demo models). latency, scale_100k and "
+                                      "scale_1m run SEP only when --be-model and --ce-model are given.")
+    output: str = option("results", help="Folder for <suite>.csv, <suite>_jobs.csv, plots.")
+    workdir: Optional[str] = option(None, help="Staged data, pipeline outputs, cached models [$RR_WORKDIR or "
+                                               "./runs].")
+    plan_only: bool = option(False, name="--plan", help="Print the jobs (and their estimated cost from measured unit "
+                                                        "costs) without running them.")
+    quick: bool = option(False, help="Tiny sizes everywhere: a smoke run in a few minutes.")
+    batch_size: int = batch_size_option(128)
+    device: str = device_option()
+    threads: Optional[int] = threads_option()
+    quantize: str = option("none", type=click.Choice(schema.QUANTIZE_CHOICES),
+                           help="Serving precision of the encode and CE jobs (their --quantize): bf16 = matrix "
+                                "products in bfloat16 (CUDA, or a CPU with native bf16); outputs go to folders of "
+                                "their own.")
+    ce_pair_budget: int = option(200_000, type=click.IntRange(min=0),
+                                 help="Exhaustive CE rows only up to this many (query, item) pairs; otherwise skipped "
+                                      "with a note.")
+    max_queries: Optional[int] = option(None, type=click.IntRange(min=0),
+                                        help="Seeded sample of at most this many queries per direction, pools "
+                                             "unchanged (noted in every row); 0 = the full protocol. Default: per "
+                                             "suite, sized for the 2-core CPU budgets (planner.DEFAULT_MAX_QUERIES).")
+    index_factory: str = option("Flat", help="FAISS factory of every build_index job.")
+    memory_sizes: tuple[int, ...] = option((), sep=",", metavar="N,N,...", show_default=False,
+                                           help="memory: collection sizes in images [20000,100000,200000; --quick: "
+                                                "200,400].")
+    ann: tuple[str, ...] = option(ANN_KINDS, sep=",",
+                                  help="latency: ANN rows, comma-separated: IVF-Flat, IVF-SQ8, IVF-PQ, HNSW<M>.")
+    hnsw_max_n: int = option(100_000, type=click.IntRange(min=0),
+                             help="latency: build HNSW rows only up to this many items (1M takes many minutes on 2 "
+                                  "cores).")
+    eval_budget: float = option(600.0, type=click.FloatRange(min=0),
+                                help="latency: seconds of Table 4 pipeline runs; larger settings are extrapolated.")
+    fresh_interpreters: bool = option(False, help="Start every job as a new `python -m` process instead of forking "
+                                                  "it from a server that imported Beam, torch and the pipelines once "
+                                                  "(~6 s less per job on 2 cores; a forked job's peak RSS includes "
+                                                  "those modules). The memory and latency suites always start fresh.")
+    models: Models = derived(default_factory=Models)
+    feature_dim: Optional[int] = derived(None)
+    seed: int = derived(0)  # the latency suite's data seed
 
     def __post_init__(self) -> None:
         if self.suite not in SUITES:
             raise ValueError(f"unknown suite {self.suite!r} (known: {', '.join(SUITES)})")
-        check_device(self.device)
-        if self.max_queries < 0 or self.ce_pair_budget < 0 or self.batch_size < 1 or self.feature_dim < 1:
-            raise ValueError("max_queries and ce_pair_budget must be >= 0, batch_size and feature_dim >= 1")
+        check_options(self)
+        need = "distinct non-negative seeds"
+        object.__setattr__(self, "model_seeds", _ints("--model-seed", self.model_seeds, "seeds", need, minimum=0))
+        if len(set(self.model_seeds)) != len(self.model_seeds):
+            raise ValueError(f"--model-seed needs {need}, got {','.join(map(str, self.model_seeds))!r}")
+        if len(self.model_seeds) > 1 and self.join_dir and (self.no_sep or (self.be_dir and self.ce_dir)):
+            raise ValueError("--model-seed with several seeds trains the recipe's models: give no model folders")
+        object.__setattr__(self, "memory_sizes", _ints("--memory-sizes", self.memory_sizes, "image counts",
+                                                       "positive image counts", minimum=1, allow_empty=True))
+        if self.memory_sizes and self.suite != "memory":
+            raise ValueError("--memory-sizes is for --suite memory")
+        if self.max_queries is None:
+            object.__setattr__(self, "max_queries", DEFAULT_MAX_QUERIES[self.suite])
+        if self.batch_size < 1 or (self.feature_dim is not None and self.feature_dim < 1):
+            raise ValueError("batch_size and feature_dim must be >= 1")
         schema.check_quantize(self.quantize, self.device)
 
     @property
     def root(self) -> str:
-        return os.path.join(self.workdir, "bench")
+        return os.path.join(self.workdir or "", "bench")
+
+
+def _ints(flag: str, values, what: str, need: str, minimum: int, allow_empty: bool = False) -> tuple[int, ...]:
+    """A comma-separated option's values as ints >= ``minimum`` (one-line ValueError naming the flag)."""
+    text = ",".join(map(str, values))
+    try:
+        ints = tuple(int(v) for v in values)
+    except (TypeError, ValueError):
+        raise ValueError(f"{flag} takes comma-separated {what}, got {text!r}") from None
+    if (not ints and not allow_empty) or any(v < minimum for v in ints):
+        raise ValueError(f"{flag} needs {need}, got {text!r}")
+    return ints
 
 
 @dataclass(frozen=True)

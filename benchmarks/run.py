@@ -40,20 +40,19 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import click
 
 from benchmarks import jobs as jb
 from benchmarks import latency, report, suites
-from benchmarks.planner import SUITES, Models, Plan, SuiteConfig, model_feature_dim
+from benchmarks.planner import Models, Plan, SuiteConfig, model_feature_dim
 from benchmarks.rows import RowHits, ce_pairs_scored, evaluate_row
-from benchmarks.suites import DEFAULT_MAX_QUERIES
 from pipelines import demo_assets
 from pipelines.common import UnknownFlagError, unknown_beam_flags
+from retrieval_core.cli import CONTEXT_SETTINGS, plan_from_cli, plan_options
 from retrieval_core.data.manifest import load_manifest
-from retrieval_core.data.schema import QUANTIZE_CHOICES, check_quantize
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model import baseline as bl
 
@@ -107,9 +106,6 @@ class RunOptions:
     output: str
     plan_only: bool
     beam_args: tuple[str, ...]
-    anns: tuple[str, ...] = ("IVF-Flat", "IVF-SQ8", "HNSW32")
-    hnsw_max_n: int = 100_000
-    eval_budget_s: float = 600.0
     recipe: str = ""  # the cached models' recipe and seed, recorded in every row ("" for given model folders)
     model_seed: object = ""
     preload: bool = True  # jobs forked from the preloaded forkserver (benchmarks.jobs); False: fresh interpreters
@@ -198,94 +194,40 @@ def plan_costs(plan_jobs: Sequence[jb.Job], cfg: SuiteConfig) -> jb.UnitCosts:
     return costs
 
 
-@click.command(context_settings=dict(ignore_unknown_options=True, allow_extra_args=True,
-                                     help_option_names=["-h", "--help"]))
-@click.option("--suite", type=click.Choice(SUITES), required=True, help="Which benchmark suite to run.")
-@click.option("--manifest", default=None, help="Run the suite on this manifest instead of its default ones.")
-@click.option("--model", "join_dir", default=None, help="JOIN model folder [the recipe's JOIN model].")
-@click.option("--be-model", "be_dir", default=None, help="SEP bi-encoder model folder [the recipe's SEP BE].")
-@click.option("--ce-model", "ce_dir", default=None, help="SEP cross-encoder model folder [the recipe's SEP CE].")
-@click.option("--recipe", type=click.Choice(["bench", "demo"]), default="bench", show_default=True,
-              help="Which cached recipe trains the models not given (pipelines.demo_assets: the benchmark "
-                   "recipe, or the demo's).")
-@click.option("--model-seed", "model_seeds", default="0", show_default=True, metavar="N[,N...]",
-              help="Training seed(s) of the recipe's models (cached per seed). Several: the suite runs once per "
-                   "seed (<output>/seed<N>/) and <output>/<suite>_seeds.csv holds mean, std, min and max.")
-@click.option("--no-sep", is_flag=True, help="Skip the SEP rows (do not train the SEP demo models). latency, "
-              "scale_100k and scale_1m run SEP only when --be-model and --ce-model are given.")
-@click.option("--output", default="results", show_default=True, help="Folder for <suite>.csv, <suite>_jobs.csv, plots.")
-@click.option("--workdir", default=None, help="Staged data, pipeline outputs, cached models [$RR_WORKDIR or ./runs].")
-@click.option("--plan", "plan_only", is_flag=True,
-              help="Print the jobs (and their estimated cost from measured unit costs) without running them.")
-@click.option("--quick", is_flag=True, help="Tiny sizes everywhere: a smoke run in a few minutes.")
-@click.option("--batch-size", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--device", type=click.Choice(["cpu", "cuda"], case_sensitive=False), default="cpu", show_default=True)
-@click.option("--threads", default=None, type=click.IntRange(min=1), help="torch + faiss threads per job [default].")
-@click.option("--quantize", type=click.Choice(QUANTIZE_CHOICES), default="none", show_default=True,
-              help="Serving precision of the encode and CE jobs (their --quantize): bf16 = matrix products in "
-                   "bfloat16 (CUDA, or a CPU with native bf16); outputs go to folders of their own.")
-@click.option("--ce-pair-budget", default=200_000, show_default=True, type=click.IntRange(min=0),
-              help="Exhaustive CE rows only up to this many (query, item) pairs; otherwise skipped with a note.")
-@click.option("--max-queries", default=None, type=click.IntRange(min=0),
-              help="Seeded sample of at most this many queries per direction, pools unchanged (noted in every "
-                   "row); 0 = the full protocol. Default: per suite, sized for the 2-core CPU budgets "
-                   "(suites.DEFAULT_MAX_QUERIES).")
-@click.option("--index-factory", default="Flat", show_default=True, help="FAISS factory of every build_index job.")
-@click.option("--memory-sizes", default=None, metavar="N,N,...",
-              help="memory: collection sizes in images [20000,100000,200000; --quick: 200,400].")
-@click.option("--ann", default="IVF-Flat,IVF-SQ8,HNSW32", show_default=True,
-              help="latency: ANN rows, comma-separated: IVF-Flat, IVF-SQ8, IVF-PQ, HNSW<M>.")
-@click.option("--hnsw-max-n", default=100_000, show_default=True, type=click.IntRange(min=0),
-              help="latency: build HNSW rows only up to this many items (1M takes many minutes on 2 cores).")
-@click.option("--eval-budget", default=600.0, show_default=True, type=click.FloatRange(min=0),
-              help="latency: seconds of Table 4 pipeline runs; larger settings are extrapolated.")
-@click.option("--fresh-interpreters", is_flag=True,
-              help="Start every job as a new `python -m` process instead of forking it from a server that "
-                   "imported Beam, torch and the pipelines once (~6 s less per job on 2 cores; a forked job's "
-                   "peak RSS includes those modules). The memory and latency suites always start fresh.")
+@click.command(context_settings=dict(ignore_unknown_options=True, allow_extra_args=True, **CONTEXT_SETTINGS))
+@plan_options(SuiteConfig)
 @click.pass_context
-def main(ctx, suite, manifest, join_dir, be_dir, ce_dir, recipe, model_seeds, no_sep, output, workdir, plan_only,
-         quick, batch_size, device, threads, quantize, ce_pair_budget, max_queries, index_factory, memory_sizes, ann,
-         hnsw_max_n, eval_budget, fresh_interpreters):
+def main(ctx, **values):
     """Run one benchmark suite through the pipeline jobs and write <output>/<suite>.csv plus a summary.
     Unknown --flags go to every pipeline job (--runner, --dask_client_address, Dataflow options)."""
     beam_args = tuple(ctx.args)
     check_beam_args(beam_args)
     try:  # before any model is trained for the suite
-        check_quantize(quantize, device.lower())
+        cli = plan_from_cli(SuiteConfig, values)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    seeds = _seeds(model_seeds)
-    if len(seeds) > 1 and join_dir and (no_sep or (be_dir and ce_dir)):
-        raise click.UsageError("--model-seed with several seeds trains the recipe's models: give no model folders")
-    if workdir:
-        os.environ["RR_WORKDIR"] = os.path.abspath(workdir)
+    _check_anns(cli.ann)
+    if cli.workdir:
+        os.environ["RR_WORKDIR"] = os.path.abspath(cli.workdir)
+    seeds, output = cli.model_seeds, cli.output
     rows_by_seed, hits_by_seed = {}, {}
     for seed in seeds:
         t_start = time.time()
-        models = resolve_models(join_dir, be_dir, ce_dir, no_sep, suite, plan_only, beam_args, recipe, seed)
-        feature_dim = model_feature_dim(models.first) or _demo_feature_dim()
-        try:
-            cfg = SuiteConfig(suite=suite, workdir=demo_assets.workdir(), models=models, feature_dim=feature_dim,
-                              quick=quick, manifest=manifest,
-                              max_queries=DEFAULT_MAX_QUERIES[suite] if max_queries is None else max_queries,
-                              ce_pair_budget=ce_pair_budget, index_factory=index_factory, batch_size=batch_size,
-                              device=device.lower(), threads=threads, quantize=quantize,
-                              memory_sizes=_sizes(memory_sizes, suite))
-        except ValueError as exc:
-            raise click.UsageError(str(exc)) from None
+        models = resolve_models(cli.join_dir, cli.be_dir, cli.ce_dir, cli.no_sep, cli.suite, cli.plan_only,
+                                beam_args, cli.recipe, seed)
+        cfg = replace(cli, workdir=demo_assets.workdir(), models=models,
+                      feature_dim=model_feature_dim(models.first) or _demo_feature_dim())
         # which cached models the rows came from (none when every model folder was given)
-        trained = not (join_dir and (no_sep or suite in JOIN_BY_DEFAULT or (be_dir and ce_dir)))
+        trained = not (cli.join_dir and (cli.no_sep or cli.suite in JOIN_BY_DEFAULT or (cli.be_dir and cli.ce_dir)))
         opts = RunOptions(output=output if len(seeds) == 1 else os.path.join(output, f"seed{seed}"),
-                          plan_only=plan_only, beam_args=beam_args, anns=_anns(ann), hnsw_max_n=hnsw_max_n,
-                          eval_budget_s=eval_budget, recipe=recipe if trained else "",
-                          model_seed=seed if trained else "", preload=not fresh_interpreters)
+                          plan_only=cli.plan_only, beam_args=beam_args, recipe=cli.recipe if trained else "",
+                          model_seed=seed if trained else "", preload=not cli.fresh_interpreters)
         rows_by_seed[seed], hits_by_seed[seed] = run_suite(cfg, opts, t_start) or (None, None)
     if len(seeds) > 1 and all(rows_by_seed.values()):
         summary = report.seed_summary(rows_by_seed, hits_by_seed)
-        path = report.write_csv(os.path.join(output, f"{suite}_seeds.csv"), summary, report.SEED_COLUMNS)
-        print(report.seed_summary_table(summary, f"{suite}: mean ± std over model seeds {model_seeds}; "
-                                                 f"[95 % interval of the seed mean]"))
+        path = report.write_csv(os.path.join(output, f"{cli.suite}_seeds.csv"), summary, report.SEED_COLUMNS)
+        print(report.seed_summary_table(summary, f"{cli.suite}: mean ± std over model seeds "
+                                                 f"{','.join(map(str, seeds))}; [95 % interval of the seed mean]"))
         print(f"wrote {path}")
 
 
@@ -329,52 +271,26 @@ def run_suite(cfg: SuiteConfig, opts: RunOptions,
     return rows, hits
 
 
-def _seeds(text: str) -> tuple[int, ...]:
-    try:
-        seeds = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise click.UsageError(f"--model-seed takes comma-separated seeds, got {text!r}") from None
-    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
-        raise click.UsageError(f"--model-seed needs distinct non-negative seeds, got {text!r}")
-    return seeds
-
-
-def _sizes(text: Optional[str], suite: str) -> tuple[int, ...]:
-    if text is None:
-        return ()
-    if suite != "memory":
-        raise click.UsageError("--memory-sizes is for --suite memory")
-    try:
-        sizes = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise click.UsageError(f"--memory-sizes takes comma-separated image counts, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise click.UsageError(f"--memory-sizes needs positive image counts, got {text!r}")
-    return sizes
-
-
 def _demo_feature_dim() -> int:
 
     return load_manifest(demo_assets.DEMO_MANIFEST).feature_dim
 
 
-def _anns(spec: str) -> tuple[str, ...]:
-    """--ann "IVF-Flat,HNSW32" -> the kinds, each checked (benchmarks.latency.ann_factory)."""
-    kinds = tuple(k.strip() for k in spec.split(",") if k.strip())
+def _check_anns(kinds: Sequence[str]) -> None:
+    """--ann "IVF-Flat,HNSW32": each kind checked (benchmarks.latency.ann_factory)."""
     for k in kinds:
         try:
             latency.ann_factory(k, 1000)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--ann") from None
-    return kinds
 
 
 def run_latency_suite(cfg: SuiteConfig, opts: RunOptions):
     """Per-query latency in-process; Table 4 (total evaluation time) through the pipeline jobs."""
     lcfg = latency.quick_config() if cfg.quick else latency.LatencyConfig()
     lcfg = latency.LatencyConfig(**{**lcfg.__dict__, "batch_size": cfg.batch_size, "threads": cfg.threads,
-                                    "anns": opts.anns, "hnsw_max_n": opts.hnsw_max_n,
-                                    "eval_budget_s": opts.eval_budget_s})
+                                    "anns": cfg.ann, "hnsw_max_n": cfg.hnsw_max_n,
+                                    "eval_budget_s": cfg.eval_budget})
     if opts.plan_only:
         if model_feature_dim(cfg.models.join) is None:
             raise click.ClickException(f"latency --plan measures unit costs with the JOIN model; {cfg.models.join} "

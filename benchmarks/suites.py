@@ -34,11 +34,6 @@ ML_LANGUAGES = ("en", "de", "fr", "cs")
 MEMORY_SIZES = (20_000, 100_000, 200_000)
 QUICK_MEMORY_SIZES = (200, 400)
 MEMORY_QUERIES = 500
-#: Default query caps per direction: a CE pair costs ~2 ms on 2 CPU cores (halved MiniLM, batched), so the full
-#: COCO 5k CO protocol (~600k pairs per model) takes ~22 min there. Pools are never cut; 0 = every query.
-DEFAULT_MAX_QUERIES = {"standard": 500, "distractor_20k": 500, "k_ablation": 500, "combination": 500,
-                       "baseline": 0, "scale_100k": 0, "scale_1m": 0, "latency": 0,
-                       "memory": 0, "multilingual": 500}
 QUICK_SCALE_QUERIES = 50
 MODE_LABELS = {"emb": "EMB", "co": "CO", "add": "CO-ADD", "norm_add": "CO-NORM_ADD", "ce": "CE"}
 

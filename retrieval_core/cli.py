@@ -98,12 +98,18 @@ class Flag:
         return self.name or "--" + field_name.replace("_", "-")
 
 
-_FLAG, _GROUP = "rr_flag", "rr_group"
+_FLAG, _GROUP, _DERIVED = "rr_flag", "rr_group", "rr_derived"
 
 
 def option(default=dataclasses.MISSING, **flag) -> Any:
     """A plan field that is a command-line option (``Flag``'s keywords); no default = a required option."""
     return dataclasses.field(default=default, metadata={_FLAG: Flag(**flag)})
+
+
+def derived(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING) -> Any:
+    """A plan field that is no option: resolved from the options when the plan runs (the model folders a suite
+    trains); ``to_argv`` leaves it out, since the same arguments resolve it again."""
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={_DERIVED: True})
 
 
 def option_group(cls: type) -> Any:
@@ -191,7 +197,7 @@ def plan_options(cls: type) -> Callable:
             if fl.multiple:
                 kw.update(multiple=True, default=None if required else (default or ()))
             elif fl.sep:
-                kw.update(default=None if required else fl.sep.join(default), show_default=fl.show_default)
+                kw.update(default=None if required else fl.sep.join(map(str, default)), show_default=fl.show_default)
             else:
                 kw.update(default=None if required else default,
                           show_default=fl.show_default and not required and default is not None)
@@ -231,6 +237,8 @@ def to_argv(plan) -> list[str]:
             argv += to_argv(value)
             continue
         default = _default(f)
+        if _DERIVED in f.metadata:
+            continue
         if _FLAG not in f.metadata:
             if value != default:
                 raise ValueError(f"{type(plan).__name__}.{f.name} has no command-line flag: keep its default")
