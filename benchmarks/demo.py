@@ -24,11 +24,15 @@ from typing import Optional
 import click
 import pandas as pd
 
+from benchmarks import report
 from benchmarks.evaluate import csv_rows, evaluate_ranking
 from pipelines import demo_assets, launch
 from pipelines.common import BEAM_CLI_CONTEXT, check_beam_flags
 from retrieval_core.evaluation.runs import read_run_manifest
 from retrieval_core.evaluation.stats import Bootstrap, verdict
+
+#: The demo's table in the suites' CSV schema (benchmarks.report), beside metrics.csv in <demo>/results.
+DEMO_CSV = "demo.csv"
 
 launch.preload("benchmarks.queries", "benchmarks.evaluate", "benchmarks.inspect")  # the demo's own steps
 
@@ -102,19 +106,29 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
             how = ["--mode", mode, "--k", str(k)] if mode else []  # None: the run's own (the default's) ranking
             _run(_py("benchmarks.evaluate", "--rankings", out, "--staged", staged, "--output", results,
                      "--split", "test", "--model", model, *how, "--label", row_label, *against))
-            rows += table_rows(out, staged, mode, k if mode else None, model, row_label,
-                               "emb" if against else None)
+            rows += [{**r, "rankings": os.path.relpath(out, root)}  # relative: the CSV names no machine's paths
+                     for r in table_rows(out, staged, mode, k if mode else None, model, row_label,
+                                         "emb" if against else None)]
 
     table = pd.DataFrame(rows)
-    print("\nDemo results (synthetic demo collection, test split; recall in %, NOTES.md section 2 convention; "
+    print("\nDemo results (synthetic demo collection, test split; recall in %, convention: "
+          "docs/CONVENTIONS.md#the-recall-convention; "
           f"[95 % interval]: {Bootstrap().label}):")
     print(compact_table(table))
     for line in r1_changes(table):
         print(line)
-    print("\nwall time per step (s): " + ", ".join(f"{name} {sec:.0f}" for name, sec in timings.items()))
+    steps = "wall time per step (s): " + ", ".join(f"{name} {sec:.0f}" for name, sec in timings.items())
+    print("\n" + steps)
     # the cores this process may run on (taskset / a container's cpuset), not the machine's count (Linux only)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    print(f"total {time.time() - t_start:.0f} s on {cores} CPU cores; outputs under {root}")
+    wall = time.time() - t_start
+    print(f"total {wall:.0f} s on {cores} CPU cores; outputs under {root}")
+    # the table once more in the suites' schema, with where, when and from which commit it ran: the file the docs'
+    # demo table is generated from (benchmarks.published)
+    csv_path = report.write_csv(os.path.join(results, DEMO_CSV), [
+        {**r, "suite": "demo", "wall_s": round(wall), "recipe": demo_assets.DEMO_RECIPE.name, "model_seed": seed,
+         "measured": True, "notes": steps, **report.environment()} for r in rows])
+    print(f"the table with its environment and commit: {csv_path}")
     # the queries behind the numbers: where the default ranking moved the gold item relative to EMB (one run)
     page = os.path.join(results, "inspect_JOIN-default_vs_EMB.html")
     _run(_py("benchmarks.inspect", "--rankings", run_dirs["JOIN"], "--against-mode", "emb", "--staged", staged,
@@ -139,9 +153,7 @@ def table_rows(run: str, staged: str, mode: Optional[str], k: Optional[int], mod
     run's stored BE scores), with their intervals and, given ``against_mode``, the paired difference to that
     mode's ranking of the same run: benchmarks.evaluate's metrics.csv rows (``csv_rows``) of the same result."""
     res = evaluate_ranking(run, staged, k=k, mode=mode, split="test", against_mode=against_mode)
-    return [{c: v for c, v in r.items() if c not in ("collection", "split", "lang", "bootstrap")}
-            for r in csv_rows(res, collection=res["collection"], split="test", model=model, mode=label,
-                              k=res["k"], tags={})]
+    return csv_rows(res, collection=res["collection"], split="test", model=model, mode=label, k=res["k"], tags={})
 
 
 def compact_table(table: pd.DataFrame) -> str:

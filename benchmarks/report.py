@@ -1,7 +1,8 @@
 """Benchmark reporting: the CSV row schema, environment capture, the terminal summary table and PNG plots.
 
-Every row records what NOTES.md section 2 asks for: split, model, k, collection size, number of queries,
-hardware and threads, plus library versions and whether the number was measured or extrapolated.
+Every row records what a result needs to be read (docs/CONVENTIONS.md#what-every-result-records): split, model,
+k, collection size, number of queries, hardware and threads, library versions, the commit and date it ran, and
+whether the number was measured or extrapolated.
 :func:`write_csv` writes ``<name>.schema.json`` beside each CSV: every column with its description
 (``COLUMN_DOCS``), so a CSV read without this code still says what its columns mean.
 
@@ -14,8 +15,10 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
 import platform
 import re
+import time
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import click
@@ -39,7 +42,7 @@ CSV_COLUMNS = (
     "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "ann_recall@10", "speedup_vs_paper_code",
     "search_p50_ms", "bound_ms", "index_bytes", "rate_per_s", "roofline_fraction", "useful_token_fraction",
     "split", "lang", "recipe", "model_seed", "device", "cpu_model", "threads", "torch", "faiss", "transformers",
-    "batch_size", "quantize", "measured", "rankings", "notes",
+    "commit", "date", "batch_size", "quantize", "measured", "rankings", "notes",
 )
 
 #: Column order of <suite>_seeds.csv: one row per suite row key, over the runs of several model seeds.
@@ -116,6 +119,9 @@ COLUMN_DOCS = {
     "torch": "torch version",
     "faiss": "faiss version",
     "transformers": "transformers version",
+    "commit": "git commit of the code that ran (HEAD of its checkout; '+dirty' when tracked files differed from it, "
+              "'unknown' outside a git checkout)",
+    "date": "UTC date the row was measured (YYYY-MM-DD)",
     "batch_size": "model batch size of the jobs",
     "quantize": "serving precision of the encode and CE jobs (none = float32, int8, bf16)",
     "measured": "true: measured in this run; false: extrapolated or skipped (see notes)",
@@ -169,9 +175,24 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def source_commit() -> str:
+    """The git commit of the checkout this code runs from, ``+dirty`` when tracked files differ from it (a number
+    must name the code that produced it); ``unknown`` outside a git checkout (e.g. an installed wheel)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def environment(device: str = "cpu", batch_size: Optional[int] = None, threads: Optional[int] = None) -> dict:
-    """Columns describing where and with what a row was measured (``threads``: what the jobs were given;
-    default this process's torch thread count, which the jobs inherit)."""
+    """Columns describing where, when and with what code a row was measured (``threads``: what the jobs were
+    given; default this process's torch thread count, which the jobs inherit)."""
     import faiss
     import torch
     import transformers
@@ -186,6 +207,8 @@ def environment(device: str = "cpu", batch_size: Optional[int] = None, threads: 
         "torch": torch.__version__,
         "faiss": faiss.__version__,
         "transformers": transformers.__version__,
+        "commit": source_commit(),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "batch_size": "" if batch_size is None else batch_size,
     }
 
@@ -616,8 +639,6 @@ def plot_recall_vs_size_from(output_dir: str, suites: Sequence[str] = SIZE_SUITE
                              name: str = "recall_vs_size.png") -> Optional[str]:
     """The recall-vs-size plot from the suite CSVs in ``output_dir`` that exist (``<suite>.csv``); None when
     none of them holds an EMB or CO recall row. benchmarks.run calls it after a recall suite."""
-    import os
-
     rows = []
     for suite in suites:
         csv_path = os.path.join(output_dir, f"{suite}.csv")
@@ -695,8 +716,6 @@ def memory_table(job_rows: Sequence[Mapping], rows: Sequence[Mapping],
 def memory_table_from(output_dir: str, *remeasured_dirs: str, suite: str = "memory") -> str:
     """:func:`memory_table` of the CSVs a memory suite run wrote to ``output_dir``; the ``<suite>_jobs.csv`` of
     each of ``remeasured_dirs`` (later runs of some of its jobs) replaces their cells."""
-    import os
-
     return memory_table(read_csv(os.path.join(output_dir, f"{suite}_jobs.csv")),
                         read_csv(os.path.join(output_dir, f"{suite}.csv")),
                         [read_csv(os.path.join(d, f"{suite}_jobs.csv")) for d in remeasured_dirs])
