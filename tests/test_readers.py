@@ -414,7 +414,7 @@ def test_plan_read_tasks_validation_and_picklable_tasks(tmp_path):
         readers.plan_read_tasks("c", KIND_CAPTION, "multi30k", str(tmp_path / "a.npz"), {}, 4)
     with pytest.raises(ValueError, match="kind"):
         readers.plan_read_tasks("c", "video", "plain_npz", str(tmp_path), {}, 4)
-    assert set(readers.IMAGE_READERS) == {"butd_tsv", "bua_npz", "uniter_npz", "oscar_pt", "plain_npz"}
+    assert set(readers.IMAGE_READERS) == {"butd_tsv", "bua_npz", "uniter_npz", "oscar_pt", "plain_npz", "image_files"}
     assert set(readers.CAPTION_READERS) == {"karpathy_json", "caption_lines", "flickr30k_entities", "cc_tsv",
                                             "multi30k"}
 

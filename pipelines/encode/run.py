@@ -32,6 +32,7 @@ from pipelines.encode.plan import (
 from pipelines.handlers import COMPUTED_TOKENS, USEFUL_TOKENS, VLModelHandler, prepare_token_ids
 from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
 from retrieval_core.data import schema
+from retrieval_core.data.pixels.backbone import FeatureSourceError
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.search import embeddings as emb
 
@@ -84,6 +85,10 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
     if plan.collection and plan.collection not in ds.collections:
         raise EncodeError(f"collection {plan.collection!r} is not staged in {plan.staged} (have {ds.collections})")
     folder = be_model_folder(plan.model)
+    try:
+        folder.require_features(ds)
+    except FeatureSourceError as exc:
+        raise EncodeError(str(exc)) from None
     model_sha, dim = folder.fingerprint, folder.embedding_dim
 
     def key_of(modality: str, collection: str, split: Optional[str]) -> dict:

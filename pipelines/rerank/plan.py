@@ -22,6 +22,7 @@ from pipelines import common
 from retrieval_core.cli import batch_size_option, check_device, check_positive, device_option, option, threads_option
 from retrieval_core.data import schema
 from retrieval_core.data.paths import is_url
+from retrieval_core.data.pixels.backbone import FeatureSourceError
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.evaluation.runs import RunError, choose_fusion, read_run_manifest
 from retrieval_core.model.checkpoints import CheckpointError, ModelFolder, inspect_model_folder
@@ -410,6 +411,11 @@ def resolve(plan: RerankPlan) -> Resolved:
         candidates = {d: keep for d in plan.directions}
         ce_k = plan.k if plan.cross_encoder else 0
     ce = ce_model_folder(plan.cross_encoder) if plan.cross_encoder else None
+    if ce is not None:
+        try:
+            ce.require_features(ds)
+        except FeatureSourceError as exc:
+            raise RerankError(f"CE model: {exc}") from None
     pool_collections = _pool_collections(ds, emb_manifest)
     out_shards = {d: max(1, math.ceil(len(q) / plan.queries_per_shard)) for d, q in query_ids.items()}
     fingerprint_of = {

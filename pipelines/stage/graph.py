@@ -37,6 +37,8 @@ def write_or_keep(path: str, data: bytes) -> tuple[str, bool]:
 
 def _task_source(task) -> str:
     path = getattr(task, "path", None)
+    if isinstance(path, tuple):  # a chunk of image files (each reject names its own file)
+        return f"{task.collection}:{task.format}[{task.start}:{task.stop}]"
     return str(path) if path else f"{task.collection}:{task.format}"
 
 
@@ -131,12 +133,18 @@ class ReadAndStage(beam.DoFn):
         self._records = {k: Metrics.counter("stage", f"{k}_records_in") for k in ("image", "caption")}
         self._staged = {k: Metrics.counter("stage", f"{k}_staged_valid") for k in ("image", "caption")}
         self._rejected = {k: Metrics.counter("stage", f"{k}_rejected") for k in ("image", "caption")}
+        self._converted = Metrics.counter("stage", "image_converted")
+        if self.s.threads:
+            import torch
+
+            torch.set_num_threads(self.s.threads)
 
     def process(self, task):
 
         coll, source = task.collection, _task_source(task)
         kind = schema.KIND_CAPTION if task.kind in ("caption", "captions") else schema.KIND_IMAGE
         n_in = n_staged = skipped = 0
+        converted: Counter = Counter()
         spill = None
         refs: dict[int, list] = {}
         owners: dict[int, list] = {}
@@ -146,7 +154,7 @@ class ReadAndStage(beam.DoFn):
             if kind == schema.KIND_IMAGE and coll in self.s.caption_filters else None
         # allow_empty: an empty source is judged by the launcher from records_in (find_problems, one line,
         # --allow-empty), not by a reader exception inside a worker (a Beam traceback).
-        for rec in read_task(task, files=common.BEAM_FILES, allow_empty=True):  # inputs may be gs:// anywhere
+        for rec in read_task(task, files=common.BEAM_FILES, allow_empty=True, device=self.s.device):  # gs:// too
             n_in += 1
             if splits is not None and isinstance(rec, schema.RawImage):
                 rec = staging.with_caption_split(rec, splits.get(rec.source_id), source)
@@ -169,6 +177,9 @@ class ReadAndStage(beam.DoFn):
                 continue
             self._staged[kind].inc()
             n_staged += 1
+            if kind == schema.KIND_IMAGE and rec.conversions:  # counted for staged images only (in = staged + rej)
+                self._converted.inc()
+                converted.update(rec.conversions)
             if spill is None:
                 spill = _TaskSpill(self.s.spill_dir, task, self.s.feature_dim, self.s.feature_dtype)
             if kind == schema.KIND_IMAGE:
@@ -190,6 +201,8 @@ class ReadAndStage(beam.DoFn):
         common.Progress.advance(1)  # read tasks done (the launcher's bar, when this runs in its process)
         log.info("read %s %s task %s: %d records", coll, kind, getattr(task, "start", None) or source, n_in)
         info = {"type": "in", "collection": coll, "kind": kind, "n": n_in}
+        if converted:
+            info["converted"] = dict(converted)
         if splits is not None:
             info["skipped"] = skipped
         yield T_INFO, info

@@ -8,10 +8,10 @@ from typing import Optional
 import click
 
 from pipelines import common
-from retrieval_core.cli import check_choice, check_positive, option
+from retrieval_core.cli import check_choice, check_device, check_positive, device_option, option, threads_option
 from retrieval_core.data import schema
 from retrieval_core.data.manifest_spec import Manifest
-from retrieval_core.data.readers import plan_read_tasks
+from retrieval_core.data.readers import IMAGE_FILES, plan_read_tasks
 from retrieval_core.data.shards import num_shards_for
 
 IMAGES_DIR, FEATURES_DIR, CAPTIONS_DIR, REJECTS_DIR = "images", "features", "captions", "rejects"
@@ -46,6 +46,8 @@ class StagePlan:
                                        help="records per read task for index-addressable sources (synthetic) [500; "
                                             "100 with --direct_running_mode=multi_processing]")
     allow_empty: bool = option(False, help="accept a source (images or captions) that yields no records")
+    device: str = device_option()  # the image backbone of image_files sources
+    threads: Optional[int] = threads_option()
 
     def __post_init__(self):
         if not self.output:
@@ -64,6 +66,7 @@ class StagePlan:
             check_positive("max_regions", self.max_regions, allow_none=True)
             check_positive("images_per_shard", self.images_per_shard)
             check_positive("chunk_size", self.chunk_size, allow_none=True)
+            object.__setattr__(self, "device", check_device(self.device))
         except ValueError as exc:
             raise StageError(str(exc)) from None
         if not 0.0 <= float(self.max_reject_fraction) <= 1.0:
@@ -86,6 +89,8 @@ class Settings:
     #: collection -> its caption source (format, path, options) for ``uncaptioned_images: skip``: only the images
     #: those captions name are staged, each in its captions' split
     caption_filters: dict = field(default_factory=dict)
+    device: str = "cpu"  # where the image backbone runs (image_files sources)
+    threads: Optional[int] = None  # torch threads of a worker decoding image files
 
     def num_shards(self, collection: str, counts: dict) -> int:
         count = self.expected_images.get(collection) or counts.get(collection, 0)
@@ -135,7 +140,32 @@ def _settings(plan: StagePlan, manifest) -> Settings:
         caption_filters={name: _caption_source(c) for name, c in manifest.collections.items()
                          if c.uncaptioned_images == "skip"},
         spill_dir=common.join(plan.output, common.SPILL_DIR, uuid.uuid4().hex[:12]),
+        device=plan.device,
+        threads=plan.threads,
     )
+
+
+def image_backbone(manifest) -> Optional[dict]:
+    """The backbone description (its fingerprint) of the manifest's image_files sources, None without any. One
+    staged folder holds one kind of features: image files beside extracted features, or two grid layouts, are
+    refused (a model reads one)."""
+    sources = {name: c.images for name, c in manifest.collections.items() if c.images is not None}
+    pixel = {n: s for n, s in sources.items() if s.format == IMAGE_FILES}
+    if not pixel:
+        return None
+    from retrieval_core.data.pixels.backbone import HEAD, GridSpec, fingerprint, parse_grids
+
+    others = sorted(set(sources) - set(pixel))
+    if others:
+        raise StageError(f"collections {others} stage extracted region features beside image files in "
+                         f"{sorted(pixel)}: a staged folder holds one kind of image features; stage them apart")
+    grids = {n: GridSpec(parse_grids(s.options.get("grids", 7))).grids for n, s in pixel.items()}
+    if len(set(grids.values())) > 1:
+        raise StageError(f"image_files collections use different grids {grids}: one staged folder, one layout")
+    if int(manifest.feature_dim) != HEAD:
+        raise StageError(f"image_files sources give {HEAD}-d features (EfficientNet-Lite0); the manifest says "
+                         f"feature_dim: {manifest.feature_dim} (set feature_dim: {HEAD})")
+    return fingerprint(GridSpec(next(iter(grids.values()))))
 
 
 def _frozen(value):

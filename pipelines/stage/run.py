@@ -31,6 +31,7 @@ from pipelines.stage.plan import (
     StagePlan,
     _settings,
     default_chunk_size,
+    image_backbone,
     plan_tasks,
 )
 from retrieval_core.cli import plan_from_cli, plan_options
@@ -45,7 +46,8 @@ log = logging.getLogger(__name__)
 DASK_READ_PARTITIONS = 4
 
 
-def build_summary(manifest, settings: Settings, infos: list, options: dict, elapsed_s: float) -> dict:
+def build_summary(manifest, settings: Settings, infos: list, options: dict, elapsed_s: float,
+                  backbone: Optional[dict] = None) -> dict:
     colls = {}
     for name, spec in manifest.collections.items():
         c = {"role": getattr(spec, "role", None)}
@@ -78,6 +80,11 @@ def build_summary(manifest, settings: Settings, infos: list, options: dict, elap
                 region_cap=cap, feature_shards=feature_shards,
                 skipped=sum(i.get("skipped", 0) for i in mine if i["type"] == "in" and i["kind"] == kind),
                 staged_by_split=dict(by_split), expected_key=f"{name}.expected_{key}")
+        converted = Counter()
+        for i in infos:
+            if i.get("collection") == name and i["type"] == "in" and i["kind"] == schema.KIND_IMAGE:
+                converted.update(i.get("converted", {}))
+        c["images"]["converted"] = dict(sorted(converted.items()))
         c["num_shards"] = len(c["images"]["shards"])
         colls[name] = c
     all_shards = [s for c in colls.values() for k in ("images", "captions") for s in
@@ -91,6 +98,7 @@ def build_summary(manifest, settings: Settings, infos: list, options: dict, elap
         "feature_format": settings.feature_format,
         "feature_dtype": settings.feature_dtype,
         "max_regions": settings.max_regions,
+        "image_backbone": backbone,
         "options": options,
         "collections": colls,
         "id_collisions": [i for i in infos if i["type"] == "collision"],
@@ -155,6 +163,12 @@ def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
         raise StageError("input file(s) missing: " + ", ".join(map(str, missing))
                          + " (fix the manifest or override the path with --set / environment variables)")
     settings = _settings(plan, manifest)
+    backbone = image_backbone(manifest)
+    if backbone and plan.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise StageError("--device cuda was requested but CUDA is not available on this machine")
     if settings.feature_format not in FEATURE_FORMATS:
         raise StageError(f"feature format must be parquet or hdf5, got {settings.feature_format!r}")
     if settings.feature_dtype not in FEATURE_DTYPES:
@@ -192,7 +206,7 @@ def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
         "images_per_shard": settings.images_per_shard, "max_reject_fraction": plan.max_reject_fraction,
         "overrides": list(plan.overrides), "beam_args": list(beam_args), "read_tasks": len(tasks),
         "allow_empty": plan.allow_empty,
-    }, time.time() - t0)
+    }, time.time() - t0, backbone)
     summary["runner"] = common.runner_name(options)
     keep = {s["name"] for c in summary["collections"].values() for k in ("images", "captions")
             for s in c[k]["shards"] + c[k].get("feature_shards", [])}
@@ -241,6 +255,9 @@ def report_lines(summary: dict) -> list[str]:
                             if src["reject_reasons"] else ""))
             for w in src["warnings"]:
                 lines.append(f"  warning: {w}")
+            if src.get("converted"):
+                done = ", ".join(f"{k}: {v}" for k, v in src["converted"].items())
+                lines.append(f"  converted (then staged): {done}")
         cap = c["images"]["region_cap"]
         how = {"confidence": "kept the most confident", "stored_order": "kept the first in stored order",
                "mixed": "most confident where confidences exist, else stored order"}.get(cap["policy"], "")

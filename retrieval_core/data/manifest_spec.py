@@ -21,7 +21,7 @@ from .paths import is_url
 from .schema import DEFAULT_MAX_REGIONS
 from .synthetic.spec import SyntheticSpec
 
-IMAGE_FORMATS = ("synthetic", "butd_tsv", "bua_npz", "uniter_npz", "oscar_pt", "plain_npz")
+IMAGE_FORMATS = ("synthetic", "butd_tsv", "bua_npz", "uniter_npz", "oscar_pt", "plain_npz", "image_files")
 CAPTION_FORMATS = ("synthetic", "karpathy_json", "caption_lines", "flickr30k_entities", "cc_tsv", "multi30k")
 ROLES = ("query", "distractor")
 FEATURE_FORMATS = ("parquet", "hdf5")

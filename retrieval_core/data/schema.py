@@ -199,6 +199,8 @@ class RawImage:
     num_boxes: Optional[int] = None  # as declared by the file, checked against the arrays
     split: Optional[str] = None
     locator: str = ""
+    #: what decoding an image file did to it (greyscale -> RGB, EXIF rotation, ...), counted by the stager
+    conversions: tuple[str, ...] = ()
 
 
 @dataclass

@@ -111,6 +111,8 @@ class StagedDataset:
             self.feature_format: str = self.summary.get("feature_format", "parquet")
             self.feature_dtype: str = self.summary.get("feature_dtype", "float32")
             self.collections: list[str] = sorted(self.summary["collections"])
+            #: the fingerprint of the backbone that made the features from pixels; "" = extracted elsewhere
+            self.image_backbone: str = str((self.summary.get("image_backbone") or {}).get("fingerprint", ""))
         except (KeyError, TypeError, ValueError) as exc:
             raise StagedDataError(f"{path} lacks a required field: {exc}") from None
         # rel path -> the sha256 the stager recorded (hand-made folders without checksums are read unchecked)

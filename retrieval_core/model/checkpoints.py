@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, BertConfig
 
 from retrieval_core.data.paths import FileAccess, is_url, local_sha256
+from retrieval_core.data.pixels.backbone import check_same_features
 from retrieval_core.data.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS
 from retrieval_core.model.backbones import backbone_path, is_backbone_name, model_cache_dir
 from retrieval_core.model.baseline import BASELINE_JSON, BASELINE_TENSORS, MappedBaseline
@@ -290,6 +291,7 @@ class ModelFolder:
     max_regions: int  # regions per image the model reads
     ce_score: Optional[str]  # the CE score key (model.CE_SCORES), None without a CE head
     local: Optional[str] = None  # a URL folder's local copy, which ``files`` lie in (None: ``path`` is local)
+    image_backbone: str = ""  # the backbone fingerprint of the features it was trained on ("" = extracted ones)
 
     @property
     def local_dir(self) -> str:
@@ -306,6 +308,13 @@ class ModelFolder:
             name = os.path.relpath(path, self.local_dir) if path.startswith(os.path.join(self.local_dir, "")) else path
             h.update(f"{name}:{local_sha256(path)}\n".encode())
         return h.hexdigest()
+
+    def require_features(self, staged) -> "ModelFolder":
+        """Refuses a staged folder whose image features come from another source than the model was trained on
+        (FeatureSourceError): a Lite0 grid and a detector's regions can share a width and mean different things."""
+        check_same_features(staged.image_backbone, self.image_backbone, f"staged folder {staged.root}",
+                            f"model {self.path}")
+        return self
 
     def require(self, need: Sequence[str]) -> "ModelFolder":
         """Refuses the folder when a head in ``need`` is missing (a random head would score silently)."""
@@ -353,7 +362,7 @@ def inspect_model_folder(path: str, files: Optional[FileAccess] = None) -> Model
                 raise CheckpointError(f"{path} has {MODEL_JSON} but no {name}")
         hidden = int(_read_json(os.path.join(path, "config.json"))["hidden_size"])
         return ModelFolder(path, KIND_NATIVE, heads, files, hidden, int(cfg.max_regions),
-                           cfg.ce_score if "ce" in heads else None)
+                           cfg.ce_score if "ce" in heads else None, image_backbone=cfg.image_backbone)
     if os.path.isfile(os.path.join(path, BASELINE_JSON)):
         meta = _read_json(os.path.join(path, BASELINE_JSON))
         text = meta.get("text_model", "")

@@ -82,6 +82,9 @@ class VLModelConfig:
     # binding siblings apart above chance (docs/TRAINING.md). Every config names its term: the default of each kind
     # of model is ce_agreement_default's.
     ce_agreement: str = field(kw_only=True)
+    # The fingerprint of the image backbone whose grid features the model was trained on ("" = region features
+    # extracted elsewhere): pipelines refuse staged features of another source (data.pixels.backbone).
+    image_backbone: str = ""
     schema_version: str = SCHEMA_VERSION
     provenance: dict = field(default_factory=dict)
 

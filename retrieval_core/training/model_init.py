@@ -8,6 +8,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from retrieval_core.data.pixels.backbone import check_same_features
 from retrieval_core.model.backbones import BACKBONES, backbone_path, is_backbone_name
 from retrieval_core.model.baseline import pooled_image_vectors
 from retrieval_core.model.checkpoints import (
@@ -22,7 +23,7 @@ from retrieval_core.training.train_data import TrainData
 
 
 def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int,
-                ce_agreement: Optional[str] = None) -> VLRetrievalModel:
+                ce_agreement: Optional[str] = None, image_backbone: str = "") -> VLRetrievalModel:
     """A named backbone (``backbones``: minilm, multilingual-e5-small / e5), a plain HF BERT folder, or any
     retrieval model folder ``checkpoints.load_model_folder`` knows (ours, MMT-Retrieval, OSCAR: continue
     fine-tuning; a head it lacks starts fresh and is trained here). ``ce_agreement``: the CE head's agreement term
@@ -45,14 +46,17 @@ def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int
             if model.feature_dim != feature_dim:
                 raise ValueError(f"{base_model} expects {model.feature_dim}-d features, the staged data has "
                                  f"{feature_dim}")
+            check_same_features(image_backbone, model.cfg.image_backbone, "the staged data", base_model)
             return model
         if not os.path.isfile(os.path.join(base_model, "config.json")):
             raise ValueError(f"base model {base_model!r} is neither a retrieval model folder (rr_model.json, "
                              f"modules.json, OSCAR config.json) nor a HF BERT folder (config.json)")
     path = backbone_path(base_model)
     try:
-        return from_text_backbone(path, feature_dim, keep_every_other_layer=halve_layers, seed=seed,
-                                  ce_agreement=ce_agreement)
+        model = from_text_backbone(path, feature_dim, keep_every_other_layer=halve_layers, seed=seed,
+                                   ce_agreement=ce_agreement)
+        model.cfg.image_backbone = image_backbone  # a new image projection: it learns these features
+        return model
     except (OSError, KeyError) as exc:  # transformers' "not a valid model identifier", missing weights...
         raise ValueError(f"base model {path!r} cannot be loaded as a BERT folder: "
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None

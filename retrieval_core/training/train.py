@@ -74,7 +74,8 @@ def run(plan: TrainPlan) -> dict:
         dev = load_split(staged, plan.dev_split, languages=plan.languages)
     else:
         click.echo(f"note: no captions in split {plan.dev_split!r}: no dev evaluation, best = last", err=True)
-    model = build_model(plan.base_model, staged.feature_dim, plan.halve_layers, cfg.seed, plan.ce_agreement)
+    model = build_model(plan.base_model, staged.feature_dim, plan.halve_layers, cfg.seed, plan.ce_agreement,
+                        staged.image_backbone)
     if plan.ce_agreement is not None and model.cfg.ce_agreement != plan.ce_agreement:
         if model.cfg.ce_agreement != "none":  # dropping a trained term would silently change what the CE computes
             raise ValueError(f"base model {plan.base_model!r} has the {model.cfg.ce_agreement!r} CE agreement term: "

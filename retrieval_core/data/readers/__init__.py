@@ -51,6 +51,8 @@ from .features import (
     read_plain_npz,
     read_uniter_npz,
 )
+from .images import FORMAT as IMAGE_FILES
+from .images import list_image_files, read_image_files
 
 SYNTHETIC = "synthetic"
 
@@ -65,6 +67,7 @@ IMAGE_READERS: dict[str, Callable[..., Iterator[RawImage | Reject]]] = {
     "uniter_npz": read_uniter_npz,
     "oscar_pt": read_oscar_pt,
     "plain_npz": read_plain_npz,
+    IMAGE_FILES: read_image_files,
 }
 CAPTION_READERS: dict[str, Callable[..., Iterator[RawCaption | Reject]]] = {
     "karpathy_json": read_karpathy_json,
@@ -77,14 +80,15 @@ CAPTION_READERS: dict[str, Callable[..., Iterator[RawCaption | Reject]]] = {
 
 @dataclass(frozen=True)
 class ReadTask:
-    """One unit of reading work: a whole input file, or images [start, stop) of a synthetic collection.
+    """One unit of reading work: a whole input file, images [start, stop) of a synthetic collection, or a chunk
+    of image files (``path``: a tuple of them).
 
     ``options`` are sorted (name, value) pairs with lists turned into tuples (hashable, picklable).
     ``feature_dim`` is only used by the synthetic format.
     """
     kind: str
     format: str
-    path: Optional[str]
+    path: Optional[str | tuple[str, ...]]
     options: tuple
     start: int = 0
     stop: Optional[int] = None
@@ -146,17 +150,24 @@ def plan_read_tasks(collection: str, kind: str, format: str, path, options: Opti
     _check_options(format, readers[format], options)
     if path is None:
         raise ValueError(f"format {format!r} needs a path")
+    if format == IMAGE_FILES:  # chunks of files: the backbone runs on batches, not one image per task
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        images = list_image_files(path, files)
+        return [ReadTask(kind, format, tuple(images[i:i + chunk_size]), frozen, i, min(i + chunk_size, len(images)),
+                         collection, feature_dim) for i in range(0, len(images), chunk_size)]
     return [ReadTask(kind, format, p, frozen, 0, None, collection, feature_dim)
             for p in list_inputs(path, format, files)]
 
 
-def read_task(task: ReadTask, files: Optional[FileAccess] = None, *,
-              allow_empty: bool = False) -> Iterator[RawImage | RawCaption | Reject]:
+def read_task(task: ReadTask, files: Optional[FileAccess] = None, *, allow_empty: bool = False,
+              device: str = "cpu") -> Iterator[RawImage | RawCaption | Reject]:
     """Run one task: yields its records (RawImage / RawCaption) and Rejects; files are read through
-    ``files`` (default local). A file task that yields nothing raises :class:`EmptySourceError` naming the
+    ``files`` (default local); ``device`` runs the image backbone of image files. A file task that yields
+    nothing raises :class:`EmptySourceError` naming the
     file once the file is read, unless ``allow_empty`` (pipelines.stage ``--allow-empty``)."""
     count = 0
-    for record in _read(task, files):
+    for record in _read(task, files, device):
         count += 1
         yield record
     if count == 0 and not allow_empty and task.format != SYNTHETIC:
@@ -182,7 +193,7 @@ def caption_image_splits(collection: str, format: str, path, options: Optional[d
     return {sid: frozenset(splits) for sid, splits in found.items()}
 
 
-def _read(task: ReadTask, files: Optional[FileAccess]) -> Iterator[RawImage | RawCaption | Reject]:
+def _read(task: ReadTask, files: Optional[FileAccess], device: str = "cpu") -> Iterator[RawImage | RawCaption | Reject]:
     options = {k: v for k, v in task.options}
     if task.format == SYNTHETIC:
 
@@ -194,12 +205,16 @@ def _read(task: ReadTask, files: Optional[FileAccess]) -> Iterator[RawImage | Ra
     readers = _readers(task.kind)
     if task.format not in readers:
         raise ValueError(f"unknown {task.kind} format {task.format!r}; known: {sorted(readers)}")
+    if task.format == IMAGE_FILES:
+        yield from read_image_files(task.path, files, device, **options)
+        return
     yield from readers[task.format](task.path, files, **options)
 
 
 __all__ = [
     "BUTD_COLUMNS", "CAPTION_READERS", "caption_image_splits",
-    "EmptySourceError", "FileAccess", "IMAGE_READERS", "LOCAL_FILES",
+    "EmptySourceError", "FileAccess", "IMAGE_FILES", "IMAGE_READERS", "LOCAL_FILES",
+    "list_image_files", "read_image_files",
     "LocalFileAccess", "ReadTask", "SYNTHETIC", "URLAccessError", "apply_source_id_pattern", "detector_frame_size",
     "file_stem", "image_size", "is_url", "list_inputs", "plan_read_tasks", "read_bua_npz", "read_butd_tsv",
     "read_caption_lines", "read_cc_tsv", "read_flickr30k_entities", "read_karpathy_json", "read_multi30k",

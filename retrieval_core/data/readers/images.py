@@ -1,0 +1,85 @@
+"""Image files (JPEG, PNG, anything Pillow reads) -> grid-region RawImages through a pretrained backbone
+(``retrieval_core.data.pixels``), or a Reject per file that cannot be staged, with its reason.
+
+The input is a folder (every file in it but hidden ones, not recursive), a glob, a list file (``.txt`` /
+``.lst``: one path per line, relative to the list file's folder) or a ``gs://`` prefix; a read task is a chunk
+of those files, decoded one by one and run through the backbone in batches of ``batch_size``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+from ..paths import join_path, split_path
+from ..pixels import decode
+from ..schema import RawImage, Reject
+from ._common import FileAccess, _open_binary, apply_source_id_pattern, file_stem, list_inputs, read_lines
+
+FORMAT = "image_files"
+LIST_SUFFIXES = (".txt", ".lst")
+
+
+def list_image_files(path: str | Sequence[str], files: Optional[FileAccess] = None) -> list[str]:
+    """The image files of ``path`` (a folder, glob, list file, gs:// prefix, or a list of those), sorted."""
+    entries = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    found: set[str] = set()
+    for entry in map(os.fspath, entries):
+        if entry.endswith(LIST_SUFFIXES) and not (files and files.isdir(entry)):
+            base = split_path(entry)[0]
+            for line in read_lines(entry, files):
+                name = line.decode("utf-8").strip()
+                if name and not name.startswith("#"):
+                    found.add(name if os.path.isabs(name) or "://" in name else join_path(base, name))
+            continue
+        found.update(p for p in list_inputs(entry, FORMAT, files)
+                     if not os.path.basename(p.rstrip("/")).startswith("."))
+    if not found:
+        raise FileNotFoundError(f"input {path!r} ({FORMAT}) lists no image file")
+    return sorted(found)
+
+
+def read_image_files(paths: Sequence[str], files: Optional[FileAccess] = None, device: str = "cpu", *,
+                     grids: int | list[int] | str = 7, batch_size: int = 32, source_id_pattern: Optional[str] = None,
+                     max_pixels: int = decode.DEFAULT_MAX_PIXELS) -> Iterator[RawImage | Reject]:
+    """One RawImage (normalised grid boxes, the file's size after EXIF rotation, its ``conversions``) per
+    decodable file of ``paths``, else a Reject naming the file and why. ``grids``: the grid sizes (e.g. [3, 7]);
+    ``source_id_pattern``: a regex whose group, searched in the file's stem, is the image id (default the stem).
+    ``device`` is where the backbone runs (pipelines.stage --device), not a manifest option."""
+    from ..pixels.backbone import GridSpec, cached_backbone, parse_grids
+
+    if int(batch_size) < 1:
+        raise ValueError(f"{FORMAT} batch_size must be >= 1, got {batch_size!r}")
+    spec = GridSpec(parse_grids(grids))
+    backbone = cached_backbone(spec.grids, device)
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    batch: list[tuple[str, str, decode.Decoded]] = []
+
+    def flush():
+        feats = backbone.regions(np.stack([d.pixels for _, _, d in batch]))
+        for (path, sid, d), f in zip(batch, feats):
+            yield RawImage(sid, f, backbone.boxes.copy(), d.width, d.height, box_format="normalized6",
+                           locator=path, conversions=d.conversions)
+        batch.clear()
+
+    for path in paths:
+        sid = apply_source_id_pattern(file_stem(path), source_id_pattern)
+        if sid is None:
+            yield Reject(path, path, f"id pattern does not match: {source_id_pattern!r} in {file_stem(path)!r}")
+            continue
+        try:
+            with _open_binary(path, files) as f:
+                data = f.read()
+        except (FileNotFoundError, ValueError) as exc:
+            yield Reject(path, path, f"unreadable file: {exc}")
+            continue
+        decoded, reason = decode.decode_or_reason(data, backbone.input_size, int(max_pixels))
+        if decoded is None:
+            yield Reject(path, path, reason)
+            continue
+        batch.append((path, sid, decoded))
+        if len(batch) >= int(batch_size):
+            yield from flush()
+    if batch:
+        yield from flush()

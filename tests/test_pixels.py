@@ -1,0 +1,258 @@
+"""Pixels in: the EfficientNet-Lite0 backbone against its ImageNet weights, every kind of bad or unusual image
+file converted or rejected with its reason, staging a folder of images through pipelines.stage, and the
+backbone fingerprint that keeps a model from reading features of another source."""
+from __future__ import annotations
+
+import io
+import json
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from retrieval_core.data.pixels import decode
+from retrieval_core.data.pixels.backbone import (
+    FeatureSourceError,
+    GridSpec,
+    cached_backbone,
+    check_same_features,
+    grid_boxes,
+)
+from tests.conftest import require_realdata
+
+
+def _png(im: Image.Image, **kw) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, "PNG", **kw)
+    return buf.getvalue()
+
+
+def _jpeg(im: Image.Image, **kw) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, "JPEG", **kw)
+    return buf.getvalue()
+
+
+def _scene(w=64, h=48) -> Image.Image:
+    """Left half red, right half blue: orientation and colour survive decoding visibly."""
+    arr = np.zeros((h, w, 3), np.uint8)
+    arr[:, : w // 2] = (220, 20, 20)
+    arr[:, w // 2:] = (20, 20, 220)
+    return Image.fromarray(arr)
+
+
+def _bomb_png(w: int, h: int) -> bytes:
+    """A valid 1x1 PNG whose header declares w x h pixels (a decompression bomb's header, without the bytes)."""
+    data = bytearray(_png(Image.new("L", (1, 1))))
+    ihdr = 8 + 8  # signature, then the IHDR chunk's length and type
+    data[ihdr:ihdr + 8] = struct.pack(">II", w, h)
+    crc = zlib.crc32(bytes(data[ihdr - 4:ihdr + 13])) & 0xFFFFFFFF
+    data[ihdr + 13:ihdr + 17] = struct.pack(">I", crc)
+    return bytes(data)
+
+
+def _exif_rotated() -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 CW to display"
+    return _jpeg(_scene(64, 48), exif=exif.tobytes())
+
+
+#: name -> (file bytes, the conversions or the reject category expected)
+CASES = {
+    "rgb.jpg": (lambda: _jpeg(_scene()), ()),
+    "grey.png": (lambda: _png(_scene().convert("L")), (decode.C_GREY,)),
+    "palette.png": (lambda: _png(_scene().convert("P", palette=Image.Palette.ADAPTIVE)), (decode.C_PALETTE,)),
+    "alpha.png": (lambda: _png(_scene().convert("RGBA")), (decode.C_ALPHA,)),
+    "cmyk.jpg": (lambda: _jpeg(_scene().convert("CMYK")), (decode.C_CMYK,)),
+    "deep16.png": (lambda: _png(Image.fromarray((np.arange(48 * 64).reshape(48, 64) * 20).astype(np.uint16))),
+                   (decode.C_16BIT, decode.C_GREY)),  # 16-bit greyscale: both
+    "rotated.jpg": (_exif_rotated, (decode.C_EXIF,)),
+    "tiny.png": (lambda: _png(_scene(1, 1)), ()),
+    "wide.jpg": (lambda: _jpeg(_scene(1500, 40)), ()),
+    "empty.jpg": (lambda: b"", decode.R_EMPTY),
+    "notes.jpg": (lambda: b"these are my holiday notes, not a picture\n", decode.R_NOT_IMAGE),
+    "truncated.jpg": (lambda: _jpeg(_scene(256, 256), quality=95)[:400], decode.R_CORRUPT),
+    "corrupt.png": (lambda: _png(_scene())[:60] + bytes(range(256)) * 4, decode.R_CORRUPT),
+    "bomb.png": (lambda: _bomb_png(100_000, 100_000), decode.R_TOO_LARGE),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_file_is_converted_or_rejected_with_its_reason(name):
+    make, expected = CASES[name]
+    try:
+        out = decode.decode_image(make(), 224)
+    except decode.DecodeError as exc:
+        assert isinstance(expected, str), f"{name} rejected: {exc}"
+        assert exc.category == expected and str(exc).startswith(expected + ": ")
+        return
+    assert not isinstance(expected, str), f"{name} should be rejected ({expected})"
+    assert out.conversions == expected
+    assert out.pixels.shape == (224, 224, 3) and out.pixels.dtype == np.uint8
+    if name == "rotated.jpg":  # displayed upright: 48 wide, 64 high, red on top (was the left half)
+        assert (out.width, out.height) == (48, 64)
+        assert out.pixels[20, 112, 0] > 150 > out.pixels[20, 112, 2]
+        assert out.pixels[200, 112, 2] > 150 > out.pixels[200, 112, 0]
+    if name == "deep16.png":  # scaled from 16 bits, not clipped to white
+        assert 30 < out.pixels.mean() < 225
+    if name == "alpha.png":
+        assert out.pixels[10, 10, 0] > 150
+
+
+def test_absurd_dimensions_follow_the_limit():
+    with pytest.raises(decode.DecodeError, match="absurd dimensions: 1500 x 40"):
+        decode.decode_image(CASES["wide.jpg"][0](), 224, max_pixels=10_000)
+
+
+def test_grid_boxes_cover_the_picture_coarse_first():
+    boxes = grid_boxes(GridSpec((7, 1, 3)))
+    assert boxes.shape == (1 + 9 + 49, 6)
+    assert boxes[0].tolist() == [0, 0, 1, 1, 1, 1]
+    np.testing.assert_allclose(boxes[1:10, 4].min(), 3 / 7)  # adaptive pooling 7 -> 3 averages 3 cells
+    np.testing.assert_allclose(boxes[10:, 4], 1 / 7)
+    np.testing.assert_allclose(boxes[:, 2] - boxes[:, 0], boxes[:, 4], atol=1e-6)
+    with pytest.raises(ValueError):
+        GridSpec((8,))
+
+
+def test_lite0_names_real_photos_sensibly():
+    """The model definition matches the weights: ImageNet top-1 on real photos is the right object."""
+    root = require_realdata("allennlp_vision_fixtures", "images")
+    backbone = cached_backbone((7,), "cpu")
+    import torch
+
+    expect = {"flickr30k/6338542128.jpg": {560},  # American football: football helmet
+              "gqa/2405722.jpg": {89},  # a white cockatoo: sulphur-crested cockatoo
+              "gqa/2331963.jpg": {981}}  # baseball: ballplayer
+    pixels = np.stack([decode.decode_image((root / f).read_bytes(), 224).pixels for f in expect])
+    with torch.inference_mode():
+        x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float()
+        top1 = backbone.model((x - 127.0) / 128.0).argmax(-1).tolist()
+    assert [t in e for t, e in zip(top1, expect.values())] == [True] * len(expect), top1
+
+
+def test_features_from_another_source_are_refused():
+    check_same_features("", "", "staged", "model")
+    check_same_features("ab" * 32, "ab" * 32, "staged", "model")
+    for staged, model in (("ab" * 32, ""), ("", "ab" * 32), ("ab" * 32, "cd" * 32)):
+        with pytest.raises(FeatureSourceError, match="holds image features of .* but model was trained on"):
+            check_same_features(staged, model, "staged", "model")
+
+
+# ------------------------------------------------------------------------------ staging a folder of images
+def write_photo_folder(root) -> tuple[str, str]:
+    """Every CASES file in root/photos plus a Karpathy JSON captioning them (train/dev/test by name)."""
+    photos = root / "photos"
+    photos.mkdir()
+    (photos / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")  # hidden files are not inputs
+    images = []
+    for i, (name, (make, _)) in enumerate(sorted(CASES.items())):
+        (photos / name).write_bytes(make())
+        stem = name.rsplit(".", 1)[0]
+        images.append({"filename": name, "split": ("train", "val", "test")[i % 3], "imgid": i,
+                       "sentences": [{"raw": f"a picture called {stem} number {k}", "sentid": i * 10 + k}
+                                     for k in range(2)]})
+    captions = root / "captions.json"
+    captions.write_text(json.dumps({"images": images}))
+    return str(photos), str(captions)
+
+
+def photo_manifest(root, photos: str, captions: str, grids=(1, 3)) -> str:
+    path = root / "photos.yaml"
+    path.write_text(f"""name: photos
+feature_dim: 1280
+collections:
+  photos:
+    images:
+      format: image_files
+      path: {photos}
+      grids: {list(grids)}
+      batch_size: 4
+    captions:
+      format: karpathy_json
+      path: {captions}
+      image_id: filename_stem
+    uncaptioned_images: skip
+""")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def photo_staged(tmp_path_factory):
+    """A folder of every CASES file staged with its Karpathy captions: (output folder, summary)."""
+    from pipelines.stage import run as stage_run
+    from pipelines.stage.plan import StagePlan
+
+    root = tmp_path_factory.mktemp("photos")
+    photos, captions = write_photo_folder(root)
+    manifest = photo_manifest(root, photos, captions)
+    out = str(root / "staged")
+    plan = StagePlan(out, manifest, max_reject_fraction=1.0, chunk_size=5)
+    return out, stage_run.run(plan), plan
+
+
+def test_stage_a_folder_of_images(photo_staged):
+    from pipelines.stage import run as stage_run
+    from retrieval_core.data.store import StagedDataset
+
+    out, summary, plan = photo_staged
+    images = summary["collections"]["photos"]["images"]
+    rejected = {n for n, (_, e) in CASES.items() if isinstance(e, str)}
+    assert images["records_in"] == len(CASES) == images["staged"] + images["rejected"]
+    assert images["rejected"] == len(rejected)
+    assert images["reject_reasons"] == {decode.R_EMPTY: 1, decode.R_NOT_IMAGE: 1, decode.R_CORRUPT: 2,
+                                        decode.R_TOO_LARGE: 1}
+    once = (decode.C_PALETTE, decode.C_ALPHA, decode.C_CMYK, decode.C_16BIT, decode.C_EXIF)
+    assert images["converted"] == {decode.C_GREY: 2, **{c: 1 for c in once}}
+    rejects = [json.loads(line) for line in open(f"{out}/rejects/photos-images.jsonl")]
+    assert sorted(r["locator"].rsplit("/", 1)[-1] for r in rejects) == sorted(rejected)
+    assert summary["image_backbone"]["name"] == "efficientnet-lite0"
+    assert summary["image_backbone"]["grids"] == [1, 3]
+    caps = summary["collections"]["photos"]["captions"]  # a rejected image's captions have no image to join
+    assert (caps["staged"], caps["rejected"]) == (2 * images["staged"], 2 * len(rejected))
+    ds = StagedDataset(out)
+    assert ds.image_backbone == summary["image_backbone"]["fingerprint"] and ds.feature_dim == 1280
+    table = ds.load_images(collection="photos")
+    assert len(table) == len(CASES) - len(rejected) and set(table.num_boxes()) == {10}
+    feats, boxes = table.regions(0)
+    assert feats.shape == (10, 1280) and np.isfinite(feats).all() and boxes[0].tolist() == [0, 0, 1, 1, 1, 1]
+    # a rerun keeps every shard (resume): the same bytes
+    again = stage_run.run(plan)
+    assert again["resume"]["written"] == 0 and again["resume"]["kept"] > 0
+
+
+def _model_folder(root, image_backbone: str) -> str:
+    from retrieval_core.model.checkpoints import from_text_backbone
+    from tests.helpers_model import write_tiny_bert
+
+    model = from_text_backbone(write_tiny_bert(str(root / f"bert{image_backbone[:4]}")), 1280)
+    model.cfg.image_backbone = image_backbone
+    folder = str(root / f"model{image_backbone[:4]}")
+    model.save(folder)
+    return folder
+
+
+def test_a_model_reads_only_the_features_it_was_trained_on(photo_staged, tmp_path):
+    """encode, rerank and train refuse staged features of another backbone than the model's; the same backbone
+    encodes."""
+    from pipelines.encode.plan import EncodeError, EncodePlan
+    from pipelines.encode.run import run as encode
+    from retrieval_core.data.store import StagedDataset
+    from retrieval_core.model.checkpoints import inspect_model_folder
+    from retrieval_core.training.model_init import build_model
+
+    out, summary, _ = photo_staged
+    fp = summary["image_backbone"]["fingerprint"]
+    region_model = _model_folder(tmp_path, "")  # trained on extracted region features of the same width
+    with pytest.raises(EncodeError, match="efficientnet-lite0 backbone .* was trained on extracted region"):
+        encode(EncodePlan(out, region_model, str(tmp_path / "emb_refused"), modality="image"))
+    with pytest.raises(FeatureSourceError):
+        build_model(region_model, 1280, False, 0, image_backbone=fp)
+    pixel_model = _model_folder(tmp_path, fp)
+    inspect_model_folder(pixel_model).require_features(StagedDataset(out))
+    assert build_model(pixel_model, 1280, False, 0, image_backbone=fp).cfg.image_backbone == fp
+    report = encode(EncodePlan(out, pixel_model, str(tmp_path / "emb"), modality="image"))
+    assert report is not None
+
