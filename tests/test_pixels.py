@@ -256,3 +256,35 @@ def test_a_model_reads_only_the_features_it_was_trained_on(photo_staged, tmp_pat
     report = encode(EncodePlan(out, pixel_model, str(tmp_path / "emb"), modality="image"))
     assert report is not None
 
+
+def test_rendered_scenes_stage_and_encode_end_to_end(tmp_path):
+    """Two families of demo scenes drawn, staged from their PNGs with their captions, and encoded."""
+    from PIL import Image as PILImage
+
+    from pipelines.encode.plan import EncodePlan
+    from pipelines.encode.run import run as encode
+    from pipelines.stage import run as stage_run
+    from pipelines.stage.plan import StagePlan
+    from retrieval_core.data.manifest import load_manifest
+    from retrieval_core.data.synthetic.render import RenderPlan, render_scene, shape_of, write_collection
+    from retrieval_core.data.synthetic.scenes import describe_scene
+    from retrieval_core.data.synthetic.vocabulary import DOMAINS
+
+    spec = load_manifest("demo").synthetic_spec("demo")
+    assert len({shape_of("coco", n.name) for n in DOMAINS["coco"]}) == len(DOMAINS["coco"])  # a shape per class
+    base, swap = describe_scene(spec, 0), describe_scene(spec, 2)
+    assert swap["change"] == "binding"
+    a, b = (np.asarray(render_scene(spec, i), np.int16) for i in (0, 2))
+    assert (np.abs(a - b).sum(-1) > 0).mean() > 0.002  # the swapped colours are visible in pixels
+    out = write_collection(RenderPlan(str(tmp_path / "rendered"), limit=9))
+    assert out["images"] == 8 and out["captions"] == 40
+    size = PILImage.open(tmp_path / "rendered" / "images" / f"{base['source_id']}.png").size
+    assert size == (round(base["image_w"] / 2), round(base["image_h"] / 2))
+    staged = str(tmp_path / "staged")
+    summary = stage_run.run(StagePlan(staged, out["manifest"]))
+    assert summary["problems"] == []
+    images = summary["collections"]["demo"]["images"]
+    assert images["staged"] == 8 and images["staged_by_split"] == {base["split"]: 8}
+    model = _model_folder(tmp_path, summary["image_backbone"]["fingerprint"])
+    report = encode(EncodePlan(staged, model, str(tmp_path / "emb")))
+    assert report is not None
