@@ -40,13 +40,14 @@ import io
 import logging
 import re
 import time
+from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 import click
 import pandas as pd
 
 from pipelines.common import BEAM_FILES, exists, join, makedirs, read_bytes, write_atomic, write_json_atomic
-from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
+from retrieval_core.cli import CONTEXT_SETTINGS, check_options, cli_errors, option, plan_from_cli, plan_options
 from retrieval_core.evaluation.metrics import DEFAULT_KS, DIRECTIONS
 from retrieval_core.evaluation.runs import LoadedRun, RunError, mode_label
 from retrieval_core.evaluation.stats import (
@@ -204,59 +205,70 @@ def parse_tags(tags: Sequence[str]) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------------ CLI
+@dataclass(frozen=True)
+class EvaluatePlan:
+    """One evaluation, every option a typed field (checked when built); what the demo launches (``to_argv``)."""
+    rankings: str = option(help="A pipelines.rerank run: its directory or its rankings/ dir.")
+    staged: str = option(help="Staged dataset directory (gold labels).")
+    output: str = option(help="Directory for metrics.csv and the JSON.")
+    collection: Optional[str] = option(None, help="Staged collection of the queries (default: the run's, else the "
+                                                  "only one).")
+    split: Optional[str] = option(None, help="Split of the queries (default: the run's).")
+    model: str = option("model", help="Model name recorded with the result.")
+    mode: Optional[str] = option(None, type=click.Choice(RUN_MODES, case_sensitive=False),
+                                 help="Rank the stored scores with this mode (default: the run's own).")
+    k: Optional[int] = option(None, type=click.IntRange(min=1),
+                              help="Rerank depth, at most the run's k (default: the run's own).")
+    lam: Optional[float] = option(None, type=float,
+                                  help="add / norm_add weight of the BE score (default: the run's, else 0.5).")
+    label: Optional[str] = option(None, help="The mode column of metrics.csv and the JSON name (default: the mode, "
+                                             "e.g. co or add_0.5).")
+    collection_size: Optional[int] = option(None, type=int,
+                                            help="Candidate pool size to record (default: the run's t2i pool).")
+    tag: tuple[str, ...] = option((), multiple=True, help="Extra key=value column (repeatable).")
+    pretrained: Optional[str] = option(None, help="The JSON's CLIP_benchmark 'pretrained' key (default: <label>_k<k>, "
+                                                  "the retrieval configuration; CLIP_benchmark's build names a row "
+                                                  "'<model> <pretrained>').")
+    lang: Optional[str] = option(None, help="Evaluate on the captions of this language only (the lang column: t2i "
+                                            "queries and i2t gold); also the JSON's CLIP_benchmark 'language' key "
+                                            "[all captions; the key says en].")
+    against: Optional[str] = option(None, help="A pipelines.rerank run of the same queries: also the paired "
+                                               "difference to its ranking [the --rankings run, with --against-mode].")
+    against_mode: Optional[str] = option(None, type=click.Choice(RUN_MODES, case_sensitive=False),
+                                         help="Also the paired difference to this mode's ranking (e.g. emb) "
+                                              "[--against's own].")
+    against_k: Optional[int] = option(None, type=click.IntRange(min=1),
+                                      help="Rerank depth of the --against ranking [--k, else its run's own].")
+    against_lam: Optional[float] = option(None, type=float,
+                                          help="add / norm_add weight of the --against ranking [its run's, else 0.5].")
+    bootstrap: int = option(DEFAULT_RESAMPLES, type=click.IntRange(min=MIN_RESAMPLES),
+                            help="Bootstrap resamples of the queries behind each 95 % interval.")
+    seed: int = option(DEFAULT_SEED, type=click.IntRange(min=0), help="Seed of the bootstrap resampling.")
+
+    def __post_init__(self):
+        check_options(self)
+
+
 @click.command(context_settings=CONTEXT_SETTINGS)
-@click.option("--rankings", required=True, help="A pipelines.rerank run: its directory or its rankings/ dir.")
-@click.option("--staged", required=True, help="Staged dataset directory (gold labels).")
-@click.option("--output", required=True, help="Directory for metrics.csv and the JSON.")
-@click.option("--collection", default=None, help="Staged collection of the queries (default: the run's, else the "
-                                                 "only one).")
-@click.option("--split", default=None, help="Split of the queries (default: the run's).")
-@click.option("--model", default="model", show_default=True, help="Model name recorded with the result.")
-@click.option("--mode", type=click.Choice(RUN_MODES, case_sensitive=False), default=None,
-              help="Rank the stored scores with this mode (default: the run's own).")
-@click.option("--k", "k", type=click.IntRange(min=1), default=None,
-              help="Rerank depth, at most the run's k (default: the run's own).")
-@click.option("--lam", type=float, default=None,
-              help="add / norm_add weight of the BE score (default: the run's, else 0.5).")
-@click.option("--label", default=None,
-              help="The mode column of metrics.csv and the JSON name (default: the mode, e.g. co or add_0.5).")
-@click.option("--collection-size", type=int, default=None,
-              help="Candidate pool size to record (default: the run's t2i pool).")
-@click.option("--tag", "tags", multiple=True, help="Extra key=value column (repeatable).")
-@click.option("--pretrained", default=None,
-              help="The JSON's CLIP_benchmark 'pretrained' key (default: <label>_k<k>, the retrieval configuration; "
-                   "CLIP_benchmark's build names a row '<model> <pretrained>').")
-@click.option("--lang", default=None, help="Evaluate on the captions of this language only (the lang column: t2i "
-                                          "queries and i2t gold); also the JSON's CLIP_benchmark 'language' key "
-                                          "[all captions; the key says en].")
-@click.option("--against", default=None,
-              help="A pipelines.rerank run of the same queries: also the paired difference to its ranking "
-                   "[the --rankings run, with --against-mode].")
-@click.option("--against-mode", type=click.Choice(RUN_MODES, case_sensitive=False), default=None,
-              help="Also the paired difference to this mode's ranking (e.g. emb) [--against's own].")
-@click.option("--against-k", type=click.IntRange(min=1), default=None,
-              help="Rerank depth of the --against ranking [--k, else its run's own].")
-@click.option("--against-lam", type=float, default=None,
-              help="add / norm_add weight of the --against ranking [its run's, else 0.5].")
-@click.option("--bootstrap", "resamples", type=click.IntRange(min=MIN_RESAMPLES), default=DEFAULT_RESAMPLES,
-              show_default=True, help="Bootstrap resamples of the queries behind each 95 % interval.")
-@click.option("--seed", type=click.IntRange(min=0), default=DEFAULT_SEED, show_default=True,
-              help="Seed of the bootstrap resampling.")
-def main(rankings, staged, output, collection, split, model, mode, k, lam, label, collection_size, tags, pretrained,
-         lang, against, against_mode, against_k, against_lam, resamples, seed):
+@plan_options(EvaluatePlan)
+def main(**values):
     """Recall@1/5/10 and mR of a rankings run with 95 % bootstrap intervals, for its own or a re-derived mode, k
     and lam; with --against-mode / --against, the paired difference to another ranking of the same queries."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     t0 = time.time()
-    tag_map = parse_tags(tags)
     with cli_errors(RunError):  # a missing staged / rankings dir, bad rankings or unpaired queries: one line, exit 1
-        result = evaluate_ranking(rankings, staged, k=k, mode=mode, lam=lam, collection=collection, split=split,
-                                  bootstrap=Bootstrap(resamples, seed), against=against, against_mode=against_mode,
-                                  against_k=against_k, against_lam=against_lam, lang=lang)
-    if collection_size is not None:
-        result["collection_size"] = int(collection_size)
-    collection, split, k = result["collection"], result["split"], result["k"]
-    label = label or mode_label(result["mode"], result["lam"])
+        p = plan_from_cli(EvaluatePlan, values)
+    tag_map = parse_tags(p.tag)
+    with cli_errors(RunError):
+        result = evaluate_ranking(p.rankings, p.staged, k=p.k, mode=p.mode, lam=p.lam, collection=p.collection,
+                                  split=p.split, bootstrap=Bootstrap(p.bootstrap, p.seed), against=p.against,
+                                  against_mode=p.against_mode, against_k=p.against_k, against_lam=p.against_lam,
+                                  lang=p.lang)
+    if p.collection_size is not None:
+        result["collection_size"] = int(p.collection_size)
+    collection, split, k, output, model, lang = (result["collection"], result["split"], result["k"], p.output,
+                                                 p.model, p.lang)
+    label = p.label or mode_label(result["mode"], result["lam"])
 
     makedirs(output)
     csv_path = join(output, METRICS_CSV)
@@ -273,7 +285,7 @@ def main(rankings, staged, output, collection, split, model, mode, k, lam, label
              "queries": {"t2i": result["t2i_queries"], "i2t": result["i2t_queries"]},
              "collection_size": result["collection_size"], "tags": tag_map, **interval_json(result)}
     write_json_atomic(json_path, clip_benchmark_json(result, collection=collection, model=model,
-                                                     pretrained=pretrained or f"{label}_k{k}", ks=DEFAULT_KS,
+                                                     pretrained=p.pretrained or f"{label}_k{k}", ks=DEFAULT_KS,
                                                      extra=extra, language=lang or "en"))
     click.echo(f"{collection}/{split} {model} {label} k={k} ({result['bootstrap'].label}): {summary_line(result)}")
     click.echo(f"(t2i {result['t2i_queries']} / i2t {result['i2t_queries']} queries, {result['collection_size']} "

@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from pipelines.common import BEAM_FILES, write_atomic
-from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
+from retrieval_core.cli import CONTEXT_SETTINGS, check_options, cli_errors, option, plan_from_cli, plan_options
 from retrieval_core.data import schema
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.synthetic.scenes import describe_scene
@@ -411,33 +411,43 @@ def inspect(rankings: str, staged: str, output: str, *, against: Optional[str] =
     return output, cmp
 
 
+@dataclass(frozen=True, kw_only=True)  # kw_only: required options may follow optional ones
+class InspectPlan:
+    """One inspection page, every option a typed field (checked when built); what the demo launches."""
+    rankings: str = option(help="Run A: a pipelines.rerank run (its dir or its rankings/ dir).")
+    against: Optional[str] = option(None, help="Run B [the same run as --rankings].")
+    staged: str = option(help="Staged dataset directory (gold labels, captions, images).")
+    output: str = option(help="The HTML page to write.")
+    mode: Optional[str] = option(None, type=click.Choice(RUN_MODES, case_sensitive=False),
+                                 help="Rank A with this mode [A's own].")
+    against_mode: str = option("emb", type=click.Choice(RUN_MODES, case_sensitive=False),
+                               help="Rank B with this mode.")
+    k: Optional[int] = option(None, type=click.IntRange(min=1), help="A's rerank depth [A's own].")
+    against_k: Optional[int] = option(None, type=click.IntRange(min=1), help="B's rerank depth [--k, else B's own].")
+    lam: Optional[float] = option(None, type=float, help="A's add / norm_add weight [A's own, else 0.5].")
+    against_lam: Optional[float] = option(None, type=float, help="B's add / norm_add weight [B's own, else 0.5].")
+    images: Optional[str] = option(None, help="Folder of image files named <source_id>.<ext>: thumbnails.")
+    manifest: Optional[str] = option(None, help="Manifest of a synthetic collection (scene descriptions) [the one "
+                                                "recorded in the staged summary].")
+    per_group: int = option(10, type=click.IntRange(min=0),
+                            help="Queries shown per direction and group (improved / hurt / moved).")
+    show: int = option(10, type=click.IntRange(min=1), help="Rows shown per list.")
+
+    def __post_init__(self):
+        check_options(self)
+
+
 @click.command(context_settings=CONTEXT_SETTINGS)
-@click.option("--rankings", required=True, help="Run A: a pipelines.rerank run (its dir or its rankings/ dir).")
-@click.option("--against", default=None, help="Run B [the same run as --rankings].")
-@click.option("--staged", required=True, help="Staged dataset directory (gold labels, captions, images).")
-@click.option("--output", required=True, help="The HTML page to write.")
-@click.option("--mode", type=click.Choice(RUN_MODES, case_sensitive=False), default=None,
-              help="Rank A with this mode [A's own].")
-@click.option("--against-mode", type=click.Choice(RUN_MODES, case_sensitive=False), default="emb",
-              show_default=True, help="Rank B with this mode.")
-@click.option("--k", type=click.IntRange(min=1), default=None, help="A's rerank depth [A's own].")
-@click.option("--against-k", type=click.IntRange(min=1), default=None, help="B's rerank depth [--k, else B's own].")
-@click.option("--lam", type=float, default=None, help="A's add / norm_add weight [A's own, else 0.5].")
-@click.option("--against-lam", type=float, default=None, help="B's add / norm_add weight [B's own, else 0.5].")
-@click.option("--images", default=None, help="Folder of image files named <source_id>.<ext>: thumbnails.")
-@click.option("--manifest", default=None, help="Manifest of a synthetic collection (scene descriptions) "
-                                               "[the one recorded in the staged summary].")
-@click.option("--per-group", type=click.IntRange(min=0), default=10, show_default=True,
-              help="Queries shown per direction and group (improved / hurt / moved).")
-@click.option("--show", type=click.IntRange(min=1), default=10, show_default=True, help="Rows shown per list.")
-def main(rankings, against, staged, output, mode, against_mode, k, against_k, lam, against_lam, images, manifest,
-         per_group, show):
+@plan_options(InspectPlan)
+def main(**values):
     """One HTML page: where two rankings of the same queries differ, and where the gold item went."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     with cli_errors(RunError, InspectError):
-        path, cmp = inspect(rankings, staged, output, against=against, mode=mode, against_mode=against_mode.lower(),
-                            k=k, against_k=against_k, lam=lam, against_lam=against_lam, images=images,
-                            manifest=manifest, per_group=per_group, show=show)
+        p = plan_from_cli(InspectPlan, values)
+        path, cmp = inspect(p.rankings, p.staged, p.output, against=p.against, mode=p.mode,
+                            against_mode=p.against_mode, k=p.k, against_k=p.against_k, lam=p.lam,
+                            against_lam=p.against_lam, images=p.images, manifest=p.manifest, per_group=p.per_group,
+                            show=p.show)
     for d in cmp.directions:
         s = cmp.summary(d)
         click.echo(f"{d}: {s['queries']} queries, R@1 A {s['R@1 A']:.2f} / B {s['R@1 B']:.2f}: improved "
