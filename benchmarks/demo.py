@@ -19,15 +19,22 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import click
 import pandas as pd
 
 from benchmarks import report
-from benchmarks.evaluate import csv_rows, evaluate_ranking
+from benchmarks.evaluate import EvaluatePlan, csv_rows, evaluate_ranking
+from benchmarks.inspect import InspectPlan
+from benchmarks.queries import QueriesPlan
 from pipelines import demo_assets, launch
+from pipelines.build_index.plan import IndexPlan
 from pipelines.common import BEAM_CLI_CONTEXT, check_beam_flags
+from pipelines.encode.plan import EncodePlan
+from pipelines.rerank.plan import RerankPlan
+from retrieval_core.cli import check_options, cli_errors, option, plan_from_cli, plan_options, to_argv
 from retrieval_core.evaluation.runs import read_run_manifest
 from retrieval_core.evaluation.stats import Bootstrap, verdict
 
@@ -37,15 +44,13 @@ DEMO_CSV = "demo.csv"
 launch.preload("benchmarks.queries", "benchmarks.evaluate", "benchmarks.inspect")  # the demo's own steps
 
 
-def _run(args: list[str]) -> float:
+def _run(module: str, plan, beam_args: tuple[str, ...] = ()) -> float:
+    """Launch ``plan`` as the command a user would type (``to_argv``), printed with a leading '+'."""
+    args = [sys.executable, "-m", module, *to_argv(plan), *beam_args]
     print("+ " + " ".join(args), flush=True)
     t0 = time.time()
     launch.run_module(args)  # forked from the preloaded interpreter (pipelines.launch): 3-6 s less per step
     return time.time() - t0
-
-
-def _py(module: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", module, *args]
 
 
 def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 500, seed: int = 0) -> pd.DataFrame:
@@ -74,41 +79,41 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
 
     rows = []
     run_dirs = {}
-    query_args: list[str] = []
+    query_file = None
     if queries:  # the CE cost is queries x k pairs: one caption per image keeps the demo within 10 minutes
         query_dir = os.path.join(root, f"queries-test-{queries}")
-        _run(_py("benchmarks.queries", "--staged", staged, "--collection", demo_assets.DEMO_MANIFEST, "--split",
-                 "test", "--output", query_dir, "--scale", str(queries)))
-        query_args = ["--queries", os.path.join(query_dir, "queries.parquet")]
+        _run("benchmarks.queries", QueriesPlan(staged=staged, collection=demo_assets.DEMO_MANIFEST, split="test",
+                                               output=query_dir, scale=queries))
+        query_file = os.path.join(query_dir, "queries.parquet")
     for family, be, ce in runs:
         emb_dir, dev_dir = os.path.join(root, f"embeddings-{be}"), os.path.join(root, f"embeddings-{be}-dev")
         index_dir = os.path.join(root, f"index-{be}")
         t0 = time.time()
         for split, out_dir in (("test", emb_dir), ("dev", dev_dir)):  # dev: the pool the default is chosen on
-            _run(_py("pipelines.encode", "--staged", staged, "--model", models[be], "--output", out_dir,
-                     "--split", split, *beam_args))
-        _run(_py("pipelines.build_index", "--embeddings", emb_dir, "--output", index_dir, "--modality", "image",
-                 "--index-factory", "Flat", *beam_args))
+            _run("pipelines.encode", EncodePlan(staged=staged, model=models[be], output=out_dir, split=split),
+                 beam_args)
+        _run("pipelines.build_index", IndexPlan(embeddings=emb_dir, output=index_dir, modality="image",
+                                                factory="Flat"), beam_args)
         timings[f"encode+index {be}"] = time.time() - t0
         out = os.path.join(root, f"rankings-{family}-k{k}-q{queries or 'all'}")
         run_dirs[family] = out
         t0 = time.time()
         # rerank's default, --mode auto: first CO on --queries sampled dev queries (dev pool = test pool size), then
         # the test queries ranked as chosen there; the run keeps every CE score, so CO is derived from it too
-        _run(_py("pipelines.rerank", "--staged", staged, "--embeddings", emb_dir, "--index", index_dir,
-                 "--split", "test", "--k", str(k), "--output", out, "--ce-model", models[ce],
-                 "--tune-embeddings", dev_dir, "--tune-queries", str(queries or 500), *query_args, *beam_args))
+        _run("pipelines.rerank", RerankPlan(staged=staged, embeddings=emb_dir, index=index_dir, split="test", k=k,
+                                            output=out, ce_model=models[ce], tune_embeddings=dev_dir,
+                                            tune_queries=queries or 500, queries=query_file), beam_args)
         timings[f"rerank {family} (with its dev pass)"] = time.time() - t0
         default = f"{family} default ({chosen_label(out)})"
         for mode, row_label, model in (("emb", "EMB", be), ("co", f"{family}+CO", result_model(be, ce)),
                                        (None, default, result_model(be, ce))):
-            against = ["--against-mode", "emb"] if mode != "emb" else []  # the paired difference the verdict reads
-            how = ["--mode", mode, "--k", str(k)] if mode else []  # None: the run's own (the default's) ranking
-            _run(_py("benchmarks.evaluate", "--rankings", out, "--staged", staged, "--output", results,
-                     "--split", "test", "--model", model, *how, "--label", row_label, *against))
+            against = "emb" if mode != "emb" else None  # the paired difference the verdict reads
+            # mode None: the run's own (the default's) ranking
+            _run("benchmarks.evaluate", EvaluatePlan(rankings=out, staged=staged, output=results, split="test",
+                                                     model=model, mode=mode, k=k if mode else None, label=row_label,
+                                                     against_mode=against))
             rows += [{**r, "rankings": os.path.relpath(out, root)}  # relative: the CSV names no machine's paths
-                     for r in table_rows(out, staged, mode, k if mode else None, model, row_label,
-                                         "emb" if against else None)]
+                     for r in table_rows(out, staged, mode, k if mode else None, model, row_label, against)]
 
     table = pd.DataFrame(rows)
     print("\nDemo results (synthetic demo collection, test split; recall in %, convention: "
@@ -131,8 +136,7 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
     print(f"the table with its environment and commit: {csv_path}")
     # the queries behind the numbers: where the default ranking moved the gold item relative to EMB (one run)
     page = os.path.join(results, "inspect_JOIN-default_vs_EMB.html")
-    _run(_py("benchmarks.inspect", "--rankings", run_dirs["JOIN"], "--against-mode", "emb", "--staged", staged,
-             "--output", page))
+    _run("benchmarks.inspect", InspectPlan(rankings=run_dirs["JOIN"], against_mode="emb", staged=staged, output=page))
     print(f"inspection page (EMB vs the JOIN default, query by query): {page}")
     return table
 
@@ -201,21 +205,32 @@ def _difference(r: dict) -> str:
     return f"{est:+.2f} [{lo:+.2f}, {hi:+.2f}] -> {verdict(lo, hi)}"
 
 
+@dataclass(frozen=True)
+class DemoPlan:
+    """The demo's options, each a typed field (checked when built)."""
+    k: int = option(10, help="Rerank depth (the paper's k: 10 or 20).")
+    queries: int = option(500, type=click.IntRange(min=0),
+                          help="Queries per direction: N seeded test images and one caption of each (0: every test "
+                               "caption and image; ~5x the CE pairs).")
+    with_sep: bool = option(False, help="Also train a separate BE and CE (SEP) and add SEP+CO rows.")
+    seed: int = option(0, type=click.IntRange(min=0),
+                       help="Training seed of the demo recipe's models (another seed: models and outputs under "
+                            "<demo>/seed<N>, the staged collection shared).")
+
+    def __post_init__(self):
+        check_options(self)
+
+
 @click.command(context_settings=BEAM_CLI_CONTEXT)
-@click.option("--k", default=10, show_default=True, help="Rerank depth (the paper's k: 10 or 20).")
-@click.option("--queries", default=500, show_default=True, type=click.IntRange(min=0),
-              help="Queries per direction: N seeded test images and one caption of each (0: every test caption "
-                   "and image; ~5x the CE pairs).")
-@click.option("--with-sep", is_flag=True, help="Also train a separate BE and CE (SEP) and add SEP+CO rows.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Training seed of the demo recipe's models (another seed: models and outputs under "
-                   "<demo>/seed<N>, the staged collection shared).")
+@plan_options(DemoPlan)
 @click.pass_context
-def main(ctx: click.Context, k: int, queries: int, with_sep: bool, seed: int) -> None:
+def main(ctx: click.Context, **values) -> None:
     """Run the whole retrieve-and-rerank demo on the embedded synthetic default. Extra --flags go to Beam."""
     check_beam_flags(ctx.args)
+    with cli_errors():
+        plan = plan_from_cli(DemoPlan, values)
     try:
-        run_demo(k, with_sep, tuple(ctx.args), queries, seed)
+        run_demo(plan.k, plan.with_sep, tuple(ctx.args), plan.queries, plan.seed)
     except subprocess.CalledProcessError as exc:
         raise SystemExit(f"demo step failed (exit {exc.returncode}): {' '.join(map(str, exc.cmd))}")
 
