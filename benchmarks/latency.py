@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from benchmarks import jobs as jb
+from benchmarks import jobs
 from benchmarks.jobs import JOB_START_S
 from benchmarks.planner import Planner
 from benchmarks.report import PAPER_CODE_MODEL, environment, set_threads
@@ -324,7 +324,7 @@ def pipeline_overhead_rows(b: _Bench, cfg, beam_args, log, n: int = 5_000) -> li
     p = Planner(replace(cfg, suite="latency"))
     manifest, images = eval_manifest(n)
     st = p.stage(manifest, images=images)
-    jb.JobRunner(tuple(beam_args), log, preload=False).run(st.job)
+    jobs.JobRunner(tuple(beam_args), log, preload=False).run(st.job)
     ds = StagedDataset(st.path)
     table = ds.load_images()
     m, bs = b.model, b.cfg.batch_size
@@ -447,7 +447,7 @@ def eval_time(b: _Bench, cfg, beam_args, log) -> tuple[list[dict], list]:
     pipeline jobs where the budget allows; extrapolated from the unit costs otherwise."""
     lcfg, u = b.cfg, b.unit
     rows = []
-    runner = jb.JobRunner(tuple(beam_args), log, preload=False)  # Table 4 times the commands as typed, with start-up
+    runner = jobs.JobRunner(tuple(beam_args), log, preload=False)  # Table 4 times the commands as typed, with start-up
     budget = lcfg.eval_budget_s
     k = 20 if 20 in lcfg.ks else max(lcfg.ks)
     p = Planner(replace(cfg, suite="latency"))

@@ -45,8 +45,7 @@ from typing import Optional, Sequence
 
 import click
 
-from benchmarks import jobs as jb
-from benchmarks import latency, report, suites
+from benchmarks import jobs, latency, report, suites
 from benchmarks.planner import Models, Plan, SuiteConfig, model_feature_dim
 from benchmarks.rows import RowHits, ce_pairs_scored, evaluate_row
 from pipelines import demo_assets
@@ -62,25 +61,25 @@ def unit_costs_path(cfg: SuiteConfig) -> str:
     return os.path.join(cfg.root, "unit_costs.json" if cfg.quantize == "none" else f"unit_costs-{cfg.quantize}.json")
 
 
-def job_rows(results: Sequence[jb.JobResult], beam_args: Sequence[str]) -> list[dict]:
+def job_rows(results: Sequence[jobs.JobResult], beam_args: Sequence[str]) -> list[dict]:
     return [{"job": r.job.name, "step": r.job.module, "wall_s": round(r.wall_s, 3),
              "peak_rss_mb": round(r.peak_rss_mb, 1), "reused": r.reused, "output": r.job.output,
              "command": r.job.command(beam_args)} for r in results]
 
 
-def execute(plan: Plan, beam_args: Sequence[str], costs: jb.UnitCosts, costs_path: str, env: dict,
-            log=print, preload: bool = True) -> tuple[list[dict], list[jb.JobResult], list[Optional[RowHits]]]:
+def execute(plan: Plan, beam_args: Sequence[str], costs: jobs.UnitCosts, costs_path: str, env: dict,
+            log=print, preload: bool = True) -> tuple[list[dict], list[jobs.JobResult], list[Optional[RowHits]]]:
     """Run the plan's jobs in order (learning unit costs from each), then evaluate its rows. ``preload``:
     jobs forked from the preloaded forkserver (``benchmarks.jobs``), not fresh interpreters. Returns the CSV
     rows, the job results and, for each CSV row, the per-query hits behind it (the seed summary's input)."""
-    runner = jb.JobRunner(tuple(beam_args), log, preload=preload)
+    runner = jobs.JobRunner(tuple(beam_args), log, preload=preload)
     for job in plan.jobs:
         res = runner.run(job)
         if not res.reused:
             if job.module == "pipelines.rerank":  # the pairs it really scored, not the planned upper bound
                 pairs = ce_pairs_scored(job.output)
-                res = jb.JobResult(jb.Job(**{**job.__dict__, "work": (("ce_pairs", pairs),) if pairs else ()}),
-                                   res.wall_s, res.peak_rss_kib, preloaded=res.preloaded)
+                res = jobs.JobResult(jobs.Job(**{**job.__dict__, "work": (("ce_pairs", pairs),) if pairs else ()}),
+                                     res.wall_s, res.peak_rss_kib, preloaded=res.preloaded)
             costs.learn(res)
             costs.save(costs_path)
     rows, hits, memo = [], [], {}
@@ -178,9 +177,9 @@ def baseline_model(cfg: SuiteConfig, plan_only: bool) -> str:
     return out
 
 
-def plan_costs(plan_jobs: Sequence[jb.Job], cfg: SuiteConfig) -> jb.UnitCosts:
+def plan_costs(plan_jobs: Sequence[jobs.Job], cfg: SuiteConfig) -> jobs.UnitCosts:
     """Unit costs for --plan: from earlier runs' JSON; missing model rates measured now on a small sample."""
-    costs = jb.UnitCosts.load(unit_costs_path(cfg))
+    costs = jobs.UnitCosts.load(unit_costs_path(cfg))
     missing = set(costs.missing(plan_jobs))
     if missing and model_feature_dim(cfg.models.first) is not None:
 
@@ -246,15 +245,15 @@ def run_suite(cfg: SuiteConfig, opts: RunOptions,
             plan = suites.plan_suite(cfg, baseline_model(cfg, opts.plan_only) if suite == "baseline" else None)
             if opts.plan_only:
                 print(f"{suite}: {len(plan.jobs)} jobs, {len(plan.rows)} row groups")
-                print(jb.format_plan(plan.jobs, beam_args, plan_costs(plan.jobs, cfg)))
+                print(jobs.format_plan(plan.jobs, beam_args, plan_costs(plan.jobs, cfg)))
                 return None
             env = {**report.environment(cfg.device, cfg.batch_size, cfg.threads), "quantize": cfg.quantize,
                    "recipe": opts.recipe,
                    "model_seed": opts.model_seed}
             # the memory suite's figure is each job's RSS: fresh interpreters, without the preloaded modules
-            rows, results, hits = execute(plan, beam_args, jb.UnitCosts.load(unit_costs_path(cfg)),
+            rows, results, hits = execute(plan, beam_args, jobs.UnitCosts.load(unit_costs_path(cfg)),
                                           unit_costs_path(cfg), env, preload=opts.preload and suite != "memory")
-    except jb.JobFailed as exc:
+    except jobs.JobFailed as exc:
         raise click.ClickException(str(exc)) from None
     if rows is None:
         return None
@@ -297,7 +296,7 @@ def run_latency_suite(cfg: SuiteConfig, opts: RunOptions):
                                        f"does not exist yet (pass --model, or run the demo first)")
         plan = latency.plan_eval_time(cfg, lcfg, latency.measured_units(cfg.models.join, lcfg))
         print(f"latency: per-query rows run in-process; Table 4 jobs within --eval-budget {lcfg.eval_budget_s:.0f}s:")
-        print(jb.format_plan(plan.jobs, opts.beam_args, plan_costs(plan.jobs, cfg)))
+        print(jobs.format_plan(plan.jobs, opts.beam_args, plan_costs(plan.jobs, cfg)))
         return None, []
     rows, results = latency.run_latency(cfg, lcfg, opts.beam_args, log=lambda m: print(
         f"[{time.strftime('%H:%M:%S')}] {m}", flush=True))

@@ -19,8 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from benchmarks import jobs as jb
-from benchmarks import latency, planner, queries, report, suites
+from benchmarks import jobs, latency, planner, queries, report, suites
 from pipelines import launch
 from retrieval_core.data.manifest import load_manifest
 from tests.helpers_model import tiny_model
@@ -163,7 +162,7 @@ def test_pipeline_rankings_equal_a_reference_from_retrieval_core(quick):
     rank_query), recomputed from retrieval_core calls: the pipeline's top-10 lists must be the same."""
     from retrieval_core.data.store import StagedDataset
     from retrieval_core.model.network import VLRetrievalModel
-    from retrieval_core.search import embeddings as emb
+    from retrieval_core.search import embeddings
     from retrieval_core.search.rerank import rank_query
 
     co = next(r for r in quick["rows"] if r["mode"] == "CO")
@@ -173,8 +172,8 @@ def test_pipeline_rankings_equal_a_reference_from_retrieval_core(quick):
     rk = _rankings(run_dir)
     staged = StagedDataset(os.path.join(quick["work"], "bench", "staged", "synthetic_f30k1k-f16-quick"))
     model = VLRetrievalModel.load(manifest["ce_model"])
-    img_ids, img_vecs = emb.read_embeddings(manifest["embeddings"], "image")
-    txt_ids, txt_vecs = emb.read_embeddings(manifest["embeddings"], "text")
+    img_ids, img_vecs = embeddings.read_embeddings(manifest["embeddings"], "image")
+    txt_ids, txt_vecs = embeddings.read_embeddings(manifest["embeddings"], "text")
     text_of = dict(zip(staged.captions()["caption_id"].tolist(), staged.captions()["text"].tolist()))
     images = staged.load_images()
     pos = images.position_of()
@@ -345,7 +344,7 @@ def test_scale_100k_reports_the_dev_chosen_fusion_beside_co(model, tmp_path):
 
 def test_scale_1m_plan_prints_jobs_and_estimates_without_running(model, tmp_path):
     work = tmp_path / "work"
-    costs = jb.UnitCosts()
+    costs = jobs.UnitCosts()
     for unit, per_s in (("stage_records", 10_000), ("images_encoded", 1_000), ("captions_encoded", 2_000),
                         ("ce_pairs", 500)):
         costs.set(unit, per_s, "test")
@@ -384,10 +383,10 @@ def test_unknown_flag_is_refused_in_one_line_before_anything_runs(model, tmp_pat
 
 @pytest.mark.parametrize("preload", [False, True], ids=["fresh interpreter", "preloaded fork"])
 def test_a_failing_job_is_one_line_naming_the_step(tmp_path, preload):
-    job = jb.Job("stage demo", "pipelines.stage", ("--manifest", "demo", "--output", str(tmp_path / "s")),
-                 str(tmp_path / "s"), "summary.json")
-    with pytest.raises(jb.JobFailed) as err:  # the job itself refuses a flag Beam does not know
-        jb.run_job(job, ("--bogus_flag=1",), log=lambda m: None, preload=preload)
+    job = jobs.Job("stage demo", "pipelines.stage", ("--manifest", "demo", "--output", str(tmp_path / "s")),
+                   str(tmp_path / "s"), "summary.json")
+    with pytest.raises(jobs.JobFailed) as err:  # the job itself refuses a flag Beam does not know
+        jobs.run_job(job, ("--bogus_flag=1",), log=lambda m: None, preload=preload)
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("stage demo failed (exit ") and "unknown option(s) --bogus_flag" in msg
 
@@ -407,15 +406,15 @@ def test_a_preloaded_job_runs_its_module_as_python_m_would(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
-    job = jb.Job("write", "pkg_job", (str(out / "done.txt"), "0"), str(out), "done.txt", beam=False)
+    job = jobs.Job("write", "pkg_job", (str(out / "done.txt"), "0"), str(out), "done.txt", beam=False)
     launch.forkserver()  # started before the variable changes below: the job must still see the launcher's
     monkeypatch.setenv("RR_JOB_TEST", "the launcher's environment now")
-    res = jb.run_job(job, log=lambda m: None, preload=True)
+    res = jobs.run_job(job, log=lambda m: None, preload=True)
     assert (out / "done.txt").read_text() == f"the launcher's environment now {tmp_path}"
     assert "  | written " in capsys.readouterr().out and res.peak_rss_kib > 0 and not res.reused
-    failing = jb.Job("exit 3", "pkg_job", (str(out / "x.txt"), "3"), str(out), "x.txt", beam=False)
-    with pytest.raises(jb.JobFailed, match=r"exit 3 failed \(exit 3\): written"):
-        jb.run_job(failing, log=lambda m: None, preload=True)
+    failing = jobs.Job("exit 3", "pkg_job", (str(out / "x.txt"), "3"), str(out), "x.txt", beam=False)
+    with pytest.raises(jobs.JobFailed, match=r"exit 3 failed \(exit 3\): written"):
+        jobs.run_job(failing, log=lambda m: None, preload=True)
 
 
 @pytest.mark.parametrize("preload", [True, False])
@@ -443,27 +442,27 @@ def test_job_reuse_follows_its_output_and_inputs(tmp_path):
     out.mkdir()
     src.write_text('{"a": 1}')
     # any module works as a job: json.tool copies its input to the output's "manifest"
-    job = jb.Job("copy", "json.tool", (str(src), str(out / "done.json")), str(out), "done.json", beam=False,
-                 inputs=(str(src),))
-    first = jb.run_job(job, log=lambda m: None)
+    job = jobs.Job("copy", "json.tool", (str(src), str(out / "done.json")), str(out), "done.json", beam=False,
+                   inputs=(str(src),))
+    first = jobs.run_job(job, log=lambda m: None)
     assert not first.reused and first.peak_rss_kib > 0 and first.wall_s > 0
-    again = jb.run_job(job, log=lambda m: None)
+    again = jobs.run_job(job, log=lambda m: None)
     assert again.reused and again.wall_s == pytest.approx(first.wall_s, abs=1e-3)
     src.write_text('{"a": 2}')  # an input changed: the output is stale
-    assert not jb.run_job(job, log=lambda m: None).reused
+    assert not jobs.run_job(job, log=lambda m: None).reused
     (out / "done.json").write_text("{}")  # the output changed behind the stamp's back
-    assert jb.finished(job) is None
+    assert jobs.finished(job) is None
 
 
 def test_a_finished_job_is_not_reused_by_other_code(tmp_path, monkeypatch):
     out, src = tmp_path / "out", tmp_path / "input.json"
     out.mkdir()
     src.write_text('{"a": 1}')
-    job = jb.Job("copy", "json.tool", (str(src), str(out / "done.json")), str(out), "done.json", beam=False)
-    jb.run_job(job, log=lambda m: None)
-    assert jb.finished(job) is not None
-    monkeypatch.setattr(jb, "code_version", lambda: "another checkout")  # e.g. a staging writer changed
-    assert jb.finished(job) is None and not jb.run_job(job, log=lambda m: None).reused
+    job = jobs.Job("copy", "json.tool", (str(src), str(out / "done.json")), str(out), "done.json", beam=False)
+    jobs.run_job(job, log=lambda m: None)
+    assert jobs.finished(job) is not None
+    monkeypatch.setattr(jobs, "code_version", lambda: "another checkout")  # e.g. a staging writer changed
+    assert jobs.finished(job) is None and not jobs.run_job(job, log=lambda m: None).reused
 
 
 def test_source_digest_changes_with_any_source_file(tmp_path):
@@ -471,32 +470,33 @@ def test_source_digest_changes_with_any_source_file(tmp_path):
     (pkg / "sub").mkdir(parents=True)
     (pkg / "a.py").write_text("x = 1\n")
     (pkg / "sub" / "b.py").write_text("y = 2\n")
-    before = jb.source_digest([str(pkg)])
-    assert before == jb.source_digest([str(pkg)]) and len(before) == 64
+    before = jobs.source_digest([str(pkg)])
+    assert before == jobs.source_digest([str(pkg)]) and len(before) == 64
     (pkg / "notes.txt").write_text("not code")
-    assert jb.source_digest([str(pkg)]) == before
+    assert jobs.source_digest([str(pkg)]) == before
     (pkg / "sub" / "b.py").write_text("y = 3\n")
-    assert jb.source_digest([str(pkg)]) != before
-    assert len(jb.code_version()) == 64
+    assert jobs.source_digest([str(pkg)]) != before
+    assert len(jobs.code_version()) == 64
 
 
 def test_unit_costs_learn_and_estimate():
-    costs = jb.UnitCosts()
-    enc = jb.Job("encode", "pipelines.encode", (), "/x", "m.json", (("images_encoded", 100), ("captions_encoded", 300)))
+    costs = jobs.UnitCosts()
+    enc = jobs.Job("encode", "pipelines.encode", (), "/x", "m.json",
+                   (("images_encoded", 100), ("captions_encoded", 300)))
     assert costs.estimate(enc) is None and costs.missing([enc]) == ["captions_encoded", "images_encoded"]
-    costs.learn(jb.JobResult(enc, 30.0, 1))  # too short: start-up would dominate, nothing learned
+    costs.learn(jobs.JobResult(enc, 30.0, 1))  # too short: start-up would dominate, nothing learned
     assert costs.rates == {}
     # no rates yet: an image counts as a caption (400 items in 90 s, less the job's start-up)
-    costs.learn(jb.JobResult(enc, 90.0 + jb.JOB_START_S, 1))
+    costs.learn(jobs.JobResult(enc, 90.0 + jobs.JOB_START_S, 1))
     assert costs.rates["images_encoded"]["per_s"] == pytest.approx(400 / 90)
     costs.set("images_encoded", 1.0, "sample")  # images cost twice a caption
     costs.set("captions_encoded", 2.0, "sample")
-    costs.learn(jb.JobResult(enc, 250.0 + jb.JOB_START_S, 1))
+    costs.learn(jobs.JobResult(enc, 250.0 + jobs.JOB_START_S, 1))
     assert costs.estimate(enc) == pytest.approx(250.0)
     assert costs.rates["images_encoded"]["per_s"] == pytest.approx(costs.rates["captions_encoded"]["per_s"] / 2)
-    small = jb.Job("encode small", "pipelines.encode", (), "/y", "m.json", (("images_encoded", 10),
-                                                                            ("captions_encoded", 30)))
-    costs.learn(jb.JobResult(small, 500.0, 1))  # less work than the job the rates came from: ignored
+    small = jobs.Job("encode small", "pipelines.encode", (), "/y", "m.json", (("images_encoded", 10),
+                                                                              ("captions_encoded", 30)))
+    costs.learn(jobs.JobResult(small, 500.0, 1))  # less work than the job the rates came from: ignored
     assert costs.estimate(enc) == pytest.approx(250.0)
 
 
@@ -585,7 +585,7 @@ def test_memory_table_reports_each_steps_peak_rss_per_size_and_growth_from_the_c
     from benchmarks.run import job_rows
 
     def result(name, module, mb):
-        return jb.JobResult(jb.Job(name, module, (), str(tmp_path), "m.json"), 1.0, int(mb * 1024))
+        return jobs.JobResult(jobs.Job(name, module, (), str(tmp_path), "m.json"), 1.0, int(mb * 1024))
 
     results = [result("stage synthetic_memory-n300", "pipelines.stage", 500),
                result("index m synthetic_memory-n300/all image", "pipelines.build_index", 300),

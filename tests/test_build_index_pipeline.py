@@ -6,7 +6,7 @@ from click.testing import CliRunner
 
 from pipelines.build_index.plan import IndexPlan
 from pipelines.build_index.run import main, run
-from retrieval_core.search import embeddings as emb
+from retrieval_core.search import embeddings
 from retrieval_core.search.exact import exact_topk
 from retrieval_core.search.index_folder import INDEX_MANIFEST, load_sharded_index
 
@@ -22,11 +22,11 @@ def _write_embeddings(root, n=600, parts=3):
     entries = []
     for i in range(parts):
         name = f"toy-{i:05d}-of-{parts:05d}.parquet"
-        data = emb.embedding_shard_bytes(ids[i::parts], x[i::parts])
+        data = embeddings.embedding_shard_bytes(ids[i::parts], x[i::parts])
         (root / "embeddings" / "image" / name).write_bytes(data)
-        entries.append(emb.shard_info(name, data, len(ids[i::parts])))
-    manifest = emb.make_embeddings_manifest("toy-model", "0" * 64, D, {"image": entries}, "test")
-    (root / emb.EMBEDDINGS_MANIFEST).write_text(json.dumps(manifest))
+        entries.append(embeddings.shard_info(name, data, len(ids[i::parts])))
+    manifest = embeddings.make_embeddings_manifest("toy-model", "0" * 64, D, {"image": entries}, "test")
+    (root / embeddings.EMBEDDINGS_MANIFEST).write_text(json.dumps(manifest))
     return ids, x
 
 

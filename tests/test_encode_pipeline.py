@@ -19,7 +19,7 @@ from retrieval_core.data.shards import caption_shard_parquet, image_shard_parque
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model.checkpoints import inspect_model_folder
 from retrieval_core.model.network import VLRetrievalModel
-from retrieval_core.search import embeddings as emb
+from retrieval_core.search import embeddings
 from tests.helpers_model import make_tiny_dataset, tiny_model
 
 FEATURE_DIM = 16
@@ -86,7 +86,7 @@ def test_encode_matches_direct_model_output_and_rerun_skips(assets):
     ds = StagedDataset(staged)
     model = VLRetrievalModel.load(model_dir)
     # images: ids and vectors equal the model's own encode_image
-    ids, vecs = emb.read_embeddings(out, "image")
+    ids, vecs = embeddings.read_embeddings(out, "image")
     table = ds.load_images()
     assert sorted(ids.tolist()) == sorted(table.item_ids.tolist())
     direct = model.encode_image(table, batch_size=5)
@@ -94,19 +94,19 @@ def test_encode_matches_direct_model_output_and_rerun_skips(assets):
     np.testing.assert_allclose(vecs[[pos[i] for i in table.item_ids.tolist()]], direct, atol=1e-5)
     # texts
     caps = ds.captions()
-    tids, tvecs = emb.read_embeddings(out, "text")
+    tids, tvecs = embeddings.read_embeddings(out, "text")
     assert sorted(tids.tolist()) == sorted(caps["caption_id"].tolist())
     direct_t = model.encode_text(caps["text"].tolist(), batch_size=7)
     tpos = {int(i): p for p, i in enumerate(tids)}
     np.testing.assert_allclose(tvecs[[tpos[int(i)] for i in caps["caption_id"]]], direct_t, atol=1e-5)
 
-    manifest = emb.load_embeddings_manifest(out)
+    manifest = embeddings.load_embeddings_manifest(out)
     assert manifest["dim"] == model.embedding_dim
     assert manifest["model"]["sha256"] == inspect_model_folder(model_dir).fingerprint
     names = [s["name"] for s in manifest["modalities"]["image"]["shards"]]
     assert names == [f"tiny-0000{i}-of-00003.parquet" for i in range(3)]  # 24 images, 10 per shard
     for s in manifest["modalities"]["image"]["shards"]:  # rows sorted by id inside each shard
-        sids, _ = emb.read_embedding_shard(os.path.join(out, emb.shard_relpath("image", s["name"])))
+        sids, _ = embeddings.read_embedding_shard(os.path.join(out, embeddings.shard_relpath("image", s["name"])))
         assert np.all(np.diff(sids) > 0) and np.all(sids % 3 == int(s["name"].split("-")[1]))
     assert summary["modalities"]["image"] == {**summary["modalities"]["image"], "inputs": 24, "encoded": 24,
                                               "dead_lettered": 0, "reused": 0}
@@ -119,18 +119,18 @@ def test_encode_matches_direct_model_output_and_rerun_skips(assets):
     assert not os.path.exists(os.path.join(out, common.SPILL_DIR))  # spill pieces removed at the end
 
     # Rerun: every shard valid -> nothing encoded. Then damage one shard -> only that one is redone.
-    mtimes = {n: os.path.getmtime(os.path.join(out, emb.shard_relpath("image", n))) for n in names}
+    mtimes = {n: os.path.getmtime(os.path.join(out, embeddings.shard_relpath("image", n))) for n in names}
     again = encode_run.run(plan)
     assert again["modalities"]["image"]["inputs"] == 0 and again["modalities"]["image"]["reused"] == 24
     assert again["modalities"]["text"]["inputs"] == 0
-    damaged = os.path.join(out, emb.shard_relpath("image", names[1]))
+    damaged = os.path.join(out, embeddings.shard_relpath("image", names[1]))
     with open(damaged, "ab") as f:
         f.write(b"x")
     third = encode_run.run(plan)
     redone = third["modalities"]["image"]
     assert redone["inputs"] == redone["encoded"] == manifest["modalities"]["image"]["shards"][1]["rows"]
-    assert os.path.getmtime(os.path.join(out, emb.shard_relpath("image", names[0]))) == mtimes[names[0]]
-    ids2, vecs2 = emb.read_embeddings(out, "image")  # checksums verified again
+    assert os.path.getmtime(os.path.join(out, embeddings.shard_relpath("image", names[0]))) == mtimes[names[0]]
+    ids2, vecs2 = embeddings.read_embeddings(out, "image")  # checksums verified again
     np.testing.assert_array_equal(np.sort(ids2), np.sort(ids))
 
 
@@ -148,7 +148,7 @@ def test_failed_batches_are_dead_lettered_with_reason(assets, tmp_path):
     assert all("feature dims" in r["reason"] for r in rows)
     ids_test = StagedDataset(staged).images_meta(split="test")["item_id"].tolist()
     assert sorted(r["item_id"] for r in rows) == sorted(ids_test)
-    manifest = emb.load_embeddings_manifest(out)
+    manifest = embeddings.load_embeddings_manifest(out)
     assert "image" not in manifest["modalities"]
 
 
@@ -168,7 +168,7 @@ def test_encoded_batches_reach_the_shard_shuffle_as_file_names(tmp_path):
     assert len(out) == 1 and out[0][0] == ("text", "c", 0)
     path, rows = out[0][1]
     assert isinstance(path, str) and rows == 3  # a name and a count: nothing of the vectors
-    ids, vectors = emb.read_embedding_shard(path)
+    ids, vectors = embeddings.read_embedding_shard(path)
     np.testing.assert_array_equal(ids, [10, 12, 14])
     np.testing.assert_array_equal(vectors, np.stack([vec(10), vec(12), vec(14)]))
     failed = [(("c", 11, "s#1#0", 1), PredictionResult("t", FailedBatch("boom")))]
@@ -201,20 +201,20 @@ def test_a_killed_run_keeps_its_finished_shards(assets, tmp_path):
     assert records == [f"{n}.json" for n in names]
     rec = json.load(open(os.path.join(out, encode_plan.COMPLETED_DIR, "image", records[0])))
     assert rec["key"]["model_sha256"] == inspect_model_folder(model_dir).fingerprint and rec["key"]["num_shards"] == 3
-    mtime = os.path.getmtime(os.path.join(out, emb.shard_relpath("image", names[0])))
+    mtime = os.path.getmtime(os.path.join(out, embeddings.shard_relpath("image", names[0])))
 
     # the kill: no manifest, no dead-letter file, and shard 2 was written but never recorded
-    os.remove(os.path.join(out, emb.EMBEDDINGS_MANIFEST))
+    os.remove(os.path.join(out, embeddings.EMBEDDINGS_MANIFEST))
     os.remove(os.path.join(out, encode_run.DEAD_LETTER_FILE))
     os.remove(os.path.join(out, encode_plan.COMPLETED_DIR, "image", records[2]))
     again = encode_run.run(plan)
-    rows2 = next(s["rows"] for s in emb.load_embeddings_manifest(out)["modalities"]["image"]["shards"]
+    rows2 = next(s["rows"] for s in embeddings.load_embeddings_manifest(out)["modalities"]["image"]["shards"]
                  if s["name"] == names[2])
     assert again["modalities"]["image"] == {**again["modalities"]["image"], "inputs": rows2, "encoded": rows2,
                                             "reused": 24 - rows2}
     assert again["modalities"]["text"]["inputs"] == 0
-    assert os.path.getmtime(os.path.join(out, emb.shard_relpath("image", names[0]))) == mtime
-    np.testing.assert_array_equal(np.sort(emb.read_embeddings(out, "image")[0]),
+    assert os.path.getmtime(os.path.join(out, embeddings.shard_relpath("image", names[0]))) == mtime
+    np.testing.assert_array_equal(np.sort(embeddings.read_embeddings(out, "image")[0]),
                                   np.sort(StagedDataset(staged).images_meta()["item_id"].to_numpy()))
     assert first["modalities"]["image"]["encoded"] == 24
 
@@ -223,7 +223,7 @@ def test_a_killed_run_keeps_its_finished_shards(assets, tmp_path):
                                                       split="test",
                                              images_per_shard=10))
     assert test_only["modalities"]["image"]["reused"] == 0 and test_only["modalities"]["image"]["encoded"] == 6
-    assert "text" in emb.load_embeddings_manifest(out)["modalities"]  # the other modality is kept (same model)
+    assert "text" in embeddings.load_embeddings_manifest(out)["modalities"]  # the other modality is kept (same model)
 
 
 def test_restaging_identical_shards_does_not_re_encode(tmp_path):

@@ -3,7 +3,7 @@ import faiss
 import numpy as np
 import pytest
 
-from retrieval_core.search import embeddings as emb
+from retrieval_core.search import embeddings
 from retrieval_core.search.exact import exact_topk
 from retrieval_core.search.index import (
     IndexIntegrityError,
@@ -128,18 +128,18 @@ def _index_dir(tmp_path, ids, x, factory="Flat", parts=2):
     trained = train_index(factory, D, "ip", sample)
     for i in range(parts):
         name = f"toy-{i:05d}-of-{parts:05d}.parquet"
-        data = emb.embedding_shard_bytes(ids[i::parts], x[i::parts])
+        data = embeddings.embedding_shard_bytes(ids[i::parts], x[i::parts])
         (emb_dir / "embeddings" / "image" / name).write_bytes(data)
-        emb_entries.append(emb.shard_info(name, data, len(ids[i::parts])))
+        emb_entries.append(embeddings.shard_info(name, data, len(ids[i::parts])))
         shard_bytes = index_bytes(build_shard(trained, ids[i::parts], x[i::parts]))
         (index_dir / "shards" / shard_file_name(name)).write_bytes(shard_bytes)
-        idx_entries.append(dict(emb.shard_info(shard_file_name(name), shard_bytes, len(ids[i::parts])),
+        idx_entries.append(dict(embeddings.shard_info(shard_file_name(name), shard_bytes, len(ids[i::parts])),
                                 source=name, source_sha256=emb_entries[-1]["sha256"]))
     import hashlib
     import json
-    m = emb.make_embeddings_manifest("model", "0" * 64, D, {"image": emb_entries}, "test")
+    m = embeddings.make_embeddings_manifest("model", "0" * 64, D, {"image": emb_entries}, "test")
     mb = json.dumps(m).encode()
-    (emb_dir / emb.EMBEDDINGS_MANIFEST).write_bytes(mb)
+    (emb_dir / embeddings.EMBEDDINGS_MANIFEST).write_bytes(mb)
     im = make_index_manifest(factory, D, "ip", "image", idx_entries,
                              {"dir": str(emb_dir), "manifest_sha256": hashlib.sha256(mb).hexdigest(),
                               "count": len(ids)}, {"sha256": "", "train_sample": 0, "seed": 0}, "test")
@@ -154,7 +154,7 @@ def test_load_sharded_index_verifies(tmp_path):
     assert loaded.ntotal == 200
     np.testing.assert_array_equal(loaded.all_ids(), np.sort(ids))
     # embeddings read back intact through the manifest
-    rids, rx = emb.read_embeddings(str(emb_dir), "image")
+    rids, rx = embeddings.read_embeddings(str(emb_dir), "image")
     assert sorted(rids.tolist()) == sorted(ids.tolist()) and rx.shape == (200, D)
 
     shard = index_dir / "shards" / "toy-00001-of-00002.faiss"
@@ -166,8 +166,8 @@ def test_load_sharded_index_verifies(tmp_path):
 
     emb_shard = emb_dir / "embeddings" / "image" / "toy-00000-of-00002.parquet"
     emb_shard.write_bytes(emb_shard.read_bytes() + b"x")
-    with pytest.raises(emb.EmbeddingsError, match="sha256"):
-        emb.read_embeddings(str(emb_dir), "image")
+    with pytest.raises(embeddings.EmbeddingsError, match="sha256"):
+        embeddings.read_embeddings(str(emb_dir), "image")
 
 
 @pytest.mark.parametrize("factory", ["Flat", "IVF4,Flat"])
@@ -202,13 +202,13 @@ def test_load_sharded_index_detects_id_mismatch(tmp_path):
     # rewrite one embedding shard with different ids but keep the manifest consistent -> index ids differ
     import json
     name = "toy-00000-of-00002.parquet"
-    data = emb.embedding_shard_bytes(ids[0::2] + 1, x[0::2])
+    data = embeddings.embedding_shard_bytes(ids[0::2] + 1, x[0::2])
     (emb_dir / "embeddings" / "image" / name).write_bytes(data)
     with pytest.raises(IndexIntegrityError, match="ids differ"):
         load_sharded_index(str(index_dir))
-    m = json.loads((emb_dir / emb.EMBEDDINGS_MANIFEST).read_text())
+    m = json.loads((emb_dir / embeddings.EMBEDDINGS_MANIFEST).read_text())
     m["dim"] = 3
-    (emb_dir / emb.EMBEDDINGS_MANIFEST).write_text(json.dumps(m))
+    (emb_dir / embeddings.EMBEDDINGS_MANIFEST).write_text(json.dumps(m))
     with pytest.raises(IndexIntegrityError, match="changed"):
         load_sharded_index(str(index_dir))
 

@@ -6,8 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipelines.build_index.run import main
-from retrieval_core.search import embeddings as emb
-from retrieval_core.search import index_choice as ic
+from retrieval_core.search import embeddings, index_choice
 from retrieval_core.search.index import select_training_ids
 from retrieval_core.search.index_folder import INDEX_MANIFEST, load_sharded_index
 
@@ -29,11 +28,11 @@ def _write_embeddings(root, n=800, n_text=300, parts=2):
         entries[modality] = []
         for i in range(parts):
             name = f"toy-{i:05d}-of-{parts:05d}.parquet"
-            data = emb.embedding_shard_bytes(ids[i::parts], vecs[i::parts])
+            data = embeddings.embedding_shard_bytes(ids[i::parts], vecs[i::parts])
             (root / "embeddings" / modality / name).write_bytes(data)
-            entries[modality].append(emb.shard_info(name, data, len(ids[i::parts])))
-    manifest = emb.make_embeddings_manifest("toy-model", "0" * 64, D, entries, "test")
-    (root / emb.EMBEDDINGS_MANIFEST).write_text(json.dumps(manifest))
+            entries[modality].append(embeddings.shard_info(name, data, len(ids[i::parts])))
+    manifest = embeddings.make_embeddings_manifest("toy-model", "0" * 64, D, entries, "test")
+    (root / embeddings.EMBEDDINGS_MANIFEST).write_text(json.dumps(manifest))
     return x, t
 
 
@@ -61,13 +60,13 @@ def test_auto_chooses_within_the_memory_budget_and_records_measured_recall(tmp_p
     # the recorded recall is real: the loaded index with the recorded nprobe finds what exact search finds
     index = load_sharded_index(str(out))
     index.set_params(**m["search_params"])
-    ids, x = emb.read_embeddings(str(emb_dir), "image")
-    t_ids, t = emb.read_embeddings(str(emb_dir), "text")
+    ids, x = embeddings.read_embeddings(str(emb_dir), "image")
+    t_ids, t = embeddings.read_embeddings(str(emb_dir), "text")
     held_out = select_training_ids(t_ids, 200, 2)  # the queries build_index drew (seed + 2)
     order = np.argsort(t_ids)
     t = t[order[np.searchsorted(t_ids[order], held_out)]]
-    exact = ic.exact_topk(t, x, ids, 10)[1]
-    assert ic.recall_at_10(index.search(t, 10)[1], exact) == pytest.approx(measured["recall@10"])
+    exact = index_choice.exact_topk(t, x, ids, 10)[1]
+    assert index_choice.recall_at_10(index.search(t, 10)[1], exact) == pytest.approx(measured["recall@10"])
 
 
 def test_auto_refuses_a_budget_nothing_meets_in_one_line(tmp_path):
@@ -87,10 +86,10 @@ def test_auto_refuses_a_budget_nothing_meets_in_one_line(tmp_path):
 
 
 def test_parse_bytes_and_estimates():
-    assert ic.parse_bytes("4GB") == 4 * 10**9 and ic.parse_bytes("512MiB") == 512 * 2**20
-    assert ic.parse_bytes("1000") == 1000
+    assert index_choice.parse_bytes("4GB") == 4 * 10**9 and index_choice.parse_bytes("512MiB") == 512 * 2**20
+    assert index_choice.parse_bytes("1000") == 1000
     with pytest.raises(ValueError):
-        ic.parse_bytes("-3GB")
+        index_choice.parse_bytes("-3GB")
     n, d = 1_000_000, 384
-    assert ic.estimated_bytes("Flat", n, d) > ic.estimated_bytes("IVF1024,SQ8", n, d) > \
-        ic.estimated_bytes("IVF1024,PQ96x8", n, d)
+    assert index_choice.estimated_bytes("Flat", n, d) > index_choice.estimated_bytes("IVF1024,SQ8", n, d) > \
+        index_choice.estimated_bytes("IVF1024,PQ96x8", n, d)

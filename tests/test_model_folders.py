@@ -16,7 +16,7 @@ from pipelines.rerank import run as rerank_run
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model.baseline import MappedBaseline
 from retrieval_core.model.checkpoints import CheckpointError, inspect_model_folder, load_model_folder
-from retrieval_core.search import embeddings as emb
+from retrieval_core.search import embeddings
 from tests.helpers_model import make_tiny_dataset, write_tiny_bert
 from tests.test_encode_pipeline import write_tiny_model, write_tiny_staged
 from tests.test_model import F, _oscar_keys, _oscar_like_model, _write_bert_config
@@ -97,7 +97,7 @@ def test_encode_and_rerank_clis_take_an_mmt_folder(staged, tmp_path):
     assert res.exit_code == 0, res.output
     model = load_model_folder(mmt)
     ds = StagedDataset(staged)
-    ids, vecs = emb.read_embeddings(out, "text")
+    ids, vecs = embeddings.read_embeddings(out, "text")
     texts = ds.captions().set_index("caption_id")["text"]
     np.testing.assert_allclose(vecs, model.encode_text(texts.loc[ids].tolist()), atol=1e-5)
 
@@ -167,8 +167,8 @@ def test_encode_cli_takes_a_mapped_baseline_folder(staged, tmp_path):
     res = _encode_cli(staged, str(tmp_path / "baseline"), out)
     assert res.exit_code == 0, res.output
     ds = StagedDataset(staged)
-    ids, vecs = emb.read_embeddings(out, "image")
+    ids, vecs = embeddings.read_embeddings(out, "image")
     np.testing.assert_allclose(vecs, base.encode_image(ds.load_images(ids.tolist())), atol=1e-5)
-    ids, vecs = emb.read_embeddings(out, "text")
+    ids, vecs = embeddings.read_embeddings(out, "text")
     texts = ds.captions().set_index("caption_id")["text"]
     np.testing.assert_allclose(vecs, base.encode_text(texts.loc[ids].tolist()), atol=1e-5)

@@ -18,7 +18,7 @@ from pipelines.rerank import plan as rerank_plan
 from pipelines.rerank import run as rerank_run
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model.network import VLRetrievalModel
-from retrieval_core.search import embeddings as emb
+from retrieval_core.search import embeddings
 from retrieval_core.search.exact import exact_topk
 from retrieval_core.search.rerank import RANKINGS_MANIFEST, _sigmoid
 from tests.test_encode_pipeline import write_tiny_model, write_tiny_staged
@@ -60,8 +60,8 @@ def test_emb_rankings_equal_exact_topk(assets, tmp_path):
     assert manifest["queries"] == {"t2i": 12, "i2t": 6}
     assert "FAISS" in manifest["search"]["t2i"] and "exact" in manifest["search"]["i2t"]
 
-    img_ids, img_vecs = emb.read_embeddings(emb_dir, "image")
-    txt_ids, txt_vecs = emb.read_embeddings(emb_dir, "text")
+    img_ids, img_vecs = embeddings.read_embeddings(emb_dir, "image")
+    txt_ids, txt_vecs = embeddings.read_embeddings(emb_dir, "text")
     for direction, q_ids, (p_ids, p_vecs), (qa_ids, qa_vecs) in (
             ("t2i", ds.captions(split="test")["caption_id"].to_numpy(), (img_ids, img_vecs), (txt_ids, txt_vecs)),
             ("i2t", ds.images_meta(split="test")["item_id"].to_numpy(), (txt_ids, txt_vecs), (img_ids, img_vecs))):
@@ -169,8 +169,8 @@ def test_l2_index_reranks_with_negated_distances_as_be_scores(assets, tmp_path):
                                  directions=("t2i",), split="test")
     assert manifest["queries"] == {"t2i": 12}
 
-    img_ids, img_vecs = emb.read_embeddings(emb_dir, "image")
-    txt_ids, txt_vecs = emb.read_embeddings(emb_dir, "text")
+    img_ids, img_vecs = embeddings.read_embeddings(emb_dir, "image")
+    txt_ids, txt_vecs = embeddings.read_embeddings(emb_dir, "text")
     pos = {int(i): n for n, i in enumerate(txt_ids)}
     got = per_query(read_rankings(out, "t2i"))
     for q, g in got.items():

@@ -31,7 +31,7 @@ from retrieval_core.model.checkpoints import (
     load_model_folder,
     local_model_folder,
 )
-from retrieval_core.search import embeddings as emb
+from retrieval_core.search import embeddings
 from retrieval_core.search.index_folder import INDEX_MANIFEST
 from tests.helpers_beamfs import PREFIX, url
 from tests.test_dataflow import MANIFEST  # a synthetic collection of 16 images (8 test), 2 captions each
@@ -85,14 +85,14 @@ def test_url_chain_writes_the_bytes_of_the_local_chain(chains):
     for kind in ("images", "captions"):
         a, b = (c["summary"]["collections"]["syn"][kind]["shards"] for c in (on_disk, by_url))
         assert [(s["name"], s["sha256"]) for s in b] == [(s["name"], s["sha256"]) for s in a] and a
-    emb_a, emb_b = (json.loads(read(emb.manifest_path(c["emb"]))) for c in (on_disk, by_url))
+    emb_a, emb_b = (json.loads(read(embeddings.manifest_path(c["emb"]))) for c in (on_disk, by_url))
     assert emb_b["model"]["sha256"] == emb_a["model"]["sha256"]  # fingerprinted from the cached copy
     assert emb_b["model"]["path"].startswith(PREFIX)
     for modality in ("image", "text"):
         a, b = emb_a["modalities"][modality]["shards"], emb_b["modalities"][modality]["shards"]
         assert a == b and len(a) == 3
         for s in a:
-            rel = emb.shard_relpath(modality, s["name"])
+            rel = embeddings.shard_relpath(modality, s["name"])
             assert read(f"{by_url['emb']}/{rel}") == read(f"{on_disk['emb']}/{rel}")
 
     ix_a, ix_b = (json.loads(read(f"{c['index']}/{INDEX_MANIFEST}")) for c in (on_disk, by_url))

@@ -13,7 +13,7 @@ from apache_beam.metrics import Metrics
 
 from pipelines import common
 from pipelines.build_index.plan import IndexBuildError, IndexPlan
-from retrieval_core.search import embeddings as emb
+from retrieval_core.search import embeddings
 from retrieval_core.search.index import build_shard, index_bytes, read_id_list, set_threads
 from retrieval_core.search.index_folder import SHARDS_SUBDIR, shard_file_name
 
@@ -50,11 +50,11 @@ class BuildShard(beam.DoFn):
 
     def process(self, entry: dict):
         t0 = time.time()
-        src = common.join(self.plan.embeddings, emb.shard_relpath(self.plan.modality, entry["name"]))
+        src = common.join(self.plan.embeddings, embeddings.shard_relpath(self.plan.modality, entry["name"]))
         data = common.read_bytes(src)
-        emb.verify_shard_bytes(data, entry, src)
-        ids, vectors = emb.read_embedding_shard(data)
-        emb.check_shard_contents(ids, vectors, entry, self.dim, src)
+        embeddings.verify_shard_bytes(data, entry, src)
+        ids, vectors = embeddings.read_embedding_shard(data)
+        embeddings.check_shard_contents(ids, vectors, entry, self.dim, src)
         if self._ids is not None:
             keep = np.isin(ids, self._ids)
             ids, vectors = ids[keep], vectors[keep]

@@ -8,7 +8,7 @@ import click
 
 from retrieval_core.cli import check_choice, check_positive, option, threads_option
 from retrieval_core.data import schema
-from retrieval_core.search import index_choice as ic
+from retrieval_core.search import index_choice
 from retrieval_core.search.index import METRICS, THREADS_ENV
 
 #: --index-factory value that chooses the factory and its search parameters under budgets (index_choice).
@@ -27,7 +27,7 @@ class ByteSize(click.ParamType):
         if isinstance(value, int):
             return value
         try:
-            return ic.parse_bytes(value)
+            return index_choice.parse_bytes(value)
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
 
@@ -68,9 +68,9 @@ class IndexPlan:
                                help="auto: held-out queries (the other modality's embeddings) recall and query time "
                                     "use")
     @property
-    def budget(self) -> ic.IndexBudget:
+    def budget(self) -> index_choice.IndexBudget:
         extra = {} if self.recall_target is None else {"recall_target": self.recall_target}
-        return ic.IndexBudget(self.max_index_memory, self.max_query_ms, **extra)
+        return index_choice.IndexBudget(self.max_index_memory, self.max_query_ms, **extra)
 
     def __post_init__(self):
         for name in ("embeddings", "output"):

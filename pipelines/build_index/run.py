@@ -22,9 +22,7 @@ from pipelines.build_index.graph import METRICS_NAMESPACE, BuildShard, _Blob, bu
 from pipelines.build_index.plan import AUTO, IndexBuildError, IndexPlan
 from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
 from retrieval_core.data import schema
-from retrieval_core.search import embeddings as emb
-from retrieval_core.search import exact
-from retrieval_core.search import index_choice as ic
+from retrieval_core.search import embeddings, exact, index_choice
 from retrieval_core.search.index import (
     ShardedIndex,
     index_bytes,
@@ -53,7 +51,8 @@ def _previous_manifest(output: str) -> Optional[dict]:
 
 
 def _shard_ids(emb_dir: str, modality: str, entry: dict) -> np.ndarray:
-    return emb.read_embedding_ids(common.read_bytes(common.join(emb_dir, emb.shard_relpath(modality, entry["name"]))))
+    path = common.join(emb_dir, embeddings.shard_relpath(modality, entry["name"]))
+    return embeddings.read_embedding_ids(common.read_bytes(path))
 
 
 def check_ids_present(ids: np.ndarray, emb_dir: str, modality: str, shards: list[dict], where: str) -> None:
@@ -82,10 +81,10 @@ def _gather(emb_dir: str, modality: str, shards: list[dict], chosen: np.ndarray,
     """The vectors of the ``chosen`` ids, in that order, read shard by shard (checksum-verified)."""
     found: dict[int, np.ndarray] = {}
     for s in shards:
-        path = common.join(emb_dir, emb.shard_relpath(modality, s["name"]))
+        path = common.join(emb_dir, embeddings.shard_relpath(modality, s["name"]))
         data = common.read_bytes(path)
-        emb.verify_shard_bytes(data, s, path)
-        shard_ids, vectors = emb.read_embedding_shard(data)
+        embeddings.verify_shard_bytes(data, s, path)
+        shard_ids, vectors = embeddings.read_embedding_shard(data)
         for row in np.flatnonzero(np.isin(shard_ids, chosen)):
             found[int(shard_ids[row])] = vectors[row]
     missing = set(chosen.tolist()) - set(found)
@@ -102,13 +101,13 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
     options = common.task_pipeline_options(beam_args)
     dry = common.is_dry_run(options)
     set_threads(plan.threads)
-    manifest_path = common.join(plan.embeddings, emb.EMBEDDINGS_MANIFEST)
+    manifest_path = common.join(plan.embeddings, embeddings.EMBEDDINGS_MANIFEST)
     if not common.exists(manifest_path):
-        raise emb.EmbeddingsError(f"no {emb.EMBEDDINGS_MANIFEST} in {plan.embeddings}: not an embeddings "
-                                  f"directory (run pipelines.encode first)")
+        raise embeddings.EmbeddingsError(f"no {embeddings.EMBEDDINGS_MANIFEST} in {plan.embeddings}: not an embeddings "
+                                         f"directory (run pipelines.encode first)")
     manifest_bytes = common.read_bytes(manifest_path)
-    emb_manifest = emb.validate_embeddings_manifest(json.loads(manifest_bytes.decode("utf-8")))
-    entry = emb.modality_entry(emb_manifest, plan.modality)
+    emb_manifest = embeddings.validate_embeddings_manifest(json.loads(manifest_bytes.decode("utf-8")))
+    entry = embeddings.modality_entry(emb_manifest, plan.modality)
     shards, dim = entry["shards"], int(emb_manifest["dim"])
     if not shards:
         raise IndexBuildError(f"no {plan.modality} embedding shards in {plan.embeddings}")
@@ -223,11 +222,11 @@ def _choose(plan: IndexPlan, emb_manifest: dict, shards: list[dict], dim: int, i
     vectors = _gather(plan.embeddings, plan.modality, shards, tune_ids, dim)
     queries, source = _held_out_queries(plan, emb_manifest, shards, dim, ids)
     log.info("auto index: choosing among %s on %d of %d items, %s as queries",
-             ic.candidate_factories(n_total, dim), len(tune_ids), n_total, source)
+             index_choice.candidate_factories(n_total, dim), len(tune_ids), n_total, source)
     try:
-        best, cands = ic.choose_index(tune_ids, vectors, queries, n_total, plan.budget, plan.metric, plan.seed,
-                                      log=log.info)
-    except ic.NoIndexFits as exc:
+        best, cands = index_choice.choose_index(tune_ids, vectors, queries, n_total, plan.budget, plan.metric,
+                                                plan.seed, log=log.info)
+    except index_choice.NoIndexFits as exc:
         raise IndexBuildError(str(exc)) from None
     log.info("auto index: chose %s in %.1f s", best.factory, time.time() - t0)
     return best.factory, {"budget": plan.budget.as_dict(), "tuning_items": int(len(tune_ids)),
@@ -238,10 +237,10 @@ def _choose(plan: IndexPlan, emb_manifest: dict, shards: list[dict], dim: int, i
 def _exact_ids(plan: IndexPlan, shards: list[dict], ids: Optional[np.ndarray], queries: np.ndarray) -> np.ndarray:
     """Exact top-10 ids of ``queries`` over the indexed items, one embedding shard at a time."""
     def listed():
-        for sid, vec in emb.iter_embedding_shards(plan.embeddings, plan.modality, files=common.BEAM_FILES):
+        for sid, vec in embeddings.iter_embedding_shards(plan.embeddings, plan.modality, files=common.BEAM_FILES):
             keep = np.isin(sid, ids) if ids is not None else slice(None)
             yield sid[keep], vec[keep]
-    [(_, found)] = exact.exact_topk_shards([queries], listed(), ic.K, plan.metric)
+    [(_, found)] = exact.exact_topk_shards([queries], listed(), index_choice.K, plan.metric)
     return found
 
 
@@ -254,20 +253,21 @@ def _measure_built(plan: IndexPlan, manifest: dict, shards: list[dict], ids: Opt
                                                                              s["name"])))
                           for s in manifest["shards"]])
     memory = int(sum(len(index_bytes(x)) for x in index.shards))
-    params, recall, sweep = ic.tune_search(index, manifest["factory"], queries,
-                                           _exact_ids(plan, shards, ids, queries), plan.budget.recall_target)
-    ms = ic.query_ms(index, queries)
+    params, recall, sweep = index_choice.tune_search(index, manifest["factory"], queries,
+                                                     _exact_ids(plan, shards, ids, queries), plan.budget.recall_target)
+    ms = index_choice.query_ms(index, queries)
     budget = plan.budget
     misses = [m for m, bad in ((f"recall@10 {recall:.3f} < {budget.recall_target}", recall < budget.recall_target),
                                (f"{ms:.2f} ms/query > {budget.max_query_ms} ms", budget.max_query_ms is not None
                                 and ms > budget.max_query_ms),
-                               (f"{ic.human_bytes(memory)} > {ic.human_bytes(budget.max_memory_bytes or 0)}",
+                               (f"{index_choice.human_bytes(memory)} > "
+                                f"{index_choice.human_bytes(budget.max_memory_bytes or 0)}",
                                 budget.max_memory_bytes is not None and memory > budget.max_memory_bytes)) if bad]
     if misses:
         raise IndexBuildError(f"the chosen {manifest['factory']} as built misses the budget: {'; '.join(misses)} "
                               f"(chosen on {auto['tuning_items']} sampled items); raise --auto-sample or the budget")
     log.info("auto index %s: recall@10 %.3f at %s, %.2f ms/query, %s", manifest["factory"], recall, params,
-             ms, ic.human_bytes(memory))
+             ms, index_choice.human_bytes(memory))
     return params, {**auto, "measured": {"recall@10": recall, "query_ms": ms, "memory_bytes": memory,
                                          "sweep": sweep, "how": "single-query p50 over the held-out queries; "
                                          f"recall@10 = knn_intersection_measure vs exact {plan.metric} search"}}

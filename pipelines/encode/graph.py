@@ -22,7 +22,7 @@ from pipelines.handlers import (
 )
 from retrieval_core.data import schema
 from retrieval_core.data.store import StagedDataset
-from retrieval_core.search import embeddings as emb
+from retrieval_core.search import embeddings
 
 MODALITY_TASK = {schema.MODALITY_IMAGE: TASK_EMBED_IMAGE, schema.MODALITY_TEXT: TASK_EMBED_TEXT}
 #: Beam counters (namespace "encode"): images_encoded, captions_encoded, images_dead_lettered, ...
@@ -119,7 +119,7 @@ class SpillBatches(beam.DoFn):
         ids = np.array([i for i, _ in done], dtype=np.int64)
         shard = self.plans[(self.modality, collection)].shard_of(ids[0])  # a batch holds one output shard
         path = spill_piece_path(self.output, self.modality, collection, tag)
-        common.write_atomic(path, emb.embedding_shard_bytes(ids, np.stack([v for _, v in done])))
+        common.write_atomic(path, embeddings.embedding_shard_bytes(ids, np.stack([v for _, v in done])))
         yield (self.modality, collection, shard), (path, len(ids))
 
     def finish_bundle(self):
@@ -151,18 +151,18 @@ def _write_shard(group, output: str, plans: dict[tuple[str, str], ShardPlan]) ->
     (modality, collection, index), pieces = group
     parts = []
     for path, rows in sorted(pieces):
-        ids, vectors = emb.read_embedding_shard(common.read_bytes(path))
+        ids, vectors = embeddings.read_embedding_shard(common.read_bytes(path))
         if len(ids) != rows:
             raise EncodeError(f"spill piece {path} holds {len(ids)} rows, {rows} were written")
         parts.append((ids, vectors))
     ids = np.concatenate([p[0] for p in parts])
     order = np.argsort(ids, kind="stable")
     ids, vectors = ids[order], np.concatenate([p[1] for p in parts])[order]
-    data = emb.embedding_shard_bytes(ids, vectors)
+    data = embeddings.embedding_shard_bytes(ids, vectors)
     plan = plans[(modality, collection)]
     name = plan.name(index)
-    common.write_atomic(common.join(output, emb.shard_relpath(modality, name)), data)
-    info = emb.shard_info(name, data, len(ids))
+    common.write_atomic(common.join(output, embeddings.shard_relpath(modality, name)), data)
+    info = embeddings.shard_info(name, data, len(ids))
     if len(ids) == plan.expected_rows[index]:  # after the shard: a kill in between only costs a redo
         common.write_json_atomic(record_path(output, modality, name), {**info, "key": plan.key})
     return {"kind": "shard", "modality": modality, **info}

@@ -23,7 +23,7 @@ from retrieval_core.cli import (
 from retrieval_core.data import schema
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model.checkpoints import CheckpointError, ModelFolder, inspect_model_folder
-from retrieval_core.search import embeddings as emb
+from retrieval_core.search import embeddings
 
 MODALITY_CHOICES = (*schema.MODALITIES, "both")
 STAGED_ID = {schema.MODALITY_IMAGE: schema.ITEM_ID, schema.MODALITY_TEXT: "caption_id"}
@@ -155,7 +155,7 @@ def keep_finished(output: str, plans: list[ShardPlan]) -> dict[str, list[dict]]:
     for plan in plans:
         for i in sorted(plan.redo):
             rec = _read_record(output, plan.modality, plan.name(i))
-            path = common.join(output, emb.shard_relpath(plan.modality, plan.name(i)))
+            path = common.join(output, embeddings.shard_relpath(plan.modality, plan.name(i)))
             if rec and rec.get("key") == plan.key and int(rec.get("rows", -1)) == plan.expected_rows[i] \
                     and common.shard_is_valid(path, rec.get("sha256")):
                 plan.redo.discard(i)
@@ -177,7 +177,7 @@ def keep_other_modalities(output: str, old: Optional[dict], planned: tuple[str, 
         ok = []
         for s in entry.get("shards", []):
             rec = _read_record(output, modality, s["name"])
-            path = common.join(output, emb.shard_relpath(modality, s["name"]))
+            path = common.join(output, embeddings.shard_relpath(modality, s["name"]))
             if not rec or not isinstance(rec.get("key"), dict) or rec.get("sha256") != s["sha256"] \
                     or rec["key"] != current_key(modality, rec["key"]) or not common.shard_is_valid(path, s["sha256"]):
                 ok = None

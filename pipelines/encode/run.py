@@ -34,7 +34,7 @@ from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
 from retrieval_core.data import schema
 from retrieval_core.data.pixels.backbone import FeatureSourceError
 from retrieval_core.data.store import StagedDataset
-from retrieval_core.search import embeddings as emb
+from retrieval_core.search import embeddings
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
         raise EncodeError(f"nothing to encode: no {'/'.join(plan.modalities)} items in {plan.staged} "
                           f"(collection={plan.collection}, split={plan.split})")
 
-    manifest_file = common.join(plan.output, emb.EMBEDDINGS_MANIFEST)
+    manifest_file = common.join(plan.output, embeddings.EMBEDDINGS_MANIFEST)
     old = common.read_json(manifest_file) if common.exists(manifest_file) else None
     keep = keep_finished(plan.output, list(plans.values()))
 
@@ -160,8 +160,8 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
     by_modality: dict[str, list[dict]] = {m: list(keep.get(m, [])) for m in set(keep) | set(plan.modalities)}
     for r in written:
         by_modality[r["modality"]].append({k: r[k] for k in ("name", "rows", "sha256")})
-    manifest = emb.make_embeddings_manifest(plan.model, model_sha, dim, {m: s for m, s in by_modality.items() if s},
-                                            CREATED_BY)
+    manifest = embeddings.make_embeddings_manifest(plan.model, model_sha, dim,
+                                                   {m: s for m, s in by_modality.items() if s}, CREATED_BY)
     manifest["quantize"] = plan.precision  # the serving precision the vectors come from (schema.QUANTIZE_CHOICES)
     manifest["inputs"] = {"collections": collections, "split": plan.split,
                           "staged_sha256": {f"{m}/{c}": p.key["staged_sha256"] for (m, c), p in sorted(plans.items())}}
@@ -186,7 +186,7 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
         summary["modalities"][m] = {"inputs": planned_in[m], "encoded": encoded, "dead_lettered": n_dead,
                                     "reused": skipped[m], "metrics": metrics}
     summary["wall_s"] = time.time() - t0
-    print(f"embeddings: {plan.output} (manifest {emb.EMBEDDINGS_MANIFEST}); wall time {summary['wall_s']:.1f} s")
+    print(f"embeddings: {plan.output} (manifest {embeddings.EMBEDDINGS_MANIFEST}); wall time {summary['wall_s']:.1f} s")
     if dead:
         print(f"{len(dead)} item(s) dead-lettered, reasons in {common.join(plan.output, DEAD_LETTER_FILE)}; "
               f"a rerun retries their shards")

@@ -16,8 +16,7 @@ from pipelines import common
 from pipelines.handlers import TASK_SCORE_PAIRS, CaptionTexts, VLModelHandler, element_length
 from pipelines.rerank.plan import PROGRESS_DIR, T2I, RerankError, Resolved, SearcherSpec, shard_pairs
 from retrieval_core.data.store import StagedDataset
-from retrieval_core.search import embeddings as emb
-from retrieval_core.search import rerank as rr
+from retrieval_core.search import embeddings, rerank
 from retrieval_core.search.index import set_threads
 from retrieval_core.search.index_folder import StreamedExact, StreamedIndex
 
@@ -91,10 +90,10 @@ def read_query_vectors(task, emb_dir: str, wanted: Mapping[str, frozenset]):
     """(direction, modality, shard name, sha256, groups) -> ((direction, group), (query_id, vector)) for the
     wanted ids."""
     direction, modality, name, sha256, groups = task
-    path = common.join(emb_dir, emb.shard_relpath(modality, name))
+    path = common.join(emb_dir, embeddings.shard_relpath(modality, name))
     data = common.read_bytes(path)
-    emb.verify_shard_bytes(data, {"sha256": sha256}, path)
-    ids, vecs = emb.read_embedding_shard(data)
+    embeddings.verify_shard_bytes(data, {"sha256": sha256}, path)
+    ids, vecs = embeddings.read_embedding_shard(data)
     keep = wanted[direction]
     for i, qid in enumerate(ids.tolist()):
         if qid in keep:
@@ -171,13 +170,13 @@ def _by_shard(routed):
 def pair_requests(element, k: int):
     """Candidates of one query -> ((caption_id, image_id), (direction, query_id)) for its top-k."""
     (direction, qid), (ids, _scores) = element
-    for pair in rr.query_pairs(direction, qid, ids, k):
+    for pair in rerank.query_pairs(direction, qid, ids, k):
         yield pair, (direction, qid)
 
 
 def by_caption(element):
     pair, requesters = element
-    return pair[0], (pair, rr.merge_requesters(requesters))
+    return pair[0], (pair, rerank.merge_requesters(requesters))
 
 
 class RouteToShard(beam.DoFn):
@@ -247,7 +246,7 @@ def rank_emb(element, k: int):
     key, (ids, scores) = element
     _RANKED.inc()
     common.Progress.advance(1)  # EMB counts queries
-    return key, rr.rank_query(ids, scores, None, k, "emb", keep=len(ids))
+    return key, rerank.rank_query(ids, scores, None, k, "emb", keep=len(ids))
 
 
 def rank_with_ce(element, k: int, mode: str, lam: float):
@@ -257,9 +256,9 @@ def rank_with_ce(element, k: int, mode: str, lam: float):
     if len(cands) != 1:
         raise RerankError(f"{direction} query {qid}: {len(cands)} candidate lists")
     ids, be = cands[0]
-    ce = rr.ce_scores_of(ids, k, dict(grouped["ce"]), f"{direction} query {qid}")
+    ce = rerank.ce_scores_of(ids, k, dict(grouped["ce"]), f"{direction} query {qid}")
     _RANKED.inc()
-    return (direction, qid), rr.rank_query(ids, be, ce, k, mode, lam=lam, keep=len(ids))
+    return (direction, qid), rerank.rank_query(ids, be, ce, k, mode, lam=lam, keep=len(ids))
 
 
 def shard_key(element, shards: Mapping[str, int]):
@@ -269,10 +268,10 @@ def shard_key(element, shards: Mapping[str, int]):
 
 def write_shard(output: str, name: str, direction: str, query_ids, results, fingerprint: str) -> dict:
     """Write one rankings shard, then its progress record (what a resumed run trusts); the shard's info."""
-    table = rr.rankings_table(direction, query_ids, results)
+    table = rerank.rankings_table(direction, query_ids, results)
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
-    sha = common.write_atomic(common.join(output, rr.RANKINGS_SUBDIR, name), buf.getvalue())
+    sha = common.write_atomic(common.join(output, rerank.RANKINGS_SUBDIR, name), buf.getvalue())
     info = {"kind": "shard", "direction": direction, "name": name, "queries": len(query_ids),
             "rows": table.num_rows, "sha256": sha}
     common.write_json_atomic(common.join(output, PROGRESS_DIR, name + ".json"), {**info, "plan": fingerprint})

@@ -26,8 +26,7 @@ from retrieval_core.data.pixels.backbone import FeatureSourceError
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.evaluation.runs import RunError, choose_fusion, read_run_manifest
 from retrieval_core.model.checkpoints import CheckpointError, ModelFolder, inspect_model_folder
-from retrieval_core.search import embeddings as emb
-from retrieval_core.search import rerank as rr
+from retrieval_core.search import embeddings, rerank
 from retrieval_core.search.index import check_search_params
 from retrieval_core.search.index_folder import INDEX_MANIFEST, load_index_manifest
 
@@ -37,7 +36,7 @@ T2I, I2T = schema.DIRECTION_T2I, schema.DIRECTION_I2T
 DIRECTIONS = (T2I, I2T)
 #: "auto": the fusion (co, add_lam, norm_add_lam) with the best mR on a dev run (--tune-on), then run as that mode
 AUTO = "auto"
-CLI_MODES = rr.RUN_MODES + (AUTO,)
+CLI_MODES = rerank.RUN_MODES + (AUTO,)
 PROGRESS_DIR = "_progress"  # <output>/_progress/<shard>.json: one record per finished ranking shard
 TUNE_DIR = "_tune"  # <output>/_tune: --mode auto's own dev run (--tune-embeddings)
 
@@ -171,11 +170,11 @@ class RerankPlan:
 
     @property
     def rank_mode(self) -> str:
-        return rr.RUN_TO_RANK_MODE[self.mode]
+        return rerank.RUN_TO_RANK_MODE[self.mode]
 
     @property
     def applied_lam(self) -> Optional[float]:
-        return float(self.lam) if self.mode in rr.FUSION_MODES else None
+        return float(self.lam) if self.mode in rerank.FUSION_MODES else None
 
     @property
     def uses_index(self) -> bool:
@@ -260,8 +259,9 @@ def _searcher_spec(plan: RerankPlan, direction: str, emb_manifest: dict) -> tupl
         metric = manifest["metric"]
         scored = "; be_score = -squared L2 distance" if metric == "l2" else ""
         return spec, int(manifest["ntotal"]), f"FAISS index {index_dir} ({manifest['factory']}, {metric}{scored})"
-    entry = emb.modality_entry(emb_manifest, pool_modality)
-    spec = SearcherSpec("exact", plan.embeddings, pool_modality, _file_fingerprint(emb.manifest_path(plan.embeddings)))
+    entry = embeddings.modality_entry(emb_manifest, pool_modality)
+    spec = SearcherSpec("exact", plan.embeddings, pool_modality,
+                        _file_fingerprint(embeddings.manifest_path(plan.embeddings)))
     return spec, int(entry["count"]), f"exact search over {pool_modality} embeddings in {plan.embeddings}"
 
 
@@ -272,13 +272,14 @@ def _check_index_source(flag: str, index_dir: str, index_manifest: dict, emb_dir
     build_index records each index shard's source embedding shard and its sha256: they must be the
     --embeddings shards of that modality."""
     built_from = {s.get("source"): s.get("source_sha256") for s in index_manifest.get("shards", [])}
-    have = {s["name"]: s["sha256"] for s in emb.modality_entry(emb_manifest, modality)["shards"]}
+    have = {s["name"]: s["sha256"] for s in embeddings.modality_entry(emb_manifest, modality)["shards"]}
     if built_from != have:
         src = index_manifest.get("embeddings", {})
         differ = len(set(built_from.items()) ^ set(have.items()))
         raise RerankError(f"{flag} {index_dir} was built from the {modality} embeddings in {src.get('dir')} "
                           f"(embeddings manifest sha256 {str(src.get('manifest_sha256'))[:12]}...), not from "
-                          f"--embeddings {emb_dir} (sha256 {_file_fingerprint(emb.manifest_path(emb_dir))[:12]}...;"
+                          f"--embeddings {emb_dir} "
+                          f"(sha256 {_file_fingerprint(embeddings.manifest_path(emb_dir))[:12]}...;"
                           f" {differ} shard entries differ): rebuild the index from --embeddings or pass the "
                           f"embeddings it was built from")
 
@@ -382,22 +383,22 @@ def resolve(plan: RerankPlan) -> Resolved:
     split_ids = {d: _split_query_ids(ds, d, plan.collection, plan.split) for d in plan.directions}
     query_ids, queries_file = _read_queries_file(plan, split_ids)
 
-    emb_manifest_path = emb.manifest_path(plan.embeddings)
-    emb_manifest = emb.load_embeddings_manifest(plan.embeddings, common.BEAM_FILES)
+    emb_manifest_path = embeddings.manifest_path(plan.embeddings)
+    emb_manifest = embeddings.load_embeddings_manifest(plan.embeddings, common.BEAM_FILES)
     _check_embeddings_match_staged(plan, ds, emb_manifest)
     searchers, pools, described, query_shards = {}, {}, {}, []
     for d in plan.directions:
         if len(query_ids[d]) == 0:
             raise RerankError(f"{d}: no queries in {plan.staged} (collection={plan.collection}, split={plan.split})")
         q_modality = schema.MODALITY_TEXT if d == T2I else schema.MODALITY_IMAGE
-        have = emb.read_modality_ids(plan.embeddings, q_modality, common.BEAM_FILES)
+        have = embeddings.read_modality_ids(plan.embeddings, q_modality, common.BEAM_FILES)
         missing = np.setdiff1d(query_ids[d], have)
         if len(missing):
             raise RerankError(f"{d}: {len(missing)} query id(s) have no {q_modality} embedding in "
                               f"{plan.embeddings} (e.g. {missing[:5].tolist()}); encode that split first")
         searchers[d], pools[d], described[d] = _searcher_spec(plan, d, emb_manifest)
         query_shards += [(d, q_modality, s["name"], s["sha256"])
-                         for s in emb.modality_entry(emb_manifest, q_modality)["shards"]]
+                         for s in embeddings.modality_entry(emb_manifest, q_modality)["shards"]]
 
     keep = max(plan.k, 10)
     if plan.mode == "ce":  # exhaustive: every pool item is a candidate and CE-scored
@@ -461,7 +462,7 @@ def resolve_auto(plan: RerankPlan) -> tuple[RerankPlan, Optional[dict]]:
             _same_path(str(dev.get("staged")), plan.staged):
         raise RerankError(f"--tune-on {plan.tune_on} ranked the same queries (split {plan.split!r}) this run "
                           f"evaluates: choose the fusion on a held-out split (e.g. a --split dev run)")
-    emb_model = emb.load_embeddings_manifest(plan.embeddings, common.BEAM_FILES)["model"]
+    emb_model = embeddings.load_embeddings_manifest(plan.embeddings, common.BEAM_FILES)["model"]
     if dev.get("be_model", {}).get("sha256") != emb_model.get("sha256"):
         raise RerankError(f"--tune-on {plan.tune_on} was retrieved by another bi-encoder "
                           f"({dev.get('be_model', {}).get('path')}) than --embeddings ({emb_model.get('path')})")

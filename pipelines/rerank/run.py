@@ -42,7 +42,7 @@ from pipelines.rerank.plan import (
 from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
 from retrieval_core.data import schema
 from retrieval_core.data.store import StagedDataset
-from retrieval_core.search import rerank as rr
+from retrieval_core.search import rerank
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def _finished_shards(res: Resolved, expected: Mapping[str, tuple[str, np.ndarray
         except (OSError, ValueError):
             continue
         if info.get("plan") == res.fingerprint and info.get("queries") == len(ids) and \
-                common.shard_is_valid(common.join(output, rr.RANKINGS_SUBDIR, name), info.get("sha256")):
+                common.shard_is_valid(common.join(output, rerank.RANKINGS_SUBDIR, name), info.get("sha256")):
             done[name] = {key: info[key] for key in ("kind", "direction", "name", "queries", "rows", "sha256")}
     return done
 
@@ -129,7 +129,7 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
 
     if not dry_run:
         common.makedirs(plan.output)
-        manifest_path = common.join(plan.output, rr.RANKINGS_MANIFEST)
+        manifest_path = common.join(plan.output, rerank.RANKINGS_MANIFEST)
         if common.exists(manifest_path):  # until this run finishes, the directory holds no complete run
             FileSystems.delete([manifest_path])
     shards, counts, waves_run = dict(finished), {"ce_pairs_requested": 0, "ce_pairs_scored": 0}, 0
@@ -173,7 +173,7 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
     manifest = _manifest(res, [shards[name] for name in names], len(finished), waves_run, counts,
                          common.runner_name(options), time.time() - t0)
     manifest["fusion_choice"] = fusion_choice
-    common.write_json_atomic(common.join(plan.output, rr.RANKINGS_MANIFEST), manifest)
+    common.write_json_atomic(common.join(plan.output, rerank.RANKINGS_MANIFEST), manifest)
     _delete_unlisted(plan.output, set(names))
     for d in plan.directions:
         print(f"{d}: {manifest['queries'][d]} queries ranked ({res.described[d]}, pool {res.pools[d]})")
@@ -181,8 +181,8 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
         overlap = " (t2i/i2t overlap scored once)" if len(plan.directions) == 2 else ""
         print(f"CE: {counts['ce_pairs_scored']} unique pairs scored for {counts['ce_pairs_requested']} "
               f"requested{overlap}")
-    print(f"rankings: {common.join(plan.output, rr.RANKINGS_SUBDIR)} ({len(names)} shard(s): {len(finished)} kept from "
-          f"an earlier run of this plan, {len(names) - len(finished)} computed in {waves_run} wave(s)); "
+    print(f"rankings: {common.join(plan.output, rerank.RANKINGS_SUBDIR)} ({len(names)} shard(s): {len(finished)} "
+          f"kept from an earlier run of this plan, {len(names) - len(finished)} computed in {waves_run} wave(s)); "
           f"wall time {manifest['wall_s']:.1f} s")
     return manifest
 
@@ -285,7 +285,7 @@ def _delete_unlisted(output: str, keep: set[str]) -> None:
     shards and manifest are written, so the directory never lacks a shard the manifest on disk lists."""
     from apache_beam.io.filesystems import FileSystems
 
-    for sub, suffix in ((rr.RANKINGS_SUBDIR, ""), (PROGRESS_DIR, ".json")):
+    for sub, suffix in ((rerank.RANKINGS_SUBDIR, ""), (PROGRESS_DIR, ".json")):
         pattern = common.join(output, sub, "*")
         found = [m.path for r in FileSystems.match([pattern]) for m in r.metadata_list]
         stale = sorted(path for path in found if path.rsplit("/", 1)[-1] not in {n + suffix for n in keep})
