@@ -7,8 +7,8 @@ Ids
 ---
 Every image and caption gets a deterministic int64 ``item_id`` derived from ``(collection, kind,
 source_id)`` with a 64-bit BLAKE2b hash (top bit cleared, so ids are non-negative int64). Ids never depend
-on row positions or file order: a missing shard cannot shift anybody's id (NOTES.md section 6). The 20k
-distractor benchmark mixes COCO integer ids, Flickr file names and CC line numbers; namespacing by
+on row positions or file order: a missing shard cannot shift anybody's id (docs/CONVENTIONS.md#id-namespaces).
+The 20k distractor benchmark mixes COCO integer ids, Flickr file names and CC line numbers; namespacing by
 collection keeps them apart, and :class:`IdRegistry` detects the (astronomically rare) hash collision.
 """
 from __future__ import annotations

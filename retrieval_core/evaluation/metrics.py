@@ -1,4 +1,4 @@
-"""Recall@K in both retrieval directions (NOTES.md section 2).
+"""Recall@K in both retrieval directions (docs/CONVENTIONS.md#the-recall-convention).
 
 Convention (OSCAR, UNITER, MMT, CLIP_benchmark): text->image: every caption is a query, a hit when its
 image is in the top-k; image->text: every image is a query, a hit when ANY of its captions is in the top-k.

@@ -1,6 +1,6 @@
 """`VLRetrievalModel`: one single-stream BERT-family encoder with a bi-encoder (BE) and a cross-encoder (CE) head.
 
-Inputs (OSCAR / MMT-Retrieval layout, NOTES.md section 1):
+Inputs (OSCAR / MMT-Retrieval layout, docs/CONVENTIONS.md#model-inputs):
   text only   [CLS] tokens [SEP]
   image only  [CLS] region_1 .. region_R
   pair        [CLS] tokens [SEP] region_1 .. region_R   (text and regions padded each on its own)

@@ -1,5 +1,5 @@
 """Sharded FAISS indexes: train once, add each embedding shard with its GLOBAL int64 ids, search all shards
-and merge (NOTES.md section 5).
+and merge (docs/CONVENTIONS.md#sharded-faiss-indexes).
 
 Plain functions over numpy arrays and bytes (faiss.contrib style); ``pipelines.build_index`` is the Beam
 graph around them. Why not ``faiss.IndexShards``: with its default ``successive_ids=True`` it adds a

@@ -15,9 +15,10 @@ from retrieval_core.training.train_data import TrainData, feature_neighbours
 def evaluate(model: VLRetrievalModel, dev: TrainData, device: str = "cpu", batch_size: int = 128,
              amp_dtype: Optional[str] = None, k: int = 10, ce_pairs: int = 256, seed: int = 0,
              progress: bool = False, desc: str = "dev eval") -> dict:
-    """BE retrieval on ``dev`` (exact dot-product top-k, recall both directions, NOTES.md section 2) and the CE
-    head's pair accuracies: the share of up to ``ce_pairs`` dev captions whose gold image scores above a random
-    other image (``ce_pair_acc``) and above the gold image's nearest dev image by pooled region features
+    """BE retrieval on ``dev`` (exact dot-product top-k, recall both directions as in
+    docs/CONVENTIONS.md#the-recall-convention) and the CE head's pair accuracies: the share of up to ``ce_pairs``
+    dev captions whose gold image scores above a random other image (``ce_pair_acc``) and above the gold image's
+    nearest dev image by pooled region features
     (``ce_hard_pair_acc``: the near-duplicates a reranker must tell apart).
 
     ``progress``: one bar over every item encoded or scored (captions, images, CE pairs) with rate and ETA;

@@ -1,4 +1,4 @@
-"""Readers of region-feature files (NOTES.md section 3) -> ``RawImage`` or ``Reject``.
+"""Readers of region-feature files (docs/CONVENTIONS.md#region-feature-formats) -> ``RawImage`` or ``Reject``.
 
 Readers parse faithfully and reject only what cannot be parsed (truncated rows, bad base64, arrays whose
 size does not fit the declared box count, missing npz keys...). They do not check feature dims, NaNs,
