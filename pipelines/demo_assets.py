@@ -95,7 +95,7 @@ class ModelSet:
 # - the CE head's late-interaction term (Recipe.ce_agreement = "maxsim"): with the [CLS] classifier alone the CE
 #   loss sat at chance until a seed-dependent step (98-233) and CO minus EMB (test t2i R@1) ranged -33.0 to -1.6
 #   over five seeds; with it the CE learns from its first step and the default lifts R@1 in both directions for all
-#   five seeds (docs/RESULTS.md, "The CE head: five seeds");
+#   five seeds (docs/archive/RESULTS-2026-11.md, "The CE head: five seeds");
 # - 12 regions per image (stored most-confident first: the object detections, little clutter);
 # - captions and CE pairs go through the model in length-sorted chunks of 16 rows, each padded to its own longest
 #   caption (a batch pads its 20-token average caption to ~30): the 340 steps take 214 s instead of 259 s (same

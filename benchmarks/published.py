@@ -1,0 +1,222 @@
+"""The numbers README.md and docs/RESULTS.md print, generated from the committed result CSVs in docs/results/.
+
+    python -m benchmarks.published                                   # rewrite every generated block
+    python -m benchmarks.published --publish runs/demo/results/demo.csv   # copy a run's CSV in, then rewrite
+    python -m benchmarks.published --check                           # change nothing; exit 1 on any problem
+
+A generated block names its table kind and its CSV (a path from the repository root)::
+
+    <!-- generated: recall-table docs/results/demo.csv -->
+    (the table: rewritten from the CSV, never edited by hand)
+    <!-- /generated -->
+
+A block whose CSV is not published yet is written as a pending marker, ``<!-- pending: recall-table
+docs/results/demo.csv -->``, alone on its line: it prints nothing, and the first run after its CSV is published turns
+it into a generated block.
+
+``--check`` reports each block that differs from what its CSV generates, each number inside a block that no
+cell of its CSV holds (a decimal must equal a cell rounded to the decimals shown), and each result-like number
+outside the blocks: a decimal that is not a version or an option's value, a signed number, or a percentage other
+than the intervals' 95 %. Numbers that are not results (dates, counts, sizes) are integers and may stand
+anywhere. ``--publish`` refuses a CSV without its environment columns or whose commit is unknown or dirty: a
+number in the docs names the code that measured it.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import click
+
+from benchmarks import report
+from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors, option, plan_from_cli, plan_options
+
+#: The tracked folder of the result CSVs the docs cite (results/ at the root is the runs' scratch, ignored).
+RESULTS_DIR = "docs/results"
+#: The files whose numbers must all come from RESULTS_DIR.
+DOCS = ("README.md", "docs/RESULTS.md")
+#: The columns a published CSV must fill: where, when and from which code its rows were measured.
+PROVENANCE = ("device", "cpu_model", "threads", "torch", "faiss", "commit", "date")
+
+BLOCK = re.compile(r"<!-- generated: (?P<kind>[\w-]+) (?P<csv>\S+) -->\n(?P<body>.*?)<!-- /generated -->", re.S)
+PENDING = re.compile(r"<!-- pending: (?P<kind>[\w-]+) (?P<csv>\S+) -->\n")
+#: A number standing on its own (not inside a word, an id or a file name).
+NUMBER = re.compile(r"(?<![\w.@])[+-]?\d+(?:\.\d+)?(?![\w.])")
+#: Decimals that are no result: versions (3.10, 2.13.0 after == or >=) and option values (--lam 0.7).
+NOT_A_RESULT = re.compile(r"(?:(?:==|>=|<=) ?|--[\w-]+[ =])\d+(?:\.\d+)+|\d+\.\d+\.\d+")
+SIGNED = re.compile(r"(?<![\w.@])[+-]\d+(?:\.\d+)?(?![\w.])")
+PERCENT = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?) ?%")
+#: The one percentage that is a setting, not a result: the level of every interval.
+INTERVAL_LEVEL = "95"
+
+
+def _one(rows: Sequence[Mapping], column: str) -> str:
+    """The column's value over the rows: one value, or the distinct ones joined (a CSV from several runs)."""
+    values = list(dict.fromkeys(str(r.get(column, "")) for r in rows if str(r.get(column, "")) != ""))
+    return ", ".join(values) if values else "-"
+
+
+def provenance_line(rows: Sequence[Mapping]) -> str:
+    """Where, when, from which commit and on what the rows were measured (their environment columns)."""
+    return (f"Measured {_one(rows, 'date')} at commit `{_one(rows, 'commit')}` on {_one(rows, 'cpu_model')} "
+            f"({_one(rows, 'device')}, {_one(rows, 'threads')} threads; torch {_one(rows, 'torch')}, faiss "
+            f"{_one(rows, 'faiss')}); recipe {_one(rows, 'recipe')}, model seed {_one(rows, 'model_seed')}; "
+            f"{_one(rows, 'split')} split, {_one(rows, 'queries')} queries per direction, pool of "
+            f"{_one(rows, 'collection_size')} images; intervals: {_one(rows, 'bootstrap')}; "
+            f"{_one(rows, 'notes')}, {_one(rows, 'wall_s')} s in all.")
+
+
+def recall_block(rows: Sequence[Mapping]) -> str:
+    """A recall table (report.recall_table) under the line saying how it was measured."""
+    return provenance_line(rows) + "\n\n" + report.recall_table(rows) + "\n"
+
+
+#: The table kinds a generated block may name.
+GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {"recall-table": recall_block}
+
+
+def generate(kind: str, csv_path: str, root: str) -> str:
+    if kind not in GENERATORS:
+        raise ValueError(f"unknown generated block kind {kind!r} (known: {', '.join(GENERATORS)})")
+    path = os.path.join(root, csv_path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"generated block {kind} names {csv_path}, which does not exist")
+    return GENERATORS[kind](report.read_csv(path))
+
+
+def _block(kind: str, csv_path: str, root: str) -> str:
+    return f"<!-- generated: {kind} {csv_path} -->\n{generate(kind, csv_path, root)}<!-- /generated -->"
+
+
+def regenerate(text: str, root: str) -> str:
+    """``text`` with every generated block rewritten from its CSV, and every pending marker whose CSV now exists
+    turned into a generated block."""
+    text = BLOCK.sub(lambda m: _block(m.group("kind"), m.group("csv"), root), text)
+    return PENDING.sub(lambda m: _block(m.group("kind"), m.group("csv"), root) + "\n"
+                       if os.path.isfile(os.path.join(root, m.group("csv"))) else m.group(0), text)
+
+
+def _matches(token: str, cells: Sequence[str]) -> bool:
+    """A block's number is in its CSV: a decimal equals a numeric cell rounded to the decimals shown; an integer
+    is a number of some cell (a count, k, a date's year, the interval level in the bootstrap label)."""
+    if "." in token:
+        decimals = len(token.split(".")[1])
+        want = float(token)
+        for c in cells:
+            try:
+                if float(f"{float(c):.{decimals}f}") == want:
+                    return True
+            except ValueError:
+                continue
+        return False
+    return any(token.lstrip("+") == n.lstrip("+") for c in cells for n in NUMBER.findall(c))
+
+
+def block_numbers_problems(body: str, rows: Sequence[Mapping], where: str) -> list[str]:
+    cells = [str(v) for r in rows for v in r.values() if str(v) != ""]
+    return [f"{where}: {token} is in no cell of its CSV" for token in NUMBER.findall(body.replace("`", " "))
+            if not _matches(token, cells)]
+
+
+def prose_problems(text: str, where: str) -> list[str]:
+    """Result-like numbers outside the generated blocks (see the module docstring)."""
+    problems = []
+    for n, line in enumerate(BLOCK.sub("", text).splitlines(), 1):
+        clean = NOT_A_RESULT.sub(" ", line)
+        problems += [f"{where} (outside the generated blocks, line {n}): decimal {d}"
+                     for d in NUMBER.findall(clean) if "." in d]
+        problems += [f"{where} (outside the generated blocks, line {n}): signed {s}" for s in SIGNED.findall(clean)
+                     if "." not in s]
+        problems += [f"{where} (outside the generated blocks, line {n}): {p} %" for p in PERCENT.findall(clean)
+                     if p != INTERVAL_LEVEL]
+    return problems
+
+
+def check_text(text: str, root: str, where: str) -> list[str]:
+    """Every problem of one Markdown file: stale blocks, block numbers not in their CSVs, result-like prose."""
+    problems: list[str] = []
+    problems += [f"{where}: pending block {m.group('kind')} {m.group('csv')}: its CSV is published "
+                 f"(python -m benchmarks.published generates it)" for m in PENDING.finditer(text)
+                 if os.path.isfile(os.path.join(root, m.group("csv")))]
+    for m in BLOCK.finditer(text):
+        label = f"{where}: block {m.group('kind')} {m.group('csv')}"
+        expected = generate(m.group("kind"), m.group("csv"), root)
+        if m.group("body") != expected:
+            problems.append(f"{label} differs from its CSV (python -m benchmarks.published rewrites it)")
+        problems += block_numbers_problems(m.group("body"), report.read_csv(os.path.join(root, m.group("csv"))),
+                                           label)
+    return problems + prose_problems(text, where)
+
+
+def check(root: str, docs: Sequence[str] = DOCS) -> list[str]:
+    problems = []
+    for doc in docs:
+        with open(os.path.join(root, doc), encoding="utf-8") as f:
+            problems += check_text(f.read(), root, doc)
+    return problems
+
+
+def publish(csv_path: str, root: str) -> str:
+    """Copy a run's result CSV (and its .schema.json) into RESULTS_DIR; returns its path there."""
+    rows = report.read_csv(csv_path)
+    if not rows:
+        raise ValueError(f"{csv_path} has no rows")
+    missing = [c for c in PROVENANCE if any(str(r.get(c, "")) == "" for r in rows)]
+    if missing:
+        raise ValueError(f"{csv_path}: column(s) {missing} empty or absent: the docs cite only rows that say where "
+                         f"and from which code they were measured")
+    bad = sorted({r["commit"] for r in rows if r["commit"] == "unknown" or r["commit"].endswith("+dirty")})
+    if bad:
+        raise ValueError(f"{csv_path}: commit {bad[0]!r} names no committed code; run it from a clean checkout")
+    dest = os.path.join(root, RESULTS_DIR)
+    os.makedirs(dest, exist_ok=True)
+    for src in (csv_path, report.schema_path(csv_path)):
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(dest, os.path.basename(src)))
+    return os.path.join(RESULTS_DIR, os.path.basename(csv_path))
+
+
+@dataclass(frozen=True)
+class PublishedPlan:
+    """What one run of the generator does."""
+    publish: tuple[str, ...] = option((), multiple=True, type=click.Path(exists=True, dir_okay=False),
+                                      help=f"a run's result CSV to copy into {RESULTS_DIR} first (repeatable)")
+    check: bool = option(False, help="change nothing: report stale blocks and numbers not in their CSVs, exit 1")
+    root: str = option(".", type=click.Path(exists=True, file_okay=False), help="the repository root")
+
+
+@click.command(context_settings=CONTEXT_SETTINGS)
+@plan_options(PublishedPlan)
+def main(**values):
+    """Regenerate the result tables of README.md and docs/RESULTS.md from the CSVs in docs/results/."""
+    with cli_errors():
+        plan = plan_from_cli(PublishedPlan, values)
+        if plan.check:
+            if plan.publish:
+                raise ValueError("--check changes nothing: it takes no --publish")
+            problems = check(plan.root)
+            for p in problems:
+                click.echo(p)
+            if problems:
+                raise SystemExit(1)
+            click.echo(f"{', '.join(DOCS)}: every generated block matches its CSV; no result outside them")
+            return
+        for csv_path in plan.publish:
+            click.echo(f"published {publish(csv_path, plan.root)}")
+        for doc in DOCS:
+            path = os.path.join(plan.root, doc)
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            new = regenerate(text, plan.root)
+            if new != text:
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(new)
+            state = "rewritten" if new != text else "unchanged"
+            click.echo(f"{doc}: {len(BLOCK.findall(new))} generated block(s), {state}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Every result the README and docs/RESULTS.md print comes from a committed CSV (benchmarks.published), and no
+tracked file points readers to a file outside the repository."""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from benchmarks import published, report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ENV = {"device": "cpu", "cpu_model": "AMD EPYC", "threads": 2, "torch": "2.13.0+cpu", "faiss": "1.15.1",
+       "transformers": "5.24.0", "commit": "b51d2036f1c0ffee", "date": "2026-11-27", "recipe": "demo",
+       "model_seed": 0, "split": "test", "queries": 500, "collection_size": 500, "suite": "demo", "wall_s": 390,
+       "bootstrap": "95 % percentile bootstrap, 1000 resamples, seed 0", "notes": "wall time per step (s): stage 18"}
+
+
+def _rows() -> list[dict]:
+    emb = [{"collection": "demo", "model": "JOIN", "mode": "EMB", "k": 10, "direction": d, "R@1": r1, "R@5": 88.6,
+            "R@10": 92.6, "mR": 82.4, "R@1_lo": r1 - 4.6, "R@1_hi": r1 + 4.4, "mR_lo": 80.67, "mR_hi": 84.23, **ENV}
+           for d, r1 in (("t2i", 60.6), ("i2t", 70.2))]
+    co = [{**r, "model": "JOIN/JOIN", "mode": "JOIN+CO", "R@1": r["R@1"] + 4.6, "against": "emb", "delta_R@1": 4.6,
+           "delta_R@1_lo": -0.01, "delta_R@1_hi": 9.4} for r in emb]
+    return emb + co
+
+
+def _repo(tmp_path: Path) -> str:
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    report.write_csv(str(tmp_path / "docs" / "results" / "x.csv"), _rows(),
+                     write_atomic=lambda p, b: Path(p).write_bytes(b))
+    return str(tmp_path)
+
+
+def test_the_readme_and_results_print_only_numbers_of_their_committed_csvs():
+    assert published.check(str(ROOT)) == []
+
+
+def test_the_check_reports_a_stale_table_a_number_not_in_the_csv_and_a_result_in_prose(tmp_path):
+    root = _repo(tmp_path)
+    text = published.regenerate("intro\n<!-- generated: recall-table docs/results/x.csv -->\n<!-- /generated -->\n",
+                                root)
+    assert "| demo | JOIN/JOIN | JOIN+CO k=10 | 65.2 [56.0, 65.0]" in text
+    assert published.check_text(text, root, "doc") == []
+
+    tampered = published.check_text(text.replace("65.2 [", "66.2 ["), root, "doc")
+    assert any("differs from its CSV" in p for p in tampered)
+    assert any("66.2 is in no cell of its CSV" in p for p in tampered)
+
+    prose = published.check_text(text + "The CE lifts R@1 from 60.6 (+5 at R@5); 75 % binding, 95 % intervals, "
+                                        "torch==2.13.0, Python >= 3.10, --lam 0.7, 1,000 resamples.\n", root, "doc")
+    assert [p.split(": ", 1)[1] for p in prose] == ["decimal 60.6", "signed +5", "75 %"]
+
+
+def test_a_pending_block_is_generated_once_its_csv_is_published(tmp_path):
+    root = _repo(tmp_path)
+    waiting = "<!-- pending: recall-table docs/results/y.csv -->\nafter\n"
+    assert published.regenerate(waiting, root) == waiting and published.check_text(waiting, root, "doc") == []
+    ready = waiting.replace("y.csv", "x.csv")
+    assert published.check_text(ready, root, "doc") == [
+        "doc: pending block recall-table docs/results/x.csv: its CSV is published (python -m benchmarks.published "
+        "generates it)"]
+    done = published.regenerate(ready, root)
+    assert done.startswith("<!-- generated: recall-table docs/results/x.csv -->\nMeasured 2026-11-27")
+    assert done.endswith("<!-- /generated -->\nafter\n") and published.check_text(done, root, "doc") == []
+
+
+def test_a_block_naming_a_missing_csv_or_an_unknown_table_is_an_error(tmp_path):
+    root = _repo(tmp_path)
+    with pytest.raises(FileNotFoundError, match="docs/results/gone.csv"):
+        published.regenerate("<!-- generated: recall-table docs/results/gone.csv -->\n<!-- /generated -->", root)
+    with pytest.raises(ValueError, match="unknown generated block kind 'pie'"):
+        published.regenerate("<!-- generated: pie docs/results/x.csv -->\n<!-- /generated -->", root)
+
+
+def test_publish_copies_a_csv_with_its_schema_and_refuses_one_without_provenance(tmp_path):
+    root = _repo(tmp_path / "repo")
+    src = tmp_path / "run"
+    src.mkdir()
+    write = lambda p, b: Path(p).write_bytes(b)  # noqa: E731
+    report.write_csv(str(src / "good.csv"), _rows(), write_atomic=write)
+    assert published.publish(str(src / "good.csv"), root) == "docs/results/good.csv"
+    assert (Path(root) / "docs" / "results" / "good.schema.json").is_file()
+
+    report.write_csv(str(src / "dirty.csv"), [{**r, "commit": r["commit"] + "+dirty"} for r in _rows()],
+                     write_atomic=write)
+    with pytest.raises(ValueError, match="names no committed code"):
+        published.publish(str(src / "dirty.csv"), root)
+    report.write_csv(str(src / "bare.csv"), [{**r, "cpu_model": ""} for r in _rows()], write_atomic=write)
+    with pytest.raises(ValueError, match=r"\['cpu_model'\] empty or absent"):
+        published.publish(str(src / "bare.csv"), root)
+
+
+def test_a_result_row_names_the_commit_it_ran():
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", report.source_commit())
+
+
+def _tracked_files() -> list[Path]:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: the tracked files are unknown")
+    return [ROOT / p for p in out.decode().split("\0") if p]
+
+
+def test_no_tracked_file_points_to_a_file_outside_the_repository():
+    """The conventions live in docs/CONVENTIONS.md; the test-data folder beside the repository is named only by the
+    tests that read it (and skip with that reason where it is absent)."""
+    bad = []
+    for path in _tracked_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, FileNotFoundError):
+            continue  # binary, or deleted in the work tree
+        rel = path.relative_to(ROOT).as_posix()
+        for needle in ("NOTES" + ".md", "/wo" + "rk/"):
+            if needle in text:
+                bad.append(f"{rel}: {needle}")
+        if "../" + "shared" in text and not rel.startswith("tests/"):
+            bad.append(f"{rel}: ../shared")
+    assert bad == []
