@@ -29,7 +29,8 @@ def evaluate(model: VLRetrievalModel, dev: TrainData, device: str = "cpu", batch
     img_pos = np.unique(dev.image_pos)
     images = dev.images.take(img_pos)
     n_pairs = min(ce_pairs, len(dev)) if len(img_pos) >= 2 and ce_pairs > 0 else 0
-    with tqdm(total=len(dev) + len(img_pos) + 2 * n_pairs, desc=desc, unit="item", disable=not progress,
+    # the CE scores the sampled captions three times: with the gold, a random and the nearest image
+    with tqdm(total=len(dev) + len(img_pos) + 3 * n_pairs, desc=desc, unit="item", disable=not progress,
               leave=False) as bar:
         # models without progress reporting (baseline.MappedBaseline) are evaluated quietly
         report = {"progress": bar.update} if progress else {}
