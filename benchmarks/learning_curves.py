@@ -28,7 +28,7 @@ import click
 import pandas as pd
 
 from benchmarks.family_probe import probe
-from benchmarks.report import _pyplot
+from benchmarks.report.plots import _pyplot
 from pipelines.common import write_atomic
 from retrieval_core.cli import (
     CONTEXT_SETTINGS,

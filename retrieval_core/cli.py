@@ -93,6 +93,7 @@ class Flag:
     sep: Optional[str] = None  # a tuple written as one value joined by ``sep`` ("t2i,i2t")
     metavar: Optional[str] = None
     show_default: bool = True
+    argument: bool = False  # positional (click.argument, named by the field in upper case); multiple: nargs=-1
 
     def flag(self, field_name: str) -> str:
         return self.name or "--" + field_name.replace("_", "-")
@@ -187,6 +188,10 @@ def plan_options(cls: type) -> Callable:
         for f, fl in reversed(list(_flagged(cls))):
             default = _default(f)
             required = default is dataclasses.MISSING
+            if fl.argument:
+                command = click.argument(f.name, type=fl.type, nargs=-1 if fl.multiple else 1,
+                                         required=required)(command)
+                continue
             kw: dict = dict(help=fl.help, metavar=fl.metavar)
             if isinstance(default, bool) and fl.type is None:
                 if fl.off:  # True by default: only the switch that turns it off
@@ -231,6 +236,7 @@ def to_argv(plan) -> list[str]:
     """The command-line arguments that build ``plan`` (its CLI's inverse): every option whose value is not
     the field's default, in declaration order. Fields without a flag must keep their defaults."""
     argv: list[str] = []
+    positional: list[str] = []
     for f in dataclasses.fields(plan):
         value = getattr(plan, f.name)
         if _GROUP in f.metadata:
@@ -246,7 +252,9 @@ def to_argv(plan) -> list[str]:
         if value == default or value is None:
             continue
         fl = f.metadata[_FLAG]
-        if isinstance(value, bool) and fl.type is None:
+        if fl.argument:
+            positional += [str(v) for v in value] if fl.multiple else [str(value)]
+        elif isinstance(value, bool) and fl.type is None:
             argv += [fl.off] if fl.off else [fl.flag(f.name)]
         elif fl.multiple:
             for v in value:
@@ -255,4 +263,4 @@ def to_argv(plan) -> list[str]:
             argv += [fl.flag(f.name), fl.sep.join(map(str, value))]
         else:
             argv += [fl.flag(f.name), str(value)]
-    return argv
+    return argv + positional

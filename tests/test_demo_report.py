@@ -148,12 +148,12 @@ def test_k_ablation_plot_ticks_the_measured_k(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from benchmarks import report
+    from benchmarks.report import plots
 
     rows = [{"collection": "synthetic_f30k1k", "model": m, "mode": "CO", "k": k, "direction": d, "R@1": 50 + k / 10,
              "R@5": 70.0, "R@10": 80.0} for m in ("JOIN", "SEP") for k in (10, 20, 50) for d in ("t2i", "i2t")]
     seen = {}
-    orig = report._finish
+    orig = plots._finish
 
     def spy(fig, axes, path):
         out = orig(fig, axes, path)
@@ -161,11 +161,11 @@ def test_k_ablation_plot_ticks_the_measured_k(tmp_path):
         seen["figlegends"] = [t.get_text() for lg in fig.legends for t in lg.get_texts()]
         return out
 
-    report._finish = spy
+    plots._finish = spy
     try:
-        assert report.plot_recall_vs_k(rows, str(tmp_path / "k.png")) == str(tmp_path / "k.png")
+        assert plots.plot_recall_vs_k(rows, str(tmp_path / "k.png")) == str(tmp_path / "k.png")
     finally:
-        report._finish = orig
+        plots._finish = orig
     for d in ("t2i", "i2t"):
         ticks, legend = seen[d]
         assert ticks == ["10", "20", "50"] and legend is None  # no legend inside a panel

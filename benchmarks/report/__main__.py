@@ -1,0 +1,56 @@
+"""``python -m benchmarks.report``: tables from benchmark CSVs already written (memory-table, recall-table)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import click
+
+from benchmarks.report.schema import read_csv
+from benchmarks.report.tables import memory_table_from, recall_table
+from retrieval_core.cli import CONTEXT_SETTINGS, check_options, option, plan_from_cli, plan_options
+
+_DIR = click.Path(exists=True, file_okay=False)
+
+
+@dataclass(frozen=True)
+class MemoryTablePlan:
+    """memory-table's arguments (checked when built)."""
+    output_dir: str = option(type=_DIR, argument=True)
+    remeasured_dirs: tuple[str, ...] = option((), type=_DIR, argument=True, multiple=True)
+
+    def __post_init__(self):
+        check_options(self)
+
+
+@dataclass(frozen=True)
+class RecallTablePlan:
+    """recall-table's argument (checked when built)."""
+    csv_path: str = option(type=click.Path(exists=True, dir_okay=False), argument=True)
+
+    def __post_init__(self):
+        check_options(self)
+
+
+@click.group(context_settings=CONTEXT_SETTINGS)
+def main():
+    """Tables from benchmark CSVs already written."""
+
+
+@main.command("memory-table", context_settings=CONTEXT_SETTINGS)
+@plan_options(MemoryTablePlan)
+def memory_table_cmd(**values):
+    """Print the memory suite's peak-RSS table (Markdown) from OUTPUT_DIR/memory.csv and memory_jobs.csv;
+    the memory_jobs.csv in each REMEASURED_DIR (later runs of some of the same jobs) replaces their cells."""
+    plan = plan_from_cli(MemoryTablePlan, values)
+    click.echo(memory_table_from(plan.output_dir, *plan.remeasured_dirs))
+
+
+@main.command("recall-table", context_settings=CONTEXT_SETTINGS)
+@plan_options(RecallTablePlan)
+def recall_table_cmd(**values):
+    """Print the recall rows of a suite CSV (benchmarks.run's <suite>.csv) as a Markdown table with intervals."""
+    click.echo(recall_table(read_csv(plan_from_cli(RecallTablePlan, values).csv_path)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""Terminal and Markdown tables from benchmark rows: the suite summary, the seed summary (mean, std and the
+interval of the seed mean), the memory suite's peak-RSS table and the recall table with intervals."""
+from __future__ import annotations
+
+import os
+import re
+from typing import Mapping, Optional, Sequence
+
+from benchmarks.report.schema import METRICS, SEED_KEY, normalise_row, read_csv
+from retrieval_core.evaluation.stats import Bootstrap, Interval, difference_intervals, recall_intervals, verdict
+
+
+def size_label(n: int) -> str:
+    """1000 -> 1k, 2000000 -> 2M (a collection size on an axis or in a column)."""
+    return f"{n // 1_000_000}M" if n >= 1_000_000 and n % 1_000_000 == 0 else \
+        f"{n // 1000}k" if n >= 1000 and n % 1000 == 0 else str(n)
+
+
+def _fmt(v, digits: int = 1) -> str:
+    if v == "" or v is None:
+        return "-"
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    if x != x:
+        return "-"
+    return f"{x:.{digits}f}"
+
+
+def _fmt_seconds(v) -> str:
+    if v == "" or v is None:
+        return "-"
+    s = float(v)
+    if s < 1:
+        return f"{s * 1000:.1f}ms"
+    if s < 120:
+        return f"{s:.1f}s"
+    if s < 7200:
+        return f"{s / 60:.1f}min"
+    if s < 2 * 86400:
+        return f"{s / 3600:.1f}h"
+    if s < 2 * 365 * 86400:
+        return f"{s / 86400:.1f}d"
+    return f"{s / (365 * 86400):.1f}a"
+
+
+def summary_table(rows: Sequence[Mapping], title: str = "") -> str:
+    """A fixed-width text table: the recall rows, and the latency/timing rows with their own columns."""
+    rows = [normalise_row(r) for r in rows]
+    lines = [f"== {title} ==" if title else ""]
+    skipped = [r for r in rows if str(r["notes"]).startswith("skipped")]
+    recall = [r for r in rows if r["R@1"] != ""]
+    timing = [r for r in rows if r["R@1"] == "" and r not in skipped]
+    if recall:
+        head = f"{'collection':<28} {'model':<14} {'mode':<16} {'k':>4} {'lam':>4} {'dir':<4} " \
+               f"{'R@1':>6} {'R@1 95% CI':>14} {'R@5':>6} {'R@10':>6} {'mR':>6} {'queries':>8} {'size':>8} " \
+               f"{'wall':>9}  R@1 minus EMB [95% CI]"
+        lines += [head, "-" * len(head)]
+        for r in recall:
+            ci = f"[{_fmt(r['R@1_lo'])}, {_fmt(r['R@1_hi'])}]" if r["R@1_lo"] != "" else "-"
+            lines.append(f"{str(r['collection'])[:28]:<28} {str(r['model'])[:14]:<14} {str(r['mode'])[:16]:<16} "
+                         f"{str(r['k']):>4} {str(r['lam']):>4} {str(r['direction']):<4} {_fmt(r['R@1']):>6} "
+                         f"{ci:>14} {_fmt(r['R@5']):>6} {_fmt(r['R@10']):>6} {_fmt(r['mR']):>6} "
+                         f"{str(r['queries']):>8} {str(r['collection_size']):>8} {_fmt_seconds(r['wall_s']):>9}  "
+                         f"{_signed(r, 'R@1')}")
+    if timing:
+        head = f"{'collection':<22} {'model':<12} {'mode':<20} {'k':>4} {'size':>9} {'p50':>9} {'p95':>9} " \
+               f"{'p99':>9} {'wall':>9} {'ann_R@10':>8} {'speedup':>8} {'measured':>8}"
+        lines += ["", head, "-" * len(head)]
+        for r in timing:
+            p = [_fmt_seconds(float(r[c]) / 1000) if r[c] != "" else "-"
+                 for c in ("latency_p50_ms", "latency_p95_ms", "latency_p99_ms")]
+            lines.append(f"{str(r['collection'])[:22]:<22} {str(r['model'])[:12]:<12} {str(r['mode'])[:20]:<20} "
+                         f"{str(r['k']):>4} {str(r['collection_size']):>9} {p[0]:>9} {p[1]:>9} {p[2]:>9} "
+                         f"{_fmt_seconds(r['wall_s']):>9} {_fmt(r['ann_recall@10'], 3):>8} "
+                         f"{_fmt(r['speedup_vs_paper_code'], 1):>8} {str(r['measured']):>8}")
+    for r in skipped:
+        lines.append(f"  note: {r['collection']} {r['model']} {r['mode']}: {r['notes']}")
+    return "\n".join(lines)
+
+
+def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]],
+                 hits_by_seed: Optional[Mapping[int, Sequence]] = None, boot: Bootstrap = Bootstrap()) -> list[dict]:
+    """<suite>_seeds.csv rows: per suite row key (SEED_KEY), R@1/5/10 and mR over the model seeds (mean, sample
+    std, min, max). A key missing from one seed's run is an error: the seeds must have run the same plan. AUTO
+    rows are keyed without their lam (each seed's dev run may choose another fusion; ``fusion`` lists them).
+
+    ``hits_by_seed``: per seed, for each of its rows, the per-query hits behind it (``benchmarks.rows.RowHits``:
+    ``hits``, ``baseline``; None for a row without): the interval of each seed mean, and of the seed mean of the
+    difference to the row's baseline, with the queries resampled jointly across the seeds (they rank the same
+    queries; anything else is an error)."""
+    import statistics
+
+    by_key: dict[tuple, dict[int, tuple[Mapping, object]]] = {}
+    for seed, rows in rows_by_seed.items():
+        hits = list(hits_by_seed[seed]) if hits_by_seed else [None] * len(rows)
+        if len(hits) != len(rows):
+            raise ValueError(f"seed {seed}: {len(rows)} rows but {len(hits)} hits")
+        for r, h in zip(rows, hits):
+            r = normalise_row(r)
+            if r["R@1"] != "":
+                # an AUTO row is one configuration whatever fusion each seed's dev run chose: keyed without its lam
+                key = {**r, "lam": ""} if r["mode"] == "AUTO" else r
+                by_key.setdefault(tuple(str(key[c]) for c in SEED_KEY), {})[seed] = (r, h)
+    seeds = sorted(rows_by_seed)
+    out = []
+    cache: dict[tuple, tuple] = {}  # both direction rows of a group share their hits: resample them once
+    for key, per_seed in by_key.items():
+        if sorted(per_seed) != seeds:
+            raise ValueError(f"row {dict(zip(SEED_KEY, key))} is missing for seed(s) "
+                             f"{sorted(set(seeds) - set(per_seed))}")
+        row = dict(zip(SEED_KEY, key))
+        rows = {s: per_seed[s][0] for s in seeds}
+        row["seeds"] = ",".join(map(str, seeds))
+        row["fusion"] = " ".join(f"{s}:{rows[s]['fusion']}" for s in seeds if rows[s]["fusion"] != "")
+        for m in METRICS:
+            vals = [float(rows[s][m]) for s in seeds]
+            row.update({f"{m}_mean": round(statistics.fmean(vals), 3),
+                        f"{m}_std": round(statistics.stdev(vals), 3) if len(vals) > 1 else 0.0,
+                        f"{m}_min": min(vals), f"{m}_max": max(vals)})
+        hits = [per_seed[s][1] for s in seeds]
+        if all(h is not None for h in hits):
+            ids = tuple(id(h) for h in hits)
+            if ids not in cache:
+                cache[ids] = (recall_intervals([h.hits for h in hits], boot),
+                              difference_intervals([h.hits for h in hits], [h.baseline for h in hits], boot)
+                              if all(h.baseline is not None for h in hits) else None)
+            means, delta = cache[ids]
+            d = row["direction"]
+            row.update({f"{m}_mean_{e}": v for m, iv in _by_metric(means, d).items()
+                        for e, v in (("lo", round(iv.lo, 3)), ("hi", round(iv.hi, 3)))})
+            if delta is not None:
+                row["against"] = rows[seeds[0]]["against"]
+                row.update({f"delta_{m}_mean{e}": round(v, 3) for m, iv in _by_metric(delta, d).items()
+                            for e, v in (("", iv.estimate), ("_lo", iv.lo), ("_hi", iv.hi))})
+            row["bootstrap"] = boot.label + ", resampled jointly across the seeds"
+        row["queries"] = rows[seeds[0]]["queries"]
+        row["recipe"] = rows[seeds[0]]["recipe"]
+        out.append(row)
+    return out
+
+
+def _by_metric(intervals: Mapping[str, Interval], direction: str) -> dict[str, Interval]:
+    """A direction row's intervals by CSV metric name: R@k of that direction, and mR."""
+    return {m: intervals["mR" if m == "mR" else f"{direction}_{m}"] for m in METRICS}
+
+
+def _signed(r: Mapping, m: str, stat: str = "") -> str:
+    """``+3.1 [+1.2, +5.0] lifts`` from a row's delta columns (``delta_<m><stat>``), "-" without them."""
+    cols = [f"delta_{m}{stat}{e}" for e in ("", "_lo", "_hi")]
+    if not r or any(str(r.get(c, "")) in ("", "nan") for c in cols):
+        return "-"
+    est, lo, hi = (float(r[c]) for c in cols)
+    return f"{est:+.1f} [{lo:+.1f}, {hi:+.1f}] {verdict(lo, hi)}"
+
+
+def seed_summary_table(rows: Sequence[Mapping], title: str = "") -> str:
+    """R@1 per direction and mR as mean ± std over the seeds [95 % interval of the mean], one line per (collection,
+    model, mode, k, lam); reranked rows then say the seed-mean difference of R@1 to EMB with its interval."""
+    lines = [f"== {title} ==" if title else ""]
+    head = f"{'collection':<30} {'model':<6} {'mode':<12} {'k':>3} {'lam':>4} {'t2i R@1':>26} {'i2t R@1':>26} " \
+           f"{'mR':>26}"
+    lines += [head, "-" * len(head)]
+    groups: dict[tuple, dict[str, Mapping]] = {}
+    for r in rows:
+        groups.setdefault((r["collection"], r["model"], r["mode"], r["k"], r["lam"]), {})[r["direction"]] = r
+
+    def pm(r, m):
+        if not r:
+            return "-"
+        ci = f" [{float(r[m + '_mean_lo']):.1f}, {float(r[m + '_mean_hi']):.1f}]" \
+            if str(r.get(m + "_mean_lo", "")) not in ("", "nan") else ""
+        return f"{float(r[m + '_mean']):.1f} ± {float(r[m + '_std']):.1f}{ci}"
+
+    for (coll, model, mode, k, lam), d in groups.items():
+        t, i = d.get("t2i"), d.get("i2t")
+        chosen = (t or i).get("fusion", "")
+        lines.append(f"{str(coll)[:30]:<30} {str(model)[:6]:<6} {str(mode)[:12]:<12} {str(k):>3} {str(lam):>4} "
+                     f"{pm(t, 'R@1'):>26} {pm(i, 'R@1'):>26} {pm(t or i, 'mR'):>26}"
+                     + (f"  (chosen per seed: {chosen})" if chosen else ""))
+        if _signed(t or i, "mR", "_mean") != "-":
+            lines.append(f"{'':<30}   seed-mean R@1 minus {(t or i).get('against')}: t2i {_signed(t, 'R@1', '_mean')}"
+                         f"; i2t {_signed(i, 'R@1', '_mean')}")
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------- memory table
+#: The memory suite's columns: the pipeline steps (one process per job), then the launcher itself.
+MEMORY_STEPS = ("pipelines.stage", "benchmarks.queries", "pipelines.encode", "pipelines.build_index",
+                "pipelines.rerank")
+
+
+def _images_of(job_name: str) -> Optional[int]:
+    """Collection size of a memory-suite job, from its staged folder's name (``synthetic_memory-n<N>``)."""
+    m = re.search(r"-n(\d+)(?:\b|/)", job_name)
+    return int(m.group(1)) if m else None
+
+
+def memory_table(job_rows: Sequence[Mapping], rows: Sequence[Mapping],
+                 remeasured: Sequence[Sequence[Mapping]] = ()) -> str:
+    """Markdown table of peak RSS (MiB) per step and collection size, from the memory suite's CSVs
+    (``memory_jobs.csv``: one row per job; ``memory.csv``: the recall rows, for the launcher's high-water mark
+    and the environment), with the growth between the two largest sizes. A step with several jobs at one size
+    (image and caption indexes) shows the larger. ``remeasured``: jobs CSVs of later runs of some of the same
+    jobs (after a fix); their cells replace the suite's and are marked ``*``."""
+    def cells(jobs: Sequence[Mapping]) -> dict:
+        out: dict[tuple[int, str], float] = {}
+        for r in jobs:
+            n = _images_of(str(r["job"]))
+            if r["step"] in MEMORY_STEPS and n is not None and str(r["peak_rss_mb"]) not in ("", "0", "0.0"):
+                out[(n, r["step"])] = max(out.get((n, r["step"]), 0.0), float(r["peak_rss_mb"]))
+        return out
+
+    table = cells(job_rows)
+    marked = set()
+    for later in remeasured:
+        again = cells(later)
+        table.update(again)
+        marked |= set(again)
+    for r in rows:
+        if str(r.get("launcher_peak_rss_mb", "")) not in ("",) and str(r.get("collection_size", "")).isdigit():
+            key = (int(r["collection_size"]), "launcher")
+            table[key] = max(table.get(key, 0.0), float(r["launcher_peak_rss_mb"]))
+    cols = [*MEMORY_STEPS, "launcher"]
+    runner = next((c.split("--runner=", 1)[1].split()[0].rsplit(".", 1)[-1] for c in (r["command"] for r in job_rows)
+                   if "--runner=" in c), "DirectRunner")
+    first = rows[0] if rows else {}
+    reused = sum(1 for r in job_rows if str(r.get("reused")) == "true")
+    lines = [f"Peak RSS (MiB) per process, {runner}, CPU {first.get('cpu_model', '?')}, threads "
+             f"{first.get('threads', '?')}, batch {first.get('batch_size', '?')}: each job's ru_maxrss from wait4 "
+             f"(the largest single process of its tree, not a sum), the larger of a step's jobs at one size; "
+             f"launcher = benchmarks.run's own high-water mark after evaluating that size's rows"
+             + (f"; {reused} job(s) reused, their RSS as measured when they ran" if reused else "")
+             + ("; * = re-measured in a later run of the same job" if marked else ""),
+             "",
+             "| images | " + " | ".join(c.split(".")[-1] for c in cols) + " |",
+             "|---:" * (len(cols) + 1) + "|"]
+    sizes = sorted({n for n, _ in table})
+
+    def fmt(n: int, c: str) -> str:
+        return f"{table[(n, c)]:,.0f}" + ("*" if (n, c) in marked else "") if (n, c) in table else "-"
+
+    for n in sizes:
+        lines.append(f"| {n:,} | " + " | ".join(fmt(n, c) for c in cols) + " |")
+    if len(sizes) >= 2:
+        a, b = sizes[-2], sizes[-1]
+        growth = [f"{(table[(b, c)] / table[(a, c)] - 1) * 100:+.0f} %" if (a, c) in table and (b, c) in table
+                  else "-" for c in cols]
+        lines.append(f"| growth {size_label(a)} -> {size_label(b)} | " + " | ".join(growth) + " |")
+    return "\n".join(lines)
+
+
+def memory_table_from(output_dir: str, *remeasured_dirs: str, suite: str = "memory") -> str:
+    """:func:`memory_table` of the CSVs a memory suite run wrote to ``output_dir``; the ``<suite>_jobs.csv`` of
+    each of ``remeasured_dirs`` (later runs of some of its jobs) replaces their cells."""
+    return memory_table(read_csv(os.path.join(output_dir, f"{suite}_jobs.csv")),
+                        read_csv(os.path.join(output_dir, f"{suite}.csv")),
+                        [read_csv(os.path.join(d, f"{suite}_jobs.csv")) for d in remeasured_dirs])
+
+
+def recall_table(rows: Sequence[Mapping]) -> str:
+    """A Markdown table of a suite CSV's recall rows, as the paper's tables read: one line per (collection, model,
+    mode, k), R@1 with its 95 % interval, R@5, R@10 per direction, mR [interval], and a reranked row's R@1 minus
+    EMB per direction with the verdict of its paired interval. Written for the docs, generated, not copied."""
+    rows = [normalise_row(r) for r in rows if str(r.get("R@1", "")) not in ("", "nan")]
+    lines = ["| collection | model | mode | t2i R@1 | t2i R@5 | t2i R@10 | i2t R@1 | i2t R@5 | i2t R@10 | mR | "
+             "R@1 minus EMB: t2i | R@1 minus EMB: i2t |", "|" + "---|" * 12]
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        groups.setdefault((r["collection"], r["model"], r["mode"], r["k"], r["fusion"]), {})[r["direction"]] = r
+
+    def ci(r: Optional[Mapping], m: str) -> str:
+        if r is None:
+            return "-"
+        lo, hi = r.get(f"{m}_lo", ""), r.get(f"{m}_hi", "")
+        return _fmt(r[m]) + (f" [{_fmt(lo)}, {_fmt(hi)}]" if str(lo) not in ("", "nan") else "")
+
+    for (collection, model, mode, k, fusion), by_dir in groups.items():
+        t, i = by_dir.get("t2i"), by_dir.get("i2t")
+        label = f"{mode} k={k}" if str(k) not in ("", "nan") and mode != "EMB" else str(mode)
+        label += f" ({fusion})" if str(fusion) not in ("", "nan") else ""
+        cells = [str(collection), str(model), label, ci(t, "R@1"), *(_fmt(t[m]) if t else "-" for m in ("R@5", "R@10")),
+                 ci(i, "R@1"), *(_fmt(i[m]) if i else "-" for m in ("R@5", "R@10")), ci(t or i, "mR"),
+                 _signed(t, "R@1"), _signed(i, "R@1")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
