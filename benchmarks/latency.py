@@ -261,7 +261,7 @@ def per_query_latency(b: _Bench, log) -> list[dict]:
             kk = min(k, n)
 
             def co(i, kk=kk):
-                q, (s, hit) = emb_flat(i, max(kk, 10))
+                q, (s, hit) = emb_flat(i, rerank.stored_depth(kk))
                 ce = m.score(b.texts(i) * kk, b.regions(src[hit[0, :kk]]), batch_size=cfg.batch_size)
                 rerank.rank_query(hit[0], s[0], ce, k=kk, mode="ce")
 

@@ -56,7 +56,7 @@ class RerankPlan:
                        help="auto: the ranking chosen on a dev split (--tune-embeddings or --tune-on) among co, "
                             "add / norm_add at every lam and emb; emb: BE only; co: CE rerank of the BE top-k (the "
                             "paper's); add / norm_add: BE+CE score fusion in the top-k (--lam); ce: exhaustive CE")
-    k: int = option(20, help="rerank depth; every query stores its BE top max(k, 10)")
+    k: int = option(20, help=f"rerank depth; every query stores its BE top max(k, {rerank.MIN_STORED_DEPTH})")
     lam: float = option(0.5, help="ADD/NORM_ADD weight of the BE score")
     directions: tuple[str, ...] = option(DIRECTIONS, sep=",", help="t2i, i2t or both")
     index: Optional[str] = option(None, help="image FAISS index for t2i, built from --embeddings (default: exact "
@@ -400,7 +400,7 @@ def resolve(plan: RerankPlan) -> Resolved:
         query_shards += [(d, q_modality, s["name"], s["sha256"])
                          for s in embeddings.modality_entry(emb_manifest, q_modality)["shards"]]
 
-    keep = max(plan.k, 10)
+    keep = rerank.stored_depth(plan.k)
     if plan.mode == "ce":  # exhaustive: every pool item is a candidate and CE-scored
         total_pairs = sum(len(query_ids[d]) * pools[d] for d in plan.directions)
         if total_pairs > plan.max_exhaustive_pairs:

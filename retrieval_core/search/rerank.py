@@ -36,6 +36,13 @@ import pyarrow as pa
 from retrieval_core.data import schema
 
 MODES = ("emb", "ce", "add", "norm_add")
+#: A ranking stores at least this many rows per query, whatever its rerank depth k: recall@10 reads from every run.
+MIN_STORED_DEPTH = 10
+
+
+def stored_depth(k: int) -> int:
+    """The rows per query a ranking of rerank depth ``k`` stores: its BE top max(k, MIN_STORED_DEPTH)."""
+    return max(int(k), MIN_STORED_DEPTH)
 #: The modes a run is made and evaluated with (pipelines.rerank / benchmarks.evaluate --mode): "co" reranks
 #: the BE top-k with the CE, "ce" is exhaustive CE over the whole pool; both rank by the CE score.
 RUN_MODES = ("emb", "co", "ce", "add", "norm_add")
@@ -135,7 +142,7 @@ def rank_query(candidate_ids: np.ndarray, be_scores: np.ndarray, ce_scores: Opti
 
     ``candidate_ids`` / ``be_scores`` (n,) arrive in BE order, best first; ``ce_scores`` (k',) scores the
     first k' = min(k, n) of them. The top k' are reordered by the fused score (ties: better BE rank first);
-    the rest keep their BE order below. Returns the first ``keep`` (default max(k, 10)) rows as arrays
+    the rest keep their BE order below. Returns the first ``keep`` (default stored_depth(k)) rows as arrays
     ``item_id, rank, be_rank, be_score, ce_score (NaN outside the top k), final_score``, best first.
     """
     ids = np.asarray(candidate_ids, dtype=np.int64)
@@ -170,7 +177,7 @@ def rank_query(candidate_ids: np.ndarray, be_scores: np.ndarray, ce_scores: Opti
     if n > kk:
         # Tail below the reranked block: strictly decreasing, under every reranked score.
         final[kk:] = np.min(fused) - np.arange(1, n - kk + 1, dtype=np.float64)
-    keep = max(k, 10) if keep is None else int(keep)
+    keep = stored_depth(k) if keep is None else int(keep)
     top = order[:keep]
     return {
         "item_id": ids[top],
@@ -216,8 +223,8 @@ def derive_rankings(table: pa.Table, k: int, mode: str, lam: float = 0.5) -> pa.
     the stored ``ce_score`` of the first min(k, n) of them the CE scores, and :func:`rank_query` decides.
 
     Gives exactly the rankings of a run with that k and mode when the stored run retrieved at least
-    max(k, 10) candidates and CE-scored at least the top k (same BE, same CE scores): a pipelines.rerank run
-    stores its BE top max(k, 10), with the CE scores of its top k. A CE mode needs a CE score for each of
+    stored_depth(k) candidates and CE-scored at least the top k (same BE, same CE scores): a pipelines.rerank run
+    stores its BE top stored_depth(k), with the CE scores of its top k. A CE mode needs a CE score for each of
     the top min(k, n) rows: a gap is an error naming the query."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
