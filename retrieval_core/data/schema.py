@@ -279,7 +279,7 @@ class ImageTable:
 #: Linear layers (CPU only), or bf16 weights (CUDA, or a CPU with native bf16); model.quantize.quantize_model.
 QUANTIZE_CHOICES = ("none", "int8", "bf16")
 #: The jobs' default --quantize: bf16 on a CUDA device that computes it natively, float32 elsewhere
-#: (resolve_quantize); bf16 was at least as fast as float32 on every GPU path measured (docs/PERFORMANCE.md).
+#: (resolve_quantize). scripts/gpu_pipelines.sh checks bf16 against fp32 per path (docs/PERFORMANCE.md).
 QUANTIZE_AUTO = "auto"
 #: The --quantize modes a device kind can run ("cpu" / "cuda"); bf16 on CPU also needs native bf16 (checked at load).
 QUANTIZE_DEVICES = {"none": ("cpu", "cuda"), "int8": ("cpu",), "bf16": ("cpu", "cuda")}

@@ -1,0 +1,229 @@
+"""Job path against model alone: how much of the model's rate the jobs' host work leaves, on CPU or GPU.
+
+For one model as served (fp32 or bf16 weights) and one set of synthetic images and captions, three ways over the
+SAME batches (length-sorted as the jobs sort them), timed interleaved in one process so a shared machine's load
+falls on all of them alike:
+
+  job       the Beam jobs' per-batch path: ``VLModelHandler.run_inference`` on the elements the encode / rerank
+            readers hand it (captions as token ids from the store, regions as staged), collating each batch
+            itself, copying it and returning numpy results (one sync per batch, as RunInference needs them)
+  library   ``VLRetrievalModel.score`` / ``encode_image`` / ``encode_text`` (tokenise once, batches collated
+            ahead by a worker thread, results gathered with one sync)
+  model     the model alone: every batch collated beforehand and already on the device, one sync at the end
+            (the ceiling of a job whose host work is done once and overlapped: "device fed")
+
+Rows: ``rate_per_s`` items per second (median over ``reps`` interleaved repetitions) and, for job and library,
+``roofline_fraction`` = rate / the model-alone rate of the same run. Tasks: CE pairs, BE images, BE captions.
+
+Models (``build_model``): "demo" (the demo JOIN's shape: 3 layers, 384 wide, 12 regions, 1024-d features) and
+"base" (BERT-base: 12 layers, 768 wide, 36 regions, 2048-d), randomly initialised (speed does not depend on the
+weights), with a WordPiece vocabulary pruned to the synthetic collection's words, so nothing is downloaded.
+
+    python -m benchmarks.feeding --size demo --items 5000 --device cpu --threads 2 --output feeding.csv
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import string
+import time
+from typing import Callable, Optional, Sequence
+
+import click
+import torch
+
+from benchmarks.report import cpu_model, write_csv
+from pipelines.handlers import TASK_EMBED_IMAGE, TASK_EMBED_TEXT, TASK_SCORE_PAIRS, VLModelHandler, element_length
+from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
+from retrieval_core.data.synthetic.collection import synthetic_collection
+from retrieval_core.data.synthetic.spec import SyntheticSpec
+from retrieval_core.model.collate import to_device
+from retrieval_core.model.network import VLModelConfig, VLRetrievalModel
+from retrieval_core.model.quantize import quantize_model
+
+#: Model shapes: BertConfig sizes, regions per image and feature width.
+SIZES = {
+    "demo": dict(hidden_size=384, num_hidden_layers=3, num_attention_heads=12, intermediate_size=1536,
+                 max_regions=12, feature_dim=1024),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                 max_regions=36, feature_dim=2048),
+}
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+TASKS = ("pairs", "images", "captions")
+
+
+def collection_vocab(texts: Sequence[str]) -> list[str]:
+    """A WordPiece vocabulary for ``texts``: the special tokens, every lower-cased word and punctuation mark they
+    use, and single characters (plain and ##) so any other ASCII word still tokenises without [UNK]."""
+    import re
+
+    words = sorted({w for t in texts for w in re.findall(r"[a-z0-9]+|[^\sa-z0-9]", t.lower())})
+    chars = list(string.ascii_lowercase + string.digits + string.punctuation)
+    vocab = SPECIAL_TOKENS + words + [c for c in chars if c not in words]
+    return list(dict.fromkeys(vocab + ["##" + c for c in string.ascii_lowercase + string.digits]))
+
+
+def build_model(size: str, texts: Sequence[str], folder: str, seed: int = 0) -> VLRetrievalModel:
+    """A randomly initialised VLRetrievalModel of ``size`` (SIZES) with a vocabulary pruned to ``texts``
+    (collection_vocab), saved to ``folder`` (a model folder the jobs load)."""
+    from transformers import BertConfig, BertTokenizerFast
+
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    shape = dict(SIZES[size])
+    max_regions, feature_dim = shape.pop("max_regions"), shape.pop("feature_dim")
+    os.makedirs(folder, exist_ok=True)
+    vocab_path = os.path.join(folder, "vocab.txt")
+    with open(vocab_path, "w") as f:
+        f.write("\n".join(collection_vocab(texts)) + "\n")
+    tokenizer = BertTokenizerFast(vocab_file=vocab_path, do_lower_case=True)
+    config = BertConfig(vocab_size=tokenizer.vocab_size, max_position_embeddings=512, type_vocab_size=2,
+                        pad_token_id=0, **shape)
+    torch.manual_seed(seed)
+    model = VLRetrievalModel(config, VLModelConfig(feature_dim=feature_dim, max_regions=max_regions,
+                                                   ce_agreement="maxsim"), tokenizer)
+    model.save(folder)
+    return model.eval()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _job_batches(task: str, elements: list, batch_size: int) -> list[list]:
+    """The elements in the jobs' batches: sorted by (padded-length proxy, position), cut every batch_size."""
+    order = sorted(range(len(elements)), key=lambda i: (element_length(task, elements[i]), i))
+    return [[elements[i] for i in order[a:a + batch_size]] for a in range(0, len(order), batch_size)]
+
+
+def feeding_rows(model: VLRetrievalModel, model_dir: str, texts: Sequence[str], images, n: int, batch_size: int,
+                 precision: str, reps: int = 3, tasks: Sequence[str] = TASKS, log: Callable = print,
+                 common: Optional[dict] = None) -> list[dict]:
+    """Rows of the job, library and model-alone rates (module docstring) of ``model`` (already served in
+    ``precision``, on its device) on ``n`` items of each task: CE pairs (caption i with image i // 5, the
+    collection's own layout), BE images and BE captions. ``images``: an ImageTable."""
+    dev = model.device
+    make = model.batch_maker()
+    ids = make.text_collator.ids(list(texts[:n]))
+    regions = [images.regions(i) for i in range(len(images))]
+    handler_task = {"pairs": TASK_SCORE_PAIRS, "images": TASK_EMBED_IMAGE, "captions": TASK_EMBED_TEXT}
+    rows = []
+    for task in tasks:
+        if task == "pairs":
+            count = min(n, len(ids))
+            elements = [(ids[i], *regions[(i // 5) % len(regions)]) for i in range(count)]
+            lib = lambda: model.score([e[0] for e in elements], [(e[1], e[2]) for e in elements],  # noqa: E731
+                                      batch_size=batch_size, device=str(dev))
+        elif task == "images":
+            count = min(n, len(regions))
+            elements = regions[:count]
+            lib = lambda: model.encode_image(elements, batch_size=batch_size, device=str(dev))  # noqa: E731
+        else:
+            count = min(n, len(ids))
+            elements = ids[:count]
+            lib = lambda: model.encode_text(elements, batch_size=batch_size, device=str(dev))  # noqa: E731
+        htask = handler_task[task]
+        batches = _job_batches(htask, elements, batch_size)
+        handler = VLModelHandler(model_dir, htask, device=dev.type, max_batch_size=batch_size)
+        fed = [to_device(handler.collate(b, model), dev) for b in batches]  # collated ahead, on the device
+        forward = getattr(model, htask)
+
+        def job(upto=None):
+            for b in batches[:upto]:
+                handler.run_inference(b, model)
+
+        def alone(upto=None):
+            with torch.inference_mode():
+                out = [forward(b) for b in fed[:upto]]
+            _sync(dev)
+            return out
+
+        ways = {"job": job, "library": lib, "model": alone}
+        job(2)  # warm-up on the first batches: allocator, kernels, OpenMP pool (the library loop runs the same)
+        alone(2)
+        times = {k: [] for k in ways}
+        for _ in range(reps):
+            for name, fn in ways.items():
+                _sync(dev)
+                t0 = time.perf_counter()
+                fn()
+                _sync(dev)
+                times[name].append(time.perf_counter() - t0)
+        fed.clear()  # the device copies go before the next task
+        rates = {k: count / statistics.median(v) for k, v in times.items()}
+        medians = ", ".join(f"{statistics.median(v):.2f}" for v in times.values())
+        log(f"feeding {task} {precision} on {dev}: job {rates['job']:,.0f}/s, library {rates['library']:,.0f}/s, "
+            f"model alone {rates['model']:,.0f}/s; job / model {rates['job'] / rates['model']:.2f}, library / "
+            f"model {rates['library'] / rates['model']:.2f}")
+        for way, label in (("job", "job path (handler)"), ("library", "library loop"),
+                           ("model", "model alone (batches collated ahead)")):
+            rows.append({**(common or {}), "suite": "latency", "collection": f"feeding_{task}",
+                         "collection_size": count, "mode": f"{task}: {label}", "rate_per_s": rates[way],
+                         "roofline_fraction": rates[way] / rates["model"], "quantize": precision,
+                         "device": str(dev), **(common or {}), "batch_size": batch_size, "measured": True,
+                         "notes": (f"{task} per second, median of {reps} repetitions interleaved with the other "
+                                   f"two ways in one process ({medians} s: job, library, model); "
+                                   f"roofline_fraction = this way / model alone")})
+    return rows
+
+
+def synthetic_data(n_images: int, feature_dim: int, seed: int = 0):
+    """(ImageTable, caption texts) of the project's synthetic generator: ``n_images`` images, 5 captions each."""
+    table, captions = synthetic_collection(SyntheticSpec("feeding", n_images, seed=seed, feature_dim=feature_dim))
+    return table, captions["text"].tolist()
+
+
+def environment(device: torch.device, threads: Optional[int]) -> dict:
+    import transformers
+
+    return {"cpu_model": cpu_model(), "threads": threads or torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "model": "random-init", "direction": "",
+            "device": f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "cpu"}
+
+
+@click.command(context_settings=CONTEXT_SETTINGS)
+@click.option("--size", type=click.Choice(sorted(SIZES)), default="demo", show_default=True, help="Model shape.")
+@click.option("--items", type=click.IntRange(min=1), default=5000, show_default=True,
+              help="CE pairs, images and captions per task.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--threads", type=click.IntRange(min=1), help="torch threads [torch's default].")
+@click.option("--batch-size", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--precisions", default="fp32,bf16", show_default=True, help="fp32 and/or bf16 (comma-separated).")
+@click.option("--tasks", default=",".join(TASKS), show_default=True, help="pairs, images, captions.")
+@click.option("--reps", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--workdir", default="runs/feeding", show_default=True, help="Where the model folder is written.")
+@click.option("--output", help="CSV to write (report.CSV_COLUMNS) [print only].")
+def main(size, items, device, threads, batch_size, precisions, tasks, reps, workdir, output) -> None:
+    """Job path, library loop and model alone on the same batches (module docstring)."""
+    with cli_errors():
+        measure(size, items, device, threads, batch_size, precisions, tasks, reps, workdir, output)
+
+
+def measure(size, items, device, threads, batch_size, precisions, tasks, reps, workdir, output) -> list[dict]:
+    if threads:
+        torch.set_num_threads(threads)
+    dev = torch.device(device)
+    wanted = [p.strip() for p in precisions.split(",") if p.strip()]
+    bad = [p for p in wanted if p not in ("fp32", "bf16")] + [t for t in tasks.split(",") if t not in TASKS]
+    if bad:
+        raise click.BadParameter(f"unknown precision or task {bad}")
+    feature_dim = SIZES[size]["feature_dim"]
+    table, texts = synthetic_data(max(1, -(-items // 5)), feature_dim)
+    rows = []
+    for precision in wanted:
+        model = build_model(size, texts, os.path.join(workdir, f"model-{size}"))
+        model = quantize_model(model, "bf16" if precision == "bf16" else None, str(dev)).to(dev).eval()
+        rows += feeding_rows(model, os.path.join(workdir, f"model-{size}"), texts, table, items, batch_size,
+                             precision, reps, tasks.split(","),
+                             log=lambda m: click.echo(f"[{time.strftime('%H:%M:%S')}] {m}"),
+                             common={**environment(dev, threads), "recipe": size})
+    if output:
+        write_csv(output, rows)
+        click.echo(f"wrote {output}: {len(rows)} rows")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
