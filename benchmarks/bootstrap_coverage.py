@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import click
 import numpy as np
 
-from retrieval_core.cli import CONTEXT_SETTINGS
+from retrieval_core.cli import CONTEXT_SETTINGS, check_options, option, plan_from_cli, plan_options
 from retrieval_core.evaluation.metrics import DirectionHits
 from retrieval_core.evaluation.stats import Bootstrap, difference_intervals, recall_intervals
 
@@ -60,19 +60,35 @@ def coverage(pop: Population, n: int, trials: int, resamples: int, seed: int) ->
     return hit_a / trials, hit_d / trials, float(np.mean(widths))
 
 
+@dataclass(frozen=True)
+class CoveragePlan:
+    """The simulation's options, each a typed field (checked when built)."""
+    trials: int = option(1000, type=click.IntRange(min=10))
+    queries: tuple[int, ...] = option((20, 100, 500, 2500), sep=",", help="Query counts, comma-separated.")
+    resamples: int = option(1000, type=click.IntRange(min=100))
+    seed: int = option(0, type=click.IntRange(min=0))
+
+    def __post_init__(self):
+        check_options(self)
+        text = ",".join(map(str, self.queries))
+        try:
+            sizes = tuple(int(x) for x in self.queries)
+        except ValueError:
+            raise ValueError(f"--queries: comma-separated integers, got {text!r}") from None
+        if not sizes or min(sizes) < 2:
+            raise ValueError("--queries: query counts must be >= 2")
+        object.__setattr__(self, "queries", sizes)
+
+
 @click.command(context_settings=CONTEXT_SETTINGS)
-@click.option("--trials", type=click.IntRange(min=10), default=1000, show_default=True)
-@click.option("--queries", default="20,100,500,2500", show_default=True, help="Query counts, comma-separated.")
-@click.option("--resamples", type=click.IntRange(min=100), default=1000, show_default=True)
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
-def main(trials: int, queries: str, resamples: int, seed: int) -> None:
+@plan_options(CoveragePlan)
+def main(**values) -> None:
     """Coverage of the 95 % bootstrap intervals of R@1 and of a paired difference, by simulation."""
     try:
-        sizes = [int(x) for x in queries.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"comma-separated integers, got {queries!r}", param_hint="--queries") from None
-    if not sizes or min(sizes) < 2:
-        raise click.BadParameter("query counts must be >= 2", param_hint="--queries")
+        plan = plan_from_cli(CoveragePlan, values)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    trials, resamples, seed, sizes = plan.trials, plan.resamples, plan.seed, plan.queries
     se = 100 * (0.95 * 0.05 / trials) ** 0.5
     click.echo(f"{trials} trials per row, {resamples} resamples, seed {seed}; Monte Carlo standard error of a "
                f"coverage near 95 %: {se:.1f} points")

@@ -14,6 +14,7 @@ count, share, median CE margin) and ``rerank_flips.csv`` (what the second mode p
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import click
@@ -22,7 +23,7 @@ import pandas as pd
 
 from benchmarks.family_probe import _difference
 from pipelines.common import BEAM_FILES, write_atomic
-from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
+from retrieval_core.cli import CONTEXT_SETTINGS, check_options, cli_errors, option, plan_from_cli, plan_options
 from retrieval_core.data import schema
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.synthetic.scenes import describe_scene
@@ -109,20 +110,31 @@ def analyse(run: LoadedRun, spec: SyntheticSpec, modes: tuple[str, ...], k: Opti
     return pd.DataFrame(errors), pd.DataFrame(flips)
 
 
+@dataclass(frozen=True, kw_only=True)  # kw_only: required options may follow optional ones
+class RerankErrorsPlan:
+    """The analysis's options, each a typed field (checked when built)."""
+    rankings: str = option(help="A pipelines.rerank run with CE scores (its dir).")
+    staged: str = option(help="Its staged folder (a synthetic collection).")
+    manifest: str = option(help="The synthetic manifest the collection was staged from.")
+    collection: Optional[str] = option(None, help="The synthetic collection [the run's].")
+    modes: tuple[str, ...] = option(("emb", "co"), sep=",", help="The rankings compared (from the stored scores).")
+    k: Optional[int] = option(None, type=click.IntRange(min=1), help="Rerank depth [the run's].")
+    output: str = option(help="Folder for rerank_errors.csv and rerank_flips.csv.")
+
+    def __post_init__(self):
+        check_options(self)
+
+
 @click.command(context_settings=CONTEXT_SETTINGS)
-@click.option("--rankings", required=True, help="A pipelines.rerank run with CE scores (its dir).")
-@click.option("--staged", required=True, help="Its staged folder (a synthetic collection).")
-@click.option("--manifest", required=True, help="The synthetic manifest the collection was staged from.")
-@click.option("--collection", default=None, help="The synthetic collection [the run's].")
-@click.option("--modes", default="emb,co", show_default=True, help="The rankings compared (from the stored scores).")
-@click.option("--k", type=click.IntRange(min=1), default=None, help="Rerank depth [the run's].")
-@click.option("--output", required=True, help="Folder for rerank_errors.csv and rerank_flips.csv.")
-def main(rankings, staged, manifest, collection, modes, k, output):
+@plan_options(RerankErrorsPlan)
+def main(**values):
     """Classify the first places of each ranking of a run: correct, a sibling (by change), another scene."""
     with cli_errors(RunError):
-        run = LoadedRun.read(rankings, staged, collection, files=BEAM_FILES)
-        spec = load_manifest(manifest).synthetic_spec(run.collection)
-        errors, flips = analyse(run, spec, tuple(m.strip() for m in modes.split(",") if m.strip()), k)
+        plan = plan_from_cli(RerankErrorsPlan, values)
+        run = LoadedRun.read(plan.rankings, plan.staged, plan.collection, files=BEAM_FILES)
+        spec = load_manifest(plan.manifest).synthetic_spec(run.collection)
+        errors, flips = analyse(run, spec, plan.modes, plan.k)
+    output = plan.output
     for name, frame in (("rerank_errors.csv", errors), ("rerank_flips.csv", flips)):
         write_atomic(os.path.join(output, name), frame.to_csv(index=False).encode("utf-8"))
     with pd.option_context("display.width", 160, "display.max_rows", 200):
