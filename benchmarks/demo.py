@@ -129,7 +129,7 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
     wall = time.time() - t_start
     print(f"total {wall:.0f} s on {cores} CPU cores; outputs under {root}")
     # the table once more in the suites' schema, with where, when and from which commit it ran: the file the docs'
-    # demo table is generated from (benchmarks.published)
+    # demo table is generated from (benchmarks.report docs)
     csv_path = report.write_csv(os.path.join(results, DEMO_CSV), [
         {**r, "suite": "demo", "wall_s": round(wall), "recipe": demo_assets.DEMO_RECIPE.name, "model_seed": seed,
          "measured": True, "notes": steps, **report.environment()} for r in rows])

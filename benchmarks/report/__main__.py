@@ -1,13 +1,15 @@
-"""``python -m benchmarks.report``: tables from benchmark CSVs already written (memory-table, recall-table)."""
+"""``python -m benchmarks.report``: tables from benchmark CSVs already written (memory-table, recall-table), and the
+docs' generated tables from the committed CSVs (docs: :mod:`.published`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import click
 
+from benchmarks.report import published
 from benchmarks.report.schema import read_csv
 from benchmarks.report.tables import memory_table_from, recall_table
-from retrieval_core.cli import CONTEXT_SETTINGS, check_options, option, plan_from_cli, plan_options
+from retrieval_core.cli import CONTEXT_SETTINGS, check_options, cli_errors, option, plan_from_cli, plan_options
 
 _DIR = click.Path(exists=True, file_okay=False)
 
@@ -50,6 +52,22 @@ def memory_table_cmd(**values):
 def recall_table_cmd(**values):
     """Print the recall rows of a suite CSV (benchmarks.run's <suite>.csv) as a Markdown table with intervals."""
     click.echo(recall_table(read_csv(plan_from_cli(RecallTablePlan, values).csv_path)))
+
+
+@main.command("docs", context_settings=CONTEXT_SETTINGS)
+@plan_options(published.DocsPlan)
+def docs_cmd(**values):
+    """Regenerate the result tables of README.md and docs/RESULTS.md from the CSVs in docs/results/ (with
+    --publish, after copying a run's CSV there); --check changes nothing and exits 1 on any problem."""
+    with cli_errors():
+        plan = plan_from_cli(published.DocsPlan, values)
+        lines = published.run(plan)
+    for line in lines:
+        click.echo(line)
+    if plan.check and lines:
+        raise SystemExit(1)
+    if plan.check:
+        click.echo(f"{', '.join(published.DOCS)}: every generated block matches its CSV; no result outside them")
 
 
 if __name__ == "__main__":

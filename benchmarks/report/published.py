@@ -1,8 +1,8 @@
 """The numbers README.md and docs/RESULTS.md print, generated from the committed result CSVs in docs/results/.
 
-    python -m benchmarks.published                                   # rewrite every generated block
-    python -m benchmarks.published --publish runs/demo/results/demo.csv   # copy a run's CSV in, then rewrite
-    python -m benchmarks.published --check                           # change nothing; exit 1 on any problem
+    python -m benchmarks.report docs                                       # rewrite every generated block
+    python -m benchmarks.report docs --publish runs/demo/results/demo.csv  # copy a run's CSV in, then rewrite
+    python -m benchmarks.report docs --check                               # change nothing; exit 1 on a problem
 
 A generated block names its table kind and its CSV (a path from the repository root)::
 
@@ -31,8 +31,9 @@ from typing import Callable, Mapping, Sequence
 
 import click
 
-from benchmarks import report
-from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors, option, plan_from_cli, plan_options
+from benchmarks.report.schema import read_csv, schema_path
+from benchmarks.report.tables import recall_table
+from retrieval_core.cli import check_options, option
 
 #: The tracked folder of the result CSVs the docs cite (results/ at the root is the runs' scratch, ignored).
 RESULTS_DIR = "docs/results"
@@ -71,7 +72,7 @@ def provenance_line(rows: Sequence[Mapping]) -> str:
 
 def recall_block(rows: Sequence[Mapping]) -> str:
     """A recall table (report.recall_table) under the line saying how it was measured."""
-    return provenance_line(rows) + "\n\n" + report.recall_table(rows) + "\n"
+    return provenance_line(rows) + "\n\n" + recall_table(rows) + "\n"
 
 
 #: The table kinds a generated block may name.
@@ -84,7 +85,7 @@ def generate(kind: str, csv_path: str, root: str) -> str:
     path = os.path.join(root, csv_path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"generated block {kind} names {csv_path}, which does not exist")
-    return GENERATORS[kind](report.read_csv(path))
+    return GENERATORS[kind](read_csv(path))
 
 
 def _block(kind: str, csv_path: str, root: str) -> str:
@@ -139,14 +140,14 @@ def check_text(text: str, root: str, where: str) -> list[str]:
     """Every problem of one Markdown file: stale blocks, block numbers not in their CSVs, result-like prose."""
     problems: list[str] = []
     problems += [f"{where}: pending block {m.group('kind')} {m.group('csv')}: its CSV is published "
-                 f"(python -m benchmarks.published generates it)" for m in PENDING.finditer(text)
+                 f"(python -m benchmarks.report docs generates it)" for m in PENDING.finditer(text)
                  if os.path.isfile(os.path.join(root, m.group("csv")))]
     for m in BLOCK.finditer(text):
         label = f"{where}: block {m.group('kind')} {m.group('csv')}"
         expected = generate(m.group("kind"), m.group("csv"), root)
         if m.group("body") != expected:
-            problems.append(f"{label} differs from its CSV (python -m benchmarks.published rewrites it)")
-        problems += block_numbers_problems(m.group("body"), report.read_csv(os.path.join(root, m.group("csv"))),
+            problems.append(f"{label} differs from its CSV (python -m benchmarks.report docs rewrites it)")
+        problems += block_numbers_problems(m.group("body"), read_csv(os.path.join(root, m.group("csv"))),
                                            label)
     return problems + prose_problems(text, where)
 
@@ -161,7 +162,7 @@ def check(root: str, docs: Sequence[str] = DOCS) -> list[str]:
 
 def publish(csv_path: str, root: str) -> str:
     """Copy a run's result CSV (and its .schema.json) into RESULTS_DIR; returns its path there."""
-    rows = report.read_csv(csv_path)
+    rows = read_csv(csv_path)
     if not rows:
         raise ValueError(f"{csv_path} has no rows")
     missing = [c for c in PROVENANCE if any(str(r.get(c, "")) == "" for r in rows)]
@@ -173,50 +174,39 @@ def publish(csv_path: str, root: str) -> str:
         raise ValueError(f"{csv_path}: commit {bad[0]!r} names no committed code; run it from a clean checkout")
     dest = os.path.join(root, RESULTS_DIR)
     os.makedirs(dest, exist_ok=True)
-    for src in (csv_path, report.schema_path(csv_path)):
+    for src in (csv_path, schema_path(csv_path)):
         if os.path.isfile(src):
             shutil.copyfile(src, os.path.join(dest, os.path.basename(src)))
     return os.path.join(RESULTS_DIR, os.path.basename(csv_path))
 
 
 @dataclass(frozen=True)
-class PublishedPlan:
-    """What one run of the generator does."""
+class DocsPlan:
+    """``docs``' options (checked when built)."""
     publish: tuple[str, ...] = option((), multiple=True, type=click.Path(exists=True, dir_okay=False),
                                       help=f"a run's result CSV to copy into {RESULTS_DIR} first (repeatable)")
     check: bool = option(False, help="change nothing: report stale blocks and numbers not in their CSVs, exit 1")
     root: str = option(".", type=click.Path(exists=True, file_okay=False), help="the repository root")
 
-
-@click.command(context_settings=CONTEXT_SETTINGS)
-@plan_options(PublishedPlan)
-def main(**values):
-    """Regenerate the result tables of README.md and docs/RESULTS.md from the CSVs in docs/results/."""
-    with cli_errors():
-        plan = plan_from_cli(PublishedPlan, values)
-        if plan.check:
-            if plan.publish:
-                raise ValueError("--check changes nothing: it takes no --publish")
-            problems = check(plan.root)
-            for p in problems:
-                click.echo(p)
-            if problems:
-                raise SystemExit(1)
-            click.echo(f"{', '.join(DOCS)}: every generated block matches its CSV; no result outside them")
-            return
-        for csv_path in plan.publish:
-            click.echo(f"published {publish(csv_path, plan.root)}")
-        for doc in DOCS:
-            path = os.path.join(plan.root, doc)
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-            new = regenerate(text, plan.root)
-            if new != text:
-                with open(path, "w", encoding="utf-8") as f:
-                    f.write(new)
-            state = "rewritten" if new != text else "unchanged"
-            click.echo(f"{doc}: {len(BLOCK.findall(new))} generated block(s), {state}")
+    def __post_init__(self):
+        check_options(self)
+        if self.check and self.publish:
+            raise ValueError("--check changes nothing: it takes no --publish")
 
 
-if __name__ == "__main__":
-    main()
+def run(plan: DocsPlan) -> list[str]:
+    """What ``docs`` does; returns the lines it reports. With ``check``, the problems (none: all is well)."""
+    if plan.check:
+        return check(plan.root)
+    lines = [f"published {publish(csv_path, plan.root)}" for csv_path in plan.publish]
+    for doc in DOCS:
+        path = os.path.join(plan.root, doc)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        new = regenerate(text, plan.root)
+        if new != text:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(new)
+        state = "rewritten" if new != text else "unchanged"
+        lines.append(f"{doc}: {len(BLOCK.findall(new))} generated block(s), {state}")
+    return lines
