@@ -27,6 +27,7 @@ import os
 import statistics
 import string
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import click
@@ -34,7 +35,18 @@ import torch
 
 from benchmarks.report import cpu_model, write_csv
 from pipelines.handlers import TASK_EMBED_IMAGE, TASK_EMBED_TEXT, TASK_SCORE_PAIRS, VLModelHandler, element_length
-from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
+from retrieval_core.cli import (
+    CONTEXT_SETTINGS,
+    apply_device_and_threads,
+    batch_size_option,
+    check_options,
+    cli_errors,
+    device_option,
+    option,
+    plan_from_cli,
+    plan_options,
+    threads_option,
+)
 from retrieval_core.data.synthetic.collection import synthetic_collection
 from retrieval_core.data.synthetic.spec import SyntheticSpec
 from retrieval_core.model.collate import to_device
@@ -183,22 +195,33 @@ def environment(device: torch.device, threads: Optional[int]) -> dict:
             "device": f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "cpu"}
 
 
+@dataclass(frozen=True)
+class FeedingPlan:
+    """The measurement's options, each a typed field (checked when built)."""
+    size: str = option("demo", type=click.Choice(sorted(SIZES)), help="Model shape.")
+    items: int = option(5000, type=click.IntRange(min=1), help="CE pairs, images and captions per task.")
+    device: str = device_option()
+    threads: Optional[int] = threads_option()
+    batch_size: int = batch_size_option(128)
+    precisions: str = option("fp32,bf16", help="fp32 and/or bf16 (comma-separated).")
+    tasks: str = option(",".join(TASKS), help="pairs, images, captions.")
+    reps: int = option(3, type=click.IntRange(min=1))
+    workdir: str = option("runs/feeding", help="Where the model folder is written.")
+    output: Optional[str] = option(None, help="CSV to write (report.CSV_COLUMNS) [print only].")
+
+    def __post_init__(self):
+        check_options(self)
+
+
 @click.command(context_settings=CONTEXT_SETTINGS)
-@click.option("--size", type=click.Choice(sorted(SIZES)), default="demo", show_default=True, help="Model shape.")
-@click.option("--items", type=click.IntRange(min=1), default=5000, show_default=True,
-              help="CE pairs, images and captions per task.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-@click.option("--threads", type=click.IntRange(min=1), help="torch threads [torch's default].")
-@click.option("--batch-size", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--precisions", default="fp32,bf16", show_default=True, help="fp32 and/or bf16 (comma-separated).")
-@click.option("--tasks", default=",".join(TASKS), show_default=True, help="pairs, images, captions.")
-@click.option("--reps", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--workdir", default="runs/feeding", show_default=True, help="Where the model folder is written.")
-@click.option("--output", help="CSV to write (report.CSV_COLUMNS) [print only].")
-def main(size, items, device, threads, batch_size, precisions, tasks, reps, workdir, output) -> None:
+@plan_options(FeedingPlan)
+def main(**values) -> None:
     """Job path, library loop and model alone on the same batches (module docstring)."""
     with cli_errors():
-        measure(size, items, device, threads, batch_size, precisions, tasks, reps, workdir, output)
+        p = plan_from_cli(FeedingPlan, values)
+        apply_device_and_threads(p.device, p.threads)
+        measure(p.size, p.items, p.device, p.threads, p.batch_size, p.precisions, p.tasks, p.reps, p.workdir,
+                p.output)
 
 
 def measure(size, items, device, threads, batch_size, precisions, tasks, reps, workdir, output) -> list[dict]:

@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import click
@@ -34,7 +35,17 @@ import torch
 
 from benchmarks import feeding
 from benchmarks.report import write_csv
-from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors
+from retrieval_core.cli import (
+    CONTEXT_SETTINGS,
+    batch_size_option,
+    check_options,
+    cli_errors,
+    device_option,
+    option,
+    plan_from_cli,
+    plan_options,
+    threads_option,
+)
 
 BEAM_ARGS = ("--runner=DirectRunner",)
 #: Targets (docs/PERFORMANCE.md): job path / device fed in bf16 on a GPU; the 5k CO's seconds; bf16 vs fp32.
@@ -244,27 +255,37 @@ def verdicts(device: str, rows: list[dict], info: dict, co_s: Optional[float]) -
     return lines
 
 
+@dataclass(frozen=True)
+class GpuPipelinesPlan:
+    """The run's options, each a typed field (checked when built)."""
+    device: str = device_option("cuda")
+    out: str = option("runs/gpu_pipelines", help="Work folder; pipeline_rows.csv.")
+    images: int = option(20_000, type=click.IntRange(min=20), help="Synthetic images staged (5 captions each).")
+    size: str = option("demo", type=click.Choice(sorted(feeding.SIZES)), help="Model of the pipeline steps.")
+    feed_size: str = option("base", type=click.Choice(sorted(feeding.SIZES)),
+                            help="The second model size of the feeding rows.")
+    feed_items: int = option(5000, type=click.IntRange(min=1))
+    train_steps: int = option(300, type=click.IntRange(min=1))
+    k: int = option(20, type=click.IntRange(min=1))
+    batch_size: int = batch_size_option(256)
+    co_pairs: int = option(600_000, type=click.IntRange(min=0), help="Pairs of the library-level CO of a "
+                                                                     "--feed-size CE (0: skip).")
+    threads: Optional[int] = threads_option()
+    tiny: bool = option(False, help="The test suite's size: small steps everywhere (seconds on a CPU).")
+
+    def __post_init__(self):
+        check_options(self)
+
+
 @click.command(context_settings=CONTEXT_SETTINGS)
-@click.option("--device", default="cuda", show_default=True, help="cuda, cuda:N or cpu.")
-@click.option("--out", default="runs/gpu_pipelines", show_default=True, help="Work folder; pipeline_rows.csv.")
-@click.option("--images", type=click.IntRange(min=20), default=20_000, show_default=True,
-              help="Synthetic images staged (5 captions each).")
-@click.option("--size", type=click.Choice(sorted(feeding.SIZES)), default="demo", show_default=True,
-              help="Model of the pipeline steps.")
-@click.option("--feed-size", type=click.Choice(sorted(feeding.SIZES)), default="base", show_default=True,
-              help="The second model size of the feeding rows.")
-@click.option("--feed-items", type=click.IntRange(min=1), default=5000, show_default=True)
-@click.option("--train-steps", type=click.IntRange(min=1), default=300, show_default=True)
-@click.option("--k", type=click.IntRange(min=1), default=20, show_default=True)
-@click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--co-pairs", type=click.IntRange(min=0), default=600_000, show_default=True,
-              help="Pairs of the library-level CO of a --feed-size CE (0: skip).")
-@click.option("--threads", type=click.IntRange(min=1), help="torch threads [torch's default].")
-@click.option("--tiny", is_flag=True, help="The test suite's size: small steps everywhere (seconds on a CPU).")
-def main(device, out, images, size, feed_size, feed_items, train_steps, k, batch_size, co_pairs, threads,
-         tiny) -> None:
+@plan_options(GpuPipelinesPlan)
+def main(**values) -> None:
     """Stage -> train -> encode -> build_index -> rerank -> evaluate, feeding rows, a 5k CO; verdicts."""
     with cli_errors():
+        p = plan_from_cli(GpuPipelinesPlan, values)
+        device, out, images, size, feed_size, feed_items, train_steps, k, batch_size, co_pairs, threads, tiny = (
+            p.device, p.out, p.images, p.size, p.feed_size, p.feed_items, p.train_steps, p.k, p.batch_size,
+            p.co_pairs, p.threads, p.tiny)
         if tiny:
             feed_size, feed_items, train_steps, k, batch_size, co_pairs = "demo", 24, 1, 3, 8, 24
         rows = run_all(device, out, images, size, feed_size, feed_items, train_steps, k, batch_size, co_pairs,
