@@ -25,7 +25,7 @@ import click
 import numpy as np
 import torch
 
-from benchmarks.report import cpu_model, write_csv
+from benchmarks.report import cpu_model, provenance, write_csv
 from retrieval_core.cli import (
     CONTEXT_SETTINGS,
     apply_device_and_threads,
@@ -387,7 +387,7 @@ def environment(device: str, threads: int) -> dict:
     dev = torch.device(device)
     name = f"{device} ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else device
     return {"device": name, "cpu_model": cpu_model(), "threads": threads, "torch": torch.__version__,
-            "transformers": transformers.__version__}
+            "transformers": transformers.__version__, **provenance()}
 
 
 @click.group(context_settings=CONTEXT_SETTINGS)

@@ -45,6 +45,7 @@ def test_measure_runs_without_beam_faiss_or_the_minilm_wheel(tmp_path):
     for r in roof.values():
         assert float(r["rate_per_s"]) > 0 and float(r["roofline_fraction"]) > 0 and r["measured"] == "true"
         assert 0 < float(r["useful_token_fraction"]) <= 1 and r["threads"] == "1" and r["device"] == "cpu"
+        assert r["commit"] and r["date"]  # which code measured the row, and when
         eager = r["mode"].endswith(("eager)", "(bf16)"))
         assert f"attention {'eager' if eager else 'sdpa'}: aten::_" in r["notes"], r["notes"]
     assert "_scaled_dot_product" in roof["CE pairs (fp32)"]["notes"]

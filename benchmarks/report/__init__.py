@@ -23,6 +23,7 @@ from benchmarks.report.schema import (
     cpu_model,
     environment,
     normalise_row,
+    provenance,
     read_csv,
     schema_path,
     set_threads,
@@ -45,5 +46,5 @@ __all__ = [
     "SEED_COLUMNS", "SEED_KEY", "SIZE_SUITES", "column_schema", "cpu_model", "environment", "memory_table",
     "memory_table_from", "normalise_row", "plot_latency", "plot_recall_vs_k", "plot_recall_vs_size",
     "plot_recall_vs_size_from", "plot_roofline", "read_csv", "recall_table", "schema_path", "seed_summary",
-    "seed_summary_table", "set_threads", "source_commit", "summary_table", "write_csv", "write_jobs_csv",
+    "seed_summary_table", "set_threads", "source_commit", "provenance", "summary_table", "write_csv", "write_jobs_csv",
 ]

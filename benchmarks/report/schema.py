@@ -177,6 +177,11 @@ def source_commit() -> str:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+def provenance() -> dict:
+    """The ``commit`` and ``date`` columns: which code measured a row, and when (UTC)."""
+    return {"commit": source_commit(), "date": time.strftime("%Y-%m-%d", time.gmtime())}
+
+
 def environment(device: str = "cpu", batch_size: Optional[int] = None, threads: Optional[int] = None) -> dict:
     """Columns describing where, when and with what code a row was measured (``threads``: what the jobs were
     given; default this process's torch thread count, which the jobs inherit)."""
@@ -194,8 +199,7 @@ def environment(device: str = "cpu", batch_size: Optional[int] = None, threads: 
         "torch": torch.__version__,
         "faiss": faiss.__version__,
         "transformers": transformers.__version__,
-        "commit": source_commit(),
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        **provenance(),
         "batch_size": "" if batch_size is None else batch_size,
     }
 
