@@ -76,41 +76,32 @@ class ModelSet:
 
 # The demo training recipe: JOIN (shared weights, BE and CE objectives) from the shipped all-MiniLM-L6-v2 with
 # every second layer kept (the paper's "halved" model), sized for about five minutes on 2 CPU cores. Each choice
-# was measured on the demo dev split (docs/TRAINING.md):
+# was measured on the demo dev split; the numbers are in docs/TRAINING.md, "The demo recipe":
 # - the image embedding starts from the least-squares fit to the captions' word embeddings
-#   (model_init.lstsq_image_embedding); from a random start InfoNCE sat at ln(batch) for up to 100 steps;
-# - the new layers get a 20x learning rate; InfoNCE is the BE loss (the triplet loss stayed at chance in 60 steps);
+#   (model_init.lstsq_image_embedding): from a random start InfoNCE sat at ln(batch) for many steps;
+# - the new layers get a 20x learning rate; InfoNCE is the BE loss (the triplet loss stayed at chance);
 # - the CE objective starts at step 40: a CE on a text-only backbone stays at chance until the BE has aligned
-#   image and text tokens (CE-only from MiniLM: loss flat at ln 4 for 200 steps), so earlier CE steps cost time;
+#   image and text tokens, so earlier CE steps cost time;
 # - CE steps use the listwise (LCE) loss over the gold image and 3 negatives, half of them drawn from the gold
 #   image's 8 nearest images by pooled features: the near misses a reranker sees. With the paper's pair loss
 #   and random negatives the CE learned class-level matching only, and reranking lowered R@1;
-# - each CE negative comes with p = 0.5 from the model's own BE top-8 (re-mined every 100 steps; issue 17): the
-#   lists the CE will rerank (the rest: 1/4 nearest images, 1/4 random). Without them the lift swung with the
-#   seed; with them it held in both directions for all three seeds tried (dev split, all 2,500 captions + 500
-#   images, k = 10, R@1 of CO minus EMB, t2i / i2t): seed 0 +3.9 / +0.2 -> +0.5 / +0.8, seed 1 +3.1 / +0.8 ->
-#   +1.0 / +3.4, seed 2 -5.5 / -4.6 -> +3.8 / +5.2; CO mR 82.5 / 79.6 / 77.1 -> 82.8 / 81.5 / 82.0. Three
-#   minings cost ~30 s of the ~260 s training (AMD EPYC, 225 GFLOP/s fp32 GEMM). A cheaper CE (8 captions per
-#   CE step instead of 16: training 167 s) lost the lift (seed 0: -1.3 / -4.4);
+# - each CE negative comes with p = 0.5 from the model's own BE top-8 (re-mined every 100 steps): the lists the
+#   CE will rerank (the rest: 1/4 nearest images, 1/4 random). Without them the lift swung with the seed; a
+#   cheaper CE lost it;
 # - the CE head's late-interaction term (Recipe.ce_agreement = "maxsim"): with the [CLS] classifier alone the CE
-#   loss sat at chance until a seed-dependent step (98-233) and CO minus EMB (test t2i R@1) ranged -33.0 to -1.6
-#   over five seeds; with it the CE learns from its first step and the default lifts R@1 in both directions for all
-#   five seeds (docs/archive/RESULTS-2026-11.md, "The CE head: five seeds");
+#   loss sat at chance until a seed-dependent step and reranking lowered R@1 for some seeds; with it the CE learns
+#   from its first step;
 # - 12 regions per image (stored most-confident first: the object detections, little clutter);
 # - captions and CE pairs go through the model in length-sorted chunks of 16 rows, each padded to its own longest
-#   caption (a batch pads its 20-token average caption to ~30): the 340 steps take 214 s instead of 259 s (same
-#   machine), with the losses of one padded batch up to rounding;
-# - frozen word embeddings: a JOIN step takes 0.79 s instead of 0.98 s, so 340 steps fit where 280 did. The CE
-#   was still improving at the end: at 280 steps reranking lowered test R@1 (t2i 55.6 -> 48.6), at 340 steps it
-#   lifted dev R@1 for both seeds tried (seed 0: 56.8 -> 66.2, seed 1: 57.8 -> 60.5; 400 dev captions). Fewer
-#   steps are not an option: 200 steps (same recipe, lr decay over 200) reranked dev i2t R@1 from 54.2 down to
-#   49.2 (t2i 48.6 -> 49.6; k = 10, 500 queries per direction, AMD EPYC, this session).
+#   caption: less padding, the losses of one padded batch up to rounding;
+# - frozen word embeddings: faster steps, so more of them fit; the CE was still improving at the end, and fewer
+#   steps reranked worse.
 _DEMO_JOIN = TrainConfig(
     objective="joint", be_loss="infonce", image_init="lstsq", steps=340, batch_size=32, lr=1e-4,
     new_layers_lr_mult=20, ce_loss="listwise", ce_negatives=3, ce_batch_size=16, ce_start_step=40,
     hard_negative_prob=0.5, hard_negative_k=8, mined_negative_prob=0.5, mine_every=100,
     freeze_word_embeddings=True, length_chunk_rows=16,
-    eval_every=0,  # one dev evaluation, at the end: the mid-run one never won (step 170: dev mR 73.4, 340: 79.8)
+    eval_every=0,  # one dev evaluation, at the end: the mid-run one never won (docs/TRAINING.md)
     seed=0, progress=True)
 DEMO_RECIPE = Recipe(
     name="demo", join=_DEMO_JOIN,
@@ -121,7 +112,7 @@ DEMO_RECIPE = Recipe(
                        ce_loss="listwise", ce_negatives=3, ce_batch_size=16, hard_negative_prob=0.5,
                        hard_negative_k=8, freeze_word_embeddings=True, length_chunk_rows=16, seed=0))
 
-# The benchmark suites' recipe (issue 17): every model a few times the demo's training, and every CE trained on the
+# The benchmark suites' recipe: every model a few times the demo's training, and every CE trained on the
 # lists it will rerank - listwise over 7 negatives, 3 in 4 drawn from its bi-encoder's own top-20 (the suites'
 # rerank depth), the rest as in the demo. What each choice bought, measured: docs/TRAINING.md.
 BENCH_RECIPE = Recipe(
@@ -131,7 +122,7 @@ BENCH_RECIPE = Recipe(
     sep_be=replace(DEMO_RECIPE.sep_be, steps=600),
     sep_ce=replace(DEMO_RECIPE.sep_ce, steps=600, ce_negatives=7, mined_negative_prob=0.75, mine_k=20,
                    mine_start_step=100))
-# The multilingual suite's recipes (issue 32): the demo recipe's JOIN trained on synthetic_multi30k (en/de/fr/cs
+# The multilingual suite's recipes: the demo recipe's JOIN trained on synthetic_multi30k (en/de/fr/cs
 # captions of the same scenes) from multilingual-e5-small, halved (6 of 12 layers), its 96M word-embedding weights
 # frozen (docs/MULTILINGUAL.md): on English captions only (the zero-shot setting: de/fr/cs are never trained on)
 # or on all four languages; and the English-only MiniLM on English captions, the monolingual reference.
@@ -188,7 +179,7 @@ def model_dir() -> str:
 def _run(args: list[str]) -> None:
     log.info("running: %s", " ".join(args))
     print("+ " + " ".join(args), flush=True)
-    launch.run_module(args)  # forked from the preloaded interpreter: no 3-6 s of imports per step
+    launch.run_module(args)  # forked from the preloaded interpreter: no imports per step (docs/PERFORMANCE.md)
 
 
 def _stamp_matches(path: str, want: dict) -> bool:

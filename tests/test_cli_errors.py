@@ -79,7 +79,7 @@ def test_evaluate_missing_rankings_dir(tmp_path, staged):
      "--index_factory"),
 ])
 def test_the_issues_mistyped_flags_are_refused_before_anything_runs(module, args, flag, tmp_path):
-    """Issue 14: `--top-k 3` used to run with k = 20 and `--index_factory HNSW32` built a Flat index, both
+    """Mistyped flags: `--top-k 3` used to run with k = 20 and `--index_factory HNSW32` built a Flat index, both
     exit 0 (Beam only logged "Discarding unparseable args"). Now: one line, exit 2, nothing written."""
     out = str(tmp_path / "out")
     res = run_cli(module, *[a.format(out=out) for a in args])

@@ -22,7 +22,7 @@ from tests.conftest import REPO_ROOT
 README = REPO_ROOT / "README.md"
 DOCS = sorted((REPO_ROOT / "docs").glob("*.md")) + [REPO_ROOT / "data_manifests" / "README.md",
                                                     REPO_ROOT / "docker" / "README.md"]
-MAX_README_LINES = 250  # issue 30: a front door of about 200 lines; the rest lives in docs/
+MAX_README_LINES = 250  # the README is a front door of about 200 lines; the rest lives in docs/
 
 
 def bash_lines(text: str) -> list[str]:

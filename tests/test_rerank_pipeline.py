@@ -425,7 +425,7 @@ def test_killed_run_resumes_its_unfinished_shards_only(assets, tmp_path):
 
 
 def test_index_built_from_other_embeddings_is_refused_naming_both(assets, tmp_path):
-    """Issue 14: an index of another model's embeddings used to run and score R@1 0.00."""
+    """An index of another model's embeddings used to run and score R@1 0.00; now it is refused, naming both."""
     from click.testing import CliRunner
 
     root, staged, _, emb_dir = assets
@@ -447,7 +447,7 @@ def test_index_built_from_other_embeddings_is_refused_naming_both(assets, tmp_pa
 
 
 def test_embeddings_or_gold_of_another_staging_are_refused(assets, tmp_path):
-    """Issue 14: artifacts carry the fingerprint of the staged shards they came from. Embeddings encoded from
+    """Artifacts carry the fingerprint of the staged shards they came from. Embeddings encoded from
     one staging and a --staged folder of another (same ids, other captions and regions) used to rerank
     silently; a run evaluated against another staging's gold likewise."""
     from retrieval_core.evaluation.runs import RunError as EvaluationError

@@ -212,7 +212,7 @@ def test_binding_swap_is_invisible_to_mean_pooling():
 def test_binding_is_recoverable_from_single_regions():
     """What a binding swap hides from the mean is in every region: decoding each of the 12 most confident
     regions to its nearest (class, colour) codes finds both focus pairs of the caption in the gold image and
-    neither in its binding sibling (issue 17: a CE that misses binding fails to learn, it is not starved)."""
+    neither in its binding sibling: a CE that misses binding fails to learn it, it is not starved of it."""
     spec = SyntheticSpec("bind", 200, seed=5, feature_dim=256, sibling_changes=("attribute", "binding", "attribute"))
     gold_found, sibling_found = [], []
     for base in range(0, 200, 4):

@@ -268,7 +268,7 @@ def _searcher_spec(plan: RerankPlan, direction: str, emb_manifest: dict) -> tupl
 def _check_index_source(flag: str, index_dir: str, index_manifest: dict, emb_dir: str, emb_manifest: dict,
                         modality: str) -> None:
     """Refuse an index built from other embeddings than --embeddings: its vectors would be compared with
-    query embeddings of another model or encoding (issue 14: such a run exited 0 and scored R@1 0.00).
+    query embeddings of another model or encoding (before this check such a run exited 0 and scored R@1 0.00).
     build_index records each index shard's source embedding shard and its sha256: they must be the
     --embeddings shards of that modality."""
     built_from = {s.get("source"): s.get("source_sha256") for s in index_manifest.get("shards", [])}

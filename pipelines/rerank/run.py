@@ -232,8 +232,8 @@ def _run_wave(options, res: Resolved, wave: Mapping[str, frozenset]) -> Optional
     common.clear_run_dir(output)
     counters = common.counter_values(result, METRICS_NAMESPACE)
     del p, result
-    # a local runner ran the wave in this process: hand what it freed back before the next one (at 100k,
-    # RSS between waves 0.9-1.2 GB instead of 1.4-1.8; the job's peak, inside its image->text waves, did not move)
+    # a local runner ran the wave in this process: hand what it freed back before the next one (it lowers the
+    # RSS between waves, not the job's peak: docs/PERFORMANCE.md)
     common.release_memory()
     return report, counters
 

@@ -117,8 +117,8 @@ class Trainer:
         param_groups = [{"params": ps, "weight_decay": 0.0 if no_decay else self.cfg.weight_decay,
                          "lr_mult": self.cfg.new_layers_lr_mult if new_layer else 1.0}
                         for (new_layer, no_decay), ps in sorted(groups.items())]
-        # fused: one vectorised kernel per tensor. The default (per-tensor ops on CPU) took 745 ms per step for
-        # the halved MiniLM's 6M trainable weights on a loaded 2-core AMD EPYC, fused 69 ms (foreach 543 ms)
+        # fused: one vectorised kernel per tensor, far faster on CPU than the default per-tensor ops
+        # (docs/PERFORMANCE.md, measurements behind choices in the code)
         return torch.optim.AdamW(param_groups, lr=self.cfg.lr, fused=True)
 
     def _amp(self):
@@ -307,8 +307,8 @@ class Trainer:
 
     def _selection_metric(self, ev: dict) -> float:
         # A CE-only model's BE head is untrained: select it by its own head's dev pair accuracies. Against random
-        # images the CE saturates early (99 % halfway through the demo's SEP run); against the nearest image -
-        # what a reranker must separate - it keeps improving, so that one counts too.
+        # images the CE saturates early (docs/TRAINING.md); against the nearest image - what a reranker must
+        # separate - it keeps improving, so that one counts too.
         if self.cfg.objective == "ce":
             return 0.5 * (ev.get("ce_pair_acc", 0.0) + ev.get("ce_hard_pair_acc", 0.0))
         return ev["mR"]
