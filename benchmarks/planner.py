@@ -62,8 +62,8 @@ class Models:
         return self.join or next((folder for _, folder in self.named), None) or self.be
 
 
-#: Default query caps per direction: a CE pair costs ~2 ms on 2 CPU cores (halved MiniLM, batched), so the full
-#: COCO 5k CO protocol (~600k pairs per model) takes ~22 min there. Pools are never cut; 0 = every query.
+#: Default query caps per direction: on CPU the CE is the bottleneck and the full protocols take long
+#: (docs/BENCHMARKS.md, "Sampling and cost on 2 CPU cores"). Pools are never cut; 0 = every query.
 DEFAULT_MAX_QUERIES = {"standard": 500, "distractor_20k": 500, "k_ablation": 500, "combination": 500,
                        "baseline": 0, "scale_100k": 0, "scale_1m": 0, "latency": 0,
                        "memory": 0, "multilingual": 500}

@@ -122,7 +122,7 @@ def check_beam_args(beam_args: Sequence[str]) -> None:
 
 
 #: Suites whose SEP rows need the SEP models named (--be-model, --ce-model): latency times the JOIN model; at
-#: scale, SEP doubles the encoding of the whole collection (100k: 500k more captions, ~17 min on 2 cores).
+#: scale, SEP doubles the encoding of the whole collection (docs/BENCHMARKS.md, "Models").
 JOIN_BY_DEFAULT = ("latency", "scale_100k", "scale_1m")
 #: The multilingual suite's model families: (label, demo_assets.ML_RECIPES key).
 ML_FAMILIES = (("JOIN-e5-en (zero-shot)", "zero_shot"), ("JOIN-e5-all", "all_languages"),
