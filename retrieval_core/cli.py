@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import click
 
+from retrieval_core.data.outputs import OutputFault, write_failure
 from retrieval_core.data.store import StagedDataError
 
 #: Set to 1 to get the full traceback of an error that cli_errors would report in one line.
@@ -32,14 +33,20 @@ def cli_errors(*error_types: type) -> Iterator[None]:
     """At a CLI boundary: report bad input as one ``Error: ...`` line and exit 1, not as a traceback.
 
     Bad input = a missing or inconsistent staged dir (StagedDataError), a missing file, the library's
-    validation errors (ValueError and its subclasses) and the caller's own ``error_types``. Their messages
-    name the path or value at fault; ``RR_DEBUG=1`` re-raises them with the traceback."""
+    validation errors (ValueError and its subclasses) and the caller's own ``error_types``; also an output
+    another run owns, and a full disk / quota / read-only filesystem however deep a runner wrapped it. Their
+    messages name the path or value at fault; ``RR_DEBUG=1`` re-raises them with the traceback."""
     try:
         yield
-    except (StagedDataError, FileNotFoundError, ValueError, *error_types) as exc:
+    except (StagedDataError, FileNotFoundError, ValueError, OutputFault, *error_types) as exc:
         if os.environ.get(DEBUG_ENV) == "1":
             raise
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(write_failure(exc) or str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 -- only a write failure is turned into one line
+        msg = write_failure(exc)
+        if msg is None or os.environ.get(DEBUG_ENV) == "1":
+            raise
+        raise click.ClickException(msg) from None
 
 
 # ------------------------------------------------------------------------------------ validation

@@ -22,6 +22,7 @@ from pipelines.build_index.graph import METRICS_NAMESPACE, BuildShard, _Blob, bu
 from pipelines.build_index.plan import AUTO, IndexBuildError, IndexPlan
 from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
 from retrieval_core.data import schema
+from retrieval_core.data.outputs import holds_output
 from retrieval_core.search import embeddings, exact, index_choice
 from retrieval_core.search.index import (
     ShardedIndex,
@@ -95,6 +96,7 @@ def _gather(emb_dir: str, modality: str, shards: list[dict], chosen: np.ndarray,
     return np.stack([found[int(i)] for i in chosen]).astype(np.float32)
 
 
+@holds_output("build_index")
 def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
     """Train, build the shards still missing, write index_manifest.json; returns a summary (None on dry run)."""
     t0 = time.time()

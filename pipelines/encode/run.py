@@ -32,6 +32,7 @@ from pipelines.encode.plan import (
 from pipelines.handlers import COMPUTED_TOKENS, USEFUL_TOKENS, VLModelHandler, prepare_token_ids
 from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
 from retrieval_core.data import schema
+from retrieval_core.data.outputs import holds_output
 from retrieval_core.data.pixels.backbone import FeatureSourceError
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.search import embeddings
@@ -75,6 +76,7 @@ def throughput_line(modality: str, metrics: dict, device: str) -> str:
 
 
 # ------------------------------------------------------------------------------------- launcher
+@holds_output("encode")
 def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
     """Encode, write shards + completion records + manifest + dead letters; returns a report dict (counts,
     shards, metrics), or None on a dry run."""

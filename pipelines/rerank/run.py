@@ -41,6 +41,7 @@ from pipelines.rerank.plan import (
 )
 from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
 from retrieval_core.data import schema
+from retrieval_core.data.outputs import holds_output
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.search import rerank
 
@@ -100,6 +101,7 @@ def _finished_shards(res: Resolved, expected: Mapping[str, tuple[str, np.ndarray
     return done
 
 
+@holds_output("rerank")
 def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
     """Run the plan's Beam job(s), one per wave of unfinished shards, and write rankings_manifest.json;
     returns the manifest, or None for a dry run (--dry_run: DataflowRunner translated the first wave's graph

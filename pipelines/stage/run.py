@@ -38,6 +38,7 @@ from retrieval_core.cli import plan_from_cli, plan_options
 from retrieval_core.data import schema, staging
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.manifest_spec import ManifestError
+from retrieval_core.data.outputs import OutputBusy, holds_output, write_failure
 from retrieval_core.data.store import INCOMPLETE_FILE
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,7 @@ def _mark_incomplete(output: str, run_id: str) -> str:
     return path
 
 
+@holds_output("stage")
 def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
     """Stage ``plan.manifest`` into ``plan.output``; returns summary.json's dict (its ``problems`` list says
     what fails the run), or None on a dry run. Raises StageError for bad input, before anything is written."""
@@ -287,7 +289,7 @@ def main(ctx, verbose, **values):
     try:
         plan = plan_from_cli(StagePlan, values)
         summary = run(plan, tuple(ctx.args))
-    except StageError as exc:
+    except (StageError, OutputBusy) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
     except click.ClickException:
@@ -295,8 +297,10 @@ def main(ctx, verbose, **values):
     except Exception as exc:  # noqa: BLE001 -- one clear line instead of a Beam traceback
         if verbose:
             raise
-        msg = str(exc).strip().splitlines()
-        click.echo(f"error: staging failed: {type(exc).__name__}: {msg[-1] if msg else ''} "
+        lines = str(exc).strip().splitlines()
+        step = re.search(r"\[while running '([^']+)'\]", str(exc))
+        cause = write_failure(exc) or f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+        click.echo(f"error: staging failed{' in ' + step.group(1) if step else ''}: {cause} "
                    f"(rerun with -v for the traceback)", err=True)
         sys.exit(1)
     if summary is None:

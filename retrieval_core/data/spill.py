@@ -8,13 +8,16 @@ size.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from typing import Iterable, Sequence
 
 import h5py
 import numpy as np
 
 from . import schema
+from .outputs import FailSafeFile, as_write_failure
 
 K_SPILL = "_spill"  # spill file path
 K_SPILL_AT = "_spill_at"  # first region row of this image in that file
@@ -31,7 +34,11 @@ class FeatureSpill:
 
         self.name = spill_name  # what the reference rows record (may be a remote path)
         self._dtype = np.float16 if feature_dtype == "float16" else np.float32
-        self._f = h5py.File(path, "w")
+        try:
+            self._raw = FailSafeFile(path)  # h5py crashes when a handle whose write failed is freed: never let it
+        except OSError as exc:
+            raise (as_write_failure(exc, path) or exc) from None
+        self._f = h5py.File(self._raw, "w")
         # Small chunks: a reader pulls one image (~10-50 regions) at a time, and HDF5 reads whole chunks.
         self._feats = self._f.create_dataset("features", (0, feature_dim), dtype=self._dtype,
                                              maxshape=(None, feature_dim), chunks=(32, feature_dim))
@@ -79,6 +86,7 @@ class FeatureSpill:
             ds.resize(start + len(block), axis=0)
             ds[start:start + len(block)] = block
         self._buf_f, self._buf_b, self._buffered = [], [], 0
+        self._check()
 
     def _flush_row_block(self) -> None:
         if not self._buf_rows:
@@ -87,11 +95,25 @@ class FeatureSpill:
         self._rows.resize(start + len(self._buf_rows), axis=0)
         self._rows[start:] = self._buf_rows
         self._buf_rows = []
+        self._check()
+
+    def _check(self) -> None:
+        """A write that failed (disk full, read-only): close and delete the file (a retried task writes it
+        anew), then raise the kept error (OutputWriteFailed names the cause and the path)."""
+        if self._raw.error is None:
+            return
+        self._f.close()
+        self._raw.close()
+        with contextlib.suppress(OSError):
+            os.remove(self._raw.path)
+        self._raw.raise_error()
 
     def close(self) -> None:
         self._flush()
         self._flush_row_block()
         self._f.close()
+        self._raw.close()
+        self._check()
 
 
 def load_spilled_rows(refs: Iterable[tuple[str, int]], open_file=None) -> list[dict]:

@@ -19,6 +19,7 @@ from retrieval_core.cli import (
     plan_options,
     threads_option,
 )
+from retrieval_core.data.outputs import holds_output
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model.backbones import E5_NAMES
 from retrieval_core.model.network import CE_AGREEMENTS, ce_agreement_default
@@ -64,6 +65,7 @@ class TrainPlan:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
+@holds_output("train")
 def run(plan: TrainPlan) -> dict:
     """Trains as ``plan`` says; returns Trainer.train's result (steps, best_dir, best_metric, best_eval)."""
     staged = StagedDataset(plan.staged)
