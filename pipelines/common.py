@@ -22,6 +22,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from retrieval_core.cli import DEBUG_ENV  # noqa: F401  (RR_DEBUG=1: full tracebacks; re-exported)
+from retrieval_core.data.outputs import as_write_failure
 from retrieval_core.data.paths import LOCAL_FILES, is_url
 
 log = logging.getLogger(__name__)
@@ -376,10 +377,18 @@ def write_atomic_stream(path: str, src, chunk: int = 1 << 22) -> str:
     makedirs(parent)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
     h = hashlib.sha256()
-    with FileSystems.create(tmp) as f:
-        while block := src.read(chunk):
-            h.update(block)
-            f.write(block)
+    try:
+        with FileSystems.create(tmp) as f:
+            while block := src.read(chunk):
+                h.update(block)
+                f.write(block)
+    except OSError as exc:
+        with contextlib.suppress(Exception):  # no partial file left behind (a full disk has no room for it)
+            FileSystems.delete([tmp])
+        failed = as_write_failure(exc, path)
+        if failed is None:
+            raise
+        raise failed from None
     if FileSystems.exists(path):
         FileSystems.delete([path])
     FileSystems.rename([tmp], [path])

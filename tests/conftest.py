@@ -47,3 +47,23 @@ def require_realdata(*parts: str) -> Path:
 def realdata() -> Path:
     """The real-data folder; skips the test when it is absent."""
     return require_realdata()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The fault suite's table (tests/test_faults.py): fault, job, outcome, rerun identical; with counts."""
+    import sys
+
+    faults = sys.modules.get("tests.test_faults")
+    rows = getattr(faults, "TABLE", None)
+    if not rows:
+        return
+    head = ("fault", "job", "outcome", "rerun identical")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
+    tr = terminalreporter
+    tr.section("fault suite")
+    for r in [head, tuple("-" * w for w in widths), *rows]:
+        tr.write_line("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    identical = sum(r[3] == "yes" for r in rows)
+    reruns = sum(r[3] != "n/a" for r in rows)
+    tr.write_line(f"{len(rows)} cases over {len({r[1] for r in rows})} jobs; reruns byte-identical: "
+                  f"{identical} of {reruns}")

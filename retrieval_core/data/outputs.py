@@ -113,10 +113,14 @@ def _create(path: str, content: bytes) -> bool:
     except FileExistsError:
         return False
     try:
-        os.write(fd, content)
+        if os.write(fd, content) != len(content):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
         os.fsync(fd)
-    finally:
+    except OSError:
         os.close(fd)
+        os.remove(path)  # an empty lock would read as another run's
+        raise
+    os.close(fd)
     return True
 
 
@@ -230,7 +234,7 @@ class FailSafeFile(io.RawIOBase):
     def __init__(self, path: str):
         super().__init__()
         self.path = path
-        self._f = open(path, "w+b")
+        self._f = open(path, "w+b", buffering=0)  # unbuffered: a seek never flushes (and fails) behind h5py
         self.error: Optional[OutputWriteFailed | OSError] = None
 
     def _failed(self, exc: OSError) -> None:
@@ -251,9 +255,10 @@ class FailSafeFile(io.RawIOBase):
 
     def write(self, b) -> int:
         n = len(memoryview(b).cast("B"))
-        if self.error is None:
+        view = memoryview(b).cast("B")
+        while self.error is None and view:
             try:
-                self._f.write(b)
+                view = view[self._f.write(view):]  # a raw write may take part of the bytes
             except OSError as exc:
                 self._failed(exc)
         return n

@@ -1,0 +1,493 @@
+"""The fault suite: what stage, encode, build_index and rerank (and training, where it applies) do when the
+machine misbehaves -- another run in the same output folder, a full disk, a read-only output, a shard whose
+bytes changed after it was written, a run interrupted midway, a Dask worker killed, a memory cap -- and that a
+rerun after the fault gives the bytes of an undisturbed run.
+
+Each case adds a row (fault, job, outcome, rerun identical) to ``TABLE``; tests/conftest.py prints the table
+after the run. The cheap cases run in the default suite (tiny inputs, seconds each). The heavy ones (a Dask
+worker SIGKILLed mid-job, a 1.5 GB address-space cap) run with ``RR_FAULTS_HEAVY=1``::
+
+    RR_FAULTS_HEAVY=1 .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_faults.py
+
+A full disk and a read-only folder use a real small filesystem (a tmpfs mounted here: needs root, as in the
+project's CI container) and fall back to an injected ENOSPC / EROFS where mounting is not allowed.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from click.testing import CliRunner
+
+from pipelines.build_index import run as index_run
+from pipelines.encode import run as encode_run
+from pipelines.rerank import run as rerank_run
+from pipelines.stage import run as stage_run
+from retrieval_core.data import outputs
+from retrieval_core.training import train
+from tests.conftest import REPO_ROOT
+from tests.helpers_dask import relative_files
+from tests.test_encode_pipeline import write_tiny_model, write_tiny_staged
+
+HEAVY = os.environ.get("RR_FAULTS_HEAVY") == "1"
+JOBS = ("stage", "encode", "build_index", "rerank")
+
+#: (fault, job, outcome, rerun identical): printed by tests/conftest.py after the run.
+TABLE: list[tuple[str, str, str, str]] = []
+
+
+def record(fault: str, job: str, outcome: str, identical: str = "n/a") -> None:
+    TABLE.append((fault, job, outcome, identical))
+
+
+# ------------------------------------------------------------------------------------------ inputs
+STAGE_MANIFEST = """
+name: faults
+feature_dim: 32
+max_regions: 12
+collections:
+  syn:
+    images: {format: synthetic, num_images: 200, seed: 3, min_regions: 5, max_regions: 12,
+             splits: {train: 0.5, test: 0.5}}
+    captions: {format: synthetic, captions_per_image: 2}
+"""
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """Inputs of every job (a manifest, a staged set, a model, embeddings) and each job's undisturbed output."""
+    root = str(tmp_path_factory.mktemp("faults"))
+    manifest = os.path.join(root, "faults.yaml")
+    with open(manifest, "w") as f:
+        f.write(STAGE_MANIFEST)
+    a = {"root": root, "manifest": manifest, "staged": write_tiny_staged(os.path.join(root, "staged")),
+         "model": write_tiny_model(os.path.join(root, "model"), root)}
+    for job in JOBS:
+        out = os.path.join(root, "clean", job)
+        run_job(job, a, out)
+        a["clean_" + job] = out
+    return a
+
+
+def job_args(job: str, a: dict, out: str) -> list[str]:
+    """The job's CLI arguments from ``a``'s inputs into ``out``."""
+    if job == "stage":
+        return ["--manifest", a["manifest"], "--output", out, "--images-per-shard", "40"]
+    if job == "encode":
+        return ["--staged", a["staged"], "--model", a["model"], "--output", out, "--batch-size", "8",
+                "--images-per-shard", "8", "--texts-per-shard", "16", "--threads", "1"]
+    if job == "build_index":
+        return ["--embeddings", a["clean_encode"], "--output", out]
+    return ["--staged", a["staged"], "--embeddings", a["clean_encode"], "--index", a["clean_build_index"],
+            "--output", out, "--mode", "co", "--k", "3", "--ce-model", a["model"], "--batch-size", "8",
+            "--queries-per-shard", "4"]
+
+
+MAINS = {"stage": stage_run.main, "encode": encode_run.main, "build_index": index_run.main,
+         "rerank": rerank_run.main}
+
+
+def run_job(job: str, a: dict, out: str) -> tuple[int, str]:
+    """The job's CLI in this process: (exit code, output); an undisturbed run must exit 0."""
+    res = CliRunner().invoke(MAINS[job], job_args(job, a, out))
+    if res.exception and not isinstance(res.exception, SystemExit):
+        raise res.exception
+    return res.exit_code, res.output
+
+
+def data_files(root: str) -> list[str]:
+    """What a rerun must reproduce byte for byte: every file but the JSON records (which hold timings)."""
+    return [f for f in relative_files(root) if not f.endswith(".json")]
+
+
+def same_as_clean(job: str, a: dict, out: str) -> str:
+    """"yes" when ``out`` holds the undisturbed run's files with the same bytes (the test fails otherwise)."""
+    clean = a["clean_" + job]
+    files = data_files(clean)
+    assert files and files == data_files(out), (files, data_files(out))
+    for name in files:
+        with open(os.path.join(clean, name), "rb") as fa, open(os.path.join(out, name), "rb") as fb:
+            assert fa.read() == fb.read(), f"{name} differs from the undisturbed run"
+    return "yes"
+
+
+# ------------------------------------------------------------------------- two runs, one folder
+@contextlib.contextmanager
+def lock_held_by_another_process(output: str):
+    """A live process (not this one) holding ``output``'s run lock; yields its pid."""
+    code = ("import sys, time\nfrom retrieval_core.data.outputs import run_lock\n"
+            "with run_lock(sys.argv[1], 'holder'):\n    print('held', flush=True)\n    time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, output], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("job", JOBS + ("train",))
+def test_a_second_run_into_a_held_folder_is_refused_naming_the_first(assets, tmp_path, job):
+    out = str(tmp_path / "out")
+    with lock_held_by_another_process(out) as holder:
+        if job == "train":
+            plan = train.TrainPlan(staged=assets["staged"], output=out, config=train.TrainConfig(),
+                                    base_model=assets["model"])
+            with pytest.raises(outputs.OutputBusy) as err:
+                train.run(plan)
+            msg = str(err.value)
+        else:
+            code, msg = run_job(job, assets, out)
+            assert code != 0
+        assert f"pid {holder.pid} on {socket.gethostname()}" in msg and "in use by another run" in msg, msg
+        assert os.listdir(out) == [outputs.LOCK_FILE]  # the refused run wrote nothing
+    record("second run into a held folder", job, "refused naming the holder (host, pid, start, command)")
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_a_lock_whose_process_died_is_taken_over_and_the_run_is_whole(assets, tmp_path, job):
+    out = str(tmp_path / "out")
+    with lock_held_by_another_process(out) as holder:
+        pass  # killed: its lock stays, naming a pid that is gone
+    assert json.load(open(os.path.join(out, outputs.LOCK_FILE)))["pid"] == holder.pid
+    code, msg = run_job(job, assets, out)
+    assert code == 0, msg
+    assert not os.path.exists(os.path.join(out, outputs.LOCK_FILE))  # released on exit
+    record("stale lock (owner SIGKILLed)", job, "taken over with a warning, run completes",
+           same_as_clean(job, assets, out))
+
+
+def test_stale_lock_rules(tmp_path):
+    now = time.time()
+    here, there = socket.gethostname(), "another-host-" + uuid.uuid4().hex[:6]
+    assert outputs.stale_reason({"host": here, "pid": os.getpid()}, now) is None
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert "gone on this host" in outputs.stale_reason({"host": here, "pid": proc.pid}, now)
+    assert outputs.stale_reason({"host": there, "pid": 1, "started_s": now - 60}, now) is None
+    assert "another host" in outputs.stale_reason({"host": there, "pid": 1, "started_s": now - 2 * 86400}, now)
+    # a lock from another host is refused until it is older than stale_after_s, then taken over
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / outputs.LOCK_FILE).write_text(json.dumps({"host": there, "pid": 1, "started_s": now - 3600,
+                                                     "started": "an hour ago", "command": "stage"}))
+    with pytest.raises(outputs.OutputBusy, match=f"pid 1 on {there}"):
+        with outputs.run_lock(str(out), "test"):
+            pass
+    with outputs.run_lock(str(out), "test", stale_after_s=60) as path:
+        assert json.load(open(path))["pid"] == os.getpid()
+    assert not (out / outputs.LOCK_FILE).exists()
+    # a lock being written (unreadable) is busy for a minute, then stale
+    (out / outputs.LOCK_FILE).write_text("")
+    with pytest.raises(outputs.OutputBusy):
+        with outputs.run_lock(str(out), "test"):
+            pass
+    old = now - 2 * outputs.UNREADABLE_STALE_S
+    os.utime(out / outputs.LOCK_FILE, (old, old))
+    with outputs.run_lock(str(out), "test"):
+        pass
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_the_lock_is_released_when_the_job_fails(assets, tmp_path, job):
+    out = str(tmp_path / "out")
+    bad = {**assets, "manifest": str(tmp_path / "missing.yaml"), "staged": str(tmp_path / "missing"),
+           "clean_encode": str(tmp_path / "missing")}
+    code, msg = run_job(job, bad, out)
+    assert code != 0 and "Traceback" not in msg
+    assert not os.path.exists(out)  # a run refused before writing leaves no folder (and no lock) behind
+    os.makedirs(out)
+    code, _ = run_job(job, bad, out)
+    assert code != 0 and os.listdir(out) == []
+
+
+def test_two_runs_started_at_once_one_refused_the_other_whole(assets, tmp_path):
+    """Two ``python -m pipelines.stage`` into one folder at the same moment: exactly one runs."""
+    out = str(tmp_path / "out")
+    cmd = [sys.executable, "-m", "pipelines.stage", *job_args("stage", assets, out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "RR_PROGRESS": "0"}
+    procs = [subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 2], results
+    refused = next(err for code, err in results if code == 2)
+    assert "in use by another run" in refused and "pid" in refused, refused
+    record("two runs started at once", "stage", "one refused naming the other; the other whole",
+           same_as_clean("stage", assets, out))
+
+
+# ------------------------------------------------------------------------ full disk, read-only
+def _can_mount() -> bool:
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or not shutil.which("mount"):
+        return False
+    probe = f"/tmp/rr-mount-probe-{uuid.uuid4().hex[:8]}"
+    os.makedirs(probe)
+    try:
+        ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", probe],
+                            capture_output=True).returncode == 0
+        if ok:
+            subprocess.run(["umount", probe], check=True)
+        return ok
+    finally:
+        os.rmdir(probe)
+
+
+CAN_MOUNT = _can_mount()
+
+
+class SmallDisk:
+    """A real tmpfs of ``size`` at ``path`` (needs root); ``fill(leave)`` leaves ``leave`` bytes free,
+    ``free()`` gives the space back, ``read_only(flag)`` remounts it."""
+
+    def __init__(self, path: str, size: str = "16m"):
+        self.path = path
+        os.makedirs(path)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], check=True)
+        self.filler = os.path.join(path, "filler")
+
+    def fill(self, leave: int = 0) -> None:
+        with open(self.filler, "wb") as f:
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * (1 << 16))
+                    f.flush()
+        st = os.statvfs(self.path)
+        if leave:  # give back exactly what the job may use before the disk is full
+            with open(self.filler, "r+b") as f:
+                f.truncate(max(os.path.getsize(self.filler) - leave + st.f_bavail * st.f_frsize, 0))
+
+    def free(self) -> None:
+        os.remove(self.filler)
+
+    def read_only(self, flag: bool) -> None:
+        subprocess.run(["mount", "-o", f"remount,{'ro' if flag else 'rw'}", self.path], check=True)
+
+    def close(self) -> None:
+        subprocess.run(["umount", "-l", self.path], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    if not CAN_MOUNT:
+        pytest.skip("mounting a tmpfs needs root: test_injected_enospc_in_the_spill_writer_is_one_line covers it")
+    disk = SmallDisk(str(tmp_path / "disk"))
+    yield disk
+    disk.close()
+
+
+#: Bytes each job may write before the disk is full: past its lock and markers, into its shards.
+LEAVE = {"stage": 96 << 10, "encode": 16 << 10, "build_index": 0, "rerank": 8 << 10}
+
+
+def run_cli_subprocess(job: str, a: dict, out: str) -> tuple[int, str]:
+    """The job as a user runs it (its own process: a crash shows as a signal exit code)."""
+    res = subprocess.run([sys.executable, "-m", f"pipelines.{job}", *job_args(job, a, out)], cwd=REPO_ROOT,
+                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "RR_PROGRESS": "0"},
+                         capture_output=True, text=True, timeout=300)
+    return res.returncode, res.stderr
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_full_disk_then_read_only_output_are_one_line_and_the_rerun_is_identical(assets, small_disk, job):
+    out = os.path.join(small_disk.path, "out")
+    small_disk.fill(LEAVE[job])
+    code, err = (run_cli_subprocess if job == "stage" else run_job)(job, assets, out)
+    last = err.strip().splitlines()[-1]
+    assert code == 1, (code, err[-3000:])  # never 139 (the h5py segfault) nor a traceback
+    assert "no space left on device (ENOSPC)" in last and small_disk.path in last, err[-3000:]
+    assert "Traceback" not in err
+    record("disk full", job, "one line: ENOSPC + path, exit 1")
+
+    small_disk.free()
+    small_disk.read_only(True)
+    code, err = run_job(job, assets, out)
+    assert code != 0 and "read-only file system (EROFS)" in err, err[-3000:]
+    record("read-only output folder", job, "one line: EROFS + path")
+
+    small_disk.read_only(False)
+    code, err = run_job(job, assets, out)
+    assert code == 0, err[-3000:]
+    identical = same_as_clean(job, assets, out)
+    record("disk full / read-only, then space freed", job, "rerun completes", identical)
+
+
+def test_injected_enospc_in_the_spill_writer_is_one_line(assets, tmp_path, monkeypatch):
+    """Where no small filesystem can be mounted: ENOSPC injected under h5py's spill writer (the write that
+    crashed the interpreter) -- the stage run fails in one line, and the rerun gives the undisturbed bytes."""
+    real_open = open
+    budget = {"left": 64 << 10}
+
+    class FullDisk:
+        def __init__(self, f):
+            self._f = f
+
+        def write(self, b):
+            budget["left"] -= len(b)
+            if budget["left"] < 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self._f.name)
+            return self._f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+    def full_open(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        return FullDisk(f) if "w" in mode else f
+
+    monkeypatch.setattr(outputs, "open", full_open, raising=False)
+    out = str(tmp_path / "out")
+    code, msg = run_job("stage", assets, out)
+    assert code == 1 and "no space left on device (ENOSPC) writing" in msg and "_spill" in msg, msg
+    assert os.path.exists(os.path.join(out, "_INCOMPLETE"))  # nothing counted as done
+    monkeypatch.undo()
+    code, msg = run_job("stage", assets, out)
+    assert code == 0, msg
+    record("disk full (injected in the spill writer)", "stage", "one line: ENOSPC + path, exit 1",
+           same_as_clean("stage", assets, out))
+
+
+def test_write_failures_are_recognised_through_any_wrapper():
+    raw = OSError(errno.ENOSPC, "No space left on device", "/data/x.parquet")
+    assert outputs.write_failure(raw).startswith("no space left on device (ENOSPC) writing /data/x.parquet")
+    wrapped = RuntimeError("RuntimeError: , filename = '/o/_spill/a.h5.tmp-1', file descriptor = 8, errno = 28, "
+                           "error message = 'No space left on device' [while running 'ReadAndStage']")
+    assert "ENOSPC) writing /o/_spill/a.h5.tmp-1" in outputs.write_failure(wrapped)
+    assert "EDQUOT" in outputs.write_failure(OSError(errno.EDQUOT, "Disk quota exceeded"))
+    assert "EROFS" in outputs.write_failure(RuntimeError("OSError: [Errno 30] Read-only file system: '/ro/x'"))
+    assert outputs.write_failure(OSError(errno.ENOENT, "No such file")) is None
+    assert outputs.write_failure(ValueError("bad value")) is None
+
+
+# ---------------------------------------------------------------- a shard changed after writing
+def _flip_last_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _copy(a: dict, key: str, dst: str) -> str:
+    shutil.copytree(a[key], dst)
+    return dst
+
+
+def test_a_shard_changed_after_writing_is_refused_by_every_reader(assets, tmp_path):
+    from benchmarks import evaluate
+
+    a = assets
+    staged = _copy(a, "staged", str(tmp_path / "staged"))
+    _flip_last_byte(os.path.join(staged, "images", sorted(os.listdir(os.path.join(staged, "images")))[0]))
+    bad = {**a, "staged": staged}
+    for job in ("encode", "rerank"):
+        code, msg = run_job(job, bad, str(tmp_path / f"{job}-of-bad-staged"))
+        assert code != 0 and ("checksum" in msg.lower() or "sha256" in msg.lower()), msg
+        record("staged shard changed after writing", job, "refused by its sha256")
+    with pytest.raises(Exception, match="(?i)checksum|sha256"):
+        train.run(train.TrainPlan(staged=staged, output=str(tmp_path / "train"), config=train.TrainConfig(),
+                                  base_model=a["model"]))
+    record("staged shard changed after writing", "train", "refused by its sha256")
+
+    emb = _copy(a, "clean_encode", str(tmp_path / "emb"))
+    shard = sorted(os.listdir(os.path.join(emb, "embeddings", "image")))[0]
+    _flip_last_byte(os.path.join(emb, "embeddings", "image", shard))
+    for job in ("build_index", "rerank"):
+        code, msg = run_job(job, {**a, "clean_encode": emb}, str(tmp_path / f"{job}-of-bad-emb"))
+        assert code != 0 and shard in msg, msg
+        record("embedding shard changed after writing", job, "refused naming the shard")
+
+    index = _copy(a, "clean_build_index", str(tmp_path / "index"))
+    shard = sorted(os.listdir(os.path.join(index, "shards")))[0]
+    _flip_last_byte(os.path.join(index, "shards", shard))
+    code, msg = run_job("rerank", {**a, "clean_build_index": index}, str(tmp_path / "rerank-of-bad-index"))
+    assert code != 0 and shard in msg, msg
+    record("index shard changed after writing", "rerank", "refused naming the shard")
+
+    ranks = _copy(a, "clean_rerank", str(tmp_path / "ranks"))
+    shard = sorted(os.listdir(os.path.join(ranks, "rankings")))[0]
+    _flip_last_byte(os.path.join(ranks, "rankings", shard))
+    res = CliRunner().invoke(evaluate.main, ["--rankings", ranks, "--staged", a["staged"], "--output",
+                                             str(tmp_path / "results"), "--model", "m"])
+    assert res.exit_code != 0 and shard in res.output, res.output
+    record("ranking shard changed after writing", "evaluate", "refused naming the shard")
+
+
+# ------------------------------------------------------------------------------- interrupted
+def test_an_interrupted_build_index_resumes_to_the_same_bytes(assets, tmp_path):
+    out = _copy(assets, "clean_build_index", str(tmp_path / "index"))
+    shards = sorted(os.listdir(os.path.join(out, "shards")))
+    os.remove(os.path.join(out, "index_manifest.json"))  # killed before its manifest
+    os.remove(os.path.join(out, "shards", shards[-1]))  # and before its last shard
+    code, msg = run_job("build_index", assets, out)
+    assert code == 0, msg
+    record("interrupted (killed before its last shard)", "build_index", "resumes",
+           same_as_clean("build_index", assets, out))
+
+
+# ------------------------------------------------------------------------------------ heavy
+@pytest.mark.skipif(not HEAVY, reason="heavy: RR_FAULTS_HEAVY=1 runs it (a Dask cluster per job)")
+@pytest.mark.parametrize("job", JOBS)
+def test_a_dask_worker_killed_mid_job_then_the_rerun_is_identical(assets, tmp_path, job):
+    distributed = pytest.importorskip("distributed")
+    from tests.helpers_dask import dask_args
+
+    with distributed.LocalCluster(n_workers=3, threads_per_worker=1, processes=True,
+                                  dashboard_address=None) as cluster:
+        client = distributed.Client(cluster)
+        out = str(tmp_path / "out")
+        cmd = [sys.executable, "-m", f"pipelines.{job}", *job_args(job, assets, out), *dask_args(cluster)]
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        killed = None
+        deadline = time.time() + 120
+        while killed is None and time.time() < deadline and proc.poll() is None:
+            busy = [w for w, n in client.processing().items() if n]
+            if busy:
+                pid = client.run(os.getpid, workers=[busy[0]])[busy[0]]
+                os.kill(pid, signal.SIGKILL)
+                killed = pid
+            time.sleep(0.05)
+        _, err = proc.communicate(timeout=600)
+        client.close()
+    if proc.returncode == 0:
+        outcome = f"finished through retries (worker pid {killed} killed)" if killed else "finished before a kill"
+    else:
+        last = err.strip().splitlines()[-1]
+        assert "Traceback" not in last and ("while running" in last or "step" in last or "failed" in last), err
+        outcome = "failed in one line naming the step"
+    code, msg = run_job(job, assets, out)
+    assert code == 0, msg
+    record("Dask worker SIGKILLed mid-job", job, outcome, same_as_clean(job, assets, out))
+
+
+@pytest.mark.skipif(not HEAVY, reason="heavy: RR_FAULTS_HEAVY=1 runs it (each job in a capped process)")
+@pytest.mark.parametrize("job", JOBS)
+def test_a_job_under_a_hard_memory_cap_completes_or_names_the_need(assets, tmp_path, job):
+    cap = int(os.environ.get("RR_FAULTS_MEMORY_CAP", 1536 << 20))
+    code = ("import resource, runpy, sys\n"
+            f"resource.setrlimit(resource.RLIMIT_AS, ({cap}, {cap}))\n"
+            f"sys.argv = ['{job}'] + sys.argv[1:]\n"
+            f"runpy.run_module('pipelines.{job}', run_name='__main__')\n")
+    out = str(tmp_path / "out")
+    res = subprocess.run([sys.executable, "-c", code, *job_args(job, assets, out)], cwd=REPO_ROOT,
+                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "RR_PROGRESS": "0",
+                              "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    if res.returncode == 0:
+        outcome, identical = f"completes under {cap >> 20} MB", same_as_clean(job, assets, out)
+    else:
+        last = res.stderr.strip().splitlines()[-1]
+        assert "memory" in last.lower() and "--" in last, res.stderr[-3000:]
+        outcome, identical = "fails naming the memory need and the option", "n/a"
+    record(f"address space capped at {cap >> 20} MB", job, outcome, identical)
