@@ -94,6 +94,7 @@ class Flag:
     """How a plan field appears on the command line (see :func:`option`)."""
     help: str = ""
     name: Optional[str] = None  # the flag; default --field-name
+    short: Optional[str] = None  # a one-letter alias on the command line ("-v"); to_argv writes the long flag
     type: Any = None  # a click type; default: the field default's type (str when None)
     off: Optional[str] = None  # a True-by-default bool: the switch that turns it off ("--no-amp")
     multiple: bool = False  # repeatable; the field is a tuple of the values
@@ -190,8 +191,10 @@ def _default(f: dataclasses.Field):
 
 
 def plan_options(cls: type) -> Callable:
-    """A decorator adding one click option per flagged field of ``cls`` (and of its option groups)."""
+    """A decorator adding one click option per flagged field of ``cls`` (and of its option groups); the command
+    remembers its plan (:func:`plan_of`)."""
     def decorate(command: Callable) -> Callable:
+        command.rr_plan = cls
         for f, fl in reversed(list(_flagged(cls))):
             default = _default(f)
             required = default is dataclasses.MISSING
@@ -204,7 +207,8 @@ def plan_options(cls: type) -> Callable:
                 if fl.off:  # True by default: only the switch that turns it off
                     command = click.option(fl.off, f.name, flag_value=False, default=True, help=fl.help)(command)
                     continue
-                command = click.option(fl.flag(f.name), f.name, is_flag=True, help=fl.help)(command)
+                decls = [fl.short] if fl.short else []
+                command = click.option(*decls, fl.flag(f.name), f.name, is_flag=True, help=fl.help)(command)
                 continue
             if fl.multiple:
                 kw.update(multiple=True, default=None if required else (default or ()))
@@ -218,6 +222,16 @@ def plan_options(cls: type) -> Callable:
             command = click.option(fl.flag(f.name), f.name, required=required, **kw)(command)
         return command
     return decorate
+
+
+def plan_of(command: click.Command) -> Optional[type]:
+    """The plan class whose fields are ``command``'s options (None for a command not built by plan_options)."""
+    return getattr(command.callback, "rr_plan", None)
+
+
+def plan_flags(cls: type) -> dict[str, Flag]:
+    """{field name: its Flag} of every option of ``cls`` and of its option groups."""
+    return {f.name: fl for f, fl in _flagged(cls)}
 
 
 def plan_from_cli(cls: type, values: dict, **extra):

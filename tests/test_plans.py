@@ -7,8 +7,16 @@ import dataclasses
 import click
 import pytest
 
+from benchmarks.demo import DemoPlan
+from benchmarks.demo import main as demo_main
+from benchmarks.evaluate import EvaluatePlan
+from benchmarks.evaluate import main as evaluate_main
+from benchmarks.inspect import InspectPlan
+from benchmarks.inspect import main as inspect_main
+from benchmarks.planner import Models, SuiteConfig
 from benchmarks.queries import QueriesPlan
 from benchmarks.queries import main as queries_main
+from benchmarks.run import main as run_main
 from pipelines.build_index.plan import IndexPlan
 from pipelines.build_index.run import main as index_main
 from pipelines.encode.plan import EncodePlan
@@ -46,6 +54,14 @@ PLANS = {
                                            length_chunk_rows=0, progress=False)), train_main),
     "queries": (QueriesPlan(staged="s", collection="c", output="o", split="dev", max_queries=3, seed=2, fold=1,
                             folds=5, fold_size=10), queries_main),
+    "evaluate": (EvaluatePlan(rankings="r", staged="s", output="o", collection="c", split="dev", model="m", mode="add",
+                              k=5, lam=0.2, label="L", collection_size=9, tag=("a=1", "b=2"), pretrained="p",
+                              lang="de", against="r2", against_mode="emb", against_k=3, against_lam=0.1, bootstrap=500,
+                              seed=3), evaluate_main),
+    "inspect": (InspectPlan(rankings="r", against="r2", staged="s", output="o.html", mode="co", against_mode="ce",
+                            k=4, against_k=2, lam=0.3, against_lam=0.7, images="i", manifest="m", per_group=0, show=3),
+                inspect_main),
+    "demo": (DemoPlan(k=20, queries=0, with_sep=True, seed=2), demo_main),
 }
 
 
@@ -67,3 +83,24 @@ def test_an_option_is_declared_once_on_the_plan():
     assert {"staged", "output", "steps", "ce_negatives", "device", "threads", "amp"} <= names
     with pytest.raises(click.UsageError, match="No such option"):
         train_main.make_context("train", ["--staged", "s", "--output", "o", "--stepz", "3"])
+
+
+def test_the_suite_config_is_the_benchmark_clis_plan():
+    """benchmarks.run's 24 options are SuiteConfig's fields: written back as arguments, they build the same
+    config; the models a run resolves are no options (left out, and resolved again from the same arguments)."""
+    cfg = SuiteConfig(suite="memory", manifest="m", join_dir="j", be_dir="b", ce_dir="c", recipe="demo",
+                      model_seeds=(2,), no_sep=True, output="out", workdir="w", plan_only=True, quick=True,
+                      batch_size=7, device="cuda:1", threads=2, quantize="bf16", ce_pair_budget=5, max_queries=9,
+                      index_factory="HNSW32", memory_sizes=(300, 600), ann=("IVF-PQ",), hnsw_max_n=10,
+                      eval_budget=1.5, fresh_interpreters=True)
+    assert plan_from_cli(SuiteConfig, run_main.make_context("run", to_argv(cfg)).params) == cfg
+    resolved = dataclasses.replace(cfg, models=Models(join="j"), feature_dim=16)
+    assert to_argv(resolved) == to_argv(cfg)
+    assert SuiteConfig(suite="latency").max_queries == 0 and SuiteConfig(suite="standard").max_queries == 500
+    for bad, message in (({"model_seeds": ("1", "x")}, "--model-seed takes comma-separated seeds"),
+                         ({"model_seeds": (1, 1)}, "distinct non-negative seeds"),
+                         ({"memory_sizes": (300,)}, "--memory-sizes is for --suite memory"),
+                         ({"device": "gpu"}, "device must be one of cpu|cuda|cuda:N"),
+                         ({"quantize": "int8", "device": "cuda"}, "--quantize int8 runs on CPU only")):
+        with pytest.raises(ValueError, match=message):
+            SuiteConfig(suite="standard", **bad)

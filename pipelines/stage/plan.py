@@ -48,6 +48,7 @@ class StagePlan:
     allow_empty: bool = option(False, help="accept a source (images or captions) that yields no records")
     device: str = device_option()  # the image backbone of image_files sources
     threads: Optional[int] = threads_option()
+    verbose: bool = option(False, short="-v", help="Debug logging and full tracebacks.")
 
     def __post_init__(self):
         if not self.output:

@@ -274,9 +274,8 @@ def report_lines(summary: dict) -> list[str]:
 
 @click.command(context_settings=common.BEAM_CLI_CONTEXT)
 @plan_options(StagePlan)
-@click.option("-v", "--verbose", is_flag=True, help="Debug logging and full tracebacks.")
 @click.pass_context
-def main(ctx, verbose, **values):
+def main(ctx, **values):
     """Validate, normalise and shard a data manifest's images and captions.
 
     Unknown options go to Beam, e.g. --direct_running_mode=multi_processing --direct_num_workers=2, or
@@ -284,6 +283,7 @@ def main(ctx, verbose, **values):
 
     Counters namespace: stage ({image,caption}_records_in, _staged_valid, _rejected; *_shards_written/kept).
     """
+    verbose = values["verbose"]
     common.configure_logging(verbose, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     common.check_beam_flags(ctx.args)
     try:

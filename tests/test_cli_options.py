@@ -1,0 +1,111 @@
+"""One launch contract on every floor: every command-line entry point of pipelines/, benchmarks/ and
+retrieval_core/ is a click command whose options are the fields of its plan (declared once, with
+``retrieval_core.cli.option``), and --device, --threads and --batch-size have one declaration each (in
+retrieval_core/cli.py) that every plan reuses. In-process: the commands are inspected, none is run."""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+
+import click
+import pytest
+
+from retrieval_core.cli import DeviceType, plan_flags, plan_of
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLOORS = ("pipelines", "benchmarks", "retrieval_core")
+CLI_MODULE = os.path.join("retrieval_core", "cli.py")
+#: scripts/perf_ab.py keeps hand-written click options: its ``rates`` command runs under an older checkout's
+#: retrieval_core (``versions``), which need not have the plan helpers.
+SCRIPTS_BY_HAND = (os.path.join("scripts", "perf_ab.py"),)
+
+
+def _sources(floors=FLOORS) -> dict[str, str]:
+    out = {}
+    for floor in floors:
+        for folder, _, files in os.walk(os.path.join(ROOT, floor)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    with open(path, encoding="utf-8") as f:
+                        out[os.path.relpath(path, ROOT)] = f.read()
+    return out
+
+
+def _cli_modules() -> list[str]:
+    """Every module that defines a click command or group (its __main__ modules' commands live beside them)."""
+    mods = []
+    for rel, text in _sources().items():
+        if re.search(r"@(click|main)\.(command|group)\b", text) and not rel.endswith("__main__.py") \
+                or rel.endswith(os.path.join("report", "__main__.py")):
+            mods.append(rel[:-3].replace(os.sep, "."))
+    return sorted(mods)
+
+
+def _commands(cmd: click.Command, path: str):
+    yield path, cmd
+    if isinstance(cmd, click.Group):
+        for name, sub in cmd.commands.items():
+            yield from _commands(sub, f"{path} {name}")
+
+
+def _all_commands():
+    seen = {}
+    for mod_name in _cli_modules():
+        mod = importlib.import_module(mod_name)
+        for attr in vars(mod).values():
+            if isinstance(attr, click.Command) and getattr(attr.callback, "__module__", "") == mod_name:
+                for path, cmd in _commands(attr, mod_name):
+                    seen.setdefault(id(cmd), (path, cmd))
+    return list(seen.values())
+
+
+COMMANDS = _all_commands()
+
+
+def test_the_walk_finds_every_floors_clis():
+    names = {path for path, _ in COMMANDS}
+    assert {"pipelines.stage.run", "pipelines.encode.run", "pipelines.rerank.run", "benchmarks.run", "benchmarks.demo",
+            "benchmarks.evaluate", "benchmarks.roofline measure", "benchmarks.report.__main__ memory-table",
+            "retrieval_core.training.train", "retrieval_core.model.e5"} <= names, sorted(names)
+    assert len(COMMANDS) >= 25
+
+
+@pytest.mark.parametrize("path, cmd", COMMANDS, ids=[p for p, _ in COMMANDS])
+def test_every_option_is_a_field_of_the_commands_plan(path, cmd):
+    params = [p for p in cmd.params if p.name != "help"]
+    if isinstance(cmd, click.Group) and not params:
+        return  # a group of commands, each checked on its own
+    plan = plan_of(cmd)
+    assert plan is not None, f"{path}: options written by hand, not built from a plan (retrieval_core.cli)"
+    flags = plan_flags(plan)
+    for p in params:
+        assert p.name in flags, f"{path}: {p.opts} is not a field of {plan.__name__}"
+        fl = flags[p.name]
+        if isinstance(p, click.Option):
+            assert (fl.off or fl.flag(p.name)) in p.opts, (path, p.opts)
+    opts = [o for p in params for o in p.opts]
+    assert len(opts) == len(set(opts)), f"{path}: a flag declared twice: {opts}"
+
+
+def test_device_threads_and_batch_size_have_one_declaration_each():
+    """Every --device, --threads and --batch-size of every CLI is the shared one; its spelling and checks are
+    written once, in retrieval_core/cli.py."""
+    for path, cmd in COMMANDS:
+        for p in cmd.params:
+            if "--device" in p.opts:
+                assert isinstance(p.type, DeviceType), path
+            if "--threads" in p.opts or "--batch-size" in p.opts:
+                assert isinstance(p.type, click.IntRange) and p.type.min == 1, (path, p.opts)
+    by_hand = re.compile(r"^\s*(device|threads|batch_size)\s*:[^=]*=\s*option\(", re.M)
+    for rel, text in _sources().items():
+        assert not by_hand.search(text), f"{rel}: declares a shared option itself (use device_option & co.)"
+
+
+def test_no_click_option_outside_the_plans():
+    """click options and arguments are declared only where plans become CLIs (retrieval_core/cli.py)."""
+    pattern = re.compile(r"click\.(option|argument)\(")
+    offenders = [rel for rel, text in _sources((*FLOORS, "scripts")).items()
+                 if pattern.search(text) and rel != CLI_MODULE and rel not in SCRIPTS_BY_HAND]
+    assert offenders == []
