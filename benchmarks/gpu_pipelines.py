@@ -63,14 +63,14 @@ def _timed(log, what: str, fn):
 @contextlib.contextmanager
 def _pytorch_attention_choice():
     """sdpa with PyTorch's own kernel choice (cuDNN included): the encoder's restriction lifted, to time both."""
-    from retrieval_core.model import network
+    from retrieval_core.model import attention
 
-    kept = network.sdpa_backends
-    network.sdpa_backends = lambda device, dtype: None
+    kept = attention.sdpa_backends
+    attention.sdpa_backends = lambda device, dtype: None
     try:
         yield
     finally:
-        network.sdpa_backends = kept
+        attention.sdpa_backends = kept
 
 
 def attention_rows(model, texts, table, n: int, batch_size: int, log, common: dict) -> list[dict]:

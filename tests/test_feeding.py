@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from retrieval_core.model.collate import BatchMaker, TextCollator, collate_images
-from retrieval_core.model.network import prefetched, sdpa_backends
+from retrieval_core.model.attention import sdpa_backends
+from retrieval_core.model.collate import BatchMaker, TextCollator, collate_images, prefetched
 from tests.helpers_model import make_tiny_dataset, tiny_model
 
 FEATURE_DIM = 16

@@ -9,7 +9,7 @@ padding ids per batch gives the same tensors as tokenising every batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -187,3 +187,34 @@ class BatchMaker:
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """The batch on ``device``; from pinned memory the copies run asynchronously with the host."""
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+#: Batches a batched loop makes ahead of the one the model runs (one worker thread): enough to hide a batch's
+#: collation behind the model, few enough to keep memory small.
+PREFETCH_BATCHES = 2
+
+
+def prefetched(make_batch: Callable, chunks: Sequence[np.ndarray], depth: int = PREFETCH_BATCHES):
+    """(chunk, make_batch(chunk)) for each chunk in order, the next ``depth`` made in a worker thread while the
+    caller uses the current one (collation is numpy and tokenizer work outside the model's threads). An error
+    in ``make_batch`` is raised here, at its batch."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not chunks:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="collate") as pool:
+        pending: deque = deque()
+        it = iter(chunks)
+        try:
+            for chunk in it:
+                pending.append((chunk, pool.submit(make_batch, chunk)))
+                if len(pending) > depth:
+                    chunk0, fut = pending.popleft()
+                    yield chunk0, fut.result()
+            while pending:
+                chunk0, fut = pending.popleft()
+                yield chunk0, fut.result()
+        finally:
+            for _, fut in pending:
+                fut.cancel()

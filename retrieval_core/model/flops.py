@@ -16,7 +16,7 @@ def layer_gemm_shapes(config, tokens: int) -> list[tuple[int, int, int]]:
 def sequence_flops(config, length: float, cls_only: bool = False) -> float:
     """Multiply-add FLOPs (2 per MAC) of the encoder layers over one sequence of ``length`` tokens: the dense
     GEMMs (layer_gemm_shapes) and attention's QK^T and AV; softmax, LayerNorm and GELU are left out.
-    ``cls_only``: the last layer as the CE runs it (_packed_layer with queries: keys and values of every
+    ``cls_only``: the last layer as the CE runs it (attention.packed_layer with queries: keys and values of every
     token, the rest for [CLS] alone)."""
     h, i, n = int(config.hidden_size), int(config.intermediate_size), int(config.num_hidden_layers)
     dense = 2 * length * (4 * h * h + 2 * h * i)

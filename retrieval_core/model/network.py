@@ -18,7 +18,6 @@ One object carries both heads: SEP = two models trained separately, JOIN = one t
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -30,11 +29,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoTokenizer, BertConfig, BertModel
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.bert.modeling_bert import eager_attention_forward
 
 from retrieval_core.data.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS, SCHEMA_VERSION, ImageTable
-from retrieval_core.model.collate import BatchMaker, Regions, Text, TextCollator, TokenCounts, to_device
+from retrieval_core.model.attention import attention_backends, packed_layer
+from retrieval_core.model.collate import BatchMaker, Regions, Text, TextCollator, TokenCounts, prefetched, to_device
 
 MODEL_JSON = "rr_model.json"
 #: Start of the CE agreement term's learned scale (VLModelConfig.ce_agreement): cosines of matching and random
@@ -221,7 +219,7 @@ class VLRetrievalModel(nn.Module):
     def _encode(self, tokens: torch.Tensor, mask: torch.Tensor, head: str, cls_only: bool = False,
                 entering_last: Optional[list] = None) -> torch.Tensor:
         """Runs the BERT layers over already-embedded (B, L, H) tokens and their 0/1 mask: the dense layers on the
-        real tokens only (_packed_layer), counted under ``head`` (token_counts). Returns (B, L, H), padded
+        real tokens only (attention.packed_layer), counted under ``head`` (token_counts). Returns (B, L, H), padded
         positions zero; ``cls_only``: the last layer computes the [CLS] output alone, (B, 1, H).
         ``entering_last``: a list that receives the (B, L, H) states entering the last layer, padded positions
         zero."""
@@ -234,7 +232,7 @@ class VLRetrievalModel(nn.Module):
         layers = self.bert.encoder.layer
         with attention_backends(x.device, x.dtype):
             for layer in layers[:-1] if cls_only else layers:
-                x = _packed_layer(layer, x, keep, (b, length), additive)
+                x = packed_layer(layer, x, keep, (b, length), additive)
         if entering_last is not None:
             if not cls_only:
                 raise ValueError("entering_last is read on the CE's path (cls_only)")
@@ -244,7 +242,7 @@ class VLRetrievalModel(nn.Module):
             cls = torch.arange(b, device=x.device) * length
             cls = cls if keep is None else torch.searchsorted(keep, cls)
             with attention_backends(x.device, x.dtype):
-                return _packed_layer(layers[-1], x, keep, (b, length), additive, queries=cls).view(b, 1, hidden)
+                return packed_layer(layers[-1], x, keep, (b, length), additive, queries=cls).view(b, 1, hidden)
         if keep is None:
             return x.view(b, length, hidden)
         return x.new_zeros(b * length, hidden).index_copy(0, keep, x).view(b, length, hidden)
@@ -384,9 +382,9 @@ class VLRetrievalModel(nn.Module):
     def _run_batched(self, order: np.ndarray, batch_size: int, device: str, amp_dtype: Optional[str],
                      progress: Progress, desc: str, width: int, make_batch: Callable,
                      fn: Callable) -> np.ndarray:
-        """``fn`` over the batches of ``order``: a worker thread makes the next PREFETCH_BATCHES batches while the
-        model runs the current one, and on a GPU the results stay on the device until the end (one sync, not one
-        per batch)."""
+        """``fn`` over the batches of ``order``: a worker thread makes the next collate.PREFETCH_BATCHES batches
+        while the model runs the current one, and on a GPU the results stay on the device until the end (one sync,
+        not one per batch)."""
         from tqdm.auto import tqdm
 
         report = progress if callable(progress) else None
@@ -450,89 +448,6 @@ def _agreement_scale(device: Optional[torch.device] = None) -> nn.Parameter:
     """The agreement term's log scale at its start. Shape (1,), not a scalar: the optimizer keeps 1-d weights out
     of weight decay."""
     return nn.Parameter(torch.full((1,), math.log(AGREEMENT_SCALE_INIT), device=device))
-
-
-def _packed_layer(layer: nn.Module, x: torch.Tensor, keep: Optional[torch.Tensor], shape: tuple[int, int],
-                  additive: torch.Tensor, queries: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One BertLayer over a batch's real tokens only: ``x`` (N, H) are the tokens of a (B, L) batch at the flat
-    positions ``keep`` (None: every position, no padding). Q, K, V, the attention output and the feed-forward -
-    the dense layers, ~95 % of the FLOPs - run on the N real tokens; attention runs on the padded (B, heads, L, d)
-    layout, padded keys masked by ``additive``. ``queries``: rows of ``x`` whose outputs are wanted, one per
-    batch row (the CE head reads [CLS] alone: its last layer then computes keys and values of every token and
-    the rest for [CLS], ~28 % of a pair's FLOPs for the halved MiniLM), default all. Equal to BertLayer on the
-    padded batch at those positions up to float rounding; the same submodules and attention kernel
-    (transformers' attention interface)."""
-    attn = layer.attention.self
-    b, length = shape
-    heads = (attn.num_attention_heads, attn.attention_head_size)
-
-    def padded(t: torch.Tensor) -> torch.Tensor:  # (N, H) -> (B, heads, L, d), zeros at padded positions
-        if keep is not None:
-            t = t.new_zeros(b * length, t.shape[1]).index_copy(0, keep, t)
-        return t.view(b, length, *heads).transpose(1, 2)
-
-    key, value = padded(attn.key(x)), padded(attn.value(x))
-    rows = x if queries is None else x[queries]
-    query = padded(attn.query(x)) if queries is None else attn.query(rows).view(b, 1, *heads).transpose(1, 2)
-    kernel = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
-    context, _ = kernel(attn, query, key, value, additive, dropout=attn.dropout.p if attn.training else 0.0,
-                        scaling=attn.scaling)
-    context = context.reshape(-1, attn.all_head_size)  # (B * L or B, H): the kernels return (B, Lq, heads, d)
-    if queries is None and keep is not None:
-        context = context[keep]
-    return layer.feed_forward_chunk(layer.attention.output(context, rows))
-
-
-def sdpa_backends(device: torch.device, dtype: torch.dtype) -> Optional[list]:
-    """The fused attention kernels the encoder may use on ``device`` in ``dtype`` (None: PyTorch's own choice).
-    On CUDA in 16-bit, cuDNN's attention is left out: it builds an execution plan per new (batch, length) shape,
-    and length-sorted batches bring a new shape nearly every batch (the suspected cause of bf16 sdpa running far
-    slower on varied batches than on one batch repeated; the GPU script's attention rows time both, see
-    docs/PERFORMANCE.md); the memory-efficient kernel takes the padding mask at any shape, math is the fallback."""
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return None
-    from torch.nn.attention import SDPBackend
-    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def attention_backends(device: torch.device, dtype: torch.dtype):
-    """A context that holds sdpa to ``sdpa_backends(device, dtype)`` (no-op where that is None)."""
-    backends = sdpa_backends(device, dtype)
-    if backends is None:
-        return contextlib.nullcontext()
-    from torch.nn.attention import sdpa_kernel
-    return sdpa_kernel(backends)
-
-
-#: Batches a batched loop makes ahead of the one the model runs (one worker thread): enough to hide a batch's
-#: collation behind the model, few enough to keep memory small.
-PREFETCH_BATCHES = 2
-
-
-def prefetched(make_batch: Callable, chunks: Sequence[np.ndarray], depth: int = PREFETCH_BATCHES):
-    """(chunk, make_batch(chunk)) for each chunk in order, the next ``depth`` made in a worker thread while the
-    caller uses the current one (collation is numpy and tokenizer work outside the model's threads). An error
-    in ``make_batch`` is raised here, at its batch."""
-    from collections import deque
-    from concurrent.futures import ThreadPoolExecutor
-
-    if not chunks:
-        return
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="collate") as pool:
-        pending: deque = deque()
-        it = iter(chunks)
-        try:
-            for chunk in it:
-                pending.append((chunk, pool.submit(make_batch, chunk)))
-                if len(pending) > depth:
-                    chunk0, fut = pending.popleft()
-                    yield chunk0, fut.result()
-            while pending:
-                chunk0, fut = pending.popleft()
-                yield chunk0, fut.result()
-        finally:
-            for _, fut in pending:
-                fut.cancel()
 
 
 def _lengths(ids: Sequence[np.ndarray]) -> np.ndarray:
