@@ -114,7 +114,7 @@ def feeding_rows(model: VLRetrievalModel, model_dir: str, texts: Sequence[str], 
                  common: Optional[dict] = None) -> list[dict]:
     """Rows of the job, library and model-alone rates (module docstring) of ``model`` (already served in
     ``precision``, on its device) on ``n`` items of each task: CE pairs (caption i with image i // 5, the
-    collection's own layout), BE images and BE captions. ``images``: an ImageTable."""
+    synthetic collection's layout), BE images and BE captions. ``images``: an ImageTable."""
     dev = model.device
     make = model.batch_maker()
     ids = make.text_collator.ids(list(texts[:n]))
@@ -122,18 +122,16 @@ def feeding_rows(model: VLRetrievalModel, model_dir: str, texts: Sequence[str], 
     handler_task = {"pairs": TASK_SCORE_PAIRS, "images": TASK_EMBED_IMAGE, "captions": TASK_EMBED_TEXT}
     rows = []
     for task in tasks:
+        count = n  # the collection's captions and images repeated up to n where it has fewer
         if task == "pairs":
-            count = min(n, len(ids))
-            elements = [(ids[i], *regions[(i // 5) % len(regions)]) for i in range(count)]
+            elements = [(ids[i % len(ids)], *regions[(i // 5) % len(regions)]) for i in range(count)]
             lib = lambda: model.score([e[0] for e in elements], [(e[1], e[2]) for e in elements],  # noqa: E731
                                       batch_size=batch_size, device=str(dev))
         elif task == "images":
-            count = min(n, len(regions))
-            elements = regions[:count]
+            elements = [regions[i % len(regions)] for i in range(count)]
             lib = lambda: model.encode_image(elements, batch_size=batch_size, device=str(dev))  # noqa: E731
         else:
-            count = min(n, len(ids))
-            elements = ids[:count]
+            elements = [ids[i % len(ids)] for i in range(count)]
             lib = lambda: model.encode_text(elements, batch_size=batch_size, device=str(dev))  # noqa: E731
         htask = handler_task[task]
         batches = _job_batches(htask, elements, batch_size)

@@ -79,6 +79,7 @@ class LatencyConfig:
     roofline: bool = True  # CE/BE rates against the GEMM roofline, fp32 and int8
     train_steps: int = 5  # training rows: timed steps per recipe and precision (0: no training rows)
     pipeline_overhead_images: int = 5_000  # pipelines.encode vs the raw model on this many images (0: skip)
+    feeding_items: int = 5_000  # job path vs model alone (benchmarks.feeding) on this many pairs / images (0: skip)
     base_images: int = 2000
     jitter: float = 0.5  # noise norm relative to the unit base vector: larger = harder for ANN
     recall_queries: int = 200
@@ -91,7 +92,7 @@ class LatencyConfig:
 def quick_config() -> LatencyConfig:
     return LatencyConfig(sizes=(200, 2_000), eval_sizes=(20, 60), ks=(5, 10), reps=5, warmup=1, paper_reps=2,
                          base_images=40, recall_queries=20, ce_measure_budget_s=5.0, eval_budget_s=60.0,
-                         pipeline_overhead_images=60, train_steps=2)
+                         pipeline_overhead_images=60, train_steps=2, feeding_items=40)
 
 
 def _percentiles(samples: Sequence[float]) -> dict:
@@ -372,6 +373,25 @@ def pipeline_overhead_rows(b: _Bench, cfg, beam_args, log, n: int = 5_000) -> li
                         f" images) vs {raw_note}: what Beam's batching costs the model itself"))]
 
 
+def job_vs_model_rows(b: _Bench, cfg, log, n: int) -> list[dict]:
+    """benchmarks.feeding's rows for the suite's JOIN model on this machine: the jobs' handler path and the library
+    loop against the model alone on the same batches (CE pairs and BE images, ``n`` each), in fp32 and, where the
+    device computes it natively, bf16; interleaved in one process so the ratio holds on a shared machine."""
+    from benchmarks.feeding import feeding_rows
+    from retrieval_core.model.quantize import cpu_has_native_bf16, cuda_bf16_supported
+
+    rows = []
+    texts = b.captions["text"].tolist()
+    native = cuda_bf16_supported() if b.model.device.type == "cuda" else cpu_has_native_bf16()
+    for precision in ("fp32", "bf16") if native else ("fp32",):
+        model = VLRetrievalModel.load(cfg.models.join, device=str(b.model.device))
+        model = quantize_model(model, "bf16" if precision == "bf16" else None, str(b.model.device))
+        rows += feeding_rows(model, cfg.models.join, texts, b.images, n, b.batch_size, precision, reps=3,
+                             tasks=("pairs", "images"), log=log,
+                             common={**b.env, "suite": b.suite, "model": "JOIN"})
+    return rows
+
+
 def common_runner(beam_args) -> str:
     return common.runner_name(common.pipeline_options(list(beam_args)))
 
@@ -543,6 +563,8 @@ def run_latency(cfg, lcfg: LatencyConfig, beam_args: Sequence[str] = (), log=pri
         rows += training_rows(b, log, {r.name: r.join for r in (DEMO_RECIPE, BENCH_RECIPE)}, lcfg.train_steps)
     if lcfg.pipeline_overhead_images:
         rows += pipeline_overhead_rows(b, cfg, beam_args, log, lcfg.pipeline_overhead_images)
+    if lcfg.feeding_items:
+        rows += job_vs_model_rows(b, cfg, log, lcfg.feeding_items)
     rows += per_query_latency(b, log)
     more, results = eval_time(b, cfg, beam_args, log)
     return rows + more, results

@@ -505,7 +505,7 @@ def test_latency_per_query_rows_and_extrapolated_totals(model, tmp_path):
     lcfg = latency.LatencyConfig(sizes=(100, 400), eval_sizes=(6,), ks=(4,), reps=3, warmup=1, paper_reps=1,
                                  base_images=12, recall_queries=8, ce_measure_budget_s=0.0, eval_budget_s=0.0,
                                  batch_size=16, threads=1, hnsw_max_n=100, pipeline_overhead_images=0,
-                                 train_steps=1)
+                                 train_steps=1, feeding_items=20)
     cfg = planner.SuiteConfig(suite="latency", workdir=str(tmp_path), models=planner.Models(join=model), feature_dim=F)
     rows, results = latency.run_latency(cfg, lcfg, log=lambda m: None)
     assert results == []  # a zero budget runs no Table 4 job
@@ -557,6 +557,15 @@ def test_latency_per_query_rows_and_extrapolated_totals(model, tmp_path):
     assert all("job start-up" in r["notes"] for r in totals if r["model"] == "JOIN")
     png = report.plot_latency(per_q, str(tmp_path / "latency.png"))
     assert png and os.path.getsize(png) > 1000
+    # job path vs model alone on the same batches, fp32 and (native) bf16: the ratio to the model-alone row
+    feed = [r for r in back if r["collection"].startswith("feeding_")]
+    ways = ("job path (handler)", "library loop", "model alone (batches collated ahead)")
+    assert {(r["mode"], r["quantize"]) for r in feed} == {(f"{t}: {w}", v) for t in ("pairs", "images") for w in ways
+                                                          for v in variants if v != "int8"}
+    for r in feed:
+        assert float(r["rate_per_s"]) > 0 and float(r["roofline_fraction"]) > 0 and r["collection_size"] == "20"
+        if "model alone" in r["mode"]:
+            assert float(r["roofline_fraction"]) == 1.0
 
 
 def test_cli_help_lists_suites():
