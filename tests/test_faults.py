@@ -491,3 +491,69 @@ def test_a_job_under_a_hard_memory_cap_completes_or_names_the_need(assets, tmp_p
         assert "memory" in last.lower() and "--" in last, res.stderr[-3000:]
         outcome, identical = "fails naming the memory need and the option", "n/a"
     record(f"address space capped at {cap >> 20} MB", job, outcome, identical)
+
+
+# ----------------------------------------------------------------------------------- hostile inputs
+def test_hostile_records_are_each_rejected_with_a_reason_and_counted(tmp_path):
+    """Two feature files (shards of one source) with NaN / inf features, a zero-region image, a gigantic
+    line, an id in both files; captions with non-UTF-8 bytes and a gigantic caption: every record is staged or
+    rejected with its reason, and in = staged + rejected holds."""
+    import numpy as np
+
+    from tests.test_stage_pipeline import b64, tsv_row
+
+    f = 16
+    big = "x" * (8 << 20)  # an 8 MB line: read, judged and rejected like any other
+    (tmp_path / "a.tsv").write_text("\n".join([
+        tsv_row("a", dim=f, seed=1), tsv_row("b", dim=f, seed=2), tsv_row("nan", dim=f, nan=True),
+        "\t".join(["inf", "100", "80", "1", b64([[5, 5, 50, 40]]), b64(np.full((1, f), np.inf))]),
+        "\t".join(["zero", "100", "80", "0", "", ""]),
+        "\t".join(["huge", "100", "80", "1", b64([[5, 5, 50, 40]]), big]),
+    ]) + "\n")
+    (tmp_path / "b.tsv").write_text("\n".join([tsv_row("c", dim=f, seed=3), tsv_row("a", dim=f, seed=9)]) + "\n")
+    images = [{"filename": f"{x}.jpg", "split": "test", "sentences": [{"sentid": i, "raw": f"photo {x}"}]}
+              for i, x in enumerate("abc")]
+    images[1]["sentences"].append({"sentid": 10, "raw": "BADUTF8"})
+    images[2]["sentences"].append({"sentid": 11, "raw": "word " * (1 << 20)})  # a 5 MB caption
+    (tmp_path / "caps.json").write_bytes(json.dumps({"images": images}).encode().replace(b"BADUTF8", b"caf\xff"))
+    (tmp_path / "m.yaml").write_text(f"""
+name: hostile
+feature_dim: {f}
+max_regions: 12
+collections:
+  h:
+    images: {{format: butd_tsv, path: '{tmp_path}/*.tsv'}}
+    captions: {{format: karpathy_json, path: {tmp_path / 'caps.json'}, image_id: filename_stem}}
+""")
+    out = str(tmp_path / "out")
+    code, msg = run_job("stage", {"manifest": str(tmp_path / "m.yaml")}, out)
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    counts = {}
+    for kind in ("images", "captions"):
+        src = summary["collections"]["h"][kind]
+        assert src["records_in"] == src["staged"] + src["rejected"] + src.get("skipped", 0), src
+        counts[kind] = src
+    reasons = " ".join(counts["images"]["reject_reasons"])
+    for why in ("non-finite", "num_boxes is 0", "duplicate", "wrong feature dim"):  # the last: the 8 MB line
+        assert why in reasons, counts["images"]["reject_reasons"]
+    assert counts["images"]["staged"] == 3 and counts["images"]["rejected"] == 5, counts["images"]
+    assert counts["captions"]["rejected"] >= 1, counts["captions"]  # the non-UTF-8 caption
+    record("hostile records (NaN, inf, zero regions, 8 MB line, duplicate id across files, non-UTF-8)", "stage",
+           f"{counts['images']['rejected'] + counts['captions']['rejected']} rejected with reasons; "
+           "in = staged + rejected")
+
+
+@pytest.mark.parametrize("where", ["manifest", "--set"])
+def test_yaml_tags_that_construct_objects_are_refused(tmp_path, where):
+    marker = tmp_path / "constructed"
+    tag = f"!!python/object/apply:os.system ['touch {marker}']"
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(STAGE_MANIFEST.replace("name: faults", f"name: {tag}" if where == "manifest"
+                                                else "name: faults"))
+    args = ["--manifest", str(manifest), "--output", str(tmp_path / "out")]
+    if where == "--set":
+        args += ["--set", f"name={tag}"]
+    res = CliRunner().invoke(stage_run.main, args)
+    assert res.exit_code == 2 and "python/object" in res.output, res.output
+    assert not marker.exists()  # yaml.safe_load everywhere: nothing was constructed
+    record(f"YAML tag constructing an object ({where})", "stage", "refused in one line, nothing constructed")
