@@ -141,7 +141,7 @@ def train_index(factory: str, d: int, metric: str, sample: Optional[np.ndarray],
         ivf = faiss.downcast_index(ivf)  # try_extract_index_ivf hands back the IndexIVF base class
         if isinstance(ivf, faiss.IndexIVFPQ):
             # polysemous training (simulated annealing over PQ code orderings) serves only polysemous
-            # Hamming-filtered search, which nothing here uses; it took minutes on 500 vectors of d=384
+            # Hamming-filtered search, which nothing here uses, and is slow (docs/PERFORMANCE.md)
             ivf.do_polysemous_training = False
     index.train(sample)
     return index_bytes(index)
