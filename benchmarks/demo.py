@@ -30,8 +30,8 @@ from benchmarks.evaluate import EvaluatePlan, csv_rows, evaluate_ranking
 from benchmarks.inspect import InspectPlan
 from benchmarks.queries import QueriesPlan
 from pipelines import demo_assets, launch
+from pipelines.beam_kit import BEAM_CLI_CONTEXT, check_beam_flags
 from pipelines.build_index.plan import IndexPlan
-from pipelines.common import BEAM_CLI_CONTEXT, check_beam_flags
 from pipelines.encode.plan import EncodePlan
 from pipelines.rerank.plan import RerankPlan
 from retrieval_core.cli import check_options, cli_errors, option, plan_from_cli, plan_options, to_argv

@@ -6,7 +6,7 @@
 
 ``--rankings`` takes a pipelines.rerank run (its run dir or its rankings/ dir): the shards listed in its
 rankings_manifest.json are read, checksum-verified. The run, --staged and --output may be URLs (gs://): they
-are read and written through Beam FileSystems (pipelines.common). Score once, evaluate many: the run stores,
+are read and written through Beam FileSystems (pipelines.files). Score once, evaluate many: the run stores,
 per query, its BE top-n with be_rank, be_score and (CE modes) the CE scores of its BE top-k, so ``--k`` (any
 k' <= the run's k), ``--mode`` (emb, co, add, norm_add; ce for an exhaustive run) and ``--lam`` re-rank the
 stored rows (``retrieval_core.search.rerank.derive_rankings``) exactly as a run with those settings would have; each
@@ -46,7 +46,7 @@ from typing import Mapping, Optional, Sequence
 import click
 import pandas as pd
 
-from pipelines.common import BEAM_FILES, exists, join, makedirs, read_bytes, write_atomic, write_json_atomic
+from pipelines.files import BEAM_FILES, exists, join, makedirs, read_bytes, write_atomic, write_json_atomic
 from retrieval_core.cli import CONTEXT_SETTINGS, check_options, cli_errors, option, plan_from_cli, plan_options
 from retrieval_core.evaluation.metrics import DEFAULT_KS, DIRECTIONS
 from retrieval_core.evaluation.runs import LoadedRun, RunError, mode_label

@@ -33,7 +33,7 @@ import click
 import numpy as np
 import pandas as pd
 
-from pipelines.common import BEAM_FILES, write_atomic
+from pipelines.files import BEAM_FILES, write_atomic
 from retrieval_core.cli import CONTEXT_SETTINGS, check_options, cli_errors, option, plan_from_cli, plan_options
 from retrieval_core.data import schema
 from retrieval_core.data.manifest import load_manifest

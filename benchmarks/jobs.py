@@ -30,8 +30,8 @@ from typing import Callable, Optional, Sequence
 from benchmarks.queries import QueriesPlan
 from pipelines import launch
 from pipelines.build_index.plan import IndexPlan
-from pipelines.common import folder_sha256, write_json_atomic
 from pipelines.encode.plan import EncodePlan
+from pipelines.files import folder_sha256, write_json_atomic
 from pipelines.rerank.plan import RerankPlan
 from pipelines.stage.plan import StagePlan
 from retrieval_core.cli import to_argv
@@ -55,7 +55,7 @@ PLAN_MODULES = {StagePlan: "pipelines.stage", EncodePlan: "pipelines.encode", In
 
 
 def source_digest(roots: Sequence[str]) -> str:
-    """sha256 over the .py files under ``roots`` (each root's name, then its ``common.folder_sha256``)."""
+    """sha256 over the .py files under ``roots`` (each root's name, then its ``files.folder_sha256``)."""
     h = hashlib.sha256()
     for root in roots:
         h.update(os.path.basename(os.path.normpath(root)).encode() + b"\0" + folder_sha256(root, ".py").encode())

@@ -48,7 +48,7 @@ from benchmarks.report import PAPER_CODE_MODEL, environment, set_threads
 from benchmarks.roofline import UnitBench, measure_unit_costs, roofline_rows, training_rows
 from benchmarks.rows import evaluate_row
 from benchmarks.suites import MODE_LABELS
-from pipelines import common
+from pipelines.beam_kit import pipeline_options, runner_name
 from pipelines.demo_assets import BENCH_RECIPE, DEMO_RECIPE
 from pipelines.encode.plan import EncodePlan
 from pipelines.encode.run import run as run_encode
@@ -393,7 +393,7 @@ def job_vs_model_rows(b: _Bench, cfg, log, n: int) -> list[dict]:
 
 
 def common_runner(beam_args) -> str:
-    return common.runner_name(common.pipeline_options(list(beam_args)))
+    return runner_name(pipeline_options(list(beam_args)))
 
 
 def eval_manifest(n: int) -> tuple[str, Optional[int]]:

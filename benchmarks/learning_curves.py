@@ -29,7 +29,7 @@ import pandas as pd
 
 from benchmarks.family_probe import probe
 from benchmarks.report.plots import _pyplot
-from pipelines.common import write_atomic
+from pipelines.files import write_atomic
 from retrieval_core.cli import (
     CONTEXT_SETTINGS,
     apply_device_and_threads,

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipelines.common import BEAM_FILES, write_atomic, write_json_atomic
+from pipelines.files import BEAM_FILES, write_atomic, write_json_atomic
 from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors, option, plan_from_cli, plan_options
 from retrieval_core.data import schema
 from retrieval_core.data.schema import DIRECTION_I2T, DIRECTION_T2I

@@ -373,7 +373,7 @@ def onednn_kernels(fn: Callable[[], object]) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------ CLI
 def write_local(path: str, data: bytes) -> None:
-    """A local file written atomically (temporary name, then rename): pipelines.common's writer imports Beam."""
+    """A local file written atomically (temporary name, then rename): pipelines.files' writer imports Beam."""
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
         f.write(data)

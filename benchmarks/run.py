@@ -49,7 +49,7 @@ from benchmarks import jobs, latency, report, suites
 from benchmarks.planner import Models, Plan, SuiteConfig, model_feature_dim
 from benchmarks.rows import RowHits, ce_pairs_scored, evaluate_row
 from pipelines import demo_assets
-from pipelines.common import UnknownFlagError, unknown_beam_flags
+from pipelines.beam_kit import UnknownFlagError, unknown_beam_flags
 from retrieval_core.cli import CONTEXT_SETTINGS, plan_from_cli, plan_options
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.store import StagedDataset

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from pipelines import common, launch
+from pipelines import files, launch
 from retrieval_core.cli import to_argv
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.data.synthetic.spec import DEFAULT_SIBLING_CHANGES
@@ -202,7 +202,7 @@ def ensure_staged(beam_args: tuple[str, ...] = (), manifest: str = DEMO_MANIFEST
             print(f"note: {root} was built by another generator or assets version: rebuilding it", flush=True)
             shutil.rmtree(root)
         os.makedirs(root)
-        common.write_json_atomic(stamp, want)
+        files.write_json_atomic(stamp, want)
     out = staged_dir() if manifest == DEMO_MANIFEST else os.path.join(root, "staged")
     if os.path.exists(os.path.join(out, "summary.json")):
         return out
@@ -240,7 +240,7 @@ def _ensure_trained(staged: str, out: str, cfg: TrainConfig, recipe: Recipe, bas
     content = {f"{kind}/{c}": ds.content_sha256(kind, c) for c in ds.collections for kind in ("images", "captions")}
     want = {"assets_version": ASSETS_VERSION, "train_args": args, "staged": content}
     if not backbone:  # a checkpoint (the SEP CE's is the SEP BE) retrained in place retrains this one
-        want["base_model_sha256"] = common.folder_sha256(base_model)
+        want["base_model_sha256"] = files.folder_sha256(base_model)
     stamp = os.path.join(out, "recipe.json")
     if _stamp_matches(stamp, want):
         if training_finished(out, cfg.steps) and os.path.exists(os.path.join(best, "rr_model.json")):
@@ -250,7 +250,7 @@ def _ensure_trained(staged: str, out: str, cfg: TrainConfig, recipe: Recipe, bas
             print(f"note: {out} was trained by another recipe, seed or staged collection: retraining it", flush=True)
             shutil.rmtree(out)
         os.makedirs(out)
-        common.write_json_atomic(stamp, want)
+        files.write_json_atomic(stamp, want)
     resume = os.path.exists(os.path.join(out, "last", "trainer_state.json"))
     # checkpoints let a killed run resume; not in the stamp: a resumed run reproduces an uninterrupted one (CPU)
     run = replace(plan, config=replace(cfg, checkpoint_every=CHECKPOINT_EVERY), resume=resume)

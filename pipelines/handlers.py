@@ -39,7 +39,7 @@ import torch
 from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
-from pipelines.common import BEAM_FILES
+from pipelines.files import BEAM_FILES
 from retrieval_core.cli import check_device, device_kind
 from retrieval_core.data.paths import is_url
 from retrieval_core.data.schema import check_quantize

@@ -109,7 +109,7 @@ def test_the_issues_mistyped_flags_are_refused_before_anything_runs(module, args
 
 
 def test_real_beam_and_dask_flags_are_not_unknown():
-    from pipelines.common import unknown_beam_flags
+    from pipelines.beam_kit import unknown_beam_flags
 
     assert unknown_beam_flags(["--runner=DirectRunner", "--direct_num_workers=2", "--dask_client_address=h:1",
                                "--direct_running_mode", "multi_processing", "--project=p", "--dry_run=True"]) == []

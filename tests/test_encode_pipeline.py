@@ -8,10 +8,10 @@ import os
 import numpy as np
 import pytest
 
-from pipelines import common
 from pipelines.encode import graph as encode_graph
 from pipelines.encode import plan as encode_plan
 from pipelines.encode import run as encode_run
+from pipelines.files import SPILL_DIR
 from pipelines.handlers import METRICS_NAMESPACE
 from pipelines.stage import plan as stage_plan
 from pipelines.stage import run as stage_run
@@ -116,7 +116,7 @@ def test_encode_matches_direct_model_output_and_rerun_skips(assets):
     assert tokens["useful_tokens"] == int((np.minimum(table.num_boxes(), model.cfg.max_regions) + 1).sum())
     assert tokens["useful_tokens"] <= tokens["computed_tokens"]
     assert open(os.path.join(out, encode_run.DEAD_LETTER_FILE)).read() == ""
-    assert not os.path.exists(os.path.join(out, common.SPILL_DIR))  # spill pieces removed at the end
+    assert not os.path.exists(os.path.join(out, SPILL_DIR))  # spill pieces removed at the end
 
     # Rerun: every shard valid -> nothing encoded. Then damage one shard -> only that one is redone.
     mtimes = {n: os.path.getmtime(os.path.join(out, embeddings.shard_relpath("image", n))) for n in names}

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from pipelines.common import DEBUG_ENV, PROGRESS_ENV
+from pipelines.beam_kit import PROGRESS_ENV
+from retrieval_core.cli import DEBUG_ENV
 from tests.conftest import REPO_ROOT
 from tests.test_encode_pipeline import write_tiny_model, write_tiny_staged
 
@@ -125,7 +126,7 @@ collections:
 
 
 def test_the_bar_exists_only_where_the_steps_run_in_this_process(monkeypatch, capsys):
-    from pipelines.common import Progress, counter_line, pipeline_options
+    from pipelines.beam_kit import Progress, counter_line, pipeline_options
 
     monkeypatch.setenv(PROGRESS_ENV, "1")
     with Progress.running(10, "items", "elsewhere", pipeline_options(["--direct_running_mode=multi_processing"])):

@@ -422,7 +422,7 @@ def test_plan_read_tasks_validation_and_picklable_tasks(tmp_path):
 def test_local_file_access_refuses_urls_with_a_clear_error(tmp_path):
     """The readers' default file access is local: a gs:// path is an error saying what to pass (the pipelines
     pass Beam FileSystems), never the local file "gs:/b/..." or one record's reject."""
-    msg = "gs://b/x.tsv is a URL: .*pass files=<a FileAccess for URLs>.*pipelines.common.BEAM_FILES"
+    msg = "gs://b/x.tsv is a URL: .*pass files=<a FileAccess for URLs>.*pipelines.files.BEAM_FILES"
     with pytest.raises(readers.URLAccessError, match=msg):
         readers.plan_read_tasks("c", KIND_IMAGE, "butd_tsv", "gs://b/x.tsv", {}, 4)
     with pytest.raises(ValueError, match=msg):  # URLAccessError is a ValueError: CLIs report it in one line

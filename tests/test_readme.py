@@ -56,7 +56,7 @@ def test_readme_is_a_front_door():
 
 
 def test_every_readme_command_runs_as_shown():
-    from pipelines.common import unknown_beam_flags
+    from pipelines.beam_kit import unknown_beam_flags
 
     lines = bash_lines(README.read_text(encoding="utf-8"))
     modules = set()
@@ -94,7 +94,7 @@ def test_a_mistyped_readme_option_would_fail_the_parse():
     with pytest.raises(click.BadParameter):
         parse(click_command("pipelines.rerank"), "rerank", ["--staged", "s", "--embeddings", "e", "--output", "o",
                                                             "--mode", "rerank"])
-    from pipelines.common import unknown_beam_flags
+    from pipelines.beam_kit import unknown_beam_flags
 
     ctx = parse(click_command("pipelines.encode"), "encode", ["--staged", "s", "--model", "m", "--output", "o",
                                                               "--quantise", "int8"])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from pipelines import common
+from pipelines.files import BEAM_FILES, SPILL_DIR, sha256_file
 from pipelines.stage import run as stage_run
 from pipelines.stage.graph import (
     T_COUNT,
@@ -185,7 +185,7 @@ def test_end_to_end_counts_summary_and_rejects(staged):
             src = c[key]
             assert src["records_in"] == src["staged"] + src["rejected"]
             for shard in src["shards"]:
-                assert common.sha256_file(str(out / shard["name"])) == shard["sha256"]
+                assert sha256_file(str(out / shard["name"])) == shard["sha256"]
 
     rejects = [json.loads(x) for x in (out / "rejects" / "tsv-images.jsonl").read_text().splitlines()]
     assert len(rejects) == 6 and all({"source", "locator", "reason"} <= set(r) for r in rejects)
@@ -298,11 +298,11 @@ def test_read_and_stage_spills_rows_and_regions_so_shuffles_carry_refs_only(tmp_
 
 def test_staging_run_leaves_no_spill_files(staged):
     _, _, out, code, _ = staged
-    assert (out / "summary.json").exists() and not os.path.exists(out / common.SPILL_DIR)
+    assert (out / "summary.json").exists() and not os.path.exists(out / SPILL_DIR)
 
 
 # ------------------------------------------------------------------------ URL inputs (gs:// on Dataflow)
-# The inputs are reached through Beam FileSystems (common.BEAM_FILES), so any scheme with a registered Beam
+# The inputs are reached through Beam FileSystems (BEAM_FILES), so any scheme with a registered Beam
 # FileSystem works. tests/helpers_beamfs.py registers a real one, rrtest:///abs/path = /abs/path.
 def write_url_inputs(root):
     """A BUTD TSV split over two files (read through a glob, beside a file the glob must skip), Karpathy
@@ -388,7 +388,7 @@ def test_beam_file_access_reads_urls_raw_and_lists_like_local(tmp_path):
     from retrieval_core.data.readers import LOCAL_FILES, read_multi30k
     from tests.helpers_beamfs import url
 
-    files = common.BEAM_FILES
+    files = BEAM_FILES
     gz_bytes = gz.compress(b"ein Hund\nzwei Katzen\n")
     (tmp_path / "test_2016.de.gz").write_bytes(gz_bytes)
     (tmp_path / "images.txt").write_text("1.jpg\n2.jpg\n")
@@ -507,7 +507,7 @@ def test_python_m_stage_runs_on_a_dask_cluster_in_other_processes(tmp_path, dask
     """The command a user runs: ``python -m pipelines.stage ... --runner=DaskRunner --dask_client_address=...``
     in its own process. Run as __main__, the graph's functions pickled by reference to '__main__', which the
     scheduler could not resolve ("Can't get attribute '_caption_splits' on <module '__main__'>");
-    common.main_as_module runs the CLI from pipelines.stage."""
+    pipelines/stage/__main__.py runs the CLI imported from pipelines.stage.run."""
     import subprocess
     import sys
 

@@ -14,11 +14,12 @@ import os
 import pytest
 
 from benchmarks import evaluate
-from pipelines import common
+from pipelines.beam_kit import RUN_DIR
 from pipelines.build_index import plan as build_index_plan
 from pipelines.build_index import run as build_index_run
 from pipelines.encode import plan as encode_plan
 from pipelines.encode import run as encode_run
+from pipelines.files import BEAM_FILES, SPILL_DIR
 from pipelines.rerank import plan as rerank_plan
 from pipelines.rerank import run as rerank_run
 from pipelines.stage import plan as stage_plan
@@ -61,7 +62,7 @@ def run_chain(manifest: str, model: str, out: str) -> dict:
                                                    ce_model=model,
                                           batch_size=8, queries_per_shard=5))
     return {"staged": staged, "summary": summary, "emb": emb_dir, "index": index_dir, "run": run_dir,
-            "rankings": ranked, "recall": runs.evaluate_run(run_dir, staged, files=common.BEAM_FILES)}
+            "rankings": ranked, "recall": runs.evaluate_run(run_dir, staged, files=BEAM_FILES)}
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +112,7 @@ def test_url_chain_writes_the_bytes_of_the_local_chain(chains):
     assert by_url["recall"] == on_disk["recall"] and by_url["recall"]["t2i_queries"] == 16
     assert os.listdir(root / "model_cache")  # the workers loaded the URL model from a local copy
     for out in (by_url["staged"], by_url["emb"], by_url["index"], by_url["run"]):  # scratch files removed by URL too
-        assert [f for d in (common.RUN_DIR, common.SPILL_DIR) for f in common.BEAM_FILES.walk(f"{out}/{d}")] == []
+        assert [f for d in (RUN_DIR, SPILL_DIR) for f in BEAM_FILES.walk(f"{out}/{d}")] == []
 
 
 def test_url_reruns_resume_from_what_they_read_back(chains):
@@ -168,11 +169,11 @@ def test_url_model_folder_is_copied_once_and_again_after_a_change(tmp_path, monk
     cache = str(tmp_path / "cache")
     names = sorted(os.listdir(model))
 
-    first = local_model_folder(url(model), common.BEAM_FILES, cache)
+    first = local_model_folder(url(model), BEAM_FILES, cache)
     assert os.path.dirname(first) == cache and sorted(os.listdir(first)) == names
     assert all(read(os.path.join(first, n)) == read(os.path.join(model, n)) for n in names)
     stamps = {n: os.stat(os.path.join(first, n)) for n in names}
-    assert local_model_folder(url(model) + "/", common.BEAM_FILES, cache) == first  # unchanged: not copied again
+    assert local_model_folder(url(model) + "/", BEAM_FILES, cache) == first  # unchanged: not copied again
     assert all(os.stat(os.path.join(first, n)).st_mtime_ns == stamps[n].st_mtime_ns for n in names)
     assert os.listdir(cache) == [os.path.basename(first)]  # no temporary folder left behind
 
@@ -180,25 +181,25 @@ def test_url_model_folder_is_copied_once_and_again_after_a_change(tmp_path, monk
     config["provenance"]["note"] = "fine-tuned again"
     with open(os.path.join(model, "rr_model.json"), "w") as f:
         json.dump(config, f)
-    changed = local_model_folder(url(model), common.BEAM_FILES, cache)
+    changed = local_model_folder(url(model), BEAM_FILES, cache)
     assert changed != first
     assert read(os.path.join(changed, "rr_model.json")) == read(os.path.join(model, "rr_model.json"))
 
     os.remove(os.path.join(changed, "model.safetensors"))  # a copy pruned from the cache is made again
-    assert local_model_folder(url(model), common.BEAM_FILES, cache) == changed
+    assert local_model_folder(url(model), BEAM_FILES, cache) == changed
     assert read(os.path.join(changed, "model.safetensors")) == read(os.path.join(model, "model.safetensors"))
 
     monkeypatch.setenv(MODEL_CACHE_ENV, cache)  # inspect / load / fingerprint by URL read that same copy
-    info = inspect_model_folder(url(model), common.BEAM_FILES)
+    info = inspect_model_folder(url(model), BEAM_FILES)
     assert (info.path, info.local_dir, info.heads) == (url(model), changed, ("be", "ce"))
-    assert inspect_model_folder(url(model), common.BEAM_FILES).fingerprint == inspect_model_folder(model).fingerprint
-    by_url, on_disk = load_model_folder(url(model), need=("ce",), files=common.BEAM_FILES), load_model_folder(model)
+    assert inspect_model_folder(url(model), BEAM_FILES).fingerprint == inspect_model_folder(model).fingerprint
+    by_url, on_disk = load_model_folder(url(model), need=("ce",), files=BEAM_FILES), load_model_folder(model)
     assert all((by_url.state_dict()[k] == v).all() for k, v in on_disk.state_dict().items())
 
     with pytest.raises(CheckpointError, match="rrtest://.*nothing' does not exist"):
-        local_model_folder(url(tmp_path / "nothing"), common.BEAM_FILES, cache)
+        local_model_folder(url(tmp_path / "nothing"), BEAM_FILES, cache)
     with pytest.raises(CheckpointError, match="is a URL: pass files="):
         inspect_model_folder(url(model))
     os.remove(os.path.join(model, "config.json"))  # errors name the URL folder, not its cache copy
     with pytest.raises(CheckpointError, match=f"^{url(model)} has rr_model.json but no config.json"):
-        inspect_model_folder(url(model), common.BEAM_FILES)
+        inspect_model_folder(url(model), BEAM_FILES)

@@ -235,13 +235,13 @@ def normalise_row(row: Mapping) -> dict:
 
 def write_csv(path: str, rows: Iterable[Mapping], columns: Sequence[str] = CSV_COLUMNS,
               write_atomic: Optional[Callable[[str, bytes], object]] = None) -> str:
-    """Writes the rows atomically (default pipelines.common.write_atomic: a crashed run never leaves a half CSV)
+    """Writes the rows atomically (default pipelines.files.write_atomic: a crashed run never leaves a half CSV)
     and its column documentation beside it (:func:`schema_path`); returns the CSV's path. ``write_atomic``:
     another writer of (path, bytes), for callers that run without Beam (benchmarks.roofline)."""
     import json
 
     if write_atomic is None:  # Beam's FileSystems only when used: benchmarks.roofline runs where Beam is absent
-        from pipelines.common import write_atomic
+        from pipelines.files import write_atomic
 
     doc = column_schema(columns)  # before writing anything: an undocumented column is refused
     write_atomic(schema_path(path), (json.dumps({"csv": path.rsplit("/", 1)[-1], **doc}, indent=1) + "\n")

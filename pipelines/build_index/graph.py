@@ -11,7 +11,7 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.metrics import Metrics
 
-from pipelines import common
+from pipelines import beam_kit, files
 from pipelines.build_index.plan import IndexBuildError, IndexPlan
 from retrieval_core.search import embeddings
 from retrieval_core.search.index import build_shard, index_bytes, read_id_list, set_threads
@@ -30,8 +30,8 @@ class _Blob:
     sha256: str
 
     def read(self) -> bytes:
-        data = common.read_bytes(self.path)
-        if common.sha256_bytes(data) != self.sha256:
+        data = files.read_bytes(self.path)
+        if files.sha256_bytes(data) != self.sha256:
             raise IndexBuildError(f"{self.path} changed while the index was being built")
         return data
 
@@ -50,8 +50,8 @@ class BuildShard(beam.DoFn):
 
     def process(self, entry: dict):
         t0 = time.time()
-        src = common.join(self.plan.embeddings, embeddings.shard_relpath(self.plan.modality, entry["name"]))
-        data = common.read_bytes(src)
+        src = files.join(self.plan.embeddings, embeddings.shard_relpath(self.plan.modality, entry["name"]))
+        data = files.read_bytes(src)
         embeddings.verify_shard_bytes(data, entry, src)
         ids, vectors = embeddings.read_embedding_shard(data)
         embeddings.check_shard_contents(ids, vectors, entry, self.dim, src)
@@ -60,11 +60,11 @@ class BuildShard(beam.DoFn):
             ids, vectors = ids[keep], vectors[keep]
         shard = build_shard(self._trained, ids, vectors)
         name = shard_file_name(entry["name"])
-        sha = common.write_atomic(common.join(self.plan.output, SHARDS_SUBDIR, name), index_bytes(shard))
+        sha = files.write_atomic(files.join(self.plan.output, SHARDS_SUBDIR, name), index_bytes(shard))
         log.info("built %s: %d vectors in %.1f s", name, shard.ntotal, time.time() - t0)
         Metrics.counter(METRICS_NAMESPACE, "vectors_added").inc(int(shard.ntotal))
         Metrics.counter(METRICS_NAMESPACE, "shards_built").inc()
-        common.Progress.advance(int(entry["rows"]))  # the embedding vectors this shard read
+        beam_kit.Progress.advance(int(entry["rows"]))  # the embedding vectors this shard read
         yield {"name": name, "rows": int(shard.ntotal), "sha256": sha,
                "source": entry["name"], "source_sha256": entry["sha256"]}
 
@@ -73,4 +73,4 @@ def build_graph(p: beam.Pipeline, todo: list[dict], shard_fn: BuildShard, output
     infos = (p | "Shards" >> beam.Create(todo)
              | "Spread" >> beam.Reshuffle()
              | "Build" >> beam.ParDo(shard_fn))
-    common.WriteRunReport.apply([infos], output)  # the last step: DaskRunner computes only its graph
+    beam_kit.WriteRunReport.apply([infos], output)  # the last step: DaskRunner computes only its graph

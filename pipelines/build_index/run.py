@@ -17,7 +17,7 @@ import apache_beam as beam
 import click
 import numpy as np
 
-from pipelines import common
+from pipelines import beam_kit, files
 from pipelines.build_index.graph import METRICS_NAMESPACE, BuildShard, _Blob, build_graph
 from pipelines.build_index.plan import AUTO, IndexBuildError, IndexPlan
 from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
@@ -41,19 +41,19 @@ CREATED_BY = "pipelines.build_index"
 
 
 def _previous_manifest(output: str) -> Optional[dict]:
-    path = common.join(output, INDEX_MANIFEST)
-    if not common.exists(path):
+    path = files.join(output, INDEX_MANIFEST)
+    if not files.exists(path):
         return None
     try:
-        return common.read_json(path)
+        return files.read_json(path)
     except (OSError, ValueError) as exc:
         log.warning("ignoring unreadable previous manifest %s (%s)", path, exc)
         return None
 
 
 def _shard_ids(emb_dir: str, modality: str, entry: dict) -> np.ndarray:
-    path = common.join(emb_dir, embeddings.shard_relpath(modality, entry["name"]))
-    return embeddings.read_embedding_ids(common.read_bytes(path))
+    path = files.join(emb_dir, embeddings.shard_relpath(modality, entry["name"]))
+    return embeddings.read_embedding_ids(files.read_bytes(path))
 
 
 def check_ids_present(ids: np.ndarray, emb_dir: str, modality: str, shards: list[dict], where: str) -> None:
@@ -82,8 +82,8 @@ def _gather(emb_dir: str, modality: str, shards: list[dict], chosen: np.ndarray,
     """The vectors of the ``chosen`` ids, in that order, read shard by shard (checksum-verified)."""
     found: dict[int, np.ndarray] = {}
     for s in shards:
-        path = common.join(emb_dir, embeddings.shard_relpath(modality, s["name"]))
-        data = common.read_bytes(path)
+        path = files.join(emb_dir, embeddings.shard_relpath(modality, s["name"]))
+        data = files.read_bytes(path)
         embeddings.verify_shard_bytes(data, s, path)
         shard_ids, vectors = embeddings.read_embedding_shard(data)
         for row in np.flatnonzero(np.isin(shard_ids, chosen)):
@@ -100,14 +100,14 @@ def _gather(emb_dir: str, modality: str, shards: list[dict], chosen: np.ndarray,
 def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
     """Train, build the shards still missing, write index_manifest.json; returns a summary (None on dry run)."""
     t0 = time.time()
-    options = common.task_pipeline_options(beam_args)
-    dry = common.is_dry_run(options)
+    options = beam_kit.task_pipeline_options(beam_args)
+    dry = beam_kit.is_dry_run(options)
     set_threads(plan.threads)
-    manifest_path = common.join(plan.embeddings, embeddings.EMBEDDINGS_MANIFEST)
-    if not common.exists(manifest_path):
+    manifest_path = files.join(plan.embeddings, embeddings.EMBEDDINGS_MANIFEST)
+    if not files.exists(manifest_path):
         raise embeddings.EmbeddingsError(f"no {embeddings.EMBEDDINGS_MANIFEST} in {plan.embeddings}: not an embeddings "
                                          f"directory (run pipelines.encode first)")
-    manifest_bytes = common.read_bytes(manifest_path)
+    manifest_bytes = files.read_bytes(manifest_path)
     emb_manifest = embeddings.validate_embeddings_manifest(json.loads(manifest_bytes.decode("utf-8")))
     entry = embeddings.modality_entry(emb_manifest, plan.modality)
     shards, dim = entry["shards"], int(emb_manifest["dim"])
@@ -117,14 +117,14 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
 
     ids, ids_entry, ids_blob = None, None, None
     if plan.ids:
-        if not common.exists(plan.ids):
+        if not files.exists(plan.ids):
             raise IndexBuildError(f"--ids {plan.ids}: no such file")
-        ids_bytes = common.read_bytes(plan.ids)
+        ids_bytes = files.read_bytes(plan.ids)
         ids = read_id_list(ids_bytes, f"--ids {plan.ids}")
         if not len(ids):
             raise IndexBuildError(f"--ids {plan.ids}: lists no ids")
         check_ids_present(ids, plan.embeddings, plan.modality, shards, f"--ids {plan.ids}")
-        ids_entry = {"path": plan.ids, "sha256": common.sha256_bytes(ids_bytes), "count": int(len(ids))}
+        ids_entry = {"path": plan.ids, "sha256": files.sha256_bytes(ids_bytes), "count": int(len(ids))}
         ids_blob = _Blob(plan.ids, ids_entry["sha256"])
     expected = int(len(ids)) if ids is not None else int(entry["count"])
 
@@ -137,11 +137,11 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
     prev = _previous_manifest(plan.output)
     same_config = prev is not None and all(prev.get(k) == v for k, v in config.items()) and \
         (prev.get("ids") or {}).get("sha256") == train_cfg["ids_sha256"]
-    trained_path = common.join(plan.output, TRAINED_INDEX)
+    trained_path = files.join(plan.output, TRAINED_INDEX)
     prev_trained = (prev or {}).get("trained", {})
     if same_config and {k: prev_trained.get(k) for k in train_cfg} == train_cfg \
-            and common.shard_is_valid(trained_path, prev_trained.get("sha256")):
-        trained = common.read_bytes(trained_path)  # reuse: retraining could move centroids
+            and files.shard_is_valid(trained_path, prev_trained.get("sha256")):
+        trained = files.read_bytes(trained_path)  # reuse: retraining could move centroids
         log.info("reusing trained index %s", trained_path)
     else:
         sample = None
@@ -157,8 +157,8 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
         prev_trained.get("sha256") == trained_sha else {}
     for s in shards:
         old = prev_shards.get(s["name"])
-        if old and old.get("source_sha256") == s["sha256"] and common.shard_is_valid(
-                common.join(plan.output, SHARDS_SUBDIR, old["name"]), old["sha256"]):
+        if old and old.get("source_sha256") == s["sha256"] and files.shard_is_valid(
+                files.join(plan.output, SHARDS_SUBDIR, old["name"]), old["sha256"]):
             kept.append(old)
         else:
             todo.append(s)
@@ -168,20 +168,20 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
     if todo:
         p = beam.Pipeline(options=options)
         build_graph(p, todo, BuildShard(plan, dim, _Blob(trained_path, trained_sha), ids_blob), plan.output)
-        if common.translated_only(p, "build_index"):
+        if beam_kit.translated_only(p, "build_index"):
             return None
-        common.makedirs(plan.output)
-        if not common.shard_is_valid(trained_path, trained_sha):
-            common.write_atomic(trained_path, trained)
-        common.clear_run_dir(plan.output)  # a killed run's report must not enter this manifest
-        with common.Progress.running(sum(int(s["rows"]) for s in todo), "vectors", "build_index", options):
-            result = common.run_pipeline(p)
-        print(common.counter_line(METRICS_NAMESPACE, common.counter_values(result, METRICS_NAMESPACE),
-                                  common.runner_name(options)))
-        built = common.read_run_report(plan.output)
-        common.clear_run_dir(plan.output)
+        files.makedirs(plan.output)
+        if not files.shard_is_valid(trained_path, trained_sha):
+            files.write_atomic(trained_path, trained)
+        beam_kit.clear_run_dir(plan.output)  # a killed run's report must not enter this manifest
+        with beam_kit.Progress.running(sum(int(s["rows"]) for s in todo), "vectors", "build_index", options):
+            result = beam_kit.run_pipeline(p)
+        print(beam_kit.counter_line(METRICS_NAMESPACE, beam_kit.counter_values(result, METRICS_NAMESPACE),
+                                  beam_kit.runner_name(options)))
+        built = beam_kit.read_run_report(plan.output)
+        beam_kit.clear_run_dir(plan.output)
     elif dry:
-        print(common.dry_run_message("build_index", options))
+        print(beam_kit.dry_run_message("build_index", options))
         return None
 
     manifest = make_index_manifest(
@@ -194,10 +194,10 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
                               f"expected {expected} in {len(shards)} (the runner lost shards?)")
     if auto is not None:  # measured on the index as built: the recorded numbers are the full index's
         manifest["search_params"], manifest["auto"] = _measure_built(plan, manifest, shards, ids, auto)
-    common.write_json_atomic(common.join(plan.output, INDEX_MANIFEST), manifest)
+    files.write_json_atomic(files.join(plan.output, INDEX_MANIFEST), manifest)
     return {"factory": factory, "metric": plan.metric, "search_params": manifest.get("search_params"), "d": dim,
             "ntotal": manifest["ntotal"], "shards": len(shards), "built": len(built), "kept": len(kept),
-            "ids": ids_entry, "runner": common.runner_name(options), "seconds": round(time.time() - t0, 2)}
+            "ids": ids_entry, "runner": beam_kit.runner_name(options), "seconds": round(time.time() - t0, 2)}
 
 
 def _held_out_queries(plan: IndexPlan, emb_manifest: dict, shards: list[dict], dim: int,
@@ -239,7 +239,7 @@ def _choose(plan: IndexPlan, emb_manifest: dict, shards: list[dict], dim: int, i
 def _exact_ids(plan: IndexPlan, shards: list[dict], ids: Optional[np.ndarray], queries: np.ndarray) -> np.ndarray:
     """Exact top-10 ids of ``queries`` over the indexed items, one embedding shard at a time."""
     def listed():
-        for sid, vec in embeddings.iter_embedding_shards(plan.embeddings, plan.modality, files=common.BEAM_FILES):
+        for sid, vec in embeddings.iter_embedding_shards(plan.embeddings, plan.modality, files=files.BEAM_FILES):
             keep = np.isin(sid, ids) if ids is not None else slice(None)
             yield sid[keep], vec[keep]
     [(_, found)] = exact.exact_topk_shards([queries], listed(), index_choice.K, plan.metric)
@@ -251,7 +251,7 @@ def _measure_built(plan: IndexPlan, manifest: dict, shards: list[dict], ids: Opt
     """Tune the search parameter on the built index against exact search, measure its query time and memory;
     a built index outside the budget is an error (the choice on a sample can be wrong at full size)."""
     queries = auto.pop("queries_array")
-    index = ShardedIndex([index_from_bytes(common.read_bytes(common.join(plan.output, SHARDS_SUBDIR,
+    index = ShardedIndex([index_from_bytes(files.read_bytes(files.join(plan.output, SHARDS_SUBDIR,
                                                                              s["name"])))
                           for s in manifest["shards"]])
     memory = int(sum(len(index_bytes(x)) for x in index.shards))
@@ -275,15 +275,15 @@ def _measure_built(plan: IndexPlan, manifest: dict, shards: list[dict], ids: Opt
                                          f"recall@10 = knn_intersection_measure vs exact {plan.metric} search"}}
 
 
-@click.command(context_settings=common.BEAM_CLI_CONTEXT)
+@click.command(context_settings=beam_kit.BEAM_CLI_CONTEXT)
 @plan_options(IndexPlan)
 @click.pass_context
 def main(ctx, **values):
     """Build a sharded FAISS index (one shard per embedding shard). Unknown --flags go to Beam.
 
     Counters namespace: build_index (vectors_added, shards_built)."""
-    common.configure_logging(fmt="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    common.check_beam_flags(ctx.args)
+    beam_kit.configure_logging(fmt="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    beam_kit.check_beam_flags(ctx.args)
     with cli_errors():
         plan = plan_from_cli(IndexPlan, values)
         summary = run(plan, tuple(ctx.args))
@@ -296,4 +296,4 @@ def main(ctx, **values):
                + (f"; search params {summary['search_params']}" if summary.get("search_params") else ""))
 
 
-common.add_progress_help(main)
+beam_kit.add_progress_help(main)

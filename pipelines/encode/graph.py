@@ -10,7 +10,7 @@ import numpy as np
 from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 
-from pipelines import common
+from pipelines import beam_kit, files
 from pipelines.encode.plan import EncodeError, EncodePlan, ShardPlan, record_path
 from pipelines.handlers import (
     TASK_EMBED_IMAGE,
@@ -49,7 +49,7 @@ class StagedShardReader:
 
     def _dataset(self) -> StagedDataset:
         if self._ds is None:
-            self._ds = StagedDataset(self.staged_dir, files=common.BEAM_FILES)
+            self._ds = StagedDataset(self.staged_dir, files=files.BEAM_FILES)
         return self._ds
 
     def _examples(self, modality: str, collection: str, rel: str):
@@ -85,7 +85,7 @@ class StagedShardReader:
 def spill_piece_path(output: str, modality: str, collection: str, tag: str) -> str:
     """Where one encoded batch waits for its shard writer (a retried bundle rewrites the same name)."""
     digest = hashlib.sha1(f"{collection}\0{tag}".encode("utf-8")).hexdigest()[:20]
-    return common.join(output, common.SPILL_DIR, modality, f"{digest}.parquet")
+    return files.join(output, files.SPILL_DIR, modality, f"{digest}.parquet")
 
 
 class SpillBatches(beam.DoFn):
@@ -106,7 +106,7 @@ class SpillBatches(beam.DoFn):
 
     def process(self, result):
         (collection, item_id, tag, size), prediction = result
-        common.Progress.advance(1)  # every item passes here once, encoded or failed
+        beam_kit.Progress.advance(1)  # every item passes here once, encoded or failed
         batch = self._open.setdefault(tag, [])
         batch.append((int(item_id), prediction.inference))
         if len(batch) < size:
@@ -119,7 +119,7 @@ class SpillBatches(beam.DoFn):
         ids = np.array([i for i, _ in done], dtype=np.int64)
         shard = self.plans[(self.modality, collection)].shard_of(ids[0])  # a batch holds one output shard
         path = spill_piece_path(self.output, self.modality, collection, tag)
-        common.write_atomic(path, embeddings.embedding_shard_bytes(ids, np.stack([v for _, v in done])))
+        files.write_atomic(path, embeddings.embedding_shard_bytes(ids, np.stack([v for _, v in done])))
         yield (self.modality, collection, shard), (path, len(ids))
 
     def finish_bundle(self):
@@ -143,7 +143,7 @@ def write_shard(group, output: str, plans: dict[tuple[str, str], ShardPlan]) -> 
     item) its completion record; the shard's buffers (~4 copies of its vectors) go back to the OS before the
     next shard, so a worker's peak does not grow with the number of shards it writes."""
     info = _write_shard(group, output, plans)
-    common.release_memory()
+    beam_kit.release_memory()
     return info
 
 
@@ -151,7 +151,7 @@ def _write_shard(group, output: str, plans: dict[tuple[str, str], ShardPlan]) ->
     (modality, collection, index), pieces = group
     parts = []
     for path, rows in sorted(pieces):
-        ids, vectors = embeddings.read_embedding_shard(common.read_bytes(path))
+        ids, vectors = embeddings.read_embedding_shard(files.read_bytes(path))
         if len(ids) != rows:
             raise EncodeError(f"spill piece {path} holds {len(ids)} rows, {rows} were written")
         parts.append((ids, vectors))
@@ -161,10 +161,10 @@ def _write_shard(group, output: str, plans: dict[tuple[str, str], ShardPlan]) ->
     data = embeddings.embedding_shard_bytes(ids, vectors)
     plan = plans[(modality, collection)]
     name = plan.name(index)
-    common.write_atomic(common.join(output, embeddings.shard_relpath(modality, name)), data)
+    files.write_atomic(files.join(output, embeddings.shard_relpath(modality, name)), data)
     info = embeddings.shard_info(name, data, len(ids))
     if len(ids) == plan.expected_rows[index]:  # after the shard: a kill in between only costs a redo
-        common.write_json_atomic(record_path(output, modality, name), {**info, "key": plan.key})
+        files.write_json_atomic(record_path(output, modality, name), {**info, "key": plan.key})
     return {"kind": "shard", "modality": modality, **info}
 
 
@@ -190,6 +190,6 @@ def build_graph(p: beam.Pipeline, plan: EncodePlan, shard_plans: dict[tuple[str,
                   | f"{modality}: write shards" >> beam.Map(write_shard, plan.output, shard_plans))
         dead = results | f"{modality}: dead letters" >> beam.FlatMap(dead_letter_rows, modality)
         report_parts += [shards, dead]
-    common.WriteRunReport.apply(report_parts, plan.output)  # the last step: DaskRunner computes only its graph
+    beam_kit.WriteRunReport.apply(report_parts, plan.output)  # the last step: DaskRunner computes only its graph
 
 

@@ -10,7 +10,7 @@ from typing import Optional
 import click
 import numpy as np
 
-from pipelines import common
+from pipelines import files
 from retrieval_core.cli import (
     batch_size_option,
     check_choice,
@@ -79,7 +79,7 @@ class EncodePlan:
             return schema.resolve_quantize(self.quantize, self.device, cuda_bf16=False)
         from retrieval_core.model.checkpoints import KIND_BASELINE
         from retrieval_core.model.quantize import cuda_bf16_supported
-        if inspect_model_folder(self.model, files=common.BEAM_FILES).kind == KIND_BASELINE:
+        if inspect_model_folder(self.model, files=files.BEAM_FILES).kind == KIND_BASELINE:
             return "none"
         return schema.resolve_quantize(self.quantize, self.device, cuda_bf16_supported())
 
@@ -95,7 +95,7 @@ def be_model_folder(model_dir: str) -> ModelFolder:
     """The folder's kind, files and fingerprint (retrieval_core.model.checkpoints), refused unless it has a BE head; a
     gs:// folder is read from its local copy."""
     try:
-        return inspect_model_folder(model_dir, files=common.BEAM_FILES).require(("be",))
+        return inspect_model_folder(model_dir, files=files.BEAM_FILES).require(("be",))
     except CheckpointError as exc:
         raise EncodeError(str(exc)) from None
 
@@ -111,7 +111,7 @@ class ShardPlan:
     redo: set[int] = field(default_factory=set)  # shard indices this run (re)writes
 
     def name(self, index: int) -> str:
-        return common.shard_name(self.collection, index, self.num_shards, ".parquet")
+        return files.shard_name(self.collection, index, self.num_shards, ".parquet")
 
     def shard_of(self, item_id: int) -> int:
         return int(item_id) % self.num_shards
@@ -135,15 +135,15 @@ def staged_ids(ds: StagedDataset, modality: str, collection: str, split: Optiona
 
 
 def record_path(output: str, modality: str, name: str) -> str:
-    return common.join(output, COMPLETED_DIR, modality, f"{name}.json")
+    return files.join(output, COMPLETED_DIR, modality, f"{name}.json")
 
 
 def _read_record(output: str, modality: str, name: str) -> Optional[dict]:
     path = record_path(output, modality, name)
-    if not common.exists(path):
+    if not files.exists(path):
         return None
     try:
-        return common.read_json(path)
+        return files.read_json(path)
     except (OSError, ValueError):
         return None  # a damaged record: the shard is redone
 
@@ -155,9 +155,9 @@ def keep_finished(output: str, plans: list[ShardPlan]) -> dict[str, list[dict]]:
     for plan in plans:
         for i in sorted(plan.redo):
             rec = _read_record(output, plan.modality, plan.name(i))
-            path = common.join(output, embeddings.shard_relpath(plan.modality, plan.name(i)))
+            path = files.join(output, embeddings.shard_relpath(plan.modality, plan.name(i)))
             if rec and rec.get("key") == plan.key and int(rec.get("rows", -1)) == plan.expected_rows[i] \
-                    and common.shard_is_valid(path, rec.get("sha256")):
+                    and files.shard_is_valid(path, rec.get("sha256")):
                 plan.redo.discard(i)
                 keep.setdefault(plan.modality, []).append({k: rec[k] for k in ("name", "rows", "sha256")})
     return keep
@@ -177,9 +177,9 @@ def keep_other_modalities(output: str, old: Optional[dict], planned: tuple[str, 
         ok = []
         for s in entry.get("shards", []):
             rec = _read_record(output, modality, s["name"])
-            path = common.join(output, embeddings.shard_relpath(modality, s["name"]))
+            path = files.join(output, embeddings.shard_relpath(modality, s["name"]))
             if not rec or not isinstance(rec.get("key"), dict) or rec.get("sha256") != s["sha256"] \
-                    or rec["key"] != current_key(modality, rec["key"]) or not common.shard_is_valid(path, s["sha256"]):
+                    or rec["key"] != current_key(modality, rec["key"]) or not files.shard_is_valid(path, s["sha256"]):
                 ok = None
                 break
             ok.append({k: s[k] for k in ("name", "rows", "sha256")})

@@ -17,7 +17,7 @@ import click
 import torch
 from apache_beam.metrics.metric import MetricsFilter
 
-from pipelines import common, demo_assets
+from pipelines import beam_kit, demo_assets, files
 from pipelines.encode.graph import METRICS_NAMESPACE, MODALITY_TASK, build_graph
 from pipelines.encode.plan import (
     EncodeError,
@@ -81,8 +81,8 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
     """Encode, write shards + completion records + manifest + dead letters; returns a report dict (counts,
     shards, metrics), or None on a dry run."""
     t0 = time.time()
-    options = common.task_pipeline_options(beam_args)
-    ds = StagedDataset(plan.staged, files=common.BEAM_FILES)
+    options = beam_kit.task_pipeline_options(beam_args)
+    ds = StagedDataset(plan.staged, files=files.BEAM_FILES)
     collections = [plan.collection] if plan.collection else list(ds.collections)
     if plan.collection and plan.collection not in ds.collections:
         raise EncodeError(f"collection {plan.collection!r} is not staged in {plan.staged} (have {ds.collections})")
@@ -110,8 +110,8 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
         raise EncodeError(f"nothing to encode: no {'/'.join(plan.modalities)} items in {plan.staged} "
                           f"(collection={plan.collection}, split={plan.split})")
 
-    manifest_file = common.join(plan.output, embeddings.EMBEDDINGS_MANIFEST)
-    old = common.read_json(manifest_file) if common.exists(manifest_file) else None
+    manifest_file = files.join(plan.output, embeddings.EMBEDDINGS_MANIFEST)
+    old = files.read_json(manifest_file) if files.exists(manifest_file) else None
     keep = keep_finished(plan.output, list(plans.values()))
 
     def recorded_key_now(modality: str, recorded: dict) -> Optional[dict]:
@@ -136,25 +136,25 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
     result, report = None, []
     if tasks:
         p = beam.Pipeline(options=options)
-        tokenise = schema.MODALITY_TEXT in tasks and not common.is_dry_run(options)  # each caption once, here
+        tokenise = schema.MODALITY_TEXT in tasks and not beam_kit.is_dry_run(options)  # each caption once, here
         fingerprint = prepare_token_ids(ds, plan.model) if tokenise else None
         build_graph(p, plan, plans, tasks, fingerprint)
-        if common.translated_only(p, "encode"):
+        if beam_kit.translated_only(p, "encode"):
             return None
-        common.makedirs(plan.output)
-        common.clear_run_dir(plan.output)
-        common.remove_spill(plan.output)  # pieces of a killed earlier run
+        files.makedirs(plan.output)
+        beam_kit.clear_run_dir(plan.output)
+        files.remove_spill(plan.output)  # pieces of a killed earlier run
         try:
-            with common.Progress.running(sum(planned_in[m] for m in tasks), "items", "encode", options):
-                result = common.run_pipeline(p)
+            with beam_kit.Progress.running(sum(planned_in[m] for m in tasks), "items", "encode", options):
+                result = beam_kit.run_pipeline(p)
         finally:
-            common.remove_spill(plan.output)
-        print(common.counter_line(METRICS_NAMESPACE, common.counter_values(result, METRICS_NAMESPACE),
-                                  common.runner_name(options)))
-        report = common.read_run_report(plan.output)
-        common.clear_run_dir(plan.output)
-    elif common.is_dry_run(options):
-        print(common.dry_run_message("encode", options))
+            files.remove_spill(plan.output)
+        print(beam_kit.counter_line(METRICS_NAMESPACE, beam_kit.counter_values(result, METRICS_NAMESPACE),
+                                  beam_kit.runner_name(options)))
+        report = beam_kit.read_run_report(plan.output)
+        beam_kit.clear_run_dir(plan.output)
+    elif beam_kit.is_dry_run(options):
+        print(beam_kit.dry_run_message("encode", options))
         return None
 
     written = [r for r in report if r["kind"] == "shard"]
@@ -167,12 +167,12 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
     manifest["quantize"] = plan.precision  # the serving precision the vectors come from (schema.QUANTIZE_CHOICES)
     manifest["inputs"] = {"collections": collections, "split": plan.split,
                           "staged_sha256": {f"{m}/{c}": p.key["staged_sha256"] for (m, c), p in sorted(plans.items())}}
-    common.makedirs(plan.output)
-    common.write_json_atomic(manifest_file, manifest)
-    common.write_jsonl_atomic(common.join(plan.output, DEAD_LETTER_FILE), dead)
+    files.makedirs(plan.output)
+    files.write_json_atomic(manifest_file, manifest)
+    files.write_jsonl_atomic(files.join(plan.output, DEAD_LETTER_FILE), dead)
 
     summary = {"output": plan.output, "modalities": {}, "wall_s": None, "device": plan.device,
-               "runner": common.runner_name(options)}
+               "runner": beam_kit.runner_name(options)}
     for m in plan.modalities:
         encoded = sum(r["rows"] for r in written if r["modality"] == m)
         n_dead = sum(1 for r in dead if r["modality"] == m)
@@ -190,12 +190,12 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
     summary["wall_s"] = time.time() - t0
     print(f"embeddings: {plan.output} (manifest {embeddings.EMBEDDINGS_MANIFEST}); wall time {summary['wall_s']:.1f} s")
     if dead:
-        print(f"{len(dead)} item(s) dead-lettered, reasons in {common.join(plan.output, DEAD_LETTER_FILE)}; "
+        print(f"{len(dead)} item(s) dead-lettered, reasons in {files.join(plan.output, DEAD_LETTER_FILE)}; "
               f"a rerun retries their shards")
     return summary
 
 
-@click.command(context_settings=common.BEAM_CLI_CONTEXT)
+@click.command(context_settings=beam_kit.BEAM_CLI_CONTEXT)
 @plan_options(EncodePlan)
 @click.pass_context
 def main(ctx, **values):
@@ -204,11 +204,11 @@ def main(ctx, **values):
     Unknown --flags go to Beam (--runner, --direct_num_workers, Dataflow options...).
 
     Counters namespace: encode (images_encoded, captions_encoded, *_dead_lettered)."""
-    common.configure_logging()
+    beam_kit.configure_logging()
     beam_args = tuple(ctx.args)
     if (values["staged"] is None) != (values["model"] is None):
         raise click.UsageError("pass both --staged and --model, or neither (the embedded demo)")
-    common.check_beam_flags(beam_args)  # an unknown flag is an error before the demo assets are built
+    beam_kit.check_beam_flags(beam_args)  # an unknown flag is an error before the demo assets are built
     if values["staged"] is None:
         values["staged"], values["model"] = demo_assets.ensure_demo_assets(beam_args)
         values["output"] = values["output"] or os.path.join(demo_assets.demo_dir(), "embeddings")
@@ -220,4 +220,4 @@ def main(ctx, **values):
         ctx.exit(1)
 
 
-common.add_progress_help(main)
+beam_kit.add_progress_help(main)

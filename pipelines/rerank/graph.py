@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 
-from pipelines import common
+from pipelines import beam_kit, files
 from pipelines.handlers import TASK_SCORE_PAIRS, CaptionTexts, VLModelHandler, element_length
 from pipelines.rerank.plan import PROGRESS_DIR, T2I, RerankError, Resolved, SearcherSpec, shard_pairs
 from retrieval_core.data.store import StagedDataset
@@ -45,11 +45,11 @@ def get_searcher(spec: SearcherSpec):
     a search reads them one shard at a time."""
     if spec not in _SEARCHERS:
         if spec.kind == "index":
-            searcher = StreamedIndex(spec.path, files=common.BEAM_FILES)
+            searcher = StreamedIndex(spec.path, files=files.BEAM_FILES)
             searcher.set_params(**dict(spec.params))  # otherwise faiss' defaults: nprobe=1, efSearch=16
             _SEARCHERS[spec] = searcher
         else:
-            _SEARCHERS[spec] = StreamedExact(spec.path, spec.modality, files=common.BEAM_FILES)
+            _SEARCHERS[spec] = StreamedExact(spec.path, spec.modality, files=files.BEAM_FILES)
     return _SEARCHERS[spec]
 
 
@@ -90,8 +90,8 @@ def read_query_vectors(task, emb_dir: str, wanted: Mapping[str, frozenset]):
     """(direction, modality, shard name, sha256, groups) -> ((direction, group), (query_id, vector)) for the
     wanted ids."""
     direction, modality, name, sha256, groups = task
-    path = common.join(emb_dir, embeddings.shard_relpath(modality, name))
-    data = common.read_bytes(path)
+    path = files.join(emb_dir, embeddings.shard_relpath(modality, name))
+    data = files.read_bytes(path)
     embeddings.verify_shard_bytes(data, {"sha256": sha256}, path)
     ids, vecs = embeddings.read_embedding_shard(data)
     keep = wanted[direction]
@@ -110,7 +110,7 @@ class StagedReader:
 
     def _dataset(self) -> StagedDataset:
         if self._ds is None:
-            self._ds = StagedDataset(self.staged_dir, files=common.BEAM_FILES)
+            self._ds = StagedDataset(self.staged_dir, files=files.BEAM_FILES)
         return self._ds
 
     def id_column(self, rel: str, column: str) -> np.ndarray:
@@ -236,7 +236,7 @@ def scores_to_queries(element):
     score = float(prediction.inference)  # float32 from the handler: stored exactly in the rankings
     _PAIRS_SCORED.inc()
     _PAIR_REQUESTS.inc(len(requesters))
-    common.Progress.advance(len(requesters))  # CE modes count (query, pair) requests: the launcher's total
+    beam_kit.Progress.advance(len(requesters))  # CE modes count (query, pair) requests: the launcher's total
     for direction, qid in requesters:
         yield (direction, qid), (image_id if direction == T2I else caption_id, score)
 
@@ -245,7 +245,7 @@ def scores_to_queries(element):
 def rank_emb(element, k: int):
     key, (ids, scores) = element
     _RANKED.inc()
-    common.Progress.advance(1)  # EMB counts queries
+    beam_kit.Progress.advance(1)  # EMB counts queries
     return key, rerank.rank_query(ids, scores, None, k, "emb", keep=len(ids))
 
 
@@ -271,17 +271,17 @@ def write_shard(output: str, name: str, direction: str, query_ids, results, fing
     table = rerank.rankings_table(direction, query_ids, results)
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
-    sha = common.write_atomic(common.join(output, rerank.RANKINGS_SUBDIR, name), buf.getvalue())
+    sha = files.write_atomic(files.join(output, rerank.RANKINGS_SUBDIR, name), buf.getvalue())
     info = {"kind": "shard", "direction": direction, "name": name, "queries": len(query_ids),
             "rows": table.num_rows, "sha256": sha}
-    common.write_json_atomic(common.join(output, PROGRESS_DIR, name + ".json"), {**info, "plan": fingerprint})
+    files.write_json_atomic(files.join(output, PROGRESS_DIR, name + ".json"), {**info, "plan": fingerprint})
     return info
 
 
 def write_rankings_shard(element, output: str, shards: Mapping[str, int], fingerprint: str) -> dict:
     (direction, index), rows = element
     rows = sorted(rows, key=lambda r: r[0])
-    name = common.shard_name(direction, index, shards[direction], ".parquet")
+    name = files.shard_name(direction, index, shards[direction], ".parquet")
     _SHARDS_WRITTEN.inc()
     return write_shard(output, name, direction, [q for q, _ in rows], [r for _, r in rows], fingerprint)
 
@@ -343,6 +343,6 @@ def build_graph(p: beam.Pipeline, res: Resolved, wave: Mapping[str, frozenset]) 
     counts = ((report_parts or [p | "no CE" >> beam.Create([("ce_pairs_scored", 0)])])
               | "flatten counts" >> beam.Flatten() | "sum counts" >> beam.CombinePerKey(sum)
               | "count report" >> beam.MapTuple(lambda name, n: {"kind": "count", "name": name, "value": n}))
-    common.WriteRunReport.apply((written, counts), plan.output)  # last step: DaskRunner computes only its graph
+    beam_kit.WriteRunReport.apply((written, counts), plan.output)  # last step: DaskRunner computes only its graph
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipelines import common
+from pipelines import files
 from retrieval_core.cli import batch_size_option, check_device, check_positive, device_option, option, threads_option
 from retrieval_core.data import schema
 from retrieval_core.data.paths import is_url
@@ -227,13 +227,13 @@ def ce_model_folder(model_dir: str) -> ModelFolder:
     """The CE model folder (any kind checkpoints knows: ours, MMT-Retrieval, OSCAR; a CE-only folder too),
     refused without a CE head."""
     try:
-        return inspect_model_folder(model_dir, files=common.BEAM_FILES).require(("ce",))
+        return inspect_model_folder(model_dir, files=files.BEAM_FILES).require(("ce",))
     except CheckpointError as exc:
         raise RerankError(f"CE model: {exc}") from None
 
 
 def _file_fingerprint(path: str) -> str:
-    return common.sha256_file(path) if common.exists(path) else "missing"
+    return files.sha256_file(path) if files.exists(path) else "missing"
 
 
 def _searcher_spec(plan: RerankPlan, direction: str, emb_manifest: dict) -> tuple[SearcherSpec, int, str]:
@@ -241,7 +241,7 @@ def _searcher_spec(plan: RerankPlan, direction: str, emb_manifest: dict) -> tupl
     pool_modality = schema.MODALITY_IMAGE if direction == T2I else schema.MODALITY_TEXT
     index_dir = plan.index_of(direction)
     if index_dir:
-        manifest = load_index_manifest(index_dir, common.BEAM_FILES)
+        manifest = load_index_manifest(index_dir, files.BEAM_FILES)
         if manifest.get("modality", pool_modality) != pool_modality:
             raise RerankError(f"{direction} needs a {pool_modality} index; {index_dir} indexes "
                               f"{manifest.get('modality')}")
@@ -255,7 +255,7 @@ def _searcher_spec(plan: RerankPlan, direction: str, emb_manifest: dict) -> tupl
         except ValueError as exc:
             raise RerankError(f"{index_dir} ({manifest['factory']}): {exc}") from None
         spec = SearcherSpec("index", index_dir, pool_modality,
-                            _file_fingerprint(common.join(index_dir, INDEX_MANIFEST)), tuple(sorted(params.items())))
+                            _file_fingerprint(files.join(index_dir, INDEX_MANIFEST)), tuple(sorted(params.items())))
         metric = manifest["metric"]
         scored = "; be_score = -squared L2 distance" if metric == "l2" else ""
         return spec, int(manifest["ntotal"]), f"FAISS index {index_dir} ({manifest['factory']}, {metric}{scored})"
@@ -301,9 +301,9 @@ def _read_queries_file(plan: RerankPlan, split_ids: Mapping[str, np.ndarray]
     if plan.queries is None:
         return dict(split_ids), None
     path = plan.queries
-    if not common.exists(path):
+    if not files.exists(path):
         raise RerankError(f"--queries {path}: file not found")
-    data = common.read_bytes(path)
+    data = files.read_bytes(path)
     try:
         table = pq.read_table(io.BytesIO(data))
     except (pa.ArrowException, OSError) as exc:
@@ -337,7 +337,7 @@ def _read_queries_file(plan: RerankPlan, split_ids: Mapping[str, np.ndarray]
                               f"collection={plan.collection}, split={plan.split} in {plan.staged} "
                               f"(e.g. {strangers[:5].tolist()})")
         out[d] = uniq
-    return out, {"path": path, "sha256": common.sha256_bytes(data), "counts": {d: len(q) for d, q in out.items()}}
+    return out, {"path": path, "sha256": files.sha256_bytes(data), "counts": {d: len(q) for d, q in out.items()}}
 
 
 def staged_fingerprints(ds) -> dict[str, str]:
@@ -377,21 +377,21 @@ def resolve(plan: RerankPlan) -> Resolved:
     """Check the plan against its inputs (staged dir, embeddings, indexes, models, --queries) and fix
     everything the graph needs; every inconsistency is a one-line RerankError / ValueError here, before
     anything runs."""
-    ds = StagedDataset(plan.staged, files=common.BEAM_FILES)
+    ds = StagedDataset(plan.staged, files=files.BEAM_FILES)
     if plan.collection is not None and plan.collection not in ds.collections:
         raise RerankError(f"collection {plan.collection!r} is not staged in {plan.staged} (have {ds.collections})")
     split_ids = {d: _split_query_ids(ds, d, plan.collection, plan.split) for d in plan.directions}
     query_ids, queries_file = _read_queries_file(plan, split_ids)
 
     emb_manifest_path = embeddings.manifest_path(plan.embeddings)
-    emb_manifest = embeddings.load_embeddings_manifest(plan.embeddings, common.BEAM_FILES)
+    emb_manifest = embeddings.load_embeddings_manifest(plan.embeddings, files.BEAM_FILES)
     _check_embeddings_match_staged(plan, ds, emb_manifest)
     searchers, pools, described, query_shards = {}, {}, {}, []
     for d in plan.directions:
         if len(query_ids[d]) == 0:
             raise RerankError(f"{d}: no queries in {plan.staged} (collection={plan.collection}, split={plan.split})")
         q_modality = schema.MODALITY_TEXT if d == T2I else schema.MODALITY_IMAGE
-        have = embeddings.read_modality_ids(plan.embeddings, q_modality, common.BEAM_FILES)
+        have = embeddings.read_modality_ids(plan.embeddings, q_modality, files.BEAM_FILES)
         missing = np.setdiff1d(query_ids[d], have)
         if len(missing):
             raise RerankError(f"{d}: {len(missing)} query id(s) have no {q_modality} embedding in "
@@ -427,7 +427,7 @@ def resolve(plan: RerankPlan) -> Resolved:
         "search": {d: {"kind": s.kind, "fingerprint": s.fingerprint, "params": s.params} for d, s in searchers.items()},
         "ce_model": ce.fingerprint if ce else None, "ce_max_regions": ce.max_regions if ce else 0,
         "ce_score": ce.ce_score if ce else None,
-        "staged": _file_fingerprint(common.join(plan.staged, "summary.json")),
+        "staged": _file_fingerprint(files.join(plan.staged, "summary.json")),
         "batch_size": plan.batch_size, "search_batch_size": plan.search_batch_size, "device": plan.device,
         "queries_per_shard": plan.queries_per_shard, "shards_per_wave": plan.shards_per_wave,
         "pairs_per_wave": plan.pairs_per_wave,
@@ -455,14 +455,14 @@ def resolve_auto(plan: RerankPlan) -> tuple[RerankPlan, Optional[dict]]:
     if plan.mode != AUTO:
         return plan, None
     try:
-        _, dev = read_run_manifest(plan.tune_on, common.BEAM_FILES)
+        _, dev = read_run_manifest(plan.tune_on, files.BEAM_FILES)
     except RunError as exc:
         raise RerankError(f"--tune-on: {exc}") from None
     if (dev.get("split"), dev.get("collection")) == (plan.split, plan.collection) and \
             _same_path(str(dev.get("staged")), plan.staged):
         raise RerankError(f"--tune-on {plan.tune_on} ranked the same queries (split {plan.split!r}) this run "
                           f"evaluates: choose the fusion on a held-out split (e.g. a --split dev run)")
-    emb_model = embeddings.load_embeddings_manifest(plan.embeddings, common.BEAM_FILES)["model"]
+    emb_model = embeddings.load_embeddings_manifest(plan.embeddings, files.BEAM_FILES)["model"]
     if dev.get("be_model", {}).get("sha256") != emb_model.get("sha256"):
         raise RerankError(f"--tune-on {plan.tune_on} was retrieved by another bi-encoder "
                           f"({dev.get('be_model', {}).get('path')}) than --embeddings ({emb_model.get('path')})")
@@ -474,7 +474,7 @@ def resolve_auto(plan: RerankPlan) -> tuple[RerankPlan, Optional[dict]]:
         raise RerankError(f"--tune-on {plan.tune_on} scored with --quantize {dev.get('quantize', 'none')}, this run "
                           f"with {plan.precision}: the fusion would be chosen on other CE scores")
     try:
-        choice = choose_fusion(plan.tune_on, dev["staged"], plan.k, files=common.BEAM_FILES)
+        choice = choose_fusion(plan.tune_on, dev["staged"], plan.k, files=files.BEAM_FILES)
     except RunError as exc:
         raise RerankError(f"--tune-on: {exc}") from None
     choice["dev_pool_size"] = dev.get("pool_size")
@@ -491,7 +491,7 @@ def resolve_auto(plan: RerankPlan) -> tuple[RerankPlan, Optional[dict]]:
 def sampled_queries(plan: RerankPlan, split: str, n: int, seed: int = 0) -> dict[str, np.ndarray]:
     """A seeded sample of at most ``n`` queries per direction of ``split`` (ids sorted): what --mode auto's own
     dev run ranks."""
-    ds = StagedDataset(plan.staged, files=common.BEAM_FILES)
+    ds = StagedDataset(plan.staged, files=files.BEAM_FILES)
     out = {}
     for d in plan.directions:
         ids = _split_query_ids(ds, d, plan.collection, split)

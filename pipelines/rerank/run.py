@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
-from pipelines import common
+from pipelines import beam_kit, files
 from pipelines.handlers import prepare_token_ids
 from pipelines.rerank.graph import METRICS_NAMESPACE, build_graph, write_shard
 from pipelines.rerank.plan import (
@@ -59,7 +59,7 @@ def _expected_shards(res: Resolved) -> dict[str, tuple[str, np.ndarray]]:
         order = np.argsort(shard, kind="stable")  # ids stay sorted within a shard
         parts = np.split(ids[order], np.cumsum(np.bincount(shard, minlength=n))[:-1])
         for i, part in enumerate(parts):
-            out[common.shard_name(d, i, n, ".parquet")] = (d, part)
+            out[files.shard_name(d, i, n, ".parquet")] = (d, part)
     return dict(sorted(out.items()))
 
 
@@ -88,15 +88,15 @@ def _finished_shards(res: Resolved, expected: Mapping[str, tuple[str, np.ndarray
     output = res.plan.output
     done = {}
     for name, (d, ids) in expected.items():
-        record = common.join(output, PROGRESS_DIR, name + ".json")
-        if not common.exists(record):
+        record = files.join(output, PROGRESS_DIR, name + ".json")
+        if not files.exists(record):
             continue
         try:
-            info = common.read_json(record)
+            info = files.read_json(record)
         except (OSError, ValueError):
             continue
         if info.get("plan") == res.fingerprint and info.get("queries") == len(ids) and \
-                common.shard_is_valid(common.join(output, rerank.RANKINGS_SUBDIR, name), info.get("sha256")):
+                files.shard_is_valid(files.join(output, rerank.RANKINGS_SUBDIR, name), info.get("sha256")):
             done[name] = {key: info[key] for key in ("kind", "direction", "name", "queries", "rows", "sha256")}
     return done
 
@@ -107,13 +107,13 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
     returns the manifest, or None for a dry run (--dry_run: DataflowRunner translated the first wave's graph
     and nothing ran; no output is read or written)."""
     t0 = time.time()
-    options = common.pipeline_options(beam_args)
-    if plan.mode == AUTO and plan.tune_embeddings and not common.is_dry_run(options):
+    options = beam_kit.pipeline_options(beam_args)
+    if plan.mode == AUTO and plan.tune_embeddings and not beam_kit.is_dry_run(options):
         plan = replace(plan, tune_on=dev_pass(plan, beam_args), tune_embeddings=None, tune_index=None)
     plan, fusion_choice = resolve_auto(plan)
     res = resolve(plan)
-    if res.ce_k and not common.is_dry_run(options):  # each caption tokenised once, not per batch and wave
-        res = replace(res, token_fingerprint=prepare_token_ids(StagedDataset(plan.staged, files=common.BEAM_FILES),
+    if res.ce_k and not beam_kit.is_dry_run(options):  # each caption tokenised once, not per batch and wave
+        res = replace(res, token_fingerprint=prepare_token_ids(StagedDataset(plan.staged, files=files.BEAM_FILES),
                                                                plan.cross_encoder))
     if fusion_choice is not None:
         fusion_choice["pool_size"] = dict(res.pools)
@@ -123,20 +123,20 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
                 log.warning("--mode auto: the %s dev pool (%d) is not the size of this run's pool (%d): the choice "
                             "was made at another pool size", d, dev_pools[d], n)
     expected = _expected_shards(res)
-    dry_run = common.is_dry_run(options)
+    dry_run = beam_kit.is_dry_run(options)
     finished = {} if dry_run else _finished_shards(res, expected)
     names = list(expected)
     waves = plan_waves(names, lambda name: shard_pairs(res, *expected[name]), plan.shards_per_wave,
                        plan.pairs_per_wave)
 
     if not dry_run:
-        common.makedirs(plan.output)
-        manifest_path = common.join(plan.output, rerank.RANKINGS_MANIFEST)
-        if common.exists(manifest_path):  # until this run finishes, the directory holds no complete run
+        files.makedirs(plan.output)
+        manifest_path = files.join(plan.output, rerank.RANKINGS_MANIFEST)
+        if files.exists(manifest_path):  # until this run finishes, the directory holds no complete run
             FileSystems.delete([manifest_path])
     shards, counts, waves_run = dict(finished), {"ce_pairs_requested": 0, "ce_pairs_scored": 0}, 0
     progress = contextlib.nullcontext() if dry_run else \
-        common.Progress.running(*_progress_total(res, expected, finished), options)
+        beam_kit.Progress.running(*_progress_total(res, expected, finished), options)
     beam_counters = None  # summed over the waves; None when the runner reports no metrics
     with progress:
         for wave_names in waves:
@@ -155,7 +155,7 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
             if ran is None:
                 return None
             report, wave_counters = ran
-            beam_counters = common.add_counters(beam_counters, wave_counters)
+            beam_counters = beam_kit.add_counters(beam_counters, wave_counters)
             waves_run += 1
             for item in report:
                 if item["kind"] == "count":
@@ -170,12 +170,12 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
         print("dry run: no shard has queries; nothing to translate")
         return None
     if waves_run:
-        print(common.counter_line(METRICS_NAMESPACE, beam_counters, common.runner_name(options)))
+        print(beam_kit.counter_line(METRICS_NAMESPACE, beam_counters, beam_kit.runner_name(options)))
 
     manifest = _manifest(res, [shards[name] for name in names], len(finished), waves_run, counts,
-                         common.runner_name(options), time.time() - t0)
+                         beam_kit.runner_name(options), time.time() - t0)
     manifest["fusion_choice"] = fusion_choice
-    common.write_json_atomic(common.join(plan.output, rerank.RANKINGS_MANIFEST), manifest)
+    files.write_json_atomic(files.join(plan.output, rerank.RANKINGS_MANIFEST), manifest)
     _delete_unlisted(plan.output, set(names))
     for d in plan.directions:
         print(f"{d}: {manifest['queries'][d]} queries ranked ({res.described[d]}, pool {res.pools[d]})")
@@ -183,7 +183,7 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
         overlap = " (t2i/i2t overlap scored once)" if len(plan.directions) == 2 else ""
         print(f"CE: {counts['ce_pairs_scored']} unique pairs scored for {counts['ce_pairs_requested']} "
               f"requested{overlap}")
-    print(f"rankings: {common.join(plan.output, rerank.RANKINGS_SUBDIR)} ({len(names)} shard(s): {len(finished)} "
+    print(f"rankings: {files.join(plan.output, rerank.RANKINGS_SUBDIR)} ({len(names)} shard(s): {len(finished)} "
           f"kept from an earlier run of this plan, {len(names) - len(finished)} computed in {waves_run} wave(s)); "
           f"wall time {manifest['wall_s']:.1f} s")
     return manifest
@@ -192,15 +192,15 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
 def dev_pass(plan: RerankPlan, beam_args: tuple[str, ...]) -> str:
     """--mode auto with --tune-embeddings: rank a seeded sample of the dev split's queries with CO into
     <output>/_tune (a run of its own, resumable like any) and return it: the run the ranking is chosen on."""
-    out = common.join(plan.output, TUNE_DIR)
+    out = files.join(plan.output, TUNE_DIR)
     sample = sampled_queries(plan, plan.tune_split, plan.tune_queries)
     table = pa.table({"direction": pa.array([d for d, ids in sample.items() for _ in ids], pa.string()),
                       "query_id": pa.array(np.concatenate(list(sample.values())), pa.int64())})
     buf = io.BytesIO()
     pq.write_table(table, buf)
-    queries = common.join(out, "queries.parquet")
-    common.makedirs(out)
-    common.write_atomic(queries, buf.getvalue())
+    queries = files.join(out, "queries.parquet")
+    files.makedirs(out)
+    files.write_atomic(queries, buf.getvalue())
     print(f"--mode auto: ranking {', '.join(f'{len(q)} {d}' for d, q in sample.items())} sampled {plan.tune_split} "
           f"queries with co to choose on ({out})", flush=True)
     run(dev_pass_plan(plan, queries, out), beam_args)
@@ -222,21 +222,21 @@ def _run_wave(options, res: Resolved, wave: Mapping[str, frozenset]) -> Optional
     output = res.plan.output
     p = beam.Pipeline(options=options)
     build_graph(p, res, wave)
-    if common.is_dry_run(options):
+    if beam_kit.is_dry_run(options):
         print(f"dry run: the rerank graph of {sum(len(v) for v in wave.values())} queries is translated for "
-              f"{common.runner_name(options)}; nothing runs")
+              f"{beam_kit.runner_name(options)}; nothing runs")
     else:
-        common.clear_run_dir(output)  # a killed run's report must not be read as this one's
-    result = common.run_pipeline(p)
+        beam_kit.clear_run_dir(output)  # a killed run's report must not be read as this one's
+    result = beam_kit.run_pipeline(p)
     if result is None:
         return None
-    report = common.read_run_report(output)
-    common.clear_run_dir(output)
-    counters = common.counter_values(result, METRICS_NAMESPACE)
+    report = beam_kit.read_run_report(output)
+    beam_kit.clear_run_dir(output)
+    counters = beam_kit.counter_values(result, METRICS_NAMESPACE)
     del p, result
     # a local runner ran the wave in this process: hand what it freed back before the next one (it lowers the
     # RSS between waves, not the job's peak: docs/PERFORMANCE.md)
-    common.release_memory()
+    beam_kit.release_memory()
     return report, counters
 
 
@@ -288,7 +288,7 @@ def _delete_unlisted(output: str, keep: set[str]) -> None:
     from apache_beam.io.filesystems import FileSystems
 
     for sub, suffix in ((rerank.RANKINGS_SUBDIR, ""), (PROGRESS_DIR, ".json")):
-        pattern = common.join(output, sub, "*")
+        pattern = files.join(output, sub, "*")
         found = [m.path for r in FileSystems.match([pattern]) for m in r.metadata_list]
         stale = sorted(path for path in found if path.rsplit("/", 1)[-1] not in {n + suffix for n in keep})
         if stale:
@@ -296,7 +296,7 @@ def _delete_unlisted(output: str, keep: set[str]) -> None:
             log.info("deleted %d file(s) of an earlier run: %s", len(stale), stale[:5])
 
 
-@click.command(context_settings=common.BEAM_CLI_CONTEXT)
+@click.command(context_settings=beam_kit.BEAM_CLI_CONTEXT)
 @plan_options(RerankPlan)
 @click.pass_context
 def main(ctx, **values):
@@ -305,10 +305,10 @@ def main(ctx, **values):
 
     Counters namespace: rerank (queries_searched, ce_pairs_scored, ce_pair_requests, queries_ranked,
     ranking_shards_written)."""
-    common.configure_logging()
-    common.check_beam_flags(ctx.args)
+    beam_kit.configure_logging()
+    beam_kit.check_beam_flags(ctx.args)
     with cli_errors(RerankError):
         run(plan_from_cli(RerankPlan, values), tuple(ctx.args))
 
 
-common.add_progress_help(main)
+beam_kit.add_progress_help(main)

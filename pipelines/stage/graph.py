@@ -14,7 +14,7 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
-from pipelines import common
+from pipelines import beam_kit, files
 from pipelines.stage.plan import CAPTIONS_DIR, FEATURES_DIR, IMAGES_DIR, REJECTS_DIR, Settings, shard_rel
 from retrieval_core.data import schema, staging
 from retrieval_core.data.paths import is_url
@@ -28,10 +28,10 @@ log = logging.getLogger(__name__)
 def write_or_keep(path: str, data: bytes) -> tuple[str, bool]:
     """(sha256, kept): keep the file when its bytes already equal ``data`` (a finished earlier run), else
     write it atomically (missing, corrupt or changed)."""
-    sha = common.sha256_bytes(data)
-    if common.shard_is_valid(path, sha):
+    sha = files.sha256_bytes(data)
+    if files.shard_is_valid(path, sha):
         return sha, True
-    common.write_atomic(path, data)
+    files.write_atomic(path, data)
     return sha, False
 
 
@@ -48,7 +48,7 @@ def _reject_out(collection: str, rej: schema.Reject) -> tuple[str, dict]:
 
 def spill_path(spill_dir: str, collection: str, key: int) -> str:
     """The spill file of one read task (``key``: from the task's identity, so a retried task overwrites)."""
-    return common.join(spill_dir, f"{collection}-{key:016x}.h5")
+    return files.join(spill_dir, f"{collection}-{key:016x}.h5")
 
 
 class _TaskSpill:
@@ -63,7 +63,7 @@ class _TaskSpill:
         self.key = int(digest, 16)  # what a ref carries instead of the path (spill_path rebuilds it)
         self.final = spill_path(spill_dir, task.collection, self.key)
         if not is_url(self.final):
-            common.makedirs(spill_dir)
+            files.makedirs(spill_dir)
             self.local = f"{self.final}.tmp-{uuid.uuid4().hex[:12]}"
         else:
             self.local = tempfile.mkstemp(suffix=".h5")[1]
@@ -79,7 +79,7 @@ class _TaskSpill:
             os.replace(self.local, self.final)
             return
         with open(self.local, "rb") as src:
-            common.write_atomic_stream(self.final, src)
+            files.write_atomic_stream(self.final, src)
         os.remove(self.local)
 
 
@@ -154,7 +154,7 @@ class ReadAndStage(beam.DoFn):
             if kind == schema.KIND_IMAGE and coll in self.s.caption_filters else None
         # allow_empty: an empty source is judged by the launcher from records_in (find_problems, one line,
         # --allow-empty), not by a reader exception inside a worker (a Beam traceback).
-        for rec in read_task(task, files=common.BEAM_FILES, allow_empty=True, device=self.s.device):  # gs:// too
+        for rec in read_task(task, files=files.BEAM_FILES, allow_empty=True, device=self.s.device):  # gs:// too
             n_in += 1
             if splits is not None and isinstance(rec, schema.RawImage):
                 rec = staging.with_caption_split(rec, splits.get(rec.source_id), source)
@@ -198,7 +198,7 @@ class ReadAndStage(beam.DoFn):
         for bucket in sorted(owners):
             yield T_OWNERS, (bucket, owners[bucket])
         self._records[kind].inc(n_in)
-        common.Progress.advance(1)  # read tasks done (the launcher's bar, when this runs in its process)
+        beam_kit.Progress.advance(1)  # read tasks done (the launcher's bar, when this runs in its process)
         log.info("read %s %s task %s: %d records", coll, kind, getattr(task, "start", None) or source, n_in)
         info = {"type": "in", "collection": coll, "kind": kind, "n": n_in}
         if converted:
@@ -217,7 +217,7 @@ def _caption_splits(collection: str, source: tuple) -> dict:
     fmt, path, options = source
     # allow_empty: an empty caption source fails the run from its own read task (find_problems), in one line
     return caption_image_splits(collection, fmt, list(path) if isinstance(path, tuple) else path, dict(options),
-                                files=common.BEAM_FILES, allow_empty=True)
+                                files=files.BEAM_FILES, allow_empty=True)
 
 
 # ----------------------------------------------------------------------------------------- shards
@@ -289,13 +289,13 @@ class WriteImageShard(beam.DoFn):
             h5_name = shard_rel(FEATURES_DIR, coll, idx, total, ".h5")
             h5, meta = image_shard_hdf5(rows, self.s.feature_dtype, feature_dim=self.s.feature_dim,
                                         feature_shard=h5_name)
-            sha, kept = write_or_keep(common.join(self.s.output, h5_name), h5)
+            sha, kept = write_or_keep(files.join(self.s.output, h5_name), h5)
             info["feature_shard"] = {"name": h5_name, "rows": len(rows), "sha256": sha, "kept": kept,
                                      "bytes": len(h5)}
             data = meta
         else:
             data = image_shard_parquet(rows, self.s.feature_dim, self.s.feature_dtype)
-        sha, kept = write_or_keep(common.join(self.s.output, name), data)
+        sha, kept = write_or_keep(files.join(self.s.output, name), data)
         info.update(name=name, sha256=sha, kept=kept, bytes=len(data))
         log.info("%s %s: %d images (%s)", "kept" if kept else "wrote", name, len(rows),
                  "unchanged" if kept else f"{len(data) / 1e6:.1f} MB")
@@ -333,7 +333,7 @@ class WriteCaptionShard(beam.DoFn):
             yield T_REJECT, _reject_out(coll, rej)
         name = shard_rel(CAPTIONS_DIR, coll, idx, total, ".parquet")
         data = caption_shard_parquet(rows)
-        sha, kept = write_or_keep(common.join(self.s.output, name), data)
+        sha, kept = write_or_keep(files.join(self.s.output, name), data)
         log.info("%s %s: %d captions", "kept" if kept else "wrote", name, len(rows))
         Metrics.counter("stage", "caption_shards_written" if not kept else "caption_shards_kept").inc()
         yield T_INFO, {"type": "shard", "collection": coll, "kind": "captions", "index": idx, "total": total,
@@ -346,7 +346,7 @@ def _write_rejects(element, output: str):
     rejects = sorted(rejects, key=lambda r: (staging._natural_key(str(r["source"])),
                                              staging._natural_key(str(r["locator"])), r["reason"]))
     name = f"{REJECTS_DIR}/{coll}-{'captions' if kind == schema.KIND_CAPTION else 'images'}.jsonl"
-    common.write_jsonl_atomic(common.join(output, name), rejects)
+    files.write_jsonl_atomic(files.join(output, name), rejects)
     yield {"type": "rejects", "collection": coll, "kind": kind, "name": name,
            "reasons": dict(Counter(staging.reason_category(r["reason"]) for r in rejects))}
 
@@ -366,7 +366,7 @@ def _collisions(element):
 
 # --------------------------------------------------------------------------------------- the graph
 def build_graph(p: beam.Pipeline, tasks: list, settings: Settings, collections: list[str]) -> None:
-    """The staging graph; it ends in common.WriteRunReport (<output>/_run/report.json), which every write feeds."""
+    """The staging graph; it ends in beam_kit.WriteRunReport (<output>/_run/report.json), which every write feeds."""
     staged = (p
               | "ReadTasks" >> beam.Create(tasks, reshuffle=False)
               | "Spread" >> beam.Reshuffle()
@@ -403,7 +403,7 @@ def build_graph(p: beam.Pipeline, tasks: list, settings: Settings, collections: 
                       | "GroupOwners" >> beam.GroupByKey()
                       | "Collisions" >> beam.FlatMap(_collisions))
 
-    common.WriteRunReport.apply([staged | "ReadInfo" >> beam.FlatMap(pick, T_INFO),
+    beam_kit.WriteRunReport.apply([staged | "ReadInfo" >> beam.FlatMap(pick, T_INFO),
                                  image_shards | "ImageShardInfo" >> beam.FlatMap(pick, T_INFO),
                                  caption_shards | "CaptionShardInfo" >> beam.FlatMap(pick, T_INFO),
                                  reject_info, collision_info], settings.output)

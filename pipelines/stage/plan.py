@@ -7,7 +7,7 @@ from typing import Optional
 
 import click
 
-from pipelines import common
+from pipelines import files
 from retrieval_core.cli import check_choice, check_device, check_positive, device_option, option, threads_option
 from retrieval_core.data import schema
 from retrieval_core.data.manifest_spec import Manifest
@@ -99,7 +99,7 @@ class Settings:
 
 
 def shard_rel(kind_dir: str, collection: str, index: int, total: int, suffix: str) -> str:
-    return f"{kind_dir}/{common.shard_name(collection, index, total, suffix)}"
+    return f"{kind_dir}/{files.shard_name(collection, index, total, suffix)}"
 
 
 def planned_images(manifest) -> dict[str, int]:
@@ -125,7 +125,7 @@ def plan_tasks(manifest: Manifest, chunk_size: int = 500) -> list:
             if src is None:
                 continue
             tasks += plan_read_tasks(name, kind, src.format, src.path, dict(src.options or {}),
-                                     manifest.feature_dim, chunk_size=chunk_size, files=common.BEAM_FILES)
+                                     manifest.feature_dim, chunk_size=chunk_size, files=files.BEAM_FILES)
     return tasks
 
 
@@ -140,7 +140,7 @@ def _settings(plan: StagePlan, manifest) -> Settings:
         expected_images=planned_images(manifest),
         caption_filters={name: _caption_source(c) for name, c in manifest.collections.items()
                          if c.uncaptioned_images == "skip"},
-        spill_dir=common.join(plan.output, common.SPILL_DIR, uuid.uuid4().hex[:12]),
+        spill_dir=files.join(plan.output, files.SPILL_DIR, uuid.uuid4().hex[:12]),
         device=plan.device,
         threads=plan.threads,
     )

@@ -17,7 +17,7 @@ import apache_beam as beam
 import click
 from apache_beam.io.filesystems import FileSystems
 
-from pipelines import common
+from pipelines import beam_kit, files
 from pipelines.stage.graph import build_graph
 from pipelines.stage.plan import (
     CAPTIONS_DIR,
@@ -116,7 +116,7 @@ def _remove_stale(output: str, collections: Iterable[str], keep: set[str]) -> in
     for coll in collections:
         ours = re.compile(rf"^{re.escape(coll)}-\d{{5}}-of-\d{{5}}\.(parquet|h5)(\.tmp-[0-9a-f]+)?$")
         for d in (IMAGES_DIR, FEATURES_DIR, CAPTIONS_DIR):
-            for m in FileSystems.match([common.join(output, d, f"{coll}-*")])[0].metadata_list:
+            for m in FileSystems.match([files.join(output, d, f"{coll}-*")])[0].metadata_list:
                 base = m.path.replace("\\", "/").rsplit("/", 1)[-1]
                 if ours.match(base) and f"{d}/{base}" not in keep:
                     stale.append(m.path)
@@ -128,16 +128,16 @@ def _remove_stale(output: str, collections: Iterable[str], keep: set[str]) -> in
 def _ensure_reject_files(output: str, summary: dict) -> None:
     for c in summary["collections"].values():
         for key in ("images", "captions"):
-            path = common.join(output, c[key]["rejects_file"])
-            if not common.exists(path):
-                common.write_jsonl_atomic(path, [])
+            path = files.join(output, c[key]["rejects_file"])
+            if not files.exists(path):
+                files.write_jsonl_atomic(path, [])
 
 
 def _mark_incomplete(output: str, run_id: str) -> str:
     """Write <output>/_INCOMPLETE before any shard is touched: readers (StagedDataset) refuse the folder
     until the run has written summary.json and removed the mark."""
-    path = common.join(output, INCOMPLETE_FILE)
-    common.write_json_atomic(path, {"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    path = files.join(output, INCOMPLETE_FILE)
+    files.write_json_atomic(path, {"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                     "created_by": "pipelines.stage"})
     return path
 
@@ -153,12 +153,12 @@ def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
         raise StageError(f"invalid manifest {plan.manifest!r}: {exc}") from None
     except FileNotFoundError as exc:
         raise StageError(f"manifest {plan.manifest!r} not found: {exc}") from None
-    options = common.task_pipeline_options(beam_args)
+    options = beam_kit.task_pipeline_options(beam_args)
     # Planning lists gs:// inputs before the Pipeline exists: give FileSystems the options (project,
     # credentials) now; beam.Pipeline(options=...) sets the same ones again.
     FileSystems.set_options(options)
     try:
-        missing = manifest.missing_paths(files=common.BEAM_FILES)
+        missing = manifest.missing_paths(files=files.BEAM_FILES)
     except (OSError, ValueError) as exc:  # e.g. gs:// without apache-beam[gcp]: Beam's message says what to install
         raise StageError(f"cannot check the input paths: {exc}") from None
     if missing:
@@ -183,40 +183,40 @@ def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
     collections = sorted(manifest.collections)
     # DaskRunner: the read tasks in DASK_READ_PARTITIONS partitions. Read outputs are metadata rows (features
     # are spilled), so a partition of many tasks stays small, and few partitions keep the shuffles cheap.
-    options = common.task_pipeline_options(beam_args, math.ceil(len(tasks) / DASK_READ_PARTITIONS))
+    options = beam_kit.task_pipeline_options(beam_args, math.ceil(len(tasks) / DASK_READ_PARTITIONS))
     log.info("staging %s: %d collections, %d read tasks -> %s (%s, %s)", manifest.name, len(collections),
              len(tasks), plan.output, settings.feature_format, settings.feature_dtype)
 
     p = beam.Pipeline(options=options)
     build_graph(p, tasks, settings, collections)
-    if common.translated_only(p, "stage"):
+    if beam_kit.translated_only(p, "stage"):
         return None
-    common.makedirs(plan.output)
+    files.makedirs(plan.output)
     incomplete = _mark_incomplete(plan.output, settings.spill_dir.rsplit("/", 1)[-1])
-    common.clear_run_dir(plan.output)
-    common.remove_spill(plan.output)  # spill files of a killed earlier run
+    beam_kit.clear_run_dir(plan.output)
+    files.remove_spill(plan.output)  # spill files of a killed earlier run
     try:
-        with common.Progress.running(len(tasks), "read tasks", "stage", options):
-            result = common.run_pipeline(p)
-        print(common.counter_line("stage", common.counter_values(result, "stage"), common.runner_name(options)))
-        infos = common.read_run_report(plan.output)
+        with beam_kit.Progress.running(len(tasks), "read tasks", "stage", options):
+            result = beam_kit.run_pipeline(p)
+        print(beam_kit.counter_line("stage", beam_kit.counter_values(result, "stage"), beam_kit.runner_name(options)))
+        infos = beam_kit.read_run_report(plan.output)
     finally:
-        common.remove_spill(plan.output)
-        common.clear_run_dir(plan.output)
+        files.remove_spill(plan.output)
+        beam_kit.clear_run_dir(plan.output)
 
     summary = build_summary(manifest, settings, infos, {
         "images_per_shard": settings.images_per_shard, "max_reject_fraction": plan.max_reject_fraction,
         "overrides": list(plan.overrides), "beam_args": list(beam_args), "read_tasks": len(tasks),
         "allow_empty": plan.allow_empty,
     }, time.time() - t0, backbone)
-    summary["runner"] = common.runner_name(options)
+    summary["runner"] = beam_kit.runner_name(options)
     keep = {s["name"] for c in summary["collections"].values() for k in ("images", "captions")
             for s in c[k]["shards"] + c[k].get("feature_shards", [])}
     summary["resume"]["stale_removed"] = _remove_stale(plan.output, collections, keep)
     _ensure_reject_files(plan.output, summary)
     summary["problems"] = find_problems(summary, manifest, plan, plan.output)
     summary["elapsed_s"] = round(time.time() - t0, 2)
-    common.write_json_atomic(common.join(plan.output, staging.SUMMARY_FILE), summary)
+    files.write_json_atomic(files.join(plan.output, staging.SUMMARY_FILE), summary)
     FileSystems.delete([incomplete])  # only now: the last shard and summary.json are in place
     return summary
 
@@ -241,7 +241,7 @@ def find_problems(summary: dict, manifest, plan: StagePlan, output: str) -> list
             if frac > plan.max_reject_fraction:
                 problems.append(f"{name} {key}: {src['rejected']} of {considered} records rejected "
                                 f"({frac:.1%} > --max-reject-fraction {plan.max_reject_fraction:.1%}); "
-                                f"see {common.join(output, src['rejects_file'])}")
+                                f"see {files.join(output, src['rejects_file'])}")
     if summary["id_collisions"]:
         problems.append(f"{len(summary['id_collisions'])} item_id hash collision(s); see summary.json")
     return problems
@@ -272,7 +272,7 @@ def report_lines(summary: dict) -> list[str]:
     return lines
 
 
-@click.command(context_settings=common.BEAM_CLI_CONTEXT)
+@click.command(context_settings=beam_kit.BEAM_CLI_CONTEXT)
 @plan_options(StagePlan)
 @click.pass_context
 def main(ctx, **values):
@@ -284,8 +284,8 @@ def main(ctx, **values):
     Counters namespace: stage ({image,caption}_records_in, _staged_valid, _rejected; *_shards_written/kept).
     """
     verbose = values["verbose"]
-    common.configure_logging(verbose, "%(asctime)s %(levelname)s %(name)s: %(message)s")
-    common.check_beam_flags(ctx.args)
+    beam_kit.configure_logging(verbose, "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    beam_kit.check_beam_flags(ctx.args)
     try:
         plan = plan_from_cli(StagePlan, values)
         summary = run(plan, tuple(ctx.args))
@@ -307,11 +307,11 @@ def main(ctx, **values):
         return
     for line in report_lines(summary):
         click.echo(line)
-    click.echo(f"summary: {common.join(plan.output, staging.SUMMARY_FILE)}")
+    click.echo(f"summary: {files.join(plan.output, staging.SUMMARY_FILE)}")
     if summary["problems"]:
         for p in summary["problems"]:
             click.echo(f"error: {p}", err=True)
         sys.exit(1)
 
 
-common.add_progress_help(main)
+beam_kit.add_progress_help(main)

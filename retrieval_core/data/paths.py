@@ -1,7 +1,7 @@
 """Local paths and URLs (gs://...), and how files are reached: the one place that tells them apart.
 
 This library opens local paths itself and leaves URLs to the file access its caller passes (the pipelines:
-Beam FileSystems, ``pipelines.common.BEAM_FILES``), so every module that handles paths asks :func:`is_url`,
+Beam FileSystems, ``pipelines.files.BEAM_FILES``), so every module that handles paths asks :func:`is_url`,
 joins with :func:`join_path` and reads through a :class:`FileAccess` (default :data:`LOCAL_FILES`, which
 refuses URLs in one line instead of treating ``gs://b/x`` as the local file ``gs:/b/x``).
 """
@@ -74,7 +74,7 @@ class LocalFileAccess:
         path = os.fspath(path)
         if is_url(path):
             raise URLAccessError(f"{path} is a URL: the readers' default (local) file access cannot reach it; pass "
-                             f"files=<a FileAccess for URLs> (pipelines.stage passes pipelines.common.BEAM_FILES, "
+                             f"files=<a FileAccess for URLs> (pipelines.stage passes pipelines.files.BEAM_FILES, "
                              f"Beam FileSystems)")
         return path
 

@@ -438,7 +438,7 @@ def local_model_folder(path: str, files: Optional[FileAccess] = None, cache_dir:
         return path
     if files is None:
         raise CheckpointError(f"model folder {path} is a URL: pass files=<a FileAccess for URLs> (the pipelines "
-                              f"pass pipelines.common.BEAM_FILES, Beam FileSystems)")
+                              f"pass pipelines.files.BEAM_FILES, Beam FileSystems)")
     base = path.rstrip("/") + "/"
     listing = []
     for found, size, version in files.walk(path):

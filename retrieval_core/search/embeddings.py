@@ -12,7 +12,7 @@ replaced shard instead of silently returning fewer vectors. Shard ``name`` is th
 
 Writing is byte-oriented (``embedding_shard_bytes``) so that Beam code can put the bytes anywhere through
 FileSystems; reading accepts a local path, bytes or a binary file object. The directory readers take
-``files`` (a ``paths.FileAccess``, default local): the pipelines pass ``pipelines.common.BEAM_FILES``, so an
+``files`` (a ``paths.FileAccess``, default local): the pipelines pass ``pipelines.files.BEAM_FILES``, so an
 embeddings directory can be a URL (gs://).
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ source-id conventions and input listing.
 All file access (opening, listing a directory, globbing, existence checks) goes through a
 :class:`FileAccess` object passed as ``files``. The default, :data:`LOCAL_FILES`, is Python's own file
 access (local paths only). This library does not import Beam (layering), so URL inputs (gs://...) need the
-caller's file access: the stage pipeline passes ``pipelines.common.BEAM_FILES`` (Beam FileSystems).
+caller's file access: the stage pipeline passes ``pipelines.files.BEAM_FILES`` (Beam FileSystems).
 """
 from __future__ import annotations
 
