@@ -166,7 +166,7 @@ def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
                          + " (fix the manifest or override the path with --set / environment variables)")
     settings = _settings(plan, manifest)
     backbone = image_backbone(manifest)
-    if backbone and plan.device == "cuda":
+    if backbone and plan.device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():

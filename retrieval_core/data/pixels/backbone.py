@@ -97,7 +97,7 @@ class GridBackbone:
     input_size = INPUT_SIZE
 
     def __init__(self, spec: GridSpec = GridSpec(), device: str = "cpu"):
-        if device == "cuda" and not torch.cuda.is_available():
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda was requested but CUDA is not available on this machine")
         self.spec = spec
         self.device = torch.device(device)
