@@ -323,3 +323,18 @@ collections:
     by_sid = {sid: table.regions(pos[int(row.item_id)])[0] for sid, row in meta.iterrows()}
     np.testing.assert_array_equal(by_sid["1"], by_sid["4945942737"])  # the same bytes (PROVENANCE.md)
     assert np.abs(by_sid["1"] - by_sid["6338542128"]).mean() > 0.05
+
+
+def test_parallel_decoding_gives_the_serial_records(tmp_path):
+    from retrieval_core.data.readers.images import list_image_files, read_image_files
+
+    photos, _ = write_photo_folder(tmp_path)
+    paths = list_image_files(photos)
+    assert not any(p.endswith(".DS_Store") for p in paths) and len(paths) == len(CASES)
+    paths = paths[:6]  # three staged, three rejected
+    serial, threaded = (list(read_image_files(paths, grids=[1], batch_size=2, decode_threads=n)) for n in (1, 3))
+    assert [type(r).__name__ + getattr(r, "locator", "") for r in serial] == \
+        [type(r).__name__ + getattr(r, "locator", "") for r in threaded]
+    for a, b in zip(serial, threaded):
+        if hasattr(a, "features"):
+            np.testing.assert_array_equal(a.features, b.features)

@@ -23,8 +23,16 @@ BN_EPS = 1e-3  # the TF models' epsilon; torch's default 1e-5 shifts every activ
 
 
 class SameConv(nn.Conv2d):
-    """A Conv2d padded like TF "SAME" (computed per input size; asymmetric for even inputs at stride 2)."""
+    """A Conv2d padded like TF "SAME" (computed per input size; asymmetric for even inputs at stride 2). At stride 1
+    (odd kernels) SAME is symmetric: the convolution pads itself, with no padded copy of the input."""
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.stride == (1, 1) and all(k % 2 for k in self.kernel_size):
+            self.padding = tuple(k // 2 for k in self.kernel_size)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.padding != (0, 0) or self.kernel_size == (1, 1):
+            return super().forward(x)
         pads = []
         for size, k, s in zip(x.shape[-1:-3:-1], self.kernel_size[::-1], self.stride[::-1]):
             total = max((math.ceil(size / s) - 1) * s + k - size, 0)
@@ -91,6 +99,27 @@ class EfficientNetLite0(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """ImageNet logits."""
         return self._fc(self.features(x).mean(dim=(2, 3)))
+
+
+def fold_batchnorm(model: EfficientNetLite0) -> EfficientNetLite0:
+    """Inference only: each BatchNorm (eval statistics) folded into the convolution before it, as a scale of its
+    weights and a bias, and replaced by an identity: the same outputs up to float rounding, without the BN passes
+    over every activation (a seventh of the CPU time)."""
+    pairs = [(model, "_conv_stem", "_bn0"), (model, "_conv_head", "_bn1")]
+    for block in model._blocks:
+        if hasattr(block, "_expand_conv"):
+            pairs.append((block, "_expand_conv", "_bn0"))
+        pairs += [(block, "_depthwise_conv", "_bn1"), (block, "_project_conv", "_bn2")]
+    with torch.no_grad():
+        for owner, conv_name, bn_name in pairs:
+            conv, bn = getattr(owner, conv_name), getattr(owner, bn_name)
+            if isinstance(bn, nn.Identity):
+                continue
+            scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
+            conv.weight.mul_(scale.reshape(-1, 1, 1, 1))
+            conv.bias = nn.Parameter(bn.bias - bn.running_mean * scale)
+            setattr(owner, bn_name, nn.Identity())
+    return model
 
 
 def weights_path() -> str:

@@ -8,6 +8,7 @@ of those files, decoded one by one and run through the backbone in batches of ``
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
@@ -42,15 +43,18 @@ def list_image_files(path: str | Sequence[str], files: Optional[FileAccess] = No
 
 def read_image_files(paths: Sequence[str], files: Optional[FileAccess] = None, device: str = "cpu", *,
                      grids: int | list[int] | str = 7, batch_size: int = 32, source_id_pattern: Optional[str] = None,
-                     max_pixels: int = decode.DEFAULT_MAX_PIXELS) -> Iterator[RawImage | Reject]:
+                     max_pixels: int = decode.DEFAULT_MAX_PIXELS,
+                     decode_threads: int = 1) -> Iterator[RawImage | Reject]:
     """One RawImage (normalised grid boxes, the file's size after EXIF rotation, its ``conversions``) per
     decodable file of ``paths``, else a Reject naming the file and why. ``grids``: the grid sizes (e.g. [3, 7]);
     ``source_id_pattern``: a regex whose group, searched in the file's stem, is the image id (default the stem).
-    ``device`` is where the backbone runs (pipelines.stage --device), not a manifest option."""
+    ``device`` is where the backbone runs (pipelines.stage --device), not a manifest option. ``decode_threads``
+    decode files in parallel (Pillow releases the GIL while decoding and resizing): what feeds a GPU backbone."""
     from ..pixels.backbone import GridSpec, cached_backbone, parse_grids
 
-    if int(batch_size) < 1:
-        raise ValueError(f"{FORMAT} batch_size must be >= 1, got {batch_size!r}")
+    if int(batch_size) < 1 or int(decode_threads) < 1:
+        raise ValueError(f"{FORMAT} batch_size and decode_threads must be >= 1, got {batch_size!r}, "
+                         f"{decode_threads!r}")
     spec = GridSpec(parse_grids(grids))
     backbone = cached_backbone(spec.grids, device)
     paths = [paths] if isinstance(paths, str) else list(paths)
@@ -63,18 +67,19 @@ def read_image_files(paths: Sequence[str], files: Optional[FileAccess] = None, d
                            locator=path, conversions=d.conversions)
         batch.clear()
 
-    for path in paths:
+    def load(path: str) -> tuple[str, Optional[str], Optional[decode.Decoded], str]:
         sid = apply_source_id_pattern(file_stem(path), source_id_pattern)
         if sid is None:
-            yield Reject(path, path, f"id pattern does not match: {source_id_pattern!r} in {file_stem(path)!r}")
-            continue
+            return path, None, None, f"id pattern does not match: {source_id_pattern!r} in {file_stem(path)!r}"
         try:
             with _open_binary(path, files) as f:
                 data = f.read()
         except (FileNotFoundError, ValueError) as exc:
-            yield Reject(path, path, f"unreadable file: {exc}")
-            continue
-        decoded, reason = decode.decode_or_reason(data, backbone.input_size, int(max_pixels))
+            return path, sid, None, f"unreadable file: {exc}"
+        return (path, sid, *decode.decode_or_reason(data, backbone.input_size, int(max_pixels)))
+
+    pool = ThreadPoolExecutor(int(decode_threads)) if int(decode_threads) > 1 else None
+    for path, sid, decoded, reason in (pool.map(load, paths) if pool else map(load, paths)):
         if decoded is None:
             yield Reject(path, path, reason)
             continue
@@ -83,3 +88,5 @@ def read_image_files(paths: Sequence[str], files: Optional[FileAccess] = None, d
             yield from flush()
     if batch:
         yield from flush()
+    if pool:
+        pool.shutdown()

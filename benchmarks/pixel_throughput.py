@@ -1,0 +1,181 @@
+"""Images per second of staging from pixels: JPEG decode + resize to 224, EfficientNet-Lite0 grid regions, and the
+whole pipelines.stage job, measured in one run so their ratios hold on a shared machine.
+
+Rows: ``decode`` (read + decode + EXIF + RGB + resize, one thread), ``backbone`` (Lite0 on decoded batches alone),
+``library`` (retrieval_core's image_files reader: decode then batched backbone, what one stage worker runs) and,
+unless ``--no-stage``, ``stage`` (the Beam job on the folder, DirectRunner, launch included). The same command on a
+GPU machine (``--device cuda``) is the GPU step; its decode row says how many CPU decoders a GPU needs::
+
+    python -m benchmarks.pixel_throughput --images 512 --threads 2 --output runs/pixels_cpu.json
+    python -m benchmarks.pixel_throughput --images 4096 --device cuda --batch-size 256 --decode-threads 12 \
+        --output runs/pixels_gpu.json
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import click
+import numpy as np
+
+from benchmarks.report import cpu_model
+from retrieval_core.cli import (
+    CONTEXT_SETTINGS,
+    apply_device_and_threads,
+    batch_size_option,
+    cli_errors,
+    device_option,
+    option,
+    plan_from_cli,
+    plan_options,
+    threads_option,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ThroughputPlan:
+    images: int = option(512, type=click.IntRange(min=8), help="JPEGs staged (copies of the source photos)")
+    source: Optional[str] = option(None, help="folder of JPEGs to copy from [../shared/realdata's AllenNLP fixture "
+                                              "photos, else rendered demo scenes saved as JPEG]")
+    device: str = device_option()
+    threads: Optional[int] = threads_option()
+    batch_size: int = batch_size_option(64, help="images per backbone call")
+    decode_threads: int = option(1, type=click.IntRange(min=1), help="files decoded in parallel (image_files "
+                                                                     "decode_threads; a GPU needs several)")
+    grids: str = option("1,3", help="grid sizes (image_files grids)")
+    no_stage: bool = option(False, help="skip timing the pipelines.stage job on the folder")
+    output: Optional[str] = option(None, help="JSON to write [print only]")
+
+
+def _source_jpegs(source: Optional[str], folder: str) -> list[str]:
+    """The photos to copy: ``source``'s JPEGs, the real fixture photos, or rendered scenes written as JPEG."""
+    if source is None:
+        real = os.environ.get("RR_SHARED_DIR") or os.path.join(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))), "..", "shared")
+        cand = os.path.join(real, "realdata", "allennlp_vision_fixtures", "images")
+        if not os.path.isdir(cand):
+            cand = os.path.join(real, "allennlp_vision_fixtures", "images")
+        source = cand if os.path.isdir(cand) else None
+    if source:
+        found = sorted(os.path.join(r, n) for r, _, ns in os.walk(source) for n in ns if n.lower().endswith(".jpg"))
+        if found:
+            return found
+    from retrieval_core.data.manifest import load_manifest
+    from retrieval_core.data.synthetic.render import render_scene
+
+    spec = load_manifest("demo").synthetic_spec("demo")
+    out = []
+    for i in range(16):
+        path = os.path.join(folder, f"_scene{i}.jpg")
+        render_scene(spec, i, scale=1.0).save(path, "JPEG", quality=90)
+        out.append(path)
+    return out
+
+
+def _gemm_gflops(device: str) -> float:
+    """A float32 1024^3 matmul rate on this device now: how much of the machine the run had (other jobs share
+    it); a quiet 2-core machine of this class does several times the rate of a busy one."""
+    import torch
+
+    a = torch.randn(1024, 1024, device=device)
+    a @ a
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return 10 * 2 * 1024 ** 3 / (time.perf_counter() - t) / 1e9
+
+
+def measure(plan: ThroughputPlan) -> dict:
+    import torch
+
+    from retrieval_core.data.pixels.backbone import cached_backbone, parse_grids
+    from retrieval_core.data.pixels.decode import decode_image
+    from retrieval_core.data.readers.images import read_image_files
+
+    apply_device_and_threads(plan.device, plan.threads)
+    work = tempfile.mkdtemp(prefix="pixel_throughput_")
+    try:
+        photos = os.path.join(work, "photos")
+        os.makedirs(photos)
+        sources = _source_jpegs(plan.source, work)
+        paths = []
+        for i in range(plan.images):
+            paths.append(os.path.join(photos, f"{i:06d}.jpg"))
+            shutil.copy(sources[i % len(sources)], paths[-1])
+        sizes = [decode_image(open(p, "rb").read(), 224).width for p in sources]
+        grids = parse_grids(plan.grids)
+        backbone = cached_backbone(grids, plan.device)
+        rows = {}
+        gemm = _gemm_gflops(plan.device)
+
+        t = time.perf_counter()
+        pixels = np.stack([decode_image(open(p, "rb").read(), 224).pixels for p in paths])
+        rows["decode"] = plan.images / (time.perf_counter() - t)
+
+        backbone.regions(pixels[:plan.batch_size])  # warm-up (first call allocates, CUDA initialises)
+        if plan.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for a in range(0, plan.images, plan.batch_size):
+            backbone.regions(pixels[a:a + plan.batch_size])
+        rows["backbone"] = plan.images / (time.perf_counter() - t)
+
+        t = time.perf_counter()
+        n = sum(1 for _ in read_image_files(paths, None, plan.device, grids=list(grids), batch_size=plan.batch_size,
+                                            decode_threads=plan.decode_threads))
+        rows["library"] = n / (time.perf_counter() - t)
+
+        if not plan.no_stage:
+            from pipelines.stage import run as stage_run
+            from pipelines.stage.plan import StagePlan
+
+            manifest = os.path.join(work, "m.yaml")
+            with open(manifest, "w") as f:
+                f.write(f"name: throughput\nfeature_dim: 1280\ncollections:\n  photos:\n    images: "
+                        f"{{format: image_files, path: {photos}, grids: {list(grids)}, batch_size: {plan.batch_size}, "
+                        f"decode_threads: {plan.decode_threads}}}"
+                        f"\n    captions: {{format: caption_lines, path: {work}/caps.txt, ids_path: {work}/ids.txt}}\n")
+            with open(os.path.join(work, "caps.txt"), "w") as f:
+                f.write("".join(f"photo {i}\n" for i in range(plan.images)))
+            with open(os.path.join(work, "ids.txt"), "w") as f:
+                f.write("".join(f"{i:06d}\n" for i in range(plan.images)))
+            t = time.perf_counter()
+            summary = stage_run.run(StagePlan(os.path.join(work, "staged"), manifest, device=plan.device,
+                                              threads=plan.threads))
+            rows["stage"] = summary["collections"]["photos"]["images"]["staged"] / (time.perf_counter() - t)
+        return {"images_per_s": {k: round(v, 1) for k, v in rows.items()},
+                "backbone_over_stage": round(rows["backbone"] / rows["stage"], 2) if "stage" in rows else None,
+                "gemm_gflops": round(gemm, 1), "load_average": os.getloadavg()[0],
+                "images": plan.images, "source_photos": len(sources), "source_widths": sorted(set(sizes)),
+                "device": plan.device, "torch_threads": torch.get_num_threads(), "cpu": cpu_model(),
+                "cpus": os.cpu_count(), "gpu": torch.cuda.get_device_name() if plan.device.startswith("cuda") else None,
+                "date": time.strftime("%Y-%m-%d"), "plan": asdict(plan)}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@click.command(context_settings=CONTEXT_SETTINGS, help=__doc__.split("\n\n")[0])
+@plan_options(ThroughputPlan)
+def main(**values):
+    with cli_errors():
+        plan = plan_from_cli(ThroughputPlan, values)
+        result = measure(plan)
+    text = json.dumps(result, indent=2)
+    click.echo(text)
+    if plan.output:
+        os.makedirs(os.path.dirname(os.path.abspath(plan.output)), exist_ok=True)
+        with open(plan.output, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
