@@ -24,7 +24,8 @@ def test_shipped_manifests_all_load():
         assert isinstance(m, Manifest) and m.name == name and m.feature_dim > 0 and m.collections
         for c in m.collections.values():
             assert c.images.format in IMAGE_FORMATS and c.captions.format in CAPTION_FORMATS
-            assert c.expected_captions is not None
+            # a folder of the user's own photos (photos_karpathy) has no size to check against
+            assert c.expected_captions is not None or c.images.format == "image_files"
 
 
 def test_karpathy_manifests_check_the_karpathy_sizes_per_split():

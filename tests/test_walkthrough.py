@@ -46,13 +46,13 @@ WORDS = ("a man woman dog cat red blue green on in with riding sitting next to t
 
 
 # ------------------------------------------------------------------------------------------- the doc
-def walkthrough(doc: str) -> tuple[dict[str, str], list[list[str]]]:
+def walkthrough(doc: str, section: str = SECTION) -> tuple[dict[str, str], list[list[str]]]:
     """(settings as the doc gives them, commands as argv lists with $VARS unexpanded) of the section."""
-    start = doc.index(SECTION)
-    end = doc.find("\n## ", start + len(SECTION))
-    section = doc[start:end if end >= 0 else len(doc)]
-    blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
-    assert blocks, f"no bash block in the section {SECTION!r} of {DOC.name}"
+    start = doc.index(section)
+    end = doc.find("\n## ", start + len(section))
+    text = doc[start:end if end >= 0 else len(doc)]
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    assert blocks, f"no bash block in the section {section!r} of {DOC.name}"
     settings, commands = {}, []
     for block in blocks:
         for line in block.replace("\\\n", " ").splitlines():
