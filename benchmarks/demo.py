@@ -53,22 +53,25 @@ def _run(module: str, plan, beam_args: tuple[str, ...] = ()) -> float:
     return time.time() - t0
 
 
-def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 500, seed: int = 0) -> pd.DataFrame:
+def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 500, seed: int = 0,
+             recipe: demo_assets.Recipe = demo_assets.DEMO_RECIPE) -> pd.DataFrame:
     t_start = time.time()
     # another training seed's models and outputs live apart; the staged collection is shared
     root = demo_assets.demo_dir() if seed == 0 else os.path.join(demo_assets.demo_dir(), f"seed{seed}")
+    if recipe != demo_assets.DEMO_RECIPE:  # the pixel demo's models and outputs live apart
+        root = os.path.join(root, recipe.name)
     timings: dict[str, float] = {}
 
     t0 = time.time()
-    staged = demo_assets.ensure_staged(beam_args)
+    staged = demo_assets.ensure_staged(beam_args, recipe.manifest)
     timings["stage"] = time.time() - t0
     t0 = time.time()
-    trained = demo_assets.ensure_models(demo_assets.DEMO_RECIPE, seed, sep=False, beam_args=beam_args)
+    trained = demo_assets.ensure_models(recipe, seed, sep=False, beam_args=beam_args)
     timings["train JOIN"] = time.time() - t0
     models = {"JOIN": trained.join}
     if with_sep:
         t0 = time.time()
-        trained = demo_assets.ensure_models(demo_assets.DEMO_RECIPE, seed, sep=True, beam_args=beam_args)
+        trained = demo_assets.ensure_models(recipe, seed, sep=True, beam_args=beam_args)
         models["SEP-BE"], models["SEP-CE"] = trained.be, trained.ce
         timings["train SEP"] = time.time() - t0
 
@@ -116,7 +119,9 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
                      for r in table_rows(out, staged, mode, k if mode else None, model, row_label, against)]
 
     table = pd.DataFrame(rows)
-    print("\nDemo results (synthetic demo collection, test split; recall in %, convention: "
+    what = "demo scenes drawn as pictures, staged from pixels" if recipe == demo_assets.PIXELS_RECIPE \
+        else "synthetic demo collection"
+    print(f"\nDemo results ({what}, test split; recall in %, convention: "
           "docs/CONVENTIONS.md#the-recall-convention; "
           f"[95 % interval]: {Bootstrap().label}):")
     print(compact_table(table))
@@ -131,7 +136,7 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
     # the table once more in the suites' schema, with where, when and from which commit it ran: the file the docs'
     # demo table is generated from (benchmarks.report docs)
     csv_path = report.write_csv(os.path.join(results, DEMO_CSV), [
-        {**r, "suite": "demo", "wall_s": round(wall), "recipe": demo_assets.DEMO_RECIPE.name, "model_seed": seed,
+        {**r, "suite": "demo", "wall_s": round(wall), "recipe": recipe.name, "model_seed": seed,
          "measured": True, "notes": steps, **report.environment()} for r in rows])
     print(f"the table with its environment and commit: {csv_path}")
     # the queries behind the numbers: where the default ranking moved the gold item relative to EMB (one run)
@@ -216,6 +221,9 @@ class DemoPlan:
     seed: int = option(0, type=click.IntRange(min=0),
                        help="Training seed of the demo recipe's models (another seed: models and outputs under "
                             "<demo>/seed<N>, the staged collection shared).")
+    pixels: bool = option(False, help="The same demo on the demo scenes drawn as pictures and staged from their PNGs "
+                                      "(EfficientNet-Lite0 grid regions; outputs under <demo>/demo-pixels), "
+                                      "to set beside the region-feature demo's table.")
 
     def __post_init__(self):
         check_options(self)
@@ -230,7 +238,8 @@ def main(ctx: click.Context, **values) -> None:
     with cli_errors():
         plan = plan_from_cli(DemoPlan, values)
     try:
-        run_demo(plan.k, plan.with_sep, tuple(ctx.args), plan.queries, plan.seed)
+        run_demo(plan.k, plan.with_sep, tuple(ctx.args), plan.queries, plan.seed,
+                 demo_assets.PIXELS_RECIPE if plan.pixels else demo_assets.DEMO_RECIPE)
     except subprocess.CalledProcessError as exc:
         raise SystemExit(f"demo step failed (exit {exc.returncode}): {' '.join(map(str, exc.cmd))}")
 

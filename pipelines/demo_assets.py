@@ -132,7 +132,11 @@ _ML_ZERO_SHOT = Recipe(name="ml-e5-en", join=_DEMO_JOIN, sep_be=DEMO_RECIPE.sep_
                        ce_agreement=ce_agreement_default("multilingual_recipe"))
 ML_RECIPES = {"zero_shot": _ML_ZERO_SHOT, "all_languages": replace(_ML_ZERO_SHOT, name="ml-e5-all", languages=()),
               "english_reference": replace(_ML_ZERO_SHOT, name="ml-minilm-en", base_model="minilm")}
-RECIPES = {r.name: r for r in (DEMO_RECIPE, BENCH_RECIPE, *ML_RECIPES.values())}
+#: The demo collection drawn as pictures (retrieval_core.data.synthetic.render) and staged from its PNGs through the
+#: image backbone: the pixel path on scenes whose contrasts are known, trained with the demo's recipe.
+RENDERED_MANIFEST = "demo_rendered"
+PIXELS_RECIPE = replace(DEMO_RECIPE, name="demo-pixels", manifest=RENDERED_MANIFEST)
+RECIPES = {r.name: r for r in (DEMO_RECIPE, BENCH_RECIPE, *ML_RECIPES.values(), PIXELS_RECIPE)}
 
 # Bump when what the cached assets contain changes in a way the recipes do not show.
 ASSETS_VERSION = 5  # 3: fused AdamW, one dev evaluation; 4: length-chunked steps; 5: typed recipes
@@ -190,6 +194,23 @@ def _stamp_matches(path: str, want: dict) -> bool:
         return False
 
 
+def ensure_rendered() -> tuple[str, dict]:
+    """The demo collection drawn as PNGs with its captions (``$RR_WORKDIR/rendered/demo``): (the manifest that
+    stages them, the stamp it was drawn under); redrawn when the generator or the renderer changes."""
+    from retrieval_core.data.synthetic.render import RENDER_VERSION, RenderPlan
+
+    root = os.path.join(workdir(), "rendered", DEMO_MANIFEST)
+    stamp = os.path.join(root, "rendered.json")
+    want = {"assets_version": ASSETS_VERSION, "synthetic_sibling_changes": list(DEFAULT_SIBLING_CHANGES),
+            "render_version": RENDER_VERSION}
+    if not _stamp_matches(stamp, want):
+        shutil.rmtree(root, ignore_errors=True)
+        _run([sys.executable, "-m", "retrieval_core.data.synthetic.render",
+              *to_argv(RenderPlan(output=root, manifest=DEMO_MANIFEST))])
+        files.write_json_atomic(stamp, want)
+    return os.path.join(root, "manifest.yaml"), want
+
+
 def ensure_staged(beam_args: tuple[str, ...] = (), manifest: str = DEMO_MANIFEST) -> str:
     """The staged demo collection (or another manifest's, under ``$RR_WORKDIR/staged/<manifest>``). Staged by
     another generator version, it (and every model trained on it) is rebuilt: it would silently give other
@@ -197,6 +218,9 @@ def ensure_staged(beam_args: tuple[str, ...] = (), manifest: str = DEMO_MANIFEST
     root = demo_dir() if manifest == DEMO_MANIFEST else os.path.join(workdir(), "staged", manifest)
     stamp = os.path.join(root, "assets.json")
     want = {"assets_version": ASSETS_VERSION, "synthetic_sibling_changes": list(DEFAULT_SIBLING_CHANGES)}
+    source = manifest
+    if manifest == RENDERED_MANIFEST:  # its pictures first; redrawn ones are staged again
+        source, want["rendered"] = ensure_rendered()
     if not _stamp_matches(stamp, want):
         if os.path.isdir(root):
             print(f"note: {root} was built by another generator or assets version: rebuilding it", flush=True)
@@ -206,7 +230,7 @@ def ensure_staged(beam_args: tuple[str, ...] = (), manifest: str = DEMO_MANIFEST
     out = staged_dir() if manifest == DEMO_MANIFEST else os.path.join(root, "staged")
     if os.path.exists(os.path.join(out, "summary.json")):
         return out
-    _run([sys.executable, "-m", "pipelines.stage", "--manifest", manifest, "--output", out, *beam_args])
+    _run([sys.executable, "-m", "pipelines.stage", "--manifest", source, "--output", out, *beam_args])
     return out
 
 

@@ -33,6 +33,7 @@ BACKGROUNDS = ((196, 208, 186), (206, 196, 176), (184, 200, 212), (210, 200, 210
 OUTLINES = ("disk", "square", "triangle", "diamond", "star", "hexagon", "cross", "tall_bar")
 FILLS = ("solid", "ring", "striped")  # a ring: the outline drawn thick, the background inside
 RENDER_SCALE = 0.5  # a 640 x 480 scene is drawn at 320 x 240 (the backbone reads 224 x 224)
+RENDER_VERSION = 1  # bump when the drawing changes: cached rendered collections are redrawn
 
 
 def shape_of(domain: str, cls: str) -> tuple[str, str]:
