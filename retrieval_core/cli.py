@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -28,13 +29,40 @@ CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
 DEVICES = ("cpu", "cuda")
 
 
+_MEMORY_TEXT = re.compile(r"MemoryError|Unable to allocate|can't allocate memory|Cannot allocate memory|bad_alloc")
+_MEMORY_NEED = re.compile(r"Unable to allocate ([\d.]+ \w+)|tried to allocate (\d+) bytes")
+
+
+def memory_failure(exc: BaseException, lower: Sequence[str] = ()) -> Optional[str]:
+    """One line for running out of memory anywhere in ``exc``'s chain (a runner may keep only its text): the
+    allocation that failed, the process's address-space limit, and the options that lower the need."""
+    import resource
+
+    seen, text = set(), ""
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, MemoryError) or _MEMORY_TEXT.search(str(exc)):
+            text = f"{type(exc).__name__}: {exc}"
+            break
+        exc = exc.__cause__ or exc.__context__
+    if not text:
+        return None
+    m = _MEMORY_NEED.search(text)
+    need = (m.group(1) or f"{int(m.group(2)) / 2**20:.0f} MiB") if m else None
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return (f"out of memory{f' allocating {need}' if need else ''}"
+            f"{f' under an address-space limit of {limit >> 20} MiB' if limit != resource.RLIM_INFINITY else ''}"
+            f": {'lower ' + ' or '.join(lower) + ' or ' if lower else ''}give the job more memory")
+
+
 @contextlib.contextmanager
-def cli_errors(*error_types: type) -> Iterator[None]:
+def cli_errors(*error_types: type, memory_options: Sequence[str] = ()) -> Iterator[None]:
     """At a CLI boundary: report bad input as one ``Error: ...`` line and exit 1, not as a traceback.
 
     Bad input = a missing or inconsistent staged dir (StagedDataError), a missing file, the library's
     validation errors (ValueError and its subclasses) and the caller's own ``error_types``; also an output
-    another run owns, and a full disk / quota / read-only filesystem however deep a runner wrapped it. Their
+    another run owns, a full disk / quota / read-only filesystem, and running out of memory (naming
+    ``memory_options``, the job's options that lower its need), however deep a runner wrapped them. Their
     messages name the path or value at fault; ``RR_DEBUG=1`` re-raises them with the traceback."""
     try:
         yield
@@ -42,8 +70,8 @@ def cli_errors(*error_types: type) -> Iterator[None]:
         if os.environ.get(DEBUG_ENV) == "1":
             raise
         raise click.ClickException(write_failure(exc) or str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 -- only a write failure is turned into one line
-        msg = write_failure(exc)
+    except (Exception, MemoryError) as exc:  # noqa: BLE001 -- only a write or memory failure becomes one line
+        msg = write_failure(exc) or memory_failure(exc, memory_options)
         if msg is None or os.environ.get(DEBUG_ENV) == "1":
             raise
         raise click.ClickException(msg) from None

@@ -557,3 +557,16 @@ def test_yaml_tags_that_construct_objects_are_refused(tmp_path, where):
     assert res.exit_code == 2 and "python/object" in res.output, res.output
     assert not marker.exists()  # yaml.safe_load everywhere: nothing was constructed
     record(f"YAML tag constructing an object ({where})", "stage", "refused in one line, nothing constructed")
+
+
+def test_running_out_of_memory_is_one_line_naming_the_need_and_the_options():
+    from retrieval_core.cli import memory_failure
+
+    wrapped = RuntimeError("numpy._core._exceptions._ArrayMemoryError: Unable to allocate 1.50 GiB for an array "
+                           "with shape (400000, 1024) [while running 'WriteShard']")
+    msg = memory_failure(wrapped, ("--batch-size",))
+    assert msg.startswith("out of memory allocating 1.50 GiB") and "lower --batch-size" in msg, msg
+    torch_text = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 268435456 bytes.")
+    assert "allocating 256 MiB" in memory_failure(torch_text, ("--batch-size", "--pairs-per-wave"))
+    assert memory_failure(MemoryError()).startswith("out of memory: give the job more memory")
+    assert memory_failure(ValueError("bad value")) is None

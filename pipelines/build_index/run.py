@@ -284,7 +284,7 @@ def main(ctx, **values):
     Counters namespace: build_index (vectors_added, shards_built)."""
     beam_kit.configure_logging(fmt="%(asctime)s %(levelname)s %(name)s: %(message)s")
     beam_kit.check_beam_flags(ctx.args)
-    with cli_errors():
+    with cli_errors(memory_options=("--train-sample",)):
         plan = plan_from_cli(IndexPlan, values)
         summary = run(plan, tuple(ctx.args))
     if summary is None:

@@ -214,7 +214,7 @@ def main(ctx, **values):
         values["output"] = values["output"] or os.path.join(demo_assets.demo_dir(), "embeddings")
     if values["output"] is None:
         raise click.UsageError("--output is required with --staged/--model")
-    with cli_errors(EncodeError):
+    with cli_errors(EncodeError, memory_options=("--batch-size",)):
         summary = run(plan_from_cli(EncodePlan, values), beam_args)
     if summary is not None and any(v["dead_lettered"] for v in summary["modalities"].values()):
         ctx.exit(1)

@@ -307,7 +307,7 @@ def main(ctx, **values):
     ranking_shards_written)."""
     beam_kit.configure_logging()
     beam_kit.check_beam_flags(ctx.args)
-    with cli_errors(RerankError):
+    with cli_errors(RerankError, memory_options=("--batch-size", "--pairs-per-wave")):
         run(plan_from_cli(RerankPlan, values), tuple(ctx.args))
 
 

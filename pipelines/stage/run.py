@@ -34,7 +34,7 @@ from pipelines.stage.plan import (
     image_backbone,
     plan_tasks,
 )
-from retrieval_core.cli import plan_from_cli, plan_options
+from retrieval_core.cli import memory_failure, plan_from_cli, plan_options
 from retrieval_core.data import schema, staging
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.manifest_spec import ManifestError
@@ -299,7 +299,8 @@ def main(ctx, **values):
             raise
         lines = str(exc).strip().splitlines()
         step = re.search(r"\[while running '([^']+)'\]", str(exc))
-        cause = write_failure(exc) or f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+        cause = write_failure(exc) or memory_failure(exc, ("--chunk-size", "--images-per-shard")) \
+            or f"{type(exc).__name__}: {lines[-1] if lines else ''}"
         click.echo(f"error: staging failed{' in ' + step.group(1) if step else ''}: {cause} "
                    f"(rerun with -v for the traceback)", err=True)
         sys.exit(1)

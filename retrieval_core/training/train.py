@@ -104,7 +104,8 @@ def run(plan: TrainPlan) -> dict:
 @plan_options(TrainPlan)
 def main(**values) -> None:
     apply_device_and_threads(values["device"], values["threads"])
-    with cli_errors():  # missing staged folder, bad model folder, bad value: one line, exit 1
+    # missing staged folder, bad model folder, bad value, out of memory: one line, exit 1
+    with cli_errors(memory_options=("--batch-size", "--ce-batch-size")):
         result = run(plan_from_cli(TrainPlan, values))
     if result["best_eval"] is not None:
         ev = result["best_eval"]
