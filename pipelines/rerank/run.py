@@ -24,6 +24,7 @@ from apache_beam.io.filesystems import FileSystems
 
 from pipelines import beam_kit, files
 from pipelines.handlers import prepare_token_ids
+from pipelines.rerank.auto import dev_pass_plan, resolve_auto, sampled_queries
 from pipelines.rerank.graph import METRICS_NAMESPACE, build_graph, write_shard
 from pipelines.rerank.plan import (
     AUTO,
@@ -33,10 +34,7 @@ from pipelines.rerank.plan import (
     RerankPlan,
     Resolved,
     SearcherSpec,
-    dev_pass_plan,
     resolve,
-    resolve_auto,
-    sampled_queries,
     shard_pairs,
 )
 from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
