@@ -7,6 +7,7 @@ import io
 import json
 import struct
 import zlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -338,3 +339,23 @@ def test_parallel_decoding_gives_the_serial_records(tmp_path):
     for a, b in zip(serial, threaded):
         if hasattr(a, "features"):
             np.testing.assert_array_equal(a.features, b.features)
+
+
+def test_dask_stages_the_photos_as_the_direct_runner(photo_staged, tmp_path):
+    """The image_files source on DaskRunner (2 worker processes): the same images, rejects and conversions, and
+    the same regions up to the float rounding of another torch thread count."""
+    from pipelines.stage import run as stage_run
+    from retrieval_core.data.store import StagedDataset
+    from tests.helpers_dask import dask_args, local_cluster
+
+    out, summary, plan = photo_staged
+    with local_cluster() as cluster:
+        dask_out = str(tmp_path / "dask")
+        dask_summary = stage_run.run(replace(plan, output=dask_out), dask_args(cluster))
+    assert dask_summary["runner"] == "DaskRunner"
+    for key in ("records_in", "staged", "rejected", "reject_reasons", "converted", "staged_by_split"):
+        assert dask_summary["collections"]["photos"]["images"][key] == summary["collections"]["photos"]["images"][key]
+    assert dask_summary["image_backbone"] == summary["image_backbone"]
+    direct, dask = (StagedDataset(o).load_images(collection="photos") for o in (out, dask_out))
+    np.testing.assert_array_equal(direct.item_ids, dask.item_ids)
+    np.testing.assert_allclose(direct.features, dask.features, atol=1e-4)
