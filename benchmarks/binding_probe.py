@@ -43,16 +43,14 @@ import numpy as np
 import pandas as pd
 import torch
 
-from benchmarks.family_probe import sampled_captions
+from benchmarks.family_probe import ProbeInputs, sampled_captions
 from retrieval_core.cli import (
-    CONTEXT_SETTINGS,
     apply_device_and_threads,
     batch_size_option,
-    check_options,
     cli_errors,
     option,
+    plan_command,
     plan_from_cli,
-    plan_options,
     threads_option,
 )
 from retrieval_core.data.manifest import load_manifest
@@ -269,12 +267,9 @@ def probe(staged: StagedDataset, spec: SyntheticSpec, model: VLRetrievalModel, f
     return pd.DataFrame(rows)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)  # kw_only: required options may follow optional ones
-class BindingProbePlan:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BindingProbePlan(ProbeInputs):
     """The probe's options, each a typed field (checked when built)."""
-    staged: str = option(help="A staged synthetic collection (pipelines.stage).")
-    manifest: str = option(help="The manifest it was staged from (its generator settings).")
-    collection: Optional[str] = option(None, help="Collection [the manifest's query collection].")
     model: str = option(help="Model folder whose cross-encoder is probed.")
     fit_split: str = option("train", help="Split whose tokens fit the probes.")
     split: str = option("dev", help="Split whose tokens score them.")
@@ -283,12 +278,8 @@ class BindingProbePlan:
     batch_size: int = batch_size_option(64)
     threads: Optional[int] = threads_option()
 
-    def __post_init__(self):
-        check_options(self)
 
-
-@click.command(context_settings=CONTEXT_SETTINGS)
-@plan_options(BindingProbePlan)
+@plan_command(BindingProbePlan)
 def main(**values) -> None:
     """Per layer: does a caption's noun, and a focus region inside the CE, keep its own colour, and does the noun
     read its object's colour from the image? (CPU: a few thousand captions.)"""

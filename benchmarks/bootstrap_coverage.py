@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import click
 import numpy as np
 
-from retrieval_core.cli import CONTEXT_SETTINGS, check_options, option, plan_from_cli, plan_options
+from retrieval_core.cli import CheckedPlan, option, plan_command, plan_from_cli
 from retrieval_core.evaluation.metrics import DirectionHits
 from retrieval_core.evaluation.stats import Bootstrap, difference_intervals, recall_intervals
 
@@ -61,7 +61,7 @@ def coverage(pop: Population, n: int, trials: int, resamples: int, seed: int) ->
 
 
 @dataclass(frozen=True)
-class CoveragePlan:
+class CoveragePlan(CheckedPlan):
     """The simulation's options, each a typed field (checked when built)."""
     trials: int = option(1000, type=click.IntRange(min=10))
     queries: tuple[int, ...] = option((20, 100, 500, 2500), sep=",", help="Query counts, comma-separated.")
@@ -69,7 +69,7 @@ class CoveragePlan:
     seed: int = option(0, type=click.IntRange(min=0))
 
     def __post_init__(self):
-        check_options(self)
+        super().__post_init__()
         text = ",".join(map(str, self.queries))
         try:
             sizes = tuple(int(x) for x in self.queries)
@@ -80,8 +80,7 @@ class CoveragePlan:
         object.__setattr__(self, "queries", sizes)
 
 
-@click.command(context_settings=CONTEXT_SETTINGS)
-@plan_options(CoveragePlan)
+@plan_command(CoveragePlan)
 def main(**values) -> None:
     """Coverage of the 95 % bootstrap intervals of R@1 and of a paired difference, by simulation."""
     try:

@@ -34,7 +34,7 @@ from pipelines.beam_kit import BEAM_CLI_CONTEXT, check_beam_flags
 from pipelines.build_index.plan import IndexPlan
 from pipelines.encode.plan import EncodePlan
 from pipelines.rerank.plan import RerankPlan
-from retrieval_core.cli import check_options, cli_errors, option, plan_from_cli, plan_options, to_argv
+from retrieval_core.cli import CheckedPlan, cli_errors, option, plan_command, plan_from_cli, to_argv
 from retrieval_core.evaluation.runs import read_run_manifest
 from retrieval_core.evaluation.stats import Bootstrap, verdict
 
@@ -211,7 +211,7 @@ def _difference(r: dict) -> str:
 
 
 @dataclass(frozen=True)
-class DemoPlan:
+class DemoPlan(CheckedPlan):
     """The demo's options, each a typed field (checked when built)."""
     k: int = option(10, help="Rerank depth (the paper's k: 10 or 20).")
     queries: int = option(500, type=click.IntRange(min=0),
@@ -225,12 +225,8 @@ class DemoPlan:
                                       "(EfficientNet-Lite0 grid regions; outputs under <demo>/demo-pixels), "
                                       "to set beside the region-feature demo's table.")
 
-    def __post_init__(self):
-        check_options(self)
 
-
-@click.command(context_settings=BEAM_CLI_CONTEXT)
-@plan_options(DemoPlan)
+@plan_command(DemoPlan, **BEAM_CLI_CONTEXT)
 @click.pass_context
 def main(ctx: click.Context, **values) -> None:
     """Run the whole retrieve-and-rerank demo on the embedded synthetic default. Extra --flags go to Beam."""

@@ -47,7 +47,7 @@ import click
 import pandas as pd
 
 from pipelines.files import BEAM_FILES, exists, join, makedirs, read_bytes, write_atomic, write_json_atomic
-from retrieval_core.cli import CONTEXT_SETTINGS, check_options, cli_errors, option, plan_from_cli, plan_options
+from retrieval_core.cli import CheckedPlan, cli_errors, option, plan_command, plan_from_cli
 from retrieval_core.evaluation.metrics import DEFAULT_KS, DIRECTIONS
 from retrieval_core.evaluation.runs import LoadedRun, RunError, mode_label
 from retrieval_core.evaluation.stats import (
@@ -206,7 +206,7 @@ def parse_tags(tags: Sequence[str]) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------------------ CLI
 @dataclass(frozen=True)
-class EvaluatePlan:
+class EvaluatePlan(CheckedPlan):
     """One evaluation, every option a typed field (checked when built); what the demo launches (``to_argv``)."""
     rankings: str = option(help="A pipelines.rerank run: its directory or its rankings/ dir.")
     staged: str = option(help="Staged dataset directory (gold labels).")
@@ -245,12 +245,8 @@ class EvaluatePlan:
                             help="Bootstrap resamples of the queries behind each 95 % interval.")
     seed: int = option(DEFAULT_SEED, type=click.IntRange(min=0), help="Seed of the bootstrap resampling.")
 
-    def __post_init__(self):
-        check_options(self)
 
-
-@click.command(context_settings=CONTEXT_SETTINGS)
-@plan_options(EvaluatePlan)
+@plan_command(EvaluatePlan)
 def main(**values):
     """Recall@1/5/10 and mR of a rankings run with 95 % bootstrap intervals, for its own or a re-derived mode, k
     and lam; with --against-mode / --against, the paired difference to another ranking of the same queries."""

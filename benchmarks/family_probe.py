@@ -35,15 +35,14 @@ import numpy as np
 import pandas as pd
 
 from retrieval_core.cli import (
-    CONTEXT_SETTINGS,
+    CheckedPlan,
     apply_device_and_threads,
     batch_size_option,
-    check_options,
     cli_errors,
     device_option,
     option,
+    plan_command,
     plan_from_cli,
-    plan_options,
     threads_option,
 )
 from retrieval_core.data.manifest import load_manifest
@@ -147,11 +146,16 @@ def summary_table(rows: pd.DataFrame) -> str:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)  # kw_only: required options may follow optional ones
-class FamilyProbePlan:
-    """The probe's options, each a typed field (checked when built)."""
+class ProbeInputs(CheckedPlan):
+    """What every probe of a synthetic collection reads (the probes' plans add their own options)."""
     staged: str = option(help="Staged synthetic collection (pipelines.stage output).")
     manifest: str = option(help="The manifest it was staged from (name or path).")
     collection: Optional[str] = option(None, help="Synthetic collection [the manifest's query collection].")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FamilyProbePlan(ProbeInputs):
+    """The probe's options, each a typed field (checked when built)."""
     model: str = option(help="Bi-encoder model folder (also the CE unless --ce-model).")
     ce_model: Optional[str] = option(None, help="Cross-encoder model folder (SEP) [--model].")
     split: str = option("test")
@@ -161,12 +165,8 @@ class FamilyProbePlan:
     device: str = device_option()
     threads: Optional[int] = threads_option()
 
-    def __post_init__(self):
-        check_options(self)
 
-
-@click.command(context_settings=CONTEXT_SETTINGS)
-@plan_options(FamilyProbePlan)
+@plan_command(FamilyProbePlan)
 def main(**values) -> None:
     """Within-family accuracy of the BE and the CE, by the kind of difference (synthetic collections only)."""
     with cli_errors(KeyError):  # bad manifest, staged dir, model folder or collection: one line, exit 1

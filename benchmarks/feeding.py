@@ -36,15 +36,14 @@ import torch
 from benchmarks.report import cpu_model, write_csv
 from pipelines.handlers import TASK_EMBED_IMAGE, TASK_EMBED_TEXT, TASK_SCORE_PAIRS, VLModelHandler, element_length
 from retrieval_core.cli import (
-    CONTEXT_SETTINGS,
+    CheckedPlan,
     apply_device_and_threads,
     batch_size_option,
-    check_options,
     cli_errors,
     device_option,
     option,
+    plan_command,
     plan_from_cli,
-    plan_options,
     threads_option,
 )
 from retrieval_core.data.synthetic.collection import synthetic_collection
@@ -194,7 +193,7 @@ def environment(device: torch.device, threads: Optional[int]) -> dict:
 
 
 @dataclass(frozen=True)
-class FeedingPlan:
+class FeedingPlan(CheckedPlan):
     """The measurement's options, each a typed field (checked when built)."""
     size: str = option("demo", type=click.Choice(sorted(SIZES)), help="Model shape.")
     items: int = option(5000, type=click.IntRange(min=1), help="CE pairs, images and captions per task.")
@@ -207,12 +206,8 @@ class FeedingPlan:
     workdir: str = option("runs/feeding", help="Where the model folder is written.")
     output: Optional[str] = option(None, help="CSV to write (report.CSV_COLUMNS) [print only].")
 
-    def __post_init__(self):
-        check_options(self)
 
-
-@click.command(context_settings=CONTEXT_SETTINGS)
-@plan_options(FeedingPlan)
+@plan_command(FeedingPlan)
 def main(**values) -> None:
     """Job path, library loop and model alone on the same batches (module docstring)."""
     with cli_errors():

@@ -36,14 +36,13 @@ import torch
 from benchmarks import feeding
 from benchmarks.report import write_csv
 from retrieval_core.cli import (
-    CONTEXT_SETTINGS,
+    CheckedPlan,
     batch_size_option,
-    check_options,
     cli_errors,
     device_option,
     option,
+    plan_command,
     plan_from_cli,
-    plan_options,
     threads_option,
 )
 
@@ -256,7 +255,7 @@ def verdicts(device: str, rows: list[dict], info: dict, co_s: Optional[float]) -
 
 
 @dataclass(frozen=True)
-class GpuPipelinesPlan:
+class GpuPipelinesPlan(CheckedPlan):
     """The run's options, each a typed field (checked when built)."""
     device: str = device_option("cuda")
     out: str = option("runs/gpu_pipelines", help="Work folder; pipeline_rows.csv.")
@@ -273,12 +272,8 @@ class GpuPipelinesPlan:
     threads: Optional[int] = threads_option()
     tiny: bool = option(False, help="The test suite's size: small steps everywhere (seconds on a CPU).")
 
-    def __post_init__(self):
-        check_options(self)
 
-
-@click.command(context_settings=CONTEXT_SETTINGS)
-@plan_options(GpuPipelinesPlan)
+@plan_command(GpuPipelinesPlan)
 def main(**values) -> None:
     """Stage -> train -> encode -> build_index -> rerank -> evaluate, feeding rows, a 5k CO; verdicts."""
     with cli_errors():

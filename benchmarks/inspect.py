@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from pipelines.files import BEAM_FILES, write_atomic
-from retrieval_core.cli import CONTEXT_SETTINGS, check_options, cli_errors, option, plan_from_cli, plan_options
+from retrieval_core.cli import CheckedPlan, cli_errors, option, plan_command, plan_from_cli
 from retrieval_core.data import schema
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.synthetic.scenes import describe_scene
@@ -412,7 +412,7 @@ def inspect(rankings: str, staged: str, output: str, *, against: Optional[str] =
 
 
 @dataclass(frozen=True, kw_only=True)  # kw_only: required options may follow optional ones
-class InspectPlan:
+class InspectPlan(CheckedPlan):
     """One inspection page, every option a typed field (checked when built); what the demo launches."""
     rankings: str = option(help="Run A: a pipelines.rerank run (its dir or its rankings/ dir).")
     against: Optional[str] = option(None, help="Run B [the same run as --rankings].")
@@ -433,12 +433,8 @@ class InspectPlan:
                             help="Queries shown per direction and group (improved / hurt / moved).")
     show: int = option(10, type=click.IntRange(min=1), help="Rows shown per list.")
 
-    def __post_init__(self):
-        check_options(self)
 
-
-@click.command(context_settings=CONTEXT_SETTINGS)
-@plan_options(InspectPlan)
+@plan_command(InspectPlan)
 def main(**values):
     """One HTML page: where two rankings of the same queries differ, and where the gold item went."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -31,15 +31,14 @@ from benchmarks.family_probe import probe
 from benchmarks.report.plots import _pyplot
 from pipelines.files import write_atomic
 from retrieval_core.cli import (
-    CONTEXT_SETTINGS,
+    CheckedPlan,
     apply_device_and_threads,
     batch_size_option,
-    check_options,
     cli_errors,
     device_option,
     option,
+    plan_command,
     plan_from_cli,
-    plan_options,
     threads_option,
 )
 from retrieval_core.data.manifest import load_manifest
@@ -149,7 +148,7 @@ def _run_spec(value: str) -> tuple[str, str]:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)  # kw_only: required options may follow optional ones
-class CurvesPlan:
+class CurvesPlan(CheckedPlan):
     """The learning curves' options, each a typed field (checked when built)."""
     run: tuple[str, ...] = option(multiple=True, metavar="LABEL=TRAIN_DIR",
                                   help="A retrieval_core.training.train output folder and its label in the curves "
@@ -166,15 +165,14 @@ class CurvesPlan:
     threads: Optional[int] = threads_option()
 
     def __post_init__(self):
-        check_options(self)
+        super().__post_init__()
         if not self.run:
             raise ValueError("give at least one --run LABEL=TRAIN_DIR")
         if bool(self.staged) != bool(self.manifest):
             raise ValueError("--staged and --manifest go together (the probe needs both)")
 
 
-@click.command(context_settings=CONTEXT_SETTINGS)
-@plan_options(CurvesPlan)
+@plan_command(CurvesPlan)
 def main(**values) -> None:
     """Learning curves of training runs: losses, minings and dev evaluations from their logs, and the
     within-family probe of every model they kept."""

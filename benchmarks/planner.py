@@ -18,7 +18,7 @@ from pipelines.build_index.plan import IndexPlan
 from pipelines.encode.plan import EncodePlan
 from pipelines.rerank.plan import RerankPlan
 from pipelines.stage.plan import StagePlan
-from retrieval_core.cli import batch_size_option, check_options, derived, device_option, option, threads_option
+from retrieval_core.cli import CheckedPlan, batch_size_option, derived, device_option, option, threads_option
 from retrieval_core.data import schema
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.schema import DIRECTION_I2T, DIRECTION_T2I
@@ -71,7 +71,7 @@ ANN_KINDS = ("IVF-Flat", "IVF-SQ8", "HNSW32")
 
 
 @dataclass(frozen=True, kw_only=True)  # kw_only: the required --suite may come first, the resolved fields last
-class SuiteConfig:
+class SuiteConfig(CheckedPlan):
     """A suite run, typed: every option of ``python -m benchmarks.run`` is a field (the CLI is built from them),
     checked when built; ``models`` and ``feature_dim`` are resolved from the options when the suite runs."""
     suite: str = option(type=click.Choice(SUITES), help="Which benchmark suite to run.")
@@ -131,7 +131,7 @@ class SuiteConfig:
     def __post_init__(self) -> None:
         if self.suite not in SUITES:
             raise ValueError(f"unknown suite {self.suite!r} (known: {', '.join(SUITES)})")
-        check_options(self)
+        super().__post_init__()
         need = "distinct non-negative seeds"
         object.__setattr__(self, "model_seeds", _ints("--model-seed", self.model_seeds, "seeds", need, minimum=0))
         if len(set(self.model_seeds)) != len(self.model_seeds):

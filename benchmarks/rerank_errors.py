@@ -23,7 +23,7 @@ import pandas as pd
 
 from benchmarks.family_probe import _difference
 from pipelines.files import BEAM_FILES, write_atomic
-from retrieval_core.cli import CONTEXT_SETTINGS, check_options, cli_errors, option, plan_from_cli, plan_options
+from retrieval_core.cli import CheckedPlan, cli_errors, option, plan_command, plan_from_cli
 from retrieval_core.data import schema
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.synthetic.scenes import describe_scene
@@ -111,7 +111,7 @@ def analyse(run: LoadedRun, spec: SyntheticSpec, modes: tuple[str, ...], k: Opti
 
 
 @dataclass(frozen=True, kw_only=True)  # kw_only: required options may follow optional ones
-class RerankErrorsPlan:
+class RerankErrorsPlan(CheckedPlan):
     """The analysis's options, each a typed field (checked when built)."""
     rankings: str = option(help="A pipelines.rerank run with CE scores (its dir).")
     staged: str = option(help="Its staged folder (a synthetic collection).")
@@ -121,12 +121,8 @@ class RerankErrorsPlan:
     k: Optional[int] = option(None, type=click.IntRange(min=1), help="Rerank depth [the run's].")
     output: str = option(help="Folder for rerank_errors.csv and rerank_flips.csv.")
 
-    def __post_init__(self):
-        check_options(self)
 
-
-@click.command(context_settings=CONTEXT_SETTINGS)
-@plan_options(RerankErrorsPlan)
+@plan_command(RerankErrorsPlan)
 def main(**values):
     """Classify the first places of each ranking of a run: correct, a sibling (by change), another scene."""
     with cli_errors(RunError):

@@ -28,9 +28,9 @@ import torch
 from benchmarks.report import cpu_model, provenance, write_csv
 from retrieval_core.cli import (
     CONTEXT_SETTINGS,
+    CheckedPlan,
     apply_device_and_threads,
     batch_size_option,
-    check_options,
     cli_errors,
     device_option,
     option,
@@ -396,7 +396,7 @@ def main() -> None:
 
 
 @dataclass(frozen=True)
-class BackbonePlan:
+class BackbonePlan(CheckedPlan):
     """write-backbone's option."""
     output: str = option(help="Folder to write: a plain HF BERT folder (fp16) + recipes.json.")
 
@@ -427,7 +427,7 @@ def write_backbone(**values) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)  # kw_only: the required --backbone may come first
-class MeasurePlan:
+class MeasurePlan(CheckedPlan):
     """measure's options, each a typed field (checked when built)."""
     backbone: str = option(help="A write-backbone folder (plain BERT weights + recipes.json).")
     device: str = device_option()
@@ -441,9 +441,6 @@ class MeasurePlan:
     other_attention: bool = option(False, help="Also each float variant with the other attention kernel (eager or "
                                                "sdpa).")
     output: Optional[str] = option(None, help="CSV to write (report.CSV_COLUMNS) [print only].")
-
-    def __post_init__(self):
-        check_options(self)
 
 
 @main.command("measure", context_settings=CONTEXT_SETTINGS)

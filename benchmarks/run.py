@@ -50,7 +50,7 @@ from benchmarks.planner import Models, Plan, SuiteConfig, model_feature_dim
 from benchmarks.rows import RowHits, ce_pairs_scored, evaluate_row
 from pipelines import demo_assets
 from pipelines.beam_kit import UnknownFlagError, unknown_beam_flags
-from retrieval_core.cli import CONTEXT_SETTINGS, plan_from_cli, plan_options
+from retrieval_core.cli import plan_command, plan_from_cli
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model import baseline as bl
@@ -193,8 +193,7 @@ def plan_costs(plan_jobs: Sequence[jobs.Job], cfg: SuiteConfig) -> jobs.UnitCost
     return costs
 
 
-@click.command(context_settings=dict(ignore_unknown_options=True, allow_extra_args=True, **CONTEXT_SETTINGS))
-@plan_options(SuiteConfig)
+@plan_command(SuiteConfig, ignore_unknown_options=True, allow_extra_args=True)
 @click.pass_context
 def main(ctx, **values):
     """Run one benchmark suite through the pipeline jobs and write <output>/<suite>.csv plus a summary.

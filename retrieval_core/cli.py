@@ -214,6 +214,14 @@ def check_options(plan) -> None:
         object.__setattr__(plan, f.name, value)
 
 
+class CheckedPlan:
+    """Base of a plan checked by its options' click types when built (:func:`check_options`); a plan with checks
+    of its own calls ``super().__post_init__()`` first."""
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
 def _default(f: dataclasses.Field):
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
@@ -249,6 +257,13 @@ def plan_options(cls: type) -> Callable:
             kw["type"] = fl.type if fl.type is not None else (type(default) if typed else str)
             command = click.option(fl.flag(f.name), f.name, required=required, **kw)(command)
         return command
+    return decorate
+
+
+def plan_command(cls: type, **context_settings) -> Callable:
+    """``@click.command`` whose options are the fields of ``cls`` (:func:`plan_options`); ``-h`` is ``--help``."""
+    def decorate(f: Callable) -> click.Command:
+        return click.command(context_settings={**CONTEXT_SETTINGS, **context_settings})(plan_options(cls)(f))
     return decorate
 
 

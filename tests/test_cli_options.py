@@ -37,7 +37,7 @@ def _cli_modules() -> list[str]:
     """Every module that defines a click command or group (its __main__ modules' commands live beside them)."""
     mods = []
     for rel, text in _sources().items():
-        if re.search(r"@(click|main)\.(command|group)\b", text) and not rel.endswith("__main__.py") \
+        if re.search(r"@((click|main)\.(command|group)|plan_command)\b", text) and not rel.endswith("__main__.py") \
                 or rel.endswith(os.path.join("report", "__main__.py")):
             mods.append(rel[:-3].replace(os.sep, "."))
     return sorted(mods)

@@ -9,28 +9,22 @@ import click
 from benchmarks.report import published
 from benchmarks.report.schema import read_csv
 from benchmarks.report.tables import memory_table_from, recall_table
-from retrieval_core.cli import CONTEXT_SETTINGS, check_options, cli_errors, option, plan_from_cli, plan_options
+from retrieval_core.cli import CONTEXT_SETTINGS, CheckedPlan, cli_errors, option, plan_from_cli, plan_options
 
 _DIR = click.Path(exists=True, file_okay=False)
 
 
 @dataclass(frozen=True)
-class MemoryTablePlan:
+class MemoryTablePlan(CheckedPlan):
     """memory-table's arguments (checked when built)."""
     output_dir: str = option(type=_DIR, argument=True)
     remeasured_dirs: tuple[str, ...] = option((), type=_DIR, argument=True, multiple=True)
 
-    def __post_init__(self):
-        check_options(self)
-
 
 @dataclass(frozen=True)
-class RecallTablePlan:
+class RecallTablePlan(CheckedPlan):
     """recall-table's argument (checked when built)."""
     csv_path: str = option(type=click.Path(exists=True, dir_okay=False), argument=True)
-
-    def __post_init__(self):
-        check_options(self)
 
 
 @click.group(context_settings=CONTEXT_SETTINGS)
