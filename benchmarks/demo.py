@@ -25,11 +25,10 @@ from typing import Optional
 import click
 import pandas as pd
 
-from benchmarks import report
+from benchmarks import launch, report
 from benchmarks.evaluate import EvaluatePlan, csv_rows, evaluate_ranking
 from benchmarks.inspect import InspectPlan
 from benchmarks.queries import QueriesPlan
-from pipelines import demo_assets, launch
 from pipelines.beam_kit import BEAM_CLI_CONTEXT, check_beam_flags
 from pipelines.build_index.plan import IndexPlan
 from pipelines.encode.plan import EncodePlan
@@ -37,6 +36,7 @@ from pipelines.rerank.plan import RerankPlan
 from retrieval_core.cli import CheckedPlan, cli_errors, option, plan_command, plan_from_cli, to_argv
 from retrieval_core.evaluation.runs import read_run_manifest
 from retrieval_core.evaluation.stats import Bootstrap, verdict
+from retrieval_core.training import cache, recipes
 
 #: The demo's table in the suites' CSV schema (benchmarks.report), beside metrics.csv in <demo>/results.
 DEMO_CSV = "demo.csv"
@@ -49,29 +49,29 @@ def _run(module: str, plan, beam_args: tuple[str, ...] = ()) -> float:
     args = [sys.executable, "-m", module, *to_argv(plan), *beam_args]
     print("+ " + " ".join(args), flush=True)
     t0 = time.time()
-    launch.run_module(args)  # forked from the preloaded interpreter (pipelines.launch): no imports per step
+    launch.run_module(args)  # forked from the preloaded interpreter (benchmarks.launch): no imports per step
     return time.time() - t0
 
 
 def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 500, seed: int = 0,
-             recipe: demo_assets.Recipe = demo_assets.DEMO_RECIPE) -> pd.DataFrame:
+             recipe: recipes.Recipe = recipes.DEMO_RECIPE) -> pd.DataFrame:
     t_start = time.time()
     # another training seed's models and outputs live apart; the staged collection is shared
-    root = demo_assets.demo_dir() if seed == 0 else os.path.join(demo_assets.demo_dir(), f"seed{seed}")
-    if recipe != demo_assets.DEMO_RECIPE:  # the pixel demo's models and outputs live apart
+    root = recipes.demo_dir() if seed == 0 else os.path.join(recipes.demo_dir(), f"seed{seed}")
+    if recipe != recipes.DEMO_RECIPE:  # the pixel demo's models and outputs live apart
         root = os.path.join(root, recipe.name)
     timings: dict[str, float] = {}
 
     t0 = time.time()
-    staged = demo_assets.ensure_staged(beam_args, recipe.manifest)
+    staged = cache.ensure_staged(beam_args, recipe.manifest, run=launch.run_module)
     timings["stage"] = time.time() - t0
     t0 = time.time()
-    trained = demo_assets.ensure_models(recipe, seed, sep=False, beam_args=beam_args)
+    trained = cache.ensure_models(recipe, seed, sep=False, beam_args=beam_args, run=launch.run_module)
     timings["train JOIN"] = time.time() - t0
     models = {"JOIN": trained.join}
     if with_sep:
         t0 = time.time()
-        trained = demo_assets.ensure_models(recipe, seed, sep=True, beam_args=beam_args)
+        trained = cache.ensure_models(recipe, seed, sep=True, beam_args=beam_args, run=launch.run_module)
         models["SEP-BE"], models["SEP-CE"] = trained.be, trained.ce
         timings["train SEP"] = time.time() - t0
 
@@ -85,7 +85,7 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
     query_file = None
     if queries:  # the CE cost is queries x k pairs: one caption per image keeps the demo within 10 minutes
         query_dir = os.path.join(root, f"queries-test-{queries}")
-        _run("benchmarks.queries", QueriesPlan(staged=staged, collection=demo_assets.DEMO_MANIFEST, split="test",
+        _run("benchmarks.queries", QueriesPlan(staged=staged, collection=recipes.DEMO_MANIFEST, split="test",
                                                output=query_dir, scale=queries))
         query_file = os.path.join(query_dir, "queries.parquet")
     for family, be, ce in runs:
@@ -119,7 +119,7 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
                      for r in table_rows(out, staged, mode, k if mode else None, model, row_label, against)]
 
     table = pd.DataFrame(rows)
-    what = "demo scenes drawn as pictures, staged from pixels" if recipe == demo_assets.PIXELS_RECIPE \
+    what = "demo scenes drawn as pictures, staged from pixels" if recipe == recipes.PIXELS_RECIPE \
         else "synthetic demo collection"
     print(f"\nDemo results ({what}, test split; recall in %, convention: "
           "docs/CONVENTIONS.md#the-recall-convention; "
@@ -235,7 +235,7 @@ def main(ctx: click.Context, **values) -> None:
         plan = plan_from_cli(DemoPlan, values)
     try:
         run_demo(plan.k, plan.with_sep, tuple(ctx.args), plan.queries, plan.seed,
-                 demo_assets.PIXELS_RECIPE if plan.pixels else demo_assets.DEMO_RECIPE)
+                 recipes.PIXELS_RECIPE if plan.pixels else recipes.DEMO_RECIPE)
     except subprocess.CalledProcessError as exc:
         raise SystemExit(f"demo step failed (exit {exc.returncode}): {' '.join(map(str, exc.cmd))}")
 

@@ -1,7 +1,7 @@
 """Benchmark steps as pipeline jobs: plan a list of :class:`Job` s, print it, run it, reuse finished ones.
 
 A job is ``python -m <module> <args> <the user's Beam args>``: the same command a user would type, run as a
-child process (``pipelines.launch``: a fresh interpreter, or forked from a forkserver that preloaded Beam, torch
+child process (``benchmarks.launch``: a fresh interpreter, or forked from a forkserver that preloaded Beam, torch
 and the pipelines, 3-6 s less per job on 2 cores) whose output is streamed with a prefix. For every job the runner
 records its wall time and the peak RSS of the child (``os.wait4``'s ``ru_maxrss``, KiB on Linux; it covers the
 child and the processes it waited for, e.g. DirectRunner's multi-processing workers, not Dask or Dataflow workers
@@ -27,15 +27,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from benchmarks import launch
 from benchmarks.queries import QueriesPlan
-from pipelines import launch
 from pipelines.build_index.plan import IndexPlan
 from pipelines.encode.plan import EncodePlan
-from pipelines.files import folder_sha256, write_json_atomic
+from pipelines.files import write_json_atomic
 from pipelines.rerank.plan import RerankPlan
 from pipelines.stage.plan import StagePlan
 from retrieval_core.cli import to_argv
-from retrieval_core.data.paths import local_sha256
+from retrieval_core.data.paths import local_folder_sha256, local_sha256
 
 #: What a job's work is measured in, for cost estimates (``UnitCosts``).
 UNITS = ("stage_records", "images_encoded", "captions_encoded", "ce_pairs")
@@ -55,10 +55,10 @@ PLAN_MODULES = {StagePlan: "pipelines.stage", EncodePlan: "pipelines.encode", In
 
 
 def source_digest(roots: Sequence[str]) -> str:
-    """sha256 over the .py files under ``roots`` (each root's name, then its ``files.folder_sha256``)."""
+    """sha256 over the .py files under ``roots`` (each root's name, then its ``local_folder_sha256``)."""
     h = hashlib.sha256()
     for root in roots:
-        h.update(os.path.basename(os.path.normpath(root)).encode() + b"\0" + folder_sha256(root, ".py").encode())
+        h.update(os.path.basename(os.path.normpath(root)).encode() + b"\0" + local_folder_sha256(root, ".py").encode())
     return h.hexdigest()
 
 

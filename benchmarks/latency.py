@@ -49,7 +49,6 @@ from benchmarks.roofline import UnitBench, measure_unit_costs, roofline_rows, tr
 from benchmarks.rows import evaluate_row
 from benchmarks.suites import MODE_LABELS
 from pipelines.beam_kit import pipeline_options, runner_name
-from pipelines.demo_assets import BENCH_RECIPE, DEMO_RECIPE
 from pipelines.encode.plan import EncodePlan
 from pipelines.encode.run import run as run_encode
 from retrieval_core.data.store import StagedDataset
@@ -60,6 +59,7 @@ from retrieval_core.model.quantize import quantize_model
 from retrieval_core.search import exact, index_choice, rerank
 from retrieval_core.search import index as rindex
 from retrieval_core.search.index_choice import ivf_nlist
+from retrieval_core.training.recipes import BENCH_RECIPE, DEMO_RECIPE
 
 EVAL_CAPTIONS_PER_IMAGE = 5
 

@@ -81,7 +81,7 @@ class SuiteConfig(CheckedPlan):
     ce_dir: Optional[str] = option(None, name="--ce-model",
                                    help="SEP cross-encoder model folder [the recipe's SEP CE].")
     recipe: str = option("bench", type=click.Choice(["bench", "demo"]),
-                         help="Which cached recipe trains the models not given (pipelines.demo_assets: the "
+                         help="Which cached recipe trains the models not given (retrieval_core.training.recipes: the "
                               "benchmark recipe, or the demo's).")
     model_seeds: tuple[int, ...] = option((0,), name="--model-seed", sep=",", metavar="N[,N...]",
                                           help="Training seed(s) of the recipe's models (cached per seed). Several: "

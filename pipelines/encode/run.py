@@ -17,7 +17,7 @@ import click
 import torch
 from apache_beam.metrics.metric import MetricsFilter
 
-from pipelines import beam_kit, demo_assets, files
+from pipelines import beam_kit, files
 from pipelines.encode.graph import METRICS_NAMESPACE, MODALITY_TASK, build_graph
 from pipelines.encode.plan import (
     EncodeError,
@@ -36,6 +36,7 @@ from retrieval_core.data.outputs import holds_output
 from retrieval_core.data.pixels.backbone import FeatureSourceError
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.search import embeddings
+from retrieval_core.training import cache, recipes
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +211,8 @@ def main(ctx, **values):
         raise click.UsageError("pass both --staged and --model, or neither (the embedded demo)")
     beam_kit.check_beam_flags(beam_args)  # an unknown flag is an error before the demo assets are built
     if values["staged"] is None:
-        values["staged"], values["model"] = demo_assets.ensure_demo_assets(beam_args)
-        values["output"] = values["output"] or os.path.join(demo_assets.demo_dir(), "embeddings")
+        values["staged"], values["model"] = cache.ensure_demo_assets(beam_args)
+        values["output"] = values["output"] or os.path.join(recipes.demo_dir(), "embeddings")
     if values["output"] is None:
         raise click.UsageError("--output is required with --staged/--model")
     with cli_errors(EncodeError, memory_options=("--batch-size",)):

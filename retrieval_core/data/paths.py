@@ -129,3 +129,24 @@ def local_sha256(path: str) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def local_folder_sha256(folder: str, suffix: str = "") -> str:
+    """sha256 over a local folder's files ending in ``suffix`` (relative names and bytes; ``__pycache__``
+    skipped): what a cached output was built from (a base checkpoint, the code of a job)."""
+    h = hashlib.sha256()
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")  # os.walk follows this order
+        for name in sorted(n for n in names if n.endswith(suffix)):
+            path = os.path.join(root, name)
+            h.update(os.path.relpath(path, folder).encode("utf-8") + b"\0")
+            h.update(local_sha256(path).encode("ascii"))
+    return h.hexdigest()
+
+
+def write_local_atomic(path: str, data: bytes) -> None:
+    """Write a local file through a temporary name and a rename: a killed process never leaves half a file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

@@ -24,7 +24,7 @@ from typing import Optional
 
 import numpy as np
 
-from retrieval_core.data.paths import is_url, join_path
+from retrieval_core.data.paths import is_url, join_path, write_local_atomic
 from retrieval_core.data.store import StagedDataError, StagedDataset
 from retrieval_core.model.collate import TOKEN_ID_DTYPE, TextCollator
 
@@ -118,7 +118,7 @@ def ensure_token_store(staged: StagedDataset, collator: TextCollator, log=None) 
     if not os.path.exists(meta_path):
         meta = {"version": STORE_VERSION, "fingerprint": fingerprint, "max_len": collator.max_len,
                 "tokenizer": type(collator.tokenizer).__name__}
-        _write_atomic(meta_path, json.dumps(meta, indent=2, sort_keys=True).encode("utf-8"))
+        write_local_atomic(meta_path, json.dumps(meta, indent=2, sort_keys=True).encode("utf-8"))
     store = TokenStore(staged, fingerprint)
     made = 0
     for rel in staged.shard_names("captions"):
@@ -134,15 +134,8 @@ def ensure_token_store(staged: StagedDataset, collator: TextCollator, log=None) 
         np.savez(buf, caption_id=table.column("caption_id").to_numpy().astype(np.int64), offsets=offsets,
                  ids=np.concatenate(ids) if ids else np.zeros(0, dtype=TOKEN_ID_DTYPE),
                  source_sha256=np.str_(staged.shard_sha256(rel)))
-        _write_atomic(path, buf.getvalue())
+        write_local_atomic(path, buf.getvalue())
         made += 1
     if log is not None and made:
         log(f"token ids: tokenised {made} caption shard(s) of {staged.root} once for tokenizer {fingerprint}")
     return store
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)

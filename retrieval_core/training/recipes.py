@@ -1,38 +1,20 @@
-"""The embedded default and the suites' models: the staged synthetic demo collection and the models a recipe
-trains on it, built on first use.
+"""The training recipes of the demo and the suites, and where their cached models live.
 
-`python -m pipelines.encode` with no --staged/--model, and `python -m benchmarks.demo`, call
-:func:`ensure_demo_assets`; `python -m benchmarks.run` calls :func:`ensure_models` with BENCH_RECIPE. A recipe
-(:class:`Recipe`) is typed: one ``training.config.TrainConfig`` per model it trains (JOIN, and the SEP pair:
-a bi-encoder, then a cross-encoder fine-tuned from that bi-encoder's checkpoint), run through the same
-``python -m retrieval_core.training.train``
-a user would run (a ``TrainPlan`` written back as its arguments), so what the
-demo does is exactly what docs/TRAINING.md shows. Caches: the staged collection and the demo models under
-``$RR_WORKDIR/demo`` (default ``./runs/demo``), the benchmark models under ``$RR_WORKDIR/bench-models/seed<N>``; a
-complete asset is reused, a missing or incomplete one is (re)built, and one built otherwise is rebuilt: the staged
-collection by another generator version (``demo/assets.json``), a model by another training command or staged
-content (its ``recipe.json``).
+A recipe (:class:`Recipe`) is typed: one ``training.config.TrainConfig`` per model it trains (JOIN, and the SEP
+pair: a bi-encoder, then a cross-encoder fine-tuned from that bi-encoder's checkpoint). :mod:`.cache` trains
+them on first use through the same ``python -m retrieval_core.training.train`` a user would run, so what the demo
+does is exactly what docs/TRAINING.md shows. Folders: the staged demo collection and the demo models under
+``$RR_WORKDIR/demo`` (default ``./runs/demo``), any other recipe's models under
+``$RR_WORKDIR/<recipe>-models/seed<N>``.
 """
 from __future__ import annotations
 
-import json
-import logging
 import os
-import shutil
-import sys
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from pipelines import files, launch
-from retrieval_core.cli import to_argv
-from retrieval_core.data.store import StagedDataset
-from retrieval_core.data.synthetic.spec import DEFAULT_SIBLING_CHANGES
-from retrieval_core.model.backbones import is_backbone_name
 from retrieval_core.model.network import ce_agreement_default
 from retrieval_core.training.config import TrainConfig
-from retrieval_core.training.train import TrainPlan
-
-log = logging.getLogger(__name__)
 
 DEMO_MANIFEST = "demo"
 
@@ -138,12 +120,6 @@ RENDERED_MANIFEST = "demo_rendered"
 PIXELS_RECIPE = replace(DEMO_RECIPE, name="demo-pixels", manifest=RENDERED_MANIFEST)
 RECIPES = {r.name: r for r in (DEMO_RECIPE, BENCH_RECIPE, *ML_RECIPES.values(), PIXELS_RECIPE)}
 
-# Bump when what the cached assets contain changes in a way the recipes do not show.
-ASSETS_VERSION = 5  # 3: fused AdamW, one dev evaluation; 4: length-chunked steps; 5: typed recipes
-# Write <model>/last every N steps so that a killed run resumes instead of restarting. Not part of the fingerprint:
-# a resumed run reproduces an uninterrupted one bit for bit (CPU), so it does not change what the cache holds.
-CHECKPOINT_EVERY = 85
-
 
 def workdir() -> str:
     return os.path.abspath(os.environ.get("RR_WORKDIR", "runs"))
@@ -178,130 +154,3 @@ def model_dirs(recipe: Recipe, seed: int = 0) -> ModelSet:
 def model_dir() -> str:
     """The demo JOIN model's training folder."""
     return model_dirs(DEMO_RECIPE).join
-
-
-def _run(args: list[str]) -> None:
-    log.info("running: %s", " ".join(args))
-    print("+ " + " ".join(args), flush=True)
-    launch.run_module(args)  # forked from the preloaded interpreter: no imports per step (docs/PERFORMANCE.md)
-
-
-def _stamp_matches(path: str, want: dict) -> bool:
-    try:
-        with open(path) as f:
-            return json.load(f) == want
-    except (OSError, ValueError):
-        return False
-
-
-def ensure_rendered() -> tuple[str, dict]:
-    """The demo collection drawn as PNGs with its captions (``$RR_WORKDIR/rendered/demo``): (the manifest that
-    stages them, the stamp it was drawn under); redrawn when the generator or the renderer changes."""
-    from retrieval_core.data.synthetic.render import RENDER_VERSION, RenderPlan
-
-    root = os.path.join(workdir(), "rendered", DEMO_MANIFEST)
-    stamp = os.path.join(root, "rendered.json")
-    want = {"assets_version": ASSETS_VERSION, "synthetic_sibling_changes": list(DEFAULT_SIBLING_CHANGES),
-            "render_version": RENDER_VERSION}
-    if not _stamp_matches(stamp, want):
-        shutil.rmtree(root, ignore_errors=True)
-        _run([sys.executable, "-m", "retrieval_core.data.synthetic.render",
-              *to_argv(RenderPlan(output=root, manifest=DEMO_MANIFEST))])
-        files.write_json_atomic(stamp, want)
-    return os.path.join(root, "manifest.yaml"), want
-
-
-def ensure_staged(beam_args: tuple[str, ...] = (), manifest: str = DEMO_MANIFEST) -> str:
-    """The staged demo collection (or another manifest's, under ``$RR_WORKDIR/staged/<manifest>``). Staged by
-    another generator version, it (and every model trained on it) is rebuilt: it would silently give other
-    numbers."""
-    root = demo_dir() if manifest == DEMO_MANIFEST else os.path.join(workdir(), "staged", manifest)
-    stamp = os.path.join(root, "assets.json")
-    want = {"assets_version": ASSETS_VERSION, "synthetic_sibling_changes": list(DEFAULT_SIBLING_CHANGES)}
-    source = manifest
-    if manifest == RENDERED_MANIFEST:  # its pictures first; redrawn ones are staged again
-        source, want["rendered"] = ensure_rendered()
-    if not _stamp_matches(stamp, want):
-        if os.path.isdir(root):
-            print(f"note: {root} was built by another generator or assets version: rebuilding it", flush=True)
-            shutil.rmtree(root)
-        os.makedirs(root)
-        files.write_json_atomic(stamp, want)
-    out = staged_dir() if manifest == DEMO_MANIFEST else os.path.join(root, "staged")
-    if os.path.exists(os.path.join(out, "summary.json")):
-        return out
-    _run([sys.executable, "-m", "pipelines.stage", "--manifest", source, "--output", out, *beam_args])
-    return out
-
-
-def trained_model_path(train_output: str) -> str:
-    """The trainer keeps the dev-best checkpoint in <output>/best."""
-    return os.path.join(train_output, "best")
-
-
-def training_finished(train_output: str, steps: int) -> bool:
-    """True once the trainer reached ``steps``: it writes ``last/`` at the final step, while ``best/`` already
-    exists after the first dev evaluation, so ``best/`` alone may be a half-trained model of a killed run."""
-    try:
-        with open(os.path.join(train_output, "last", "trainer_state.json")) as f:
-            return int(json.load(f)["step"]) >= steps
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
-def _ensure_trained(staged: str, out: str, cfg: TrainConfig, recipe: Recipe, base_model: Optional[str] = None) -> str:
-    """Trains one model into ``out`` unless a finished run of exactly this command on this staged content is there
-    (``out/recipe.json``); a folder trained otherwise is rebuilt, a killed run of this command resumes.
-    ``base_model``: a checkpoint to start from instead of the recipe's backbone (the SEP CE's is the SEP BE)."""
-    best = trained_model_path(out)
-    base_model = base_model or recipe.base_model
-    backbone = is_backbone_name(base_model)
-    plan = TrainPlan(staged=staged, output=out, config=cfg, base_model=base_model, manifest=recipe.manifest,
-                     max_regions=recipe.max_regions, languages=recipe.languages, ce_agreement=recipe.ce_agreement,
-                     halve_layers=backbone and recipe.halve_layers)  # a checkpoint brings its own layers
-    args = to_argv(plan)
-    ds = StagedDataset(staged)
-    content = {f"{kind}/{c}": ds.content_sha256(kind, c) for c in ds.collections for kind in ("images", "captions")}
-    want = {"assets_version": ASSETS_VERSION, "train_args": args, "staged": content}
-    if not backbone:  # a checkpoint (the SEP CE's is the SEP BE) retrained in place retrains this one
-        want["base_model_sha256"] = files.folder_sha256(base_model)
-    stamp = os.path.join(out, "recipe.json")
-    if _stamp_matches(stamp, want):
-        if training_finished(out, cfg.steps) and os.path.exists(os.path.join(best, "rr_model.json")):
-            return best
-    else:
-        if os.path.isdir(out):
-            print(f"note: {out} was trained by another recipe, seed or staged collection: retraining it", flush=True)
-            shutil.rmtree(out)
-        os.makedirs(out)
-        files.write_json_atomic(stamp, want)
-    resume = os.path.exists(os.path.join(out, "last", "trainer_state.json"))
-    # checkpoints let a killed run resume; not in the stamp: a resumed run reproduces an uninterrupted one (CPU)
-    run = replace(plan, config=replace(cfg, checkpoint_every=CHECKPOINT_EVERY), resume=resume)
-    _run([sys.executable, "-m", "retrieval_core.training.train", *to_argv(run)])
-    return best
-
-
-def ensure_models(recipe: Recipe = DEMO_RECIPE, seed: int = 0, sep: bool = False,
-                  beam_args: tuple[str, ...] = ()) -> ModelSet:
-    """The models of ``recipe`` at ``seed`` (the JOIN model; with ``sep`` the SEP pair too), training whichever
-    is missing on the staged demo collection (staged first if needed)."""
-    staged = ensure_staged(beam_args, recipe.manifest)
-    r, dirs = recipe.with_seed(seed), model_dirs(recipe, seed)
-    join = _ensure_trained(staged, dirs.join, r.join, r)
-    if not sep:
-        return ModelSet(join)
-    be = _ensure_trained(staged, dirs.be, r.sep_be, r)
-    ce_cfg = replace(r.sep_ce, mine_model=be) if r.sep_ce.mined_negative_prob else r.sep_ce
-    return ModelSet(join, be, _ensure_trained(staged, dirs.ce, ce_cfg, r, base_model=be))
-
-
-def ensure_model(staged: str) -> str:
-    """The demo JOIN model (trained on first use)."""
-    return _ensure_trained(staged, model_dir(), DEMO_RECIPE.join, DEMO_RECIPE)
-
-
-def ensure_demo_assets(beam_args: tuple[str, ...] = ()) -> tuple[str, str]:
-    """(staged_dir, model_dir) of the embedded default, building whichever is missing."""
-    staged = ensure_staged(beam_args)
-    return staged, ensure_model(staged)
