@@ -126,7 +126,7 @@ class Flag:
     type: Any = None  # a click type; default: the field default's type (str when None)
     off: Optional[str] = None  # a True-by-default bool: the switch that turns it off ("--no-amp")
     multiple: bool = False  # repeatable; the field is a tuple of the values
-    sep: Optional[str] = None  # a tuple written as one value joined by ``sep`` ("t2i,i2t")
+    sep: Optional[str] = None  # a tuple written as one value joined by ``sep`` ("t2i,i2t"); ``type``: of each item
     metavar: Optional[str] = None
     show_default: bool = True
     argument: bool = False  # positional (click.argument, named by the field in upper case); multiple: nargs=-1
@@ -255,6 +255,8 @@ def plan_options(cls: type) -> Callable:
                           show_default=fl.show_default and not required and default is not None)
             typed = default not in (None, dataclasses.MISSING) and not isinstance(default, tuple)
             kw["type"] = fl.type if fl.type is not None else (type(default) if typed else str)
+            if fl.sep:  # the joined text; its items are checked with ``type`` when the plan is built
+                kw["type"] = str
             command = click.option(fl.flag(f.name), f.name, required=required, **kw)(command)
         return command
     return decorate

@@ -4,10 +4,11 @@
     python scripts/perf_ab.py versions --base OLD_CHECKOUT --backbone B --data /tmp/ab --threads 2 --reps 3
     python scripts/perf_ab.py variants --backbone B --data /tmp/ab --threads 2 --reps 5
 
-``versions`` runs the same measurement (``rates``: CE pairs/s, BE captions/s and images/s, and JOIN steps of the
-demo recipe) in fresh processes, alternately under OLD_CHECKOUT's code (PYTHONPATH) and this checkout's, and
-prints each pair's ratio: the before/after of whole versions on one machine. It uses only APIs both versions
-have. ``variants`` compares, in one process on the same pre-collated batches, float32 with sdpa attention, with
+``versions`` runs the same measurement (``rates``, scripts/perf_rates.py: CE pairs/s, BE captions/s and
+images/s, and JOIN steps of the demo recipe) in fresh processes, alternately under OLD_CHECKOUT's code
+(PYTHONPATH) and this checkout's, and prints each pair's ratio: the before/after of whole versions on one
+machine. perf_rates uses only APIs both versions have. ``batches --thread-counts 1,2`` compares thread counts.
+``variants`` compares, in one process on the same pre-collated batches, float32 with sdpa attention, with
 eager attention, bf16 weights (--quantize bf16) and bf16 autocast (what --quantize bf16 ran before).
 """
 from __future__ import annotations
@@ -18,58 +19,75 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass
 
 import click
 import numpy as np
 import torch
+from perf_rates import load as _load
+from perf_rates import measure_rates
+from perf_rates import pairs as _pairs
+
+from retrieval_core.cli import CONTEXT_SETTINGS, CheckedPlan, option, plan_from_cli, plan_options, threads_option
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _load(backbone: str, data: str):
-    import pandas as pd
-
-    from retrieval_core.data.schema import ImageTable
-    from retrieval_core.model.checkpoints import from_text_backbone
-
-    spec = json.load(open(os.path.join(backbone, "recipes.json")))
-    arrays = np.load(os.path.join(data, "images.npz"))
-    images = ImageTable(arrays["item_ids"], arrays["offsets"], arrays["features"], arrays["boxes"], {})
-    captions = pd.read_json(os.path.join(data, "captions.json"), orient="records")
-    # the [CLS]-only CE head the documented A/B ratios were measured with (docs/PERFORMANCE.md)
-    model = from_text_backbone(backbone, int(arrays["features"].shape[1]), max_regions=int(spec["max_regions"]),
-                               ce_agreement="none")
-    return model, images, captions, spec
+@dataclass(frozen=True, kw_only=True)  # kw_only: the required --output may follow
+class PreparePlan:
+    images: int = option(1000, type=int)
+    output: str = option()
 
 
-def _pairs(captions, images, n: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    texts = captions["text"].tolist()
-    return ([texts[i] for i in rng.integers(0, len(texts), n)],
-            [images.regions(int(p)) for p in rng.integers(0, len(images), n)])
-
-
-def _model_and_data(f):
+@dataclass(frozen=True, kw_only=True)  # kw_only: each command adds options with defaults after these
+class ModelData:
     """--backbone (a write-backbone folder) and --data (a prepare folder): every measuring command takes both."""
-    f = click.option("--data", required=True, help="A `prepare` folder.")(f)
-    return click.option("--backbone", required=True, help="A `benchmarks.roofline write-backbone` folder.")(f)
+    backbone: str = option(help="A `benchmarks.roofline write-backbone` folder.")
+    data: str = option(help="A `prepare` folder.")
 
 
-@click.group()
+@dataclass(frozen=True, kw_only=True)
+class RatesPlan(ModelData):
+    threads: int = threads_option(2)
+    steps: int = option(6, type=int)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VersionsPlan(ModelData):
+    base: str = option(help="The older checkout (its retrieval_core goes on PYTHONPATH).")
+    threads: int = threads_option(2)
+    reps: int = option(3, type=int)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VariantsPlan(ModelData):
+    threads: int = threads_option(2)
+    reps: int = option(5, type=int)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchesPlan(ModelData, CheckedPlan):
+    thread_counts: tuple[int, ...] = option((1, 2), sep=",", type=click.IntRange(min=1),
+                                            help="Thread counts to compare.")
+    batch_sizes: tuple[int, ...] = option((32, 64, 128, 256), sep=",", type=click.IntRange(min=1))
+    reps: int = option(3, type=int)
+
+
+@click.group(context_settings=CONTEXT_SETTINGS)
 def main() -> None:
     """Side-by-side speed comparisons (module docstring)."""
 
 
-@main.command()
-@click.option("--images", type=int, default=1000, show_default=True)
-@click.option("--output", required=True)
-def prepare(images, output) -> None:
+@main.command(context_settings=CONTEXT_SETTINGS)
+@plan_options(PreparePlan)
+def prepare(**values) -> None:
     """Synthetic demo-like images (1024-d features, 5 captions each) saved as arrays, for every process of a
     comparison."""
     from retrieval_core.data.synthetic.collection import synthetic_collection
     from retrieval_core.data.synthetic.spec import SyntheticSpec
 
+    plan = plan_from_cli(PreparePlan, values)
+    images, output = plan.images, plan.output
     table, caps = synthetic_collection(SyntheticSpec("perf_ab", images, seed=5, domain="coco", feature_dim=1024))
     os.makedirs(output, exist_ok=True)
     np.savez(os.path.join(output, "images.npz"), item_ids=table.item_ids, offsets=table.offsets,
@@ -78,63 +96,29 @@ def prepare(images, output) -> None:
     click.echo(f"{len(table)} images, {len(caps)} captions -> {output}")
 
 
-@main.command()
-@_model_and_data
-@click.option("--threads", type=int, default=2, show_default=True)
-@click.option("--steps", type=int, default=6, show_default=True)
-def rates(backbone, data, threads, steps) -> None:
+@main.command(context_settings=CONTEXT_SETTINGS)
+@plan_options(RatesPlan)
+def rates(**values) -> None:
     """One process's rates with whatever retrieval_core is importable (this checkout's, or PYTHONPATH's)."""
-    from retrieval_core.training.config import TrainConfig
-    from retrieval_core.training.train_data import TrainData
-    from retrieval_core.training.trainer import Trainer
-
-    torch.set_num_threads(threads)
-    model, images, captions, spec = _load(backbone, data)
-    texts = captions["text"].tolist()[:2048]
-    pair_texts, pair_regions = _pairs(captions, images, 1024)
-    model.encode_text(texts[:64], batch_size=128)  # warm-up: allocator, OpenMP pool, tokenizer
-    model.score(pair_texts[:16], pair_regions[:16], batch_size=128)
-    out = {}
-    t0 = time.perf_counter()
-    model.score(pair_texts, pair_regions, batch_size=128)
-    out["ce_pairs_per_s"] = len(pair_texts) / (time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    model.encode_text(texts, batch_size=128)
-    out["captions_per_s"] = len(texts) / (time.perf_counter() - t0)
-    some = images.take(range(min(512, len(images))))
-    t0 = time.perf_counter()
-    model.encode_image(some, batch_size=128)
-    out["images_per_s"] = len(some) / (time.perf_counter() - t0)
-    cfg = replace(TrainConfig(**spec["recipes"]["demo"]), progress=False, hard_negative_prob=0.0,
-                  mined_negative_prob=0.0)
-    import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(model, TrainData(captions, images), cfg, tmp)
-        model.train()
-        torch.use_deterministic_algorithms(True, warn_only=True)  # as Trainer.train sets it on CPU
-        trainer.train_step(cfg.ce_start_step)
-        secs = [[r["seconds"] for r in trainer.train_step(s)]
-                for s in range(cfg.ce_start_step + 1, cfg.ce_start_step + 1 + steps)]
-    out["be_step_s"], out["ce_step_s"] = (float(np.median([s[i] for s in secs])) for i in (0, 1))
-    out["join_step_s"] = float(np.median([sum(s) for s in secs]))
-    click.echo(json.dumps(out))
+    plan = plan_from_cli(RatesPlan, values)
+    click.echo(json.dumps(measure_rates(plan.backbone, plan.data, plan.threads, plan.steps)))
 
 
-@main.command()
-@click.option("--base", "base_dir", required=True, help="The older checkout (its retrieval_core goes on PYTHONPATH).")
-@_model_and_data
-@click.option("--threads", type=int, default=2, show_default=True)
-@click.option("--reps", type=int, default=3, show_default=True)
-def versions(base_dir, backbone, data, threads, reps) -> None:
+@main.command(context_settings=CONTEXT_SETTINGS)
+@plan_options(VersionsPlan)
+def versions(**values) -> None:
     """``rates`` in fresh processes, old and new checkout alternately; each pair's new/old ratio."""
+    plan = plan_from_cli(VersionsPlan, values)
+    base_dir, reps = plan.base, plan.reps
+    settings = json.dumps({"backbone": os.path.abspath(plan.backbone), "data": os.path.abspath(plan.data),
+                           "threads": plan.threads, "steps": RatesPlan.steps})
     here = os.path.dirname(HERE)
     runs = {"old": [], "new": []}
     for rep in range(reps):
         for label, path in (("old", os.path.abspath(base_dir)), ("new", here)):
             env = {**os.environ, "PYTHONPATH": path}
-            args = ["rates", "--backbone", os.path.abspath(backbone), "--data", os.path.abspath(data), "--threads",
-                    str(threads)]
-            res = subprocess.run([sys.executable, os.path.join(HERE, "perf_ab.py"), *args], env=env, cwd="/",
+            # perf_rates, not this CLI: it runs under the older checkout's library, which may lack the CLI helpers
+            res = subprocess.run([sys.executable, os.path.join(HERE, "perf_rates.py"), settings], env=env, cwd="/",
                                  capture_output=True, text=True)
             if res.returncode:
                 raise click.ClickException(f"{label} run failed: {res.stderr[-2000:]}")
@@ -149,17 +133,17 @@ def versions(base_dir, backbone, data, threads, reps) -> None:
                    f"{' '.join(f'{x:.2f}' for x in ratio)}  median {np.median(ratio):.2f}")
 
 
-@main.command()
-@_model_and_data
-@click.option("--threads", type=int, default=2, show_default=True)
-@click.option("--reps", type=int, default=5, show_default=True)
-def variants(backbone, data, threads, reps) -> None:
+@main.command(context_settings=CONTEXT_SETTINGS)
+@plan_options(VariantsPlan)
+def variants(**values) -> None:
     """float32 sdpa / eager, bf16 weights, bf16 autocast on the same batches, alternately in one process."""
     from retrieval_core.model.collate import collate_images, collate_pairs
     from retrieval_core.model.quantize import cpu_has_native_bf16, quantize_model
 
-    torch.set_num_threads(threads)
-    model, images, captions, _ = _load(backbone, data)
+    plan = plan_from_cli(VariantsPlan, values)
+    reps = plan.reps
+    torch.set_num_threads(plan.threads)
+    model, images, captions, _ = _load(plan.backbone, plan.data)
     model.eval()
     collate = model.text_collator()
     texts = captions["text"].tolist()[:1024]
@@ -200,22 +184,21 @@ def variants(backbone, data, threads, reps) -> None:
                    f"{np.median(r):.2f}")
 
 
-@main.command()
-@_model_and_data
-@click.option("--threads", default="1,2", show_default=True, help="Thread counts to compare.")
-@click.option("--batch-sizes", default="32,64,128,256", show_default=True)
-@click.option("--reps", type=int, default=3, show_default=True)
-def batches(backbone, data, threads, batch_sizes, reps) -> None:
+@main.command(context_settings=CONTEXT_SETTINGS)
+@plan_options(BatchesPlan)
+def batches(**values) -> None:
     """CE pairs/s, captions/s and images/s of the model's own batched calls (float32) at each batch size and
     thread count, alternately in one process: what the batch-size and thread defaults rest on."""
-    model, images, captions, _ = _load(backbone, data)
+    plan = plan_from_cli(BatchesPlan, values)
+    reps = plan.reps
+    model, images, captions, _ = _load(plan.backbone, plan.data)
     texts = captions["text"].tolist()[:1024]
     pt, pr = _pairs(captions, images, 512)
     some = images.take(range(min(512, len(images))))
     work = {"CE pairs": lambda bs: model.score(pt, pr, batch_size=bs), "captions": lambda bs: model.encode_text(
         texts, batch_size=bs), "images": lambda bs: model.encode_image(some, batch_size=bs)}
     sizes = {"CE pairs": len(pt), "captions": len(texts), "images": len(some)}
-    settings = [(int(t), int(b)) for t in threads.split(",") for b in batch_sizes.split(",")]
+    settings = [(t, b) for t in plan.thread_counts for b in plan.batch_sizes]
     rates = {(s, w): [] for s in settings for w in work}
     for rep in range(reps + 1):
         for t, bs in settings:
