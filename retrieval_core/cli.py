@@ -49,9 +49,10 @@ def memory_failure(exc: BaseException, lower: Sequence[str] = ()) -> Optional[st
         return None
     m = _MEMORY_NEED.search(text)
     need = (m.group(1) or f"{int(m.group(2)) / 2**20:.0f} MiB") if m else None
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    return (f"out of memory{f' allocating {need}' if need else ''}"
-            f"{f' under an address-space limit of {limit >> 20} MiB' if limit != resource.RLIM_INFINITY else ''}"
+    limits = [f"{name} limit of {lim >> 20} MiB" for name, kind in (("an address-space", resource.RLIMIT_AS),
+                                                                    ("a data", resource.RLIMIT_DATA))
+              if (lim := resource.getrlimit(kind)[0]) != resource.RLIM_INFINITY]
+    return (f"out of memory{f' allocating {need}' if need else ''}{' under ' + ' and '.join(limits) if limits else ''}"
             f": {'lower ' + ' or '.join(lower) + ' or ' if lower else ''}give the job more memory")
 
 
