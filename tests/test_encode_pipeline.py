@@ -70,11 +70,10 @@ def write_tiny_model(directory: str, tmp: str, seed: int = 0, feature_dim: int =
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("encode")
-    staged = write_tiny_staged(str(root / "staged"))
-    model = write_tiny_model(str(root / "model"), str(root))
-    return str(root), staged, model
+def assets(tmp_path_factory, tiny_encoded):
+    """(a folder of this module's own, and the run's shared tiny staged collection and model)."""
+    staged, model, _ = tiny_encoded
+    return str(tmp_path_factory.mktemp("encode")), staged, model
 
 
 def test_encode_matches_direct_model_output_and_rerun_skips(assets):

@@ -27,13 +27,11 @@ NUM_IMAGES = 24  # 6 test images, 12 test captions; pools: 24 images, 48 caption
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("rerank"))
-    staged = write_tiny_staged(os.path.join(root, "staged"), num_images=NUM_IMAGES)
-    model = write_tiny_model(os.path.join(root, "model"), root)
-    emb_dir = os.path.join(root, "emb")
-    encode_run.run(encode_plan.EncodePlan(staged, model, emb_dir, batch_size=8))
-    return root, staged, model, emb_dir
+def assets(tmp_path_factory, tiny_encoded):
+    """(a folder of this module's own, and the run's shared tiny staged collection, model and embeddings)."""
+    staged, model, emb_dir = tiny_encoded
+    assert len(StagedDataset(staged).images_meta()) == NUM_IMAGES
+    return str(tmp_path_factory.mktemp("rerank")), staged, model, emb_dir
 
 
 def run_rerank(staged, emb_dir, output, beam_args=(), **kw):
