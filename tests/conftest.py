@@ -80,7 +80,7 @@ SLOW = (
     "test_learning_curves", "test_model_folders", "test_pixels", "test_progress", "test_rerank_errors",
     "test_rerank_pipeline", "test_roofline", "test_stage_pipeline", "test_url_artifacts", "test_walkthrough",
     "test_cli_errors::test_encode_missing_staged_dir",
-    "test_demo_assets::test_a_cached_model_is_reused_only_for_the_same_training_command",
+    "test_training_cache::test_a_cached_model_is_reused_only_for_the_same_training_command",
     "test_store::test_retrieval_core_never_imports_beam",
     "test_train::test_joint_ce_head_learns_to_rank_positives_first",
     "test_train::test_cli_help",
