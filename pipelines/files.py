@@ -21,8 +21,8 @@ from typing import Iterable, Optional
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
-from retrieval_core.data.outputs import as_write_failure
 from retrieval_core.data.paths import LOCAL_FILES, is_url
+from retrieval_core.errors import as_write_failure
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import click
 
-from retrieval_core.data.outputs import OutputFault, write_failure
-from retrieval_core.data.store import StagedDataError
+from retrieval_core.errors import OutputFault, StagedDataError, write_failure
 
 #: Set to 1 to get the full traceback of an error that cli_errors would report in one line.
 DEBUG_ENV = "RR_DEBUG"

@@ -33,6 +33,7 @@ from pipelines.build_index import run as index_run
 from pipelines.encode import run as encode_run
 from pipelines.rerank import run as rerank_run
 from pipelines.stage import run as stage_run
+from retrieval_core import errors
 from retrieval_core.data import outputs
 from retrieval_core.training import train
 from tests.conftest import REPO_ROOT
@@ -144,7 +145,7 @@ def test_a_second_run_into_a_held_folder_is_refused_naming_the_first(assets, tmp
         if job == "train":
             plan = train.TrainPlan(staged=assets["staged"], output=out, config=train.TrainConfig(),
                                     base_model=assets["model"])
-            with pytest.raises(outputs.OutputBusy) as err:
+            with pytest.raises(errors.OutputBusy) as err:
                 train.run(plan)
             msg = str(err.value)
         else:
@@ -182,7 +183,7 @@ def test_stale_lock_rules(tmp_path):
     out.mkdir()
     (out / outputs.LOCK_FILE).write_text(json.dumps({"host": there, "pid": 1, "started_s": now - 3600,
                                                      "started": "an hour ago", "command": "stage"}))
-    with pytest.raises(outputs.OutputBusy, match=f"pid 1 on {there}"):
+    with pytest.raises(errors.OutputBusy, match=f"pid 1 on {there}"):
         with outputs.run_lock(str(out), "test"):
             pass
     with outputs.run_lock(str(out), "test", stale_after_s=60) as path:
@@ -190,7 +191,7 @@ def test_stale_lock_rules(tmp_path):
     assert not (out / outputs.LOCK_FILE).exists()
     # a lock being written (unreadable) is busy for a minute, then stale
     (out / outputs.LOCK_FILE).write_text("")
-    with pytest.raises(outputs.OutputBusy):
+    with pytest.raises(errors.OutputBusy):
         with outputs.run_lock(str(out), "test"):
             pass
     old = now - 2 * outputs.UNREADABLE_STALE_S
@@ -360,14 +361,14 @@ def test_injected_enospc_in_the_spill_writer_is_one_line(assets, tmp_path, monke
 
 def test_write_failures_are_recognised_through_any_wrapper():
     raw = OSError(errno.ENOSPC, "No space left on device", "/data/x.parquet")
-    assert outputs.write_failure(raw).startswith("no space left on device (ENOSPC) writing /data/x.parquet")
+    assert errors.write_failure(raw).startswith("no space left on device (ENOSPC) writing /data/x.parquet")
     wrapped = RuntimeError("RuntimeError: , filename = '/o/_spill/a.h5.tmp-1', file descriptor = 8, errno = 28, "
                            "error message = 'No space left on device' [while running 'ReadAndStage']")
-    assert "ENOSPC) writing /o/_spill/a.h5.tmp-1" in outputs.write_failure(wrapped)
-    assert "EDQUOT" in outputs.write_failure(OSError(errno.EDQUOT, "Disk quota exceeded"))
-    assert "EROFS" in outputs.write_failure(RuntimeError("OSError: [Errno 30] Read-only file system: '/ro/x'"))
-    assert outputs.write_failure(OSError(errno.ENOENT, "No such file")) is None
-    assert outputs.write_failure(ValueError("bad value")) is None
+    assert "ENOSPC) writing /o/_spill/a.h5.tmp-1" in errors.write_failure(wrapped)
+    assert "EDQUOT" in errors.write_failure(OSError(errno.EDQUOT, "Disk quota exceeded"))
+    assert "EROFS" in errors.write_failure(RuntimeError("OSError: [Errno 30] Read-only file system: '/ro/x'"))
+    assert errors.write_failure(OSError(errno.ENOENT, "No such file")) is None
+    assert errors.write_failure(ValueError("bad value")) is None
 
 
 # ---------------------------------------------------------------- a shard changed after writing

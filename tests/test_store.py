@@ -11,7 +11,8 @@ from retrieval_core.data import schema, staging
 from retrieval_core.data.paths import LOCAL_FILES, URLAccessError
 from retrieval_core.data.schema import RawCaption, RawImage
 from retrieval_core.data.shards import caption_shard_parquet, image_shard_hdf5, image_shard_parquet
-from retrieval_core.data.store import INCOMPLETE_FILE, StagedDataError, StagedDataset, to_torch
+from retrieval_core.data.store import INCOMPLETE_FILE, StagedDataset, to_torch
+from retrieval_core.errors import StagedDataError
 
 
 class MemFiles:

@@ -38,8 +38,9 @@ from retrieval_core.cli import memory_failure, plan_from_cli, plan_options
 from retrieval_core.data import schema, staging
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.manifest_spec import ManifestError
-from retrieval_core.data.outputs import OutputBusy, holds_output, write_failure
+from retrieval_core.data.outputs import holds_output
 from retrieval_core.data.store import INCOMPLETE_FILE
+from retrieval_core.errors import OutputBusy, write_failure
 
 log = logging.getLogger(__name__)
 

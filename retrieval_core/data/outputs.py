@@ -19,7 +19,6 @@ import io
 import json
 import logging
 import os
-import re
 import socket
 import sys
 import time
@@ -28,6 +27,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
 from retrieval_core.data.paths import is_url
+from retrieval_core.errors import OutputBusy, OutputWriteFailed, as_write_failure
 
 log = logging.getLogger(__name__)
 
@@ -36,34 +36,6 @@ LOCK_FILE = "_RUN_LOCK"
 STALE_AFTER_S = 24 * 3600
 #: A lock that cannot be parsed is one being written (a few ms) or a damaged one: stale after this long.
 UNREADABLE_STALE_S = 60
-#: The errno values that mean "this output cannot be written", and how each is named to the user.
-WRITE_ERRNOS = {
-    errno.ENOSPC: "no space left on device (ENOSPC)",
-    errno.EDQUOT: "disk quota exceeded (EDQUOT)",
-    errno.EROFS: "read-only file system (EROFS)",
-}
-
-
-class OutputFault(Exception):
-    """An output folder that cannot be used (owned by another run, full, read-only): one line for the user."""
-
-
-class OutputBusy(OutputFault):
-    """Another live run holds the output folder's lock."""
-
-
-class OutputWriteFailed(OutputFault, OSError):
-    """A write into an output failed for want of space or permission (keeps the errno and the path)."""
-
-    def __init__(self, err: int, path: str):
-        super().__init__(err, f"{WRITE_ERRNOS.get(err, os.strerror(err))} writing {path}: free space (or make "
-                              f"it writable) and rerun; finished shards are kept, partial ones are not counted")
-        self.filename = path
-
-    def __str__(self) -> str:
-        return self.strerror
-
-
 # ------------------------------------------------------------------------------------------- lock
 def _holder_text(h: dict) -> str:
     return (f"pid {h.get('pid')} on {h.get('host')} since {h.get('started')} ({h.get('command', '?')})")
@@ -184,47 +156,6 @@ def holds_output(job: str, output_of: Callable = lambda plan: plan.output) -> Ca
                 return fn(plan, *args, **kwargs)
         return run
     return decorate
-
-
-# ------------------------------------------------------------------------------------- write errors
-_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\]|errno = (\d+)")
-_PATH_TEXT = re.compile(r"filename = '([^']+)'|\[Errno \d+\] [^:']*: '([^']+)'")
-
-
-def _errno_and_path(exc: BaseException) -> tuple[Optional[int], Optional[str]]:
-    """The first write errno in ``exc``'s chain (attributes, or the text a wrapper kept) and its path."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        err = getattr(exc, "errno", None)
-        if err in WRITE_ERRNOS:
-            return err, getattr(exc, "filename", None) or _path_in(str(exc))
-        text = str(exc)
-        for m in _ERRNO_TEXT.finditer(text):
-            code = int(m.group(1) or m.group(2))
-            if code in WRITE_ERRNOS:
-                return code, _path_in(text)
-        exc = exc.__cause__ or exc.__context__
-    return None, None
-
-
-def _path_in(text: str) -> Optional[str]:
-    m = _PATH_TEXT.search(text)
-    return (m.group(1) or m.group(2)) if m else None
-
-
-def as_write_failure(exc: BaseException, path: Optional[str] = None) -> Optional[OutputWriteFailed]:
-    """``exc`` as an OutputWriteFailed when it is a full disk, a quota or a read-only filesystem, else None."""
-    if isinstance(exc, OutputWriteFailed):
-        return exc
-    err, where = _errno_and_path(exc)
-    return None if err is None else OutputWriteFailed(err, where or path or "the output")
-
-
-def write_failure(exc: BaseException) -> Optional[str]:
-    """The one-line message for a full disk / quota / read-only filesystem in ``exc``, else None."""
-    failed = as_write_failure(exc)
-    return None if failed is None else str(failed)
 
 
 class FailSafeFile(io.RawIOBase):

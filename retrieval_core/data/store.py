@@ -46,6 +46,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ..errors import StagedDataError
 from . import schema
 from .paths import LOCAL_FILES, FileAccess, is_url, join_path
 
@@ -54,10 +55,6 @@ SUMMARY_FILE = "summary.json"
 #: and deletes it after summary.json): a folder that holds it may mix two runs' shards.
 INCOMPLETE_FILE = "_INCOMPLETE"
 _META_COLUMNS = [c for c in schema.IMAGE_COLUMNS if c not in ("boxes", "features")]
-
-
-class StagedDataError(RuntimeError):
-    """The staged directory is missing, incomplete or inconsistent."""
 
 
 # Local shards already checked in this process, as (path, size, mtime_ns, sha256): several StagedDatasets over

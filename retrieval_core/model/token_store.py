@@ -25,7 +25,8 @@ from typing import Optional
 import numpy as np
 
 from retrieval_core.data.paths import is_url, join_path, write_local_atomic
-from retrieval_core.data.store import StagedDataError, StagedDataset
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.errors import StagedDataError
 from retrieval_core.model.collate import TOKEN_ID_DTYPE, TextCollator
 
 TOKEN_DIR = "token_ids"
