@@ -39,9 +39,8 @@ import torch
 from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
-from pipelines.files import BEAM_FILES
+from pipelines.files import BEAM_FILES, write_atomic
 from retrieval_core.cli import check_device, device_kind
-from retrieval_core.data.paths import is_url
 from retrieval_core.data.schema import check_quantize
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model.checkpoints import KIND_BASELINE, inspect_model_folder, load_model_folder
@@ -76,15 +75,13 @@ class FailedBatch:
 
 def prepare_token_ids(staged: StagedDataset, model_dir: str) -> Optional[str]:
     """Tokenises the staged captions once for the model's tokenizer (``retrieval_core.model.token_store``, on
-    the launching host, before the graph runs) and returns its fingerprint, which the readers and the handler
-    are given; None where the model folder is the training-free baseline (its own text encoder) or either
-    folder is a URL: their handler tokenises each batch."""
-    if is_url(staged.root) or is_url(model_dir):
+    the launching host, before the graph runs; a gs:// staged folder gets its store there) and returns its
+    fingerprint, which the readers and the handler are given; None where the model folder is the training-free
+    baseline (its own text encoder): its handler tokenises each batch."""
+    if inspect_model_folder(model_dir, files=BEAM_FILES).kind == KIND_BASELINE:
         return None
-    if inspect_model_folder(model_dir).kind == KIND_BASELINE:
-        return None
-    model = load_model_folder(model_dir)
-    return ensure_token_store(staged, model.text_collator(), log=log.info).fingerprint
+    model = load_model_folder(model_dir, files=BEAM_FILES)
+    return ensure_token_store(staged, model.text_collator(), log=log.info, write=write_atomic).fingerprint
 
 
 class CaptionTexts:

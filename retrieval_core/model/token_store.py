@@ -12,7 +12,8 @@ length: another tokenizer gets its own folder, and a reader asking for one finge
 A shard's ids are refused when the caption shard they were made from has changed since (its sha256 in the
 staged summary differs). The encode and rerank jobs build the store on the launching host before their graph
 runs (``ensure_token_store``) and pass ``fingerprint`` to their handler, which refuses a model whose tokenizer
-has another.
+has another. A URL staged folder (gs://) gets its store there too, written through the caller's writer, so a
+job's batches are the same whichever file system holds its data.
 """
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ import hashlib
 import io
 import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
-from retrieval_core.data.paths import is_url, join_path, write_local_atomic
+from retrieval_core.data.paths import LOCAL_FILES, is_url, join_path, read_file, write_local_atomic
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.errors import StagedDataError
 from retrieval_core.model.collate import TOKEN_ID_DTYPE, TextCollator
@@ -62,6 +63,10 @@ def _shard_file(rel: str) -> str:
     return rel.replace("/", "__") + ".npz"
 
 
+def _files(staged: StagedDataset, path: str):
+    return staged.files if is_url(path) else LOCAL_FILES
+
+
 class TokenStore:
     """The token ids of one staged folder's captions under one tokenizer fingerprint (module docstring)."""
 
@@ -69,12 +74,9 @@ class TokenStore:
         self.staged = staged
         self.fingerprint = fingerprint
         self.root = store_dir(staged.root, fingerprint)
-        path = os.path.join(self.root, STORE_JSON)
-        if is_url(path):
-            raise TokenStoreError(f"token-id stores are local only; {staged.root} is a URL")
+        path = join_path(self.root, STORE_JSON)
         try:
-            with open(path) as f:
-                meta = json.load(f)
+            meta = json.loads(read_file(path, _files(staged, path)))
         except FileNotFoundError:
             raise TokenStoreError(f"no token-id store {self.root}: build it with ensure_token_store") from None
         if meta.get("fingerprint") != fingerprint or meta.get("version") != STORE_VERSION:
@@ -84,9 +86,9 @@ class TokenStore:
 
     def read_shard(self, rel: str) -> tuple[np.ndarray, list[np.ndarray]]:
         """(caption ids, their token-id arrays) of one staged caption shard, in the shard's row order."""
-        path = os.path.join(self.root, _shard_file(rel))
+        path = join_path(self.root, _shard_file(rel))
         try:
-            with np.load(path, allow_pickle=False) as z:
+            with np.load(io.BytesIO(read_file(path, _files(self.staged, path))), allow_pickle=False) as z:
                 caption_ids, offsets, ids, source = z["caption_id"], z["offsets"], z["ids"], str(z["source_sha256"])
         except FileNotFoundError:
             raise TokenStoreError(f"{path} is missing: the store was built before caption shard {rel} was "
@@ -107,24 +109,30 @@ class TokenStore:
         return [ids[pos[int(c)]] for c in caption_ids]
 
 
-def ensure_token_store(staged: StagedDataset, collator: TextCollator, log=None) -> Optional[TokenStore]:
+def ensure_token_store(staged: StagedDataset, collator: TextCollator, log=None,
+                       write: Optional[Callable[[str, bytes], object]] = None) -> TokenStore:
     """The token-id store of ``staged`` for ``collator``'s tokenizer, tokenising the caption shards it lacks (one
-    tokenizer call per shard); None for a URL staged folder (its jobs tokenise per batch, as before)."""
-    if is_url(staged.root):
-        return None
+    tokenizer call per shard). ``write(path, data)`` writes a file atomically; a local folder needs none, a URL
+    folder the caller's (the pipelines pass Beam's)."""
     fingerprint = tokenizer_fingerprint(collator)
     root = store_dir(staged.root, fingerprint)
-    os.makedirs(root, exist_ok=True)
-    meta_path = os.path.join(root, STORE_JSON)
-    if not os.path.exists(meta_path):
+    if write is None:
+        if is_url(root):
+            raise TokenStoreError(f"{staged.root} is a URL: writing its token-id store needs a writer for URLs")
+        write = write_local_atomic
+    if not is_url(root):
+        os.makedirs(root, exist_ok=True)
+    files = _files(staged, root)
+    meta_path = join_path(root, STORE_JSON)
+    if not files.exists(meta_path):
         meta = {"version": STORE_VERSION, "fingerprint": fingerprint, "max_len": collator.max_len,
                 "tokenizer": type(collator.tokenizer).__name__}
-        write_local_atomic(meta_path, json.dumps(meta, indent=2, sort_keys=True).encode("utf-8"))
+        write(meta_path, json.dumps(meta, indent=2, sort_keys=True).encode("utf-8"))
     store = TokenStore(staged, fingerprint)
     made = 0
     for rel in staged.shard_names("captions"):
-        path = os.path.join(root, _shard_file(rel))
-        if os.path.exists(path):
+        path = join_path(root, _shard_file(rel))
+        if files.exists(path):
             store.read_shard(rel)  # refuses ids made from another version of the shard
             continue
         table = staged.read_shard_columns(rel, ("caption_id", "text"))
@@ -135,7 +143,7 @@ def ensure_token_store(staged: StagedDataset, collator: TextCollator, log=None) 
         np.savez(buf, caption_id=table.column("caption_id").to_numpy().astype(np.int64), offsets=offsets,
                  ids=np.concatenate(ids) if ids else np.zeros(0, dtype=TOKEN_ID_DTYPE),
                  source_sha256=np.str_(staged.shard_sha256(rel)))
-        write_local_atomic(path, buf.getvalue())
+        write(path, buf.getvalue())
         made += 1
     if log is not None and made:
         log(f"token ids: tokenised {made} caption shard(s) of {staged.root} once for tokenizer {fingerprint}")
