@@ -38,7 +38,7 @@ def test_recipes_are_typed_train_configs_run_through_the_train_cli():
 
     demo, bench = recipes.DEMO_RECIPE, recipes.BENCH_RECIPE
     args = to_argv(TrainPlan(staged="s", output="o", config=demo.join))
-    for flag, value in (("--steps", "340"), ("--mined-negative-prob", "0.5"),
+    for flag, value in (("--steps", "260"), ("--mined-negative-prob", "0.5"),
                         ("--ce-start-step", "40"), ("--image-init", "lstsq")):
         assert args[args.index(flag) + 1] == value
     assert "--freeze-word-embeddings" in args
