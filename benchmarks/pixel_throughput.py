@@ -40,7 +40,7 @@ from retrieval_core.cli import (
 @dataclass(frozen=True, kw_only=True)
 class ThroughputPlan:
     images: int = option(512, type=click.IntRange(min=8), help="JPEGs staged (copies of the source photos)")
-    source: Optional[str] = option(None, help="folder of JPEGs to copy from [../shared/realdata's AllenNLP fixture "
+    source: Optional[str] = option(None, help="folder of JPEGs to copy from [$RR_SHARED_DIR's AllenNLP fixture "
                                               "photos, else rendered demo scenes saved as JPEG]")
     device: str = device_option()
     threads: Optional[int] = threads_option()
@@ -55,12 +55,10 @@ class ThroughputPlan:
 def _source_jpegs(source: Optional[str], folder: str) -> list[str]:
     """The photos to copy: ``source``'s JPEGs, the real fixture photos, or rendered scenes written as JPEG."""
     if source is None:
-        real = os.environ.get("RR_SHARED_DIR") or os.path.join(os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__))), "..", "shared")
-        cand = os.path.join(real, "realdata", "allennlp_vision_fixtures", "images")
-        if not os.path.isdir(cand):
-            cand = os.path.join(real, "allennlp_vision_fixtures", "images")
-        source = cand if os.path.isdir(cand) else None
+        real = os.environ.get("RR_SHARED_DIR")
+        subs = (("realdata",), ()) if real else ()
+        cands = [os.path.join(real, *sub, "allennlp_vision_fixtures", "images") for sub in subs]
+        source = next((c for c in cands if os.path.isdir(c)), None)
     if source:
         found = sorted(os.path.join(r, n) for r, _, ns in os.walk(source) for n in ns if n.lower().endswith(".jpg"))
         if found:
