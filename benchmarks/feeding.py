@@ -33,7 +33,8 @@ from typing import Callable, Optional, Sequence
 import click
 import torch
 
-from benchmarks.report import cpu_model, write_csv
+from benchmarks.report import environment as report_environment
+from benchmarks.report import write_csv
 from pipelines.handlers import TASK_EMBED_IMAGE, TASK_EMBED_TEXT, TASK_SCORE_PAIRS, VLModelHandler, element_length
 from retrieval_core.cli import (
     CheckedPlan,
@@ -183,13 +184,9 @@ def synthetic_data(n_images: int, feature_dim: int, seed: int = 0):
     return table, captions["text"].tolist()
 
 
-def environment(device: torch.device, threads: Optional[int]) -> dict:
-    import transformers
-
-    return {"cpu_model": cpu_model(), "threads": threads or torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "model": "random-init", "direction": "",
-            "device": f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "cpu"}
+def environment(device: torch.device, threads: Optional[int], batch_size: int) -> dict:
+    """The suites' environment columns (commit and date included, so the CSV can be published) for these rows."""
+    return {**report_environment(str(device), batch_size, threads), "model": "random-init", "direction": ""}
 
 
 @dataclass(frozen=True)
@@ -234,7 +231,7 @@ def measure(size, items, device, threads, batch_size, precisions, tasks, reps, w
         rows += feeding_rows(model, os.path.join(workdir, f"model-{size}"), texts, table, items, batch_size,
                              precision, reps, tasks.split(","),
                              log=lambda m: click.echo(f"[{time.strftime('%H:%M:%S')}] {m}"),
-                             common={**environment(dev, threads), "recipe": size})
+                             common={**environment(dev, threads, batch_size), "recipe": size})
     if output:
         write_csv(output, rows)
         click.echo(f"wrote {output}: {len(rows)} rows")

@@ -299,7 +299,7 @@ def run_all(device, out, images, size, feed_size, feed_items, train_steps, k, ba
         raise click.ClickException(f"--device {device}: torch {torch.__version__} sees no CUDA device")
     os.makedirs(out, exist_ok=True)
     precision = "bf16" if dev.type == "cuda" else "fp32"  # the jobs' own default on each device
-    env = feeding.environment(dev, threads)
+    env = feeding.environment(dev, threads, batch_size)
     rows, info = run_pipelines(out, device, images, size, precision, k, batch_size, train_steps, log)
     rows = [{**env, **r} for r in rows]
     for step in ("stage", "train", "encode", "index", "rerank"):
