@@ -33,7 +33,6 @@ in the notes.
 """
 from __future__ import annotations
 
-import math
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -43,6 +42,7 @@ import numpy as np
 
 from benchmarks import jobs
 from benchmarks.jobs import JOB_START_S
+from benchmarks.per_query import per_query_latency
 from benchmarks.planner import Planner
 from benchmarks.report import PAPER_CODE_MODEL, environment, set_threads
 from benchmarks.roofline import UnitBench, measure_unit_costs, roofline_rows, training_rows
@@ -56,9 +56,6 @@ from retrieval_core.data.synthetic.collection import synthetic_collection
 from retrieval_core.data.synthetic.spec import SyntheticSpec
 from retrieval_core.model.network import VLRetrievalModel
 from retrieval_core.model.quantize import quantize_model
-from retrieval_core.search import exact, index_choice, rerank
-from retrieval_core.search import index as rindex
-from retrieval_core.search.index_choice import ivf_nlist
 from retrieval_core.training.recipes import BENCH_RECIPE, DEMO_RECIPE
 
 EVAL_CAPTIONS_PER_IMAGE = 5
@@ -95,223 +92,12 @@ def quick_config() -> LatencyConfig:
                          pipeline_overhead_images=60, train_steps=2, feeding_items=40)
 
 
-def _percentiles(samples: Sequence[float]) -> dict:
-    ms = np.asarray(samples, dtype=np.float64) * 1000.0
-    return {"latency_p50_ms": float(np.percentile(ms, 50)), "latency_p95_ms": float(np.percentile(ms, 95)),
-            "latency_p99_ms": float(np.percentile(ms, 99))}
-
-
-def _timed(fn, n: int, warmup: int) -> list[float]:
-    for i in range(warmup):
-        fn(i)
-    out = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        fn(warmup + i)
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-ANN_KINDS = ("IVF-Flat", "IVF-SQ8", "IVF-PQ", "HNSW<M>")
-
-
-def ann_factory(kind: str, n: int, d: int = 384) -> str:
-    """faiss factory of an ANN row: IVF-Flat / IVF-SQ8 / IVF-PQ (nlist from N, PQ with d/4 bytes per
-    vector) or HNSW<M> (e.g. HNSW32)."""
-    up = kind.upper()
-    if up.startswith("HNSW") and up[4:].isdigit():
-        return f"HNSW{int(up[4:])}"
-    codes = {"IVF-FLAT": "Flat", "IVF-SQ8": "SQ8", "IVF-PQ": f"PQ{max(1, d // 4)}x8"}
-    if up not in codes:
-        raise ValueError(f"ANN kind must be one of {ANN_KINDS}, got {kind!r}")
-
-    return f"IVF{ivf_nlist(n)},{codes[up]}"
-
-
-def read_bandwidth(arr: np.ndarray, reps: int = 5) -> float:
-    """Bytes/s of one full read of ``arr``: the fastest of a torch and a numpy sum over it (torch uses its
-    thread setting), best of ``reps``. The memory-bandwidth bound of an exact scan is arr.nbytes / this."""
-    import torch
-
-    view = torch.from_numpy(arr)
-    best = math.inf
-    for fn in (lambda: view.sum(), lambda: arr.sum(dtype=np.float32)):
-        fn()
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-    return arr.nbytes / best
-
-
-def jittered_collection(base: np.ndarray, n: int, sigma: float, seed: int, chunk: int = 100_000
-                        ) -> tuple[np.ndarray, np.ndarray]:
-    """(n, d) unit vectors = base[j] + N(0, sigma^2/d) renormalised, and j for each (which real image)."""
-    rng = np.random.default_rng(seed)
-    src = rng.integers(0, len(base), size=n)
-    d = base.shape[1]
-    out = np.empty((n, d), dtype=np.float32)
-    for a in range(0, n, chunk):
-        b = min(n, a + chunk)
-        x = base[src[a:b]] + rng.normal(scale=sigma / math.sqrt(d), size=(b - a, d)).astype(np.float32)
-        x /= np.linalg.norm(x, axis=1, keepdims=True)
-        out[a:b] = x
-    return out, src
-
-
 @dataclass
 class _Bench(UnitBench):
     """The JOIN model, the real base images/captions and the unit costs measured once per run (UnitBench), the
     base images' embeddings the per-query collections are jittered from, and the suite's config."""
     base_vecs: Optional[np.ndarray] = None
     cfg: Optional[LatencyConfig] = None
-
-
-def per_query_latency(b: _Bench, log) -> list[dict]:
-    import torch
-
-
-    cfg, m = b.cfg, b.model
-    rows: list[dict] = []
-    rng_q = np.random.default_rng(cfg.seed + 1)
-    caption_texts = b.captions["text"].tolist()
-    rq = min(cfg.recall_queries, len(caption_texts))
-    recall_q = m.encode_text([caption_texts[i] for i in rng_q.choice(len(caption_texts), rq, replace=False)],
-                             batch_size=cfg.batch_size)
-    enc = lambda i: m.encode_text(b.texts(i), batch_size=1)  # noqa: E731
-    loop_cost: dict[int, float] = {}  # k -> seconds of the paper code's k single-pair CE calls
-    q_pre = [enc(i) for i in range(cfg.warmup + max(cfg.reps, cfg.paper_reps, 3))]  # search-only timings
-    for n in cfg.sizes:
-        log(f"latency: N={n:,}: building the collection and indexes")
-        items, src = jittered_collection(b.base_vecs, n, cfg.jitter, cfg.seed + n)
-        ids = np.arange(n, dtype=np.int64)
-        note = (f"items: {cfg.base_images} real image embeddings + jitter sigma={cfg.jitter}, renormalised; "
-                f"query = one real caption encoded per query (included)")
-        common = dict(collection="per_query(jittered)", collection_size=n, model="JOIN", measured=True)
-        bw = read_bandwidth(items)
-        bound_ms = items.nbytes / bw * 1000
-        bw_note = (f"bound = {items.nbytes / 1e6:.0f} MB of float32 items / {bw / 1e9:.1f} GB/s read bandwidth "
-                   f"(fastest torch/numpy sum over the same array, best of 5, this run)")
-        t0 = time.perf_counter()
-        flat = flat_or_ann_index("Flat", ids, items)
-        flat_build = time.perf_counter() - t0
-        _, exact_i = exact.exact_topk(recall_q, items, ids, 10)
-        items_t = torch.from_numpy(items)
-
-        def emb_flat(i, k=10):
-            q = enc(i)
-            return q, flat.search(q, k)
-
-        def paper_emb(i, k=10):
-            q = torch.from_numpy(enc(i))
-            s = torch.mm(q, items_t.T)  # cosine: both sides unit-normalised
-            return torch.topk(s, k, dim=1)
-
-        def searched(fn):  # the search alone, on pre-encoded queries
-            return float(np.median(_timed(lambda i: fn(q_pre[i % len(q_pre)]), cfg.reps, cfg.warmup))) * 1000
-
-        s_torch = searched(lambda q: torch.topk(torch.mm(torch.from_numpy(q), items_t.T), 10, dim=1))
-        s_flat = searched(lambda q: flat.search(q, 10))
-        s_exact = searched(lambda q: exact.exact_topk(q, items, ids, 10))
-        search_cols = dict(bound_ms=bound_ms)
-        paper_emb_t = _timed(paper_emb, max(cfg.paper_reps, 3), 1)
-        t_flat = _timed(emb_flat, cfg.reps, cfg.warmup)
-        rows.append(b.row(mode="EMB-Flat", k=10, **_percentiles(t_flat), index_s=flat_build, search_p50_ms=s_flat,
-                         speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_flat), notes=note,
-                         **search_cols, **common))
-        t_ex = _timed(lambda i: exact.exact_topk(enc(i), items, ids, 10), cfg.reps, cfg.warmup)
-        rows.append(b.row(mode="EMB-Exact", k=10, **_percentiles(t_ex), search_p50_ms=s_exact, **search_cols,
-                         speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_ex), **common,
-                         notes=f"{note}; retrieval_core.search.exact.exact_topk (one query: the chunked scan kernel, "
-                               f"torch.mm + top-k per cache-sized chunk); "
-                               f"search alone {s_exact / bound_ms:.2f}x the bound; {bw_note}"))
-        rows.append(b.row(mode="EMB-bound", k=10, latency_p50_ms=bound_ms, latency_p95_ms=bound_ms,
-                         latency_p99_ms=bound_ms, search_p50_ms=bound_ms, **search_cols, **common,
-                         notes=f"memory-bandwidth bound of one exact scan (no query encoding): {bw_note}"))
-        for kind in cfg.anns:
-            fac = ann_factory(kind, n, items.shape[1])
-            if fac.startswith("HNSW") and n > cfg.hnsw_max_n:
-                log(f"  N={n:,} {fac}: skipped (N > hnsw_max_n={cfg.hnsw_max_n:,}: build too slow on this machine)")
-                rows.append(b.row(mode=f"EMB-{kind}", k=10, **{**common, "measured": False},
-                                 notes=f"{fac} not built: N > --hnsw-max-n {cfg.hnsw_max_n:,}"))
-                continue
-            t0 = time.perf_counter()
-            ann = flat_or_ann_index(fac, ids, items, seed=cfg.seed)
-            ann_build = time.perf_counter() - t0
-            params, ann_recall, sweep = index_choice.tune_search(ann, fac, recall_q, exact_i, cfg.recall_target)
-            s_ann = searched(lambda q: ann.search(q, 10))
-            t_ann = _timed(lambda i: ann.search(enc(i), 10), cfg.reps, cfg.warmup)
-            par = ", ".join(f"{k}={v}" for k, v in params.items())
-            met = "meets" if ann_recall >= cfg.recall_target else "MISSES"
-            rows.append(b.row(mode=f"EMB-{kind}", k=10, **_percentiles(t_ann), index_s=ann_build,
-                             **{"ann_recall@10": ann_recall}, search_p50_ms=s_ann,
-                             index_bytes=sum(len(rindex.index_bytes(x)) for x in ann.shards),
-                             speedup_vs_paper_code=np.median(paper_emb_t) / np.median(t_ann),
-                             notes=f"{note}; {fac}, {par} (smallest of the sweep "
-                                   f"{' '.join(f'{v}:{r:.3f}' for v, r in sweep)} that {met} recall@10 >= "
-                                   f"{cfg.recall_target}; tuned and measured on the same {rq} caption queries); "
-                                   f"search alone 1/{s_torch / s_ann:.0f} of torch brute force "
-                                   f"({s_torch:.1f} ms); ann_recall@10 = knn_intersection_measure vs exact",
-                             **common))
-            ann = None  # frees the index before the next one (not del: closures above read the name)
-        rows.append(b.row(mode="EMB", k=10, **_percentiles(paper_emb_t), search_p50_ms=s_torch, **search_cols,
-                         **{**common, "model": PAPER_CODE_MODEL}, notes=f"{note}; torch.mm + topk over all items"))
-        log(f"  N={n:,} search alone p50: torch {s_torch:.2f} ms, faiss Flat {s_flat:.2f} ms, exact_topk "
-            f"{s_exact:.2f} ms, bound {bound_ms:.2f} ms ({bw / 1e9:.1f} GB/s)")
-        for k in cfg.ks:
-            kk = min(k, n)
-
-            def co(i, kk=kk):
-                q, (s, hit) = emb_flat(i, rerank.stored_depth(kk))
-                ce = m.score(b.texts(i) * kk, b.regions(src[hit[0, :kk]]), batch_size=cfg.batch_size)
-                rerank.rank_query(hit[0], s[0], ce, k=kk, mode="ce")
-
-            def paper_co(i, kk=kk):
-                top = paper_emb(i, kk)
-                for j in top.indices[0].tolist():  # one CE call per (query, candidate) pair
-                    m.score(b.texts(i), b.regions([src[j]]), batch_size=1)
-
-            t_co = _timed(co, cfg.reps, cfg.warmup)
-            pnote = f"{note}; torch.mm + topk, then one CE call per candidate"
-            if kk not in loop_cost:  # the per-pair loop does not depend on N: measure it end to end once per k
-                t_pco = _timed(paper_co, cfg.paper_reps, 1)
-                loop_cost[kk] = float(np.median(t_pco)) - float(np.median(paper_emb_t))
-                paper = dict(_percentiles(t_pco), measured=True)
-            else:  # larger N: this N's measured torch.mm search + the measured loop of k CE calls
-                p = (float(np.median(paper_emb_t)) + loop_cost[kk]) * 1000
-                paper = dict(latency_p50_ms=p, latency_p95_ms=p, latency_p99_ms=p, measured=False)
-                pnote += "; composed: this N's measured torch.mm+topk p50 + the k-call CE loop measured at the " \
-                         "smallest N"
-            rows.append(b.row(mode="CO", k=kk, **_percentiles(t_co), **common, notes=note,
-                             speedup_vs_paper_code=paper["latency_p50_ms"] / 1000 / np.median(t_co)))
-            rows.append(b.row(mode="CO", k=kk, **{**common, "model": PAPER_CODE_MODEL, **paper}, notes=pnote))
-        # CE over the whole collection for one query.
-        est = n * b.unit["ce_pair_batched_s"]
-        paper_est = n * b.unit["ce_pair_single_s"] + float(np.median(paper_emb_t))
-        if est <= cfg.ce_measure_budget_s:
-            def ce_all(i):
-                q = b.texts(i)
-                m.score(q * n, b.regions(src), batch_size=cfg.batch_size)
-            t_ce = _timed(ce_all, 1, 0)
-            rows.append(b.row(mode="CE", k="all", **_percentiles(t_ce), **common, notes=f"{note}; one query, "
-                             f"measured once", speedup_vs_paper_code=paper_est / t_ce[0]))
-        else:
-            p = est * 1000
-            rows.append(b.row(mode="CE", k="all", latency_p50_ms=p, latency_p95_ms=p, latency_p99_ms=p,
-                             **{**common, "measured": False}, speedup_vs_paper_code=paper_est / est,
-                             notes=f"extrapolated: {n:,} pairs x {b.unit['ce_pair_batched_s'] * 1000:.2f} ms per "
-                                   f"pair (batched, measured)"))
-        p = paper_est * 1000
-        rows.append(b.row(mode="CE", k="all", latency_p50_ms=p, latency_p95_ms=p, latency_p99_ms=p,
-                         **{**common, "model": PAPER_CODE_MODEL, "measured": False},
-                         notes=f"extrapolated: {n:,} x {b.unit['ce_pair_single_s'] * 1000:.2f} ms per single-pair "
-                               f"CE call (measured) + torch.mm search"))
-        for r in rows[-(6 + len(cfg.anns) + 2 * len(cfg.ks)):]:
-            if r.get("latency_p50_ms", "") != "":
-                log(f"  N={n:,} {r['model']} {r['mode']} k={r.get('k', '')}: p50 {r['latency_p50_ms']:.1f} ms"
-                    + (" (extrapolated)" if not r["measured"] else ""))
-        flat = items = items_t = None  # frees this size before the next (closures read these names)
-    return rows
 
 
 def pipeline_overhead_rows(b: _Bench, cfg, beam_args, log, n: int = 5_000) -> list[dict]:
@@ -509,17 +295,6 @@ def eval_time(b: _Bench, cfg, beam_args, log) -> tuple[list[dict], list]:
                                  f" + {est[method][1]:,} single-pair CE calls x {u['ce_pair_single_s'] * 1000:.2f} ms"
                                  if est[method][1] else " (search time not included)")))
     return rows, list(runner.results.values())
-
-
-# ------------------------------------------------------------------------------------------ helpers
-def flat_or_ann_index(factory: str, ids: np.ndarray, vectors: np.ndarray, seed: int = 0):
-    """A one-shard inner-product index over ``vectors`` (the library calls pipelines.build_index makes)."""
-
-    d = int(vectors.shape[1])
-    sample = rindex.training_sample(ids, vectors, min(len(ids), 100_000), seed=seed) \
-        if rindex.needs_training(factory, d, "ip") else None
-    trained = rindex.train_index(factory, d, "ip", sample, seed=seed)
-    return rindex.ShardedIndex([rindex.build_shard(trained, ids, vectors)])
 
 
 def _bench(model, lcfg: LatencyConfig, env: dict, log) -> _Bench:

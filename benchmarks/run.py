@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 
 import click
 
-from benchmarks import jobs, latency, launch, report, suites
+from benchmarks import jobs, latency, launch, per_query, report, suites
 from benchmarks.planner import Models, Plan, SuiteConfig, model_feature_dim
 from benchmarks.rows import RowHits, ce_pairs_scored, evaluate_row
 from pipelines.beam_kit import UnknownFlagError, unknown_beam_flags
@@ -276,10 +276,10 @@ def _demo_feature_dim() -> int:
 
 
 def _check_anns(kinds: Sequence[str]) -> None:
-    """--ann "IVF-Flat,HNSW32": each kind checked (benchmarks.latency.ann_factory)."""
+    """--ann "IVF-Flat,HNSW32": each kind checked (benchmarks.per_query.ann_factory)."""
     for k in kinds:
         try:
-            latency.ann_factory(k, 1000)
+            per_query.ann_factory(k, 1000)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--ann") from None
 
