@@ -25,14 +25,13 @@ import numpy as np
 
 from benchmarks.report import cpu_model
 from retrieval_core.cli import (
-    CONTEXT_SETTINGS,
     apply_device_and_threads,
     batch_size_option,
     cli_errors,
     device_option,
     option,
+    plan_command,
     plan_from_cli,
-    plan_options,
     threads_option,
 )
 
@@ -161,9 +160,10 @@ def measure(plan: ThroughputPlan) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
-@click.command(context_settings=CONTEXT_SETTINGS, help=__doc__.split("\n\n")[0])
-@plan_options(ThroughputPlan)
+@plan_command(ThroughputPlan)
 def main(**values):
+    """Images per second of staging from pixels: JPEG decode + resize to 224, EfficientNet-Lite0 grid regions,
+    and the whole pipelines.stage job, measured in one run so their ratios hold on a shared machine."""
     with cli_errors():
         plan = plan_from_cli(ThroughputPlan, values)
         result = measure(plan)

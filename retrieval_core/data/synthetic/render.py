@@ -18,7 +18,7 @@ from typing import Optional
 
 import click
 
-from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors, option, plan_from_cli, plan_options
+from retrieval_core.cli import cli_errors, option, plan_command, plan_from_cli
 from retrieval_core.data.synthetic.captions import generate_captions
 from retrieval_core.data.synthetic.scenes import GRID, describe_scene, family_draws
 from retrieval_core.data.synthetic.spec import SyntheticSpec, seeded_rng
@@ -194,11 +194,10 @@ benchmark:
     return {"manifest": manifest, "images": stop, "captions": n_caps}
 
 
-@click.command(context_settings=CONTEXT_SETTINGS,
-               help="Draw a synthetic collection's scenes as PNGs with their captions and a manifest that stages "
-                    "them from pixels (pipelines.stage --manifest OUTPUT/manifest.yaml).")
-@plan_options(RenderPlan)
+@plan_command(RenderPlan)
 def main(**values):
+    """Draw a synthetic collection's scenes as PNGs with their captions and a manifest that stages them from
+    pixels (pipelines.stage --manifest OUTPUT/manifest.yaml)."""
     with cli_errors():
         plan = plan_from_cli(RenderPlan, values)
         out = write_collection(plan)
