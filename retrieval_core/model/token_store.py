@@ -86,18 +86,29 @@ class TokenStore:
 
     def read_shard(self, rel: str) -> tuple[np.ndarray, list[np.ndarray]]:
         """(caption ids, their token-id arrays) of one staged caption shard, in the shard's row order."""
+        with self._open_checked(rel) as z:
+            caption_ids, offsets, ids = z["caption_id"], z["offsets"], z["ids"]
+        return caption_ids, np.split(ids, offsets[1:-1])
+
+    def check_shard(self, rel: str) -> None:
+        """Refuse the shard's ids when they were made from another version of the caption shard (reads only
+        the recorded checksum of a local store: a job's start-up does not load every id to check them)."""
+        with self._open_checked(rel):
+            pass
+
+    def _open_checked(self, rel: str):
         path = join_path(self.root, _shard_file(rel))
-        try:
-            with np.load(io.BytesIO(read_file(path, _files(self.staged, path))), allow_pickle=False) as z:
-                caption_ids, offsets, ids, source = z["caption_id"], z["offsets"], z["ids"], str(z["source_sha256"])
+        try:  # a local .npz is read lazily, member by member; a URL one is fetched whole
+            z = np.load(io.BytesIO(read_file(path, self.staged.files)) if is_url(path) else path, allow_pickle=False)
         except FileNotFoundError:
             raise TokenStoreError(f"{path} is missing: the store was built before caption shard {rel} was "
                                   f"staged; rebuild it with ensure_token_store") from None
-        expected = self.staged.shard_sha256(rel)
+        source, expected = str(z["source_sha256"]), self.staged.shard_sha256(rel)
         if source != expected:
+            z.close()
             raise TokenStoreError(f"{path} was made from caption shard {rel} with sha256 {source[:12]}, the staged "
                                   f"shard now has {expected[:12]}: delete {self.root} and rebuild it")
-        return caption_ids, np.split(ids, offsets[1:-1])
+        return z
 
     def ids_of(self, rel: str, caption_ids) -> list[np.ndarray]:
         """The token ids of the given captions of one staged caption shard, in the order given."""
@@ -133,7 +144,7 @@ def ensure_token_store(staged: StagedDataset, collator: TextCollator, log=None,
     for rel in staged.shard_names("captions"):
         path = join_path(root, _shard_file(rel))
         if files.exists(path):
-            store.read_shard(rel)  # refuses ids made from another version of the shard
+            store.check_shard(rel)
             continue
         table = staged.read_shard_columns(rel, ("caption_id", "text"))
         ids = collator.ids(table.column("text").to_pylist()) if table.num_rows else []
