@@ -8,6 +8,8 @@ padding ids per batch gives the same tensors as tokenising every batch.
 """
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
@@ -198,9 +200,6 @@ def prefetched(make_batch: Callable, chunks: Sequence[np.ndarray], depth: int = 
     """(chunk, make_batch(chunk)) for each chunk in order, the next ``depth`` made in a worker thread while the
     caller uses the current one (collation is numpy and tokenizer work outside the model's threads). An error
     in ``make_batch`` is raised here, at its batch."""
-    from collections import deque
-    from concurrent.futures import ThreadPoolExecutor
-
     if not chunks:
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="collate") as pool:
