@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -172,3 +173,28 @@ def test_encode_cli_takes_a_mapped_baseline_folder(staged, tmp_path):
     ids, vecs = embeddings.read_embeddings(out, "text")
     texts = ds.captions().set_index("caption_id")["text"]
     np.testing.assert_allclose(vecs, base.encode_text(texts.loc[ids].tolist()), atol=1e-5)
+
+
+def test_a_region_cap_below_what_the_model_reads_is_refused(staged, tmp_path):
+    """A compact staging keeps the regions its models read; a model that reads more is refused by encode (and
+    rerank, through the same check) where the cap cut images, naming both numbers."""
+    model = write_tiny_model(str(tmp_path / "m"), str(tmp_path))
+    reads = inspect_model_folder(model).max_regions
+    capped = tmp_path / "capped"
+    shutil.copytree(staged, capped)
+    summary = json.load(open(capped / "summary.json"))
+    summary["max_regions"] = reads - 1
+    coll = next(iter(summary["collections"].values()))
+    coll["images"]["region_cap"] = {"max_regions": reads - 1, "capped_images": 3, "policy": "confidence"}
+    json.dump(summary, open(capped / "summary.json", "w"))
+    res = _encode_cli(str(capped), model, str(tmp_path / "emb"))
+    assert res.exit_code != 0
+    assert f"keeps at most {reads - 1} regions per image (3 images cut)" in res.output
+    assert f"reads up to {reads}: stage with --max-regions {reads} or more" in res.output
+    coll["images"]["region_cap"]["capped_images"] = 0  # a cap that cut nothing changes nothing the model reads
+    json.dump(summary, open(capped / "summary.json", "w"))
+    assert StagedDataset(str(capped)).images_cut_below(reads) == 0
+    del coll["images"]["region_cap"]  # a summary without the counts: unknown, refused
+    json.dump(summary, open(capped / "summary.json", "w"))
+    assert StagedDataset(str(capped)).images_cut_below(reads) is None
+    assert StagedDataset(str(capped)).images_cut_below(reads - 1) == 0

@@ -125,6 +125,16 @@ class StagedDataset:
     def __repr__(self) -> str:
         return f"StagedDataset({self.root!r}, collections={self.collections}, F={self.feature_dim})"
 
+    def images_cut_below(self, regions: int) -> Optional[int]:
+        """How many staged images the stager's region cap cut to fewer than ``regions`` regions (0 when its cap
+        is at least that); None when the summary predates the per-collection cap counts (unknown)."""
+        cap = int(self.summary.get("max_regions") or schema.DEFAULT_MAX_REGIONS)
+        if cap >= regions:
+            return 0
+        counts = [((c.get("images") or {}).get("region_cap") or {}).get("capped_images")
+                  for c in self.summary["collections"].values()]
+        return None if any(n is None for n in counts) else sum(int(n) for n in counts)
+
     def content_sha256(self, kind: str, collection: str) -> str:
         """sha256 over the (name, sha256) of one collection's staged shards of ``kind`` ("images", with their
         HDF5 feature shards, or "captions"): what an artifact made from them records, and what its consumers

@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, BertConfig
 
 from retrieval_core.data.paths import FileAccess, is_url, local_sha256
-from retrieval_core.data.pixels.backbone import check_same_features
+from retrieval_core.data.pixels.backbone import FeatureSourceError, check_same_features
 from retrieval_core.data.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS
 from retrieval_core.model.backbones import backbone_path, is_backbone_name, model_cache_dir
 from retrieval_core.model.baseline import BASELINE_JSON, BASELINE_TENSORS, MappedBaseline
@@ -311,9 +311,19 @@ class ModelFolder:
 
     def require_features(self, staged) -> "ModelFolder":
         """Refuses a staged folder whose image features come from another source than the model was trained on
-        (FeatureSourceError): a Lite0 grid and a detector's regions can share a width and mean different things."""
+        (FeatureSourceError): a Lite0 grid and a detector's regions can share a width and mean different things;
+        and one staged with a region cap below what the model reads, where the cap cut images (the model would
+        see fewer regions than it reads; a compact staging keeps exactly the regions its models read)."""
         check_same_features(staged.image_backbone, self.image_backbone, f"staged folder {staged.root}",
                             f"model {self.path}")
+        cut = staged.images_cut_below(self.max_regions)
+        if cut != 0:
+            cap = staged.summary.get("max_regions")
+            raise FeatureSourceError(
+                f"staged folder {staged.root} keeps at most {cap} regions per image "
+                f"({'an unknown number of' if cut is None else f'{cut:,}'} images cut), but model {self.path} "
+                f"reads up to {self.max_regions}: stage with --max-regions {self.max_regions} or more, or use a "
+                f"model that reads at most {cap}")
         return self
 
     def require(self, need: Sequence[str]) -> "ModelFolder":
