@@ -34,6 +34,8 @@ QUICK_IMAGES = {"synthetic_coco5k": 100, "synthetic_f30k1k": 40, "synthetic_cc14
 TUNE_MANIFEST, TUNE_SPLIT = "demo", "dev"
 # Pools larger than that dev split add distractors from here, so the fusion is chosen at the evaluated pool's size.
 DEV_POOL_MANIFEST, DEV_DISTRACTORS = "synthetic_dev_pool", "synthetic_dev_distractors"
+#: A compact staging (scale_1m's) keeps its region features in this dtype, and only the regions the models read.
+COMPACT_FEATURE_DTYPE = "float16"
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ class SuiteConfig(CheckedPlan):
                                                   "those modules). The memory and latency suites always start fresh.")
     models: Models = derived(default_factory=Models)
     feature_dim: Optional[int] = derived(None)
+    model_regions: int = derived(schema.DEFAULT_MAX_REGIONS)  # the most regions per image any of the models reads
     seed: int = derived(0)  # the latency suite's data seed
 
     def __post_init__(self) -> None:
@@ -240,6 +243,18 @@ def model_feature_dim(path: str) -> Optional[int]:
     return None
 
 
+def model_max_regions(path: str) -> Optional[int]:
+    """The regions per image a model folder reads (any kind inspect_model_folder knows), None if not there yet."""
+    from retrieval_core.model.checkpoints import CheckpointError, inspect_model_folder
+
+    if not path or not os.path.isdir(path):
+        return None
+    try:
+        return int(inspect_model_folder(path).max_regions)
+    except CheckpointError:
+        return None
+
+
 def _model_inputs(path: str) -> tuple[str, ...]:
     return tuple(os.path.join(path, n) for n in ("rr_model.json", "model.safetensors", "rr_baseline.json"))
 
@@ -298,11 +313,13 @@ def split_sizes(st: Staged, split: str) -> tuple[int, int]:
 
 
 def stage_job(cfg: SuiteConfig, manifest: str, images: Optional[int] = None,
-              sizes: tuple[tuple[str, int, int], ...] = ()) -> Staged:
+              sizes: tuple[tuple[str, int, int], ...] = (), compact: bool = False) -> Staged:
     """The stage job of ``manifest`` at the models' feature_dim (synthetic features only: real features are
     read from files, so another width is refused naming both) and, with --quick, shrunk (QUICK_IMAGES);
     ``images`` cuts every collection to that many images instead; ``sizes``: (collection, images, captions per
-    image) of single collections, applied last."""
+    image) of single collections, applied last; ``compact``: only the regions the models read
+    (``cfg.model_regions``; the stager keeps them most confident first, so the cut is lossless for them) in
+    COMPACT_FEATURE_DTYPE, a staged folder of its own."""
     m = load_manifest(manifest)
     sets, suffix = [], ""
     if cfg.feature_dim != m.feature_dim:
@@ -325,24 +342,31 @@ def stage_job(cfg: SuiteConfig, manifest: str, images: Optional[int] = None,
         suffix += f"-{name.split('_')[-1]}{n}x{per_image}"
     m = load_manifest(manifest, overrides=sets)
     images, captions = _collection_sizes(m)
+    extra = {}
+    if compact:
+        extra = dict(feature_dtype=COMPACT_FEATURE_DTYPE, max_regions=cfg.model_regions)
+        suffix += f"-r{cfg.model_regions}-{COMPACT_FEATURE_DTYPE}"
     out = os.path.join(cfg.root, "staged", m.name + suffix)
-    job = Job.of(f"stage {m.name}{suffix}", StagePlan(output=out, manifest=manifest, overrides=tuple(sets)),
+    job = Job.of(f"stage {m.name}{suffix}", StagePlan(output=out, manifest=manifest, overrides=tuple(sets), **extra),
                  "summary.json", (("stage_records", sum(images.values()) + sum(captions.values())),))
     return Staged(m.name + suffix, out, job, m, images, captions)
 
 
 class Planner:
-    """Builds one suite's Plan; every job goes through here, so a shared step is planned once."""
-    def __init__(self, cfg: SuiteConfig):
+    """Builds one suite's Plan; every job goes through here, so a shared step is planned once. ``compact``: every
+    collection staged compact (stage_job); ``dev_pool_max``: the AUTO rows' dev pools at most this many images
+    (0: as large as the evaluated pool)."""
+    def __init__(self, cfg: SuiteConfig, compact: bool = False, dev_pool_max: int = 0):
         self.cfg = cfg
         self.plan = Plan()
+        self.compact, self.dev_pool_max = compact, dev_pool_max
         self._staged: dict[str, Staged] = {}
 
     # -- jobs
     def stage(self, manifest: str, images: Optional[int] = None, sizes: tuple = ()) -> Staged:
         key = (manifest, images, sizes)
         if key not in self._staged:
-            st = stage_job(self.cfg, manifest, images, sizes)
+            st = stage_job(self.cfg, manifest, images, sizes, compact=self.compact)
             self.plan.add(st.job)
             self._staged[key] = st
         return self._staged[key]
@@ -432,6 +456,9 @@ class Planner:
         demo = stage_job(self.cfg, TUNE_MANIFEST)  # not planned: its sizes only
         coll = next(iter(demo.manifest.collections))
         n_dev = round(demo.images[coll] * split_share(demo.manifest.collections[coll], TUNE_SPLIT))
+        if self.dev_pool_max and pool_images > self.dev_pool_max:
+            pool_captions = round(pool_captions * self.dev_pool_max / pool_images)
+            pool_images = self.dev_pool_max
         extra = pool_images - n_dev
         if extra > 0:
             per_image = max(1, round((pool_captions - demo.captions[coll] / demo.images[coll] * n_dev) / extra))

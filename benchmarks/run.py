@@ -46,7 +46,7 @@ from typing import Optional, Sequence
 import click
 
 from benchmarks import jobs, latency, launch, per_query, report, suites
-from benchmarks.planner import Models, Plan, SuiteConfig, model_feature_dim
+from benchmarks.planner import Models, Plan, SuiteConfig, model_feature_dim, model_max_regions
 from benchmarks.rows import RowHits, ce_pairs_scored, evaluate_row
 from pipelines.beam_kit import UnknownFlagError, unknown_beam_flags
 from retrieval_core.cli import plan_command, plan_from_cli
@@ -215,7 +215,8 @@ def main(ctx, **values):
         models = resolve_models(cli.join_dir, cli.be_dir, cli.ce_dir, cli.no_sep, cli.suite, cli.plan_only,
                                 beam_args, cli.recipe, seed)
         cfg = replace(cli, workdir=recipes.workdir(), models=models,
-                      feature_dim=model_feature_dim(models.first) or _demo_feature_dim())
+                      feature_dim=model_feature_dim(models.first) or _demo_feature_dim(),
+                      model_regions=_model_regions(models, cli.recipe))
         # which cached models the rows came from (none when every model folder was given)
         trained = not (cli.join_dir and (cli.no_sep or cli.suite in JOIN_BY_DEFAULT or (cli.be_dir and cli.ce_dir)))
         opts = RunOptions(output=output if len(seeds) == 1 else os.path.join(output, f"seed{seed}"),
@@ -268,6 +269,13 @@ def run_suite(cfg: SuiteConfig, opts: RunOptions,
     print(report.summary_table(rows, f"{suite} ({time.time() - t_start:.0f}s)"))
     print(f"wrote {path}")
     return rows, hits
+
+
+def _model_regions(models: Models, recipe: str) -> int:
+    """The most regions per image any of the suite's models reads: from their folders, or for a recipe model not
+    trained yet (--plan) the recipe's max_regions."""
+    found = [model_max_regions(folder) for _, be, ce in models.families() for folder in (be, ce)]
+    return max(n if n is not None else recipes.RECIPES[recipe].max_regions for n in found)
 
 
 def _demo_feature_dim() -> int:

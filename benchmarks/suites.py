@@ -35,6 +35,9 @@ MEMORY_SIZES = (20_000, 100_000, 200_000)
 QUICK_MEMORY_SIZES = (200, 400)
 MEMORY_QUERIES = 500
 QUICK_SCALE_QUERIES = 50
+#: scale_1m's AUTO rows choose their fusion on a dev pool of scale_100k's size (100k images and their captions),
+#: not a 1M one: a second 1M collection would double the suite's disk and encode time (docs/BENCHMARKS.md).
+SCALE_1M_DEV_POOL = 100_000
 MODE_LABELS = {"emb": "EMB", "co": "CO", "add": "CO-ADD", "norm_add": "CO-NORM_ADD", "ce": "CE"}
 
 
@@ -189,13 +192,15 @@ def scale_task(p: Planner, manifest: str, k: int = STANDARD_K, text_index: bool 
 
 
 def scale_1m(p: Planner) -> None:
-    """The 100k protocol at 1M images / 5M captions (data_manifests/synthetic_1m.yaml): a cluster job.
+    """The 100k protocol at 1M images / 5M captions (data_manifests/synthetic_1m.yaml).
 
-    Work per model family (demo models, k = 20): stage 6M records once; encode 1M images + 5M captions; a
-    1M-image and a 5M-caption index; CE-score <= 200k pairs (5,000 queries per direction x 20). On 2 CPU
-    cores that is days (``--plan`` prints the estimate from measured unit costs); on one machine only
-    ``--plan`` is expected. On a Dask cluster (scheduler at HOST:8786, every worker with this repository
-    installed and the workdir on a shared filesystem)::
+    Work per model family (k = 20): stage 6M records once; encode 1M images + 5M captions; a 1M-image and a
+    5M-caption index; CE-score <= 200k pairs (5,000 queries per direction x 20); the AUTO row's dev run on a
+    SCALE_1M_DEV_POOL-image dev pool. Every collection is staged compact (planner.stage_job: the regions the
+    models read, float16), which keeps the disk under 40 GB; ``--plan`` prints the estimate from measured unit
+    costs, and docs/BENCHMARKS.md the command for one 2-core machine with native bf16. On a Dask cluster
+    (scheduler at HOST:8786, every worker with this repository installed and the workdir on a shared
+    filesystem)::
 
         python -m benchmarks.run --suite scale_1m --workdir /shared/rr --index-factory IVF4096,Flat \
             --runner=apache_beam.runners.dask.dask_runner.DaskRunner --dask_client_address=HOST:8786
@@ -228,8 +233,8 @@ def memory_task(p: Planner, sizes: Sequence[int]) -> None:
 
 def plan_suite(cfg: SuiteConfig, baseline_model: Optional[str] = None) -> Plan:
     """The jobs and rows of one recall suite (latency plans its own Table 4 jobs, benchmarks.latency)."""
-    p = Planner(cfg)
     s = cfg.suite
+    p = Planner(cfg, compact=True, dev_pool_max=SCALE_1M_DEV_POOL) if s == "scale_1m" else Planner(cfg)
     if cfg.manifest:  # one user-chosen manifest, its own benchmark block
 
         m = load_manifest(cfg.manifest)

@@ -353,18 +353,20 @@ def test_scale_1m_plan_prints_jobs_and_estimates_without_running(model, tmp_path
                  timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout
-    assert "stage synthetic_1m-f16 (6,000,000 stage records; estimate 10.0 min)" in out
+    # staged compact: the regions the model reads (the tiny model: 50), float16
+    assert "stage synthetic_1m-f16-r50-float16 (6,000,000 stage records; estimate 10.0 min)" in out
     assert "1,000,000 images encoded, 5,000,000 captions encoded; estimate 58.3 min" in out
     assert "(200,000 ce pairs; estimate 6.7 min)" in out
-    # + the AUTO row's dev run: the demo's dev queries against a dev pool as large as the 1M pool
-    assert "stage synthetic_dev_pool-f16-distractors999500x5 (6,027,000 stage records" in out
-    assert "dev (1,000,000 images encoded, 5,000,000 captions encoded; estimate 58.3 min)" in out
-    assert "estimated work: 2.4 h" in out
+    # + the AUTO row's dev run: the demo's dev queries against a dev pool of scale_100k's size
+    assert "stage synthetic_dev_pool-f16-distractors99500x5-r50-float16 (627,000 stage records" in out
+    assert "dev (100,000 images encoded, 500,000 captions encoded; estimate 5.8 min)" in out
+    assert "estimated work: 82.5 min" in out
     commands = [line.strip() for line in out.splitlines() if line.strip().startswith("python -m ")]
     pool_run = ["pipelines.stage", "benchmarks.queries", "pipelines.encode", "pipelines.build_index",
                 "pipelines.build_index", "pipelines.rerank"]
     assert [c.split()[2] for c in commands] == pool_run * 2
     assert all("--manifest synthetic_dev_pool" in c or "synthetic_dev_pool-f16" in c for c in commands[len(pool_run):])
+    assert all("--feature-dtype float16 --max-regions 50" in c for c in commands if "pipelines.stage" in c)
     for c in commands:  # Beam flags go to every pipeline job, not to the queries helper
         assert all(f in c.split() for f in dask) == c.startswith("python -m pipelines.")
     assert "--modality text" in commands[4] and "--text-index" in commands[5] and "--scale 5000" in commands[1]
