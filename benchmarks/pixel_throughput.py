@@ -1,9 +1,13 @@
 """Images per second of staging from pixels: JPEG decode + resize to 224, EfficientNet-Lite0 grid regions, and the
 whole pipelines.stage job, measured in one run so their ratios hold on a shared machine.
 
-Rows: ``decode`` (read + decode + EXIF + RGB + resize, one thread), ``backbone`` (Lite0 on decoded batches alone),
-``library`` (retrieval_core's image_files reader: decode then batched backbone, what one stage worker runs) and,
-unless ``--no-stage``, ``stage`` (the Beam job on the folder, DirectRunner, launch included). The same command on a
+Rows: ``decode`` (read + decode + EXIF + RGB + resize, one thread); the backbone alone on decoded batches:
+``backbone_plain`` (the reference modules, BatchNorm folded: a pad copy and a ReLU6 pass per layer, the whole
+batch at once), ``backbone_float32`` and, where the CPU computes bf16 natively (or on CUDA),
+``backbone_bfloat16`` (the fused path the stager runs); ``library_inline`` and ``library`` (retrieval_core's
+image_files reader, what one stage worker runs: decoding between batches, ``decode_threads`` 0, and with the
+plan's decode threads working ahead) and, unless ``--no-stage``, ``stage`` (the Beam job on the folder,
+DirectRunner, launch included). ``library`` and ``stage`` run the plan's ``--precision``. The same command on a
 GPU machine (``--device cuda``) is the GPU step; its decode row says how many CPU decoders a GPU needs::
 
     python -m benchmarks.pixel_throughput --images 512 --threads 2 --output runs/pixels_cpu.json
@@ -34,6 +38,7 @@ from retrieval_core.cli import (
     plan_from_cli,
     threads_option,
 )
+from retrieval_core.data.schema import cpu_has_native_bf16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,9 +49,11 @@ class ThroughputPlan:
     device: str = device_option()
     threads: Optional[int] = threads_option()
     batch_size: int = batch_size_option(64, help="images per backbone call")
-    decode_threads: int = option(1, type=click.IntRange(min=1), help="files decoded in parallel (image_files "
-                                                                     "decode_threads; a GPU needs several)")
+    decode_threads: int = option(1, type=click.IntRange(min=0), help="files decoded ahead in parallel "
+                                 "(image_files decode_threads; 0 = between batches; a GPU needs several)")
     grids: str = option("1,3", help="grid sizes (image_files grids)")
+    precision: str = option("float32", type=click.Choice(["float32", "bfloat16"]),
+                            help="backbone arithmetic of the library and stage rows (image_files precision)")
     no_stage: bool = option(False, help="skip timing the pipelines.stage job on the folder")
     output: Optional[str] = option(None, help="JSON to write [print only]")
 
@@ -94,7 +101,7 @@ def _gemm_gflops(device: str) -> float:
 def measure(plan: ThroughputPlan) -> dict:
     import torch
 
-    from retrieval_core.data.pixels.backbone import cached_backbone, parse_grids
+    from retrieval_core.data.pixels.backbone import MEAN, STD, cached_backbone, parse_grids
     from retrieval_core.data.pixels.decode import decode_image
     from retrieval_core.data.readers.images import read_image_files
 
@@ -110,7 +117,9 @@ def measure(plan: ThroughputPlan) -> dict:
             shutil.copy(sources[i % len(sources)], paths[-1])
         sizes = [decode_image(open(p, "rb").read(), 224).width for p in sources]
         grids = parse_grids(plan.grids)
-        backbone = cached_backbone(grids, plan.device)
+        cuda = plan.device.startswith("cuda")
+        precisions = ["float32"] + (["bfloat16"] if cuda or cpu_has_native_bf16() else [])
+        backbones = {p: cached_backbone(grids, plan.device, p) for p in precisions}
         rows = {}
         gemm = _gemm_gflops(plan.device)
 
@@ -118,18 +127,29 @@ def measure(plan: ThroughputPlan) -> dict:
         pixels = np.stack([decode_image(open(p, "rb").read(), 224).pixels for p in paths])
         rows["decode"] = plan.images / (time.perf_counter() - t)
 
-        backbone.regions(pixels[:plan.batch_size])  # warm-up (first call allocates, CUDA initialises)
-        if plan.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        for a in range(0, plan.images, plan.batch_size):
-            backbone.regions(pixels[a:a + plan.batch_size])
-        rows["backbone"] = plan.images / (time.perf_counter() - t)
+        def plain(batch):  # the reference modules, as the stager ran them before the fused path
+            with torch.inference_mode():
+                x = torch.from_numpy(batch).to(plan.device).permute(0, 3, 1, 2).float()
+                return backbones["float32"].model.features((x - MEAN) / STD).cpu()
 
-        t = time.perf_counter()
-        n = sum(1 for _ in read_image_files(paths, None, plan.device, grids=list(grids), batch_size=plan.batch_size,
-                                            decode_threads=plan.decode_threads))
-        rows["library"] = n / (time.perf_counter() - t)
+        runs = {"backbone_plain": plain, **{f"backbone_{p}": b.regions for p, b in backbones.items()}}
+        for name, fn in runs.items():
+            fn(pixels[:plan.batch_size])  # warm-up (first call allocates, CUDA initialises)
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            for a in range(0, plan.images, plan.batch_size):
+                fn(pixels[a:a + plan.batch_size])
+            if cuda:
+                torch.cuda.synchronize()
+            rows[name] = plan.images / (time.perf_counter() - t)
+
+        for name, threads in (("library_inline", 0), ("library", plan.decode_threads)):
+            t = time.perf_counter()
+            n = sum(1 for _ in read_image_files(paths, None, plan.device, grids=list(grids),
+                                                batch_size=plan.batch_size, decode_threads=threads,
+                                                precision=plan.precision))
+            rows[name] = n / (time.perf_counter() - t)
 
         if not plan.no_stage:
             from pipelines.stage import run as stage_run
@@ -139,7 +159,7 @@ def measure(plan: ThroughputPlan) -> dict:
             with open(manifest, "w") as f:
                 f.write(f"name: throughput\nfeature_dim: 1280\ncollections:\n  photos:\n    images: "
                         f"{{format: image_files, path: {photos}, grids: {list(grids)}, batch_size: {plan.batch_size}, "
-                        f"decode_threads: {plan.decode_threads}}}"
+                        f"decode_threads: {plan.decode_threads}, precision: {plan.precision}}}"
                         f"\n    captions: {{format: caption_lines, path: {work}/caps.txt, ids_path: {work}/ids.txt}}\n")
             with open(os.path.join(work, "caps.txt"), "w") as f:
                 f.write("".join(f"photo {i}\n" for i in range(plan.images)))
@@ -150,7 +170,8 @@ def measure(plan: ThroughputPlan) -> dict:
                                               threads=plan.threads))
             rows["stage"] = summary["collections"]["photos"]["images"]["staged"] / (time.perf_counter() - t)
         return {"images_per_s": {k: round(v, 1) for k, v in rows.items()},
-                "backbone_over_stage": round(rows["backbone"] / rows["stage"], 2) if "stage" in rows else None,
+                "backbone_over_stage": round(rows[f"backbone_{plan.precision}"] / rows["stage"], 2)
+                if "stage" in rows else None,
                 "gemm_gflops": round(gemm, 1), "load_average": os.getloadavg()[0],
                 "images": plan.images, "source_photos": len(sources), "source_widths": sorted(set(sizes)),
                 "device": plan.device, "torch_threads": torch.get_num_threads(), "cpu": cpu_model(),

@@ -134,6 +134,32 @@ def test_lite0_names_real_photos_sensibly():
     assert [t in e for t, e in zip(top1, expect.values())] == [True] * len(expect), top1
 
 
+def test_fused_backbone_gives_the_reference_features_and_bf16_another_fingerprint():
+    """The fused float32 path (ReLU6 and residual adds inside the convolutions, SAME padding without a padded
+    copy) is the reference model's arithmetic; bfloat16 changes the features, so it has its own fingerprint."""
+    import torch
+    import torch.nn.functional as F
+
+    from retrieval_core.data.pixels.backbone import fingerprint
+    from retrieval_core.data.schema import cpu_has_native_bf16
+
+    pixels = np.stack([np.asarray(_scene(224, 224)), np.asarray(_scene(224, 224).rotate(90))])
+    backbone = cached_backbone((1, 3), "cpu")
+    with torch.inference_mode():
+        x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float()
+        fmap = backbone.model.features((x - 127.0) / 128.0)  # the plain modules: pad copies, separate ReLU6
+        ref = torch.cat([F.adaptive_avg_pool2d(fmap, g).flatten(2) for g in (1, 3)], 2).transpose(1, 2).numpy()
+    np.testing.assert_allclose(backbone.regions(pixels), ref, atol=1e-4, rtol=1e-4)
+    fp32, bf16 = fingerprint(GridSpec((1, 3))), fingerprint(GridSpec((1, 3), "bfloat16"))
+    assert "precision" not in fp32 and bf16["precision"] == "bfloat16" and fp32["fingerprint"] != bf16["fingerprint"]
+    with pytest.raises(ValueError, match="precision must be one of"):
+        GridSpec((1,), "float16")
+    if cpu_has_native_bf16():
+        got = cached_backbone((1, 3), "cpu", "bfloat16").regions(pixels)
+        cos = (got * ref).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(ref, axis=-1)
+        assert cos.min() > 0.95 and np.abs(got - ref).max() > 1e-3  # close, yet not float32's features
+
+
 def test_features_from_another_source_are_refused():
     check_same_features("", "", "staged", "model")
     check_same_features("ab" * 32, "ab" * 32, "staged", "model")
@@ -143,8 +169,13 @@ def test_features_from_another_source_are_refused():
 
 
 # ------------------------------------------------------------------------------ staging a folder of images
+#: Files no caption names; the broken one is skipped, not rejected: it is never decoded.
+UNCAPTIONED = {"zz-uncaptioned.jpg": lambda: _jpeg(_scene()), "zz-uncaptioned-broken.jpg": lambda: b"not a picture"}
+
+
 def write_photo_folder(root) -> tuple[str, str]:
-    """Every CASES file in root/photos plus a Karpathy JSON captioning them (train/dev/test by name)."""
+    """Every CASES file in root/photos plus a Karpathy JSON captioning them (train/dev/test by name), and the
+    UNCAPTIONED files."""
     photos = root / "photos"
     photos.mkdir()
     (photos / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")  # hidden files are not inputs
@@ -155,6 +186,8 @@ def write_photo_folder(root) -> tuple[str, str]:
         images.append({"filename": name, "split": ("train", "val", "test")[i % 3], "imgid": i,
                        "sentences": [{"raw": f"a picture called {stem} number {k}", "sentid": i * 10 + k}
                                      for k in range(2)]})
+    for name, data in UNCAPTIONED.items():  # named by no caption: skipped unread (uncaptioned_images: skip)
+        (photos / name).write_bytes(data())
     captions = root / "captions.json"
     captions.write_text(json.dumps({"images": images}))
     return str(photos), str(captions)
@@ -201,7 +234,9 @@ def test_stage_a_folder_of_images(photo_staged):
     out, summary, plan = photo_staged
     images = summary["collections"]["photos"]["images"]
     rejected = {n for n, (_, e) in CASES.items() if isinstance(e, str)}
-    assert images["records_in"] == len(CASES) == images["staged"] + images["rejected"]
+    assert images["skipped"] == len(UNCAPTIONED)
+    assert images["records_in"] == len(CASES) + len(UNCAPTIONED) == images["staged"] + images["rejected"] + \
+        images["skipped"]
     assert images["rejected"] == len(rejected)
     assert images["reject_reasons"] == {decode.R_EMPTY: 1, decode.R_NOT_IMAGE: 1, decode.R_CORRUPT: 2,
                                         decode.R_TOO_LARGE: 1}
@@ -331,14 +366,27 @@ def test_parallel_decoding_gives_the_serial_records(tmp_path):
 
     photos, _ = write_photo_folder(tmp_path)
     paths = list_image_files(photos)
-    assert not any(p.endswith(".DS_Store") for p in paths) and len(paths) == len(CASES)
+    assert not any(p.endswith(".DS_Store") for p in paths) and len(paths) == len(CASES) + len(UNCAPTIONED)
     paths = paths[:6]  # three staged, three rejected
-    serial, threaded = (list(read_image_files(paths, grids=[1], batch_size=2, decode_threads=n)) for n in (1, 3))
+    serial, threaded = (list(read_image_files(paths, grids=[1], batch_size=2, decode_threads=n)) for n in (0, 3))
     assert [type(r).__name__ + getattr(r, "locator", "") for r in serial] == \
         [type(r).__name__ + getattr(r, "locator", "") for r in threaded]
     for a, b in zip(serial, threaded):
         if hasattr(a, "features"):
             np.testing.assert_array_equal(a.features, b.features)
+
+
+def test_unwanted_files_are_skipped_unread(tmp_path):
+    """An image id the stager does not want is neither decoded nor run through the backbone: a broken file is
+    Skipped, not a Reject, and no features are computed for it."""
+    from retrieval_core.data.readers.images import list_image_files, read_image_files
+    from retrieval_core.data.schema import RawImage, Skipped
+
+    photos, _ = write_photo_folder(tmp_path)
+    paths = [p for p in list_image_files(photos) if p.rsplit("/", 1)[-1] in ("rgb.jpg", *UNCAPTIONED)]
+    out = list(read_image_files(paths, grids=[1], batch_size=2, wanted=lambda sid: not sid.startswith("zz-")))
+    assert sorted(type(r).__name__ for r in out) == [RawImage.__name__, Skipped.__name__, Skipped.__name__]
+    assert sorted(r.source_id for r in out if isinstance(r, Skipped)) == sorted(n[:-4] for n in UNCAPTIONED)
 
 
 def test_dask_stages_the_photos_as_the_direct_runner(photo_staged, tmp_path):
@@ -353,7 +401,7 @@ def test_dask_stages_the_photos_as_the_direct_runner(photo_staged, tmp_path):
         dask_out = str(tmp_path / "dask")
         dask_summary = stage_run.run(replace(plan, output=dask_out), dask_args(cluster))
     assert dask_summary["runner"] == "DaskRunner"
-    for key in ("records_in", "staged", "rejected", "reject_reasons", "converted", "staged_by_split"):
+    for key in ("records_in", "staged", "rejected", "skipped", "reject_reasons", "converted", "staged_by_split"):
         assert dask_summary["collections"]["photos"]["images"][key] == summary["collections"]["photos"]["images"][key]
     assert dask_summary["image_backbone"] == summary["image_backbone"]
     direct, dask = (StagedDataset(o).load_images(collection="photos") for o in (out, dask_out))

@@ -154,8 +154,15 @@ class ReadAndStage(beam.DoFn):
             if kind == schema.KIND_IMAGE and coll in self.s.caption_filters else None
         # allow_empty: an empty source is judged by the launcher from records_in (find_problems, one line,
         # --allow-empty), not by a reader exception inside a worker (a Beam traceback).
-        for rec in read_task(task, files=files.BEAM_FILES, allow_empty=True, device=self.s.device):  # gs:// too
+        # image files no caption names are not decoded nor run through the backbone (other formats' features
+        # are already extracted: their records are filtered below)
+        wanted = (lambda sid: bool(splits.get(sid))) if splits is not None else None
+        for rec in read_task(task, files=files.BEAM_FILES, allow_empty=True, device=self.s.device,
+                             wanted=wanted):  # gs:// too
             n_in += 1
+            if isinstance(rec, schema.Skipped):
+                skipped += 1
+                continue
             if splits is not None and isinstance(rec, schema.RawImage):
                 rec = staging.with_caption_split(rec, splits.get(rec.source_id), source)
                 if rec is None:

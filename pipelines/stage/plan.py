@@ -154,19 +154,21 @@ def image_backbone(manifest) -> Optional[dict]:
     pixel = {n: s for n, s in sources.items() if s.format == IMAGE_FILES}
     if not pixel:
         return None
-    from retrieval_core.data.pixels.backbone import HEAD, GridSpec, fingerprint, parse_grids
+    from retrieval_core.data.pixels.backbone import DEFAULT_PRECISION, HEAD, GridSpec, fingerprint, parse_grids
 
     others = sorted(set(sources) - set(pixel))
     if others:
         raise StageError(f"collections {others} stage extracted region features beside image files in "
                          f"{sorted(pixel)}: a staged folder holds one kind of image features; stage them apart")
-    grids = {n: GridSpec(parse_grids(s.options.get("grids", 7))).grids for n, s in pixel.items()}
-    if len(set(grids.values())) > 1:
-        raise StageError(f"image_files collections use different grids {grids}: one staged folder, one layout")
+    specs = {n: GridSpec(parse_grids(s.options.get("grids", 7)), str(s.options.get("precision", DEFAULT_PRECISION)))
+             for n, s in pixel.items()}
+    if len(set(specs.values())) > 1:
+        raise StageError(f"image_files collections use different grids or precisions "
+                         f"{ {n: (g.grids, g.precision) for n, g in specs.items()} }: one staged folder, one layout")
     if int(manifest.feature_dim) != HEAD:
         raise StageError(f"image_files sources give {HEAD}-d features (EfficientNet-Lite0); the manifest says "
                          f"feature_dim: {manifest.feature_dim} (set feature_dim: {HEAD})")
-    return fingerprint(GridSpec(next(iter(grids.values()))))
+    return fingerprint(next(iter(specs.values())))
 
 
 def _frozen(value):

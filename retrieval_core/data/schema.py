@@ -13,6 +13,7 @@ collection keeps them apart, and :class:`IdRegistry` detects the (astronomically
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -228,6 +229,14 @@ class Reject:
 
 
 @dataclass
+class Skipped:
+    """An image a reader left unread because the stager does not want its id (``uncaptioned_images: skip``: no
+    caption names it): counted as skipped, neither staged nor rejected, and never run through a backbone."""
+    source_id: str
+    locator: str
+
+
+@dataclass
 class ImageTable:
     """Images with variable region counts, packed CSR-style: the regions of image ``i`` are rows
     ``offsets[i]:offsets[i+1]`` of ``features`` (total, F) and ``boxes`` (total, 6)."""
@@ -273,6 +282,23 @@ class ImageTable:
         feats = np.concatenate(features_list).astype(np.float32, copy=False)
         boxes = np.concatenate(boxes_list).astype(np.float32, copy=False)
         return ImageTable(np.asarray(item_ids, dtype=np.int64), offsets, feats, boxes, meta or {})
+
+
+#: CPU flags (/proc/cpuinfo) of native bfloat16 matrix instructions: AVX-512 BF16 (AMD Zen 4+, Intel Cooper
+#: Lake+) and AMX (Intel Sapphire Rapids+). Without them bf16 is emulated and slower than float32.
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """Whether this machine's CPU computes bf16 matrix products natively (Linux /proc/cpuinfo flags): the served
+    models' --quantize bf16 and the image backbone's bfloat16 precision need it (data layer: both read it)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
 
 
 #: Model-loading options of the inference CLIs (--quantize): none (float32), int8 dynamic quantisation of the

@@ -2,7 +2,6 @@
 computes bf16 natively."""
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Optional
 
@@ -10,22 +9,8 @@ import torch
 from torch import nn
 
 from retrieval_core.data import schema
+from retrieval_core.data.schema import NATIVE_BF16_FLAGS, cpu_has_native_bf16
 from retrieval_core.model.network import VLRetrievalModel
-
-#: CPU flags (/proc/cpuinfo) of native bfloat16 matrix instructions: AVX-512 BF16 (AMD Zen 4+, Intel Cooper
-#: Lake+) and AMX (Intel Sapphire Rapids+). Without them bf16 is emulated and slower than float32.
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_has_native_bf16() -> bool:
-    """Whether this machine's CPU computes bf16 matrix products natively (Linux /proc/cpuinfo flags)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
 
 
 def cuda_bf16_supported() -> bool:

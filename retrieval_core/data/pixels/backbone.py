@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from ..paths import local_sha256
-from ..schema import BOX_DIM
-from .lite0 import HEAD, fold_batchnorm, load_lite0, weights_path
+from ..schema import BOX_DIM, NATIVE_BF16_FLAGS, cpu_has_native_bf16
+from .lite0 import HEAD, FusedLite0, fold_batchnorm, load_lite0, weights_path
 
 NAME = "efficientnet-lite0"
 INPUT_SIZE = 224
@@ -30,6 +30,12 @@ MEAN, STD = 127.0, 128.0
 #: (``max_regions``, stored order) keeps the coarse cells.
 FINAL_GRID = INPUT_SIZE // 32
 DEFAULT_GRIDS = (FINAL_GRID,)
+#: The backbone's arithmetic: float32 (the reference), or bfloat16 convolutions (oneDNN on a CPU with native bf16,
+#: or CUDA): about twice the CPU rate, and features that differ beyond float rounding, so another fingerprint.
+PRECISIONS = ("float32", "bfloat16")
+DEFAULT_PRECISION = "float32"
+#: Pictures per backbone call on CPU: a batch's activations then stay in the caches (docs/PERFORMANCE.md)
+CPU_CHUNK = 16
 
 
 class FeatureSourceError(ValueError):
@@ -38,10 +44,13 @@ class FeatureSourceError(ValueError):
 
 @dataclass(frozen=True)
 class GridSpec:
-    """What decides the features: grid sizes (each <= 7), coarse first."""
+    """What decides the features: grid sizes (each <= 7), coarse first, and the backbone's precision."""
     grids: tuple[int, ...] = DEFAULT_GRIDS
+    precision: str = DEFAULT_PRECISION
 
     def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {'|'.join(PRECISIONS)}, got {self.precision!r}")
         grids = tuple(int(g) for g in self.grids)
         if not grids or any(not 1 <= g <= FINAL_GRID for g in grids):
             raise ValueError(f"grids must be sizes in 1..{FINAL_GRID}, got {self.grids!r}")
@@ -86,12 +95,16 @@ def fingerprint(spec: GridSpec, weights_sha256: Optional[str] = None) -> dict:
                               "jpeg_draft": True, "exif_transpose": True, "alpha": "over white",
                               "scale": f"(x - {MEAN:g}) / {STD:g}"},
             "grids": list(spec.grids), "feature_dim": HEAD}
+    if spec.precision != DEFAULT_PRECISION:
+        # named only when not float32, so features staged before the precision option keep their fingerprint
+        desc["precision"] = spec.precision
     desc["fingerprint"] = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
     return desc
 
 
 class GridBackbone:
-    """EfficientNet-Lite0 turning (N, 224, 224, 3) uint8 pictures into (N, R, 1280) float32 grid features."""
+    """EfficientNet-Lite0 turning (N, 224, 224, 3) uint8 pictures into (N, R, 1280) float32 grid features.
+    ``model`` is the reference (BatchNorm folded, float32); the features come from its fused form."""
     feature_dim = HEAD
     input_size = INPUT_SIZE
 
@@ -100,9 +113,15 @@ class GridBackbone:
             raise RuntimeError("--device cuda was requested but CUDA is not available on this machine")
         self.spec = spec
         self.device = torch.device(device)
+        if spec.precision == "bfloat16" and self.device.type == "cpu" and not cpu_has_native_bf16():
+            raise ValueError(f"image_files precision bfloat16 needs a CPU with native bf16 "
+                             f"({' or '.join(NATIVE_BF16_FLAGS)} in /proc/cpuinfo); this one emulates it, slower "
+                             f"than float32: use precision float32")
         model, sha = load_lite0()
         # channels-last: the layout oneDNN's depthwise and 1x1 convolutions run fastest in on CPU (and cuDNN's)
         self.model = fold_batchnorm(model).to(self.device, memory_format=torch.channels_last)
+        self.fused = FusedLite0(self.model, getattr(torch, spec.precision), self.device)
+        self.chunk = CPU_CHUNK if self.device.type == "cpu" else None
         self.description = fingerprint(spec, sha)
         self.boxes = grid_boxes(spec)
 
@@ -117,15 +136,16 @@ class GridBackbone:
             raise ValueError(f"expected (N, {INPUT_SIZE}, {INPUT_SIZE}, 3) pixels, got {pixels.shape}")
         # NHWC uint8 is channels-last already: permuting gives the layout without a copy
         x = torch.from_numpy(np.ascontiguousarray(pixels)).to(self.device).permute(0, 3, 1, 2).float()
-        fmap = self.model.features((x - MEAN) / STD)
+        step = self.chunk or len(x)
+        fmap = torch.cat([self.fused((x[a:a + step] - MEAN) / STD).float() for a in range(0, len(x), step)])
         cells = [F.adaptive_avg_pool2d(fmap, g).flatten(2) for g in self.spec.grids]  # (N, C, g*g) each
-        return torch.cat(cells, dim=2).transpose(1, 2).float().cpu().numpy()
+        return torch.cat(cells, dim=2).transpose(1, 2).cpu().numpy()
 
 
 @functools.lru_cache(maxsize=2)
-def cached_backbone(grids: tuple[int, ...], device: str) -> GridBackbone:
+def cached_backbone(grids: tuple[int, ...], device: str, precision: str = DEFAULT_PRECISION) -> GridBackbone:
     """One backbone per worker process and setting (the weights load once, not once per read task)."""
-    return GridBackbone(GridSpec(grids), device)
+    return GridBackbone(GridSpec(grids, precision), device)
 
 
 def describe(staged_fp: str) -> str:
@@ -150,5 +170,5 @@ def parse_grids(value: Sequence[int] | str | int) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-__all__ = ["DEFAULT_GRIDS", "FeatureSourceError", "GridBackbone", "GridSpec", "cached_backbone",
-           "check_same_features", "fingerprint", "grid_boxes", "parse_grids"]
+__all__ = ["DEFAULT_GRIDS", "DEFAULT_PRECISION", "PRECISIONS", "FeatureSourceError", "GridBackbone", "GridSpec",
+           "cached_backbone", "check_same_features", "fingerprint", "grid_boxes", "parse_grids"]

@@ -23,6 +23,12 @@ STEM, HEAD, CLASSES = 32, 1280, 1000
 BN_EPS = 1e-3  # the TF models' epsilon; torch's default 1e-5 shifts every activation
 
 
+def same_pads(size: int, k: int, s: int) -> tuple[int, int]:
+    """TF "SAME" padding (before, after) of one axis: the output has ceil(size / s) positions."""
+    total = max((math.ceil(size / s) - 1) * s + k - size, 0)
+    return total // 2, total - total // 2
+
+
 class SameConv(nn.Conv2d):
     """A Conv2d padded like TF "SAME" (computed per input size; asymmetric for even inputs at stride 2). At stride 1
     (odd kernels) SAME is symmetric: the convolution pads itself, with no padded copy of the input."""
@@ -36,8 +42,7 @@ class SameConv(nn.Conv2d):
             return super().forward(x)
         pads = []
         for size, k, s in zip(x.shape[-1:-3:-1], self.kernel_size[::-1], self.stride[::-1]):
-            total = max((math.ceil(size / s) - 1) * s + k - size, 0)
-            pads += [total // 2, total - total // 2]
+            pads += same_pads(size, k, s)
         return super().forward(F.pad(x, pads))
 
 
@@ -121,6 +126,69 @@ def fold_batchnorm(model: EfficientNetLite0) -> EfficientNetLite0:
             conv.bias = nn.Parameter(bn.bias - bn.running_mean * scale)
             setattr(owner, bn_name, nn.Identity())
     return model
+
+
+class _FusedConv:
+    """One folded convolution with what follows it fused in: ReLU6, or the block's residual add."""
+    def __init__(self, conv: SameConv, relu6: bool, dtype: torch.dtype, device: torch.device):
+        self.weight = conv.weight.detach().to(device, dtype)
+        self.bias = conv.bias.detach().to(device, dtype)
+        self.k, self.stride, self.groups = conv.kernel_size[0], conv.stride[0], conv.groups
+        self.padding = None if conv.padding == (0, 0) and self.k > 1 else conv.padding[0]
+        self.relu6 = relu6
+
+    def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        size, crop = x.shape[-1], 0
+        pad = self.padding
+        if pad is None:
+            # SAME's asymmetric padding without a padded copy of the input: pad symmetrically by p >= after, with
+            # p - before a whole number of strides, and drop the leading outputs that the extra padding adds
+            before, after = same_pads(size, self.k, self.stride)
+            crop = -(-(after - before) // self.stride)
+            pad = before + self.stride * crop
+        args = ([pad, pad], [self.stride] * 2, [1, 1], self.groups)
+        if x.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            # oneDNN post-ops: the ReLU6 / residual add happen while the output is in cache, not as another pass
+            # over memory (those passes took a third of the CPU time)
+            if residual is not None:
+                y = torch.ops.mkldnn._convolution_pointwise(x, residual, self.weight, self.bias, *args, "add", None,
+                                                            None, [], None)
+            else:
+                y = torch.ops.mkldnn._convolution_pointwise(x, self.weight, self.bias, *args,
+                                                            "hardtanh" if self.relu6 else "none",
+                                                            [0.0, 6.0] if self.relu6 else [], "")
+        else:
+            y = F.conv2d(x, self.weight, self.bias, args[1], args[0], args[2], self.groups)
+            y = F.relu6(y) if self.relu6 else (y + residual if residual is not None else y)
+        if crop:
+            m = math.ceil(size / self.stride)
+            y = y[..., crop:crop + m, crop:crop + m].contiguous(memory_format=torch.channels_last)
+        return y
+
+
+class FusedLite0:
+    """Lite0's head feature map for inference, from a model whose BatchNorms are folded (:func:`fold_batchnorm`):
+    each convolution with its ReLU6 or residual add fused in, in float32 (the same features as
+    ``model.features`` up to float rounding) or bfloat16 (``dtype``; other features, and a separate
+    fingerprint). Input and output channels-last."""
+    def __init__(self, model: EfficientNetLite0, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        if not isinstance(model._bn0, nn.Identity):
+            raise ValueError("FusedLite0 needs a model with its BatchNorms folded (fold_batchnorm)")
+        device = torch.device(device)
+        self.dtype = dtype
+        self.stem = _FusedConv(model._conv_stem, True, dtype, device)
+        self.blocks = [(_FusedConv(b._expand_conv, True, dtype, device) if hasattr(b, "_expand_conv") else None,
+                        _FusedConv(b._depthwise_conv, True, dtype, device),
+                        _FusedConv(b._project_conv, False, dtype, device), b.skip) for b in model._blocks]
+        self.head = _FusedConv(model._conv_head, True, dtype, device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x.to(self.dtype))
+        for expand, depthwise, project, skip in self.blocks:
+            y = depthwise(expand(x) if expand is not None else x)
+            x = project(y, x if skip else None)
+        return self.head(x)
 
 
 def weights_path() -> str:

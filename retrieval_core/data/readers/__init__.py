@@ -18,7 +18,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
-from ..schema import KIND_CAPTION, KIND_IMAGE, RawCaption, RawImage, Reject
+from ..schema import KIND_CAPTION, KIND_IMAGE, RawCaption, RawImage, Reject, Skipped
 from ..synthetic.captions import generate_captions
 from ..synthetic.regions import generate_images
 from ..synthetic.spec import SyntheticSpec
@@ -161,13 +161,16 @@ def plan_read_tasks(collection: str, kind: str, format: str, path, options: Opti
 
 
 def read_task(task: ReadTask, files: Optional[FileAccess] = None, *, allow_empty: bool = False,
-              device: str = "cpu") -> Iterator[RawImage | RawCaption | Reject]:
+              device: str = "cpu", wanted: Optional[Callable[[str], bool]] = None
+              ) -> Iterator[RawImage | RawCaption | Reject | Skipped]:
     """Run one task: yields its records (RawImage / RawCaption) and Rejects; files are read through
-    ``files`` (default local); ``device`` runs the image backbone of image files. A file task that yields
+    ``files`` (default local); ``device`` runs the image backbone of image files. ``wanted`` (image source id ->
+    stage it?): image files whose id it refuses are not read, yielded as :class:`Skipped` (other formats read
+    every record; the stager filters those). A file task that yields
     nothing raises :class:`EmptySourceError` naming the
     file once the file is read, unless ``allow_empty`` (pipelines.stage ``--allow-empty``)."""
     count = 0
-    for record in _read(task, files, device):
+    for record in _read(task, files, device, wanted):
         count += 1
         yield record
     if count == 0 and not allow_empty and task.format != SYNTHETIC:
@@ -193,7 +196,8 @@ def caption_image_splits(collection: str, format: str, path, options: Optional[d
     return {sid: frozenset(splits) for sid, splits in found.items()}
 
 
-def _read(task: ReadTask, files: Optional[FileAccess], device: str = "cpu") -> Iterator[RawImage | RawCaption | Reject]:
+def _read(task: ReadTask, files: Optional[FileAccess], device: str = "cpu",
+          wanted: Optional[Callable[[str], bool]] = None) -> Iterator[RawImage | RawCaption | Reject | Skipped]:
     options = {k: v for k, v in task.options}
     if task.format == SYNTHETIC:
 
@@ -206,7 +210,7 @@ def _read(task: ReadTask, files: Optional[FileAccess], device: str = "cpu") -> I
     if task.format not in readers:
         raise ValueError(f"unknown {task.kind} format {task.format!r}; known: {sorted(readers)}")
     if task.format == IMAGE_FILES:
-        yield from read_image_files(task.path, files, device, **options)
+        yield from read_image_files(task.path, files, device, wanted, **options)
         return
     yield from readers[task.format](task.path, files, **options)
 

@@ -8,14 +8,15 @@ of those files, decoded one by one and run through the backbone in batches of ``
 from __future__ import annotations
 
 import os
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
 from ..paths import join_path, split_path
 from ..pixels import decode
-from ..schema import RawImage, Reject
+from ..schema import RawImage, Reject, Skipped
 from ._common import FileAccess, _open_binary, apply_source_id_pattern, file_stem, list_inputs, read_lines
 
 FORMAT = "image_files"
@@ -41,22 +42,28 @@ def list_image_files(path: str | Sequence[str], files: Optional[FileAccess] = No
     return sorted(found)
 
 
-def read_image_files(paths: Sequence[str], files: Optional[FileAccess] = None, device: str = "cpu", *,
+def read_image_files(paths: Sequence[str], files: Optional[FileAccess] = None, device: str = "cpu",
+                     wanted: Optional[Callable[[str], bool]] = None, *,
                      grids: int | list[int] | str = 7, batch_size: int = 32, source_id_pattern: Optional[str] = None,
-                     max_pixels: int = decode.DEFAULT_MAX_PIXELS,
-                     decode_threads: int = 1) -> Iterator[RawImage | Reject]:
+                     max_pixels: int = decode.DEFAULT_MAX_PIXELS, decode_threads: int = 1,
+                     precision: str = "float32") -> Iterator[RawImage | Reject]:
     """One RawImage (normalised grid boxes, the file's size after EXIF rotation, its ``conversions``) per
     decodable file of ``paths``, else a Reject naming the file and why. ``grids``: the grid sizes (e.g. [3, 7]);
     ``source_id_pattern``: a regex whose group, searched in the file's stem, is the image id (default the stem).
-    ``device`` is where the backbone runs (pipelines.stage --device), not a manifest option. ``decode_threads``
-    decode files in parallel (Pillow releases the GIL while decoding and resizing): what feeds a GPU backbone."""
+    ``device`` is where the backbone runs (pipelines.stage --device), not a manifest option; ``wanted`` (image
+    id -> stage it?): a file whose id it refuses is neither read nor run through the backbone, yielded as a
+    :class:`Skipped` (``uncaptioned_images: skip``). ``decode_threads``
+    decode files in parallel (Pillow releases the GIL while decoding and resizing): what feeds a GPU backbone;
+    they decode ahead (at most two batches) while the backbone runs; 0 decodes in the backbone's thread, between
+    batches. ``precision``: the backbone's arithmetic
+    (float32, or bfloat16: other features, another fingerprint)."""
     from ..pixels.backbone import GridSpec, cached_backbone, parse_grids
 
-    if int(batch_size) < 1 or int(decode_threads) < 1:
-        raise ValueError(f"{FORMAT} batch_size and decode_threads must be >= 1, got {batch_size!r}, "
+    if int(batch_size) < 1 or int(decode_threads) < 0:
+        raise ValueError(f"{FORMAT} batch_size must be >= 1 and decode_threads >= 0, got {batch_size!r}, "
                          f"{decode_threads!r}")
-    spec = GridSpec(parse_grids(grids))
-    backbone = cached_backbone(spec.grids, device)
+    spec = GridSpec(parse_grids(grids), str(precision))
+    backbone = cached_backbone(spec.grids, device, spec.precision)
     paths = [paths] if isinstance(paths, str) else list(paths)
     batch: list[tuple[str, str, decode.Decoded]] = []
 
@@ -71,6 +78,8 @@ def read_image_files(paths: Sequence[str], files: Optional[FileAccess] = None, d
         sid = apply_source_id_pattern(file_stem(path), source_id_pattern)
         if sid is None:
             return path, None, None, f"id pattern does not match: {source_id_pattern!r} in {file_stem(path)!r}"
+        if wanted is not None and not wanted(sid):
+            return path, sid, None, ""
         try:
             with _open_binary(path, files) as f:
                 data = f.read()
@@ -78,15 +87,26 @@ def read_image_files(paths: Sequence[str], files: Optional[FileAccess] = None, d
             return path, sid, None, f"unreadable file: {exc}"
         return (path, sid, *decode.decode_or_reason(data, backbone.input_size, int(max_pixels)))
 
-    pool = ThreadPoolExecutor(int(decode_threads)) if int(decode_threads) > 1 else None
-    for path, sid, decoded, reason in (pool.map(load, paths) if pool else map(load, paths)):
-        if decoded is None:
-            yield Reject(path, path, reason)
-            continue
-        batch.append((path, sid, decoded))
-        if len(batch) >= int(batch_size):
+    with ThreadPoolExecutor(max(int(decode_threads), 1)) as pool:
+        loaded = _ahead(pool, load, paths, 2 * int(batch_size)) if int(decode_threads) else map(load, paths)
+        for path, sid, decoded, reason in loaded:
+            if decoded is None:
+                yield Reject(path, path, reason) if reason else Skipped(sid, path)
+                continue
+            batch.append((path, sid, decoded))
+            if len(batch) >= int(batch_size):
+                yield from flush()
+        if batch:
             yield from flush()
-    if batch:
-        yield from flush()
-    if pool:
-        pool.shutdown()
+
+
+def _ahead(pool: ThreadPoolExecutor, fn, items: Sequence, depth: int) -> Iterator:
+    """``map(fn, items)`` in order, with at most ``depth`` items decoded ahead in ``pool`` (while the caller runs
+    the backbone), not the whole chunk's pictures held at once as ``pool.map`` would."""
+    pending: deque = deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) > depth:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
