@@ -174,7 +174,7 @@ def baseline_model(cfg: SuiteConfig, plan_only: bool) -> str:
         caps = caps[caps["image_item_id"].isin(keep)].reset_index(drop=True)
     images = ds.load_images(item_ids=caps["image_item_id"].unique().tolist())
     print(f"baseline: fitting on {len(caps)} train pairs of the demo set -> {out}", flush=True)
-    bl.MappedBaseline.fit(caps, images, progress=True).save(out)
+    bl.MappedBaseline.fit(caps, images, progress=True, image_backbone=ds.image_backbone).save(out)
     return out
 
 

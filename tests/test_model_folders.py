@@ -173,6 +173,13 @@ def test_encode_cli_takes_a_mapped_baseline_folder(staged, tmp_path):
     ids, vecs = embeddings.read_embeddings(out, "text")
     texts = ds.captions().set_index("caption_id")["text"]
     np.testing.assert_allclose(vecs, base.encode_text(texts.loc[ids].tolist()), atol=1e-5)
+    # a baseline fitted on a backbone's grid features keeps its fingerprint and refuses region features
+    base.image_backbone = "ab" * 32
+    base.save(str(tmp_path / "grid_baseline"))
+    assert MappedBaseline.load(str(tmp_path / "grid_baseline")).image_backbone == "ab" * 32
+    assert inspect_model_folder(str(tmp_path / "grid_baseline")).image_backbone == "ab" * 32
+    res = _encode_cli(staged, str(tmp_path / "grid_baseline"), str(tmp_path / "emb_grid"))
+    assert res.exit_code != 0 and "but model" in res.output and "trained on the efficientnet-lite0" in res.output
 
 
 def test_a_region_cap_below_what_the_model_reads_is_refused(staged, tmp_path):

@@ -9,7 +9,9 @@
 Both sides are L2-normalised at the end, so the dot product is the cosine, as for the trained model.
 
 It exposes the model's BE interface (``encode_text``, ``encode_image``, ``embedding_dim``, ``save``/``load``),
-so benchmarks list it as one more row. It has no CE head.
+so benchmarks list it as one more row. It has no CE head. Like a trained model it keeps the backbone fingerprint
+of the image features it was fitted on (``image_backbone``, "" for extracted region features), so encode and
+rerank refuse features of another source.
 """
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ def pooled_image_vectors(images: ImageTable | Sequence[Regions], max_regions: in
 
 class MappedBaseline:
     def __init__(self, text_model: str, method: str, arrays: dict[str, np.ndarray], max_text_len: int,
-                 provenance: Optional[dict] = None):
+                 provenance: Optional[dict] = None, image_backbone: str = ""):
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         self.text_model = text_model
@@ -64,6 +66,7 @@ class MappedBaseline:
         self.arrays = arrays  # text_mean (d,), image_mean (p,), pca (p, r) or absent, W (r, d)
         self.max_text_len = max_text_len
         self.provenance = provenance or {}
+        self.image_backbone = image_backbone
         self._encoder: Optional[BertModel] = None
         self._collate: Optional[TextCollator] = None
 
@@ -122,8 +125,9 @@ class MappedBaseline:
     @classmethod
     def fit(cls, captions: pd.DataFrame, images: ImageTable, text_model: str = "minilm", method: str = "procrustes",
             ridge: float = 1e-3, max_text_len: int = DEFAULT_MAX_TEXT_TOKENS, batch_size: int = 128,
-            device: str = "cpu", progress: bool = False) -> "MappedBaseline":
-        """Fits the map on every (caption, its image) pair of ``captions`` (schema columns text, image_item_id)."""
+            device: str = "cpu", progress: bool = False, image_backbone: str = "") -> "MappedBaseline":
+        """Fits the map on every (caption, its image) pair of ``captions`` (schema columns text, image_item_id).
+        ``image_backbone``: the staged folder's backbone fingerprint (``StagedDataset.image_backbone``)."""
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         pos = images.position_of()
@@ -134,7 +138,8 @@ class MappedBaseline:
         if not is_backbone_name(text_model):
             text_model = os.path.abspath(text_model)
         base = cls(text_model, method, {}, max_text_len,
-                   {"fitted_on_pairs": int(len(captions)), "ridge": ridge, "schema_version": SCHEMA_VERSION})
+                   {"fitted_on_pairs": int(len(captions)), "ridge": ridge, "schema_version": SCHEMA_VERSION},
+                   image_backbone)
         t = base._raw_text(captions["text"].astype(str).tolist(), batch_size, device, progress)
         text_mean = t.mean(0)
         t = t - text_mean
@@ -164,7 +169,8 @@ class MappedBaseline:
         with open(os.path.join(directory, BASELINE_JSON), "w") as f:
             json.dump({"kind": "mapped_baseline", "method": self.method, "text_model": self.text_model,
                        "max_text_len": self.max_text_len, "feature_dim": self.feature_dim,
-                       "embedding_dim": self.embedding_dim, "provenance": self.provenance}, f, indent=2)
+                       "embedding_dim": self.embedding_dim, "image_backbone": self.image_backbone,
+                       "provenance": self.provenance}, f, indent=2)
 
     @classmethod
     def load(cls, directory: str, device: str = "cpu") -> "MappedBaseline":
@@ -174,7 +180,8 @@ class MappedBaseline:
         with open(path) as f:
             meta = json.load(f)
         arrays = load_file(os.path.join(directory, BASELINE_TENSORS))
-        return cls(meta["text_model"], meta["method"], arrays, int(meta["max_text_len"]), meta.get("provenance"))
+        return cls(meta["text_model"], meta["method"], arrays, int(meta["max_text_len"]), meta.get("provenance"),
+                   str(meta.get("image_backbone", "")))
 
     @staticmethod
     def is_baseline_dir(directory: str) -> bool:

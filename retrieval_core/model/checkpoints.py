@@ -380,7 +380,8 @@ def inspect_model_folder(path: str, files: Optional[FileAccess] = None) -> Model
         names = ("model.safetensors", "pytorch_model.bin", "config.json", "vocab.txt")
         text_files = tuple(os.path.join(text_dir, n) for n in names if os.path.isfile(os.path.join(text_dir, n)))
         return ModelFolder(path, KIND_BASELINE, ("be",), own(BASELINE_JSON, BASELINE_TENSORS) + text_files,
-                           int(meta["embedding_dim"]), DEFAULT_MAX_REGIONS, None)
+                           int(meta["embedding_dim"]), DEFAULT_MAX_REGIONS, None,
+                           image_backbone=str(meta.get("image_backbone", "")))
     if os.path.isfile(os.path.join(path, "modules.json")):
         by_type = _mmt_modules(path)
         heads = tuple(h for h, t in (("be", "Pooling"), ("ce", "ClassificationHead")) if t in by_type)
