@@ -5,8 +5,13 @@ import logs "apitools not found, and bigquery client libraries are not available
 ``logging.warning``: harmless here (no pipeline uses BigQuery), yet printed by every CLI. That call also ran
 ``logging.basicConfig()`` as a side effect, so the CLIs' own ``basicConfig(level=..., format=...)`` did
 nothing. The guard below drops only that message, and only while apache_beam is first imported.
+
+Under a memory cap (RLIMIT_DATA) the libraries Beam loads are first told not to commit memory they do not
+use (retrieval_core.memory): this must happen before Beam imports pyarrow.
 """
 import logging
+
+from retrieval_core.memory import bound_reservations
 
 #: The start of the one message the guard drops (apache_beam/io/gcp/internal/clients/bigquery/__init__.py).
 APITOOLS_WARNING = "apitools not found, and bigquery client libraries are not available"
@@ -30,4 +35,5 @@ def _import_beam_quietly() -> None:
         root.removeHandler(placeholder)
 
 
+bound_reservations()
 _import_beam_quietly()

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import click
 
-from retrieval_core.errors import OutputFault, StagedDataError, write_failure
+from retrieval_core.errors import MemoryCapTooLow, OutputFault, StagedDataError, write_failure
 
 #: Set to 1 to get the full traceback of an error that cli_errors would report in one line.
 DEBUG_ENV = "RR_DEBUG"
@@ -61,12 +61,13 @@ def cli_errors(*error_types: type, memory_options: Sequence[str] = ()) -> Iterat
 
     Bad input = a missing or inconsistent staged dir (StagedDataError), a missing file, the library's
     validation errors (ValueError and its subclasses) and the caller's own ``error_types``; also an output
-    another run owns, a full disk / quota / read-only filesystem, and running out of memory (naming
-    ``memory_options``, the job's options that lower its need), however deep a runner wrapped them. Their
+    another run owns, a memory limit too low to start the job (retrieval_core.memory), a full disk / quota /
+    read-only filesystem, and running out of memory (naming ``memory_options``, the job's options that lower
+    its need), however deep a runner wrapped them. Their
     messages name the path or value at fault; ``RR_DEBUG=1`` re-raises them with the traceback."""
     try:
         yield
-    except (StagedDataError, FileNotFoundError, ValueError, OutputFault, *error_types) as exc:
+    except (StagedDataError, FileNotFoundError, ValueError, OutputFault, MemoryCapTooLow, *error_types) as exc:
         if os.environ.get(DEBUG_ENV) == "1":
             raise
         raise click.ClickException(write_failure(exc) or str(exc)) from None

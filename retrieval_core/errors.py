@@ -29,6 +29,10 @@ class OutputBusy(OutputFault):
     """Another live run holds the output folder's lock."""
 
 
+class MemoryCapTooLow(RuntimeError):
+    """The process's memory limit (RLIMIT_DATA) is below what the job needs to start (retrieval_core.memory)."""
+
+
 class OutputWriteFailed(OutputFault, OSError):
     """A write into an output failed for want of space or permission (keeps the errno and the path)."""
 

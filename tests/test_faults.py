@@ -5,7 +5,7 @@ rerun after the fault gives the bytes of an undisturbed run.
 
 Each case adds a row (fault, job, outcome, rerun identical) to ``TABLE``; tests/conftest.py prints the table
 after the run. The cheap cases run in the default suite (tiny inputs, seconds each). The heavy ones (a Dask
-worker SIGKILLed mid-job, a 1.5 GB address-space cap) run with ``RR_FAULTS_HEAVY=1``::
+worker SIGKILLed mid-job, a 1.5 GB RLIMIT_DATA cap) run with ``RR_FAULTS_HEAVY=1``::
 
     RR_FAULTS_HEAVY=1 .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_faults.py
 
@@ -91,7 +91,7 @@ def job_args(job: str, a: dict, out: str) -> list[str]:
         return ["--embeddings", a["clean_encode"], "--output", out]
     return ["--staged", a["staged"], "--embeddings", a["clean_encode"], "--index", a["clean_build_index"],
             "--output", out, "--mode", "co", "--k", "3", "--ce-model", a["model"], "--batch-size", "8",
-            "--queries-per-shard", "4"]
+            "--queries-per-shard", "4", "--threads", "1"]  # CE scores' bytes depend on torch's thread count
 
 
 MAINS = {"stage": stage_run.main, "encode": encode_run.main, "build_index": index_run.main,
@@ -473,21 +473,29 @@ def test_a_dask_worker_killed_mid_job_then_the_rerun_is_identical(assets, tmp_pa
     record("Dask worker SIGKILLed mid-job", job, outcome, same_as_clean(job, assets, out))
 
 
+def run_capped(job: str, a: dict, out: str, cap: int, code: str = "") -> subprocess.CompletedProcess:
+    """``python -m pipelines.<job>`` (or ``code``) in a process whose RLIMIT_DATA is ``cap``, as ``ulimit -d``
+    sets it; nothing else of the environment is tuned for it."""
+    # RLIMIT_DATA (heap and private mappings), not RLIMIT_AS: Beam's gRPC and torch reserve GBs of address
+    # space they never touch, so under a 1.5 GB RLIMIT_AS no thread starts (measured: stage fails at once)
+    code = code or f"import runpy, sys\nsys.argv = ['{job}'] + sys.argv[1:]\n" \
+                   f"runpy.run_module('pipelines.{job}', run_name='__main__')\n"
+    code = f"import resource\nresource.setrlimit(resource.RLIMIT_DATA, ({cap}, {cap}))\n" + code
+    return subprocess.run([sys.executable, "-c", code, *job_args(job, a, out)], cwd=REPO_ROOT,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "RR_PROGRESS": "0"},
+                          capture_output=True, text=True, timeout=600)
+
+
 @pytest.mark.skipif(not HEAVY, reason="heavy: RR_FAULTS_HEAVY=1 runs it (each job in a capped process)")
 @pytest.mark.parametrize("job", JOBS)
 def test_a_job_under_a_hard_memory_cap_completes_or_names_the_need(assets, tmp_path, job):
+    """Under a 1.5 GB cap every job completes with the undisturbed bytes (or names its need: never a SIGABRT);
+    under a cap just above what the job has loaded when it starts, it is refused in one line naming its need,
+    the cap and the options that lower the need, before anything runs."""
     cap = int(os.environ.get("RR_FAULTS_MEMORY_CAP", 1536 << 20))
-    # RLIMIT_DATA (heap and private mappings), not RLIMIT_AS: Beam's gRPC and torch reserve GBs of address
-    # space they never touch, so under a 1.5 GB RLIMIT_AS no thread starts (measured: stage fails at once)
-    code = ("import resource, runpy, sys\n"
-            f"resource.setrlimit(resource.RLIMIT_DATA, ({cap}, {cap}))\n"
-            f"sys.argv = ['{job}'] + sys.argv[1:]\n"
-            f"runpy.run_module('pipelines.{job}', run_name='__main__')\n")
     out = str(tmp_path / "out")
-    res = subprocess.run([sys.executable, "-c", code, *job_args(job, assets, out)], cwd=REPO_ROOT,
-                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "RR_PROGRESS": "0",
-                              "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"},
-                         capture_output=True, text=True, timeout=600)
+    res = run_capped(job, assets, out, cap)
+    assert res.returncode in (0, 1), (res.returncode, res.stderr[-3000:])  # 134 was gRPC's abort
     if res.returncode == 0:
         outcome, identical = "completes", same_as_clean(job, assets, out)
     else:
@@ -495,6 +503,20 @@ def test_a_job_under_a_hard_memory_cap_completes_or_names_the_need(assets, tmp_p
         assert "memory" in last.lower() and "--" in last, res.stderr[-3000:]
         outcome, identical = "fails naming the memory need and the option", "n/a"
     record(f"memory (RLIMIT_DATA) capped at {cap >> 20} MB", job, outcome, identical)
+
+    # what the job holds once its modules are loaded, measured under the same cap
+    probe = run_capped(job, assets, out, cap, f"import pipelines.{job}.run\nfrom retrieval_core.memory import "
+                                             "vm_data\nprint(vm_data())\n")
+    low = int(probe.stdout.split()[-1]) + (32 << 20)
+    low_out = str(tmp_path / "low")
+    res = run_capped(job, assets, low_out, low)
+    last = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ""
+    assert res.returncode == 1, (res.returncode, res.stderr[-3000:])
+    assert f"{job} needs about" in last and f"RLIMIT_DATA (getrlimit) is {low / 2**20:.0f} MiB" in last \
+        and "lower --threads" in last, res.stderr[-3000:]
+    assert not os.path.exists(os.path.join(low_out, "_RUN_LOCK"))
+    record("memory capped 32 MB above what the job has loaded at start", job,
+           "refused at start: one line naming the need, the cap and the options")
 
 
 # ----------------------------------------------------------------------------------- hostile inputs
@@ -574,3 +596,23 @@ def test_running_out_of_memory_is_one_line_naming_the_need_and_the_options():
     assert "allocating 256 MiB" in memory_failure(torch_text, ("--batch-size", "--pairs-per-wave"))
     assert memory_failure(MemoryError()).startswith("out of memory: give the job more memory")
     assert memory_failure(ValueError("bad value")) is None
+
+
+def test_a_memory_cap_below_what_a_job_needs_to_start_is_refused_in_one_line():
+    """A real RLIMIT_DATA in a small process: under it mimalloc is told to reserve, not commit (what let gRPC
+    abort), and a start need above the cap is one line naming the need, the cap and the options."""
+    code = ("import os, resource\nfrom retrieval_core import memory\n"
+            "print(os.environ.get('MIMALLOC_ARENA_EAGER_COMMIT'))\n"
+            "cap = memory.vm_data() + (64 << 20)\n"
+            "resource.setrlimit(resource.RLIMIT_DATA, (cap, resource.RLIM_INFINITY))\n"
+            "memory.bound_reservations()\nprint(os.environ.get('MIMALLOC_ARENA_EAGER_COMMIT'))\n"
+            "memory.require_headroom('encode', 1, ('--threads', '--batch-size'), model_bytes=1 << 20)\n")
+    env = {k: v for k, v in os.environ.items() if k != "MIMALLOC_ARENA_EAGER_COMMIT"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                         env={**env, "PYTHONPATH": str(REPO_ROOT)}, timeout=60)
+    assert res.stdout.split() == ["None", "0"], res.stdout  # nothing changes without a cap
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("retrieval_core.errors.MemoryCapTooLow: encode needs about"), res.stderr
+    assert "1.0 MiB of model weights" in last and "RLIMIT_DATA (getrlimit) is" in last, last
+    assert "lower --threads or --batch-size, or raise the limit (ulimit -d)" in last, last
+    record("memory cap below the start need (small process)", "any", "one line: need, cap, options")

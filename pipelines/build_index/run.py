@@ -23,6 +23,7 @@ from pipelines.build_index.plan import AUTO, IndexBuildError, IndexPlan
 from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
 from retrieval_core.data import schema
 from retrieval_core.data.outputs import holds_output
+from retrieval_core.memory import require_headroom
 from retrieval_core.search import embeddings, exact, index_choice
 from retrieval_core.search.index import (
     ShardedIndex,
@@ -103,6 +104,7 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
     options = beam_kit.task_pipeline_options(beam_args)
     dry = beam_kit.is_dry_run(options)
     set_threads(plan.threads)
+    require_headroom("build_index", plan.threads, ("--threads", "--train-sample"))
     manifest_path = files.join(plan.embeddings, embeddings.EMBEDDINGS_MANIFEST)
     if not files.exists(manifest_path):
         raise embeddings.EmbeddingsError(f"no {embeddings.EMBEDDINGS_MANIFEST} in {plan.embeddings}: not an embeddings "

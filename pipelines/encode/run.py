@@ -35,6 +35,7 @@ from retrieval_core.data import schema
 from retrieval_core.data.outputs import holds_output
 from retrieval_core.data.pixels.backbone import FeatureSourceError
 from retrieval_core.data.store import StagedDataset
+from retrieval_core.memory import require_headroom, weights_bytes
 from retrieval_core.search import embeddings
 from retrieval_core.training import cache, recipes
 
@@ -93,6 +94,8 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
     except FeatureSourceError as exc:
         raise EncodeError(str(exc)) from None
     model_sha, dim = folder.fingerprint, folder.embedding_dim
+    require_headroom("encode", plan.threads, ("--threads", "--model-copies", "--batch-size"),
+                     weights_bytes(plan.model) * (plan.model_copies or 1))
 
     def key_of(modality: str, collection: str, split: Optional[str]) -> dict:
         return {"model_sha256": model_sha, "dim": dim, "modality": modality, "collection": collection,

@@ -41,6 +41,7 @@ from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
 from retrieval_core.data import schema
 from retrieval_core.data.outputs import holds_output
 from retrieval_core.data.store import StagedDataset
+from retrieval_core.memory import require_headroom, weights_bytes
 from retrieval_core.search import rerank
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,9 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
     and nothing ran; no output is read or written)."""
     t0 = time.time()
     options = beam_kit.pipeline_options(beam_args)
+    ce = plan.ce_model or plan.be_model
+    require_headroom("rerank", plan.threads, ("--threads", "--model-copies", "--batch-size", "--pairs-per-wave"),
+                     weights_bytes(ce) * (plan.model_copies or 1) if ce else 0)
     if plan.mode == AUTO and plan.tune_embeddings and not beam_kit.is_dry_run(options):
         plan = replace(plan, tune_on=dev_pass(plan, beam_args), tune_embeddings=None, tune_index=None)
     plan, fusion_choice = resolve_auto(plan)

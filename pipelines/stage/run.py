@@ -40,7 +40,8 @@ from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.manifest_spec import ManifestError
 from retrieval_core.data.outputs import holds_output
 from retrieval_core.data.store import INCOMPLETE_FILE
-from retrieval_core.errors import OutputBusy, write_failure
+from retrieval_core.errors import MemoryCapTooLow, OutputBusy, write_failure
+from retrieval_core.memory import require_headroom
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
         raise StageError("input file(s) missing: " + ", ".join(map(str, missing))
                          + " (fix the manifest or override the path with --set / environment variables)")
     settings = _settings(plan, manifest)
+    require_headroom("stage", plan.threads, ("--threads", "--chunk-size", "--images-per-shard"))
     backbone = image_backbone(manifest)
     if backbone and plan.device.startswith("cuda"):
         import torch
@@ -293,6 +295,9 @@ def main(ctx, **values):
     except (StageError, OutputBusy) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
+    except MemoryCapTooLow as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
     except click.ClickException:
         raise  # usage errors (an unknown flag): click prints them
     except Exception as exc:  # noqa: BLE001 -- one clear line instead of a Beam traceback
