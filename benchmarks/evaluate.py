@@ -32,7 +32,10 @@ percentile interval (``--bootstrap`` resamples of the queries, ``--seed``): CSV 
 ``R@<k>_hi``, ``mR_lo``, ``mR_hi``; the JSON's ``intervals`` (percent). ``--against-mode MODE`` (and/or
 ``--against RUN``, a run ranking the same queries) adds the paired difference of this ranking minus that one:
 CSV ``against``, ``delta_R@<k>`` with ``_lo`` / ``_hi``, ``delta_mR`` likewise; the JSON's ``difference``, with
-the verdict of each interval ("lifts", "lowers", "no significant difference").
+the verdict of each interval ("lifts", "lowers", "no significant difference"). ``--against RUN`` also compares the
+two runs' stored scores of the same (query, item) pairs (max and mean absolute difference of the BE and the CE
+scores: CSV ``be_score_max_abs_diff`` ..., the JSON's ``score_differences``): one model served in two precisions
+(``--quantize``) ranks the same queries, and this says how far its scores moved besides its recall.
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ import pandas as pd
 from pipelines.files import BEAM_FILES, exists, join, makedirs, read_bytes, write_atomic, write_json_atomic
 from retrieval_core.cli import CheckedPlan, cli_errors, option, plan_command, plan_from_cli
 from retrieval_core.evaluation.metrics import DEFAULT_KS, DIRECTIONS
-from retrieval_core.evaluation.runs import LoadedRun, RunError, mode_label
+from retrieval_core.evaluation.runs import COMPARED_SCORES, LoadedRun, RunError, mode_label, score_differences
 from retrieval_core.evaluation.stats import (
     DEFAULT_RESAMPLES,
     DEFAULT_SEED,
@@ -87,9 +90,21 @@ def csv_rows(result: dict, *, collection: str, split: str, model: str, mode: str
             row.update(interval_columns(result["delta"], direction, prefix="delta_", ks=ks))
         if "bootstrap" in result:
             row["bootstrap"] = result["bootstrap"].label
+        if direction in result.get("score_diff", {}):
+            row.update(score_diff_columns(result["score_diff"][direction]))
         row.update(tags)
         rows.append(row)
     return rows
+
+
+def score_diff_columns(diff: Mapping[str, float]) -> dict:
+    """One direction of ``score_differences`` as the CSV's columns (report.SCORE_DIFF_COLUMNS)."""
+    out = {}
+    for score in COMPARED_SCORES:
+        short = score.split("_")[0]  # be_score -> be
+        out.update({f"{score}_{stat}_diff": diff[f"{score}_{stat}"] for stat in ("max_abs", "mean_abs")})
+        out[f"{short}_pairs_compared"] = diff[f"{score}_pairs"]
+    return out
 
 
 def evaluate_ranking(rankings: str, staged: str, *, k: Optional[int] = None, mode: Optional[str] = None,
@@ -100,7 +115,9 @@ def evaluate_ranking(rankings: str, staged: str, *, k: Optional[int] = None, mod
     """A run's recalls for (k, mode, lam) with their ``intervals`` and ``bootstrap``; given ``against`` (another
     run ranking the same queries) and/or ``against_mode``, also ``delta``: the paired intervals of this ranking
     minus that one (its k defaults to ``k`` where given, its mode and lam to its run's own), and ``against``
-    (what it was: run, mode, k, lam, label). ``lang``: evaluated on that language's captions only."""
+    (what it was: run, mode, k, lam, label); given another run, also ``score_diff``: how far the two runs' stored
+    BE and CE scores of the same pairs lie apart (``runs.score_differences``; e.g. bf16 against float32 serving of
+    one model). ``lang``: evaluated on that language's captions only."""
     run = LoadedRun.read(rankings, staged, collection, split, files, lang)
     result = run.evaluate(k, mode, lam, bootstrap)
     result["bootstrap"] = bootstrap
@@ -116,6 +133,8 @@ def evaluate_ranking(rankings: str, staged: str, *, k: Optional[int] = None, mod
     result["against"] = {"run": other.run_dir, "mode": b_mode, "k": b_k, "lam": b_lam, "label": label}
     result["delta"] = difference_intervals(run.hits(result["k"], result["mode"], result["lam"]),
                                            other.hits(b_k, b_mode, b_lam), bootstrap)
+    if other is not run:
+        result["score_diff"] = score_differences(run.table, other.table, run.directions)
     return result
 
 
@@ -172,6 +191,9 @@ def interval_json(result: dict) -> dict:
             diff[key] = {"estimate": round(iv.estimate, d), "lo": round(iv.lo, d), "hi": round(iv.hi, d),
                          "verdict": iv.verdict}
         out["difference"] = diff
+    if "score_diff" in result:
+        out["score_differences"] = {d: {key: None if v != v else v for key, v in diff.items()}  # NaN: no pair
+                                    for d, diff in result["score_diff"].items()}
     return out
 
 
@@ -185,6 +207,10 @@ def summary_line(result: dict) -> str:
         line += f"\nminus {result['against']['label']} (paired): " + "; ".join(
             f"{key} {result['delta'][key].format(signed=True)} -> {result['delta'][key].verdict}"
             for key in [f"{d}_R@{kk}" for d in done for kk in DEFAULT_KS] + ["mR"])
+    for d, diff in result.get("score_diff", {}).items():
+        line += f"\n{d} scores against it, same (query, item) pairs: " + "; ".join(
+            f"{score} max |diff| {diff[f'{score}_max_abs']:.3g}, mean {diff[f'{score}_mean_abs']:.3g} "
+            f"({diff[f'{score}_pairs']} pairs)" for score in COMPARED_SCORES)
     return line
 
 

@@ -159,12 +159,14 @@ def test_evaluate_run_refuses_old_rankings_and_unlisted_or_changed_shards(tmp_pa
         evaluate_run(str(run_dir), str(staged))
 
 
-def _ce_tables(k=3):
-    """A CO run of the toy gold: BE lists T2I / I2T, CE scores that put the last of the top k first."""
+def _ce_tables(k=3, ce_shift=0.0):
+    """A CO run of the toy gold: BE lists T2I / I2T, CE scores that put the last of the top k first (``ce_shift``
+    added to the last one's: the same order, other scores)."""
     parts = []
+    ce = np.arange(k, dtype=float) + np.eye(k)[k - 1] * ce_shift
     for direction, runs in ((schema.DIRECTION_T2I, T2I), (schema.DIRECTION_I2T, I2T)):
-        results = [rank_query(np.array(items), np.linspace(1, 0, len(items)), np.arange(k, dtype=float), k=k,
-                              mode="ce") for items in runs.values()]
+        results = [rank_query(np.array(items), np.linspace(1, 0, len(items)), ce, k=k, mode="ce")
+                   for items in runs.values()]
         parts.append(rankings_table(direction, list(runs), results))
     return parts
 
@@ -321,3 +323,28 @@ def test_a_difference_to_a_run_of_other_queries_is_refused_in_one_line(tmp_path)
     assert "t2i: the rankings rank different queries (6 and 3; 3 only in the first" in res.output
     res = CliRunner().invoke(main, base + ["--bootstrap", "10"])
     assert res.exit_code == 2 and "--bootstrap" in res.output
+
+
+def test_against_another_run_also_compares_the_stored_scores_of_the_same_pairs(tmp_path):
+    """Two runs of the same queries (one model served in two precisions): the paired recall difference, and how far
+    their BE and CE scores of the same (query, item) pairs lie apart."""
+    staged = _staged_dir(tmp_path / "staged")
+    a = write_run(tmp_path / "a", _ce_tables(ce_shift=0.5), mode="co", k=3)
+    b = write_run(tmp_path / "b", _ce_tables(), mode="co", k=3)
+    out = tmp_path / "results"
+    res = CliRunner().invoke(main, ["--rankings", str(a), "--staged", str(staged), "--output", str(out),
+                                    "--model", "m", "--against", str(b), "--against-mode", "co"])
+    assert res.exit_code == 0, res.output
+    assert "t2i scores against it, same (query, item) pairs: be_score max |diff| 0, mean 0 (18 pairs); ce_score " \
+           "max |diff| 0.5, mean 0.167 (18 pairs)" in res.output
+    rows = pd.read_csv(out / "metrics.csv").set_index("direction")
+    assert rows.loc["t2i", "delta_R@1"] == 0 and rows.loc["i2t", "ce_pairs_compared"] == 9
+    assert rows.loc["t2i", "ce_score_max_abs_diff"] == pytest.approx(0.5)
+    assert rows.loc["t2i", "ce_score_mean_abs_diff"] == pytest.approx(0.5 / 3)
+    assert rows.loc["t2i", "be_score_max_abs_diff"] == 0 and rows.loc["t2i", "be_pairs_compared"] == 18
+    payload = json.loads((out / "toy_m_co_k3.json").read_text())
+    assert payload["score_differences"]["i2t"]["ce_score_max_abs"] == pytest.approx(0.5)
+    # a difference to another mode of the same run compares no scores
+    same = CliRunner().invoke(main, ["--rankings", str(a), "--staged", str(staged), "--output", str(tmp_path / "o2"),
+                                     "--against-mode", "emb"])
+    assert same.exit_code == 0 and "scores against it" not in same.output

@@ -21,10 +21,15 @@ METRICS = ("R@1", "R@5", "R@10", "mR")
 INTERVAL_COLUMNS = tuple(f"{m}_{e}" for m in METRICS for e in ("lo", "hi")) + ("against",) + tuple(
     f"delta_{m}{e}" for m in METRICS for e in ("", "_lo", "_hi")) + ("bootstrap",)
 
+#: Rows ranked by one model in two serving precisions (or any two runs of the same queries): how far the two runs'
+#: stored scores of the same (query, item) pairs lie apart (retrieval_core.evaluation.runs.score_differences).
+SCORE_DIFF_COLUMNS = tuple(f"{s}_score_{stat}_diff" for s in ("be", "ce") for stat in ("max_abs", "mean_abs")) + (
+    "be_pairs_compared", "ce_pairs_compared")
+
 #: Column order of every suite CSV. Optional timings stay empty where a suite does not measure them.
 CSV_COLUMNS = (
     "suite", "collection", "model", "mode", "k", "lam", "fusion", "direction",
-    "R@1", "R@5", "R@10", "mR", *INTERVAL_COLUMNS, "queries", "collection_size",
+    "R@1", "R@5", "R@10", "mR", *INTERVAL_COLUMNS, *SCORE_DIFF_COLUMNS, "queries", "collection_size",
     "wall_s", "encode_s", "index_s", "search_s", "rerank_s", "ce_pairs", "peak_rss_mb", "launcher_peak_rss_mb",
     "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "ann_recall@10", "speedup_vs_paper_code",
     "search_p50_ms", "bound_ms", "index_bytes", "rate_per_s", "roofline_fraction", "useful_token_fraction",
@@ -69,6 +74,15 @@ COLUMN_DOCS = {
        for e in ("lo", "hi")},
     "bootstrap": "how the intervals were computed: level, bootstrap resamples of the queries, seed "
                  "(retrieval_core.evaluation.stats; docs/STATISTICS.md)",
+    **{f"{s}_score_{stat}_diff": f"{stat.replace('_abs', '')} absolute difference between this row's run and the "
+                                 f"'against' run of the {name} they both stored for the same (query, item) pairs "
+                                 f"of this direction (e.g. bf16 against float32 serving)"
+       for s, name in (("be", "BE score (cosine of the embeddings)"), ("ce", "CE score")) for stat in
+       ("max_abs", "mean_abs")},
+    "be_pairs_compared": "(query, item) pairs of this direction in both runs' BE top lists: what be_score_*_diff "
+                         "is over",
+    "ce_pairs_compared": "(query, item) pairs of this direction that both runs CE-scored: what ce_score_*_diff is "
+                         "over",
     "queries": "number of queries evaluated in this direction",
     "collection_size": "candidate pool size in images (the t2i pool)",
     "wall_s": "seconds of the jobs behind the row (encode + index + rerank + evaluation), as measured",

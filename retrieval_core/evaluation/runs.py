@@ -276,3 +276,36 @@ def choose_fusion(dev_run: str, staged: str, k: int, lams: Sequence[float] = AUT
     return {"mode": mode, "lam": lam, "label": best, "dev": dev,
             "dev_mR": {label: d["mR"] for label, d in dev.items()}, "criterion": CHOICE_CRITERION,
             "dev_run": run.run_dir, "dev_split": run.split, "k": int(k)}
+
+
+#: The stored scores :func:`score_differences` compares (schema.RANKING_COLUMNS).
+COMPARED_SCORES = ("be_score", "ce_score")
+
+
+def score_differences(a: pa.Table, b: pa.Table, directions: Sequence[str] = DIRECTIONS) -> dict[str, dict]:
+    """How far two runs' stored scores of the same (query, item) pairs lie apart, per direction: e.g. one model
+    served in bf16 against float32, where the rankings alone cannot say whether a changed order is a tie broken
+    otherwise or a real shift. Per direction and score (COMPARED_SCORES): ``{"<score>_max_abs", "<score>_mean_abs",
+    "<score>_pairs"}`` over the pairs both runs scored (a BE top-k that differs leaves its other items out; a CE
+    score counts where both have one). RunError when no pair is shared (not two runs of the same queries)."""
+    pair = ["query_id", "item_id"]
+    out: dict[str, dict] = {}
+    for d in directions:
+        sides = [t.filter(pc.equal(t.column("direction"), d)).select(pair + list(COMPARED_SCORES))
+                 for t in (a, b)]
+        if not all(s.num_rows for s in sides):
+            continue
+        joined = sides[0].join(sides[1], pair, left_suffix="_a", right_suffix="_b")
+        if joined.num_rows == 0:
+            raise RunError(f"{d}: the two runs share no (query, item) pair: not rankings of the same queries")
+        row: dict = {}
+        for score in COMPARED_SCORES:
+            x, y = (joined.column(f"{score}_{s}").to_numpy(zero_copy_only=False).astype(np.float64)
+                    for s in ("a", "b"))  # a null (no CE score) reads as NaN
+            both = ~(np.isnan(x) | np.isnan(y))
+            diff = np.abs(x[both] - y[both])
+            row[f"{score}_pairs"] = int(both.sum())
+            row[f"{score}_max_abs"] = float(diff.max()) if diff.size else float("nan")
+            row[f"{score}_mean_abs"] = float(diff.mean()) if diff.size else float("nan")
+        out[d] = row
+    return out
