@@ -10,6 +10,9 @@ pool is the test pool's size), evaluates, prints the recall table with 95 % inte
 default) and the verdicts, and ends by writing the inspection page of the default vs EMB (``benchmarks.inspect``)
 and printing its path. Score once, evaluate many: the rerank run stores the BE top-k with its BE and CE scores, so
 the EMB and CO rows are derived from the same run (``benchmarks.evaluate --mode``) instead of runs of their own.
+``--quantize bf16`` then runs the encode and rerank steps again with the model served in bf16 and writes each bf16
+ranking paired with the float32 run's same ranking (``benchmarks.evaluate --against``): the effect of the precision
+on R@1 and mR with paired intervals, and on the scores, as ``demo_bf16.csv``.
 Every step runs the same CLI a user would run (printed with a leading '+'), so the demo doubles as a worked
 example. Everything lands under $RR_WORKDIR/demo (default ./runs/demo); finished steps are reused by a rerun.
 """
@@ -34,6 +37,7 @@ from pipelines.build_index.plan import IndexPlan
 from pipelines.encode.plan import EncodePlan
 from pipelines.rerank.plan import RerankPlan
 from retrieval_core.cli import CheckedPlan, cli_errors, option, plan_command, plan_from_cli, to_argv
+from retrieval_core.data import schema
 from retrieval_core.evaluation.runs import read_run_manifest
 from retrieval_core.evaluation.stats import Bootstrap, verdict
 from retrieval_core.training import cache, recipes
@@ -54,7 +58,7 @@ def _run(module: str, plan, beam_args: tuple[str, ...] = ()) -> float:
 
 
 def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 500, seed: int = 0,
-             recipe: recipes.Recipe = recipes.DEMO_RECIPE) -> pd.DataFrame:
+             recipe: recipes.Recipe = recipes.DEMO_RECIPE, quantize: str = "none") -> pd.DataFrame:
     t_start = time.time()
     # another training seed's models and outputs live apart; the staged collection is shared
     root = recipes.demo_dir() if seed == 0 else os.path.join(recipes.demo_dir(), f"seed{seed}")
@@ -75,7 +79,7 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
         models["SEP-BE"], models["SEP-CE"] = trained.be, trained.ce
         timings["train SEP"] = time.time() - t0
 
-    results = os.path.join(root, "results")
+    results = os.path.join(root, "results" if quantize == "none" else os.path.join(quantize, "results"))
     runs = [("JOIN", "JOIN", "JOIN")]  # (family, BE model, CE model): one rerank run each, with its dev pass
     if with_sep:
         runs.append(("SEP", "SEP-BE", "SEP-CE"))
@@ -89,34 +93,34 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
                                                output=query_dir, scale=queries))
         query_file = os.path.join(query_dir, "queries.parquet")
     for family, be, ce in runs:
-        emb_dir, dev_dir = os.path.join(root, f"embeddings-{be}"), os.path.join(root, f"embeddings-{be}-dev")
-        index_dir = os.path.join(root, f"index-{be}")
-        t0 = time.time()
-        for split, out_dir in (("test", emb_dir), ("dev", dev_dir)):  # dev: the pool the default is chosen on
-            _run("pipelines.encode", EncodePlan(staged=staged, model=models[be], output=out_dir, split=split),
-                 beam_args)
-        _run("pipelines.build_index", IndexPlan(embeddings=emb_dir, output=index_dir, modality="image",
-                                                factory="Flat"), beam_args)
-        timings[f"encode+index {be}"] = time.time() - t0
-        out = os.path.join(root, f"rankings-{family}-k{k}-q{queries or 'all'}")
+        out = _encode_and_rerank(root, staged, models, family, be, ce, k, queries, query_file, beam_args, timings)
+        reference = None
+        if quantize != "none":  # the same steps served in `quantize`; every row paired with float32's same ranking
+            reference, out = out, _encode_and_rerank(os.path.join(root, quantize), staged, models, family, be, ce, k,
+                                                     queries, query_file, beam_args, timings, quantize)
         run_dirs[family] = out
-        t0 = time.time()
-        # rerank's default, --mode auto: first CO on --queries sampled dev queries (dev pool = test pool size), then
-        # the test queries ranked as chosen there; the run keeps every CE score, so CO is derived from it too
-        _run("pipelines.rerank", RerankPlan(staged=staged, embeddings=emb_dir, index=index_dir, split="test", k=k,
-                                            output=out, ce_model=models[ce], tune_embeddings=dev_dir,
-                                            tune_queries=queries or 500, queries=query_file), beam_args)
-        timings[f"rerank {family} (with its dev pass)"] = time.time() - t0
         default = f"{family} default ({chosen_label(out)})"
         for mode, row_label, model in (("emb", "EMB", be), ("co", f"{family}+CO", result_model(be, ce)),
                                        (None, default, result_model(be, ce))):
-            against = "emb" if mode != "emb" else None  # the paired difference the verdict reads
-            # mode None: the run's own (the default's) ranking
+            if reference is None:
+                against = "emb" if mode != "emb" else None  # the paired difference the verdict reads
+                # mode None: the run's own (the default's) ranking
+                _run("benchmarks.evaluate", EvaluatePlan(rankings=out, staged=staged, output=results, split="test",
+                                                         model=model, mode=mode, k=k if mode else None,
+                                                         label=row_label, against_mode=against))
+                rows += [{**r, "rankings": os.path.relpath(out, root)}  # relative: the CSV names no machine's paths
+                         for r in table_rows(out, staged, mode, k if mode else None, model, row_label, against)]
+                continue
+            # the same ranking of the float32 run (the default: each run's own choice, which may differ)
+            ref_label = row_label if mode else f"{family} default ({chosen_label(reference)})"
             _run("benchmarks.evaluate", EvaluatePlan(rankings=out, staged=staged, output=results, split="test",
                                                      model=model, mode=mode, k=k if mode else None, label=row_label,
-                                                     against_mode=against))
-            rows += [{**r, "rankings": os.path.relpath(out, root)}  # relative: the CSV names no machine's paths
-                     for r in table_rows(out, staged, mode, k if mode else None, model, row_label, against)]
+                                                     against=reference, against_mode=mode,
+                                                     tag=(f"quantize={quantize}",)))
+            rows += [{**r, "against": f"{ref_label} in float32", "quantize": quantize,
+                      "rankings": f"{os.path.relpath(out, root)} against {os.path.relpath(reference, root)}"}
+                     for r in table_rows(out, staged, mode, k if mode else None, model, row_label, mode,
+                                         against=reference)]
 
     table = pd.DataFrame(rows)
     what = "demo scenes drawn as pictures, staged from pixels" if recipe == recipes.PIXELS_RECIPE \
@@ -125,7 +129,7 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
           "docs/CONVENTIONS.md#the-recall-convention; "
           f"[95 % interval]: {Bootstrap().label}):")
     print(compact_table(table))
-    for line in r1_changes(table):
+    for line in (r1_changes(table) if quantize == "none" else precision_changes(table, quantize)):
         print(line)
     steps = "wall time per step (s): " + ", ".join(f"{name} {sec:.0f}" for name, sec in timings.items())
     print("\n" + steps)
@@ -135,15 +139,45 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
     print(f"total {wall:.0f} s on {cores} CPU cores; outputs under {root}")
     # the table once more in the suites' schema, with where, when and from which commit it ran: the file the docs'
     # demo table is generated from (benchmarks.report docs)
-    csv_path = report.write_csv(os.path.join(results, DEMO_CSV), [
+    csv_name = DEMO_CSV if quantize == "none" else DEMO_CSV.replace(".csv", f"_{quantize}.csv")
+    csv_path = report.write_csv(os.path.join(results, csv_name), [
         {**r, "suite": "demo", "wall_s": round(wall), "recipe": recipe.name, "model_seed": seed,
-         "measured": True, "notes": steps, **report.environment()} for r in rows])
+         "measured": True, "notes": steps, **report.environment(), "quantize": r.get("quantize", "none")}
+        for r in rows])
     print(f"the table with its environment and commit: {csv_path}")
     # the queries behind the numbers: where the default ranking moved the gold item relative to EMB (one run)
     page = os.path.join(results, "inspect_JOIN-default_vs_EMB.html")
     _run("benchmarks.inspect", InspectPlan(rankings=run_dirs["JOIN"], against_mode="emb", staged=staged, output=page))
     print(f"inspection page (EMB vs the JOIN default, query by query): {page}")
     return table
+
+
+def _encode_and_rerank(root: str, staged: str, models: dict, family: str, be: str, ce: str, k: int, queries: int,
+                       query_file: Optional[str], beam_args: tuple[str, ...], timings: dict,
+                       quantize: str = "none") -> str:
+    """Encode the test and dev splits with ``be``, index the test images, rerank the test queries with ``ce`` and
+    rerank's default (``--mode auto``), each served in ``quantize``, under ``root``; returns the rerank run. The
+    wall times go into ``timings``."""
+    tag = "" if quantize == "none" else f" {quantize}"
+    t0 = time.time()
+    emb_dir, dev_dir = os.path.join(root, f"embeddings-{be}"), os.path.join(root, f"embeddings-{be}-dev")
+    index_dir = os.path.join(root, f"index-{be}")
+    serve = {} if quantize == "none" else {"quantize": quantize}  # float32: the plans' own default, as users run
+    for split, out_dir in (("test", emb_dir), ("dev", dev_dir)):  # dev: the pool the default is chosen on
+        _run("pipelines.encode", EncodePlan(staged=staged, model=models[be], output=out_dir, split=split, **serve),
+             beam_args)
+    _run("pipelines.build_index", IndexPlan(embeddings=emb_dir, output=index_dir, modality="image",
+                                            factory="Flat"), beam_args)
+    timings[f"encode+index {be}{tag}"] = time.time() - t0
+    t0 = time.time()
+    out = os.path.join(root, f"rankings-{family}-k{k}-q{queries or 'all'}")
+    # rerank's default, --mode auto: first CO on --queries sampled dev queries (dev pool = test pool size), then
+    # the test queries ranked as chosen there; the run keeps every CE score, so CO is derived from it too
+    _run("pipelines.rerank", RerankPlan(staged=staged, embeddings=emb_dir, index=index_dir, split="test", k=k,
+                                        output=out, ce_model=models[ce], tune_embeddings=dev_dir,
+                                        tune_queries=queries or 500, queries=query_file, **serve), beam_args)
+    timings[f"rerank {family} (with its dev pass){tag}"] = time.time() - t0
+    return out
 
 
 def chosen_label(run: str) -> str:
@@ -157,11 +191,12 @@ def result_model(be: str, ce: str | None) -> str:
 
 
 def table_rows(run: str, staged: str, mode: Optional[str], k: Optional[int], model: str, label: str,
-               against_mode: Optional[str] = None) -> list[dict]:
+               against_mode: Optional[str] = None, against: Optional[str] = None) -> list[dict]:
     """The demo table's two rows (t2i, i2t) of one rerank run evaluated in ``mode`` (EMB is derived from the
     run's stored BE scores), with their intervals and, given ``against_mode``, the paired difference to that
-    mode's ranking of the same run: benchmarks.evaluate's metrics.csv rows (``csv_rows``) of the same result."""
-    res = evaluate_ranking(run, staged, k=k, mode=mode, split="test", against_mode=against_mode)
+    mode's ranking of the same run (of the run ``against``, where given: also the score differences):
+    benchmarks.evaluate's metrics.csv rows (``csv_rows``) of the same result."""
+    res = evaluate_ranking(run, staged, k=k, mode=mode, split="test", against=against, against_mode=against_mode)
     return csv_rows(res, collection=res["collection"], split="test", model=model, mode=label, k=res["k"], tags={})
 
 
@@ -200,12 +235,33 @@ def r1_changes(table: pd.DataFrame) -> list[str]:
     return lines
 
 
+def precision_changes(table: pd.DataFrame, quantize: str) -> list[str]:
+    """One line per ranking of the demo served in ``quantize``: its R@1 and mR minus those of the float32 run's
+    same ranking (the same queries: paired 95 % intervals and what they say), and how far the CE scores moved."""
+    lines = []
+    for r in table.to_dict("records"):
+        parts = [f"{m} {_paired(r, m) or 'has no paired interval'}" for m in ("R@1", "mR")]
+        for score in ("be", "ce"):  # the stored scores of the pairs both runs hold
+            mx = r.get(f"{score}_score_max_abs_diff")
+            if mx is not None and mx == mx:
+                mean = r[f"{score}_score_mean_abs_diff"]
+                parts.append(f"{score.upper()} scores max |diff| {mx:.3g}, mean {mean:.3g}")
+        lines.append(f"{r['mode']} {r['direction']} in {quantize} minus {r['against']}: " + "; ".join(parts))
+    return lines
+
+
 def _difference(r: dict) -> str:
     """``+3.10 [+1.20, +5.00] -> lifts`` from a row's difference to EMB, or why there is none."""
-    cols = ("delta_R@1", "delta_R@1_lo", "delta_R@1_hi")
-    values = [r.get(c) for c in cols]
-    if str(r.get("against", "")).lower() != "emb" or any(v is None or v != v for v in values):
+    if str(r.get("against", "")).lower() != "emb":
         return "has no interval of its difference to EMB (benchmarks.evaluate --against-mode emb)"
+    return _paired(r, "R@1") or "has no interval of its difference to EMB (benchmarks.evaluate --against-mode emb)"
+
+
+def _paired(r: dict, metric: str) -> Optional[str]:
+    """``+3.10 [+1.20, +5.00] -> lifts`` from a row's delta columns of ``metric``; None where it has none."""
+    values = [r.get(f"delta_{metric}{e}") for e in ("", "_lo", "_hi")]
+    if any(v is None or v == "" or v != v for v in values):
+        return None
     est, lo, hi = (float(v) for v in values)
     return f"{est:+.2f} [{lo:+.2f}, {hi:+.2f}] -> {verdict(lo, hi)}"
 
@@ -224,6 +280,11 @@ class DemoPlan(CheckedPlan):
     pixels: bool = option(False, help="The same demo on the demo scenes drawn as pictures and staged from their PNGs "
                                       "(EfficientNet-Lite0 grid regions; outputs under <demo>/demo-pixels), "
                                       "to set beside the region-feature demo's table.")
+    quantize: str = option("none", type=click.Choice(schema.QUANTIZE_CHOICES),
+                           help="Also serve encode and rerank in this precision (outputs under <demo>/<quantize>): "
+                                "each row is that run's ranking, paired with the float32 run's same ranking of the "
+                                "same queries (R@1 / mR differences with 95 % intervals, score differences); the "
+                                "table is written as demo_<quantize>.csv.")
 
 
 @plan_command(DemoPlan, **BEAM_CLI_CONTEXT)
@@ -235,7 +296,7 @@ def main(ctx: click.Context, **values) -> None:
         plan = plan_from_cli(DemoPlan, values)
     try:
         run_demo(plan.k, plan.with_sep, tuple(ctx.args), plan.queries, plan.seed,
-                 recipes.PIXELS_RECIPE if plan.pixels else recipes.DEMO_RECIPE)
+                 recipes.PIXELS_RECIPE if plan.pixels else recipes.DEMO_RECIPE, plan.quantize)
     except subprocess.CalledProcessError as exc:
         raise SystemExit(f"demo step failed (exit {exc.returncode}): {' '.join(map(str, exc.cmd))}")
 
