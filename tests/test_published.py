@@ -131,7 +131,7 @@ def test_the_docs_command_generates_the_pending_tables_and_its_check_then_passes
     from benchmarks.report.__main__ import main
 
     root = _repo(tmp_path)
-    for doc in published.DOCS:
+    for doc in (*published.DOCS, *published.BLOCKS_ONLY):
         (tmp_path / doc).write_text("Results:\n\n<!-- pending: recall-table docs/results/x.csv -->\n")
     runner = CliRunner()
     stale = runner.invoke(main, ["docs", "--root", root, "--check"])
@@ -142,3 +142,29 @@ def test_the_docs_command_generates_the_pending_tables_and_its_check_then_passes
     assert done.exit_code == 0 and "README.md: 1 generated block(s), rewritten" in done.output
     assert "| demo | JOIN | EMB | 60.6 [56.0, 65.0]" in (tmp_path / "README.md").read_text()
     assert runner.invoke(main, ["docs", "--root", root, "--check"]).exit_code == 0
+
+
+def test_the_precision_and_feeding_tables_print_only_their_csvs_numbers(tmp_path):
+    write = lambda p, b: Path(p).write_bytes(b)  # noqa: E731
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    bf16 = [{**r, "quantize": "bf16", "against": f"{r['mode']} in float32", "delta_mR": -0.2, "delta_mR_lo": -0.9,
+             "delta_mR_hi": 0.5, "delta_R@1": 0.4, "delta_R@1_lo": -0.6, "delta_R@1_hi": 1.4,
+             "ce_score_max_abs_diff": 0.0625, "ce_score_mean_abs_diff": 0.0071234, "ce_pairs_compared": 4950,
+             "be_score_max_abs_diff": 0.0039, "be_score_mean_abs_diff": 0.0008, "be_pairs_compared": 4990}
+            for r in _rows()]
+    report.write_csv(str(tmp_path / "docs" / "results" / "p.csv"), bf16, write_atomic=write)
+    feeding = [{**ENV, "suite": "latency", "collection": "feeding_pairs", "mode": f"pairs: {way}", "quantize": q,
+                "batch_size": 128, "rate_per_s": rate, "roofline_fraction": rate / model, "collection_size": 5000,
+                "model": "random-init", "recipe": "demo"}
+               for q, model in (("fp32", 477.25), ("bf16", 1023.5))
+               for way, rate in (("job path (handler)", model * 0.97), ("library loop", model * 1.1),
+                                 ("model alone (batches collated ahead)", model))]
+    report.write_csv(str(tmp_path / "docs" / "results" / "f.csv"), feeding, write_atomic=write)
+    text = published.regenerate("<!-- pending: precision-table docs/results/p.csv -->\n"
+                                "<!-- pending: feeding-table docs/results/f.csv -->\n", str(tmp_path))
+    assert "| JOIN+CO k=10 | bf16 | t2i | 65.2 [56.0, 65.0] | +0.4 [-0.6, +1.4] no significant difference | " \
+           "-0.2 [-0.9, +0.5] no significant difference | 0.0625 / 0.0071 (4950) | 0.0039 / 0.0008 (4990) |" in text
+    assert "| pairs | bf16 | 128 | 992.8 | 1125.8 | 1023.5 | 0.97 | 1.10 |" in text
+    assert published.check_text(text, str(tmp_path), "doc", prose=False) == []
+    assert any("differs from its CSV" in p for p in
+               published.check_text(text.replace("992.8", "999.8"), str(tmp_path), "doc", prose=False))

@@ -32,13 +32,15 @@ from typing import Callable, Mapping, Sequence
 import click
 
 from benchmarks.report.schema import read_csv, schema_path
-from benchmarks.report.tables import recall_table
+from benchmarks.report.tables import feeding_table, precision_table, recall_table
 from retrieval_core.cli import check_options, option
 
 #: The tracked folder of the result CSVs the docs cite (results/ at the root is the runs' scratch, ignored).
 RESULTS_DIR = "docs/results"
 #: The files whose numbers must all come from RESULTS_DIR.
 DOCS = ("README.md", "docs/RESULTS.md")
+#: Files with generated blocks too, whose other numbers state how and where they were measured (not checked).
+BLOCKS_ONLY = ("docs/PERFORMANCE.md",)
 #: The columns a published CSV must fill: where, when and from which code its rows were measured.
 PROVENANCE = ("device", "cpu_model", "threads", "torch", "faiss", "commit", "date")
 
@@ -75,8 +77,27 @@ def recall_block(rows: Sequence[Mapping]) -> str:
     return provenance_line(rows) + "\n\n" + recall_table(rows) + "\n"
 
 
+def environment_line(rows: Sequence[Mapping]) -> str:
+    """Where, when and from which commit rows that are no recall table were measured."""
+    return (f"Measured {_one(rows, 'date')} at commit `{_one(rows, 'commit')}` on {_one(rows, 'cpu_model')} "
+            f"({_one(rows, 'device')}, {_one(rows, 'threads')} threads; torch {_one(rows, 'torch')}); model "
+            f"{_one(rows, 'model')} ({_one(rows, 'recipe')}), {_one(rows, 'collection_size')} items per task.")
+
+
+def precision_block(rows: Sequence[Mapping]) -> str:
+    """Rankings in a reduced precision against float32's (report.precision_table), under how they were measured."""
+    return provenance_line(rows) + "\n\n" + precision_table(rows) + "\n"
+
+
+def feeding_block(rows: Sequence[Mapping]) -> str:
+    """benchmarks.feeding's rates (report.feeding_table) under where they were measured."""
+    return (environment_line(rows) + " Each rate is the median of repetitions interleaved with the other ways in "
+            "one process (the CSV's notes: how many, and each way's seconds).\n\n" + feeding_table(rows) + "\n")
+
+
 #: The table kinds a generated block may name.
-GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {"recall-table": recall_block}
+GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {
+    "recall-table": recall_block, "precision-table": precision_block, "feeding-table": feeding_block}
 
 
 def generate(kind: str, csv_path: str, root: str) -> str:
@@ -136,8 +157,9 @@ def prose_problems(text: str, where: str) -> list[str]:
     return problems
 
 
-def check_text(text: str, root: str, where: str) -> list[str]:
-    """Every problem of one Markdown file: stale blocks, block numbers not in their CSVs, result-like prose."""
+def check_text(text: str, root: str, where: str, prose: bool = True) -> list[str]:
+    """Every problem of one Markdown file: stale blocks, block numbers not in their CSVs, result-like prose (with
+    ``prose``)."""
     problems: list[str] = []
     problems += [f"{where}: pending block {m.group('kind')} {m.group('csv')}: its CSV is published "
                  f"(python -m benchmarks.report docs generates it)" for m in PENDING.finditer(text)
@@ -149,14 +171,14 @@ def check_text(text: str, root: str, where: str) -> list[str]:
             problems.append(f"{label} differs from its CSV (python -m benchmarks.report docs rewrites it)")
         problems += block_numbers_problems(m.group("body"), read_csv(os.path.join(root, m.group("csv"))),
                                            label)
-    return problems + prose_problems(text, where)
+    return problems + (prose_problems(text, where) if prose else [])
 
 
-def check(root: str, docs: Sequence[str] = DOCS) -> list[str]:
+def check(root: str, docs: Sequence[str] = DOCS, blocks_only: Sequence[str] = BLOCKS_ONLY) -> list[str]:
     problems = []
-    for doc in docs:
+    for doc in (*docs, *blocks_only):
         with open(os.path.join(root, doc), encoding="utf-8") as f:
-            problems += check_text(f.read(), root, doc)
+            problems += check_text(f.read(), root, doc, prose=doc not in blocks_only)
     return problems
 
 
@@ -199,7 +221,7 @@ def run(plan: DocsPlan) -> list[str]:
     if plan.check:
         return check(plan.root)
     lines = [f"published {publish(csv_path, plan.root)}" for csv_path in plan.publish]
-    for doc in DOCS:
+    for doc in (*DOCS, *BLOCKS_ONLY):
         path = os.path.join(plan.root, doc)
         with open(path, encoding="utf-8") as f:
             text = f.read()

@@ -285,3 +285,43 @@ def recall_table(rows: Sequence[Mapping]) -> str:
                  _signed(t, "R@1"), _signed(i, "R@1")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def precision_table(rows: Sequence[Mapping]) -> str:
+    """A Markdown table of rankings served in a reduced precision, each paired with the float32 run's same ranking
+    of the same queries (benchmarks.demo --quantize): the row's R@1 [interval], its R@1 and mR minus float32's with
+    the verdict of the paired interval, and how far the stored CE and BE scores of the same pairs moved."""
+    rows = [normalise_row(r) for r in rows if str(r.get("R@1", "")) not in ("", "nan")]
+    lines = ["| ranking | precision | direction | R@1 | R@1 minus float32 | mR minus float32 | CE score max / mean "
+             "abs diff (pairs) | BE score max / mean abs diff (pairs) |", "|" + "---|" * 8]
+
+    def diff(r: Mapping, s: str) -> str:
+        mx, mean, n = r[f"{s}_score_max_abs_diff"], r[f"{s}_score_mean_abs_diff"], r[f"{s}_pairs_compared"]
+        return "-" if str(mx) in ("", "nan") else f"{_fmt(mx, 4)} / {_fmt(mean, 4)} ({n})"
+
+    for r in rows:
+        ci = f"{_fmt(r['R@1'])} [{_fmt(r['R@1_lo'])}, {_fmt(r['R@1_hi'])}]"
+        cells = [f"{r['mode']} k={r['k']}" if r["mode"] != "EMB" else "EMB", str(r["quantize"]), str(r["direction"]),
+                 ci, _signed(r, "R@1"), _signed(r, "mR"), diff(r, "ce"), diff(r, "be")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def feeding_table(rows: Sequence[Mapping]) -> str:
+    """A Markdown table of benchmarks.feeding's rows: per task, precision and batch size, the rate of each way
+    measured (job path, library loop, model alone; items per second) and each way's fraction of the model alone."""
+    ways = ("job path", "library loop", "model alone")
+    groups: dict[tuple, dict[str, Mapping]] = {}
+    for r in rows:
+        task, _, way = str(r["mode"]).partition(": ")
+        groups.setdefault((task, r["quantize"], r["batch_size"]), {})[next(w for w in ways if way.startswith(w))] = r
+    present = [w for w in ways if any(w in g for g in groups.values())]
+    lines = ["| task | precision | batch | " + " | ".join(f"{w} /s" for w in present) + " | " + " | ".join(
+        f"{w} / model alone" for w in present if w != "model alone") + " |", "|" + "---|" * (3 + 2 * len(present) - 1)]
+    for (task, precision, batch), by_way in groups.items():
+        cells = [task, str(precision), str(batch)]
+        cells += [_fmt(by_way[w]["rate_per_s"]) if w in by_way else "-" for w in present]
+        cells += [_fmt(by_way[w]["roofline_fraction"], 2) if w in by_way else "-" for w in present
+                  if w != "model alone"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
