@@ -20,6 +20,11 @@ Models (``build_model``): "demo" (the demo JOIN's shape: 3 layers, 384 wide, 12 
 weights), with a WordPiece vocabulary pruned to the synthetic collection's words, so nothing is downloaded.
 
     python -m benchmarks.feeding --size demo --items 5000 --device cpu --threads 2 --output feeding.csv
+    python -m benchmarks.feeding --sweep 16,32,64,128,256 --tasks pairs,images --output feeding_sweep.csv
+
+``--sweep``: the job path and the model alone at each batch size, and the best size per task and precision: what a
+device's default batch size is read from (measured once and committed, never timed inside a job, whose outputs
+must not depend on the machine's load).
 """
 from __future__ import annotations
 
@@ -62,6 +67,9 @@ SIZES = {
 }
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 TASKS = ("pairs", "images", "captions")
+#: The three ways over the same batches (module docstring) and each one's label in the rows' ``mode``.
+WAYS = {"job": "job path (handler)", "library": "library loop", "model": "model alone (batches collated ahead)",
+        "compiled": "model alone, torch.compile"}
 
 
 def collection_vocab(texts: Sequence[str]) -> list[str]:
@@ -111,10 +119,16 @@ def _job_batches(task: str, elements: list, batch_size: int) -> list[list]:
 
 def feeding_rows(model: VLRetrievalModel, model_dir: str, texts: Sequence[str], images, n: int, batch_size: int,
                  precision: str, reps: int = 3, tasks: Sequence[str] = TASKS, log: Callable = print,
-                 common: Optional[dict] = None) -> list[dict]:
+                 common: Optional[dict] = None, ways: Sequence[str] = tuple(WAYS)) -> list[dict]:
     """Rows of the job, library and model-alone rates (module docstring) of ``model`` (already served in
     ``precision``, on its device) on ``n`` items of each task: CE pairs (caption i with image i // 5, the
-    synthetic collection's layout), BE images and BE captions. ``images``: an ImageTable."""
+    synthetic collection's layout), BE images and BE captions. ``images``: an ImageTable. ``ways``: a subset of
+    WAYS (the model alone always: the others' fractions are of its rate). "compiled" is the model alone through
+    ``torch.compile(dynamic=True)``: its first pass over the batches (compilation included) is timed apart, and its
+    notes give the model time after which compiling pays back in a job."""
+    unknown = sorted(set(ways) - set(WAYS))
+    if unknown or "model" not in ways:
+        raise ValueError(f"ways must be of {sorted(WAYS)} and hold 'model', got {list(ways)}")
     dev = model.device
     make = model.batch_maker()
     ids = make.text_collator.ids(list(texts[:n]))
@@ -149,12 +163,26 @@ def feeding_rows(model: VLRetrievalModel, model_dir: str, texts: Sequence[str], 
             _sync(dev)
             return out
 
-        ways = {"job": job, "library": lib, "model": alone}
+        first_pass = None
+        if "compiled" in ways:
+            compiled_forward = torch.compile(forward, dynamic=True)
+
+            def compiled(upto=None):
+                with torch.inference_mode():
+                    out = [compiled_forward(b) for b in fed[:upto]]
+                _sync(dev)
+                return out
+
+            t0 = time.perf_counter()
+            compiled()  # every batch shape once: compilation and any recompilation it triggers
+            first_pass = time.perf_counter() - t0
+        ways_run = {k: v for k, v in {"job": job, "library": lib, "model": alone,
+                                      "compiled": compiled if first_pass is not None else None}.items() if k in ways}
         job(2)  # warm-up on the first batches: allocator, kernels, OpenMP pool (the library loop runs the same)
         alone(2)
-        times = {k: [] for k in ways}
+        times = {k: [] for k in ways_run}
         for _ in range(reps):
-            for name, fn in ways.items():
+            for name, fn in ways_run.items():
                 _sync(dev)
                 t0 = time.perf_counter()
                 fn()
@@ -163,19 +191,41 @@ def feeding_rows(model: VLRetrievalModel, model_dir: str, texts: Sequence[str], 
         fed.clear()  # the device copies go before the next task
         rates = {k: count / statistics.median(v) for k, v in times.items()}
         medians = ", ".join(f"{statistics.median(v):.2f}" for v in times.values())
-        log(f"feeding {task} {precision} on {dev}: job {rates['job']:,.0f}/s, library {rates['library']:,.0f}/s, "
-            f"model alone {rates['model']:,.0f}/s; job / model {rates['job'] / rates['model']:.2f}, library / "
-            f"model {rates['library'] / rates['model']:.2f}")
-        for way, label in (("job", "job path (handler)"), ("library", "library loop"),
-                           ("model", "model alone (batches collated ahead)")):
+        log(f"feeding {task} {precision} on {dev}, batch {batch_size}: " + ", ".join(
+            f"{way} {rate:,.0f}/s" for way, rate in rates.items()) + "; " + ", ".join(
+            f"{way} / model {rates[way] / rates['model']:.2f}" for way in rates if way != "model"))
+        for way in ways_run:
+            label = WAYS[way]
+            extra = ""
+            if way == "compiled":  # compile cost c = first pass - steady pass; saved per model second: 1 - 1/speedup
+                cost = first_pass - statistics.median(times["compiled"])
+                gain = 1.0 - rates["model"] / rates["compiled"]
+                extra = (f"; first pass (compiling) {first_pass:.1f} s, compile cost {cost:.1f} s: pays back after "
+                         + (f"{cost / gain:.0f} s of eager model time" if gain > 0 else "never (no faster)"))
+                log(f"feeding {task} {precision}: torch.compile {rates['compiled'] / rates['model']:.2f}x the eager "
+                    f"model" + extra)
             rows.append({**(common or {}), "suite": "latency", "collection": f"feeding_{task}",
                          "collection_size": count, "mode": f"{task}: {label}", "rate_per_s": rates[way],
                          "roofline_fraction": rates[way] / rates["model"], "quantize": precision,
                          "device": str(dev), **(common or {}), "batch_size": batch_size, "measured": True,
                          "notes": (f"{task} per second, median of {reps} repetitions interleaved with the other "
-                                   f"two ways in one process ({medians} s: job, library, model); "
-                                   f"roofline_fraction = this way / model alone")})
+                                   f"way(s) in one process ({medians} s: {', '.join(ways_run)}); "
+                                   f"roofline_fraction = this way / model alone{extra}")})
     return rows
+
+
+def best_batch_sizes(rows: Sequence[dict], way: str = "job") -> dict[tuple[str, str], tuple[int, float]]:
+    """Per (task, precision) of a batch-size sweep's rows: the batch size whose ``way`` (WAYS) rate was highest,
+    with that rate. What a device's default batch size is read from (docs/PERFORMANCE.md), never chosen inside a
+    job: a size picked by timing would make a job's batches, and so its outputs' rounding, vary between reruns."""
+    best: dict[tuple[str, str], tuple[int, float]] = {}
+    for r in rows:
+        if r["mode"] != f"{r['collection'].removeprefix('feeding_')}: {WAYS[way]}":
+            continue
+        key = (r["collection"].removeprefix("feeding_"), r["quantize"])
+        if key not in best or r["rate_per_s"] > best[key][1]:
+            best[key] = (int(r["batch_size"]), float(r["rate_per_s"]))
+    return best
 
 
 def synthetic_data(n_images: int, feature_dim: int, seed: int = 0):
@@ -200,6 +250,11 @@ class FeedingPlan(CheckedPlan):
     precisions: str = option("fp32,bf16", help="fp32 and/or bf16 (comma-separated).")
     tasks: str = option(",".join(TASKS), help="pairs, images, captions.")
     reps: int = option(3, type=click.IntRange(min=1))
+    sweep: str = option("", help="Comma-separated batch sizes: the job path and the model alone at each size (rows "
+                                 "per size; the best size per task and precision printed) instead of the three "
+                                 "ways at --batch-size.")
+    compile: bool = option(False, help="Also the model alone through torch.compile (its compile time and after how "
+                                       "much model time it pays back).")
     workdir: str = option("runs/feeding", help="Where the model folder is written.")
     output: Optional[str] = option(None, help="CSV to write (report.CSV_COLUMNS) [print only].")
 
@@ -211,10 +266,19 @@ def main(**values) -> None:
         p = plan_from_cli(FeedingPlan, values)
         apply_device_and_threads(p.device, p.threads)
         measure(p.size, p.items, p.device, p.threads, p.batch_size, p.precisions, p.tasks, p.reps, p.workdir,
-                p.output)
+                p.output, parse_sizes(p.sweep), p.compile)
 
 
-def measure(size, items, device, threads, batch_size, precisions, tasks, reps, workdir, output) -> list[dict]:
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``"32,64,128"`` -> (32, 64, 128); anything but positive integers is an error."""
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    if not all(t.isdigit() and int(t) > 0 for t in parts):
+        raise click.BadParameter(f"batch sizes must be positive integers, got {text!r}")
+    return tuple(int(t) for t in parts)
+
+
+def measure(size, items, device, threads, batch_size, precisions, tasks, reps, workdir, output,
+            sweep: Sequence[int] = (), compile_model: bool = False) -> list[dict]:
     if threads:
         torch.set_num_threads(threads)
     dev = torch.device(device)
@@ -225,13 +289,19 @@ def measure(size, items, device, threads, batch_size, precisions, tasks, reps, w
     feature_dim = SIZES[size]["feature_dim"]
     table, texts = synthetic_data(max(1, -(-items // 5)), feature_dim)
     rows = []
+    log = lambda m: click.echo(f"[{time.strftime('%H:%M:%S')}] {m}")  # noqa: E731
     for precision in wanted:
         model = build_model(size, texts, os.path.join(workdir, f"model-{size}"))
         model = quantize_model(model, "bf16" if precision == "bf16" else None, str(dev)).to(dev).eval()
-        rows += feeding_rows(model, os.path.join(workdir, f"model-{size}"), texts, table, items, batch_size,
-                             precision, reps, tasks.split(","),
-                             log=lambda m: click.echo(f"[{time.strftime('%H:%M:%S')}] {m}"),
-                             common={**environment(dev, threads, batch_size), "recipe": size})
+        for bs in sweep or (batch_size,):
+            rows += feeding_rows(model, os.path.join(workdir, f"model-{size}"), texts, table, items, bs,
+                                 precision, reps, tasks.split(","), log=log,
+                                 common={**environment(dev, threads, bs), "recipe": size},
+                                 ways=("job", "model") if sweep else ("job", "library", "model")
+                                 + (("compiled",) if compile_model else ()))
+    if sweep:
+        for (task, precision), (bs, rate) in best_batch_sizes(rows).items():
+            log(f"best batch size on {dev}, {task} {precision}: {bs} (job path {rate:,.0f}/s)")
     if output:
         write_csv(output, rows)
         click.echo(f"wrote {output}: {len(rows)} rows")

@@ -12,7 +12,8 @@ Steps, each timed (``scripts/gpu_pipelines.sh`` runs this on a bare GPU machine 
   6. evaluate   benchmarks.evaluate: R@1/5/10 and mR with 95 % intervals, CO and EMB
   7. feeding    benchmarks.feeding rows (job path / library / model alone) at the demo size and at ``--feed-size``,
                 fp32 and bf16; on CUDA also sdpa with PyTorch's own kernel choice against the encoder's
-                (cuDNN left out in 16-bit) and eager, on varied length-sorted batches
+                (cuDNN left out in 16-bit) and eager, on varied length-sorted batches; then the batch-size
+                sweep (``--sweep``: job path and model alone at each size, the best size per task printed)
   8. co         a 5k CO of a BERT-base-size CE at library level: ``--co-pairs`` pairs through VLRetrievalModel.score
 
 Writes ``<out>/pipeline_rows.csv`` (steps, rates, ratios, recall rows: report.CSV_COLUMNS) and prints one verdict
@@ -245,6 +246,9 @@ def verdicts(device: str, rows: list[dict], info: dict, co_s: Optional[float]) -
                          f"{r['delta_mR_hi']:+.2f}] (paired 95 % intervals; informational)")
     if "score_diff" in info:
         lines.append(f"CE scores bf16 vs fp32: max abs difference {info['score_diff']:.4f} (informational)")
+    for what, (bs, rate) in info.get("best_batch", {}).items():
+        lines.append(f"best batch size on {device}, demo {what}: {bs} (job path {rate:,.0f}/s; the jobs' default "
+                     f"--batch-size 64: set this device's from it; informational)")
     if co_s is not None:
         lines.append(f"5k CO, BERT-base-size CE, library level: {co_s:.1f} s (target <= {CO_SECONDS:.0f} s) -> "
                      f"{'met' if co_s <= CO_SECONDS else 'MISSED'}")
@@ -267,6 +271,9 @@ class GpuPipelinesPlan(CheckedPlan):
     train_steps: int = option(300, type=click.IntRange(min=1))
     k: int = option(20, type=click.IntRange(min=1))
     batch_size: int = batch_size_option(256)
+    sweep: str = option("64,256,1024,2048", help="Batch sizes of the sweep at the demo size in the run's precision "
+                                                 "(job path and model alone, CE pairs and BE images): the best size "
+                                                 "on this device, from which its default is set (empty: no sweep).")
     co_pairs: int = option(600_000, type=click.IntRange(min=0), help="Pairs of the library-level CO of a "
                                                                      "--feed-size CE (0: skip).")
     threads: Optional[int] = threads_option()
@@ -281,15 +288,17 @@ def main(**values) -> None:
         device, out, images, size, feed_size, feed_items, train_steps, k, batch_size, co_pairs, threads, tiny = (
             p.device, p.out, p.images, p.size, p.feed_size, p.feed_items, p.train_steps, p.k, p.batch_size,
             p.co_pairs, p.threads, p.tiny)
+        sweep = feeding.parse_sizes(p.sweep)
         if tiny:
             feed_size, feed_items, train_steps, k, batch_size, co_pairs = "demo", 24, 1, 3, 8, 24
+            sweep = (4, 8) if sweep else ()
         rows = run_all(device, out, images, size, feed_size, feed_items, train_steps, k, batch_size, co_pairs,
-                       threads, reps=1 if tiny else 3)
+                       threads, reps=1 if tiny else 3, sweep=sweep)
         click.echo(f"wrote {os.path.join(out, 'pipeline_rows.csv')}: {len(rows)} rows")
 
 
 def run_all(device, out, images, size, feed_size, feed_items, train_steps, k, batch_size, co_pairs, threads,
-            reps: int = 3) -> list[dict]:
+            reps: int = 3, sweep: tuple[int, ...] = ()) -> list[dict]:
     t_start = time.perf_counter()
     log = lambda m: click.echo(f"[{time.strftime('%H:%M:%S')}] {m}", err=True)  # noqa: E731
     if threads:
@@ -331,6 +340,21 @@ def run_all(device, out, images, size, feed_size, feed_items, train_steps, k, ba
             if dev.type == "cuda" and prec == "bf16":
                 rows += attention_rows(model, texts, table, feed_items, batch_size, log, {**env, "recipe": fsize,
                                                                                            "suite": "gpu_pipelines"})
+    if sweep:  # the demo size in the jobs' precision on this device: which batch size feeds it best
+        table, texts = feeding.synthetic_data(max(1, -(-feed_items // 5)), feeding.SIZES["demo"]["feature_dim"])
+        from retrieval_core.model.quantize import quantize_model
+        folder = os.path.join(out, "feed-demo")
+        model = quantize_model(feeding.build_model("demo", texts, folder), "bf16" if precision == "bf16" else None,
+                               device).to(dev).eval()
+        swept = []
+        for bs in sweep:
+            swept += feeding.feeding_rows(model, folder, texts, table, feed_items, bs, precision, reps,
+                                          ("pairs", "images"), log, {**feeding.environment(dev, threads, bs),
+                                                                     "recipe": "demo", "suite": "gpu_pipelines"},
+                                          ways=("job", "model"))
+        info["best_batch"] = {f"{task} {q}": v for (task, q), v in feeding.best_batch_sizes(swept).items()}
+        # apart from the feeding rows at --batch-size, which the ratio verdicts read
+        rows += [{**r, "collection": r["collection"].replace("feeding_", "batch_sweep_")} for r in swept]
     co_s = None
     if co_pairs:
         model = feeding.build_model(feed_size, texts, os.path.join(out, f"feed-{feed_size}"))

@@ -167,3 +167,22 @@ def test_jobs_serve_bf16_on_cuda_and_float32_on_cpu_by_default():
         assert RerankPlan(**ce, device="cuda").precision == "bf16"
     assert RerankPlan(**ce, device="cuda", quantize="none").precision == "none"
     assert RerankPlan(staged="s", embeddings="e", output="o", mode="emb", device="cuda").precision == "none"
+
+
+def test_a_batch_size_sweep_names_the_fastest_job_path_size_per_task_and_precision():
+    import click
+
+    from benchmarks.feeding import WAYS, best_batch_sizes, parse_sizes
+
+    def row(task, precision, bs, way, rate):
+        return {"collection": f"feeding_{task}", "mode": f"{task}: {WAYS[way]}", "quantize": precision,
+                "batch_size": bs, "rate_per_s": rate}
+
+    rows = [row("pairs", "fp32", 32, "job", 400.0), row("pairs", "fp32", 64, "job", 450.0),
+            row("pairs", "fp32", 128, "job", 440.0), row("pairs", "fp32", 128, "model", 900.0),
+            row("images", "bf16", 32, "job", 2000.0), row("images", "bf16", 64, "job", 1900.0)]
+    assert best_batch_sizes(rows) == {("pairs", "fp32"): (64, 450.0), ("images", "bf16"): (32, 2000.0)}
+    assert best_batch_sizes(rows, way="model") == {("pairs", "fp32"): (128, 900.0)}
+    assert parse_sizes("16, 32,64") == (16, 32, 64) and parse_sizes("") == ()
+    with pytest.raises(click.BadParameter, match="positive integers"):
+        parse_sizes("16,0")

@@ -25,5 +25,8 @@ def test_gpu_pipelines_script_runs_end_to_end_on_cpu(tmp_path):
     assert (feeding["rate_per_s"] > 0).all()
     recall = rows[rows["mode"].isin(["CO", "EMB"]) & rows["direction"].isin(["t2i", "i2t"])]
     assert len(recall) >= 4 and recall["R@1"].between(0, 100).all() and (recall["R@1_lo"] <= recall["R@1"]).all()
+    sweep = rows[rows["collection"].astype(str).str.startswith("batch_sweep_")]
+    assert set(sweep["batch_size"]) == {4, 8} and (sweep["rate_per_s"] > 0).all()
     verdicts = (out / "verdicts.txt").read_text()
+    assert "best batch size on cpu, demo pairs fp32: " in verdicts
     assert "job / model alone" in verdicts and "5k CO" in verdicts and "script run time" in verdicts
