@@ -292,8 +292,8 @@ def precision_table(rows: Sequence[Mapping]) -> str:
     of the same queries (benchmarks.demo --quantize): the row's R@1 [interval], its R@1 and mR minus float32's with
     the verdict of the paired interval, and how far the stored CE and BE scores of the same pairs moved."""
     rows = [normalise_row(r) for r in rows if str(r.get("R@1", "")) not in ("", "nan")]
-    lines = ["| ranking | precision | direction | R@1 | R@1 minus float32 | mR minus float32 | CE score max / mean "
-             "abs diff (pairs) | BE score max / mean abs diff (pairs) |", "|" + "---|" * 8]
+    lines = ["| ranking | precision | direction | R@1 | against | R@1 minus it | mR minus it | CE score max / mean "
+             "abs diff (pairs) | BE score max / mean abs diff (pairs) |", "|" + "---|" * 9]
 
     def diff(r: Mapping, s: str) -> str:
         mx, mean, n = r[f"{s}_score_max_abs_diff"], r[f"{s}_score_mean_abs_diff"], r[f"{s}_pairs_compared"]
@@ -302,7 +302,7 @@ def precision_table(rows: Sequence[Mapping]) -> str:
     for r in rows:
         ci = f"{_fmt(r['R@1'])} [{_fmt(r['R@1_lo'])}, {_fmt(r['R@1_hi'])}]"
         cells = [f"{r['mode']} k={r['k']}" if r["mode"] != "EMB" else "EMB", str(r["quantize"]), str(r["direction"]),
-                 ci, _signed(r, "R@1"), _signed(r, "mR"), diff(r, "ce"), diff(r, "be")]
+                 ci, str(r["against"]), _signed(r, "R@1"), _signed(r, "mR"), diff(r, "ce"), diff(r, "be")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
