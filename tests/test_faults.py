@@ -616,3 +616,105 @@ def test_a_memory_cap_below_what_a_job_needs_to_start_is_refused_in_one_line():
     assert "1.0 MiB of model weights" in last and "RLIMIT_DATA (getrlimit) is" in last, last
     assert "lower --threads or --batch-size, or raise the limit (ulimit -d)" in last, last
     record("memory cap below the start need (small process)", "any", "one line: need, cap, options")
+
+
+# ------------------------------------------------------------------------- paths escaping their root
+ESCAPES = ("..", "absolute", "symlink")
+
+
+def _escaping_path(kind: str, root, outside) -> str:
+    """A path written under ``root`` that leads to ``outside`` (a file outside it) by ``kind``."""
+    if kind == "..":
+        return os.path.relpath(outside, root)  # ../outside/...: relative, resolved against the root
+    if kind == "absolute":
+        return str(outside)
+    link = root / "link.tsv"
+    link.symlink_to(outside)
+    return "link.tsv"
+
+
+@pytest.mark.parametrize("kind", ESCAPES)
+def test_a_manifest_path_leading_outside_its_root_is_refused_naming_path_and_root(tmp_path, kind):
+    from retrieval_core.data.manifest import load_manifest
+    from retrieval_core.data.manifest_spec import ManifestError
+
+    root, elsewhere = tmp_path / "data", tmp_path / "elsewhere"
+    root.mkdir()
+    elsewhere.mkdir()
+    (root / "caps.json").write_text('{"images": []}')
+    (elsewhere / "secret.tsv").write_text("")
+    manifest = root / "m.yaml"
+    written = _escaping_path(kind, root, elsewhere / "secret.tsv")
+    manifest.write_text(f"""
+name: escape
+feature_dim: 8
+collections:
+  c:
+    images: {{format: butd_tsv, path: '{written}'}}
+    captions: {{format: karpathy_json, path: caps.json}}
+""")
+    env = {"RR_DATA_ROOT": str(root)}
+    with pytest.raises(ManifestError) as err:
+        load_manifest(str(manifest), env=env)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("m.yaml: collections.c.images.path:"), msg
+    assert written in msg and str(elsewhere / "secret.tsv") in msg and f"{root} (RR_DATA_ROOT" in msg, msg
+    # the CLI: one line, nothing written
+    res = CliRunner().invoke(stage_run.main, ["--manifest", str(manifest), "--output", str(tmp_path / "out")],
+                             env=env)
+    assert res.exit_code == 2 and "outside the manifest's roots" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "out").exists()
+    # the legitimate ways to read data kept elsewhere: the user's command line or environment, or a root the
+    # file declares with ${VAR} set to that folder
+    m = load_manifest(str(manifest), [f"c.images.path={elsewhere / 'secret.tsv'}"], env=env)
+    assert m.collections["c"].images.path == str(elsewhere / "secret.tsv")
+    m = load_manifest(str(manifest), env={**env, "RR_C_IMAGES_PATH": str(elsewhere / "secret.tsv")})
+    assert m.collections["c"].images.path == str(elsewhere / "secret.tsv")
+    manifest.write_text(manifest.read_text().replace(f"'{written}'", "'${FEATS_DIR:-feats}/secret.tsv'"))
+    m = load_manifest(str(manifest), env={**env, "FEATS_DIR": str(elsewhere)})
+    assert m.collections["c"].images.path == str(elsewhere / "secret.tsv")
+    manifest.write_text(manifest.read_text().replace("/secret.tsv'", "/../data/caps.json'"))
+    load_manifest(str(manifest), env={**env, "FEATS_DIR": str(elsewhere)})  # back inside the data root: fine
+    manifest.write_text(manifest.read_text().replace("'${FEATS_DIR:-feats}/../data/caps.json'",
+                                                     "'${FEATS_DIR:-feats}/../../x.tsv'"))
+    with pytest.raises(ManifestError, match=r"\$FEATS_DIR"):  # out of its declared folder and every other root
+        load_manifest(str(manifest), env={**env, "FEATS_DIR": str(elsewhere)})
+    record(f"manifest path leading outside its root ({kind})", "stage", "refused in one line naming path and roots")
+
+
+def test_image_list_entries_leading_outside_their_root_are_rejected_with_a_reason_and_counted(tmp_path):
+    """A list of image files whose lines lead outside the list's folder (``..``, an absolute path, a symlink
+    out): each is rejected unread with its reason, the others staged, and in = staged + rejected."""
+    from PIL import Image
+
+    photos, elsewhere = tmp_path / "photos", tmp_path / "elsewhere"
+    photos.mkdir()
+    elsewhere.mkdir()
+    Image.new("RGB", (40, 30), (200, 30, 30)).save(photos / "good.jpg")
+    for name in ("up.jpg", "abs.jpg", "target.jpg"):
+        Image.new("RGB", (40, 30), (30, 30, 200)).save(elsewhere / name)
+    (photos / "linked.jpg").symlink_to(elsewhere / "target.jpg")
+    (photos / "list.txt").write_text(f"good.jpg\n../elsewhere/up.jpg\n{elsewhere / 'abs.jpg'}\nlinked.jpg\n")
+    captions = [{"filename": f"{n}.jpg", "split": "test", "sentences": [{"sentid": i, "raw": f"photo {n}"}]}
+                for i, n in enumerate(("good", "up", "abs", "linked"))]
+    (tmp_path / "caps.json").write_text(json.dumps({"images": captions}))
+    (tmp_path / "m.yaml").write_text(f"""
+name: lists
+feature_dim: 1280
+collections:
+  p:
+    images: {{format: image_files, path: {photos / 'list.txt'}, grids: [1], batch_size: 4}}
+    captions: {{format: karpathy_json, path: {tmp_path / 'caps.json'}, image_id: filename_stem}}
+""")
+    out = str(tmp_path / "out")
+    res = CliRunner().invoke(stage_run.main, ["--manifest", str(tmp_path / "m.yaml"), "--output", out,
+                                              "--max-reject-fraction", "1.0"])
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    images = summary["collections"]["p"]["images"]
+    assert images["records_in"] == 4 == images["staged"] + images["rejected"], (images, res.output)
+    assert (images["staged"], images["rejected"]) == (1, 3), images
+    rejects = [json.loads(line) for line in open(os.path.join(out, "rejects", "p-images.jsonl"))]
+    assert sorted(os.path.basename(r["locator"]) for r in rejects) == ["abs.jpg", "linked.jpg", "up.jpg"]
+    assert all("outside its root" in r["reason"] and str(photos) in r["reason"] for r in rejects), rejects
+    record("image list lines leading outside the list's folder (.., absolute, symlink)", "stage",
+           "3 rejected unread with the reason; in = staged + rejected")

@@ -6,9 +6,9 @@ Every error is a :class:`ManifestError` whose message names the file and the key
 Loading order: YAML -> env path overrides (``RR_<COLLECTION>_<IMAGES|CAPTIONS>_PATH``) -> CLI overrides
 (``coco.images.path=/x``, ``feature_dim=1024``) -> ``${VAR}`` / ``${VAR:-default}`` expansion -> validation ->
 relative paths resolved against ``RR_DATA_ROOT`` (else the current directory; it may be a URL such as
-``gs://bucket/data``); URL paths (``gs://...``) are kept as written. Input files are not opened here (the
-stager reports unreadable ones); :meth:`Manifest.missing_paths` lists the ones that do not exist (URLs only
-when given a file access that reaches them: no Beam here).
+``gs://bucket/data``); URL paths (``gs://...``) are kept as written -> confinement (below). Input files are
+not opened here (the stager reports unreadable ones); :meth:`Manifest.missing_paths` lists the ones that do not
+exist (URLs only when given a file access that reaches them: no Beam here).
 
 Size overrides: when a CLI override changes a synthetic collection's generator options (``demo.images.
 num_images=200``) and does not set its ``expected_images`` / ``expected_captions``, those checks follow the
@@ -17,6 +17,13 @@ A file source's ``expected_*`` (a count or ``{split: count}``) cannot follow an 
 them against what it staged and reports a mismatch as a warning naming the key to set, not as an error.
 
 ``uncaptioned_images: skip`` (a collection key) stages only the images its captions name, each in their split.
+
+Confinement: a path written in the manifest must resolve (``..`` and symlinks followed) inside one of its
+roots: the data root (``RR_DATA_ROOT``, else the current directory: where relative paths resolve), the folder
+holding the manifest file, and, for a path that starts with ``${VAR}`` set in the environment, that variable's
+folder. Anything else is a ManifestError naming the key, the path, where it leads and the roots. Paths the
+user gives outside the file (``--set`` overrides, ``RR_<COLLECTION>_<KIND>_PATH``) are taken as written: they
+are the user's own command line. A URL path escapes only by a ``..`` segment (object stores have no symlinks).
 
 What a valid manifest holds, and its validation, are ``data.manifest_spec``'s.
 """
@@ -31,7 +38,7 @@ from typing import Any, Mapping, Optional, Sequence
 import yaml
 
 from .manifest_spec import PATH_OPTIONS, TOP_LEVEL_KEYS, Manifest, ManifestError, validate_manifest
-from .paths import is_url
+from .paths import escapes_roots, is_url
 
 MANIFEST_DIR = Path(__file__).resolve().parents[2] / "data_manifests"
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -75,19 +82,65 @@ def load_manifest(path_or_name: str, overrides: Sequence[str] = (), env: Optiona
     if not isinstance(raw, dict):
         fail("", "expected a mapping at the top level")
     collections = raw.get("collections")
-    if isinstance(collections, dict):
-        _apply_env_paths(collections, env)
+    declared = _declared_roots(collections, env) if isinstance(collections, dict) else {}
+    given = _apply_env_paths(collections, env) if isinstance(collections, dict) else set()
     touched = [_apply_override(raw, item, fail) for item in overrides]
     raw = _expand(raw, env, "", fail)
     manifest = validate_manifest(raw, path, fail, _expected_that_follow(touched))
     root = env.get("RR_DATA_ROOT") or os.getcwd()
-    for coll in manifest.collections.values():
-        for src in (coll.images, coll.captions):
+    roots = {root: "RR_DATA_ROOT" if env.get("RR_DATA_ROOT") else "the current directory"}
+    own = os.path.dirname(os.path.abspath(path))
+    roots[own] = f"{roots[own]}, the manifest's folder" if own in roots else "the manifest's folder"
+    for cname, coll in manifest.collections.items():
+        for kind, src in (("images", coll.images), ("captions", coll.captions)):
+            written = {"path": src.path, **{k: src.options.get(k) for k in PATH_OPTIONS}}
             src.path = _resolve(src.path, root)
             for k in PATH_OPTIONS:
                 if k in src.options:
                     src.options[k] = _resolve(src.options[k], root)
+            for key in ("path",) + PATH_OPTIONS:
+                where = ["collections", cname, kind, key]
+                if (cname, kind, key) in given or any(where[:len(t)] == t for t in touched):
+                    continue  # the user's own environment or command line, not the file's text
+                value = src.path if key == "path" else src.options.get(key)
+                texts = [written[key]] if isinstance(value, str) else written[key] or []
+                for i, (p, text) in enumerate(zip([value] if isinstance(value, str) else value or [], texts)):
+                    index = None if isinstance(value, str) else i
+                    extra = declared.get((cname, kind, key, index))
+                    _confine(p, text, {**roots, **({extra[1]: f"${extra[0]}"} if extra else {})},
+                             f"collections.{cname}.{kind}.{key}" + ("" if index is None else f"[{i}]"),
+                             (cname, kind, key), fail)
     return manifest
+
+
+def _declared_roots(collections: dict, env: Mapping[str, str]) -> dict[tuple, tuple[str, str]]:
+    """{(collection, kind, key, list index or None): (VAR, its value)} for each path written in the file that
+    starts with ``${VAR}`` set in the environment: the user declared that folder a root of the path."""
+    out = {}
+    for cname, coll in collections.items():
+        for kind in ("images", "captions"):
+            block = coll.get(kind) if isinstance(coll, dict) else None
+            for key in ("path",) + PATH_OPTIONS if isinstance(block, dict) else ():
+                value = block.get(key)
+                for i, text in enumerate([value] if isinstance(value, str) else value or []):
+                    m = _VAR.match(text) if isinstance(text, str) else None
+                    if m and env.get(m.group(1)):
+                        out[(cname, kind, key, None if isinstance(value, str) else i)] = (m.group(1),
+                                                                                          env[m.group(1)])
+    return out
+
+
+def _confine(path: str, text: str, roots: Mapping[str, str], key: str, where: tuple[str, str, str], fail) -> None:
+    """A ManifestError (via ``fail``) when ``path`` (resolved from ``text``, as the file gives it after
+    ``${VAR}`` expansion) resolves outside every root (see the module docstring)."""
+    leads = escapes_roots(path, list(roots))
+    if leads is None:
+        return
+    cname, kind, name = where
+    named = "; ".join(f"{r} ({why})" for r, why in roots.items())
+    fail(key, f"{text!r} resolves to {leads}, outside the manifest's roots ({named}): keep the data under a root, "
+              f"set RR_DATA_ROOT to its folder, or give the path on the command line (--set "
+              f"{cname}.{kind}.{name}=...{' or ' + env_path_var(cname, kind) if name == 'path' else ''})")
 
 
 def env_path_var(collection: str, kind: str) -> str:
@@ -95,12 +148,16 @@ def env_path_var(collection: str, kind: str) -> str:
     return f"RR_{re.sub(r'[^A-Za-z0-9]', '_', collection).upper()}_{kind.upper()}_PATH"
 
 
-def _apply_env_paths(collections: dict, env: Mapping[str, str]) -> None:
+def _apply_env_paths(collections: dict, env: Mapping[str, str]) -> set[tuple[str, str, str]]:
+    """Sets each RR_<COLLECTION>_<KIND>_PATH given; returns the (collection, kind, "path") it set."""
+    given = set()
     for cname, coll in collections.items():
         for kind in ("images", "captions"):
             value = env.get(env_path_var(str(cname), kind))
             if value and isinstance(coll, dict) and isinstance(coll.get(kind), dict):
                 coll[kind]["path"] = value
+                given.add((str(cname), kind, "path"))
+    return given
 
 
 def _expected_that_follow(touched: Sequence[list[str]]) -> dict[str, set[str]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-from typing import BinaryIO, Optional, Protocol
+from typing import BinaryIO, Optional, Protocol, Sequence
 
 
 def is_url(path) -> bool:
@@ -150,3 +150,22 @@ def write_local_atomic(path: str, data: bytes) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------ confinement
+def _within(real: str, root: str) -> bool:
+    return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def escapes_roots(path: str, roots: Sequence[str]) -> Optional[str]:
+    """None when ``path`` stays inside one of ``roots``, else where it leads (one line's worth).
+
+    A local path is judged by where it resolves, ``..`` and symlinks followed (``os.path.realpath``, roots
+    too); glob characters are kept as written, so a pattern is judged by the folders before them. A URL (an
+    object store: no symlinks) escapes only by a ``..`` segment, which Beam's file systems would pass on."""
+    path = os.fspath(path)
+    if is_url(path):
+        return path if ".." in path.split("://", 1)[1].split("/") else None
+    real = os.path.realpath(os.path.expanduser(path))
+    local = [os.path.realpath(r) for r in roots if r and not is_url(r)]
+    return None if any(_within(real, r) for r in local) else real

@@ -52,7 +52,7 @@ from .features import (
     read_uniter_npz,
 )
 from .images import FORMAT as IMAGE_FILES
-from .images import list_image_files, read_image_files
+from .images import image_file_entries, list_image_files, read_image_files
 
 SYNTHETIC = "synthetic"
 
@@ -94,6 +94,7 @@ class ReadTask:
     stop: Optional[int] = None
     collection: str = ""
     feature_dim: int = 0
+    refused: tuple = ()  # image files: (file, reason) of the chunk's files that resolve outside their root
 
 
 def _freeze(value):
@@ -153,9 +154,11 @@ def plan_read_tasks(collection: str, kind: str, format: str, path, options: Opti
     if format == IMAGE_FILES:  # chunks of files: the backbone runs on batches, not one image per task
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        images = list_image_files(path, files)
+        entries = image_file_entries(path, files)
+        images = [p for p, _ in entries]
         return [ReadTask(kind, format, tuple(images[i:i + chunk_size]), frozen, i, min(i + chunk_size, len(images)),
-                         collection, feature_dim) for i in range(0, len(images), chunk_size)]
+                         collection, feature_dim, tuple((p, why) for p, why in entries[i:i + chunk_size] if why))
+                for i in range(0, len(images), chunk_size)]
     return [ReadTask(kind, format, p, frozen, 0, None, collection, feature_dim)
             for p in list_inputs(path, format, files)]
 
@@ -210,7 +213,7 @@ def _read(task: ReadTask, files: Optional[FileAccess], device: str = "cpu",
     if task.format not in readers:
         raise ValueError(f"unknown {task.kind} format {task.format!r}; known: {sorted(readers)}")
     if task.format == IMAGE_FILES:
-        yield from read_image_files(task.path, files, device, wanted, **options)
+        yield from read_image_files(task.path, files, device, wanted, dict(task.refused), **options)
         return
     yield from readers[task.format](task.path, files, **options)
 

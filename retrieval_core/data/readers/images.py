@@ -4,46 +4,67 @@
 The input is a folder (every file in it but hidden ones, not recursive), a glob, a list file (``.txt`` /
 ``.lst``: one path per line, relative to the list file's folder) or a ``gs://`` prefix; a read task is a chunk
 of those files, decoded one by one and run through the backbone in batches of ``batch_size``.
+
+Each file must resolve (``..`` and symlinks followed) inside its root: the list file's folder for a line of a
+list, the folder for a folder's file, the folder before the first glob character for a glob's match. One that
+leads elsewhere (``../x.jpg``, ``/etc/x.jpg``, a symlink out) is not opened: it is a Reject with that reason,
+counted like every other (in = staged + rejected).
 """
 from __future__ import annotations
 
 import os
+import re
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..paths import join_path, split_path
+from ..paths import escapes_roots, join_path, split_path
 from ..pixels import decode
 from ..schema import RawImage, Reject, Skipped
 from ._common import FileAccess, _open_binary, apply_source_id_pattern, file_stem, list_inputs, read_lines
 
 FORMAT = "image_files"
 LIST_SUFFIXES = (".txt", ".lst")
+_GLOB = re.compile(r"[*?\[]")
 
 
 def list_image_files(path: str | Sequence[str], files: Optional[FileAccess] = None) -> list[str]:
     """The image files of ``path`` (a folder, glob, list file, gs:// prefix, or a list of those), sorted."""
+    return [p for p, _ in image_file_entries(path, files)]
+
+
+def image_file_entries(path: str | Sequence[str], files: Optional[FileAccess] = None
+                       ) -> list[tuple[str, Optional[str]]]:
+    """(file, None) for each image file of ``path`` as :func:`list_image_files` lists them, or (file, the
+    reason it is refused) for one that resolves outside its root (the module docstring), sorted by file."""
     entries = [path] if isinstance(path, (str, os.PathLike)) else list(path)
-    found: set[str] = set()
+    found: dict[str, str] = {}  # file -> its root
     for entry in map(os.fspath, entries):
         if entry.endswith(LIST_SUFFIXES) and not (files and files.isdir(entry)):
             base = split_path(entry)[0]
             for line in read_lines(entry, files):
                 name = line.decode("utf-8").strip()
                 if name and not name.startswith("#"):
-                    found.add(name if os.path.isabs(name) or "://" in name else join_path(base, name))
+                    found[name if os.path.isabs(name) or "://" in name else join_path(base, name)] = base
             continue
-        found.update(p for p in list_inputs(entry, FORMAT, files)
+        root = entry if not _GLOB.search(entry) else split_path(_GLOB.split(entry, 1)[0] + "x")[0]
+        found.update((p, root) for p in list_inputs(entry, FORMAT, files)
                      if not os.path.basename(p.rstrip("/")).startswith("."))
     if not found:
         raise FileNotFoundError(f"input {path!r} ({FORMAT}) lists no image file")
-    return sorted(found)
+    out = []
+    for p in sorted(found):
+        leads = escapes_roots(p, [found[p]])
+        out.append((p, None if leads is None else f"outside its root: {p} resolves to {leads}, not under "
+                                                  f"{found[p]}"))
+    return out
 
 
 def read_image_files(paths: Sequence[str], files: Optional[FileAccess] = None, device: str = "cpu",
-                     wanted: Optional[Callable[[str], bool]] = None, *,
+                     wanted: Optional[Callable[[str], bool]] = None,
+                     refused: Optional[Mapping[str, str]] = None, *,
                      grids: int | list[int] | str = 7, batch_size: int = 32, source_id_pattern: Optional[str] = None,
                      max_pixels: int = decode.DEFAULT_MAX_PIXELS, decode_threads: int = 1,
                      precision: str = "float32") -> Iterator[RawImage | Reject]:
@@ -52,7 +73,8 @@ def read_image_files(paths: Sequence[str], files: Optional[FileAccess] = None, d
     ``source_id_pattern``: a regex whose group, searched in the file's stem, is the image id (default the stem).
     ``device`` is where the backbone runs (pipelines.stage --device), not a manifest option; ``wanted`` (image
     id -> stage it?): a file whose id it refuses is neither read nor run through the backbone, yielded as a
-    :class:`Skipped` (``uncaptioned_images: skip``). ``decode_threads``
+    :class:`Skipped` (``uncaptioned_images: skip``); ``refused`` (file -> reason, from
+    :func:`image_file_entries`): files never opened, each a Reject with its reason. ``decode_threads``
     decode files in parallel (Pillow releases the GIL while decoding and resizing): what feeds a GPU backbone;
     they decode ahead (at most two batches) while the backbone runs; 0 decodes in the backbone's thread, between
     batches. ``precision``: the backbone's arithmetic
@@ -75,6 +97,8 @@ def read_image_files(paths: Sequence[str], files: Optional[FileAccess] = None, d
         batch.clear()
 
     def load(path: str) -> tuple[str, Optional[str], Optional[decode.Decoded], str]:
+        if refused and path in refused:
+            return path, None, None, refused[path]
         sid = apply_source_id_pattern(file_stem(path), source_id_pattern)
         if sid is None:
             return path, None, None, f"id pattern does not match: {source_id_pattern!r} in {file_stem(path)!r}"
