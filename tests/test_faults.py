@@ -718,3 +718,38 @@ collections:
     assert all("outside its root" in r["reason"] and str(photos) in r["reason"] for r in rejects), rejects
     record("image list lines leading outside the list's folder (.., absolute, symlink)", "stage",
            "3 rejected unread with the reason; in = staged + rejected")
+
+
+@pytest.mark.parametrize("entry", ["glob", "folder"])
+def test_a_symlink_out_of_a_globbed_or_listed_feature_folder_is_refused(tmp_path, entry):
+    """The manifest names a folder (or a glob in it) inside its root; a file there is a symlink leading out:
+    staging refuses to plan the reads, in one line naming the file, where it leads and the folder."""
+    from tests.test_stage_pipeline import tsv_row
+
+    feats, elsewhere = tmp_path / "feats", tmp_path / "elsewhere"
+    feats.mkdir()
+    elsewhere.mkdir()
+    (feats / "a.tsv").write_text(tsv_row("a", dim=8, seed=1) + "\n")
+    (elsewhere / "b.tsv").write_text(tsv_row("b", dim=8, seed=2) + "\n")
+    (feats / "b.tsv").symlink_to(elsewhere / "b.tsv")
+    (tmp_path / "caps.json").write_text(json.dumps({"images": [
+        {"filename": f"{x}.jpg", "split": "test", "sentences": [{"sentid": i, "raw": f"photo {x}"}]}
+        for i, x in enumerate("ab")]}))
+    path = "feats/*.tsv" if entry == "glob" else "feats"
+    (tmp_path / "m.yaml").write_text(f"""
+name: linked
+feature_dim: 8
+collections:
+  c:
+    images: {{format: butd_tsv, path: '{path}'}}
+    captions: {{format: karpathy_json, path: caps.json, image_id: filename_stem}}
+""")
+    out = tmp_path / "out"
+    res = CliRunner().invoke(stage_run.main, ["--manifest", str(tmp_path / "m.yaml"), "--output", str(out)],
+                             env={"RR_DATA_ROOT": str(tmp_path)})
+    last = res.output.strip().splitlines()[-1]
+    assert res.exit_code == 2 and "cannot plan the reads" in last, res.output
+    assert f"{feats / 'b.tsv'}" in last and str(elsewhere / "b.tsv") in last and f"outside its folder {feats}" in last
+    assert not out.exists() or not (out / "summary.json").exists()
+    record(f"symlink out of a feature {entry} the manifest names", "stage",
+           "refused in one line naming file and folder")

@@ -15,7 +15,7 @@ import re
 from typing import Iterator, Optional, Sequence
 
 # The file access lives in paths (embeddings, index and checkpoints use it too); re-exported for the readers.
-from ..paths import LOCAL_FILES, FileAccess, LocalFileAccess, URLAccessError, is_url  # noqa: F401
+from ..paths import LOCAL_FILES, FileAccess, LocalFileAccess, URLAccessError, escapes_roots, is_url  # noqa: F401
 
 _GZIP_MAGIC = b"\x1f\x8b"
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -171,11 +171,22 @@ DIR_EXTENSIONS = {
 }
 
 
-def list_inputs(path: str | Sequence[str], format: str = "", files: Optional[FileAccess] = None) -> list[str]:
+def glob_root(pattern: str) -> str:
+    """The folder before a glob pattern's first glob character (``/d/im*/x.jpg`` -> ``/d``)."""
+    from ..paths import split_path
+
+    return split_path(_GLOB_CHARS.split(pattern, 1)[0] + "x")[0]
+
+
+def list_inputs(path: str | Sequence[str], format: str = "", files: Optional[FileAccess] = None,
+                confine: bool = True) -> list[str]:
     """Expand a file, a directory (files with the format's extensions, non-recursive), a glob pattern,
     or a list of those, into a sorted, de-duplicated list of files; ``files`` lists them (default: local).
 
-    Raises FileNotFoundError naming the first entry that matches nothing.
+    Raises FileNotFoundError naming the first entry that matches nothing. With ``confine``, a file a folder
+    or a glob yields must resolve inside that folder (the glob's: before its first glob character): a
+    symlink out of it is a ValueError naming the file, where it leads and the folder (the manifest's own
+    paths are confined when it loads; image_files judges each file as a record instead).
     """
     files = files or LOCAL_FILES
     entries = [path] if isinstance(path, (str, os.PathLike)) else list(path)
@@ -197,6 +208,13 @@ def list_inputs(path: str | Sequence[str], format: str = "", files: Optional[Fil
             what = f"directory with {'/'.join(DIR_EXTENSIONS.get(format, ('',)))} files" if files.isdir(entry) \
                 else "file or glob pattern"
             raise FileNotFoundError(f"input {entry!r} ({format or 'input'}) matches no {what}")
+        if confine and (_GLOB_CHARS.search(entry) or files.isdir(entry)):
+            root = glob_root(entry) if _GLOB_CHARS.search(entry) else entry
+            for m in matches:
+                leads = escapes_roots(m, [root])
+                if leads is not None:
+                    raise ValueError(f"input {m} (from {entry}) resolves to {leads}, outside its folder {root}: "
+                                     f"name the file itself, or its folder, in the manifest")
         found.update(matches)
     return sorted(found)
 

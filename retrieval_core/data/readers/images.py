@@ -23,7 +23,7 @@ import numpy as np
 from ..paths import escapes_roots, join_path, split_path
 from ..pixels import decode
 from ..schema import RawImage, Reject, Skipped
-from ._common import FileAccess, _open_binary, apply_source_id_pattern, file_stem, list_inputs, read_lines
+from ._common import FileAccess, _open_binary, apply_source_id_pattern, file_stem, glob_root, list_inputs, read_lines
 
 FORMAT = "image_files"
 LIST_SUFFIXES = (".txt", ".lst")
@@ -49,8 +49,8 @@ def image_file_entries(path: str | Sequence[str], files: Optional[FileAccess] = 
                 if name and not name.startswith("#"):
                     found[name if os.path.isabs(name) or "://" in name else join_path(base, name)] = base
             continue
-        root = entry if not _GLOB.search(entry) else split_path(_GLOB.split(entry, 1)[0] + "x")[0]
-        found.update((p, root) for p in list_inputs(entry, FORMAT, files)
+        root = glob_root(entry) if _GLOB.search(entry) else entry
+        found.update((p, root) for p in list_inputs(entry, FORMAT, files, confine=False)
                      if not os.path.basename(p.rstrip("/")).startswith("."))
     if not found:
         raise FileNotFoundError(f"input {path!r} ({FORMAT}) lists no image file")
