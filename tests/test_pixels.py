@@ -136,20 +136,28 @@ def test_lite0_names_real_photos_sensibly():
 
 def test_fused_backbone_gives_the_reference_features_and_bf16_another_fingerprint():
     """The fused float32 path (ReLU6 and residual adds inside the convolutions, SAME padding without a padded
-    copy) is the reference model's arithmetic; bfloat16 changes the features, so it has its own fingerprint."""
+    copy, chunks on parallel single-threaded streams) is the reference model's arithmetic; bfloat16 changes the
+    features, so it has its own fingerprint."""
     import torch
     import torch.nn.functional as F
 
     from retrieval_core.data.pixels.backbone import fingerprint
     from retrieval_core.data.schema import cpu_has_native_bf16
 
-    pixels = np.stack([np.asarray(_scene(224, 224)), np.asarray(_scene(224, 224).rotate(90))])
+    pictures = [_scene(224, 224).rotate(a) for a in (0, 90, 180, 270, 45)]
+    pixels = np.stack([np.asarray(p) for p in pictures * 2])  # two CPU chunks, one per thread
     backbone = cached_backbone((1, 3), "cpu")
     with torch.inference_mode():
         x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float()
         fmap = backbone.model.features((x - 127.0) / 128.0)  # the plain modules: pad copies, separate ReLU6
         ref = torch.cat([F.adaptive_avg_pool2d(fmap, g).flatten(2) for g in (1, 3)], 2).transpose(1, 2).numpy()
-    np.testing.assert_allclose(backbone.regions(pixels), ref, atol=1e-4, rtol=1e-4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        np.testing.assert_allclose(backbone.regions(pixels), ref, atol=1e-4, rtol=1e-4)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
     fp32, bf16 = fingerprint(GridSpec((1, 3))), fingerprint(GridSpec((1, 3), "bfloat16"))
     assert "precision" not in fp32 and bf16["precision"] == "bfloat16" and fp32["fingerprint"] != bf16["fingerprint"]
     with pytest.raises(ValueError, match="precision must be one of"):

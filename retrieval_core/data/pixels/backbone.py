@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -34,8 +35,8 @@ DEFAULT_GRIDS = (FINAL_GRID,)
 #: or CUDA): about twice the CPU rate, and features that differ beyond float rounding, so another fingerprint.
 PRECISIONS = ("float32", "bfloat16")
 DEFAULT_PRECISION = "float32"
-#: Pictures per backbone call on CPU: a batch's activations then stay in the caches (docs/PERFORMANCE.md)
-CPU_CHUNK = 16
+#: Pictures per backbone call on CPU: a chunk's activations then stay in the caches (docs/PERFORMANCE.md)
+CPU_CHUNK = 8
 
 
 class FeatureSourceError(ValueError):
@@ -121,7 +122,7 @@ class GridBackbone:
         # channels-last: the layout oneDNN's depthwise and 1x1 convolutions run fastest in on CPU (and cuDNN's)
         self.model = fold_batchnorm(model).to(self.device, memory_format=torch.channels_last)
         self.fused = FusedLite0(self.model, getattr(torch, spec.precision), self.device)
-        self.chunk = CPU_CHUNK if self.device.type == "cpu" else None
+        self._streams: Optional[tuple[int, ThreadPoolExecutor]] = None  # (threads, pool), made on first use
         self.description = fingerprint(spec, sha)
         self.boxes = grid_boxes(spec)
 
@@ -136,10 +137,34 @@ class GridBackbone:
             raise ValueError(f"expected (N, {INPUT_SIZE}, {INPUT_SIZE}, 3) pixels, got {pixels.shape}")
         # NHWC uint8 is channels-last already: permuting gives the layout without a copy
         x = torch.from_numpy(np.ascontiguousarray(pixels)).to(self.device).permute(0, 3, 1, 2).float()
-        step = self.chunk or len(x)
-        fmap = torch.cat([self.fused((x[a:a + step] - MEAN) / STD).float() for a in range(0, len(x), step)])
+        fmap = self._feature_map((x - MEAN) / STD)
         cells = [F.adaptive_avg_pool2d(fmap, g).flatten(2) for g in self.spec.grids]  # (N, C, g*g) each
         return torch.cat(cells, dim=2).transpose(1, 2).cpu().numpy()
+
+    def _feature_map(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused model's float32 map of a normalised batch. On CPU, chunks of CPU_CHUNK pictures run
+        side by side, one per torch thread, each chunk on a single thread: the layers of a small network are too
+        short for its threads to share them (each waits for the slowest at every layer, and much longer when
+        another process holds a core), so the cores work on different pictures instead."""
+        cpu = self.device.type == "cpu"
+        chunks = [x[a:a + CPU_CHUNK] for a in range(0, len(x), CPU_CHUNK)] if cpu else [x]
+        threads = torch.get_num_threads() if cpu else 1
+        if len(chunks) == 1 or threads == 1:
+            return torch.cat([self.fused(c).float() for c in chunks])
+        if self._streams is None or self._streams[0] != threads:
+            self._streams = (threads, ThreadPoolExecutor(threads, thread_name_prefix="lite0"))
+
+        def one(chunk: torch.Tensor) -> torch.Tensor:
+            # torch's thread count is per thread once set (OpenMP); it is set back to the caller's count after,
+            # so threads started later inherit the caller's setting, not 1
+            torch.set_num_threads(1)
+            try:
+                with torch.inference_mode():  # grad mode is per thread too
+                    return self.fused(chunk).float()
+            finally:
+                torch.set_num_threads(threads)
+
+        return torch.cat(list(self._streams[1].map(one, chunks)))
 
 
 @functools.lru_cache(maxsize=2)
