@@ -319,7 +319,9 @@ def format_plan(jobs: Sequence[Job], beam_args: Sequence[str] = (), costs: Optio
     if costs is not None:
         lines.append(f"estimated work: {_hms(total)}" + (" (plus jobs whose rate is unknown)" if unknown else "")
                      + f"; per-job start-up (~{JOB_START_S:.0f} s on DirectRunner, ~{PRELOADED_JOB_START_S:.0f} s "
-                       f"forked from the preloaded server) not included")
+                       f"forked from the preloaded server) not included, nor build_index jobs; a rerank is "
+                       f"estimated from its CE pairs, whose learned rate holds its BE search at the pool size it "
+                       f"was learned at")
         for unit, r in sorted(costs.rates.items()):
             lines.append(f"  rate {unit}: {r['per_s']:,.1f}/s from {r['source']}")
     return "\n".join(lines)
