@@ -197,10 +197,10 @@ def scale_1m(p: Planner) -> None:
     Work per model family (k = 20): stage 6M records once; encode 1M images + 5M captions; a 1M-image and a
     5M-caption index; CE-score <= 200k pairs (5,000 queries per direction x 20); the AUTO row's dev run on a
     SCALE_1M_DEV_POOL-image dev pool. Every collection is staged compact (planner.stage_job: the regions the
-    models read, float16), which keeps the disk under 40 GB; ``--plan`` prints the estimate from measured unit
-    costs, and docs/BENCHMARKS.md the command for one 2-core machine with native bf16. On a Dask cluster
-    (scheduler at HOST:8786, every worker with this repository installed and the workdir on a shared
-    filesystem)::
+    models read, float16); ``--plan`` prints the estimate from measured unit costs, and docs/BENCHMARKS.md ("The
+    1M suite") gives its disk, memory and time budget and the command for one 2-core machine with native bf16.
+    On a Dask cluster (scheduler at HOST:8786, every worker with this repository installed and the workdir on a
+    shared filesystem)::
 
         python -m benchmarks.run --suite scale_1m --workdir /shared/rr --index-factory IVF4096,Flat \
             --runner=apache_beam.runners.dask.dask_runner.DaskRunner --dask_client_address=HOST:8786
