@@ -618,6 +618,22 @@ def test_a_memory_cap_below_what_a_job_needs_to_start_is_refused_in_one_line():
     record("memory cap below the start need (small process)", "any", "one line: need, cap, options")
 
 
+def test_the_train_cli_under_a_memory_cap_does_not_commit_pyarrows_arena():
+    """``python -m retrieval_core.training.train`` reads Parquet through pyarrow without pipelines/__init__:
+    under a cap its package must still tell mimalloc to reserve, not commit, its 1 GiB arena (measured: VmData
+    +1 GiB on pyarrow's first allocation without it), or a 1.5 GB cap leaves training a third of its memory."""
+    code = ("import os, resource\nresource.setrlimit(resource.RLIMIT_DATA, (3 << 30, resource.RLIM_INFINITY))\n"
+            "import retrieval_core.training.train\nimport pyarrow as pa\nfrom retrieval_core.memory import vm_data\n"
+            "before = vm_data()\npa.array(list(range(1000)))\n"
+            "print(os.environ.get('MIMALLOC_ARENA_EAGER_COMMIT'), (vm_data() - before) >> 20)\n")
+    env = {k: v for k, v in os.environ.items() if k != "MIMALLOC_ARENA_EAGER_COMMIT"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                         env={**env, "PYTHONPATH": str(REPO_ROOT)}, timeout=120)
+    setting, grown_mib = res.stdout.split()
+    assert setting == "0" and int(grown_mib) < 256, (res.stdout, res.stderr[-2000:])
+    record("memory capped: pyarrow's arena at the train CLI's start", "train", "reserved, not committed")
+
+
 # ------------------------------------------------------------------------- paths escaping their root
 ESCAPES = ("..", "absolute", "symlink")
 
