@@ -319,7 +319,8 @@ def stage_job(cfg: SuiteConfig, manifest: str, images: Optional[int] = None,
     ``images`` cuts every collection to that many images instead; ``sizes``: (collection, images, captions per
     image) of single collections, applied last; ``compact``: only the regions the models read
     (``cfg.model_regions``; the stager keeps them most confident first, so the cut is lossless for them) in
-    COMPACT_FEATURE_DTYPE, a staged folder of its own."""
+    COMPACT_FEATURE_DTYPE, a staged folder of its own, its spill lzf-compressed (the spill and the shards
+    coexist at the end of the job: the disk peak of a 1M staging)."""
     m = load_manifest(manifest)
     sets, suffix = [], ""
     if cfg.feature_dim != m.feature_dim:
@@ -344,7 +345,7 @@ def stage_job(cfg: SuiteConfig, manifest: str, images: Optional[int] = None,
     images, captions = _collection_sizes(m)
     extra = {}
     if compact:
-        extra = dict(feature_dtype=COMPACT_FEATURE_DTYPE, max_regions=cfg.model_regions)
+        extra = dict(feature_dtype=COMPACT_FEATURE_DTYPE, max_regions=cfg.model_regions, spill_compression="lzf")
         suffix += f"-r{cfg.model_regions}-{COMPACT_FEATURE_DTYPE}"
     out = os.path.join(cfg.root, "staged", m.name + suffix)
     job = Job.of(f"stage {m.name}{suffix}", StagePlan(output=out, manifest=manifest, overrides=tuple(sets), **extra),

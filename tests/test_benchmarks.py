@@ -366,7 +366,8 @@ def test_scale_1m_plan_prints_jobs_and_estimates_without_running(model, tmp_path
                 "pipelines.build_index", "pipelines.rerank"]
     assert [c.split()[2] for c in commands] == pool_run * 2
     assert all("--manifest synthetic_dev_pool" in c or "synthetic_dev_pool-f16" in c for c in commands[len(pool_run):])
-    assert all("--feature-dtype float16 --max-regions 50" in c for c in commands if "pipelines.stage" in c)
+    assert all("--feature-dtype float16 --max-regions 50 --spill-compression lzf" in c
+               for c in commands if "pipelines.stage" in c)
     for c in commands:  # Beam flags go to every pipeline job, not to the queries helper
         assert all(f in c.split() for f in dask) == c.startswith("python -m pipelines.")
     assert "--modality text" in commands[4] and "--text-index" in commands[5] and "--scale 5000" in commands[1]

@@ -525,3 +525,20 @@ def test_python_m_stage_runs_on_a_dask_cluster_in_other_processes(tmp_path, dask
     files = [f for f in relative_files(direct) if f != "summary.json"]
     assert files == [f for f in relative_files(out) if f != "summary.json"]
     assert_same_bytes(direct, out, files)
+
+
+def test_an_lzf_compressed_spill_stages_the_same_bytes(tmp_path):
+    """--spill-compression lzf (the 1M suite's: the spill and the shards coexist at the end of a stage job)
+    changes the temporary spill only: every staged file is byte-identical to an uncompressed spill's."""
+    from tests.helpers_dask import assert_same_bytes, relative_files
+
+    manifest = write_inputs(tmp_path)
+    outs = {c: str(tmp_path / c) for c in ("none", "lzf")}
+    for c, out in outs.items():
+        stage_run.run(StagePlan(out, manifest, images_per_shard=20, max_reject_fraction=1, feature_dtype="float16",
+                                spill_compression=c))
+    files = relative_files(outs["none"])
+    assert files == relative_files(outs["lzf"]) and any(f.startswith("images/") for f in files)
+    assert_same_bytes(outs["none"], outs["lzf"], [f for f in files if f != "summary.json"])
+    with pytest.raises(StageError, match="spill compression"):
+        StagePlan(str(tmp_path / "x"), manifest, spill_compression="gzip")

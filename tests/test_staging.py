@@ -219,11 +219,11 @@ def test_an_image_takes_its_captions_split_or_is_skipped_or_rejected():
 
 
 # ------------------------------------------------------------------------------------- feature spill
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_feature_spill_round_trip_across_flushes(tmp_path, dtype):
+@pytest.mark.parametrize("dtype,compression", [("float32", None), ("float16", None), ("float16", "lzf")])
+def test_feature_spill_round_trip_across_flushes(tmp_path, dtype, compression):
     rows = [stage(raw_image(n=n, source_id=f"img{n}")) for n in (3, 1, 5, 2)]
     path = str(tmp_path / "t.h5")
-    spill = FeatureSpill(path, path, F, dtype, flush_regions=4)  # several partial flushes
+    spill = FeatureSpill(path, path, F, dtype, flush_regions=4, compression=compression)  # several partial flushes
     refs = [spill.append(r) for r in rows]
     spill.close()
     assert all("features" not in r and "boxes" not in r for r in refs)

@@ -54,7 +54,7 @@ def spill_path(spill_dir: str, collection: str, key: int) -> str:
 class _TaskSpill:
     """A read task's spill file: written locally (in place for a local output, else in a temp folder and
     uploaded on close), published under its final name only when complete, so a retried task overwrites."""
-    def __init__(self, spill_dir: str, task, feature_dim: int, feature_dtype: str):
+    def __init__(self, spill_dir: str, task, feature_dim: int, feature_dtype: str, compression=None):
         import hashlib
         import tempfile
 
@@ -67,7 +67,7 @@ class _TaskSpill:
             self.local = f"{self.final}.tmp-{uuid.uuid4().hex[:12]}"
         else:
             self.local = tempfile.mkstemp(suffix=".h5")[1]
-        self.spill = FeatureSpill(self.local, self.final, feature_dim, feature_dtype)
+        self.spill = FeatureSpill(self.local, self.final, feature_dim, feature_dtype, compression=compression)
 
     def close(self) -> None:
         import os
@@ -188,7 +188,8 @@ class ReadAndStage(beam.DoFn):
                 self._converted.inc()
                 converted.update(rec.conversions)
             if spill is None:
-                spill = _TaskSpill(self.s.spill_dir, task, self.s.feature_dim, self.s.feature_dtype)
+                spill = _TaskSpill(self.s.spill_dir, task, self.s.feature_dim, self.s.feature_dtype,
+                                   self.s.spill_compression)
             if kind == schema.KIND_IMAGE:
                 own_id = shard_id = int(out["item_id"])
                 row = spill.spill.add_row(spill.spill.append(out))  # regions, then the row pointing to them

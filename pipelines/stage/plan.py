@@ -17,6 +17,7 @@ from retrieval_core.data.shards import num_shards_for
 IMAGES_DIR, FEATURES_DIR, CAPTIONS_DIR, REJECTS_DIR = "images", "features", "captions", "rejects"
 FEATURE_FORMATS = ("parquet", "hdf5")
 FEATURE_DTYPES = ("float32", "float16")
+SPILL_COMPRESSIONS = ("none", "lzf")
 
 
 class StageError(Exception):
@@ -39,6 +40,9 @@ class StagePlan:
     max_regions: Optional[int] = option(None, type=click.IntRange(min=1),
                                         help="region cap per image [manifest's, 50]")
     images_per_shard: int = option(500, type=click.IntRange(min=1))
+    spill_compression: str = option("none", type=click.Choice(SPILL_COMPRESSIONS),
+                                    help="compress the region features of the temporary spill (lzf: a lower "
+                                         "disk peak for a longer stage; the staged shards are the same bytes)")
     max_reject_fraction: float = option(0.01, type=click.FloatRange(0, 1),
                                         help="exit non-zero (after writing summary + rejects) if more of any source "
                                              "is rejected")
@@ -66,6 +70,7 @@ class StagePlan:
                 check_choice("feature dtype", self.feature_dtype, FEATURE_DTYPES)
             check_positive("max_regions", self.max_regions, allow_none=True)
             check_positive("images_per_shard", self.images_per_shard)
+            check_choice("spill compression", self.spill_compression, SPILL_COMPRESSIONS)
             check_positive("chunk_size", self.chunk_size, allow_none=True)
             object.__setattr__(self, "device", check_device(self.device))
         except ValueError as exc:
@@ -91,6 +96,7 @@ class Settings:
     #: those captions name are staged, each in its captions' split
     caption_filters: dict = field(default_factory=dict)
     device: str = "cpu"  # where the image backbone runs (image_files sources)
+    spill_compression: Optional[str] = None  # h5py compression of the spill's features (None: uncompressed)
     threads: Optional[int] = None  # torch threads of a worker decoding image files
 
     def num_shards(self, collection: str, counts: dict) -> int:
@@ -143,6 +149,7 @@ def _settings(plan: StagePlan, manifest) -> Settings:
         spill_dir=files.join(plan.output, files.SPILL_DIR, uuid.uuid4().hex[:12]),
         device=plan.device,
         threads=plan.threads,
+        spill_compression=None if plan.spill_compression == "none" else plan.spill_compression,
     )
 
 

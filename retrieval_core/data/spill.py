@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import h5py
 import numpy as np
@@ -30,7 +30,7 @@ class FeatureSpill:
     stores a row and returns its number, which :func:`load_spilled_rows` reads back."""
 
     def __init__(self, path: str, spill_name: str, feature_dim: int, feature_dtype: str = "float32",
-                 flush_regions: int = 8192, flush_rows: int = 512):
+                 flush_regions: int = 8192, flush_rows: int = 512, compression: Optional[str] = None):
 
         self.name = spill_name  # what the reference rows record (may be a remote path)
         self._dtype = np.float16 if feature_dtype == "float16" else np.float32
@@ -41,7 +41,8 @@ class FeatureSpill:
         self._f = h5py.File(self._raw, "w")
         # Small chunks: a reader pulls one image (~10-50 regions) at a time, and HDF5 reads whole chunks.
         self._feats = self._f.create_dataset("features", (0, feature_dim), dtype=self._dtype,
-                                             maxshape=(None, feature_dim), chunks=(32, feature_dim))
+                                             maxshape=(None, feature_dim), chunks=(32, feature_dim),
+                                             compression=compression)  # "lzf": a big collection's disk peak
         self._boxes = self._f.create_dataset("boxes", (0, schema.BOX_DIM), dtype=np.float32,
                                              maxshape=(None, schema.BOX_DIM), chunks=(256, schema.BOX_DIM))
         self._rows = self._f.create_dataset("rows", (0,), dtype=h5py.string_dtype("utf-8"), maxshape=(None,),
