@@ -23,8 +23,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from typing import Optional
 
 import pytest
 from click.testing import CliRunner
@@ -473,17 +475,44 @@ def test_a_dask_worker_killed_mid_job_then_the_rerun_is_identical(assets, tmp_pa
     record("Dask worker SIGKILLed mid-job", job, outcome, same_as_clean(job, assets, out))
 
 
-def run_capped(job: str, a: dict, out: str, cap: int, code: str = "") -> subprocess.CompletedProcess:
+def _status_kib(pid: int) -> dict[str, int]:
+    """VmData and VmHWM (kB) of a live process; {} once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)
+                    if k in ("VmData", "VmHWM")}
+    except (OSError, ValueError):
+        return {}
+
+
+def run_capped(job: str, a: dict, out: str, cap: int, code: str = "",
+               args: Optional[list[str]] = None) -> subprocess.CompletedProcess:
     """``python -m pipelines.<job>`` (or ``code``) in a process whose RLIMIT_DATA is ``cap``, as ``ulimit -d``
-    sets it; nothing else of the environment is tuned for it."""
+    sets it; nothing else of the environment is tuned for it. ``args`` replaces job_args; the result carries
+    the peaks sampled from /proc every 0.1 s: ``peak_data`` (VmData, what the cap counts) and ``peak_rss``."""
     # RLIMIT_DATA (heap and private mappings), not RLIMIT_AS: Beam's gRPC and torch reserve GBs of address
     # space they never touch, so under a 1.5 GB RLIMIT_AS no thread starts (measured: stage fails at once)
     code = code or f"import runpy, sys\nsys.argv = ['{job}'] + sys.argv[1:]\n" \
                    f"runpy.run_module('pipelines.{job}', run_name='__main__')\n"
     code = f"import resource\nresource.setrlimit(resource.RLIMIT_DATA, ({cap}, {cap}))\n" + code
-    return subprocess.run([sys.executable, "-c", code, *job_args(job, a, out)], cwd=REPO_ROOT,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "RR_PROGRESS": "0"},
-                          capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-c", code, *(job_args(job, a, out) if args is None else args)]
+    peaks, deadline = {"VmData": 0, "VmHWM": 0}, time.time() + 600
+    with tempfile.TemporaryFile("w+") as fo, tempfile.TemporaryFile("w+") as fe:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT),
+                                                         "RR_PROGRESS": "0"}, stdout=fo, stderr=fe, text=True)
+        while proc.poll() is None:
+            for k, v in _status_kib(proc.pid).items():
+                peaks[k] = max(peaks[k], v)
+            if time.time() > deadline:
+                proc.kill()
+                proc.wait()
+                raise subprocess.TimeoutExpired(cmd, 600)
+            time.sleep(0.1)
+        fo.seek(0)
+        fe.seek(0)
+        res = subprocess.CompletedProcess(cmd, proc.returncode, fo.read(), fe.read())
+    res.peak_data, res.peak_rss = peaks["VmData"] << 10, peaks["VmHWM"] << 10
+    return res
 
 
 @pytest.mark.skipif(not HEAVY, reason="heavy: RR_FAULTS_HEAVY=1 runs it (each job in a capped process)")
@@ -517,6 +546,83 @@ def test_a_job_under_a_hard_memory_cap_completes_or_names_the_need(assets, tmp_p
     assert not os.path.exists(os.path.join(low_out, "_RUN_LOCK"))
     record("memory capped 32 MB above what the job has loaded at start", job,
            "refused at start: one line naming the need, the cap and the options")
+
+
+#: The 20k case: the project's memory-scaling collection (data_manifests/synthetic_memory.yaml: 1 caption and
+#: 12 float16 1024-d regions per image, what benchmarks.run --suite memory stages) at BIG_IMAGES images.
+BIG_IMAGES = int(os.environ.get("RR_FAULTS_BIG_IMAGES", 20_000))
+#: Queries per direction the 20k rerank ranks against the whole pool (every query would be 40k CE rankings).
+BIG_QUERIES = 50
+
+
+def big_args(job: str, b: dict, out: str) -> list[str]:
+    """The 20k jobs' arguments: the manifest's own shard sizes and the CLIs' defaults, but one torch thread
+    (the CE scores' bytes depend on it) and a queries file for rerank."""
+    if job == "stage":
+        return ["--manifest", "synthetic_memory", "--set", f"synthetic_memory.images.num_images={BIG_IMAGES}",
+                "--output", out]
+    if job == "encode":
+        return ["--staged", b["staged"], "--model", b["model"], "--output", out, "--threads", "1"]
+    if job == "build_index":
+        return ["--embeddings", b["clean_encode"], "--output", out]
+    return ["--staged", b["staged"], "--embeddings", b["clean_encode"], "--index", b["clean_build_index"],
+            "--output", out, "--mode", "co", "--k", "3", "--ce-model", b["model"], "--queries", b["queries"],
+            "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """The 20k collection staged, encoded, indexed and reranked once without a cap (the bytes each capped run
+    must give), with a tiny model that reads its 12 regions of 1024-d features (a job's memory follows the
+    data's shapes and the model's size; ``RR_FAULTS_BIG_MODEL`` names a real model folder to use instead)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipelines.rerank.plan import split_query_ids
+    from retrieval_core.data.store import StagedDataset
+    from tests.helpers_model import tiny_model
+
+    root = str(tmp_path_factory.mktemp("faults20k"))
+    b = {"root": root, "model": os.environ.get("RR_FAULTS_BIG_MODEL") or os.path.join(root, "model")}
+    if not os.environ.get("RR_FAULTS_BIG_MODEL"):
+        model = tiny_model(root, feature_dim=1024)
+        model.cfg.max_regions = 12
+        model.save(b["model"])
+    for job in JOBS:
+        out = os.path.join(root, "clean", job)
+        res = CliRunner().invoke(MAINS[job], big_args(job, b, out))
+        assert res.exit_code == 0, res.output[-3000:]
+        b["clean_" + job] = out
+        if job == "stage":  # a copy: encode and rerank add their token-id cache to the staged folder they read
+            b["staged"] = shutil.copytree(out, os.path.join(root, "staged"))
+            ds, directions, ids = StagedDataset(out), [], []
+            for d in ("t2i", "i2t"):
+                every = split_query_ids(ds, d, None, "test")
+                pick = every[:: max(len(every) // BIG_QUERIES, 1)][:BIG_QUERIES].tolist()
+                directions, ids = directions + [d] * len(pick), ids + pick
+            b["queries"] = os.path.join(root, "queries.parquet")
+            pq.write_table(pa.table({"direction": directions, "query_id": pa.array(ids, pa.int64())}), b["queries"])
+    return b
+
+
+@pytest.mark.skipif(not HEAVY, reason="heavy: RR_FAULTS_HEAVY=1 runs it (20k images, each job in a capped process)")
+@pytest.mark.parametrize("job", JOBS)
+def test_a_job_on_a_20k_collection_under_a_hard_memory_cap_completes_or_names_the_need(big, tmp_path, job):
+    """The issue's case: 1.5 GB per process on a 20k collection. Each job completes with the uncapped run's
+    bytes, or fails in one line naming its memory need and the option that lowers it (never a signal or a
+    traceback)."""
+    cap = int(os.environ.get("RR_FAULTS_MEMORY_CAP", 1536 << 20))
+    out = str(tmp_path / "out")
+    res = run_capped(job, big, out, cap, args=big_args(job, big, out))
+    peak = f"peak VmData {res.peak_data >> 20} MB, RSS {res.peak_rss >> 20} MB"
+    assert res.returncode in (0, 1), (res.returncode, peak, res.stderr[-3000:])
+    if res.returncode == 0:
+        outcome, identical = f"completes ({peak})", same_as_clean(job, big, out)
+    else:
+        last = res.stderr.strip().splitlines()[-1]
+        assert "memory" in last.lower() and "lower --" in last and "Traceback" not in res.stderr, res.stderr[-3000:]
+        outcome, identical = f"fails in one line naming the need and the option ({peak})", "n/a"
+    record(f"memory (RLIMIT_DATA) capped at {cap >> 20} MB, {BIG_IMAGES:,} images", job, outcome, identical)
 
 
 # ----------------------------------------------------------------------------------- hostile inputs
