@@ -5,7 +5,8 @@ rerun after the fault gives the bytes of an undisturbed run.
 
 Each case adds a row (fault, job, outcome, rerun identical) to ``TABLE``; tests/conftest.py prints the table
 after the run. The cheap cases run in the default suite (tiny inputs, seconds each). The heavy ones (a Dask
-worker SIGKILLed mid-job, a 1.5 GB RLIMIT_DATA cap) run with ``RR_FAULTS_HEAVY=1``::
+worker SIGKILLed mid-job, a 1.5 GB RLIMIT_DATA cap on tiny inputs and on a 20k-image collection) run with
+``RR_FAULTS_HEAVY=1``::
 
     RR_FAULTS_HEAVY=1 .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_faults.py
 
