@@ -40,7 +40,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from pipelines.files import BEAM_FILES, write_atomic
-from retrieval_core.cli import check_device, device_kind
+from retrieval_core.cli import check_device, device_kind, memory_failure
 from retrieval_core.data.schema import check_quantize
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model.checkpoints import KIND_BASELINE, inspect_model_folder, load_model_folder
@@ -181,6 +181,10 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
         try:
             return self._infer(batch, model)
         except Exception as exc:  # noqa: BLE001 -- recorded per element, never dropped (module docstring)
+            if memory_failure(exc) is not None:
+                # not a bad record: dead-lettering it let an encode under a memory cap go on until a thread
+                # could not start, and the job hung; failing names the need and the option (cli_errors)
+                raise
             failed = FailedBatch(f"{type(exc).__name__}: {exc}", "".join(traceback.format_exc().splitlines(True)[-3:]))
             log.warning("%s: a batch of %d failed and is dead-lettered: %s", self, len(batch), failed.reason)
             return [PredictionResult(example, failed) for example in batch]

@@ -129,3 +129,14 @@ def test_dead_letter_handler_returns_the_failure_per_element_instead_of_raising(
     assert "feature dim" in out[0].inference.reason and out[1].example is batch[1]
     good = quiet.run_inference([regions(3, 1)], quiet.load_model())
     assert good[0].inference.shape == (quiet.load_model().embedding_dim,)
+
+
+def test_running_out_of_memory_is_not_dead_lettered_but_fails_the_batch(model_dir, monkeypatch):
+    """An allocation that fails is the machine's limit, not a bad record: the dead-letter handler re-raises
+    it (the CLI then names the need and the option) instead of going on without memory."""
+    quiet = VLModelHandler(model_dir, TASK_EMBED_IMAGE, dead_letter=True)
+    model = quiet.load_model()
+    oom = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 10745856 bytes.")
+    monkeypatch.setattr(quiet, "_infer", lambda batch, m: (_ for _ in ()).throw(oom))
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        quiet.run_inference([regions(3, 1)], model)
