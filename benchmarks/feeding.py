@@ -70,6 +70,8 @@ TASKS = ("pairs", "images", "captions")
 #: The three ways over the same batches (module docstring) and each one's label in the rows' ``mode``.
 WAYS = {"job": "job path (handler)", "library": "library loop", "model": "model alone (batches collated ahead)",
         "compiled": "model alone, torch.compile"}
+#: The ways measured unless asked otherwise: compiling costs minutes on a CPU (docs/PERFORMANCE.md), so only on request.
+DEFAULT_WAYS = ("job", "library", "model")
 
 
 def collection_vocab(texts: Sequence[str]) -> list[str]:
@@ -119,7 +121,7 @@ def _job_batches(task: str, elements: list, batch_size: int) -> list[list]:
 
 def feeding_rows(model: VLRetrievalModel, model_dir: str, texts: Sequence[str], images, n: int, batch_size: int,
                  precision: str, reps: int = 3, tasks: Sequence[str] = TASKS, log: Callable = print,
-                 common: Optional[dict] = None, ways: Sequence[str] = tuple(WAYS)) -> list[dict]:
+                 common: Optional[dict] = None, ways: Sequence[str] = DEFAULT_WAYS) -> list[dict]:
     """Rows of the job, library and model-alone rates (module docstring) of ``model`` (already served in
     ``precision``, on its device) on ``n`` items of each task: CE pairs (caption i with image i // 5, the
     synthetic collection's layout), BE images and BE captions. ``images``: an ImageTable. ``ways``: a subset of
@@ -297,7 +299,7 @@ def measure(size, items, device, threads, batch_size, precisions, tasks, reps, w
             rows += feeding_rows(model, os.path.join(workdir, f"model-{size}"), texts, table, items, bs,
                                  precision, reps, tasks.split(","), log=log,
                                  common={**environment(dev, threads, bs), "recipe": size},
-                                 ways=("job", "model") if sweep else ("job", "library", "model")
+                                 ways=("job", "model") if sweep else DEFAULT_WAYS
                                  + (("compiled",) if compile_model else ()))
     if sweep:
         for (task, precision), (bs, rate) in best_batch_sizes(rows).items():
