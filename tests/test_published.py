@@ -84,6 +84,14 @@ def test_publish_copies_a_csv_with_its_schema_and_refuses_one_without_provenance
     report.write_csv(str(src / "good.csv"), _rows(), write_atomic=write)
     assert published.publish(str(src / "good.csv"), root) == "docs/results/good.csv"
     assert (Path(root) / "docs" / "results" / "good.schema.json").is_file()
+    # a suite's run folders are paths of the machine that ran it: the copy names them below <runs>
+    runs = [{**r, "rankings": f"/tmp/x/work/bench/runs/c/{r['mode']} (k=20 mode=co)"} for r in _rows()]
+    report.write_csv(str(src / "suite.csv"), runs, write_atomic=write)
+    published.publish(str(src / "suite.csv"), root)
+    copied = (Path(root) / "docs" / "results" / "suite.csv").read_text()
+    assert "/tmp/x" not in copied and "<runs>/" in copied
+    assert [r["rankings"] for r in published.read_csv(str(Path(root) / "docs" / "results" / "suite.csv"))] == [
+        f"<runs>/{r['mode']} (k=20 mode=co)" for r in _rows()]
 
     report.write_csv(str(src / "dirty.csv"), [{**r, "commit": r["commit"] + "+dirty"} for r in _rows()],
                      write_atomic=write)

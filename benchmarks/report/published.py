@@ -205,10 +205,26 @@ def publish(csv_path: str, root: str) -> str:
         raise ValueError(f"{csv_path}: commit {bad[0]!r} names no committed code; run it from a clean checkout")
     dest = os.path.join(root, RESULTS_DIR)
     os.makedirs(dest, exist_ok=True)
-    for src in (csv_path, schema_path(csv_path)):
-        if os.path.isfile(src):
-            shutil.copyfile(src, os.path.join(dest, os.path.basename(src)))
+    prefix = machine_folder(rows)
+    with open(csv_path, encoding="utf-8", newline="") as f:
+        text = f.read()
+    with open(os.path.join(dest, os.path.basename(csv_path)), "w", encoding="utf-8", newline="") as f:
+        f.write(text.replace(prefix + "/", RUNS_MARK + "/") if prefix else text)
+    if os.path.isfile(schema_path(csv_path)):
+        shutil.copyfile(schema_path(csv_path), os.path.join(dest, os.path.basename(schema_path(csv_path))))
     return os.path.join(RESULTS_DIR, os.path.basename(csv_path))
+
+
+#: What a published copy writes for the folder of the machine that ran it (a suite's rankings column).
+RUNS_MARK = "<runs>"
+
+
+def machine_folder(rows: Sequence[Mapping]) -> str:
+    """The folder common to every absolute run folder in the ``rankings`` column ('' when there is none): a path of
+    the machine that ran the suite, meaningless elsewhere, so a published copy names the run folders below it."""
+    dirs = [os.path.dirname(p.split(" (")[0]) for r in rows for p in str(r.get("rankings", "")).split(";")
+            if p.startswith("/")]
+    return os.path.commonpath(dirs) if dirs else ""
 
 
 @dataclass(frozen=True)
