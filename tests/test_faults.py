@@ -705,6 +705,13 @@ def test_running_out_of_memory_is_one_line_naming_the_need_and_the_options():
     assert memory_failure(ValueError("bad value")) is None
 
 
+def _python_without_mimalloc_setting(code: str, timeout: int) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter whose environment lacks MIMALLOC_ARENA_EAGER_COMMIT (as a user's would)."""
+    env = {k: v for k, v in os.environ.items() if k != "MIMALLOC_ARENA_EAGER_COMMIT"}
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env={**env, "PYTHONPATH": str(REPO_ROOT)}, timeout=timeout)
+
+
 def test_a_memory_cap_below_what_a_job_needs_to_start_is_refused_in_one_line():
     """A real RLIMIT_DATA in a small process: under it mimalloc is told to reserve, not commit (what let gRPC
     abort), and a start need above the cap is one line naming the need, the cap and the options."""
@@ -714,9 +721,7 @@ def test_a_memory_cap_below_what_a_job_needs_to_start_is_refused_in_one_line():
             "resource.setrlimit(resource.RLIMIT_DATA, (cap, resource.RLIM_INFINITY))\n"
             "memory.bound_reservations()\nprint(os.environ.get('MIMALLOC_ARENA_EAGER_COMMIT'))\n"
             "memory.require_headroom('encode', 1, ('--threads', '--batch-size'), model_bytes=1 << 20)\n")
-    env = {k: v for k, v in os.environ.items() if k != "MIMALLOC_ARENA_EAGER_COMMIT"}
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
-                         env={**env, "PYTHONPATH": str(REPO_ROOT)}, timeout=60)
+    res = _python_without_mimalloc_setting(code, timeout=60)
     assert res.stdout.split() == ["None", "0"], res.stdout  # nothing changes without a cap
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("retrieval_core.errors.MemoryCapTooLow: encode needs about"), res.stderr
@@ -733,9 +738,7 @@ def test_the_train_cli_under_a_memory_cap_does_not_commit_pyarrows_arena():
             "import retrieval_core.training.train\nimport pyarrow as pa\nfrom retrieval_core.memory import vm_data\n"
             "before = vm_data()\npa.array(list(range(1000)))\n"
             "print(os.environ.get('MIMALLOC_ARENA_EAGER_COMMIT'), (vm_data() - before) >> 20)\n")
-    env = {k: v for k, v in os.environ.items() if k != "MIMALLOC_ARENA_EAGER_COMMIT"}
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
-                         env={**env, "PYTHONPATH": str(REPO_ROOT)}, timeout=120)
+    res = _python_without_mimalloc_setting(code, timeout=120)
     setting, grown_mib = res.stdout.split()
     assert setting == "0" and int(grown_mib) < 256, (res.stdout, res.stderr[-2000:])
     record("memory capped: pyarrow's arena at the train CLI's start", "train", "reserved, not committed")
