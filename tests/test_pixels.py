@@ -334,7 +334,7 @@ def test_rendered_scenes_stage_and_encode_end_to_end(tmp_path):
     assert report is not None
 
 
-def test_real_photos_stage_with_their_flickr30k_sentences(tmp_path):
+def test_real_photos_stage_with_their_flickr30k_sentences(tmp_path, monkeypatch):
     """The real JPEGs of the AllenNLP fixtures with their Flickr30k Entities sentences: the captioned images are
     staged (byte-identical copies give identical regions), the others counted as skipped, none rejected."""
     from pipelines.stage import run as stage_run
@@ -342,6 +342,7 @@ def test_real_photos_stage_with_their_flickr30k_sentences(tmp_path):
     from retrieval_core.data.store import StagedDataset
 
     fixtures = require_realdata("allennlp_vision_fixtures")
+    monkeypatch.setenv("RR_DATA_ROOT", str(fixtures))  # the data lives outside the manifest's folder: name its root
     photos, sentences = fixtures / "images" / "flickr30k", fixtures / "flickr30k" / "sentences"
     manifest = tmp_path / "f30k_photos.yaml"
     manifest.write_text(f"""name: f30k_photos
