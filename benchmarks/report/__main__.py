@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import click
 
 from benchmarks.report import published
-from benchmarks.report.schema import read_csv
-from benchmarks.report.tables import memory_table_from, recall_table
+from benchmarks.report.schema import SEED_COLUMNS, read_csv, write_csv
+from benchmarks.report.tables import memory_table_from, recall_table, seed_summary_from, seed_summary_table
 from retrieval_core.cli import CONTEXT_SETTINGS, CheckedPlan, cli_errors, option, plan_from_cli, plan_options
 
 _DIR = click.Path(exists=True, file_okay=False)
@@ -25,6 +25,13 @@ class MemoryTablePlan(CheckedPlan):
 class RecallTablePlan(CheckedPlan):
     """recall-table's argument (checked when built)."""
     csv_path: str = option(type=click.Path(exists=True, dir_okay=False), argument=True)
+
+
+@dataclass(frozen=True)
+class SeedsPlan(CheckedPlan):
+    """seeds' arguments (checked when built)."""
+    run_dir: str = option(type=_DIR, argument=True)
+    suite: str = option(help="the suite whose seed<N>/<suite>.csv files to summarise")
 
 
 @click.group(context_settings=CONTEXT_SETTINGS)
@@ -46,6 +53,19 @@ def memory_table_cmd(**values):
 def recall_table_cmd(**values):
     """Print the recall rows of a suite CSV (benchmarks.run's <suite>.csv) as a Markdown table with intervals."""
     click.echo(recall_table(read_csv(plan_from_cli(RecallTablePlan, values).csv_path)))
+
+
+@main.command("seeds", context_settings=CONTEXT_SETTINGS)
+@plan_options(SeedsPlan)
+def seeds_cmd(**values):
+    """Rewrite RUN_DIR/<suite>_seeds.csv (benchmarks.run --model-seed 0,1,2's summary) from RUN_DIR/seed<N>/<suite>.csv
+    with today's columns (the t interval over seeds), keeping the query-bootstrap columns of the one there."""
+    with cli_errors():
+        plan = plan_from_cli(SeedsPlan, values)
+        summary = seed_summary_from(plan.run_dir, plan.suite)
+    path = write_csv(f"{plan.run_dir.rstrip('/')}/{plan.suite}_seeds.csv", summary, SEED_COLUMNS)
+    click.echo(seed_summary_table(summary, f"{plan.suite}: mean ± std over model seeds {summary[0]['seeds']}"))
+    click.echo(f"wrote {path}")
 
 
 @main.command("docs", context_settings=CONTEXT_SETTINGS)

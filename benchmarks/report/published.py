@@ -32,7 +32,7 @@ from typing import Callable, Mapping, Sequence
 import click
 
 from benchmarks.report.schema import read_csv, schema_path
-from benchmarks.report.tables import feeding_table, precision_table, recall_table
+from benchmarks.report.tables import feeding_table, precision_table, recall_table, seed_table
 from retrieval_core.cli import check_options, option
 
 #: The tracked folder of the result CSVs the docs cite (results/ at the root is the runs' scratch, ignored).
@@ -104,9 +104,21 @@ def feeding_block(rows: Sequence[Mapping]) -> str:
             "one process (the CSV's notes: how many, and each way's seconds).\n\n" + feeding_table(rows) + "\n")
 
 
+def seed_block(rows: Sequence[Mapping]) -> str:
+    """A <suite>_seeds.csv's table (report.seed_table) under how it was measured."""
+    return (f"Measured {_one(rows, 'date')} at commit `{_one(rows, 'commit')}` on {_one(rows, 'cpu_model')} "
+            f"({_one(rows, 'device')}, {_one(rows, 'threads')} threads; torch {_one(rows, 'torch')}, faiss "
+            f"{_one(rows, 'faiss')}); recipe {_one(rows, 'recipe')}, model seeds {_one(rows, 'seeds')}; "
+            f"{_one(rows, 'split')} split, {_one(rows, 'queries')} queries per direction (the same queries for every "
+            f"seed), pools of {_one(rows, 'collection_size')} images; mean ± std over the seeds [intervals: "
+            f"{_one(rows, 'seed_interval')}]. The query-bootstrap intervals of the seed means: the CSV.\n\n"
+            + seed_table(rows) + "\n")
+
+
 #: The table kinds a generated block may name.
 GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {
-    "recall-table": recall_block, "precision-table": precision_block, "feeding-table": feeding_block}
+    "recall-table": recall_block, "precision-table": precision_block, "feeding-table": feeding_block,
+    "seed-table": seed_block}
 
 
 def generate(kind: str, csv_path: str, root: str) -> str:

@@ -39,9 +39,13 @@ CSV_COLUMNS = (
 
 #: Column order of <suite>_seeds.csv: one row per suite row key, over the runs of several model seeds.
 SEED_KEY = ("suite", "collection", "model", "mode", "k", "lam", "direction")
+#: The environment columns a seed row carries over from its seeds' rows (several values: joined with ", ").
+SEED_ENVIRONMENT = ("queries", "collection_size", "split", "lang", "recipe", "device", "cpu_model", "threads",
+                    "torch", "faiss", "transformers", "commit", "date", "quantize")
 SEED_COLUMNS = SEED_KEY + ("seeds", "fusion") + tuple(f"{m}_{stat}" for m in METRICS for stat in (
-    "mean", "mean_lo", "mean_hi", "std", "min", "max")) + ("against",) + tuple(
-    f"delta_{m}_mean{e}" for m in METRICS for e in ("", "_lo", "_hi")) + ("bootstrap", "queries", "recipe")
+    "mean", "mean_lo", "mean_hi", "mean_t_lo", "mean_t_hi", "std", "min", "max")) + ("against",) + tuple(
+    f"delta_{m}_{stat}" for m in METRICS for stat in ("mean", "mean_lo", "mean_hi", "mean_t_lo", "mean_t_hi", "min",
+                                                       "max")) + ("bootstrap", "seed_interval") + SEED_ENVIRONMENT
 
 
 #: Column order of <suite>_jobs.csv: what every pipeline job of a suite run cost.
@@ -142,6 +146,15 @@ COLUMN_DOCS = {
                               f"delta_{m}_mean (queries resampled jointly across seeds and both rankings): "
                               f"entirely > 0 = the seed mean lifts, entirely < 0 = lowers" for m in METRICS
        for e in ("lo", "hi")},
+    **{f"{m}_mean_t_{e}": f"{'lower' if e == 'lo' else 'upper'} end of the 95 % Student t interval of {m}_mean "
+                          f"from the seeds' values (the spread over training runs; see seed_interval)"
+       for m in METRICS for e in ("lo", "hi")},
+    **{f"delta_{m}_mean_t_{e}": f"{'lower' if e == 'lo' else 'upper'} end of the 95 % Student t interval of "
+                                f"delta_{m}_mean from the seeds' own differences: entirely > 0 = the recipe lifts "
+                                f"across training runs" for m in METRICS for e in ("lo", "hi")},
+    **{f"delta_{m}_{stat}": f"the {word} of the seeds' own differences delta_{m}, percent points"
+       for m in METRICS for stat, word in (("min", "smallest"), ("max", "largest"))},
+    "seed_interval": "how the *_t_lo / *_t_hi columns were computed (level, seeds, degrees of freedom)",
     # <suite>_jobs.csv
     "job": "job name (unique within the suite)",
     "step": "module the job ran (python -m <step>)",

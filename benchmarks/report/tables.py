@@ -6,8 +6,15 @@ import os
 import re
 from typing import Mapping, Optional, Sequence
 
-from benchmarks.report.schema import METRICS, SEED_KEY, normalise_row, read_csv
-from retrieval_core.evaluation.stats import Bootstrap, Interval, difference_intervals, recall_intervals, verdict
+from benchmarks.report.schema import METRICS, SEED_ENVIRONMENT, SEED_KEY, normalise_row, read_csv
+from retrieval_core.evaluation.stats import (
+    Bootstrap,
+    Interval,
+    difference_intervals,
+    recall_intervals,
+    seed_mean_interval,
+    verdict,
+)
 
 
 def size_label(n: int) -> str:
@@ -83,13 +90,16 @@ def summary_table(rows: Sequence[Mapping], title: str = "") -> str:
 def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]],
                  hits_by_seed: Optional[Mapping[int, Sequence]] = None, boot: Bootstrap = Bootstrap()) -> list[dict]:
     """<suite>_seeds.csv rows: per suite row key (SEED_KEY), R@1/5/10 and mR over the model seeds (mean, sample
-    std, min, max). A key missing from one seed's run is an error: the seeds must have run the same plan. AUTO
-    rows are keyed without their lam (each seed's dev run may choose another fusion; ``fusion`` lists them).
+    std, min, max, and the Student t interval of the mean from the seeds' values), and for a reranked row the
+    same of its difference to its baseline (``against``). A key missing from one seed's run is an error: the seeds
+    must have run the same plan. AUTO rows are keyed without their lam (each seed's dev run may choose another
+    fusion; ``fusion`` lists them).
 
     ``hits_by_seed``: per seed, for each of its rows, the per-query hits behind it (``benchmarks.rows.RowHits``:
-    ``hits``, ``baseline``; None for a row without): the interval of each seed mean, and of the seed mean of the
-    difference to the row's baseline, with the queries resampled jointly across the seeds (they rank the same
-    queries; anything else is an error)."""
+    ``hits``, ``baseline``; None for a row without): then also the bootstrap interval of each seed mean, and of
+    the seed mean of the difference, with the queries resampled jointly across the seeds (they rank the same
+    queries; anything else is an error). The two intervals answer two questions: the bootstrap one how sure these
+    trained models are on these queries, the t one how sure the recipe is over training runs."""
     import statistics
 
     by_key: dict[tuple, dict[int, tuple[Mapping, object]]] = {}
@@ -104,6 +114,8 @@ def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]],
                 key = {**r, "lam": ""} if r["mode"] == "AUTO" else r
                 by_key.setdefault(tuple(str(key[c]) for c in SEED_KEY), {})[seed] = (r, h)
     seeds = sorted(rows_by_seed)
+    t_label = f"{100 * boot.level:g} % Student t interval of the mean over {len(seeds)} seeds " \
+              f"({len(seeds) - 1} degrees of freedom)" if len(seeds) > 1 else ""
     out = []
     cache: dict[tuple, tuple] = {}  # both direction rows of a group share their hits: resample them once
     for key, per_seed in by_key.items():
@@ -118,7 +130,14 @@ def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]],
             vals = [float(rows[s][m]) for s in seeds]
             row.update({f"{m}_mean": round(statistics.fmean(vals), 3),
                         f"{m}_std": round(statistics.stdev(vals), 3) if len(vals) > 1 else 0.0,
-                        f"{m}_min": min(vals), f"{m}_max": max(vals)})
+                        f"{m}_min": min(vals), f"{m}_max": max(vals), **_t_columns(f"{m}_mean", vals, boot)})
+        deltas = {m: [rows[s][f"delta_{m}"] for s in seeds] for m in METRICS}
+        if all(v != "" for m in METRICS for v in deltas[m]):
+            row["against"] = rows[seeds[0]]["against"]
+            for m in METRICS:
+                vals = [float(v) for v in deltas[m]]
+                row.update({f"delta_{m}_mean": round(statistics.fmean(vals), 3), f"delta_{m}_min": min(vals),
+                            f"delta_{m}_max": max(vals), **_t_columns(f"delta_{m}_mean", vals, boot)})
         hits = [per_seed[s][1] for s in seeds]
         if all(h is not None for h in hits):
             ids = tuple(id(h) for h in hits)
@@ -135,10 +154,48 @@ def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]],
                 row.update({f"delta_{m}_mean{e}": round(v, 3) for m, iv in _by_metric(delta, d).items()
                             for e, v in (("", iv.estimate), ("_lo", iv.lo), ("_hi", iv.hi))})
             row["bootstrap"] = boot.label + ", resampled jointly across the seeds"
-        row["queries"] = rows[seeds[0]]["queries"]
-        row["recipe"] = rows[seeds[0]]["recipe"]
+        row["seed_interval"] = t_label
+        for c in SEED_ENVIRONMENT:
+            row[c] = ", ".join(dict.fromkeys(str(rows[s][c]) for s in seeds if str(rows[s][c]) != ""))
         out.append(row)
     return out
+
+
+def seed_summary_from(run_dir: str, suite: str) -> list[dict]:
+    """:func:`seed_summary` of the per-seed CSVs a several-seed run wrote (``<run_dir>/seed<N>/<suite>.csv``),
+    e.g. to add columns a newer summary has to a finished run. The per-query hits are not in the CSVs: the
+    query-bootstrap columns of an existing ``<run_dir>/<suite>_seeds.csv`` are carried over when its rows are the
+    same rows with the same means, and refused otherwise."""
+    rows_by_seed = {}
+    for name in sorted(os.listdir(run_dir)):
+        path = os.path.join(run_dir, name, f"{suite}.csv")
+        if re.fullmatch(r"seed\d+", name) and os.path.isfile(path):
+            rows_by_seed[int(name[4:])] = read_csv(path)
+    if len(rows_by_seed) < 2:
+        raise ValueError(f"{run_dir}: a seed summary needs the {suite}.csv of >= 2 seed<N>/ folders, found "
+                         f"{sorted(rows_by_seed) or 'none'}")
+    summary = seed_summary(rows_by_seed)
+    old_path = os.path.join(run_dir, f"{suite}_seeds.csv")
+    if os.path.isfile(old_path):
+        old = {tuple(str(r[c]) for c in SEED_KEY): r for r in read_csv(old_path)}
+        carried = [f"{m}_mean_{e}" for m in METRICS for e in ("lo", "hi")] + \
+            [f"delta_{m}_mean_{e}" for m in METRICS for e in ("lo", "hi")] + ["bootstrap"]
+        for row in summary:
+            prev = old.get(tuple(str(row[c]) for c in SEED_KEY))
+            if prev is None or prev.get("seeds") != row["seeds"] or any(
+                    abs(float(prev[f"{m}_mean"]) - float(row[f"{m}_mean"])) > 1e-3 for m in METRICS):
+                raise ValueError(f"{old_path} does not summarise the same rows of the same seeds as "
+                                 f"{run_dir}/seed*/{suite}.csv (row {[row[c] for c in SEED_KEY]})")
+            row.update({c: prev[c] for c in carried if c in prev and str(prev[c]) != ""})
+    return summary
+
+
+def _t_columns(prefix: str, values: Sequence[float], boot: Bootstrap) -> dict:
+    """``<prefix>_t_lo`` / ``_t_hi``: the seed-mean t interval (none from a single seed)."""
+    if len(values) < 2:
+        return {}
+    iv = seed_mean_interval(values, boot.level)
+    return {f"{prefix}_t_lo": round(iv.lo, 3), f"{prefix}_t_hi": round(iv.hi, 3)}
 
 
 def _by_metric(intervals: Mapping[str, Interval], direction: str) -> dict[str, Interval]:
@@ -284,6 +341,39 @@ def recall_table(rows: Sequence[Mapping]) -> str:
                  ci(i, "R@1"), *(_fmt(i[m]) if i else "-" for m in ("R@5", "R@10")), ci(t or i, "mR"),
                  _signed(t, "R@1"), _signed(i, "R@1")]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def seed_table(rows: Sequence[Mapping]) -> str:
+    """A Markdown table of a <suite>_seeds.csv: per (collection, model, mode, k), R@1 per direction and mR as the
+    seed mean ± std with the t interval of the mean, and a reranked row's seed-mean R@1 minus its baseline per
+    direction with its t interval, the verdict of that interval and the range of the seeds' own differences."""
+    lines = ["| collection | model | mode | t2i R@1 | i2t R@1 | mR | R@1 minus EMB: t2i | R@1 minus EMB: i2t |",
+             "|" + "---|" * 8]
+    groups: dict[tuple, dict[str, Mapping]] = {}
+    for r in rows:
+        groups.setdefault((r["collection"], r["model"], r["mode"], r["k"], r["lam"]), {})[r["direction"]] = r
+
+    def mean(r: Optional[Mapping], m: str) -> str:
+        if r is None:
+            return "-"
+        ci = f" [{_fmt(r[m + '_mean_t_lo'])}, {_fmt(r[m + '_mean_t_hi'])}]" \
+            if str(r.get(m + "_mean_t_lo", "")) not in ("", "nan") else ""
+        return f"{_fmt(r[m + '_mean'])} ± {_fmt(r[m + '_std'])}{ci}"
+
+    def delta(r: Optional[Mapping]) -> str:
+        if r is None or str(r.get("delta_R@1_mean_t_lo", "")) in ("", "nan"):
+            return "-"
+        est, lo, hi = (float(r[f"delta_R@1_mean{e}"]) for e in ("", "_t_lo", "_t_hi"))
+        return f"{est:+.1f} [{lo:+.1f}, {hi:+.1f}] {verdict(lo, hi)}; seeds {float(r['delta_R@1_min']):+.1f} to " \
+               f"{float(r['delta_R@1_max']):+.1f}"
+
+    for (collection, model, mode, k, lam), by_dir in groups.items():
+        t, i = by_dir.get("t2i"), by_dir.get("i2t")
+        label = f"{mode} k={k}" if str(k) not in ("", "nan") and mode != "EMB" else str(mode)
+        label += f" lam={lam}" if str(lam) not in ("", "nan") else ""
+        lines.append("| " + " | ".join([str(collection), str(model), label, mean(t, "R@1"), mean(i, "R@1"),
+                                        mean(t or i, "mR"), delta(t), delta(i)]) + " |")
     return "\n".join(lines)
 
 
