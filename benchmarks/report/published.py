@@ -67,8 +67,15 @@ def provenance_line(rows: Sequence[Mapping]) -> str:
     return (f"Measured {_one(rows, 'date')} at commit `{_one(rows, 'commit')}` on {_one(rows, 'cpu_model')} "
             f"({_one(rows, 'device')}, {_one(rows, 'threads')} threads; torch {_one(rows, 'torch')}, faiss "
             f"{_one(rows, 'faiss')}); recipe {_one(rows, 'recipe')}, model seed {_one(rows, 'model_seed')}; "
+            f"encode and rerank in {_precision(rows)}; "
             f"{_one(rows, 'split')} split, {_one(rows, 'queries')} queries per direction, pool of "
             f"{_one(rows, 'collection_size')} images; intervals: {_one(rows, 'bootstrap')}; " + _run_note(rows))
+
+
+def _precision(rows: Sequence[Mapping]) -> str:
+    """The serving precision of the rows' encode and rerank jobs (``quantize``; empty or none = float32)."""
+    return ", ".join(dict.fromkeys("float32" if str(r.get("quantize", "")) in ("", "none") else str(r["quantize"])
+                                   for r in rows)) or "float32"
 
 
 def _run_note(rows: Sequence[Mapping]) -> str:
@@ -109,7 +116,7 @@ def seed_block(rows: Sequence[Mapping]) -> str:
     return (f"Measured {_one(rows, 'date')} at commit `{_one(rows, 'commit')}` on {_one(rows, 'cpu_model')} "
             f"({_one(rows, 'device')}, {_one(rows, 'threads')} threads; torch {_one(rows, 'torch')}, faiss "
             f"{_one(rows, 'faiss')}); recipe {_one(rows, 'recipe')}, model seeds {_one(rows, 'seeds')}; "
-            f"{_one(rows, 'split')} split, {_one(rows, 'queries')} queries per direction (the same queries for every "
+            f"encode and rerank in {_precision(rows)}; {_one(rows, 'split')} split, {_one(rows, 'queries')} queries per direction (the same queries for every "
             f"seed), pools of {_one(rows, 'collection_size')} images; mean ± std over the seeds [intervals: "
             f"{_one(rows, 'seed_interval')}]. The query-bootstrap intervals of the seed means: the CSV.\n\n"
             + seed_table(rows) + "\n")
