@@ -50,6 +50,7 @@ from retrieval_core.data.store import StagedDataset
 from retrieval_core.data.synthetic.regions import decode_regions
 from retrieval_core.data.synthetic.scenes import describe_scene, focus_pairs
 from retrieval_core.data.synthetic.spec import SyntheticSpec
+from retrieval_core.evaluation.stats import Bootstrap, percentile_interval
 from retrieval_core.model.network import VLRetrievalModel
 
 
@@ -76,8 +77,9 @@ def sampled_captions(staged: StagedDataset, spec: SyntheticSpec, split: str,
 
 def probe(staged: StagedDataset, spec: SyntheticSpec, be_model: VLRetrievalModel,
           ce_model: VLRetrievalModel, split: str = "test", max_captions: Optional[int] = None, seed: int = 0,
-          batch_size: int = 128, device: str = "cpu") -> pd.DataFrame:
-    """Rows (table, head, change, correct, total, accuracy %) for one synthetic collection."""
+          batch_size: int = 128, device: str = "cpu", boot: Bootstrap = Bootstrap()) -> pd.DataFrame:
+    """Rows (table, head, change, correct, total, accuracy % with its bootstrap interval: captions resampled, each
+    with all its pairs) for one synthetic collection."""
     caps, index_of = sampled_captions(staged, spec, split, max_captions, seed)
     item_of = {i: item for item, i in index_of.items()}
     fam_size = spec.family_size
@@ -115,24 +117,31 @@ def probe(staged: StagedDataset, spec: SyntheticSpec, be_model: VLRetrievalModel
     oracle = np.array([len(focus_pairs(scenes[gold]) & decoded[i])
                        for fam, gold in zip(members, golds) for i in fam], dtype=np.float64)
 
+    # one resample of the captions for every head and change: a caption's pairs stay together (they share it)
+    weights = np.random.default_rng(boot.seed).multinomial(len(texts), np.full(len(texts), 1 / len(texts)),
+                                                            size=boot.resamples)
     rows = []
     for head, scores in (("BE", be), ("CE", ce), ("oracle", oracle)):
-        top1: dict[str, list[int]] = {}
-        pairwise: dict[str, list[int]] = {}
+        top1: dict[str, list[tuple[int, int]]] = {}  # change -> (caption, hit) pairs
+        pairwise: dict[str, list[tuple[int, int]]] = {}
         start = 0
-        for fam, gold in zip(members, golds):
+        for c, (fam, gold) in enumerate(zip(members, golds)):
             s = scores[start:start + len(fam)]
             start += len(fam)
             g = fam.index(gold)
             kind = scenes[gold]["change"] or "base"
-            top1.setdefault(kind, []).append(int(np.argmax(s) == g))
+            top1.setdefault(kind, []).append((c, int(np.argmax(s) == g)))
             for j, other in enumerate(fam):
                 if j != g:
-                    pairwise.setdefault(_difference(scenes[gold], scenes[other]), []).append(int(s[g] > s[j]))
+                    pairwise.setdefault(_difference(scenes[gold], scenes[other]), []).append((c, int(s[g] > s[j])))
         for name, groups in (("top1", top1), ("pairwise", pairwise)):
-            for change, hits in sorted(groups.items()) + [("all", [h for v in groups.values() for h in v])]:
-                rows.append({"table": name, "head": head, "change": change, "correct": int(sum(hits)),
-                             "total": len(hits), "accuracy": 100.0 * float(np.mean(hits))})
+            for change, pairs in sorted(groups.items()) + [("all", [p for v in groups.values() for p in v])]:
+                caption, hit = (np.array(x) for x in zip(*pairs))
+                acc = 100.0 * float(hit.mean())
+                w = weights[:, caption]
+                iv = percentile_interval(acc, 100.0 * (w @ hit) / np.maximum(w.sum(1), 1), boot.level)
+                rows.append({"table": name, "head": head, "change": change, "correct": int(hit.sum()),
+                             "total": len(hit), "accuracy": acc, "accuracy_lo": iv.lo, "accuracy_hi": iv.hi})
     out = pd.DataFrame(rows)
     out.attrs["chance_top1"] = 100.0 / fam_size
     return out
@@ -156,8 +165,10 @@ class ProbeInputs(CheckedPlan):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FamilyProbePlan(ProbeInputs):
     """The probe's options, each a typed field (checked when built)."""
-    model: str = option(help="Bi-encoder model folder (also the CE unless --ce-model).")
-    ce_model: Optional[str] = option(None, help="Cross-encoder model folder (SEP) [--model].")
+    model: tuple[str, ...] = option(multiple=True, help="Bi-encoder model folder (also the CE unless --ce-model); "
+                                                        "repeat it to probe several models (e.g. seeds) in one CSV.")
+    ce_model: tuple[str, ...] = option((), multiple=True, help="Cross-encoder model folder (SEP) [--model]; one per "
+                                                               "--model when given.")
     split: str = option("test")
     max_captions: int = option(1000, help="Seeded sample of captions (0 = all).")
     output: Optional[str] = option(None, help="Folder for family_probe.csv [print only].")
@@ -165,29 +176,44 @@ class FamilyProbePlan(ProbeInputs):
     device: str = device_option()
     threads: Optional[int] = threads_option()
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.ce_model and len(self.ce_model) != len(self.model):
+            raise ValueError(f"--ce-model: give one per --model ({len(self.model)}) or none, got "
+                             f"{len(self.ce_model)}")
+
 
 @plan_command(FamilyProbePlan)
 def main(**values) -> None:
     """Within-family accuracy of the BE and the CE, by the kind of difference (synthetic collections only)."""
+    from benchmarks.report import environment
+
     with cli_errors(KeyError):  # bad manifest, staged dir, model folder or collection: one line, exit 1
         plan = plan_from_cli(FamilyProbePlan, values)
         apply_device_and_threads(plan.device, plan.threads)
-        be_model, ce_model, split, output = plan.model, plan.ce_model, plan.split, plan.output
+        split, boot = plan.split, Bootstrap()
         m = load_manifest(plan.manifest)
         name = plan.collection or m.benchmark.get("query_collection") or next(iter(m.collections))
         spec = m.synthetic_spec(name)
-        be = VLRetrievalModel.load(be_model)
-        ce = VLRetrievalModel.load(ce_model) if ce_model else be
-        rows = probe(StagedDataset(plan.staged), spec, be, ce, split, plan.max_captions or None,
-                     batch_size=plan.batch_size, device=plan.device)
-    click.echo(f"\nwithin-family accuracy (%), {name}/{split}, families of {spec.family_size} "
-               f"(top1 chance {rows.attrs['chance_top1']:.0f} %, pairwise chance 50 %):")
-    click.echo(summary_table(rows))
-    if output:
-        os.makedirs(output, exist_ok=True)
-        rows.assign(collection=name, split=split, be_model=be_model, ce_model=ce_model or be_model).to_csv(
-            os.path.join(output, "family_probe.csv"), index=False)
-        click.echo(f"wrote {os.path.join(output, 'family_probe.csv')}")
+        staged = StagedDataset(plan.staged)
+        env = environment(plan.device, plan.batch_size, plan.threads)
+        tables = []
+        for be_model, ce_model in zip(plan.model, plan.ce_model or plan.model):
+            be = VLRetrievalModel.load(be_model)
+            ce = VLRetrievalModel.load(ce_model) if ce_model != be_model else be
+            rows = probe(staged, spec, be, ce, split, plan.max_captions or None, batch_size=plan.batch_size,
+                         device=plan.device, boot=boot)
+            click.echo(f"\nwithin-family accuracy (%), {name}/{split}, families of {spec.family_size} "
+                       f"(top1 chance {rows.attrs['chance_top1']:.0f} %, pairwise chance 50 %), {be_model}"
+                       + (f" / {ce_model}" if ce_model != be_model else "") + ":")
+            click.echo(summary_table(rows))
+            tables.append(rows.assign(collection=name, split=split, be_model=be_model, ce_model=ce_model,
+                                      bootstrap=boot.label + " (captions, each with all its pairs)", **env))
+    if plan.output:
+        os.makedirs(plan.output, exist_ok=True)
+        path = os.path.join(plan.output, "family_probe.csv")
+        pd.concat(tables, ignore_index=True).to_csv(path, index=False)
+        click.echo(f"wrote {path}")
 
 
 if __name__ == "__main__":

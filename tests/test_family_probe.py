@@ -66,10 +66,35 @@ def test_probe_counts_and_accuracies_match_the_heads_scores(setup):
 def test_cli_writes_csv_and_reports_non_synthetic_input_clearly(setup, tmp_path):
     staged, model_dir, _ = setup
     out = CliRunner().invoke(family_probe.main, ["--staged", staged, "--manifest", "demo", "--model", model_dir,
-                                                 "--output", str(tmp_path), "--max-captions", "40"])
+                                                 "--model", model_dir, "--output", str(tmp_path / "probe"),
+                                                 "--max-captions", "40"])
     # the CLI reads the manifest as shipped (5,000 images), the staged set has 48: same families, same scenes
     assert out.exit_code == 0, out.output
-    assert (tmp_path / "family_probe.csv").exists() and "within-family accuracy" in out.output
+    assert out.output.count("within-family accuracy") == 2
+    # one CSV for the models probed, each accuracy with its caption-bootstrap interval and where it was measured
+    from benchmarks.report import published, read_csv
+
+    rows = read_csv(str(tmp_path / "probe" / "family_probe.csv"))
+    half = len(rows) // 2  # the same model twice: the same rows twice (one seeded caption sample and resample)
+    assert len(rows) == 2 * half and all(r["be_model"] == model_dir for r in rows)
+    assert [r["accuracy_lo"] for r in rows[:half]] == [r["accuracy_lo"] for r in rows[half:]]
+    assert all(float(r["accuracy_lo"]) <= float(r["accuracy"]) <= float(r["accuracy_hi"]) for r in rows)
+    assert all(r[c] for r in rows for c in published.PROVENANCE)
+    block = published.probe_block(rows)
+    assert "| CE |" in block and published.block_numbers_problems(block, rows, "probe") == []
+    # a published copy names the model folders below the machine's own folder
+    (tmp_path / "repo").mkdir()
+    rows_clean = [{**r, "commit": "abc"} for r in rows]
+    import csv
+    with open(tmp_path / "clean.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows_clean[0]))
+        w.writeheader()
+        w.writerows(rows_clean)
+    copied = (tmp_path / "repo" / published.publish(str(tmp_path / "clean.csv"), str(tmp_path / "repo"))).read_text()
+    assert model_dir not in copied and f"{published.RUNS_MARK}/" in copied
+    two = CliRunner().invoke(family_probe.main, ["--staged", staged, "--manifest", "demo", "--model", model_dir,
+                                                 "--model", model_dir, "--ce-model", model_dir])
+    assert two.exit_code == 1 and "one per --model" in two.output and "Traceback" not in two.output
     bad = CliRunner().invoke(family_probe.main, ["--staged", staged, "--manifest", "coco_5k", "--model", model_dir])
     assert bad.exit_code != 0 and "Traceback" not in bad.output and "synthetic" in bad.output.lower()
     missing = CliRunner().invoke(family_probe.main, ["--staged", str(tmp_path / "nowhere"), "--manifest", "demo",

@@ -32,7 +32,7 @@ from typing import Callable, Mapping, Sequence
 import click
 
 from benchmarks.report.schema import read_csv, schema_path
-from benchmarks.report.tables import feeding_table, precision_table, recall_table, seed_table
+from benchmarks.report.tables import feeding_table, precision_table, probe_table, recall_table, seed_table
 from retrieval_core.cli import check_options, option
 
 #: The tracked folder of the result CSVs the docs cite (results/ at the root is the runs' scratch, ignored).
@@ -116,16 +116,25 @@ def seed_block(rows: Sequence[Mapping]) -> str:
     return (f"Measured {_one(rows, 'date')} at commit `{_one(rows, 'commit')}` on {_one(rows, 'cpu_model')} "
             f"({_one(rows, 'device')}, {_one(rows, 'threads')} threads; torch {_one(rows, 'torch')}, faiss "
             f"{_one(rows, 'faiss')}); recipe {_one(rows, 'recipe')}, model seeds {_one(rows, 'seeds')}; "
-            f"encode and rerank in {_precision(rows)}; {_one(rows, 'split')} split, {_one(rows, 'queries')} queries per direction (the same queries for every "
-            f"seed), pools of {_one(rows, 'collection_size')} images; mean ± std over the seeds [intervals: "
+            f"encode and rerank in {_precision(rows)}; {_one(rows, 'split')} split, {_one(rows, 'queries')} "
+            f"queries per direction (the same queries for every seed), pools of {_one(rows, 'collection_size')} "
+            f"images; mean ± std over the seeds [intervals: "
             f"{_one(rows, 'seed_interval')}]. The query-bootstrap intervals of the seed means: the CSV.\n\n"
             + seed_table(rows) + "\n")
+
+
+def probe_block(rows: Sequence[Mapping]) -> str:
+    """benchmarks.family_probe's accuracies (report.probe_table) under where they were measured."""
+    return (f"Measured {_one(rows, 'date')} at commit `{_one(rows, 'commit')}` on {_one(rows, 'cpu_model')} "
+            f"({_one(rows, 'device')}, {_one(rows, 'threads')} threads; torch {_one(rows, 'torch')}); "
+            f"{_one(rows, 'collection')} {_one(rows, 'split')} split; intervals: {_one(rows, 'bootstrap')}.\n\n"
+            + probe_table(rows) + "\n")
 
 
 #: The table kinds a generated block may name.
 GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {
     "recall-table": recall_block, "precision-table": precision_block, "feeding-table": feeding_block,
-    "seed-table": seed_block}
+    "seed-table": seed_block, "probe-table": probe_block}
 
 
 def generate(kind: str, csv_path: str, root: str) -> str:
@@ -234,15 +243,17 @@ def publish(csv_path: str, root: str) -> str:
     return os.path.join(RESULTS_DIR, os.path.basename(csv_path))
 
 
-#: What a published copy writes for the folder of the machine that ran it (a suite's rankings column).
+#: What a published copy writes for the folder of the machine that ran it (PATH_COLUMNS).
 RUNS_MARK = "<runs>"
+#: Columns naming folders of that machine: run folders (suites), model folders (probes).
+PATH_COLUMNS = ("rankings", "be_model", "ce_model")
 
 
 def machine_folder(rows: Sequence[Mapping]) -> str:
-    """The folder common to every absolute run folder in the ``rankings`` column ('' when there is none): a path of
-    the machine that ran the suite, meaningless elsewhere, so a published copy names the run folders below it."""
-    dirs = [os.path.dirname(p.split(" (")[0]) for r in rows for p in str(r.get("rankings", "")).split(";")
-            if p.startswith("/")]
+    """The folder common to every absolute folder in the PATH_COLUMNS ('' when there is none): a path of the machine
+    that ran the suite or probe, meaningless elsewhere, so a published copy names the folders below it."""
+    dirs = [os.path.dirname(p.split(" (")[0]) for r in rows for c in PATH_COLUMNS
+            for p in str(r.get(c, "")).split(";") if p.startswith("/")]
     return os.path.commonpath(dirs) if dirs else ""
 
 

@@ -377,6 +377,28 @@ def seed_table(rows: Sequence[Mapping]) -> str:
     return "\n".join(lines)
 
 
+def probe_table(rows: Sequence[Mapping]) -> str:
+    """A Markdown table of benchmarks.family_probe's CSV: per model and head (CE, BE, and the features' oracle),
+    the share of binding and attribute siblings told apart (pairwise: gold above the sibling, chance 50 %) and of
+    captions whose own image wins its family (top-1), each with its bootstrap interval."""
+    cols = (("pairwise", "binding"), ("pairwise", "attribute"), ("top1", "binding"), ("top1", "all"))
+    lines = ["| model (BE / CE) | head | " + " | ".join(f"{'top-1' if t == 'top1' else t} {c}" for t, c in cols)
+             + " |", "|" + "---|" * (2 + len(cols))]
+    cells: dict[tuple, dict[tuple, Mapping]] = {}
+    for r in rows:
+        cells.setdefault((r["be_model"], r["ce_model"], r["head"]), {})[(r["table"], r["change"])] = r
+    for (be, ce, head), by in cells.items():
+        model = be if be == ce else f"{be} / {ce}"
+
+        def acc(key: tuple) -> str:
+            r = by.get(key)
+            if r is None:
+                return "-"
+            return f"{_fmt(r['accuracy'])} [{_fmt(r['accuracy_lo'])}, {_fmt(r['accuracy_hi'])}] (n={r['total']})"
+        lines.append(f"| {model} | {head} | " + " | ".join(acc(k) for k in cols) + " |")
+    return "\n".join(lines)
+
+
 def precision_table(rows: Sequence[Mapping]) -> str:
     """A Markdown table of rankings served in a reduced precision, each paired with the float32 run's same ranking
     of the same queries (benchmarks.demo --quantize): the row's R@1 [interval], its R@1 and mR minus float32's with
