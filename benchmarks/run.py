@@ -9,7 +9,7 @@ Suites (paper tables in brackets):
                   against all 500,000 captions, EMB and CO                                      [Table 4]
   scale_1m        the same protocol on synthetic_1m (1M images / 5M captions): a cluster job; on one
                   machine use --plan (the jobs and their estimated cost)
-  k_ablation      SEP+CO / JOIN+CO at k = 10, 20, 50 from one k = 50 run (synthetic_f30k1k)     [Table 8]
+  k_ablation      SEP+CO / JOIN+CO at k = 10, 20, 50, 100 from one k = 100 run (synthetic_f30k1k)  [Table 8]
   combination     CO vs ADD_λ / NORM_ADD_λ, λ in 0.1/0.5/0.9, from one CO run (synthetic_f30k1k) [Table 11]
   baseline        the training-free mapped baseline (fit on the demo train split) as an EMB row
   memory          peak RSS of every pipeline job at 20k, 100k and 200k images (synthetic_memory; EMB and CO

@@ -304,13 +304,13 @@ def test_quantize_goes_to_the_model_jobs_and_their_outputs_are_kept_apart(model,
 
 
 def test_k_ablation_and_combination_plan_one_rerank_per_family(model, tmp_path):
-    for suite, rows in (("k_ablation", {("CO", 10, None), ("CO", 20, None), ("CO", 50, None)}),
+    for suite, rows in (("k_ablation", {("CO", 10, None), ("CO", 20, None), ("CO", 50, None), ("CO", 100, None)}),
                         ("combination", {("CO", 20, None)} | {(m, 20, lam) for m in ("CO-ADD", "CO-NORM_ADD")
                                                              for lam in suites.COMBINATION_LAMS})):
         cfg = planner.SuiteConfig(suite=suite, workdir=str(tmp_path), models=planner.Models(join=model), feature_dim=F)
         plan = suites.plan_suite(cfg)
         reranks = [j for j in plan.jobs if j.module == "pipelines.rerank"]
-        assert len(reranks) == 1 and reranks[0].plan.k == (50 if suite == "k_ablation" else 20)
+        assert len(reranks) == 1 and reranks[0].plan.k == (100 if suite == "k_ablation" else 20)
         assert {(r.mode, r.k, r.lam) for r in plan.rows} == rows
         assert all(r.runs == (reranks[0].output,) for r in plan.rows)
 
