@@ -168,6 +168,61 @@ def test_fused_backbone_gives_the_reference_features_and_bf16_another_fingerprin
         assert cos.min() > 0.95 and np.abs(got - ref).max() > 1e-3  # close, yet not float32's features
 
 
+def test_layers_concatenate_stage_maps_under_their_own_fingerprint():
+    """``layers``: the chosen maps' cells side by side (a stride-8 map averaged to the 7 x 7 cells first), each
+    equal to the reference model's map; the head alone keeps the fingerprint it had before the option."""
+    import torch
+    import torch.nn.functional as F
+
+    from retrieval_core.data.pixels.backbone import fingerprint
+    from retrieval_core.data.pixels.lite0 import STAGE_ENDS
+
+    spec = GridSpec((3, 1), layers=("head", "stage3"))
+    assert spec.layers == ("stage3", "head") and spec.feature_dim == 40 + 1280
+    for bad in (("stage8",), ("head", "head"), ()):
+        with pytest.raises(ValueError, match="layers must be distinct names"):
+            GridSpec((1,), layers=bad)
+    head, both = fingerprint(GridSpec((1, 3))), fingerprint(spec)
+    assert "layers" not in head and head["feature_dim"] == 1280
+    assert both["layers"]["maps"] == ["stage3", "head"] and both["feature_dim"] == 1320
+    assert both["fingerprint"] != head["fingerprint"]
+    pixels = np.stack([np.asarray(_scene(224, 224).rotate(a)) for a in (0, 90)])
+    got = cached_backbone((1, 3), "cpu", "float32", ("stage3", "head")).regions(pixels)
+    assert got.shape == (2, 10, 1320)
+    np.testing.assert_allclose(got[..., 40:], cached_backbone((1, 3), "cpu").regions(pixels), atol=1e-5)
+    model = cached_backbone((1, 3), "cpu").model
+    with torch.inference_mode():
+        x = F.relu6(model._bn0(model._conv_stem((torch.from_numpy(pixels).permute(0, 3, 1, 2).float() - 127) / 128)))
+        for block in model._blocks[:STAGE_ENDS[2] + 1]:
+            x = block(x)
+        assert x.shape[-1] == 28
+        x = F.avg_pool2d(x, 4)
+        ref = torch.cat([F.adaptive_avg_pool2d(x, g).flatten(2) for g in (1, 3)], 2).transpose(1, 2).numpy()
+    np.testing.assert_allclose(got[..., :40], ref, atol=1e-4, rtol=1e-4)
+    # cell_norm unit: each map's part of a cell centred and scaled to unit length on its own, another fingerprint
+    normed = GridSpec((1, 3), layers=("stage3", "head"), cell_norm="unit")
+    assert fingerprint(normed)["fingerprint"] != both["fingerprint"] and "cell_norm" not in both
+    with pytest.raises(ValueError, match="cell_norm must be one of"):
+        GridSpec((1,), cell_norm="batch")
+    z = cached_backbone((1, 3), "cpu", "float32", normed.layers, "unit").regions(pixels)
+    for part, raw in ((z[..., :40], got[..., :40]), (z[..., 40:], got[..., 40:])):
+        centred = raw - raw.mean(-1, keepdims=True)
+        np.testing.assert_allclose(part, centred / np.linalg.norm(centred, axis=-1, keepdims=True), atol=1e-4)
+
+
+def test_a_manifest_must_declare_its_layers_width(tmp_path):
+    from pipelines.stage.plan import StageError, image_backbone
+    from retrieval_core.data.manifest import load_manifest
+
+    path = photo_manifest(tmp_path, str(tmp_path), str(tmp_path / "captions.json"))
+    text = open(path).read().replace("      batch_size: 4\n", "      batch_size: 4\n      layers: [stage3, stage4]\n")
+    open(path, "w").write(text)
+    with pytest.raises(StageError, match=r"layers \['stage3', 'stage4'\] give 120-d features.*set feature_dim: 120"):
+        image_backbone(load_manifest(path))
+    open(path, "w").write(text.replace("feature_dim: 1280", "feature_dim: 120"))
+    assert image_backbone(load_manifest(path))["feature_dim"] == 120
+
+
 def test_features_from_another_source_are_refused():
     check_same_features("", "", "staged", "model")
     check_same_features("ab" * 32, "ab" * 32, "staged", "model")
@@ -267,11 +322,11 @@ def test_stage_a_folder_of_images(photo_staged):
     assert again["resume"]["written"] == 0 and again["resume"]["kept"] > 0
 
 
-def _model_folder(root, image_backbone: str) -> str:
+def _model_folder(root, image_backbone: str, feature_dim: int = 1280) -> str:
     from retrieval_core.model.checkpoints import from_text_backbone
     from tests.helpers_model import write_tiny_bert
 
-    model = from_text_backbone(write_tiny_bert(str(root / f"bert{image_backbone[:4]}")), 1280)
+    model = from_text_backbone(write_tiny_bert(str(root / f"bert{image_backbone[:4]}")), feature_dim)
     model.cfg.image_backbone = image_backbone
     folder = str(root / f"model{image_backbone[:4]}")
     model.save(folder)
@@ -329,7 +384,10 @@ def test_rendered_scenes_stage_and_encode_end_to_end(tmp_path):
     assert summary["problems"] == []
     images = summary["collections"]["demo"]["images"]
     assert images["staged"] == 8 and images["staged_by_split"] == {base["split"]: 8}
-    model = _model_folder(tmp_path, summary["image_backbone"]["fingerprint"])
+    backbone = summary["image_backbone"]
+    # the render default: the stride-8 to stride-32 stages, each standardised per cell
+    assert backbone["layers"]["maps"] == ["stage3", "stage4", "stage5", "stage6", "stage7"] and "cell_norm" in backbone
+    model = _model_folder(tmp_path, backbone["fingerprint"], backbone["feature_dim"])
     report = encode(EncodePlan(staged, model, str(tmp_path / "emb")))
     assert report is not None
 

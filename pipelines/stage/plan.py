@@ -161,21 +161,35 @@ def image_backbone(manifest) -> Optional[dict]:
     pixel = {n: s for n, s in sources.items() if s.format == IMAGE_FILES}
     if not pixel:
         return None
-    from retrieval_core.data.pixels.backbone import DEFAULT_PRECISION, HEAD, GridSpec, fingerprint, parse_grids
+    from retrieval_core.data.pixels.backbone import (
+        DEFAULT_CELL_NORM,
+        DEFAULT_LAYERS,
+        DEFAULT_PRECISION,
+        GridSpec,
+        fingerprint,
+        parse_grids,
+        parse_layers,
+    )
 
     others = sorted(set(sources) - set(pixel))
     if others:
         raise StageError(f"collections {others} stage extracted region features beside image files in "
                          f"{sorted(pixel)}: a staged folder holds one kind of image features; stage them apart")
-    specs = {n: GridSpec(parse_grids(s.options.get("grids", 7)), str(s.options.get("precision", DEFAULT_PRECISION)))
+    specs = {n: GridSpec(parse_grids(s.options.get("grids", 7)), str(s.options.get("precision", DEFAULT_PRECISION)),
+                         parse_layers(s.options.get("layers", list(DEFAULT_LAYERS))),
+                         str(s.options.get("cell_norm", DEFAULT_CELL_NORM)))
              for n, s in pixel.items()}
     if len(set(specs.values())) > 1:
-        raise StageError(f"image_files collections use different grids or precisions "
-                         f"{ {n: (g.grids, g.precision) for n, g in specs.items()} }: one staged folder, one layout")
-    if int(manifest.feature_dim) != HEAD:
-        raise StageError(f"image_files sources give {HEAD}-d features (EfficientNet-Lite0); the manifest says "
-                         f"feature_dim: {manifest.feature_dim} (set feature_dim: {HEAD})")
-    return fingerprint(next(iter(specs.values())))
+        raise StageError(f"image_files collections use different grids, precisions, layers or cell norms "
+                         f"{ {n: (g.grids, g.precision, g.layers, g.cell_norm) for n, g in specs.items()} }: one "
+                         f"staged folder, "
+                         f"one layout")
+    spec = next(iter(specs.values()))
+    if int(manifest.feature_dim) != spec.feature_dim:
+        raise StageError(f"image_files sources with layers {list(spec.layers)} give {spec.feature_dim}-d features "
+                         f"(EfficientNet-Lite0); the manifest says feature_dim: {manifest.feature_dim} "
+                         f"(set feature_dim: {spec.feature_dim})")
+    return fingerprint(spec)
 
 
 def _frozen(value):

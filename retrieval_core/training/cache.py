@@ -82,12 +82,14 @@ def ensure_rendered(run: StepRunner = run_subprocess) -> tuple[str, dict]:
     stages them, the stamp it was drawn under); redrawn when the generator or the renderer changes."""
     root = os.path.join(workdir(), "rendered", DEMO_MANIFEST)
     stamp = os.path.join(root, "rendered.json")
+    plan = RenderPlan(output=root, manifest=DEMO_MANIFEST)
+    # the staging settings the written manifest holds: other grids or layers, other features
     want = {"assets_version": ASSETS_VERSION, "synthetic_sibling_changes": list(DEFAULT_SIBLING_CHANGES),
-            "render_version": RENDER_VERSION}
+            "render_version": RENDER_VERSION, "grids": plan.grids, "layers": plan.layers,
+            "cell_norm": plan.cell_norm}
     if not _stamp_matches(stamp, want):
         shutil.rmtree(root, ignore_errors=True)
-        _run([sys.executable, "-m", "retrieval_core.data.synthetic.render",
-              *to_argv(RenderPlan(output=root, manifest=DEMO_MANIFEST))], run)
+        _run([sys.executable, "-m", "retrieval_core.data.synthetic.render", *to_argv(plan)], run)
         _write_stamp(stamp, want)
     return os.path.join(root, "manifest.yaml"), want
 

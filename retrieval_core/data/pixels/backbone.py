@@ -2,7 +2,11 @@
 the last feature map (at one or more grid sizes) as region features, with their boxes in the staged 6-value
 layout. Grid features stand in for a detector's region features ("In Defense of Grid Features", CVPR 2020).
 
-The backbone's fingerprint (weights sha256 + preprocessing + grids) goes into the staged summary and into every
+The regions are the head's map (1280-d) by default; ``layers`` takes the outputs of earlier stages instead
+(or besides), concatenated per cell: on the rendered scenes the head keeps an object's colour and class much less
+linearly readable than the stride-8 to stride-32 stages do (docs/DATA.md, "Which layers").
+
+The backbone's fingerprint (weights sha256 + preprocessing + grids + layers) goes into the staged summary and into every
 model trained on those features; :func:`check_same_features` refuses a consumer fed features of another
 backbone (the shapes may agree while the features mean something else).
 """
@@ -21,7 +25,7 @@ import torch.nn.functional as F
 
 from ..paths import local_sha256
 from ..schema import BOX_DIM, NATIVE_BF16_FLAGS, cpu_has_native_bf16
-from .lite0 import HEAD, FusedLite0, fold_batchnorm, load_lite0, weights_path
+from .lite0 import HEAD, STAGE_ENDS, STAGE_STRIDES, STAGES, FusedLite0, fold_batchnorm, load_lite0, weights_path
 
 NAME = "efficientnet-lite0"
 INPUT_SIZE = 224
@@ -35,6 +39,18 @@ DEFAULT_GRIDS = (FINAL_GRID,)
 #: or CUDA): about twice the CPU rate, and features that differ beyond float rounding, so another fingerprint.
 PRECISIONS = ("float32", "bfloat16")
 DEFAULT_PRECISION = "float32"
+#: The maps a region's features can come from: each of Lite0's seven stages (its last block's output, before
+#: any ReLU) and the head (after its ReLU6); name -> (channels, stride).
+LAYERS = {**{f"stage{i + 1}": (STAGES[i][3], STAGE_STRIDES[i]) for i in range(len(STAGES))},
+          "head": (HEAD, INPUT_SIZE // FINAL_GRID)}
+DEFAULT_LAYERS = ("head",)
+#: What each map's cell vector goes through before the maps are concatenated: nothing, or "unit": centred over its
+#: channels and scaled to unit length (LayerNorm without weights, / sqrt(channels)). The stages' outputs (no ReLU)
+#: share a large component across pictures; at their own scale (or at unit variance per channel) the first AdamW
+#: step of the image embedding swamped every image token with it and the demo recipe's bi-encoder stayed at
+#: chance (docs/DATA.md, "Which layers").
+CELL_NORMS = ("none", "unit")
+DEFAULT_CELL_NORM = "none"
 #: Pictures per backbone call on CPU: a chunk's activations then stay in the caches (docs/PERFORMANCE.md)
 CPU_CHUNK = 8
 
@@ -45,9 +61,12 @@ class FeatureSourceError(ValueError):
 
 @dataclass(frozen=True)
 class GridSpec:
-    """What decides the features: grid sizes (each <= 7), coarse first, and the backbone's precision."""
+    """What decides the features: grid sizes (each <= 7), coarse first, the backbone's precision and the maps
+    (``LAYERS``, in the network's order) whose cells are concatenated."""
     grids: tuple[int, ...] = DEFAULT_GRIDS
     precision: str = DEFAULT_PRECISION
+    layers: tuple[str, ...] = DEFAULT_LAYERS
+    cell_norm: str = DEFAULT_CELL_NORM
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -58,6 +77,16 @@ class GridSpec:
         if len(set(grids)) != len(grids):
             raise ValueError(f"grids must not repeat a size, got {self.grids!r}")
         object.__setattr__(self, "grids", tuple(sorted(grids)))
+        layers = tuple(str(n) for n in self.layers)
+        if not layers or any(n not in LAYERS for n in layers) or len(set(layers)) != len(layers):
+            raise ValueError(f"layers must be distinct names among {'|'.join(LAYERS)}, got {self.layers!r}")
+        object.__setattr__(self, "layers", tuple(sorted(layers, key=list(LAYERS).index)))
+        if self.cell_norm not in CELL_NORMS:
+            raise ValueError(f"cell_norm must be one of {'|'.join(CELL_NORMS)}, got {self.cell_norm!r}")
+
+    @property
+    def feature_dim(self) -> int:
+        return sum(LAYERS[n][0] for n in self.layers)
 
     @property
     def num_regions(self) -> int:
@@ -95,18 +124,24 @@ def fingerprint(spec: GridSpec, weights_sha256: Optional[str] = None) -> dict:
             "preprocessing": {"input": INPUT_SIZE, "resize": "bilinear, whole picture (no crop)",
                               "jpeg_draft": True, "exif_transpose": True, "alpha": "over white",
                               "scale": f"(x - {MEAN:g}) / {STD:g}"},
-            "grids": list(spec.grids), "feature_dim": HEAD}
+            "grids": list(spec.grids), "feature_dim": spec.feature_dim}
     if spec.precision != DEFAULT_PRECISION:
         # named only when not float32, so features staged before the precision option keep their fingerprint
         desc["precision"] = spec.precision
+    if spec.layers != DEFAULT_LAYERS:  # likewise: the head's features keep the fingerprint they had
+        desc["layers"] = {"maps": list(spec.layers), "pooling": f"each map averaged to {FINAL_GRID} x {FINAL_GRID} "
+                                                                "cells first, then to each grid; concatenated"}
+    if spec.cell_norm != DEFAULT_CELL_NORM:
+        desc["cell_norm"] = {"unit": "each map's cell vector centred over its channels, scaled to unit length "
+                                     "(layer norm, eps 1e-5, / sqrt(channels))"}[spec.cell_norm]
     desc["fingerprint"] = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
     return desc
 
 
 class GridBackbone:
-    """EfficientNet-Lite0 turning (N, 224, 224, 3) uint8 pictures into (N, R, 1280) float32 grid features.
-    ``model`` is the reference (BatchNorm folded, float32); the features come from its fused form."""
-    feature_dim = HEAD
+    """EfficientNet-Lite0 turning (N, 224, 224, 3) uint8 pictures into (N, R, F) float32 grid features (F: the
+    chosen layers' channels, 1280 for the head). ``model`` is the reference (BatchNorm folded, float32); the
+    features come from its fused form."""
     input_size = INPUT_SIZE
 
     def __init__(self, spec: GridSpec = GridSpec(), device: str = "cpu"):
@@ -125,6 +160,9 @@ class GridBackbone:
         self._streams: Optional[tuple[int, ThreadPoolExecutor]] = None  # (threads, pool), made on first use
         self.description = fingerprint(spec, sha)
         self.boxes = grid_boxes(spec)
+        self.feature_dim = spec.feature_dim
+        self._stage_ends = tuple(STAGE_ENDS[int(n[5:]) - 1] for n in spec.layers if n != "head")
+        self._head = "head" in spec.layers
 
     @property
     def fingerprint(self) -> str:
@@ -132,45 +170,57 @@ class GridBackbone:
 
     @torch.inference_mode()
     def regions(self, pixels: np.ndarray) -> np.ndarray:
-        """(N, num_regions, 1280) features of a uint8 batch (N, 224, 224, 3)."""
+        """(N, num_regions, feature_dim) features of a uint8 batch (N, 224, 224, 3)."""
         if pixels.ndim != 4 or pixels.shape[1:] != (INPUT_SIZE, INPUT_SIZE, 3):
             raise ValueError(f"expected (N, {INPUT_SIZE}, {INPUT_SIZE}, 3) pixels, got {pixels.shape}")
         # NHWC uint8 is channels-last already: permuting gives the layout without a copy
         x = torch.from_numpy(np.ascontiguousarray(pixels)).to(self.device).permute(0, 3, 1, 2).float()
-        fmap = self._feature_map((x - MEAN) / STD)
-        cells = [F.adaptive_avg_pool2d(fmap, g).flatten(2) for g in self.spec.grids]  # (N, C, g*g) each
-        return torch.cat(cells, dim=2).transpose(1, 2).cpu().numpy()
+        maps = self._feature_maps((x - MEAN) / STD)
+        # a finer map is first averaged to the final map's cells (exact: its side is a multiple of 7), so every
+        # layer's cell covers the same pixels and the boxes hold for all of them
+        maps = [m if m.shape[-1] == FINAL_GRID else F.avg_pool2d(m, m.shape[-1] // FINAL_GRID) for m in maps]
+        fmap = maps[0] if len(maps) == 1 else torch.cat(maps, dim=1)
+        cells = torch.cat([F.adaptive_avg_pool2d(fmap, g).flatten(2) for g in self.spec.grids], dim=2)  # (N, C, R)
+        cells = cells.transpose(1, 2)
+        if self.spec.cell_norm == "unit":
+            cells = torch.cat([F.layer_norm(part, part.shape[-1:], eps=1e-5) / part.shape[-1] ** 0.5
+                               for part in cells.split([LAYERS[n][0] for n in self.spec.layers], dim=-1)], dim=-1)
+        return cells.cpu().numpy()
 
-    def _feature_map(self, x: torch.Tensor) -> torch.Tensor:
-        """The fused model's float32 map of a normalised batch. On CPU, chunks of CPU_CHUNK pictures run
-        side by side, one per torch thread, each chunk on a single thread: the layers of a small network are too
-        short for its threads to share them (each waits for the slowest at every layer, and much longer when
-        another process holds a core), so the cores work on different pictures instead."""
+    def _run(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [m.float() for m in self.fused.taps(x, self._stage_ends, self._head)]
+
+    def _feature_maps(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The fused model's float32 maps (``spec.layers``) of a normalised batch. On CPU, chunks of CPU_CHUNK
+        pictures run side by side, one per torch thread, each chunk on a single thread: the layers of a small
+        network are too short for its threads to share them (each waits for the slowest at every layer, and much
+        longer when another process holds a core), so the cores work on different pictures instead."""
         cpu = self.device.type == "cpu"
         chunks = [x[a:a + CPU_CHUNK] for a in range(0, len(x), CPU_CHUNK)] if cpu else [x]
         threads = torch.get_num_threads() if cpu else 1
         if len(chunks) == 1 or threads == 1:
-            return torch.cat([self.fused(c).float() for c in chunks])
+            return [torch.cat(ms) for ms in zip(*(self._run(c) for c in chunks))]
         if self._streams is None or self._streams[0] != threads:
             self._streams = (threads, ThreadPoolExecutor(threads, thread_name_prefix="lite0"))
 
-        def one(chunk: torch.Tensor) -> torch.Tensor:
+        def one(chunk: torch.Tensor) -> list[torch.Tensor]:
             # torch's thread count is per thread once set (OpenMP); it is set back to the caller's count after,
             # so threads started later inherit the caller's setting, not 1
             torch.set_num_threads(1)
             try:
                 with torch.inference_mode():  # grad mode is per thread too
-                    return self.fused(chunk).float()
+                    return self._run(chunk)
             finally:
                 torch.set_num_threads(threads)
 
-        return torch.cat(list(self._streams[1].map(one, chunks)))
+        return [torch.cat(ms) for ms in zip(*self._streams[1].map(one, chunks))]
 
 
 @functools.lru_cache(maxsize=2)
-def cached_backbone(grids: tuple[int, ...], device: str, precision: str = DEFAULT_PRECISION) -> GridBackbone:
+def cached_backbone(grids: tuple[int, ...], device: str, precision: str = DEFAULT_PRECISION,
+                    layers: tuple[str, ...] = DEFAULT_LAYERS, cell_norm: str = DEFAULT_CELL_NORM) -> GridBackbone:
     """One backbone per worker process and setting (the weights load once, not once per read task)."""
-    return GridBackbone(GridSpec(grids, precision), device)
+    return GridBackbone(GridSpec(grids, precision, layers, cell_norm), device)
 
 
 def describe(staged_fp: str) -> str:
@@ -186,6 +236,13 @@ def check_same_features(staged_fp: str, model_fp: str, staged_what: str, model_w
                                  f"train a model on these features")
 
 
+def parse_layers(value: Sequence[str] | str) -> tuple[str, ...]:
+    """A layers option: "head", "stage3,stage4" or ["stage6", "head"]."""
+    if isinstance(value, str):
+        return tuple(v for v in value.replace(" ", "").split(",") if v)
+    return tuple(str(v) for v in value)
+
+
 def parse_grids(value: Sequence[int] | str | int) -> tuple[int, ...]:
     """A grid option: 7, "3,7" or [3, 7]."""
     if isinstance(value, int):
@@ -195,5 +252,7 @@ def parse_grids(value: Sequence[int] | str | int) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-__all__ = ["DEFAULT_GRIDS", "DEFAULT_PRECISION", "PRECISIONS", "FeatureSourceError", "GridBackbone", "GridSpec",
-           "cached_backbone", "check_same_features", "fingerprint", "grid_boxes", "parse_grids"]
+__all__ = ["CELL_NORMS", "DEFAULT_CELL_NORM", "DEFAULT_GRIDS", "DEFAULT_LAYERS", "DEFAULT_PRECISION", "LAYERS",
+           "PRECISIONS", "FeatureSourceError", "GridBackbone", "GridSpec",
+           "cached_backbone", "check_same_features", "fingerprint", "grid_boxes", "parse_grids",
+           "parse_layers"]

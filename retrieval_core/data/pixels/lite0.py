@@ -20,6 +20,9 @@ from ..paths import local_sha256
 STAGES = ((1, 3, 1, 16, 1), (6, 3, 2, 24, 2), (6, 5, 2, 40, 2), (6, 3, 2, 80, 3), (6, 5, 1, 112, 3),
           (6, 5, 2, 192, 4), (6, 3, 1, 320, 1))
 STEM, HEAD, CLASSES = 32, 1280, 1000
+#: The index of each stage's last block, and the stride of its map.
+STAGE_ENDS = tuple(sum(r for *_, r in STAGES[:i + 1]) - 1 for i in range(len(STAGES)))
+STAGE_STRIDES = tuple(2 ** (1 + sum(s == 2 for _, _, s, _, _ in STAGES[:i + 1])) for i in range(len(STAGES)))
 BN_EPS = 1e-3  # the TF models' epsilon; torch's default 1e-5 shifts every activation
 
 
@@ -184,11 +187,22 @@ class FusedLite0:
         self.head = _FusedConv(model._conv_head, True, dtype, device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.taps(x, ())[0]
+
+    def taps(self, x: torch.Tensor, stage_ends: tuple[int, ...], head: bool = True) -> list[torch.Tensor]:
+        """The maps after the blocks ``stage_ends`` (block indices, increasing), then the head's map when
+        ``head``; the blocks past the last map asked for are not run."""
+        out = []
         x = self.stem(x.to(self.dtype))
-        for expand, depthwise, project, skip in self.blocks:
+        last = len(self.blocks) - 1 if head else (stage_ends[-1] if stage_ends else -1)
+        for i, (expand, depthwise, project, skip) in enumerate(self.blocks[:last + 1]):
             y = depthwise(expand(x) if expand is not None else x)
             x = project(y, x if skip else None)
-        return self.head(x)
+            if i in stage_ends:
+                out.append(x)
+        if head:
+            out.append(self.head(x))
+        return out
 
 
 def weights_path() -> str:

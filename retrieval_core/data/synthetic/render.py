@@ -125,6 +125,12 @@ class RenderPlan:
     limit: Optional[int] = option(None, type=click.IntRange(min=1),
                                   help="render only the first N images (whole families) [all]")
     grids: str = option("1,3", help="grid sizes of the staged regions (image_files grids), coarse first")
+    layers: str = option("stage3,stage4,stage5,stage6,stage7",
+                         help="the backbone maps whose cells make a region's features (image_files layers: "
+                              "stage1..stage7, head), comma-separated")
+    cell_norm: str = option("unit", type=click.Choice(["none", "unit"]),
+                            help="each map's cell vector as it is, or centred over its channels and scaled to unit "
+                                 "length (image_files cell_norm)")
     scale: float = option(RENDER_SCALE, type=click.FloatRange(0.05, 4.0), help="picture size / scene size")
 
 
@@ -142,7 +148,11 @@ def _spec(plan: RenderPlan) -> SyntheticSpec:
 def write_collection(plan: RenderPlan) -> dict:
     """Render the images, write captions.json (every English caption, with its scene's split) and a manifest
     staging both (image_files + karpathy_json); returns {"manifest", "images", "captions"}."""
+    from retrieval_core.data.pixels.backbone import GridSpec, parse_grids, parse_layers
+
     spec = _spec(plan)
+    # the staging settings, checked before anything is drawn
+    spec_px = GridSpec(parse_grids(plan.grids), layers=parse_layers(plan.layers), cell_norm=plan.cell_norm)
     stop = spec.num_images if plan.limit is None else min(plan.limit, spec.num_images)
     stop -= stop % spec.family_size if stop >= spec.family_size else 0  # whole families: siblings stay together
     img_dir = os.path.join(plan.output, "images")
@@ -170,8 +180,8 @@ def write_collection(plan: RenderPlan) -> dict:
     with open(manifest, "w") as f:
         f.write(f"""name: rendered_{spec.collection}
 description: The {spec.collection} scenes of {plan.manifest} drawn as pictures ({stop} images), staged from pixels.
-feature_dim: 1280
-max_regions: {sum(g * g for g in grids)}
+feature_dim: {spec_px.feature_dim}
+max_regions: {spec_px.num_regions}
 collections:
   {spec.collection}:
     role: query
@@ -179,6 +189,8 @@ collections:
       format: image_files
       path: {os.path.abspath(img_dir)}
       grids: {grids}
+      layers: {list(spec_px.layers)}
+      cell_norm: {spec_px.cell_norm}
     captions:
       format: karpathy_json
       path: {os.path.abspath(captions)}
