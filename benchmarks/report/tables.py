@@ -372,6 +372,8 @@ def seed_table(rows: Sequence[Mapping]) -> str:
         t, i = by_dir.get("t2i"), by_dir.get("i2t")
         label = f"{mode} k={k}" if str(k) not in ("", "nan") and mode != "EMB" else str(mode)
         label += f" lam={lam}" if str(lam) not in ("", "nan") else ""
+        fusion = str((t or i).get("fusion", ""))
+        label += f" (per seed: {fusion})" if fusion not in ("", "nan") else ""
         lines.append("| " + " | ".join([str(collection), str(model), label, mean(t, "R@1"), mean(i, "R@1"),
                                         mean(t or i, "mR"), delta(t), delta(i)]) + " |")
     return "\n".join(lines)
