@@ -125,7 +125,7 @@ class RenderPlan:
     limit: Optional[int] = option(None, type=click.IntRange(min=1),
                                   help="render only the first N images (whole families) [all]")
     grids: str = option("1,3", help="grid sizes of the staged regions (image_files grids), coarse first")
-    layers: str = option("head",
+    layers: str = option("stage3,stage4,stage5,stage6,stage7",
                          help="the backbone maps whose cells make a region's features (image_files layers: "
                               "stage1..stage7, head), comma-separated")
     cell_norm: str = option("unit", type=click.Choice(["none", "unit"]),
