@@ -62,11 +62,17 @@ def _one(rows: Sequence[Mapping], column: str) -> str:
     return ", ".join(values) if values else "-"
 
 
+def _measured(rows: Sequence[Mapping], faiss: bool = True) -> str:
+    """``Measured <date> at commit <c> on <cpu> (<device>, <n> threads; torch <v>[, faiss <v>])``: the opening of
+    every generated table's line."""
+    return (f"Measured {_one(rows, 'date')} at commit `{_one(rows, 'commit')}` on {_one(rows, 'cpu_model')} "
+            f"({_one(rows, 'device')}, {_one(rows, 'threads')} threads; torch {_one(rows, 'torch')}"
+            + (f", faiss {_one(rows, 'faiss')})" if faiss else ")"))
+
+
 def provenance_line(rows: Sequence[Mapping]) -> str:
     """Where, when, from which commit and on what the rows were measured (their environment columns)."""
-    return (f"Measured {_one(rows, 'date')} at commit `{_one(rows, 'commit')}` on {_one(rows, 'cpu_model')} "
-            f"({_one(rows, 'device')}, {_one(rows, 'threads')} threads; torch {_one(rows, 'torch')}, faiss "
-            f"{_one(rows, 'faiss')}); recipe {_one(rows, 'recipe')}, model seed {_one(rows, 'model_seed')}; "
+    return (_measured(rows) + f"; recipe {_one(rows, 'recipe')}, model seed {_one(rows, 'model_seed')}; "
             f"encode and rerank in {_precision(rows)}; "
             f"{_one(rows, 'split')} split, {_one(rows, 'queries')} queries per direction, pool of "
             f"{_one(rows, 'collection_size')} images; intervals: {_one(rows, 'bootstrap')}; " + _run_note(rows))
@@ -95,8 +101,7 @@ def recall_block(rows: Sequence[Mapping]) -> str:
 
 def environment_line(rows: Sequence[Mapping]) -> str:
     """Where, when and from which commit rows that are no recall table were measured."""
-    return (f"Measured {_one(rows, 'date')} at commit `{_one(rows, 'commit')}` on {_one(rows, 'cpu_model')} "
-            f"({_one(rows, 'device')}, {_one(rows, 'threads')} threads; torch {_one(rows, 'torch')}); model "
+    return (_measured(rows, faiss=False) + "; model "
             f"{_one(rows, 'model')} ({_one(rows, 'recipe')}), {_one(rows, 'collection_size')} items per task.")
 
 
@@ -113,9 +118,7 @@ def feeding_block(rows: Sequence[Mapping]) -> str:
 
 def seed_block(rows: Sequence[Mapping]) -> str:
     """A <suite>_seeds.csv's table (report.seed_table) under how it was measured."""
-    return (f"Measured {_one(rows, 'date')} at commit `{_one(rows, 'commit')}` on {_one(rows, 'cpu_model')} "
-            f"({_one(rows, 'device')}, {_one(rows, 'threads')} threads; torch {_one(rows, 'torch')}, faiss "
-            f"{_one(rows, 'faiss')}); recipe {_one(rows, 'recipe')}, model seeds {_one(rows, 'seeds')}; "
+    return (_measured(rows) + f"; recipe {_one(rows, 'recipe')}, model seeds {_one(rows, 'seeds')}; "
             f"encode and rerank in {_precision(rows)}; {_one(rows, 'split')} split, {_one(rows, 'queries')} "
             f"queries per direction (the same queries for every seed), pools of {_one(rows, 'collection_size')} "
             f"images; mean ± std over the seeds [intervals: "
@@ -125,8 +128,7 @@ def seed_block(rows: Sequence[Mapping]) -> str:
 
 def probe_block(rows: Sequence[Mapping]) -> str:
     """benchmarks.family_probe's accuracies (report.probe_table) under where they were measured."""
-    return (f"Measured {_one(rows, 'date')} at commit `{_one(rows, 'commit')}` on {_one(rows, 'cpu_model')} "
-            f"({_one(rows, 'device')}, {_one(rows, 'threads')} threads; torch {_one(rows, 'torch')}); "
+    return (_measured(rows, faiss=False) + "; "
             f"{_one(rows, 'collection')} {_one(rows, 'split')} split; intervals: {_one(rows, 'bootstrap')}.\n\n"
             + probe_table(rows) + "\n")
 
