@@ -348,3 +348,24 @@ def test_against_another_run_also_compares_the_stored_scores_of_the_same_pairs(t
     same = CliRunner().invoke(main, ["--rankings", str(a), "--staged", str(staged), "--output", str(tmp_path / "o2"),
                                      "--against-mode", "emb"])
     assert same.exit_code == 0 and "scores against it" not in same.output
+
+
+def test_a_lead_counts_only_beyond_noise():
+    """AUTO's rule for pure CO (runs.lead_beyond_noise): a lead of a query or two is noise, a large lead in one
+    direction with none lost in the other is not, and a large lead bought with a loss in the other is refused."""
+    from retrieval_core.evaluation.metrics import DirectionHits
+    from retrieval_core.evaluation.runs import lead_beyond_noise
+
+    n, miss = 400, np.iinfo(np.int64).max
+
+    def hits(t2i_hits: int, i2t_hits: int) -> dict:
+        return {d: DirectionHits(d, np.arange(n), np.where(np.arange(n) < h, 0, miss), 10)
+                for d, h in (("t2i", t2i_hits), ("i2t", i2t_hits))}
+
+    base = hits(200, 200)
+    beyond, lead = lead_beyond_noise(hits(201, 200), base)
+    assert not beyond and lead["t2i_R@1"][0] == pytest.approx(0.25) and lead["t2i_R@1"][1] <= 0 < lead["t2i_R@1"][2]
+    beyond, lead = lead_beyond_noise(hits(240, 200), base)
+    assert beyond and lead["t2i_R@1"][1] > 0 and lead["i2t_R@1"] == [0.0, 0.0, 0.0]
+    beyond, lead = lead_beyond_noise(hits(240, 199), base)
+    assert not beyond and lead["i2t_R@1"][0] < 0

@@ -177,3 +177,26 @@ def test_the_precision_and_feeding_tables_print_only_their_csvs_numbers(tmp_path
     assert published.check_text(text, str(tmp_path), "doc", prose=False) == []
     assert any("differs from its CSV" in p for p in
                published.check_text(text.replace("992.8", "999.8"), str(tmp_path), "doc", prose=False))
+
+
+def test_the_fusion_rule_table_counts_each_seeds_measured_losses(tmp_path):
+    """benchmarks.fusion_rule's table: the seed mean and its t interval per direction, the choice of every seed,
+    and the seeds whose own paired interval lies below zero."""
+    from benchmarks.fusion_rule import COLUMNS
+
+    write = lambda p, b: Path(p).write_bytes(b)  # noqa: E731
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    one = {"collection": "f30k1k (out of domain)", "model": "JOIN", "against": "emb", "interval": "x", "queries": 500,
+           "co_lead": "", "rankings": "", **{c: v for c, v in ENV.items() if c in COLUMNS}}
+    per_seed = {(0, "t2i"): (1.0, -2.0, 4.0, "norm_add_0.2"), (0, "i2t"): (2.0, 0.4, 3.6, "norm_add_0.2"),
+                (2, "t2i"): (-6.4, -11.0, -2.0, "co"), (2, "i2t"): (-2.4, -7.2, 2.2, "co")}
+    rows = [{**one, "model_seed": s, "rule": "previous", "fusion": f, "direction": d, "R@1": 30.0, "delta_R@1": e,
+             "delta_R@1_lo": lo, "delta_R@1_hi": hi} for (s, d), (e, lo, hi, f) in per_seed.items()]
+    rows += [{**one, "model_seed": "0,2", "rule": "previous", "fusion": "norm_add_0.2;co", "direction": d,
+              "R@1": 30.0, "delta_R@1": e, "delta_R@1_lo": e - 40, "delta_R@1_hi": e + 40}
+             for d, e in (("t2i", -2.7), ("i2t", -0.2))]
+    report.write_csv(str(tmp_path / "docs" / "results" / "r.csv"), rows, COLUMNS, write_atomic=write)
+    text = published.regenerate("<!-- pending: fusion-rule-table docs/results/r.csv -->\n", str(tmp_path))
+    assert "| f30k1k (out of domain) | JOIN | previous | 0: norm_add_0.2, 2: co | -2.7 [-42.7, +37.3] | " \
+           "-0.2 [-40.2, +39.8] | 2 |" in text
+    assert published.check_text(text, str(tmp_path), "doc", prose=False) == []

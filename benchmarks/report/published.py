@@ -32,7 +32,14 @@ from typing import Callable, Mapping, Sequence
 import click
 
 from benchmarks.report.schema import read_csv, schema_path
-from benchmarks.report.tables import feeding_table, precision_table, probe_table, recall_table, seed_table
+from benchmarks.report.tables import (
+    feeding_table,
+    fusion_rule_table,
+    precision_table,
+    probe_table,
+    recall_table,
+    seed_table,
+)
 from retrieval_core.cli import check_options, option
 
 #: The tracked folder of the result CSVs the docs cite (results/ at the root is the runs' scratch, ignored).
@@ -133,10 +140,18 @@ def probe_block(rows: Sequence[Mapping]) -> str:
             + probe_table(rows) + "\n")
 
 
+def fusion_rule_block(rows: Sequence[Mapping]) -> str:
+    """benchmarks.fusion_rule's re-chosen defaults (report.fusion_rule_table) under where they were computed."""
+    return (_measured(rows) + f"; from the stored scores of the suites' runs, {_one(rows, 'queries')} queries per "
+            "direction; intervals: the seed mean's t interval over seeds, a seed's "
+            "own difference by a paired query bootstrap (the CSV).\n\n" + fusion_rule_table(rows) + "\n")
+
+
 #: The table kinds a generated block may name.
 GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {
     "recall-table": recall_block, "precision-table": precision_block, "feeding-table": feeding_block,
-    "seed-table": seed_block, "probe-table": probe_block}
+    "seed-table": seed_block, "probe-table": probe_block,
+    "fusion-rule-table": fusion_rule_block}
 
 
 def generate(kind: str, csv_path: str, root: str) -> str:

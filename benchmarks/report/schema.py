@@ -155,6 +155,13 @@ COLUMN_DOCS = {
     **{f"delta_{m}_{stat}": f"the {word} of the seeds' own differences delta_{m}, percent points"
        for m in METRICS for stat, word in (("min", "smallest"), ("max", "largest"))},
     "seed_interval": "how the *_t_lo / *_t_hi columns were computed (level, seeds, degrees of freedom)",
+    # fusion_rule.csv (benchmarks.fusion_rule)
+    "rule": "how the default ranking was chosen on dev: EMB (none), previous (best worse-direction R@1 gain, pure CO "
+            "without a noise check), today (choose_fusion: CO only when its dev lead is beyond noise)",
+    "interval": "how delta_R@1_lo / delta_R@1_hi were computed: a paired query bootstrap (one model) or a Student t "
+                "interval over the model seeds (a seed-mean row)",
+    "co_lead": "when CO ranked first on dev: CO minus the best candidate that keeps the BE score, dev R@1 per "
+               "direction with its paired 95 % bootstrap interval",
     # <suite>_jobs.csv
     "job": "job name (unique within the suite)",
     "step": "module the job ran (python -m <step>)",

@@ -439,3 +439,29 @@ def feeding_table(rows: Sequence[Mapping]) -> str:
                   if w != "model alone"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def fusion_rule_table(rows: Sequence[Mapping]) -> str:
+    """A Markdown table of benchmarks.fusion_rule's CSV: per (test row, family, rule), each seed's chosen default,
+    its seed-mean R@1 minus EMB per direction with the t interval over seeds, and the seeds whose own paired
+    interval lies below 0 (a measured loss) in either direction."""
+    lines = ["| test row | model | rule | choice per seed | t2i R@1 minus EMB | i2t R@1 minus EMB | seeds with a "
+             "measured loss |", "|" + "---|" * 7]
+    means: dict[tuple, dict[str, Mapping]] = {}
+    losses: dict[tuple, set] = {}
+    for r in rows:
+        key = (r["collection"], r["model"], r["rule"])
+        if r["rule"] == "EMB":
+            continue
+        if "," in str(r["model_seed"]):
+            means.setdefault(key, {})[r["direction"]] = r
+        elif float(r["delta_R@1_hi"]) < 0:
+            losses.setdefault(key, set()).add(r["model_seed"])
+    for key, by in means.items():
+        cells = ["{:+.1f} [{:+.1f}, {:+.1f}]".format(*(float(by[d][f"delta_R@1{e}"]) for e in ("", "_lo", "_hi")))
+                 for d in ("t2i", "i2t")]
+        seeds = str(by["t2i"]["model_seed"]).split(",")
+        choice = ", ".join(f"{s}: {c}" for s, c in zip(seeds, str(by["t2i"]["fusion"]).split(";")))
+        lost = ", ".join(str(s) for s in sorted(losses.get(key, ()), key=str)) or "none"
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {choice} | {cells[0]} | {cells[1]} | {lost} |")
+    return "\n".join(lines)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -21,7 +21,7 @@ from retrieval_core.data import schema
 from retrieval_core.data.paths import LOCAL_FILES, FileAccess, join_path, read_file, split_path
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.evaluation.metrics import DirectionHits, rankings_hits, recall_summary
-from retrieval_core.evaluation.stats import Bootstrap, recall_intervals
+from retrieval_core.evaluation.stats import Bootstrap, difference_intervals, recall_intervals
 from retrieval_core.search.rerank import (
     FUSION_MODES,
     RANKINGS_MANIFEST,
@@ -249,7 +249,23 @@ def evaluate_run(run_dir: str, staged: str, *, k: Optional[int] = None, mode: Op
 
 #: How choose_fusion ranks the candidates (recorded with every choice).
 CHOICE_CRITERION = ("the largest R@1 gain over EMB in the worse direction on the dev run; ties: the higher mR, then "
-                    "the first of emb, co, add_lam, norm_add_lam")
+                    "the first of emb, co, add_lam, norm_add_lam; pure co only when its R@1 lead over the best "
+                    "candidate that keeps the BE score is beyond noise on the dev queries (its paired 95 % interval "
+                    "above 0 in one direction, its estimate not below 0 in the other)")
+#: The paired bootstrap of that noise check (the settings of the intervals the suites report).
+LEAD_BOOTSTRAP = Bootstrap()
+
+
+def lead_beyond_noise(a: Mapping[str, DirectionHits], b: Mapping[str, DirectionHits],
+                      boot: Bootstrap = LEAD_BOOTSTRAP) -> tuple[bool, dict[str, list[float]]]:
+    """Whether ranking A's R@1 lead over B on the same queries is beyond noise: the paired interval of A - B above 0
+    in at least one direction and its estimate not below 0 in any. Returns (that, ``{"<d>_R@1": [estimate, lo,
+    hi]}``)."""
+    lead = difference_intervals(a, b, boot, ks=(1,))
+    out = {f"{d}_R@1": [round(v, 4) for v in (i.estimate, i.lo, i.hi)]
+           for d in DIRECTIONS if f"{d}_R@1" in lead for i in (lead[f"{d}_R@1"],)}
+    beyond = any(lo > 0 for _, lo, _ in out.values()) and all(est >= 0 for est, _, _ in out.values())
+    return beyond, out
 
 
 def choose_fusion(dev_run: str, staged: str, k: int, lams: Sequence[float] = AUTO_LAMS,
@@ -258,8 +274,12 @@ def choose_fusion(dev_run: str, staged: str, k: int, lams: Sequence[float] = AUT
     """The ranking users get by default, chosen on a dev run (a CE-scored run on a held-out split): among EMB,
     CO and ADD_lam / NORM_ADD_lam for every lam, each derived at depth ``k`` from the run's stored scores, the one
     whose worse direction gains most R@1 over EMB (CHOICE_CRITERION). EMB is a candidate, so a gain in one
-    direction is never bought with a measured loss in the other. Returns ``{"mode", "lam", "label", "dev":
-    {label: {t2i_R@1, i2t_R@1, mR}}, "dev_mR": {label: mR}, "criterion", "dev_run", "dev_split", "k"}``."""
+    direction is never bought with a measured loss in the other. Pure CO drops the BE score, the part that keeps a
+    ranking near EMB where the CE transfers worse than the BE (queries unlike the dev split's), so CO is taken only
+    when its dev lead over the best candidate that keeps the BE score is beyond noise, not a query or two. Returns
+    ``{"mode", "lam", "label", "dev": {label: {t2i_R@1, i2t_R@1, mR}}, "dev_mR": {label: mR}, "criterion",
+    "dev_run", "dev_split", "k", "co_lead"}``; ``co_lead`` (None unless CO ranked first): CO minus that candidate
+    per direction, ``{"<d>_R@1": [estimate, lo, hi]}``."""
     run = LoadedRun.read(dev_run, staged, collection, files=files, lang=lang)
     candidates = [("emb", None), ("co", None)] + [(m, float(lam)) for m in FUSION_MODES for lam in lams]
     results = {mode_label(m, lam): run.evaluate(k, m, lam) for m, lam in candidates}
@@ -269,13 +289,19 @@ def choose_fusion(dev_run: str, staged: str, k: int, lams: Sequence[float] = AUT
         lifts = [results[label][f"{d}_R@1"] - base[f"{d}_R@1"] for d in run.directions]
         return round(min(lifts), 9), round(results[label]["mR"], 9)
 
-    best = max((mode_label(m, lam) for m, lam in candidates), key=rank)  # max keeps the first of equals
-    mode, lam = next((m, lam) for m, lam in candidates if mode_label(m, lam) == best)
+    labels = {mode_label(m, lam): (m, lam) for m, lam in candidates}
+    best = max(labels, key=rank)  # max keeps the first of equals
+    co_lead = None
+    if best == "co":
+        kept = max((label for label in labels if label != "co"), key=rank)
+        beyond, co_lead = lead_beyond_noise(run.hits(k, "co"), run.hits(k, *labels[kept]))
+        best = best if beyond else kept
+    mode, lam = labels[best]
     dev = {label: {key: round(r[key], 4) for key in (*(f"{d}_R@1" for d in run.directions), "mR")}
            for label, r in results.items()}
     return {"mode": mode, "lam": lam, "label": best, "dev": dev,
             "dev_mR": {label: d["mR"] for label, d in dev.items()}, "criterion": CHOICE_CRITERION,
-            "dev_run": run.run_dir, "dev_split": run.split, "k": int(k)}
+            "dev_run": run.run_dir, "dev_split": run.split, "k": int(k), "co_lead": co_lead}
 
 
 #: The stored scores :func:`score_differences` compares (schema.RANKING_COLUMNS).
