@@ -118,6 +118,38 @@ def test_grid_boxes_cover_the_picture_coarse_first():
         GridSpec((8,))
 
 
+def test_a_larger_input_gives_a_finer_final_map_and_exact_thirds():
+    """``input_size`` 288: a 9 x 9 final map, so a 3 x 3 grid's cells are exact thirds of the picture (at 224 they
+    overlap); its features are the reference model's at that size, under another fingerprint; sizes that are no
+    multiple of the stride, and grids finer than the map, are refused."""
+    import torch
+    import torch.nn.functional as F
+
+    from retrieval_core.data.pixels.backbone import fingerprint
+
+    spec = GridSpec((1, 3), input_size=288)
+    assert spec.final_grid == 9 and fingerprint(spec)["preprocessing"]["input"] == 288
+    assert fingerprint(spec)["fingerprint"] != fingerprint(GridSpec((1, 3)))["fingerprint"]
+    np.testing.assert_allclose(grid_boxes(spec)[1:, 4], 1 / 3, atol=1e-6)
+    assert grid_boxes(GridSpec((9,), input_size=288)).shape == (81, 6)
+    for bad in (300, 0, True, "big"):
+        with pytest.raises(ValueError, match="input_size must be a multiple of 32"):
+            GridSpec((1,), input_size=bad)
+    with pytest.raises(ValueError, match=r"grids must be sizes in 1..7 \(the final map's side at a 224"):
+        GridSpec((9,))
+    backbone = cached_backbone((1, 3), "cpu", "float32", ("stage6", "head"), "none", 288)
+    pixels = np.stack([np.asarray(_scene(288, 288).rotate(a)) for a in (0, 90)])
+    got = backbone.regions(pixels)
+    assert got.shape == (2, 10, 192 + 1280)
+    with torch.inference_mode():
+        fmap = backbone.model.features((torch.from_numpy(pixels).permute(0, 3, 1, 2).float() - 127.0) / 128.0)
+        assert fmap.shape[-1] == 9
+        ref = torch.cat([F.adaptive_avg_pool2d(fmap, g).flatten(2) for g in (1, 3)], 2).transpose(1, 2).numpy()
+    np.testing.assert_allclose(got[..., 192:], ref, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"expected \(N, 288, 288, 3\)"):
+        backbone.regions(pixels[:, :224, :224])
+
+
 def test_lite0_names_real_photos_sensibly():
     """The model definition matches the weights: ImageNet top-1 on real photos is the right object."""
     root = require_realdata("allennlp_vision_fixtures", "images")

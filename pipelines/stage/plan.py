@@ -165,6 +165,7 @@ def image_backbone(manifest) -> Optional[dict]:
         DEFAULT_CELL_NORM,
         DEFAULT_LAYERS,
         DEFAULT_PRECISION,
+        INPUT_SIZE,
         GridSpec,
         fingerprint,
         parse_grids,
@@ -177,13 +178,12 @@ def image_backbone(manifest) -> Optional[dict]:
                          f"{sorted(pixel)}: a staged folder holds one kind of image features; stage them apart")
     specs = {n: GridSpec(parse_grids(s.options.get("grids", 7)), str(s.options.get("precision", DEFAULT_PRECISION)),
                          parse_layers(s.options.get("layers", list(DEFAULT_LAYERS))),
-                         str(s.options.get("cell_norm", DEFAULT_CELL_NORM)))
+                         str(s.options.get("cell_norm", DEFAULT_CELL_NORM)), s.options.get("input_size", INPUT_SIZE))
              for n, s in pixel.items()}
     if len(set(specs.values())) > 1:
-        raise StageError(f"image_files collections use different grids, precisions, layers or cell norms "
-                         f"{ {n: (g.grids, g.precision, g.layers, g.cell_norm) for n, g in specs.items()} }: one "
-                         f"staged folder, "
-                         f"one layout")
+        layouts = {n: (g.grids, g.precision, g.layers, g.cell_norm, g.input_size) for n, g in specs.items()}
+        raise StageError(f"image_files collections use different grids, precisions, layers, cell norms or input "
+                         f"sizes {layouts}: one staged folder, one layout")
     spec = next(iter(specs.values()))
     if int(manifest.feature_dim) != spec.feature_dim:
         raise StageError(f"image_files sources with layers {list(spec.layers)} give {spec.feature_dim}-d features "

@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence
 
 from retrieval_core.cli import to_argv
 from retrieval_core.data.paths import local_folder_sha256, write_local_atomic
+from retrieval_core.data.pixels.backbone import INPUT_SIZE
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.data.synthetic.render import RENDER_VERSION, RenderPlan
 from retrieval_core.data.synthetic.spec import DEFAULT_SIBLING_CHANGES
@@ -87,6 +88,8 @@ def ensure_rendered(run: StepRunner = run_subprocess) -> tuple[str, dict]:
     want = {"assets_version": ASSETS_VERSION, "synthetic_sibling_changes": list(DEFAULT_SIBLING_CHANGES),
             "render_version": RENDER_VERSION, "grids": plan.grids, "layers": plan.layers,
             "cell_norm": plan.cell_norm}
+    if plan.input_size != INPUT_SIZE:  # named only when not the default: collections drawn before keep their stamp
+        want["input_size"] = plan.input_size
     if not _stamp_matches(stamp, want):
         shutil.rmtree(root, ignore_errors=True)
         _run([sys.executable, "-m", "retrieval_core.data.synthetic.render", *to_argv(plan)], run)

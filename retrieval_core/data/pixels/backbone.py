@@ -29,11 +29,14 @@ from .lite0 import HEAD, STAGE_ENDS, STAGE_STRIDES, STAGES, FusedLite0, fold_bat
 
 NAME = "efficientnet-lite0"
 INPUT_SIZE = 224
+#: Input sizes a GridSpec takes: multiples of the network's stride (32), so every map's side is a whole number of
+#: final-map cells; a larger input gives a finer final map (288 pixels: 9 x 9, three cells per third of the picture).
+INPUT_STRIDE, INPUT_SIZES = 32, range(96, 641, 32)
 #: Lite0's input scaling, as its TF training used it: (pixel - 127) / 128
 MEAN, STD = 127.0, 128.0
-#: The final map is 7 x 7 at 224 pixels; grids are average-pooled from it, coarse first, so a region cap
-#: (``max_regions``, stored order) keeps the coarse cells.
-FINAL_GRID = INPUT_SIZE // 32
+#: The final map is 7 x 7 at 224 pixels (input / 32); grids are average-pooled from it, coarse first, so a region
+#: cap (``max_regions``, stored order) keeps the coarse cells.
+FINAL_GRID = INPUT_SIZE // INPUT_STRIDE
 DEFAULT_GRIDS = (FINAL_GRID,)
 #: The backbone's arithmetic: float32 (the reference), or bfloat16 convolutions (oneDNN on a CPU with native bf16,
 #: or CUDA): about twice the CPU rate, and features that differ beyond float rounding, so another fingerprint.
@@ -42,7 +45,7 @@ DEFAULT_PRECISION = "float32"
 #: The maps a region's features can come from: each of Lite0's seven stages (its last block's output, before
 #: any ReLU) and the head (after its ReLU6); name -> (channels, stride).
 LAYERS = {**{f"stage{i + 1}": (STAGES[i][3], STAGE_STRIDES[i]) for i in range(len(STAGES))},
-          "head": (HEAD, INPUT_SIZE // FINAL_GRID)}
+          "head": (HEAD, INPUT_STRIDE)}
 DEFAULT_LAYERS = ("head",)
 #: What each map's cell vector goes through before the maps are concatenated: nothing, or "unit": centred over its
 #: channels and scaled to unit length (LayerNorm without weights, / sqrt(channels)). The stages' outputs (no ReLU)
@@ -61,19 +64,30 @@ class FeatureSourceError(ValueError):
 
 @dataclass(frozen=True)
 class GridSpec:
-    """What decides the features: grid sizes (each <= 7), coarse first, the backbone's precision and the maps
-    (``LAYERS``, in the network's order) whose cells are concatenated."""
+    """What decides the features: grid sizes (each <= the final map's side: 7 at 224 pixels), coarse first, the
+    backbone's precision, the maps (``LAYERS``, in the network's order) whose cells are concatenated, how each
+    map's cell is normalised, and the square input every picture is resized to."""
     grids: tuple[int, ...] = DEFAULT_GRIDS
     precision: str = DEFAULT_PRECISION
     layers: tuple[str, ...] = DEFAULT_LAYERS
     cell_norm: str = DEFAULT_CELL_NORM
+    input_size: int = INPUT_SIZE
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {'|'.join(PRECISIONS)}, got {self.precision!r}")
+        try:
+            size = None if isinstance(self.input_size, bool) else int(self.input_size)
+        except (TypeError, ValueError):
+            size = None
+        if size not in INPUT_SIZES or (isinstance(self.input_size, float) and size != self.input_size):
+            raise ValueError(f"input_size must be a multiple of {INPUT_STRIDE} in {INPUT_SIZES.start}.."
+                             f"{INPUT_SIZES.stop - 1}, got {self.input_size!r}")
+        object.__setattr__(self, "input_size", int(self.input_size))
         grids = tuple(int(g) for g in self.grids)
-        if not grids or any(not 1 <= g <= FINAL_GRID for g in grids):
-            raise ValueError(f"grids must be sizes in 1..{FINAL_GRID}, got {self.grids!r}")
+        if not grids or any(not 1 <= g <= self.final_grid for g in grids):
+            raise ValueError(f"grids must be sizes in 1..{self.final_grid} (the final map's side at a "
+                             f"{self.input_size}-pixel input), got {self.grids!r}")
         if len(set(grids)) != len(grids):
             raise ValueError(f"grids must not repeat a size, got {self.grids!r}")
         object.__setattr__(self, "grids", tuple(sorted(grids)))
@@ -85,6 +99,10 @@ class GridSpec:
             raise ValueError(f"cell_norm must be one of {'|'.join(CELL_NORMS)}, got {self.cell_norm!r}")
 
     @property
+    def final_grid(self) -> int:
+        return self.input_size // INPUT_STRIDE
+
+    @property
     def feature_dim(self) -> int:
         return sum(LAYERS[n][0] for n in self.layers)
 
@@ -93,7 +111,7 @@ class GridSpec:
         return sum(g * g for g in self.grids)
 
 
-def _cell_edges(grid: int, n: int = FINAL_GRID) -> list[tuple[int, int]]:
+def _cell_edges(grid: int, n: int) -> list[tuple[int, int]]:
     """The rows (or columns) of the n-cell map that adaptive average pooling to ``grid`` cells averages."""
     return [((i * n) // grid, -((-(i + 1) * n) // grid)) for i in range(grid)]
 
@@ -102,8 +120,9 @@ def grid_boxes(spec: GridSpec) -> np.ndarray:
     """(num_regions, 6) normalised [x1, y1, x2, y2, w, h] of every cell, in the features' order (grid by grid,
     row-major): the part of the picture the pooled cell averages."""
     boxes = []
+    n = spec.final_grid
     for g in spec.grids:
-        edges = [(a / FINAL_GRID, b / FINAL_GRID) for a, b in _cell_edges(g)]
+        edges = [(a / n, b / n) for a, b in _cell_edges(g, n)]
         for y1, y2 in edges:
             for x1, x2 in edges:
                 boxes.append([x1, y1, x2, y2, x2 - x1, y2 - y1])
@@ -121,7 +140,7 @@ def fingerprint(spec: GridSpec, weights_sha256: Optional[str] = None) -> dict:
     """The features' identity: what the staged summary records under ``image_backbone`` (``fingerprint``: the
     sha256 of the rest) and models trained on them keep."""
     desc = {"name": NAME, "weights_sha256": weights_sha256 or _weights_sha256(weights_path()),
-            "preprocessing": {"input": INPUT_SIZE, "resize": "bilinear, whole picture (no crop)",
+            "preprocessing": {"input": spec.input_size, "resize": "bilinear, whole picture (no crop)",
                               "jpeg_draft": True, "exif_transpose": True, "alpha": "over white",
                               "scale": f"(x - {MEAN:g}) / {STD:g}"},
             "grids": list(spec.grids), "feature_dim": spec.feature_dim}
@@ -129,8 +148,9 @@ def fingerprint(spec: GridSpec, weights_sha256: Optional[str] = None) -> dict:
         # named only when not float32, so features staged before the precision option keep their fingerprint
         desc["precision"] = spec.precision
     if spec.layers != DEFAULT_LAYERS:  # likewise: the head's features keep the fingerprint they had
-        desc["layers"] = {"maps": list(spec.layers), "pooling": f"each map averaged to {FINAL_GRID} x {FINAL_GRID} "
-                                                                "cells first, then to each grid; concatenated"}
+        n = spec.final_grid
+        desc["layers"] = {"maps": list(spec.layers), "pooling": f"each map averaged to {n} x {n} cells first, then "
+                                                                "to each grid; concatenated"}
     if spec.cell_norm != DEFAULT_CELL_NORM:
         desc["cell_norm"] = {"unit": "each map's cell vector centred over its channels, scaled to unit length "
                                      "(layer norm, eps 1e-5, / sqrt(channels))"}[spec.cell_norm]
@@ -139,15 +159,15 @@ def fingerprint(spec: GridSpec, weights_sha256: Optional[str] = None) -> dict:
 
 
 class GridBackbone:
-    """EfficientNet-Lite0 turning (N, 224, 224, 3) uint8 pictures into (N, R, F) float32 grid features (F: the
-    chosen layers' channels, 1280 for the head). ``model`` is the reference (BatchNorm folded, float32); the
-    features come from its fused form."""
-    input_size = INPUT_SIZE
+    """EfficientNet-Lite0 turning (N, S, S, 3) uint8 pictures (S: ``spec.input_size``, 224 by default) into
+    (N, R, F) float32 grid features (F: the chosen layers' channels, 1280 for the head). ``model`` is the reference
+    (BatchNorm folded, float32); the features come from its fused form."""
 
     def __init__(self, spec: GridSpec = GridSpec(), device: str = "cpu"):
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda was requested but CUDA is not available on this machine")
         self.spec = spec
+        self.input_size = spec.input_size
         self.device = torch.device(device)
         if spec.precision == "bfloat16" and self.device.type == "cpu" and not cpu_has_native_bf16():
             raise ValueError(f"image_files precision bfloat16 needs a CPU with native bf16 "
@@ -170,15 +190,17 @@ class GridBackbone:
 
     @torch.inference_mode()
     def regions(self, pixels: np.ndarray) -> np.ndarray:
-        """(N, num_regions, feature_dim) features of a uint8 batch (N, 224, 224, 3)."""
-        if pixels.ndim != 4 or pixels.shape[1:] != (INPUT_SIZE, INPUT_SIZE, 3):
-            raise ValueError(f"expected (N, {INPUT_SIZE}, {INPUT_SIZE}, 3) pixels, got {pixels.shape}")
+        """(N, num_regions, feature_dim) features of a uint8 batch (N, S, S, 3), S the spec's input size."""
+        size = self.input_size
+        if pixels.ndim != 4 or pixels.shape[1:] != (size, size, 3):
+            raise ValueError(f"expected (N, {size}, {size}, 3) pixels, got {pixels.shape}")
         # NHWC uint8 is channels-last already: permuting gives the layout without a copy
         x = torch.from_numpy(np.ascontiguousarray(pixels)).to(self.device).permute(0, 3, 1, 2).float()
         maps = self._feature_maps((x - MEAN) / STD)
-        # a finer map is first averaged to the final map's cells (exact: its side is a multiple of 7), so every
-        # layer's cell covers the same pixels and the boxes hold for all of them
-        maps = [m if m.shape[-1] == FINAL_GRID else F.avg_pool2d(m, m.shape[-1] // FINAL_GRID) for m in maps]
+        # a finer map is first averaged to the final map's cells (exact: its side is a multiple of the final one's),
+        # so every layer's cell covers the same pixels and the boxes hold for all of them
+        n = self.spec.final_grid
+        maps = [m if m.shape[-1] == n else F.avg_pool2d(m, m.shape[-1] // n) for m in maps]
         fmap = maps[0] if len(maps) == 1 else torch.cat(maps, dim=1)
         cells = torch.cat([F.adaptive_avg_pool2d(fmap, g).flatten(2) for g in self.spec.grids], dim=2)  # (N, C, R)
         cells = cells.transpose(1, 2)
@@ -218,9 +240,10 @@ class GridBackbone:
 
 @functools.lru_cache(maxsize=2)
 def cached_backbone(grids: tuple[int, ...], device: str, precision: str = DEFAULT_PRECISION,
-                    layers: tuple[str, ...] = DEFAULT_LAYERS, cell_norm: str = DEFAULT_CELL_NORM) -> GridBackbone:
+                    layers: tuple[str, ...] = DEFAULT_LAYERS, cell_norm: str = DEFAULT_CELL_NORM,
+                    input_size: int = INPUT_SIZE) -> GridBackbone:
     """One backbone per worker process and setting (the weights load once, not once per read task)."""
-    return GridBackbone(GridSpec(grids, precision, layers, cell_norm), device)
+    return GridBackbone(GridSpec(grids, precision, layers, cell_norm, input_size), device)
 
 
 def describe(staged_fp: str) -> str:
@@ -252,7 +275,8 @@ def parse_grids(value: Sequence[int] | str | int) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-__all__ = ["CELL_NORMS", "DEFAULT_CELL_NORM", "DEFAULT_GRIDS", "DEFAULT_LAYERS", "DEFAULT_PRECISION", "LAYERS",
+__all__ = ["CELL_NORMS", "DEFAULT_CELL_NORM", "DEFAULT_GRIDS", "DEFAULT_LAYERS", "DEFAULT_PRECISION", "INPUT_SIZE",
+           "LAYERS",
            "PRECISIONS", "FeatureSourceError", "GridBackbone", "GridSpec",
            "cached_backbone", "check_same_features", "fingerprint", "grid_boxes", "parse_grids",
            "parse_layers"]

@@ -68,7 +68,7 @@ def read_image_files(paths: Sequence[str], files: Optional[FileAccess] = None, d
                      grids: int | list[int] | str = 7, batch_size: int = 32, source_id_pattern: Optional[str] = None,
                      max_pixels: int = decode.DEFAULT_MAX_PIXELS, decode_threads: int = 1,
                      precision: str = "float32", layers: str | list[str] = "head",
-                     cell_norm: str = "none") -> Iterator[RawImage | Reject]:
+                     cell_norm: str = "none", input_size: int = 224) -> Iterator[RawImage | Reject]:
     """One RawImage (normalised grid boxes, the file's size after EXIF rotation, its ``conversions``) per
     decodable file of ``paths``, else a Reject naming the file and why. ``grids``: the grid sizes (e.g. [3, 7]);
     ``source_id_pattern``: a regex whose group, searched in the file's stem, is the image id (default the stem).
@@ -81,14 +81,16 @@ def read_image_files(paths: Sequence[str], files: Optional[FileAccess] = None, d
     batches. ``precision``: the backbone's arithmetic
     (float32, or bfloat16: other features, another fingerprint); ``layers``: the backbone's maps whose cells
     make a region's features (``pixels.backbone.LAYERS``; the head by default); ``cell_norm``: each map's cell
-    vector as it is (none) or centred over its channels and scaled to unit length (unit)."""
+    vector as it is (none) or centred over its channels and scaled to unit length (unit); ``input_size``: the
+    square every picture is resized to (a multiple of 32; 224 by default, the final map 7 x 7; 288 gives 9 x 9, so
+    a 3 x 3 grid's cells are exact thirds of the picture)."""
     from ..pixels.backbone import GridSpec, cached_backbone, parse_grids, parse_layers
 
     if int(batch_size) < 1 or int(decode_threads) < 0:
         raise ValueError(f"{FORMAT} batch_size must be >= 1 and decode_threads >= 0, got {batch_size!r}, "
                          f"{decode_threads!r}")
-    spec = GridSpec(parse_grids(grids), str(precision), parse_layers(layers), str(cell_norm))
-    backbone = cached_backbone(spec.grids, device, spec.precision, spec.layers, spec.cell_norm)
+    spec = GridSpec(parse_grids(grids), str(precision), parse_layers(layers), str(cell_norm), input_size)
+    backbone = cached_backbone(spec.grids, device, spec.precision, spec.layers, spec.cell_norm, spec.input_size)
     paths = [paths] if isinstance(paths, str) else list(paths)
     batch: list[tuple[str, str, decode.Decoded]] = []
 

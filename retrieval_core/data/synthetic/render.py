@@ -131,6 +131,9 @@ class RenderPlan:
     cell_norm: str = option("unit", type=click.Choice(["none", "unit"]),
                             help="each map's cell vector as it is, or centred over its channels and scaled to unit "
                                  "length (image_files cell_norm)")
+    input_size: int = option(224, type=click.IntRange(96, 640),
+                             help="the square the backbone reads each picture at (image_files input_size, a multiple "
+                                  "of 32)")
     scale: float = option(RENDER_SCALE, type=click.FloatRange(0.05, 4.0), help="picture size / scene size")
 
 
@@ -152,7 +155,8 @@ def write_collection(plan: RenderPlan) -> dict:
 
     spec = _spec(plan)
     # the staging settings, checked before anything is drawn
-    spec_px = GridSpec(parse_grids(plan.grids), layers=parse_layers(plan.layers), cell_norm=plan.cell_norm)
+    spec_px = GridSpec(parse_grids(plan.grids), layers=parse_layers(plan.layers), cell_norm=plan.cell_norm,
+                       input_size=plan.input_size)
     stop = spec.num_images if plan.limit is None else min(plan.limit, spec.num_images)
     stop -= stop % spec.family_size if stop >= spec.family_size else 0  # whole families: siblings stay together
     img_dir = os.path.join(plan.output, "images")
@@ -191,6 +195,7 @@ collections:
       grids: {grids}
       layers: {list(spec_px.layers)}
       cell_norm: {spec_px.cell_norm}
+      input_size: {spec_px.input_size}
     captions:
       format: karpathy_json
       path: {os.path.abspath(captions)}
