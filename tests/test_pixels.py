@@ -417,8 +417,9 @@ def test_rendered_scenes_stage_and_encode_end_to_end(tmp_path):
     images = summary["collections"]["demo"]["images"]
     assert images["staged"] == 8 and images["staged_by_split"] == {base["split"]: 8}
     backbone = summary["image_backbone"]
-    # the render default: the stride-8 to stride-32 stages, each standardised per cell
+    # the render default: the stride-8 to stride-32 stages, each standardised per cell, read at 288 pixels
     assert backbone["layers"]["maps"] == ["stage3", "stage4", "stage5", "stage6", "stage7"] and "cell_norm" in backbone
+    assert backbone["preprocessing"]["input"] == 288
     model = _model_folder(tmp_path, backbone["fingerprint"], backbone["feature_dim"])
     report = encode(EncodePlan(staged, model, str(tmp_path / "emb")))
     assert report is not None

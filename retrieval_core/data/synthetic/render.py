@@ -32,7 +32,10 @@ assert set(RGB) == set(COLOURS)
 BACKGROUNDS = ((196, 208, 186), (206, 196, 176), (184, 200, 212), (210, 200, 210))
 OUTLINES = ("disk", "square", "triangle", "diamond", "star", "hexagon", "cross", "tall_bar")
 FILLS = ("solid", "ring", "striped")  # a ring: the outline drawn thick, the background inside
-RENDER_SCALE = 0.5  # a 640 x 480 scene is drawn at 320 x 240 (the backbone reads 224 x 224)
+RENDER_SCALE = 0.5  # a 640 x 480 scene is drawn at 320 x 240 (the backbone reads it at RENDERED_INPUT)
+#: The backbone's input for rendered scenes: 288 pixels give a 9 x 9 final map, so the 3 x 3 grid's cells are the
+#: scenes' 3 x 3 layout cells exactly (at 224 they overlap); measured on the dev split: docs/DATA.md.
+RENDERED_INPUT = 288
 RENDER_VERSION = 1  # bump when the drawing changes: cached rendered collections are redrawn
 
 
@@ -131,7 +134,7 @@ class RenderPlan:
     cell_norm: str = option("unit", type=click.Choice(["none", "unit"]),
                             help="each map's cell vector as it is, or centred over its channels and scaled to unit "
                                  "length (image_files cell_norm)")
-    input_size: int = option(224, type=click.IntRange(96, 640),
+    input_size: int = option(RENDERED_INPUT, type=click.IntRange(96, 640),
                              help="the square the backbone reads each picture at (image_files input_size, a multiple "
                                   "of 32)")
     scale: float = option(RENDER_SCALE, type=click.FloatRange(0.05, 4.0), help="picture size / scene size")
