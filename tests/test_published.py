@@ -200,3 +200,8 @@ def test_the_fusion_rule_table_counts_each_seeds_measured_losses(tmp_path):
     assert "| f30k1k (out of domain) | JOIN | previous | 0: norm_add_0.2, 2: co | -2.7 [-42.7, +37.3] | " \
            "-0.2 [-40.2, +39.8] | 2 |" in text
     assert published.check_text(text, str(tmp_path), "doc", prose=False) == []
+
+
+def test_a_hyphenated_word_ending_in_a_digit_is_no_number():
+    """'top-1' in a table header names a statistic, not a result; a signed number after a space stays one."""
+    assert published.NUMBER.findall("| top-1 binding | +1.5 [-2.0, +3.1] | R@1 -1 |") == ["+1.5", "-2.0", "+3.1", "-1"]

@@ -53,8 +53,8 @@ PROVENANCE = ("device", "cpu_model", "threads", "torch", "faiss", "commit", "dat
 
 BLOCK = re.compile(r"<!-- generated: (?P<kind>[\w-]+) (?P<csv>\S+) -->\n(?P<body>.*?)<!-- /generated -->", re.S)
 PENDING = re.compile(r"<!-- pending: (?P<kind>[\w-]+) (?P<csv>\S+) -->\n")
-#: A number standing on its own (not inside a word, an id or a file name).
-NUMBER = re.compile(r"(?<![\w.@])[+-]?\d+(?:\.\d+)?(?![\w.])")
+#: A number standing on its own (not inside a word, an id or a file name, nor the end of a hyphenated word: top-1).
+NUMBER = re.compile(r"(?<![\w.@])(?<!\w-)[+-]?\d+(?:\.\d+)?(?![\w.])")
 #: Decimals that are no result: versions (3.10, 2.13.0 after == or >=) and option values (--lam 0.7).
 NOT_A_RESULT = re.compile(r"(?:(?:==|>=|<=) ?|--[\w-]+[ =])\d+(?:\.\d+)+|\d+\.\d+\.\d+")
 SIGNED = re.compile(r"(?<![\w.@])[+-]\d+(?:\.\d+)?(?![\w.])")
