@@ -18,7 +18,6 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import click
 import numpy as np
@@ -45,18 +44,6 @@ RUN = "co-k20"  # the CO k=20 run whose stored scores every row of the suites de
 COLUMNS = ("collection", "model", "model_seed", "rule", "fusion", "direction", "R@1", "against", "delta_R@1",
            "delta_R@1_lo", "delta_R@1_hi", "interval", "queries", "co_lead", "device", "cpu_model", "threads", "torch",
            "faiss", "transformers", "commit", "date", "rankings")
-
-
-def previous_label(dev: dict, directions=DIRECTIONS) -> str:
-    """The rule before the noise check: the best worse-direction R@1 gain over EMB, ties by mR, first listed."""
-    base = dev["emb"]
-    return max(dev, key=lambda lab: (round(min(dev[lab][f"{d}_R@1"] - base[f"{d}_R@1"] for d in directions), 9),
-                                     round(dev[lab]["mR"], 9)))
-
-
-def _mode_lam(label: str) -> tuple[str, Optional[float]]:
-    mode, _, lam = label.rpartition("_") if label[-1].isdigit() else (label, "", "")
-    return (mode, float(lam)) if lam else (label, None)
 
 
 def model_seeds(work: str) -> dict[str, tuple[str, int]]:
@@ -88,16 +75,20 @@ def evaluate_pairs(work: str, boot: Bootstrap = Bootstrap()) -> list[dict]:
             if not tests or not os.path.isdir(dev_run):
                 continue
             choice = choose_fusion(dev_run, dev_staged, 20)
-            labels = {"EMB": "emb", "previous": previous_label(choice["dev"]), "today": choice["label"]}
+            # the rules differ only where CO ranked first on dev (co_lead is set): the previous rule then took CO
+            previous = ("co", "co", None) if choice["co_lead"] is not None else \
+                (choice["label"], choice["mode"], choice["lam"])
+            rankings = {"EMB": ("emb", "emb", None), "previous": previous,
+                        "today": (choice["label"], choice["mode"], choice["lam"])}
             loaded = [LoadedRun.read(t, os.path.join(staged, folder), collection) for t in tests]
             emb = fold_hits([r.hits(20, "emb") for r in loaded])
             lead = choice["co_lead"]
-            for rule, label in labels.items():
-                hits = fold_hits([r.hits(20, *_mode_lam(label)) for r in loaded])
+            for rule, (label, mode, lam) in rankings.items():
+                hits = fold_hits([r.hits(20, mode, lam) for r in loaded])
                 delta = difference_intervals(hits, emb, boot, ks=(1,))
                 for d in DIRECTIONS:
                     iv = delta[f"{d}_R@1"]
-                    r1 = 100 * float(np.mean([np.mean(h.first_hit < 1) for h in hits[d]]))  # mean over folds
+                    r1 = float(np.mean([h.recall(1) for h in hits[d]]))  # the mean over folds
                     out.append({
                         "collection": name, "model": family, "model_seed": seed, "rule": rule, "fusion": label,
                         "direction": d, "R@1": round(r1, 4),
