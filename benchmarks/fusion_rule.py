@@ -7,9 +7,10 @@ scores: no job reruns, so a change of the choice rule is measured on the very ru
 both a test collection and the dev pool of the same size is evaluated. The suites choose each test row's fusion on
 the dev queries ranked against a pool of the test row's size (``benchmarks.planner``, DEV_POOL): the 5k rows on
 ``distractors4500x5``, the 1k folds and the Flickr-like 1k on ``distractors500x5``, the 20k rows on
-``distractors19500x2``. Per (model, test row), three rankings, each with its R@1 per direction and the paired
-95 % bootstrap interval of its difference to EMB: EMB itself, the ``previous`` rule's choice (CHOICE_CRITERION without
-the noise check: pure CO whenever it ranks first on dev) and ``today``'s (``choose_fusion``); then per (family, test
+``distractors19500x2``, the 100k row (scale_100k) on ``distractors99500x5``. Per (model, test row), three
+rankings, each with its R@1 per direction and the paired 95 % bootstrap interval of its difference to EMB: EMB
+itself, the ``previous`` rule's choice (CHOICE_CRITERION without the noise check: pure CO whenever it ranks first
+on dev) and ``today``'s (``choose_fusion``); then per (family, test
 row, rule) the mean over the model seeds of that difference with its Student t interval over seeds
 (``stats.seed_mean_interval``). Models: ``bench-models/seed<N>`` of the work folder, float32 rankings only.
 """
@@ -38,6 +39,7 @@ ROWS = (
      "synthetic_dev_pool-distractors19500x2"),
     ("f30k1k+20k (out of domain)", "synthetic_distractor20k", "all-synthetic_f30k1k-*", "synthetic_f30k1k",
      "synthetic_dev_pool-distractors19500x2"),
+    ("100k", "synthetic_100k", "all-*", None, "synthetic_dev_pool-distractors99500x5"),
 )
 RUN = "co-k20"  # the CO k=20 run whose stored scores every row of the suites derives from
 #: The CSV's columns (report.COLUMN_DOCS says what each holds).

@@ -131,6 +131,10 @@ class JobResult:
     peak_rss_kib: int
     reused: bool = False
     preloaded: bool = False  # forked from the preloaded forkserver: less start-up in wall_s
+    # when it finished (UTC) and the command as it ran: a reused job's come from its stamp (an earlier run may have
+    # given it other --threads than this one, which its wall time reflects)
+    finished: str = ""
+    command: str = ""
 
     @property
     def start_s(self) -> float:
@@ -165,7 +169,7 @@ def _write_stamp(job: Job, result: JobResult, beam_args: Sequence[str]) -> None:
         "fingerprint": job.fingerprint(), "done_sha256": local_sha256(job.done_path), "inputs": _input_digests(job),
         "command": job.command(beam_args), "code_version": code_version(),
         "wall_s": round(result.wall_s, 3), "peak_rss_kib": result.peak_rss_kib,
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        "finished": result.finished})
 
 
 def run_job(job: Job, beam_args: Sequence[str] = (), log: Callable[[str], None] = print,
@@ -176,7 +180,8 @@ def run_job(job: Job, beam_args: Sequence[str] = (), log: Callable[[str], None] 
         stamp = finished(job)
         if stamp is not None:
             log(f"reuse {job.name}: {job.output} (finished {stamp['finished']}, {stamp['wall_s']:.1f}s then)")
-            return JobResult(job, float(stamp["wall_s"]), int(stamp["peak_rss_kib"]), reused=True)
+            return JobResult(job, float(stamp["wall_s"]), int(stamp["peak_rss_kib"]), reused=True,
+                             finished=stamp["finished"], command=stamp.get("command", ""))
     log(f"run {job.name}\n+ {job.command(beam_args)}")
     if os.path.exists(job.stamp_path):
         os.remove(job.stamp_path)  # the output is about to change: a kill now must not leave it "finished"
@@ -208,7 +213,8 @@ def run_job(job: Job, beam_args: Sequence[str] = (), log: Callable[[str], None] 
     if not os.path.exists(job.done_path):
         raise JobFailed(f"{job.name} exited 0 but wrote no {job.done_path} (a --dry_run writes nothing: "
                         f"use benchmarks.run --plan to see the jobs)")
-    result = JobResult(job, wall, peak_kib, preloaded=preload)
+    result = JobResult(job, wall, peak_kib, preloaded=preload, command=job.command(beam_args),
+                       finished=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()))
     _write_stamp(job, result, beam_args)
     log(f"done {job.name}: {wall:.1f}s, peak RSS {result.peak_rss_mb:.0f} MB")
     return result

@@ -39,9 +39,10 @@ a manifest with real (file) features and another feature_dim is refused with bot
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import click
 
@@ -61,10 +62,25 @@ def unit_costs_path(cfg: SuiteConfig) -> str:
     return os.path.join(cfg.root, "unit_costs.json" if cfg.quantize == "none" else f"unit_costs-{cfg.quantize}.json")
 
 
-def job_rows(results: Sequence[jobs.JobResult], beam_args: Sequence[str]) -> list[dict]:
+#: The jobs CSV's columns that say where the run was (benchmarks.report.JOB_COLUMNS).
+JOB_PROVENANCE = ("quantize", "device", "cpu_model", "threads", "torch", "faiss", "transformers", "commit", "date")
+
+
+def job_rows(results: Sequence[jobs.JobResult], beam_args: Sequence[str], env: Mapping) -> list[dict]:
+    """One row per job: its cost, when it finished and its command as it ran (a reused job's from its stamp), and
+    where the run was (the machine, library versions and commit are a reused job's too: it is reused only by the
+    code that wrote it)."""
+    where = {c: env[c] for c in JOB_PROVENANCE}
     return [{"job": r.job.name, "step": r.job.module, "wall_s": round(r.wall_s, 3),
              "peak_rss_mb": round(r.peak_rss_mb, 1), "reused": r.reused, "output": r.job.output,
-             "command": r.job.command(beam_args)} for r in results]
+             "command": r.command or r.job.command(beam_args), "finished": r.finished,
+             "job_threads": _given_threads(r.command or r.job.command(beam_args)), **where} for r in results]
+
+
+def _given_threads(command: str) -> str:
+    """The --threads a job's command gave it ('' where it gave none: torch's default)."""
+    m = re.search(r"--threads[ =](\d+)", command)
+    return m.group(1) if m else ""
 
 
 def execute(plan: Plan, beam_args: Sequence[str], costs: jobs.UnitCosts, costs_path: str, env: dict,
@@ -78,8 +94,7 @@ def execute(plan: Plan, beam_args: Sequence[str], costs: jobs.UnitCosts, costs_p
         if not res.reused:
             if job.module == "pipelines.rerank":  # the pairs it really scored, not the planned upper bound
                 pairs = ce_pairs_scored(job.output)
-                res = jobs.JobResult(jobs.Job(**{**job.__dict__, "work": (("ce_pairs", pairs),) if pairs else ()}),
-                                     res.wall_s, res.peak_rss_kib, preloaded=res.preloaded)
+                res = replace(res, job=jobs.Job(**{**job.__dict__, "work": (("ce_pairs", pairs),) if pairs else ()}))
             costs.learn(res)
             costs.save(costs_path)
     rows, hits, memo = [], [], {}
@@ -261,7 +276,8 @@ def run_suite(cfg: SuiteConfig, opts: RunOptions,
     path = report.write_csv(os.path.join(output, f"{suite}.csv"), rows)
     if suite in report.SIZE_SUITES:  # R@1 vs collection size across whichever suite CSVs exist
         report.plot_recall_vs_size_from(output)
-    report.write_jobs_csv(os.path.join(output, f"{suite}_jobs.csv"), job_rows(results, beam_args))
+    where = {**report.environment(cfg.device, cfg.batch_size, cfg.threads), "quantize": cfg.quantize}
+    report.write_jobs_csv(os.path.join(output, f"{suite}_jobs.csv"), job_rows(results, beam_args, where))
     if suite == "memory":  # from the CSVs just written: `python -m benchmarks.report memory-table` prints it again
         print(report.memory_table_from(output))
     if suite == "k_ablation":

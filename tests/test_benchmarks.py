@@ -593,10 +593,12 @@ def test_memory_plan_runs_every_pipeline_at_each_size(model, tmp_path):
 
 
 def test_memory_table_reports_each_steps_peak_rss_per_size_and_growth_from_the_csvs(tmp_path):
-    from benchmarks.run import job_rows
+    from benchmarks.run import JOB_PROVENANCE, job_rows
 
     def result(name, module, mb):
         return jobs.JobResult(jobs.Job(name, module, (), str(tmp_path), "m.json"), 1.0, int(mb * 1024))
+
+    where = dict.fromkeys(JOB_PROVENANCE, "x")
 
     results = [result("stage synthetic_memory-n300", "pipelines.stage", 500),
                result("index m synthetic_memory-n300/all image", "pipelines.build_index", 300),
@@ -604,7 +606,7 @@ def test_memory_table_reports_each_steps_peak_rss_per_size_and_growth_from_the_c
                result("rerank JOIN co k=20 synthetic_memory-n300/all", "pipelines.rerank", 900),
                result("stage synthetic_memory-n600", "pipelines.stage", 550),
                result("encode m synthetic_memory-n600", "pipelines.encode", 700)]
-    report.write_jobs_csv(str(tmp_path / "memory_jobs.csv"), job_rows(results, ()))
+    report.write_jobs_csv(str(tmp_path / "memory_jobs.csv"), job_rows(results, (), where))
     rows = [{"suite": "memory", "collection_size": n, "launcher_peak_rss_mb": mb, "cpu_model": "CPU X",
              "threads": 2, "batch_size": 128, "direction": d} for n, mb in ((300, 400.0), (600, 420.0))
             for d in ("t2i", "i2t")]
@@ -617,7 +619,7 @@ def test_memory_table_reports_each_steps_peak_rss_per_size_and_growth_from_the_c
     again = tmp_path / "again"  # a later run of the 600-image stage job replaces that cell, marked
     again.mkdir()
     report.write_jobs_csv(str(again / "memory_jobs.csv"), job_rows([result("stage synthetic_memory-n600",
-                                                                           "pipelines.stage", 660)], ()))
+                                                                           "pipelines.stage", 660)], (), where))
     table = report.memory_table_from(str(tmp_path), str(again))
     assert "| 600 | 660* | - | 700 | - | - | 420 |" in table and "| growth 300 -> 600 | +32 % |" in table
 

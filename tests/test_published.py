@@ -202,6 +202,29 @@ def test_the_fusion_rule_table_counts_each_seeds_measured_losses(tmp_path):
     assert published.check_text(text, str(tmp_path), "doc", prose=False) == []
 
 
+def test_a_jobs_table_shows_each_job_as_it_ran(tmp_path):
+    """A suite's jobs CSV says where the run was, and a reused job keeps the command, threads and finishing time
+    of the run that measured it; the jobs-table block prints them and passes the numbers check."""
+    from benchmarks import jobs
+    from benchmarks.run import job_rows
+
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    enc = jobs.Job("encode m c", "pipelines.encode", ("--threads", "1"), str(tmp_path / "e"), "manifest.json")
+    ran = jobs.JobResult(enc, 1095.9, 2878771, finished="2026-11-27T16:58:20",
+                         command="python -m pipelines.encode --threads 1")
+    old = jobs.JobResult(jobs.Job("stage c", "pipelines.stage", (), str(tmp_path / "s"), "summary.json"), 272.175,
+                         1167180, reused=True, finished="2026-11-27T16:40:12",
+                         command="python -m pipelines.stage --threads 2 --output s")
+    rows = job_rows([old, ran], (), {**ENV, "quantize": "none"})
+    assert [(r["job_threads"], r["finished"], r["reused"]) for r in rows] == \
+        [("2", "2026-11-27T16:40:12", True), ("1", "2026-11-27T16:58:20", False)]
+    report.write_jobs_csv(str(tmp_path / "docs" / "results" / "j.csv"), rows)
+    text = published.regenerate("<!-- pending: jobs-table docs/results/j.csv -->\n", str(tmp_path))
+    assert "| stage c | pipelines.stage | 2 | 272.2 | 1139.8 | 2026-11-27T16:40:12 |" in text
+    assert "| encode m c | pipelines.encode | 1 | 1095.9 | 2811.3 | 2026-11-27T16:58:20 |" in text
+    assert published.check_text(text, str(tmp_path), "doc", prose=False) == []
+
+
 def test_a_hyphenated_word_ending_in_a_digit_is_no_number():
     """'top-1' in a table header names a statistic, not a result; a signed number after a space stays one."""
     assert published.NUMBER.findall("| top-1 binding | +1.5 [-2.0, +3.1] | R@1 -1 |") == ["+1.5", "-2.0", "+3.1", "-1"]

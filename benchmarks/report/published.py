@@ -35,6 +35,7 @@ from benchmarks.report.schema import read_csv, schema_path
 from benchmarks.report.tables import (
     feeding_table,
     fusion_rule_table,
+    jobs_table,
     precision_table,
     probe_table,
     recall_table,
@@ -147,11 +148,18 @@ def fusion_rule_block(rows: Sequence[Mapping]) -> str:
             "own difference by a paired query bootstrap (the CSV).\n\n" + fusion_rule_table(rows) + "\n")
 
 
+def jobs_block(rows: Sequence[Mapping]) -> str:
+    """A suite run's jobs (report.jobs_table) under where they ran; each job's own thread count is in its row."""
+    return (_measured(rows) + f"; encode and rerank in {_precision(rows)}; the threads above are the run's, "
+            "each job's own are in its row; a job reused by the run that wrote the CSV shows its cost as measured "
+            "when it ran.\n\n" + jobs_table(rows) + "\n")
+
+
 #: The table kinds a generated block may name.
 GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {
     "recall-table": recall_block, "precision-table": precision_block, "feeding-table": feeding_block,
     "seed-table": seed_block, "probe-table": probe_block,
-    "fusion-rule-table": fusion_rule_block}
+    "fusion-rule-table": fusion_rule_block, "jobs-table": jobs_block}
 
 
 def generate(kind: str, csv_path: str, root: str) -> str:

@@ -49,7 +49,8 @@ SEED_COLUMNS = SEED_KEY + ("seeds", "fusion") + tuple(f"{m}_{stat}" for m in MET
 
 
 #: Column order of <suite>_jobs.csv: what every pipeline job of a suite run cost.
-JOB_COLUMNS = ("job", "step", "wall_s", "peak_rss_mb", "reused", "output", "command")
+JOB_COLUMNS = ("job", "step", "wall_s", "peak_rss_mb", "reused", "finished", "job_threads", "output", "command",
+               "quantize", "device", "cpu_model", "threads", "torch", "faiss", "transformers", "commit", "date")
 
 #: What every column of the suite CSVs and the jobs CSVs holds (written as <name>.schema.json by write_csv).
 COLUMN_DOCS = {
@@ -166,6 +167,8 @@ COLUMN_DOCS = {
     "job": "job name (unique within the suite)",
     "step": "module the job ran (python -m <step>)",
     "reused": "true: a finished output was reused (its cost as measured when it ran)",
+    "finished": "when the job finished (UTC; a reused job: when it ran)",
+    "job_threads": "the --threads the job's command gave it (empty: none, torch's default from the environment)",
     "output": "the job's output folder",
     "command": "the full command line, Beam flags included",
 }

@@ -465,3 +465,13 @@ def fusion_rule_table(rows: Sequence[Mapping]) -> str:
         lost = ", ".join(str(s) for s in sorted(losses.get(key, ()), key=str)) or "none"
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {choice} | {cells[0]} | {cells[1]} | {lost} |")
     return "\n".join(lines)
+
+
+def jobs_table(rows: Sequence[Mapping]) -> str:
+    """A Markdown table of a <suite>_jobs.csv: per job, what it ran, its wall seconds, peak RSS, the threads its
+    command gave it and when it finished (a reused job: when it ran, at its own thread count)."""
+    lines = ["| job | step | threads | wall s | peak RSS MiB | finished (UTC) |", "|" + "---|" * 6]
+    for r in rows:
+        lines.append(f"| {r['job']} | {r['step']} | {r.get('job_threads') or '-'} | {_fmt(r['wall_s'])} | "
+                     f"{_fmt(r['peak_rss_mb'])} | {r.get('finished') or '-'} |")
+    return "\n".join(lines)
