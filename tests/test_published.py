@@ -225,6 +225,24 @@ def test_a_jobs_table_shows_each_job_as_it_ran(tmp_path):
     assert published.check_text(text, str(tmp_path), "doc", prose=False) == []
 
 
+def test_a_comparison_table_pairs_two_models_on_the_same_queries(tmp_path):
+    """One model's EMB against another's (benchmarks.evaluate --against): R@1 and mR with their intervals, and the
+    paired differences with their verdicts, all of them cells of the CSV."""
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    one = {**ENV, "collection": "synthetic_multi30k", "model": "JOIN-e5-all", "mode": "EMB", "k": "",
+           "against": "emb of JOIN-e5-en", "mR": 60.0, "mR_lo": 58.0, "mR_hi": 62.0, "delta_mR": -1.5,
+           "delta_mR_lo": -3.25, "delta_mR_hi": 0.5}
+    rows = [{**one, "direction": d, "R@1": r1, "R@1_lo": r1 - 4, "R@1_hi": r1 + 4, "delta_R@1": dr,
+             "delta_R@1_lo": dr - 2, "delta_R@1_hi": dr + 2} for d, r1, dr in (("t2i", 40.0, 3.0), ("i2t", 50.0, -1.0))]
+    report.write_csv(str(tmp_path / "docs" / "results" / "c.csv"), rows,
+                     write_atomic=lambda p, b: Path(p).write_bytes(b))
+    text = published.regenerate("<!-- pending: comparison-table docs/results/c.csv -->\n", str(tmp_path))
+    assert "| synthetic_multi30k | JOIN-e5-all | EMB | emb of JOIN-e5-en | 40.0 [36.0, 44.0] | 50.0 [46.0, 54.0] | " \
+           "60.0 [58.0, 62.0] | +3.0 [+1.0, +5.0] lifts | -1.0 [-3.0, +1.0] no significant difference | " \
+           "-1.5 [-3.2, +0.5] no significant difference |" in text
+    assert published.check_text(text, str(tmp_path), "doc", prose=False) == []
+
+
 def test_a_hyphenated_word_ending_in_a_digit_is_no_number():
     """'top-1' in a table header names a statistic, not a result; a signed number after a space stays one."""
     assert published.NUMBER.findall("| top-1 binding | +1.5 [-2.0, +3.1] | R@1 -1 |") == ["+1.5", "-2.0", "+3.1", "-1"]

@@ -33,6 +33,7 @@ import click
 
 from benchmarks.report.schema import read_csv, schema_path
 from benchmarks.report.tables import (
+    comparison_table,
     feeding_table,
     fusion_rule_table,
     jobs_table,
@@ -155,11 +156,18 @@ def jobs_block(rows: Sequence[Mapping]) -> str:
             "when it ran.\n\n" + jobs_table(rows) + "\n")
 
 
+def comparison_block(rows: Sequence[Mapping]) -> str:
+    """Paired comparisons of two rankings of the same queries (report.comparison_table) under how they were
+    measured."""
+    return provenance_line(rows) + "\n\n" + comparison_table(rows) + "\n"
+
+
 #: The table kinds a generated block may name.
 GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {
     "recall-table": recall_block, "precision-table": precision_block, "feeding-table": feeding_block,
     "seed-table": seed_block, "probe-table": probe_block,
-    "fusion-rule-table": fusion_rule_block, "jobs-table": jobs_block}
+    "fusion-rule-table": fusion_rule_block, "jobs-table": jobs_block,
+    "comparison-table": comparison_block}
 
 
 def generate(kind: str, csv_path: str, root: str) -> str:

@@ -475,3 +475,26 @@ def jobs_table(rows: Sequence[Mapping]) -> str:
         lines.append(f"| {r['job']} | {r['step']} | {r.get('job_threads') or '-'} | {_fmt(r['wall_s'])} | "
                      f"{_fmt(r['peak_rss_mb'])} | {r.get('finished') or '-'} |")
     return "\n".join(lines)
+
+
+def comparison_table(rows: Sequence[Mapping]) -> str:
+    """A Markdown table of paired comparisons between two rankings of the same queries (benchmarks.evaluate
+    --against: e.g. one model's EMB against another model's): per (collection, model, ranking, against), R@1 per
+    direction and mR with their intervals, and this ranking minus the other with the verdict of each paired
+    interval."""
+    rows = [normalise_row(r) for r in rows if str(r.get("R@1", "")) not in ("", "nan")]
+    lines = ["| collection | model | ranking | against | t2i R@1 | i2t R@1 | mR | t2i R@1 minus it | "
+             "i2t R@1 minus it | mR minus it |", "|" + "---|" * 10]
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        groups.setdefault((r["collection"], r["model"], r["mode"], r["against"]), {})[r["direction"]] = r
+    for (collection, model, mode, against), by_dir in groups.items():
+        t, i = by_dir.get("t2i"), by_dir.get("i2t")
+
+        def ci(r: Optional[Mapping], m: str) -> str:
+            return "-" if r is None else f"{_fmt(r[m])} [{_fmt(r[f'{m}_lo'])}, {_fmt(r[f'{m}_hi'])}]"
+
+        cells = [str(collection), str(model), str(mode), str(against), ci(t, "R@1"), ci(i, "R@1"), ci(t or i, "mR"),
+                 _signed(t, "R@1"), _signed(i, "R@1"), _signed(t or i, "mR")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
