@@ -144,6 +144,13 @@ ML_FAMILIES = (("JOIN-e5-en (zero-shot)", "zero_shot"), ("JOIN-e5-all", "all_lan
                ("JOIN-MiniLM-en", "english_reference"))
 
 
+def _recipe_label(cli) -> str:
+    """The recipe(s) of the cached models a run uses, for its rows: the multilingual suite's own, else --recipe."""
+    if cli.suite == "multilingual":
+        return " / ".join(recipes.ML_RECIPES[r].name for _, r in ML_FAMILIES)
+    return cli.recipe
+
+
 def resolve_models(join_dir, be_dir, ce_dir, no_sep: bool, suite: str, plan_only: bool, beam_args,
                    recipe_name: str = "bench", seed: int = 0) -> Models:
     """Model folders: the given ones, else the cached models of ``recipe_name`` at ``seed``
@@ -235,7 +242,7 @@ def main(ctx, **values):
         # which cached models the rows came from (none when every model folder was given)
         trained = not (cli.join_dir and (cli.no_sep or cli.suite in JOIN_BY_DEFAULT or (cli.be_dir and cli.ce_dir)))
         opts = RunOptions(output=output if len(seeds) == 1 else os.path.join(output, f"seed{seed}"),
-                          plan_only=cli.plan_only, beam_args=beam_args, recipe=cli.recipe if trained else "",
+                          plan_only=cli.plan_only, beam_args=beam_args, recipe=_recipe_label(cli) if trained else "",
                           model_seed=seed if trained else "", preload=not cli.fresh_interpreters)
         rows_by_seed[seed], hits_by_seed[seed] = run_suite(cfg, opts, t_start) or (None, None)
     if len(seeds) > 1 and all(rows_by_seed.values()):
