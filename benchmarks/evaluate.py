@@ -49,6 +49,7 @@ from typing import Mapping, Optional, Sequence
 import click
 import pandas as pd
 
+from benchmarks.report.schema import environment
 from pipelines.files import BEAM_FILES, exists, join, makedirs, read_bytes, write_atomic, write_json_atomic
 from retrieval_core.cli import CheckedPlan, cli_errors, option, plan_command, plan_from_cli
 from retrieval_core.evaluation.metrics import DEFAULT_KS, DIRECTIONS
@@ -68,6 +69,8 @@ log = logging.getLogger(__name__)
 
 METRICS_CSV = "metrics.csv"
 KEY_COLUMNS = ("collection", "split", "lang", "model", "mode", "k", "direction")
+#: The environment columns main() adds to every row (report.environment's, less the batch size).
+PROVENANCE_COLUMNS = ("device", "cpu_model", "threads", "torch", "faiss", "transformers", "commit", "date")
 
 
 def csv_rows(result: dict, *, collection: str, split: str, model: str, mode: str, k: int,
@@ -267,6 +270,8 @@ class EvaluatePlan(CheckedPlan):
                                       help="Rerank depth of the --against ranking [--k, else its run's own].")
     against_lam: Optional[float] = option(None, type=float,
                                           help="add / norm_add weight of the --against ranking [its run's, else 0.5].")
+    against_label: Optional[str] = option(None, help="The against column's name for the --against ranking (e.g. "
+                                                     "'model B, EMB') [its mode and run folder].")
     bootstrap: int = option(DEFAULT_RESAMPLES, type=click.IntRange(min=MIN_RESAMPLES),
                             help="Bootstrap resamples of the queries behind each 95 % interval.")
     seed: int = option(DEFAULT_SEED, type=click.IntRange(min=0), help="Seed of the bootstrap resampling.")
@@ -295,8 +300,13 @@ def main(**values):
     makedirs(output)
     csv_path = join(output, METRICS_CSV)
     existing = pd.read_csv(io.BytesIO(read_bytes(csv_path))) if exists(csv_path) else None
-    merged = merge_csv(existing, csv_rows(result, collection=collection, split=split, model=model, mode=label,
-                                          k=k, tags=tag_map), list(tag_map))
+    if p.against_label and "against" in result:
+        result["against"]["label"] = p.against_label
+    # where, when and by which code: a published comparison names them (benchmarks.report docs --publish)
+    env = {c: v for c, v in environment().items() if c in PROVENANCE_COLUMNS}
+    rows = [{**r, **env} for r in csv_rows(result, collection=collection, split=split, model=model, mode=label,
+                                           k=k, tags=tag_map)]
+    merged = merge_csv(existing, rows, list(tag_map))
     buf = io.StringIO()
     merged.to_csv(buf, index=False)
     write_atomic(csv_path, buf.getvalue().encode("utf-8"))

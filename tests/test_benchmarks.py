@@ -798,3 +798,13 @@ def test_the_seed_summary_of_finished_runs_gives_the_t_interval_over_seeds_and_i
     report.write_csv(str(tmp_path / "standard_seeds.csv"), stale, report.SEED_COLUMNS)
     res = CliRunner().invoke(report_main, ["seeds", str(tmp_path), "--suite", "standard"])
     assert res.exit_code != 0 and "does not summarise the same rows" in res.output
+
+
+def test_the_multilingual_suite_rows_name_its_own_recipes():
+    """The multilingual suite trains its ML_RECIPES whatever --recipe says; its rows must not name --recipe's."""
+    from types import SimpleNamespace
+
+    from benchmarks.run import _recipe_label
+
+    assert _recipe_label(SimpleNamespace(suite="multilingual", recipe="bench")) == "ml-e5-en / ml-e5-all / ml-minilm-en"
+    assert _recipe_label(SimpleNamespace(suite="standard", recipe="bench")) == "bench"

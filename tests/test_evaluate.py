@@ -333,7 +333,8 @@ def test_against_another_run_also_compares_the_stored_scores_of_the_same_pairs(t
     b = write_run(tmp_path / "b", _ce_tables(), mode="co", k=3)
     out = tmp_path / "results"
     res = CliRunner().invoke(main, ["--rankings", str(a), "--staged", str(staged), "--output", str(out),
-                                    "--model", "m", "--against", str(b), "--against-mode", "co"])
+                                    "--model", "m", "--against", str(b), "--against-mode", "co",
+                                    "--against-label", "m in float32, CO"])
     assert res.exit_code == 0, res.output
     assert "t2i scores against it, same (query, item) pairs: be_score max |diff| 0, mean 0 (18 pairs); ce_score " \
            "max |diff| 0.5, mean 0.167 (18 pairs)" in res.output
@@ -342,6 +343,9 @@ def test_against_another_run_also_compares_the_stored_scores_of_the_same_pairs(t
     assert rows.loc["t2i", "ce_score_max_abs_diff"] == pytest.approx(0.5)
     assert rows.loc["t2i", "ce_score_mean_abs_diff"] == pytest.approx(0.5 / 3)
     assert rows.loc["t2i", "be_score_max_abs_diff"] == 0 and rows.loc["t2i", "be_pairs_compared"] == 18
+    # the against column as named, and where it was measured: a published comparison needs both
+    assert set(rows["against"]) == {"m in float32, CO"} and rows.loc["t2i", "device"] == "cpu"
+    assert str(rows.loc["t2i", "commit"]) != "" and str(rows.loc["t2i", "torch"]).startswith("2.")
     payload = json.loads((out / "toy_m_co_k3.json").read_text())
     assert payload["score_differences"]["i2t"]["ce_score_max_abs"] == pytest.approx(0.5)
     # a difference to another mode of the same run compares no scores
