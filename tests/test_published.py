@@ -243,6 +243,20 @@ def test_a_comparison_table_pairs_two_models_on_the_same_queries(tmp_path):
     assert published.check_text(text, str(tmp_path), "doc", prose=False) == []
 
 
+def test_a_recall_table_keeps_one_line_per_fusion_weight():
+    """The combination suite's fused rows differ only in lam: each weight keeps its own line (they once collapsed
+    into the last one); AUTO's chosen fusion already names its weight."""
+    base = {"collection": "f30k", "model": "SEP", "k": 20, "fusion": "", "R@5": 1.0, "R@10": 1.0, "mR": 1.0}
+    rows = [{**base, "mode": "CO-NORM_ADD", "lam": lam, "direction": d, "R@1": r1}
+            for lam, r1 in ((0.1, 39.6), (0.9, 28.6)) for d in ("t2i", "i2t")]
+    rows += [{**base, "mode": "AUTO", "lam": 0.2, "fusion": "norm_add_0.2", "direction": d, "R@1": 40.0}
+             for d in ("t2i", "i2t")]
+    table = report.recall_table(rows)
+    assert "| f30k | SEP | CO-NORM_ADD k=20 lam=0.1 | 39.6 |" in table
+    assert "| f30k | SEP | CO-NORM_ADD k=20 lam=0.9 | 28.6 |" in table
+    assert "| f30k | SEP | AUTO k=20 (norm_add_0.2) | 40.0 |" in table
+
+
 def test_a_hyphenated_word_ending_in_a_digit_is_no_number():
     """'top-1' in a table header names a statistic, not a result; a signed number after a space stays one."""
     assert published.NUMBER.findall("| top-1 binding | +1.5 [-2.0, +3.1] | R@1 -1 |") == ["+1.5", "-2.0", "+3.1", "-1"]

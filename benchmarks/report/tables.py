@@ -324,8 +324,9 @@ def recall_table(rows: Sequence[Mapping]) -> str:
     lines = ["| collection | model | mode | t2i R@1 | t2i R@5 | t2i R@10 | i2t R@1 | i2t R@5 | i2t R@10 | mR | "
              "R@1 minus EMB: t2i | R@1 minus EMB: i2t |", "|" + "---|" * 12]
     groups: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        groups.setdefault((r["collection"], r["model"], r["mode"], r["k"], r["fusion"]), {})[r["direction"]] = r
+    for r in rows:  # a fused row's weight (lam) tells it from the same fusion at another weight
+        key = (r["collection"], r["model"], r["mode"], r["k"], r["fusion"], r.get("lam", ""))
+        groups.setdefault(key, {})[r["direction"]] = r
 
     def ci(r: Optional[Mapping], m: str) -> str:
         if r is None:
@@ -333,10 +334,13 @@ def recall_table(rows: Sequence[Mapping]) -> str:
         lo, hi = r.get(f"{m}_lo", ""), r.get(f"{m}_hi", "")
         return _fmt(r[m]) + (f" [{_fmt(lo)}, {_fmt(hi)}]" if str(lo) not in ("", "nan") else "")
 
-    for (collection, model, mode, k, fusion), by_dir in groups.items():
+    for (collection, model, mode, k, fusion, lam), by_dir in groups.items():
         t, i = by_dir.get("t2i"), by_dir.get("i2t")
         label = f"{mode} k={k}" if str(k) not in ("", "nan") and mode != "EMB" else str(mode)
-        label += f" ({fusion})" if str(fusion) not in ("", "nan") else ""
+        if str(fusion) not in ("", "nan"):
+            label += f" ({fusion})"  # the fusion AUTO chose names its weight
+        elif str(lam) not in ("", "nan"):
+            label += f" lam={lam}"
         cells = [str(collection), str(model), label, ci(t, "R@1"), *(_fmt(t[m]) if t else "-" for m in ("R@5", "R@10")),
                  ci(i, "R@1"), *(_fmt(i[m]) if i else "-" for m in ("R@5", "R@10")), ci(t or i, "mR"),
                  _signed(t, "R@1"), _signed(i, "R@1")]
