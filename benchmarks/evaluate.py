@@ -49,7 +49,7 @@ from typing import Mapping, Optional, Sequence
 import click
 import pandas as pd
 
-from benchmarks.report.schema import environment
+from benchmarks.report.schema import ENVIRONMENT_COLUMNS, environment
 from pipelines.files import BEAM_FILES, exists, join, makedirs, read_bytes, write_atomic, write_json_atomic
 from retrieval_core.cli import CheckedPlan, cli_errors, option, plan_command, plan_from_cli
 from retrieval_core.evaluation.metrics import DEFAULT_KS, DIRECTIONS
@@ -69,8 +69,6 @@ log = logging.getLogger(__name__)
 
 METRICS_CSV = "metrics.csv"
 KEY_COLUMNS = ("collection", "split", "lang", "model", "mode", "k", "direction")
-#: The environment columns main() adds to every row (report.environment's, less the batch size).
-PROVENANCE_COLUMNS = ("device", "cpu_model", "threads", "torch", "faiss", "transformers", "commit", "date")
 
 
 def csv_rows(result: dict, *, collection: str, split: str, model: str, mode: str, k: int,
@@ -303,7 +301,7 @@ def main(**values):
     if p.against_label and "against" in result:
         result["against"]["label"] = p.against_label
     # where, when and by which code: a published comparison names them (benchmarks.report docs --publish)
-    env = {c: v for c, v in environment().items() if c in PROVENANCE_COLUMNS}
+    env = {c: v for c, v in environment().items() if c in ENVIRONMENT_COLUMNS}
     rows = [{**r, **env} for r in csv_rows(result, collection=collection, split=split, model=model, mode=label,
                                            k=k, tags=tag_map)]
     merged = merge_csv(existing, rows, list(tag_map))

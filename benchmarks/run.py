@@ -63,7 +63,7 @@ def unit_costs_path(cfg: SuiteConfig) -> str:
 
 
 #: The jobs CSV's columns that say where the run was (benchmarks.report.JOB_COLUMNS).
-JOB_PROVENANCE = ("quantize", "device", "cpu_model", "threads", "torch", "faiss", "transformers", "commit", "date")
+JOB_PROVENANCE = ("quantize",) + report.ENVIRONMENT_COLUMNS
 
 
 def job_rows(results: Sequence[jobs.JobResult], beam_args: Sequence[str], env: Mapping) -> list[dict]:
@@ -71,10 +71,13 @@ def job_rows(results: Sequence[jobs.JobResult], beam_args: Sequence[str], env: M
     where the run was (the machine, library versions and commit are a reused job's too: it is reused only by the
     code that wrote it)."""
     where = {c: env[c] for c in JOB_PROVENANCE}
-    return [{"job": r.job.name, "step": r.job.module, "wall_s": round(r.wall_s, 3),
-             "peak_rss_mb": round(r.peak_rss_mb, 1), "reused": r.reused, "output": r.job.output,
-             "command": r.command or r.job.command(beam_args), "finished": r.finished,
-             "job_threads": _given_threads(r.command or r.job.command(beam_args)), **where} for r in results]
+    rows = []
+    for r in results:
+        command = r.command or r.job.command(beam_args)
+        rows.append({"job": r.job.name, "step": r.job.module, "wall_s": round(r.wall_s, 3),
+                     "peak_rss_mb": round(r.peak_rss_mb, 1), "reused": r.reused, "output": r.job.output,
+                     "command": command, "finished": r.finished, "job_threads": _given_threads(command), **where})
+    return rows
 
 
 def _given_threads(command: str) -> str:

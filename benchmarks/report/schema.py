@@ -48,9 +48,11 @@ SEED_COLUMNS = SEED_KEY + ("seeds", "fusion") + tuple(f"{m}_{stat}" for m in MET
                                                        "max")) + ("bootstrap", "seed_interval") + SEED_ENVIRONMENT
 
 
-#: Column order of <suite>_jobs.csv: what every pipeline job of a suite run cost.
+#: The columns of environment() that say where, when and by which code a row was measured (its batch size aside).
+ENVIRONMENT_COLUMNS = ("device", "cpu_model", "threads", "torch", "faiss", "transformers", "commit", "date")
+#: Column order of <suite>_jobs.csv: what every pipeline job of a suite run cost, and where the run was.
 JOB_COLUMNS = ("job", "step", "wall_s", "peak_rss_mb", "reused", "finished", "job_threads", "output", "command",
-               "quantize", "device", "cpu_model", "threads", "torch", "faiss", "transformers", "commit", "date")
+               "quantize") + ENVIRONMENT_COLUMNS
 
 #: What every column of the suite CSVs and the jobs CSVs holds (written as <name>.schema.json by write_csv).
 COLUMN_DOCS = {

@@ -316,6 +316,14 @@ def memory_table_from(output_dir: str, *remeasured_dirs: str, suite: str = "memo
                         [read_csv(os.path.join(d, f"{suite}_jobs.csv")) for d in remeasured_dirs])
 
 
+def _with_interval(r: Optional[Mapping], m: str) -> str:
+    """``55.9 [55.2, 56.4]``: a row's metric with its interval where the row has one; "-" without the row."""
+    if r is None:
+        return "-"
+    lo, hi = r.get(f"{m}_lo", ""), r.get(f"{m}_hi", "")
+    return _fmt(r[m]) + (f" [{_fmt(lo)}, {_fmt(hi)}]" if str(lo) not in ("", "nan") else "")
+
+
 def recall_table(rows: Sequence[Mapping]) -> str:
     """A Markdown table of a suite CSV's recall rows, as the paper's tables read: one line per (collection, model,
     mode, k), R@1 with its 95 % interval, R@5, R@10 per direction, mR [interval], and a reranked row's R@1 minus
@@ -328,12 +336,7 @@ def recall_table(rows: Sequence[Mapping]) -> str:
         key = (r["collection"], r["model"], r["mode"], r["k"], r["fusion"], r.get("lam", ""))
         groups.setdefault(key, {})[r["direction"]] = r
 
-    def ci(r: Optional[Mapping], m: str) -> str:
-        if r is None:
-            return "-"
-        lo, hi = r.get(f"{m}_lo", ""), r.get(f"{m}_hi", "")
-        return _fmt(r[m]) + (f" [{_fmt(lo)}, {_fmt(hi)}]" if str(lo) not in ("", "nan") else "")
-
+    ci = _with_interval
     for (collection, model, mode, k, fusion, lam), by_dir in groups.items():
         t, i = by_dir.get("t2i"), by_dir.get("i2t")
         label = f"{mode} k={k}" if str(k) not in ("", "nan") and mode != "EMB" else str(mode)
@@ -492,12 +495,9 @@ def comparison_table(rows: Sequence[Mapping]) -> str:
     groups: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         groups.setdefault((r["collection"], r["model"], r["mode"], r["against"]), {})[r["direction"]] = r
+    ci = _with_interval
     for (collection, model, mode, against), by_dir in groups.items():
         t, i = by_dir.get("t2i"), by_dir.get("i2t")
-
-        def ci(r: Optional[Mapping], m: str) -> str:
-            return "-" if r is None else f"{_fmt(r[m])} [{_fmt(r[f'{m}_lo'])}, {_fmt(r[f'{m}_hi'])}]"
-
         cells = [str(collection), str(model), str(mode), str(against), ci(t, "R@1"), ci(i, "R@1"), ci(t or i, "mR"),
                  _signed(t, "R@1"), _signed(i, "R@1"), _signed(t or i, "mR")]
         lines.append("| " + " | ".join(cells) + " |")
