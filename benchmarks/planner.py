@@ -174,7 +174,8 @@ class Row:
     by evaluate_run with ``eval_k`` / ``eval_mode`` / ``eval_lam``; ``timing`` = ((CSV column, job name),
     ...) whose wall times the row reports; ``emb_runs``: the runs (one per fold) whose EMB ranking the row's
     difference is paired with (empty: no difference); ``skip`` = why the row was not run (then nothing else
-    matters)."""
+    matters); ``extrapolated`` = (CO job, search-only job) of an exhaustive CE row that was not run: its cost
+    per query from theirs (benchmarks.rows), no recall."""
     suite: str
     collection: str
     model: str
@@ -195,8 +196,10 @@ class Row:
     emb_runs: tuple[str, ...] = ()  # a reranked row's paired baseline: the EMB ranking of these runs (one per fold)
     lang: Optional[str] = None  # evaluated on the captions of this language only (multilingual)
     pool_images: int = 0
+    pool_captions: int = 0  # an extrapolated row's i2t pool
     notes: tuple[str, ...] = ()
     skip: str = ""
+    extrapolated: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not (self.k is None or self.k == "all" or (isinstance(self.k, int) and self.k >= 1)):

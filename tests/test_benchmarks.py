@@ -335,10 +335,41 @@ def test_scale_100k_reports_the_dev_chosen_fusion_beside_co(model, tmp_path):
                               feature_dim=F)
     plan = suites.plan_suite(cfg)
     rows = {r.mode: r for r in plan.rows}
-    assert set(rows) == {"EMB", "CO", "AUTO"}
+    assert set(rows) == {"EMB", "CO", "AUTO", "CE"}
     assert rows["AUTO"].runs == rows["CO"].runs and rows["AUTO"].tune_on
-    pool_reranks = [j for j in plan.jobs if j.module == "pipelines.rerank" and "synthetic_100k" in j.name]
-    assert len(pool_reranks) == 1
+    pool_reranks = {j.plan.mode: j for j in plan.jobs if j.module == "pipelines.rerank" and "synthetic_100k" in j.name}
+    assert set(pool_reranks) == {"co", "emb"}  # one CE pass; the search alone timed for the per-query table
+    co, search = pool_reranks["co"], pool_reranks["emb"]
+    assert (co.plan.queries, co.plan.index, co.plan.k) == (search.plan.queries, search.plan.index, search.plan.k)
+    assert rows["EMB"].runs == (search.output,) and ("rerank_s", search.name) in rows["EMB"].timing
+    assert rows["CO"].runs == (co.output,) and rows["CO"].emb_runs == (co.output,)
+    assert rows["CE"].extrapolated == (co.name, search.name) and not rows["CE"].skip
+    assert (rows["CE"].pool_images, rows["CE"].pool_captions) == (100_000, 500_000)
+
+
+def test_a_scale_suites_exhaustive_ce_row_is_extrapolated_from_its_co_and_search_jobs(tmp_path):
+    """Per query (the paper's Table 3 from a measured run): the CE share of the CO job (its wall minus the
+    search-only job's) over the CE pairs it scored gives the pair rate; exhaustive CE costs each direction's pool at
+    that rate, measured=false. A CO job resumed from finished shards scored nothing: no rate, said so."""
+    from benchmarks.rows import evaluate_row
+    from retrieval_core.data.schema import RANKINGS_SCHEMA_VERSION
+
+    run = tmp_path / "co"
+    run.mkdir()
+    manifest = {"schema_version": RANKINGS_SCHEMA_VERSION, "ce_pairs_scored": 200_000}
+    (run / "rankings_manifest.json").write_text(json.dumps(manifest))
+    co = jobs.Job("rerank co", "pipelines.rerank", (), str(run), "rankings_manifest.json")
+    search = jobs.Job("rerank emb", "pipelines.rerank", (), str(tmp_path / "emb"), "rankings_manifest.json")
+    results = {co.name: jobs.JobResult(co, 430.0, 1), search.name: jobs.JobResult(search, 30.0, 1)}
+    row = planner.Row(suite="scale_1m", collection="c", model="JOIN", mode="CE", k="all", runs=(str(run),),
+                      pool_images=1_000_000, pool_captions=5_000_000, extrapolated=(co.name, search.name))
+    out, hits = evaluate_row(row, results, {"threads": 2})
+    assert hits is None and [r["direction"] for r in out] == ["t2i", "i2t"]
+    assert [(r["rate_per_s"], r["per_query_ms"], r["ce_pairs"], r["measured"]) for r in out] == \
+        [(500.0, 2_000_000.0, 1_000_000, False), (500.0, 10_000_000.0, 5_000_000, False)]
+    (run / "rankings_manifest.json").write_text(json.dumps({**manifest, "ce_pairs_scored": 0}))
+    out, _ = evaluate_row(row, results, {})
+    assert len(out) == 1 and "not extrapolated: the CO job scored 0 CE pairs" in out[0]["notes"]
 
 
 def test_scale_1m_plan_prints_jobs_and_estimates_without_running(model, tmp_path):
@@ -364,8 +395,11 @@ def test_scale_1m_plan_prints_jobs_and_estimates_without_running(model, tmp_path
     commands = [line.strip() for line in out.splitlines() if line.strip().startswith("python -m ")]
     pool_run = ["pipelines.stage", "benchmarks.queries", "pipelines.encode", "pipelines.build_index",
                 "pipelines.build_index", "pipelines.rerank"]
-    assert [c.split()[2] for c in commands] == pool_run * 2
-    assert all("--manifest synthetic_dev_pool" in c or "synthetic_dev_pool-f16" in c for c in commands[len(pool_run):])
+    # the pool's CO run and its search-only twin (the per-query table's EMB), then the dev pool's CO run
+    assert [c.split()[2] for c in commands] == pool_run + ["pipelines.rerank"] + pool_run
+    assert "--mode emb" in commands[6] and "--ce-model" not in commands[6]
+    assert all("--manifest synthetic_dev_pool" in c or "synthetic_dev_pool-f16" in c
+               for c in commands[len(pool_run) + 1:])
     assert all("--feature-dtype float16 --max-regions 50 --spill-compression lzf" in c
                for c in commands if "pipelines.stage" in c)
     for c in commands:  # Beam flags go to every pipeline job, not to the queries helper

@@ -260,3 +260,26 @@ def test_a_recall_table_keeps_one_line_per_fusion_weight():
 def test_a_hyphenated_word_ending_in_a_digit_is_no_number():
     """'top-1' in a table header names a statistic, not a result; a signed number after a space stays one."""
     assert published.NUMBER.findall("| top-1 binding | +1.5 [-2.0, +3.1] | R@1 -1 |") == ["+1.5", "-2.0", "+3.1", "-1"]
+
+
+def test_a_per_query_table_prints_each_rankings_cost_per_query(tmp_path):
+    """The paper's Table 3 from a measured run: EMB (the search-only job) and CO per query, and the exhaustive
+    CE's extrapolation; rows without a per-query cost (the AUTO row: two jobs) are left out."""
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    one = {**ENV, "suite": "scale_1m", "collection": "synthetic_1m", "model": "JOIN", "queries": 5000}
+    rows = [{**one, "mode": "EMB", "k": "", "direction": d, "per_query_ms": 3.017, "measured": True}
+            for d in ("t2i", "i2t")]
+    rows += [{**one, "mode": "CO", "k": 20, "direction": d, "per_query_ms": 43.5, "ce_pairs": 200000,
+              "measured": True} for d in ("t2i", "i2t")]
+    rows += [{**one, "mode": "AUTO", "k": 20, "direction": "t2i", "per_query_ms": "", "measured": True}]
+    rows += [{**one, "mode": "CE", "k": "all", "direction": d, "queries": "", "per_query_ms": ms, "ce_pairs": n,
+              "rate_per_s": 500.0, "measured": False}
+             for d, ms, n in (("t2i", 2e6, 1_000_000), ("i2t", 1e7, 5_000_000))]
+    report.write_csv(str(tmp_path / "docs" / "results" / "q.csv"), rows,
+                     write_atomic=lambda p, b: Path(p).write_bytes(b))
+    text = published.regenerate("<!-- pending: per-query-table docs/results/q.csv -->\n", str(tmp_path))
+    assert "| JOIN | EMB | t2i | 5000 | 3.02 | - | measured |" in text
+    assert "| JOIN | CO k=20 | i2t | 5000 | 43.50 | 20 | measured |" in text
+    assert "| JOIN | CE over the whole pool | i2t | - | 10000000.00 | 5000000 | extrapolated |" in text
+    assert "AUTO" not in text
+    assert published.check_text(text, str(tmp_path), "doc", prose=False) == []

@@ -37,6 +37,7 @@ from benchmarks.report.tables import (
     feeding_table,
     fusion_rule_table,
     jobs_table,
+    per_query_table,
     precision_table,
     probe_table,
     recall_table,
@@ -162,12 +163,20 @@ def comparison_block(rows: Sequence[Mapping]) -> str:
     return provenance_line(rows) + "\n\n" + comparison_table(rows) + "\n"
 
 
+def per_query_block(rows: Sequence[Mapping]) -> str:
+    """A scale suite's cost per query (report.per_query_table) under where it was measured."""
+    return (_measured(rows) + f"; encode and rerank in {_precision(rows)}; each ranking's rerank job's wall over "
+            "the queries it ranked (both directions, start-up and index loading included), the exhaustive CE's "
+            "from the CO job's CE seconds (its wall minus the search-only job's) per pair; the formula in each "
+            "row's notes.\n\n" + per_query_table(rows) + "\n")
+
+
 #: The table kinds a generated block may name.
 GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {
     "recall-table": recall_block, "precision-table": precision_block, "feeding-table": feeding_block,
     "seed-table": seed_block, "probe-table": probe_block,
     "fusion-rule-table": fusion_rule_block, "jobs-table": jobs_block,
-    "comparison-table": comparison_block}
+    "comparison-table": comparison_block, "per-query-table": per_query_block}
 
 
 def generate(kind: str, csv_path: str, root: str) -> str:

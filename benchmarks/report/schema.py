@@ -30,9 +30,9 @@ SCORE_DIFF_COLUMNS = tuple(f"{s}_score_{stat}_diff" for s in ("be", "ce") for st
 CSV_COLUMNS = (
     "suite", "collection", "model", "mode", "k", "lam", "fusion", "direction",
     "R@1", "R@5", "R@10", "mR", *INTERVAL_COLUMNS, *SCORE_DIFF_COLUMNS, "queries", "collection_size",
-    "wall_s", "encode_s", "index_s", "search_s", "rerank_s", "ce_pairs", "peak_rss_mb", "launcher_peak_rss_mb",
-    "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "ann_recall@10", "speedup_vs_paper_code",
-    "search_p50_ms", "bound_ms", "index_bytes", "rate_per_s", "roofline_fraction", "useful_token_fraction",
+    "wall_s", "encode_s", "index_s", "search_s", "rerank_s", "ce_pairs", "per_query_ms", "peak_rss_mb",
+    "launcher_peak_rss_mb", "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "ann_recall@10",
+    "speedup_vs_paper_code", "search_p50_ms", "bound_ms", "index_bytes", "rate_per_s", "roofline_fraction", "useful_token_fraction",
     "split", "lang", "recipe", "model_seed", "device", "cpu_model", "threads", "torch", "faiss", "transformers",
     "commit", "date", "batch_size", "quantize", "measured", "rankings", "notes",
 )
@@ -97,7 +97,10 @@ COLUMN_DOCS = {
     "index_s": "seconds of the build_index job(s)",
     "search_s": "seconds of ANN search (latency rows)",
     "rerank_s": "seconds of the rerank job(s) (retrieval + CE scoring + ranking)",
-    "ce_pairs": "(query, item) pairs the CE scored for the row's run",
+    "ce_pairs": "(query, item) pairs the CE scored for the row's run (an extrapolated CE row: per query)",
+    "per_query_ms": "milliseconds per query of the row's one rerank job: its wall / the queries it ranked (both "
+                    "directions together; batched and amortised, start-up included: not one query's latency); an "
+                    "extrapolated exhaustive CE row: its direction's pool / the CE's measured pairs per second",
     "peak_rss_mb": "peak resident memory of the row's jobs (the largest job's ru_maxrss, benchmarks.jobs), MiB",
     "launcher_peak_rss_mb": "high-water resident memory of the benchmarks.run process itself once this row was "
                             "evaluated (planning, running the jobs as subprocesses, reading rankings and gold; "

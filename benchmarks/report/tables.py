@@ -502,3 +502,23 @@ def comparison_table(rows: Sequence[Mapping]) -> str:
                  _signed(t, "R@1"), _signed(i, "R@1"), _signed(t or i, "mR")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def per_query_table(rows: Sequence[Mapping]) -> str:
+    """A Markdown table of a scale suite's cost per query (the paper's Table 3 from a measured run): per model,
+    ranking and direction, the milliseconds per query of its rerank job (``per_query_ms``: batched, amortised),
+    the exhaustive CE's extrapolated from the CE pairs per second the CO job measured."""
+    lines = ["| model | ranking | direction | queries | ms per query | CE pairs per query | how |",
+             "|" + "---|" * 7]
+    for r in rows:
+        if str(r.get("per_query_ms", "")) in ("", "nan"):
+            continue
+        mode = str(r["mode"])
+        ranking = "CE over the whole pool" if str(r.get("k")) == "all" else mode if mode == "EMB" else \
+            f"{mode} k={r['k']}"
+        pairs = r.get("ce_pairs") if mode == "CE" else "-" if mode == "EMB" else r["k"]  # CO: its depth
+        lines.append(f"| {r['model']} | {ranking} | {r['direction']} | {r.get('queries') or '-'} | "
+                     f"{_fmt(r['per_query_ms'], 2)} | {pairs} | "
+                     f"{'measured' if str(r['measured']).lower() == 'true' else 'extrapolated'} |")
+    return "\n".join(lines)
+
