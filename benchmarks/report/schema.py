@@ -32,7 +32,8 @@ CSV_COLUMNS = (
     "R@1", "R@5", "R@10", "mR", *INTERVAL_COLUMNS, *SCORE_DIFF_COLUMNS, "queries", "collection_size",
     "wall_s", "encode_s", "index_s", "search_s", "rerank_s", "ce_pairs", "per_query_ms", "peak_rss_mb",
     "launcher_peak_rss_mb", "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "ann_recall@10",
-    "speedup_vs_paper_code", "search_p50_ms", "bound_ms", "index_bytes", "rate_per_s", "roofline_fraction", "useful_token_fraction",
+    "speedup_vs_paper_code", "search_p50_ms", "bound_ms", "index_bytes", "rate_per_s", "roofline_fraction",
+    "useful_token_fraction",
     "split", "lang", "recipe", "model_seed", "device", "cpu_model", "threads", "torch", "faiss", "transformers",
     "commit", "date", "batch_size", "quantize", "measured", "rankings", "notes",
 )
