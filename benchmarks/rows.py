@@ -118,10 +118,13 @@ def extrapolated_rows(row: Row, results: dict, common: dict) -> list[dict]:
     times the CE's seconds per pair, measured as the CO job's wall minus the search-only job's over the CE pairs
     the CO job scored. No recall; measured=false."""
     co, search = (results[name] for name in row.extrapolated)
-    pairs = ce_pairs_scored(row.runs[0])
+    manifest = read_run_manifest(row.runs[0])[1]
+    pairs, reused = int(manifest.get("ce_pairs_scored", 0)), int(manifest.get("shards_reused", 0))
     ce_s = co.wall_s - search.wall_s
-    if pairs <= 0 or ce_s <= 0:  # a CO job resumed from finished shards scores nothing: no rate to scale
-        why = f"not extrapolated: the CO job scored {pairs} CE pairs in {ce_s:.1f} s more than the search job"
+    # a CO job resumed from finished shards timed only the rest: its rate would mix two runs' work
+    if pairs <= 0 or ce_s <= 0 or reused:
+        why = f"not extrapolated: the CO job scored {pairs} CE pairs in {ce_s:.1f} s more than the search job" + \
+            (f", {reused} of its ranking shards reused from an interrupted run" if reused else "")
         return [{**common, "direction": "both", "measured": False, "notes": "; ".join(row.notes + (why,))}]
     rate = pairs / ce_s
     pools = {"t2i": row.pool_images, "i2t": row.pool_captions}

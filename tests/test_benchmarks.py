@@ -370,6 +370,9 @@ def test_a_scale_suites_exhaustive_ce_row_is_extrapolated_from_its_co_and_search
     (run / "rankings_manifest.json").write_text(json.dumps({**manifest, "ce_pairs_scored": 0}))
     out, _ = evaluate_row(row, results, {})
     assert len(out) == 1 and "not extrapolated: the CO job scored 0 CE pairs" in out[0]["notes"]
+    (run / "rankings_manifest.json").write_text(json.dumps({**manifest, "shards_reused": 3}))
+    out, _ = evaluate_row(row, results, {})
+    assert len(out) == 1 and "3 of its ranking shards reused" in out[0]["notes"]
 
 
 def test_scale_1m_plan_prints_jobs_and_estimates_without_running(model, tmp_path):
