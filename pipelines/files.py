@@ -203,6 +203,18 @@ def remove_tree(root: str) -> None:
         FileSystems.delete(found)
 
 
+def list_files(folder: str) -> dict[str, float]:
+    """{name: modification time (epoch s)} of the files directly under ``folder``; {} when it does not exist."""
+    if not is_url(folder):
+        try:
+            with os.scandir(folder) as entries:
+                return {e.name: e.stat().st_mtime for e in entries if e.is_file()}
+        except FileNotFoundError:
+            return {}
+    found = FileSystems.match([folder.rstrip("/") + "/*"])[0].metadata_list  # "*" stops at "/"
+    return {m.path.rsplit("/", 1)[1]: float(m.last_updated_in_seconds) for m in found if not m.path.endswith("/")}
+
+
 def remove_spill(output: str) -> None:
     """Delete ``<output>/_spill`` (this run's spill files, or those a killed run left behind)."""
     remove_tree(join(output, SPILL_DIR))

@@ -1,6 +1,7 @@
 """pipelines.encode on a tiny staged set with a tiny model, DirectRunner."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -106,7 +107,7 @@ def test_encode_matches_direct_model_output_and_rerun_skips(assets):
     assert names == [f"tiny-0000{i}-of-00003.parquet" for i in range(3)]  # 24 images, 10 per shard
     for s in manifest["modalities"]["image"]["shards"]:  # rows sorted by id inside each shard
         sids, _ = embeddings.read_embedding_shard(os.path.join(out, embeddings.shard_relpath("image", s["name"])))
-        assert np.all(np.diff(sids) > 0) and np.all(sids % 3 == int(s["name"].split("-")[1]))
+        assert np.all(np.diff(sids) > 0)
     assert summary["modalities"]["image"] == {**summary["modalities"]["image"], "inputs": 24, "encoded": 24,
                                               "dead_lettered": 0, "reused": 0}
     assert summary["modalities"]["image"]["metrics"]["num_inferences"] == 24
@@ -151,6 +152,20 @@ def test_failed_batches_are_dead_lettered_with_reason(assets, tmp_path):
     assert "image" not in manifest["modalities"]
 
 
+def test_output_shards_follow_the_staged_shards_so_batches_stay_full():
+    """Small staged shards are packed whole into an output shard (a staged shard's items batch together); one
+    larger than --*-per-shard is split by a hash of the id (its ids share a residue: ``% k`` would not split)."""
+    staged = {"s0": np.arange(0, 20, 4), "s1": np.arange(1, 20, 4), "s2": np.arange(2, 200, 4),
+              "s3": np.arange(3, 8, 4)}
+    plan = encode_plan.plan_shards("image", "c", staged, 20, {"model_sha256": "m"})
+    assert plan.outputs["s0"] == plan.outputs["s1"] == (0,) and plan.outputs["s2"] == (1, 2, 3)
+    assert plan.outputs["s3"] == (4,) and plan.num_shards == 5 and plan.redo == {0, 1, 2, 3, 4}
+    assert plan.key == {"model_sha256": "m", "num_shards": 5, "per_shard": 20}
+    got = np.bincount([plan.shard_of(rel, i) for rel, ids in staged.items() for i in ids], minlength=5)
+    assert got.tolist() == plan.expected_rows and plan.expected_rows[0] == 10 and max(plan.expected_rows) <= 20
+    assert min(plan.expected_rows[1:4]) > 0
+
+
 def test_encoded_batches_reach_the_shard_shuffle_as_file_names(tmp_path):
     """The GroupByKey gathering a shard gets (piece name, rows) per finished batch, never vectors (Beam's local
     runners hold a GroupByKey's whole input in memory); a batch cut short at a bundle's end fails loudly."""
@@ -158,8 +173,7 @@ def test_encoded_batches_reach_the_shard_shuffle_as_file_names(tmp_path):
 
     from pipelines.handlers import FailedBatch
 
-    plans = {("text", "c"): encode_plan.plan_shards("text", "c", np.arange(10, 20), 5, {})}  # 2 shards: id % 2
-    fn = encode_graph.SpillBatches(str(tmp_path), "text", plans)
+    fn = encode_graph.SpillBatches(str(tmp_path), "text")
     vec = lambda i: np.full(4, i, np.float32)  # noqa: E731
     batch = [((("c", i, "s#0#0", 3)), PredictionResult("t", vec(i))) for i in (14, 10, 12)]
     fn.start_bundle()
@@ -223,6 +237,56 @@ def test_a_killed_run_keeps_its_finished_shards(assets, tmp_path):
                                              images_per_shard=10))
     assert test_only["modalities"]["image"]["reused"] == 0 and test_only["modalities"]["image"]["encoded"] == 6
     assert "text" in embeddings.load_embeddings_manifest(out)["modalities"]  # the other modality is kept (same model)
+
+
+def _shard_bytes(out: str) -> dict:
+    manifest = embeddings.load_embeddings_manifest(out)
+    return {(m, s["name"]): s["sha256"] for m, e in manifest["modalities"].items() for s in e["shards"]}
+
+
+def test_a_run_killed_mid_encode_resumes_from_its_spilled_batches(assets, tmp_path, monkeypatch):
+    """A run killed before any shard was written (on DirectRunner none is before the last batch) keeps its
+    spill pieces; the rerun encodes only the batches without one and writes the bytes a clean run writes."""
+    root, staged, model_dir = assets
+    plan = encode_plan.EncodePlan(staged, model_dir, str(tmp_path / "emb"), batch_size=4, images_per_shard=10,
+                                  texts_per_shard=20)
+    clean = encode_plan.EncodePlan(staged, model_dir, str(tmp_path / "clean"), batch_size=4, images_per_shard=10,
+                                   texts_per_shard=20)
+    encode_run.run(clean)
+
+    def killed(*_args):
+        raise RuntimeError("killed before the first shard")
+
+    monkeypatch.setattr(encode_graph, "write_shard", killed)
+    with pytest.raises(Exception, match="killed before the first shard"):
+        encode_run.run(plan)
+    monkeypatch.undo()
+    spill = tmp_path / "emb" / SPILL_DIR
+    pieces = {m: sorted((spill / m).iterdir()) for m in ("image", "text")}
+    assert (spill / encode_plan.SPILL_KEY_FILE).exists() and all(pieces.values())
+    # the kill came earlier for some batches: their pieces were never written (nor a temp file's rename)
+    lost = pieces["text"][::3]
+    lost_rows = sum(encode_plan.piece_rows(p.name) for p in lost)
+    for p in lost:
+        p.rename(p.with_name(p.name + ".tmp-killed"))
+    again = encode_run.run(plan)
+    assert again["resumed_from_spill"]["items"] == 24 + 48 - lost_rows
+    assert again["resumed_from_spill"]["pieces"] == len(pieces["image"]) + len(pieces["text"]) - len(lost)
+    assert again["modalities"]["text"]["metrics"]["num_inferences"] == lost_rows  # only the lost batches
+    assert again["modalities"]["image"]["metrics"].get("num_inferences", 0) == 0  # every image batch kept
+    assert {m: v["encoded"] for m, v in again["modalities"].items()} == {"image": 24, "text": 48}
+    assert embeddings.load_embeddings_manifest(plan.output)["resumed_from_spill"]["items"] == 24 + 48 - lost_rows
+    assert _shard_bytes(plan.output) == _shard_bytes(clean.output)
+    assert not spill.exists()
+
+    # pieces under another key (here the batch size: other batches, other floats) are deleted, never read
+    monkeypatch.setattr(encode_graph, "write_shard", killed)
+    with pytest.raises(Exception, match="killed"):
+        encode_run.run(dataclasses.replace(plan, output=plan.output + "2"))
+    monkeypatch.undo()
+    other = encode_run.run(encode_plan.EncodePlan(staged, model_dir, plan.output + "2", batch_size=5,
+                                                  images_per_shard=10, texts_per_shard=20))
+    assert other["resumed_from_spill"]["items"] == 0 and other["modalities"]["text"]["encoded"] == 48
 
 
 def test_restaging_identical_shards_does_not_re_encode(tmp_path):

@@ -2,7 +2,6 @@
 one Parquet shard per output shard, with its completion record; dead letters for failed batches."""
 from __future__ import annotations
 
-import hashlib
 from typing import Iterable, Optional
 
 import apache_beam as beam
@@ -11,7 +10,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 
 from pipelines import beam_kit, files
-from pipelines.encode.plan import EncodeError, EncodePlan, ShardPlan, record_path
+from pipelines.encode.plan import EncodeError, EncodePlan, ShardPlan, SpillResume, piece_name, record_path
 from pipelines.handlers import (
     TASK_EMBED_IMAGE,
     TASK_EMBED_TEXT,
@@ -29,6 +28,16 @@ MODALITY_TASK = {schema.MODALITY_IMAGE: TASK_EMBED_IMAGE, schema.MODALITY_TEXT: 
 METRICS_NAMESPACE = "encode"
 _ENCODED = {m: Metrics.counter(METRICS_NAMESPACE, f"{kind}_encoded") for m, kind in schema.STAGED_KIND.items()}
 _DEAD = {m: Metrics.counter(METRICS_NAMESPACE, f"{kind}_dead_lettered") for m, kind in schema.STAGED_KIND.items()}
+_RESUMED = {m: Metrics.counter(METRICS_NAMESPACE, f"{kind}_resumed") for m, kind in schema.STAGED_KIND.items()}
+ENCODE, RESUMED = "encode", "resumed"  # the reader's batches to encode; those an interrupted run spilled
+
+
+def only(kind: str):
+    """The reader's elements of one kind, untagged."""
+    def pick(element):
+        if element[0] == kind:
+            yield element[1]
+    return pick
 
 
 class StagedShardReader:
@@ -39,8 +48,11 @@ class StagedShardReader:
     batch), so a shard's bytes never depend on bundles or on which other shards are redone."""
 
     def __init__(self, staged_dir: str, split: Optional[str], plans: dict[tuple[str, str], ShardPlan],
-                 batch_size: int, token_fingerprint: Optional[str] = None):
+                 batch_size: int, token_fingerprint: Optional[str] = None, output: str = "",
+                 resume: Optional[SpillResume] = None):
         self.staged_dir = staged_dir
+        self.output = output
+        self.resume = resume or SpillResume()  # batches an interrupted run spilled: not encoded again
         self.captions = CaptionTexts(token_fingerprint)
         self.split = split
         self.plans = plans
@@ -65,27 +77,40 @@ class StagedShardReader:
 
     def batches(self, task: tuple[str, str, str]) -> Iterable[list]:
         """Keyed examples in batches; the key (collection, item_id, batch tag, batch size) lets
-        :class:`SpillBatches` tell when RunInference has returned the whole batch."""
+        :class:`SpillBatches` tell when RunInference has returned the whole batch. Each goes out as
+        (ENCODE, batch), or as (RESUMED, (shard, (piece, rows))), what SpillBatches would have given, when an
+        interrupted run spilled it (a tag in the element, not a tagged output: DaskRunner drops those)."""
         modality, collection, rel = task
         plan = self.plans[(modality, collection)]
         by_shard: dict[int, list] = {}
         for item_id, example in self._examples(modality, collection, rel):
-            if plan.shard_of(item_id) in plan.redo:
-                by_shard.setdefault(plan.shard_of(item_id), []).append((item_id, example))
+            shard = plan.shard_of(rel, item_id)
+            if shard in plan.redo:
+                by_shard.setdefault(shard, []).append((item_id, example))
         length = MODALITY_TASK[modality]
         for index in sorted(by_shard):
             items = sorted(by_shard[index], key=lambda kv: (element_length(length, kv[1]), kv[0]))
             for start in range(0, len(items), self.batch_size):
                 batch = items[start:start + self.batch_size]
                 tag = f"{rel}#{index}#{start}"  # unique in the run: staged shard, output shard, position
-                yield [((collection, item_id, tag, len(batch)), example) for item_id, example in batch]
+                if piece_name(collection, tag, len(batch)) in self.resume.pieces.get(modality, ()):
+                    _RESUMED[modality].inc(len(batch))
+                    path = spill_piece_path(self.output, modality, collection, tag, len(batch))
+                    yield RESUMED, ((modality, collection, index), (path, len(batch)))
+                    continue
+                yield ENCODE, [((collection, item_id, tag, len(batch)), example) for item_id, example in batch]
 
 
 # ------------------------------------------------------------------------------------- writing
-def spill_piece_path(output: str, modality: str, collection: str, tag: str) -> str:
-    """Where one encoded batch waits for its shard writer (a retried bundle rewrites the same name)."""
-    digest = hashlib.sha1(f"{collection}\0{tag}".encode("utf-8")).hexdigest()[:20]
-    return files.join(output, files.SPILL_DIR, modality, f"{digest}.parquet")
+def batch_shard(tag: str) -> int:
+    """The output shard of a batch, from its tag (staged shard # output shard # position)."""
+    return int(tag.rsplit("#", 2)[1])
+
+
+def spill_piece_path(output: str, modality: str, collection: str, tag: str, rows: int) -> str:
+    """Where one encoded batch waits for its shard writer (a retried bundle rewrites the same name). The pieces
+    outlive a killed run: a rerun under the same key (plan.keep_spilled) skips their batches."""
+    return files.join(output, files.SPILL_DIR, modality, piece_name(collection, tag, rows))
 
 
 class SpillBatches(beam.DoFn):
@@ -98,8 +123,8 @@ class SpillBatches(beam.DoFn):
     bundles; a runner that split one would leave a batch unfinished at the end of the bundle, which fails
     the job here rather than losing items."""
 
-    def __init__(self, output: str, modality: str, plans: dict[tuple[str, str], ShardPlan]):
-        self.output, self.modality, self.plans = output, modality, plans
+    def __init__(self, output: str, modality: str):
+        self.output, self.modality = output, modality
 
     def start_bundle(self):
         self._open: dict[str, list] = {}
@@ -117,8 +142,8 @@ class SpillBatches(beam.DoFn):
             return
         _ENCODED[self.modality].inc(len(done))
         ids = np.array([i for i, _ in done], dtype=np.int64)
-        shard = self.plans[(self.modality, collection)].shard_of(ids[0])  # a batch holds one output shard
-        path = spill_piece_path(self.output, self.modality, collection, tag)
+        shard = batch_shard(tag)
+        path = spill_piece_path(self.output, self.modality, collection, tag, len(ids))
         files.write_atomic(path, embeddings.embedding_shard_bytes(ids, np.stack([v for _, v in done])))
         yield (self.modality, collection, shard), (path, len(ids))
 
@@ -170,22 +195,26 @@ def _write_shard(group, output: str, plans: dict[tuple[str, str], ShardPlan]) ->
 
 # ----------------------------------------------------------------------------------------- graph
 def build_graph(p: beam.Pipeline, plan: EncodePlan, shard_plans: dict[tuple[str, str], ShardPlan],
-                tasks: dict[str, list[tuple[str, str, str]]], token_fingerprint: Optional[str] = None) -> None:
+                tasks: dict[str, list[tuple[str, str, str]]], token_fingerprint: Optional[str] = None,
+                resume: Optional[SpillResume] = None) -> None:
     """``token_fingerprint``: the captions' token ids are read from that store (prepare_token_ids), not tokenised
-    per batch."""
-    reader = StagedShardReader(plan.staged, plan.split, shard_plans, plan.batch_size, token_fingerprint)
+    per batch. ``resume``: the spill pieces of an interrupted run (plan.keep_spilled), not encoded again."""
+    reader = StagedShardReader(plan.staged, plan.split, shard_plans, plan.batch_size, token_fingerprint,
+                               plan.output, resume)
     report_parts = []
     for modality, todo in tasks.items():
         handler = VLModelHandler(plan.model, MODALITY_TASK[modality], device=plan.device,
                                  max_batch_size=plan.batch_size, model_copies=plan.model_copies,
                                  num_threads=plan.threads, dead_letter=True, quantize=plan.precision,
                                  token_fingerprint=token_fingerprint if modality == schema.MODALITY_TEXT else None)
-        results = (p | f"{modality}: staged shards" >> beam.Create(todo)
-                   | f"{modality}: spread" >> beam.Reshuffle()  # shard names only: features never shuffle
-                   | f"{modality}: read batches" >> beam.FlatMap(reader.batches)
+        read = (p | f"{modality}: staged shards" >> beam.Create(todo)
+                | f"{modality}: spread" >> beam.Reshuffle()  # shard names only: features never shuffle
+                | f"{modality}: read batches" >> beam.FlatMap(reader.batches))
+        results = (read | f"{modality}: to encode" >> beam.FlatMap(only(ENCODE))
                    | f"{modality}: encode" >> RunInference(KeyedModelHandler(handler).with_no_batching()))
-        shards = (results
-                  | f"{modality}: spill batches" >> beam.ParDo(SpillBatches(plan.output, modality, shard_plans))
+        spilled = results | f"{modality}: spill batches" >> beam.ParDo(SpillBatches(plan.output, modality))
+        resumed = read | f"{modality}: spilled before" >> beam.FlatMap(only(RESUMED))
+        shards = ((spilled, resumed) | f"{modality}: with resumed pieces" >> beam.Flatten()
                   | f"{modality}: group shards" >> beam.GroupByKey()
                   | f"{modality}: write shards" >> beam.Map(write_shard, plan.output, shard_plans))
         dead = results | f"{modality}: dead letters" >> beam.FlatMap(dead_letter_rows, modality)

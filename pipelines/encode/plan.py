@@ -3,7 +3,9 @@ an earlier run already finished (completion records: a rerun encodes only the ot
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -102,36 +104,66 @@ def be_model_folder(model_dir: str) -> ModelFolder:
 
 @dataclass
 class ShardPlan:
-    """The output shards of one (modality, collection): N shards, item i goes to shard item_id % N."""
+    """The output shards of one (modality, collection), laid over the staged shards so that the items of one
+    staged shard go to one output shard: the encoder reads a staged shard and batches its items per output
+    shard, so this keeps batches at --batch-size (with ``item_id % N`` over 2,000 staged shards and 100 output
+    shards a batch held ~5 images). Consecutive staged shards are packed into an output shard up to
+    ``per_shard`` items; a staged shard larger than that is split k ways by a hash of the id."""
     modality: str
     collection: str
     num_shards: int
     expected_rows: list[int]  # per shard
     key: dict  # what the shards are encoded under: a completion record must match it to be kept
     redo: set[int] = field(default_factory=set)  # shard indices this run (re)writes
+    outputs: dict[str, tuple[int, ...]] = field(default_factory=dict)  # staged shard -> the output shards of its items
 
     def name(self, index: int) -> str:
         return files.shard_name(self.collection, index, self.num_shards, ".parquet")
 
-    def shard_of(self, item_id: int) -> int:
-        return int(item_id) % self.num_shards
+    def shard_of(self, staged: str, item_id: int) -> int:
+        out = self.outputs[staged]
+        return out[int(split_bins(np.array([item_id]), len(out))[0])] if len(out) > 1 else out[0]
 
 
-def plan_shards(modality: str, collection: str, ids: np.ndarray, per_shard: int, key: dict) -> Optional[ShardPlan]:
-    if len(ids) == 0:
+def split_bins(ids: np.ndarray, k: int) -> np.ndarray:
+    """Which of k parts each id of a split staged shard goes to: a multiplicative hash, not ``id % k`` (a staged
+    shard holds ids of one residue modulo the staged shard count, which ``% k`` would put in one part)."""
+    mixed = np.asarray(ids, dtype=np.int64).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)  # wraps mod 2**64
+    return ((mixed >> np.uint64(32)) % np.uint64(k)).astype(np.int64)
+
+
+def plan_shards(modality: str, collection: str, ids: dict[str, np.ndarray], per_shard: int,
+                key: dict) -> Optional[ShardPlan]:
+    """``ids``: the item ids of each staged shard, in the staged shards' order."""
+    rows: list[int] = []
+    outputs: dict[str, tuple[int, ...]] = {}
+    open_shard = None  # the output shard consecutive small staged shards are packed into
+    for staged, shard_ids in ids.items():
+        n = len(shard_ids)
+        k = math.ceil(n / per_shard)
+        if k > 1:
+            outputs[staged] = tuple(range(len(rows), len(rows) + k))
+            rows += np.bincount(split_bins(shard_ids, k), minlength=k).tolist()
+            open_shard = None
+        elif n:
+            if open_shard is None or rows[open_shard] + n > per_shard:
+                open_shard = len(rows)
+                rows.append(0)
+            rows[open_shard] += n
+            outputs[staged] = (open_shard,)
+    if not rows:
         return None
-    n = max(1, math.ceil(len(ids) / per_shard))
-    counts = np.bincount(np.asarray(ids, dtype=np.int64) % n, minlength=n)
-    return ShardPlan(modality, collection, n, [int(c) for c in counts], dict(key, num_shards=n),
-                     {i for i in range(n) if counts[i]})
+    return ShardPlan(modality, collection, len(rows), [int(c) for c in rows],
+                     dict(key, num_shards=len(rows), per_shard=per_shard),
+                     {i for i, c in enumerate(rows) if c}, outputs)
 
 
-def staged_ids(ds: StagedDataset, modality: str, collection: str, split: Optional[str]) -> np.ndarray:
-    """Ids of one modality of a collection, read one id column per staged shard (no features, no text)."""
+def staged_ids(ds: StagedDataset, modality: str, collection: str, split: Optional[str]) -> dict[str, np.ndarray]:
+    """Ids of one modality of a collection per staged shard, read one id column per shard (no features, no
+    text)."""
     col = STAGED_ID[modality]
-    parts = [ds.read_shard_columns(rel, (col,), split).column(col).to_numpy().astype(np.int64)
-             for rel in ds.shard_names(schema.STAGED_KIND[modality], collection)]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return {rel: ds.read_shard_columns(rel, (col,), split).column(col).to_numpy().astype(np.int64)
+            for rel in ds.shard_names(schema.STAGED_KIND[modality], collection)}
 
 
 def record_path(output: str, modality: str, name: str) -> str:
@@ -188,3 +220,68 @@ def keep_other_modalities(output: str, old: Optional[dict], planned: tuple[str, 
     return keep
 
 
+
+
+# ------------------------------------------------------------------------------- resuming spill pieces
+SPILL_KEY_FILE = "key.json"  # under <output>/_spill: what the pieces there were encoded under
+PIECE_NAME = re.compile(r"[0-9a-f]{20}-[0-9]+\.parquet")
+
+
+def spill_key(plans: dict[tuple[str, str], ShardPlan], batch_size: int) -> dict:
+    """What a spill piece's bytes depend on: the shards' keys (model, staged bytes, split, precision, shard
+    count) and the batch size (a piece is one batch, cut after sorting by length)."""
+    return {"batch_size": batch_size, "shards": {f"{m}/{c}": p.key for (m, c), p in sorted(plans.items())}}
+
+
+def piece_name(collection: str, tag: str, rows: int) -> str:
+    """One encoded batch's spill file name: the batch's identity and the rows it holds (a batch with
+    dead-lettered items holds fewer, so a rerun encodes it again: the failed items are retried)."""
+    digest = hashlib.sha1(f"{collection}\0{tag}".encode("utf-8")).hexdigest()[:20]
+    return f"{digest}-{rows}.parquet"
+
+
+def piece_rows(name: str) -> int:
+    return int(name.rsplit("-", 1)[1].split(".", 1)[0])
+
+
+@dataclass
+class SpillResume:
+    """The spill pieces an interrupted run of the same key left: per modality, the piece names (what
+    :func:`piece_name` gives a whole batch); their rows; the encoding seconds the earlier runs spent."""
+    pieces: dict[str, frozenset] = field(default_factory=dict)
+    rows: int = 0
+    earlier_s: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"items": self.rows, "pieces": sum(len(v) for v in self.pieces.values()),
+                "earlier_runs_s": round(self.earlier_s, 1)}
+
+
+def keep_spilled(output: str, key: dict, now: float) -> SpillResume:
+    """Open this run's spill folder: keep the pieces a killed run of the same ``key`` left (a rerun skips their
+    batches), or delete them when the key differs (another model, staged set, split, precision or batch size).
+    Records this run's start beside the key: an earlier run's encoding time is from its start to its last piece."""
+    spill = files.join(output, files.SPILL_DIR)
+    key_path = files.join(spill, SPILL_KEY_FILE)
+    record = None
+    if files.exists(key_path):
+        try:
+            record = files.read_json(key_path)
+        except (OSError, ValueError):
+            record = None  # a damaged key: nothing under it can be trusted
+    if not record or record.get("key") != key:
+        files.remove_spill(output)
+        record = {"key": key, "runs": []}
+    found = {m: {n: t for n, t in files.list_files(files.join(spill, m)).items() if PIECE_NAME.fullmatch(n)}
+             for m in schema.MODALITIES}  # {name: mtime}; a temp file of a write cut short is no piece
+    mtimes = sorted(t for f in found.values() for t in f.values())
+    starts = sorted(float(s) for s in record["runs"]) + [now]
+    earlier = 0.0
+    for start, nxt in zip(starts, starts[1:]):
+        inside = [t for t in mtimes if start <= t < nxt]
+        earlier += (max(inside) - start) if inside else 0.0
+    rows = sum(piece_rows(n) for f in found.values() for n in f)
+    resume = SpillResume({m: frozenset(f) for m, f in found.items() if f}, rows, earlier)
+    files.makedirs(spill)
+    files.write_json_atomic(key_path, {"key": key, "runs": [*record["runs"], now]})
+    return resume

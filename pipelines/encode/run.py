@@ -1,5 +1,6 @@
 """``python -m pipelines.encode``: bulk-encode a staged collection with the bi-encoder (BE) into checksummed
-embedding shards and embeddings_manifest.json; a rerun encodes only the shards an earlier run did not finish.
+embedding shards and embeddings_manifest.json; a rerun encodes only the shards an earlier run did not finish, and
+in them only the batches a killed run did not spill.
 docs/ARCHITECTURE.md describes the graph, resume and memory.
 
     python -m pipelines.encode                       # the embedded demo collection and model
@@ -23,10 +24,13 @@ from pipelines.encode.plan import (
     EncodeError,
     EncodePlan,
     ShardPlan,
+    SpillResume,
     be_model_folder,
     keep_finished,
     keep_other_modalities,
+    keep_spilled,
     plan_shards,
+    spill_key,
     staged_ids,
 )
 from pipelines.handlers import COMPUTED_TOKENS, USEFUL_TOKENS, VLModelHandler, prepare_token_ids
@@ -123,7 +127,7 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
         if recorded.get("collection") not in ds.collections:
             return None
         return dict(key_of(modality, recorded["collection"], recorded.get("split")),
-                    num_shards=recorded.get("num_shards"))
+                    num_shards=recorded.get("num_shards"), per_shard=recorded.get("per_shard"))
 
     keep.update(keep_other_modalities(plan.output, old, plan.modalities, model_sha, dim, recorded_key_now))
     planned_in = {m: sum(sum(p.expected_rows[i] for i in p.redo) for p in plans.values() if p.modality == m)
@@ -133,26 +137,32 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
         if keep.get(m):
             print(f"{m}: {len(keep[m])} shard(s) with {skipped[m]} items already valid, skipped")
 
-    tasks = {m: [(m, c, rel) for c in collections if plans.get((m, c)) and plans[(m, c)].redo
-                 for rel in ds.shard_names(schema.STAGED_KIND[m], c)] for m in plan.modalities}
+    # the staged shards holding items of an output shard still to encode (a staged shard feeds one or a few)
+    tasks = {m: [(m, c, rel) for c in collections if plans.get((m, c))
+                 for rel in ds.shard_names(schema.STAGED_KIND[m], c)
+                 if set(plans[(m, c)].outputs.get(rel, ())) & plans[(m, c)].redo] for m in plan.modalities}
     tasks = {m: t for m, t in tasks.items() if t}
 
-    result, report = None, []
+    result, report, resume = None, [], SpillResume()
     if tasks:
         p = beam.Pipeline(options=options)
         tokenise = schema.MODALITY_TEXT in tasks and not beam_kit.is_dry_run(options)  # each caption once, here
         fingerprint = prepare_token_ids(ds, plan.model) if tokenise else None
-        build_graph(p, plan, plans, tasks, fingerprint)
+        if not beam_kit.is_dry_run(options):
+            files.makedirs(plan.output)
+            resume = keep_spilled(plan.output, spill_key(plans, plan.batch_size), t0)
+        build_graph(p, plan, plans, tasks, fingerprint, resume)
         if beam_kit.translated_only(p, "encode"):
             return None
-        files.makedirs(plan.output)
         beam_kit.clear_run_dir(plan.output)
-        files.remove_spill(plan.output)  # pieces of a killed earlier run
-        try:
-            with beam_kit.Progress.running(sum(planned_in[m] for m in tasks), "items", "encode", options):
-                result = beam_kit.run_pipeline(p)
-        finally:
-            files.remove_spill(plan.output)
+        if resume.rows:
+            print(f"resuming: {resume.rows} items in {resume.to_json()['pieces']} batch(es) an interrupted run "
+                  f"encoded ({resume.earlier_s:.0f} s of encoding) are kept, not encoded again")
+        # a run that fails or is killed keeps its spill pieces: the next run of the same key skips their batches
+        with beam_kit.Progress.running(max(0, sum(planned_in[m] for m in tasks) - resume.rows), "items", "encode",
+                                       options):
+            result = beam_kit.run_pipeline(p)
+        files.remove_spill(plan.output)
         print(beam_kit.counter_line(METRICS_NAMESPACE, beam_kit.counter_values(result, METRICS_NAMESPACE),
                                   beam_kit.runner_name(options)))
         report = beam_kit.read_run_report(plan.output)
@@ -169,6 +179,8 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
     manifest = embeddings.make_embeddings_manifest(plan.model, model_sha, dim,
                                                    {m: s for m, s in by_modality.items() if s}, CREATED_BY)
     manifest["quantize"] = plan.precision  # the serving precision the vectors come from (schema.QUANTIZE_CHOICES)
+    if resume.rows:  # this run's wall time covers only what the interrupted run(s) left
+        manifest["resumed_from_spill"] = resume.to_json()
     manifest["inputs"] = {"collections": collections, "split": plan.split,
                           "staged_sha256": {f"{m}/{c}": p.key["staged_sha256"] for (m, c), p in sorted(plans.items())}}
     files.makedirs(plan.output)
@@ -176,7 +188,7 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
     files.write_jsonl_atomic(files.join(plan.output, DEAD_LETTER_FILE), dead)
 
     summary = {"output": plan.output, "modalities": {}, "wall_s": None, "device": plan.device,
-               "runner": beam_kit.runner_name(options)}
+               "runner": beam_kit.runner_name(options), "resumed_from_spill": resume.to_json()}
     for m in plan.modalities:
         encoded = sum(r["rows"] for r in written if r["modality"] == m)
         n_dead = sum(1 for r in dead if r["modality"] == m)
