@@ -38,6 +38,7 @@ a manifest with real (file) features and another feature_dim is refused with bot
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -74,10 +75,24 @@ def job_rows(results: Sequence[jobs.JobResult], beam_args: Sequence[str], env: M
     rows = []
     for r in results:
         command = r.command or r.job.command(beam_args)
+        earlier = earlier_runs_s(r.job)
         rows.append({"job": r.job.name, "step": r.job.module, "wall_s": round(r.wall_s, 3),
-                     "peak_rss_mb": round(r.peak_rss_mb, 1), "reused": r.reused, "output": r.job.output,
+                     "earlier_runs_s": round(earlier, 1) if earlier else "", "peak_rss_mb": round(r.peak_rss_mb, 1),
+                     "reused": r.reused, "output": r.job.output,
                      "command": command, "finished": r.finished, "job_threads": _given_threads(command), **where})
     return rows
+
+
+def earlier_runs_s(job: jobs.Job) -> float:
+    """Seconds that interrupted earlier runs of a finished encode job spent on the batches it resumed from (its
+    manifest's ``resumed_from_spill``); 0 for other jobs and for an encode that ran in one go."""
+    if job.module != "pipelines.encode":
+        return 0.0
+    try:
+        with open(os.path.join(job.output, job.done)) as f:
+            return float(json.load(f).get("resumed_from_spill", {}).get("earlier_runs_s", 0.0))
+    except (OSError, ValueError):
+        return 0.0
 
 
 def _given_threads(command: str) -> str:
@@ -98,8 +113,9 @@ def execute(plan: Plan, beam_args: Sequence[str], costs: jobs.UnitCosts, costs_p
             if job.module == "pipelines.rerank":  # the pairs it really scored, not the planned upper bound
                 pairs = ce_pairs_scored(job.output)
                 res = replace(res, job=jobs.Job(**{**job.__dict__, "work": (("ce_pairs", pairs),) if pairs else ()}))
-            costs.learn(res)
-            costs.save(costs_path)
+            if not earlier_runs_s(job):  # a resumed encode's wall covers only part of its work: no rate
+                costs.learn(res)
+                costs.save(costs_path)
     rows, hits, memo = [], [], {}
     for row in plan.rows:
         got, row_hits = evaluate_row(row, runner.results, env, memo=memo)

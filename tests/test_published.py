@@ -215,13 +215,17 @@ def test_a_jobs_table_shows_each_job_as_it_ran(tmp_path):
     old = jobs.JobResult(jobs.Job("stage c", "pipelines.stage", (), str(tmp_path / "s"), "summary.json"), 272.175,
                          1167180, reused=True, finished="2026-11-27T16:40:12",
                          command="python -m pipelines.stage --threads 2 --output s")
+    (tmp_path / "e").mkdir()  # an encode resumed after an interruption: its manifest has the earlier runs' seconds
+    (tmp_path / "e" / "manifest.json").write_text('{"resumed_from_spill": {"items": 9, "earlier_runs_s": 4004.1}}')
     rows = job_rows([old, ran], (), {**ENV, "quantize": "none"})
     assert [(r["job_threads"], r["finished"], r["reused"]) for r in rows] == \
         [("2", "2026-11-27T16:40:12", True), ("1", "2026-11-27T16:58:20", False)]
+    assert [r["earlier_runs_s"] for r in rows] == ["", 4004.1]
     report.write_jobs_csv(str(tmp_path / "docs" / "results" / "j.csv"), rows)
     text = published.regenerate("<!-- pending: jobs-table docs/results/j.csv -->\n", str(tmp_path))
     assert "| stage c | pipelines.stage | 2 | 272.2 | 1139.8 | 2026-11-27T16:40:12 |" in text
-    assert "| encode m c | pipelines.encode | 1 | 1095.9 | 2811.3 | 2026-11-27T16:58:20 |" in text
+    assert "| encode m c | pipelines.encode | 1 | 1095.9 + 4004.1 earlier | 2811.3 | 2026-11-27T16:58:20 |" \
+        in text
     assert published.check_text(text, str(tmp_path), "doc", prose=False) == []
 
 

@@ -52,8 +52,8 @@ SEED_COLUMNS = SEED_KEY + ("seeds", "fusion") + tuple(f"{m}_{stat}" for m in MET
 #: The columns of environment() that say where, when and by which code a row was measured (its batch size aside).
 ENVIRONMENT_COLUMNS = ("device", "cpu_model", "threads", "torch", "faiss", "transformers", "commit", "date")
 #: Column order of <suite>_jobs.csv: what every pipeline job of a suite run cost, and where the run was.
-JOB_COLUMNS = ("job", "step", "wall_s", "peak_rss_mb", "reused", "finished", "job_threads", "output", "command",
-               "quantize") + ENVIRONMENT_COLUMNS
+JOB_COLUMNS = ("job", "step", "wall_s", "earlier_runs_s", "peak_rss_mb", "reused", "finished", "job_threads", "output",
+               "command", "quantize") + ENVIRONMENT_COLUMNS
 
 #: What every column of the suite CSVs and the jobs CSVs holds (written as <name>.schema.json by write_csv).
 COLUMN_DOCS = {
@@ -175,6 +175,8 @@ COLUMN_DOCS = {
     "reused": "true: a finished output was reused (its cost as measured when it ran)",
     "finished": "when the job finished (UTC; a reused job: when it ran)",
     "job_threads": "the --threads the job's command gave it (empty: none, torch's default from the environment)",
+    "earlier_runs_s": "seconds interrupted earlier runs of the job spent on work it kept (encode: from each run's "
+                      "start to its last spilled batch); wall_s covers only the last run. Empty: none",
     "output": "the job's output folder",
     "command": "the full command line, Beam flags included",
 }

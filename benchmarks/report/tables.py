@@ -476,10 +476,14 @@ def fusion_rule_table(rows: Sequence[Mapping]) -> str:
 
 def jobs_table(rows: Sequence[Mapping]) -> str:
     """A Markdown table of a <suite>_jobs.csv: per job, what it ran, its wall seconds, peak RSS, the threads its
-    command gave it and when it finished (a reused job: when it ran, at its own thread count)."""
+    command gave it and when it finished (a reused job: when it ran, at its own thread count); a job resumed
+    after an interruption shows its wall and its earlier runs' seconds."""
     lines = ["| job | step | threads | wall s | peak RSS MiB | finished (UTC) |", "|" + "---|" * 6]
     for r in rows:
-        lines.append(f"| {r['job']} | {r['step']} | {r.get('job_threads') or '-'} | {_fmt(r['wall_s'])} | "
+        wall = _fmt(r['wall_s'])
+        if r.get("earlier_runs_s") not in (None, ""):  # a resumed job: the seconds its interrupted runs spent too
+            wall += f" + {_fmt(r['earlier_runs_s'])} earlier"
+        lines.append(f"| {r['job']} | {r['step']} | {r.get('job_threads') or '-'} | {wall} | "
                      f"{_fmt(r['peak_rss_mb'])} | {r.get('finished') or '-'} |")
     return "\n".join(lines)
 
