@@ -326,6 +326,16 @@ def test_read_and_stage_spills_rows_and_regions_so_shuffles_carry_refs_only(tmp_
         np.testing.assert_array_equal(r["features"], orig["features"])
         np.testing.assert_array_equal(r["boxes"], orig["boxes"])
 
+    # a collection whose shard count is known before reading spills its rows in shard order (id % N, id), so a
+    # shard reads one run of rows per file; otherwise in reading order
+    ordered = Settings(**{**settings.__dict__, "expected_images": {"tsv": 5}, "images_per_shard": 2,
+                          "spill_dir": str(tmp_path / "spill2")})
+    n = ordered.num_shards("tsv", {})
+    by_row = sorted((row, i) for _, block in pick_all(_read_and_stage(ordered, tasks[0]), T_IMAGE_REFS)
+                    for _, i, row in block)
+    assert n == 3 and [i for _, i in by_row] == sorted((i for _, i in by_row), key=lambda i: (i % n, i))
+    assert [i for _, i in by_row] != [i for _, i, _ in sorted(refs, key=lambda r: r[2])]  # reading order differs
+
 
 def test_staging_run_leaves_no_spill_files(staged):
     _, _, out, code, _ = staged
