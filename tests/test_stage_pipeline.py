@@ -20,7 +20,6 @@ from pipelines.stage.graph import (
     T_REJECT,
     T_STAGED,
     ReadAndStage,
-    SpillFiles,
     WriteImageShard,
     _load_rows,
     pick_all,
@@ -109,7 +108,7 @@ def test_read_and_stage_dofn_routes_rejects(tmp_path):
                         feature_dtype="float32", images_per_shard=10, spill_dir=str(tmp_path / "spill"))
     out = [el for task in tasks for el in _read_and_stage(settings, task)]  # one output of (tag, payload)
     refs = [ref for (_coll, _bucket), block in pick_all(out, T_IMAGE_REFS) for ref in block]
-    assert sorted(r["source_id"] for r in _load_rows(settings, "tsv", refs, SpillFiles())) == ["a", "a", "b", "c", "d"]
+    assert sorted(r["source_id"] for r in _load_rows(settings, "tsv", refs)) == ["a", "a", "b", "c", "d"]
     assert sorted((c, staging.reason_category(r["reason"])) for c, r in pick_all(out, T_REJECT)) == \
         sorted([("tsv", staging.R_FEATURE_DIM), ("tsv", staging.R_NOT_FINITE), ("tsv", staging.R_NUM_BOXES),
                 ("tsv", "expected 6 tab-separated columns"),  # reader rejects
@@ -141,10 +140,7 @@ def test_image_shard_writer_dedupes_and_writes_atomically(tmp_path):
                         feature_dtype="float16", images_per_shard=10, expected_images={"c": 3},
                         spill_dir=str(tmp_path / "_spill" / "run"))
     refs = _spilled_refs(tmp_path, settings, "c", [row("x", "s:2"), row("x", "s:1"), row("y", "s:3")])
-    writer = WriteImageShard(settings)
-    writer.start_bundle()
-    out = list(writer.process((("c", 0), [(1, refs[:2]), (1, refs[2:]), (1, None)])))
-    writer.finish_bundle()
+    out = list(WriteImageShard(settings).process((("c", 0), [(1, refs[:2]), (1, refs[2:]), (1, None)])))
     ids = sorted([schema.make_item_id("c", "image", s) for s in "xy"])
     assert pick_all(out, T_STAGED) == [(("c", 0), (1, [(i, "test") for i in ids]))]
     assert [cr[1]["locator"] + " " + cr[1]["reason"] for cr in pick_all(out, T_REJECT)] == \
@@ -152,33 +148,6 @@ def test_image_shard_writer_dedupes_and_writes_atomically(tmp_path):
     assert [(i["name"], i["rows"], i["feature_shard"]["name"]) for i in pick_all(out, T_INFO)] == \
         [("images/c-00000-of-00001.parquet", 2, "features/c-00000-of-00001.h5")]
     assert sorted(os.listdir(tmp_path / "features")) == ["c-00000-of-00001.h5"]  # no temp files left
-
-
-def test_shard_writers_keep_spill_files_open_across_shards(tmp_path):
-    """Shards read neighbouring rows of the same spill files: each file is opened once while it stays among the
-    max_open most recently used, then reopened; the rows read are the same either way."""
-    paths = []
-    for t in range(3):
-        path = str(tmp_path / f"task{t}.h5")
-        spill = FeatureSpill(path, path, F)
-        for i in range(4):
-            spill.add_row({"task": t, "i": i})
-        spill.close()
-        paths.append(path)
-    shards = [[(p, i) for p in paths] for i in range(4)]  # shard i: row i of every task's file
-    kept, few = SpillFiles(max_open=3), SpillFiles(max_open=2)
-    for refs in shards:
-        assert staging_rows(refs, kept) == staging_rows(refs, few) == [{"task": t, "i": refs[0][1]} for t in range(3)]
-    assert kept.opened == 3 and few.opened == 12  # cycling over 3 files with room for 2: every read reopens
-    kept.close()
-    few.close()
-    assert not kept._open and not few._open
-
-
-def staging_rows(refs, opener):
-    from retrieval_core.data.spill import load_spilled_rows
-
-    return load_spilled_rows(refs, opener)
 
 
 # ------------------------------------------------------------------------------------ end to end
@@ -317,7 +286,7 @@ def test_read_and_stage_spills_rows_and_regions_so_shuffles_carry_refs_only(tmp_
                                   source=str(tmp_path / "feats.tsv"))
               for r in read_task(tasks[0]) if isinstance(r, schema.RawImage)]
     direct = {r[staging.K_LOCATOR]: r for r in direct if isinstance(r, dict)}
-    back = load_spilled(_load_rows(settings, "tsv", refs, SpillFiles()))
+    back = load_spilled(_load_rows(settings, "tsv", refs))
     assert len(back) == len(direct) == 5
     for r in back:
         orig = direct[r[staging.K_LOCATOR]]

@@ -7,7 +7,7 @@ import contextlib
 import functools
 import logging
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 
 import apache_beam as beam
 from apache_beam.io.filesystem import CompressionTypes
@@ -83,63 +83,16 @@ class _TaskSpill:
         os.remove(self.local)
 
 
-class SpillFiles:
-    """The spill files a shard writer reads, kept open across shards (least recently used closed first).
+@contextlib.contextmanager
+def _open_spill(name: str):
+    import h5py
 
-    A shard's rows sit in a few hundred read tasks' files (ids are hashes, shard = id % N), so opening each
-    file per shard, twice (rows, then regions), took about a third of the main thread in the 1M stage's write
-    phase (py-spy, 2026-11-28); kept open, a file is opened once per run. Where a task spilled its rows in
-    shard order (ReadAndStage._in_shard_order), consecutive shards read consecutive rows of each file, so with
-    the datasets kept open too (:class:`_OpenSpill`) each features chunk is read once: ``chunk_cache`` bytes
-    per dataset hold one 32-region chunk of float16 or float32 features, ``max_open`` files at most
-    ~``3 * max_open * chunk_cache`` bytes, in practice one features chunk per file."""
-
-    def __init__(self, max_open: int = 4096, chunk_cache: int = 1 << 18):
-        self.max_open, self.chunk_cache = max_open, chunk_cache
-        self._open: OrderedDict[str, tuple[contextlib.ExitStack, object]] = OrderedDict()
-        self.opened = 0  # files opened so far (a test counts them)
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        if name in self._open:
-            self._open.move_to_end(name)
-        else:
-            self._open[name] = self._open_file(name)
-            self.opened += 1
-            while len(self._open) > self.max_open:
-                self._open.popitem(last=False)[1][0].close()
-        yield self._open[name][1]
-
-    def _open_file(self, name: str) -> tuple[contextlib.ExitStack, "_OpenSpill"]:
-        import h5py
-
-        stack = contextlib.ExitStack()
-        try:
-            if is_url(name):  # h5py reads the few chunks it needs through the seekable FileSystems stream
-                name = stack.enter_context(FileSystems.open(name, compression_type=CompressionTypes.UNCOMPRESSED))
-            f = stack.enter_context(h5py.File(name, "r", rdcc_nbytes=self.chunk_cache))
-        except BaseException:
-            stack.close()
-            raise
-        return stack, _OpenSpill(f)
-
-    def close(self) -> None:
-        while self._open:
-            self._open.popitem(last=False)[1][0].close()
-
-
-class _OpenSpill:
-    """An open spill file whose datasets stay open: h5py opens a dataset anew (an empty chunk cache) at every
-    ``f[name]``, which at one image per read took a third of the 1M stage's write phase in dataset lookups
-    (py-spy, 2026-11-28) and read every chunk again for each image in it."""
-
-    def __init__(self, f):
-        self.f, self._datasets = f, {}
-
-    def __getitem__(self, name: str):
-        if name not in self._datasets:
-            self._datasets[name] = self.f[name]
-        return self._datasets[name]
+    if not is_url(name):
+        with h5py.File(name, "r") as f:
+            yield f
+    else:  # h5py reads the few chunks it needs through the seekable FileSystems stream (not yet run on GCS)
+        with FileSystems.open(name, compression_type=CompressionTypes.UNCOMPRESSED) as raw, h5py.File(raw, "r") as f:
+            yield f
 
 
 # ------------------------------------------------------------------------------------- read + stage
@@ -326,10 +279,10 @@ def _route_refs(element):
         yield (coll, shard), (total, by_shard[shard])
 
 
-def _load_rows(settings: Settings, coll: str, refs, spill_files: SpillFiles) -> list[dict]:
-    """The spilled rows the refs [(spill key, id, row)] name."""
+def _load_rows(settings: Settings, coll: str, refs) -> list[dict]:
+    """The spilled rows the refs [(spill key, id, row)] name (each task's file opened once)."""
     return load_spilled_rows(((spill_path(settings.spill_dir, coll, key), row) for key, _, row in refs),
-                             spill_files)
+                             _open_spill)
 
 
 class WriteImageShard(beam.DoFn):
@@ -340,21 +293,15 @@ class WriteImageShard(beam.DoFn):
     def __init__(self, settings: Settings):
         self.s = settings
 
-    def start_bundle(self):
-        self._files = SpillFiles()
-
-    def finish_bundle(self):
-        self._files.close()  # before the run deletes the spill folder
-
     def process(self, element):
         (coll, idx), values = element
         values = list(values)
         total = values[0][0]
         refs = sorted(ref for _, block in values if block for ref in block)
-        rows, rejects = staging.resolve_duplicates(_load_rows(self.s, coll, refs, self._files))
+        rows, rejects = staging.resolve_duplicates(_load_rows(self.s, coll, refs))
         for rej in rejects:
             yield T_REJECT, _reject_out(coll, rej)
-        rows = load_spilled(rows, self._files)  # features of the kept rows only
+        rows = load_spilled(rows, _open_spill)  # features of the kept rows only
         info = {"type": "shard", "collection": coll, "kind": "images", "index": idx, "total": total,
                 "rows": len(rows), "cap": dict(Counter(r[staging.K_CAP_POLICY] for r in rows
                                                     if r[staging.K_CAP_POLICY])),
@@ -386,12 +333,6 @@ class WriteCaptionShard(beam.DoFn):
     def __init__(self, settings: Settings):
         self.s = settings
 
-    def start_bundle(self):
-        self._files = SpillFiles()
-
-    def finish_bundle(self):
-        self._files.close()  # before the run deletes the spill folder
-
     def process(self, element):
         (coll, idx), grouped = element
         staged = list(grouped["staged"])
@@ -400,7 +341,7 @@ class WriteCaptionShard(beam.DoFn):
         total, image_split = staged[0][0], dict(staged[0][1])
         refs = sorted(ref for _, block in grouped["captions"] for ref in block)
         joined = []
-        for row in _load_rows(self.s, coll, refs, self._files):
+        for row in _load_rows(self.s, coll, refs):
             image_id = int(row["image_item_id"])
             if image_id not in image_split:
                 image_src = row["source_id"].rsplit("#", 1)[0]
