@@ -107,7 +107,7 @@ class ShardPlan:
     """The output shards of one (modality, collection), laid over the staged shards so that the items of one
     staged shard go to one output shard: the encoder reads a staged shard and batches its items per output
     shard, so this keeps batches at --batch-size (with ``item_id % N`` over 2,000 staged shards and 100 output
-    shards a batch held ~5 images). Consecutive staged shards are packed into an output shard up to
+    shards a caption batch held ~24 captions). Consecutive staged shards are packed into an output shard up to
     ``per_shard`` items; a staged shard larger than that is split k ways by a hash of the id."""
     modality: str
     collection: str
@@ -218,8 +218,6 @@ def keep_other_modalities(output: str, old: Optional[dict], planned: tuple[str, 
         if ok:
             keep[modality] = ok
     return keep
-
-
 
 
 # ------------------------------------------------------------------------------- resuming spill pieces
