@@ -81,11 +81,17 @@ def evaluate_row(row: Row, results: dict, env: dict, boot: Bootstrap = Bootstrap
     if row.per_fold:
         timing = {c: v / len(row.runs) if c != "encode_s" else v for c, v in timing.items()}
     peak = max((results[name].peak_rss_mb for _, name in row.timing), default=0.0)
-    per_query = ""
+    per_query, resumed_note = "", []
     reranks = [name for col, name in row.timing if col == "rerank_s"]
     if len(reranks) == 1 and not row.per_fold:  # one job ranked every query of the row (an AUTO row has two)
         ranked = sum(m.get(f"{d}_queries", 0) for m in metrics for d in DIRECTIONS)
-        per_query = round(results[reranks[0]].wall_s * 1000.0 / ranked, 3) if ranked else ""
+        # a rerank job resumed from finished shards timed only the rest: its wall over every query would flatter it
+        reused_shards = int(read_run_manifest(results[reranks[0]].job.output)[1].get("shards_reused", 0))
+        if reused_shards:
+            resumed_note = [f"per_query_ms left out: {reused_shards} of the rerank job's ranking shards reused "
+                            f"from an interrupted run (its wall timed only the rest)"]
+        elif ranked:
+            per_query = round(results[reranks[0]].wall_s * 1000.0 / ranked, 3)
     pairs = ""
     if row.mode != "EMB":
         pairs = int(round(np.mean([ce_pairs_scored(r) for r in row.runs])))
@@ -98,7 +104,7 @@ def evaluate_row(row: Row, results: dict, env: dict, boot: Bootstrap = Bootstrap
     reused = sorted({name for _, name in row.timing if results[name].reused})
     notes = list(row.notes) + ([chosen] if chosen else []) + \
         ([f"{len(reused)} job(s) reused from an earlier run (their cost as measured then)"] if reused else []) + \
-        [_interval_note(row)]
+        resumed_note + [_interval_note(row)]
     out = []
     for d in DIRECTIONS:
         stats = interval_columns(intervals, d)

@@ -375,6 +375,30 @@ def test_a_scale_suites_exhaustive_ce_row_is_extrapolated_from_its_co_and_search
     assert len(out) == 1 and "3 of its ranking shards reused" in out[0]["notes"]
 
 
+def test_a_rerank_job_resumed_from_finished_shards_reports_no_per_query_time(quick, tmp_path):
+    """Its wall timed only the shards it computed: that over every query of the row would flatter it."""
+    import shutil
+
+    from benchmarks.rows import evaluate_row
+
+    rows = {(r["mode"], r["direction"]): r for r in quick["rows"]}
+    run = tmp_path / "co"
+    shutil.copytree(rows[("CO", "t2i")]["rankings"].split(" (")[0], run)
+    staged = os.path.join(quick["work"], "bench", "staged", "synthetic_f30k1k-f16-quick")
+    job = jobs.Job("rerank co", "pipelines.rerank", (), str(run), "rankings_manifest.json")
+    results = {job.name: jobs.JobResult(job, 12.0, 1)}
+    row = planner.Row(suite="standard", collection="c", model="JOIN", mode="CO", k=K, runs=(str(run),),
+                      staged=staged, eval_collection="synthetic_f30k1k", eval_k=K, eval_mode="co",
+                      timing=(("rerank_s", job.name),), emb_runs=(str(run),))
+    out, _ = evaluate_row(row, results, {})
+    assert [r["per_query_ms"] for r in out] == [pytest.approx(12_000.0 / 60)] * 2
+    manifest = json.loads((run / "rankings_manifest.json").read_text())
+    (run / "rankings_manifest.json").write_text(json.dumps({**manifest, "shards_reused": 2}))
+    out, _ = evaluate_row(row, results, {})
+    assert [r["per_query_ms"] for r in out] == ["", ""]
+    assert "per_query_ms left out: 2 of the rerank job's ranking shards reused" in out[0]["notes"]
+
+
 def test_scale_1m_plan_prints_jobs_and_estimates_without_running(model, tmp_path):
     work = tmp_path / "work"
     costs = jobs.UnitCosts()
