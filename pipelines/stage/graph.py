@@ -222,9 +222,8 @@ class ReadAndStage(beam.DoFn):
     def _in_shard_order(self, coll: str, kind: str, staged: list[dict]) -> list[dict]:
         """A task's rows ordered by the shard they go to, where the shard count is known before reading (a
         synthetic collection's planned count): a shard then reads one run of rows from each task's file, the
-        next shard the run after it, instead of single rows at random (ids are hashes). At 1M images the
-        random reads made the write phase IO-bound once the spill outgrew the page cache (2026-11-28: 2-9 s
-        per shard of 500 images, against 1 s the day before with more of the spill cached)."""
+        next shard the run after it, instead of single rows at random (ids are hashes): random reads made the
+        1M write phase IO-bound once the spill outgrew the page cache (docs/ARCHITECTURE.md, pipelines.stage)."""
         if coll not in self.s.expected_images:
             return staged
         n = self.s.num_shards(coll, {})
