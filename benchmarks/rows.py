@@ -86,7 +86,7 @@ def evaluate_row(row: Row, results: dict, env: dict, boot: Bootstrap = Bootstrap
     if len(reranks) == 1 and not row.per_fold:  # one job ranked every query of the row (an AUTO row has two)
         ranked = sum(m.get(f"{d}_queries", 0) for m in metrics for d in DIRECTIONS)
         # a rerank job resumed from finished shards timed only the rest: its wall over every query would flatter it
-        reused_shards = int(read_run_manifest(results[reranks[0]].job.output)[1].get("shards_reused", 0))
+        reused_shards = shards_reused(results[reranks[0]].job.output)
         if reused_shards:
             resumed_note = [f"per_query_ms left out: {reused_shards} of the rerank job's ranking shards reused "
                             f"from an interrupted run (its wall timed only the rest)"]
@@ -119,13 +119,17 @@ def evaluate_row(row: Row, results: dict, env: dict, boot: Bootstrap = Bootstrap
     return out, row_hits
 
 
+def shards_reused(run_folder: str) -> int:
+    """The ranking shards a rerank run kept from an interrupted run: its wall timed only the rest."""
+    return int(read_run_manifest(run_folder)[1].get("shards_reused", 0))
+
+
 def extrapolated_rows(row: Row, results: dict, common: dict) -> list[dict]:
     """An exhaustive CE row that was not run (one per direction): its pool (images for t2i, captions for i2t)
     times the CE's seconds per pair, measured as the CO job's wall minus the search-only job's over the CE pairs
     the CO job scored. No recall; measured=false."""
     co, search = (results[name] for name in row.extrapolated)
-    manifest = read_run_manifest(row.runs[0])[1]
-    pairs, reused = int(manifest.get("ce_pairs_scored", 0)), int(manifest.get("shards_reused", 0))
+    pairs, reused = int(read_run_manifest(row.runs[0])[1].get("ce_pairs_scored", 0)), shards_reused(row.runs[0])
     ce_s = co.wall_s - search.wall_s
     # a CO job resumed from finished shards timed only the rest: its rate would mix two runs' work
     if pairs <= 0 or ce_s <= 0 or reused:
