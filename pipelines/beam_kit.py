@@ -14,6 +14,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipelines.files import join, read_json, remove_tree, write_json_atomic
 from retrieval_core.cli import DEBUG_ENV
+from retrieval_core.memory import trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -261,10 +262,8 @@ def runs_in_process(options: PipelineOptions) -> bool:
 
 def release_memory() -> None:
     """Hand memory freed by a finished Beam job back to the OS before the next job in this process: Python's
-    garbage, Arrow's pool and glibc's heap (``malloc_trim``; skipped where libc has none). A launcher that
-    runs several jobs in one process (rerank's waves) otherwise keeps every job's high-water mark."""
-    import ctypes
-    import ctypes.util
+    garbage, Arrow's pool and glibc's heap (``memory.trim_heap``). A launcher that runs several jobs in one
+    process (rerank's waves) otherwise keeps every job's high-water mark."""
     import gc
 
     gc.collect()
@@ -274,11 +273,7 @@ def release_memory() -> None:
         pa.default_memory_pool().release_unused()
     except (ImportError, AttributeError):
         pass
-    libc = ctypes.util.find_library("c")
-    if libc:
-        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
-        if trim is not None:
-            trim(0)
+    trim_heap()
 
 
 def counter_values(result, namespace: str) -> Optional[dict[str, int]]:

@@ -43,6 +43,7 @@ from pipelines.files import BEAM_FILES, write_atomic
 from retrieval_core.cli import check_device, device_kind, memory_failure
 from retrieval_core.data.schema import check_quantize
 from retrieval_core.data.store import StagedDataset
+from retrieval_core.memory import trim_heap
 from retrieval_core.model.checkpoints import KIND_BASELINE, inspect_model_folder, load_model_folder
 from retrieval_core.model.collate import to_device
 from retrieval_core.model.token_store import TokenStore, ensure_token_store, tokenizer_fingerprint
@@ -60,6 +61,9 @@ TASK_HEAD = {TASK_EMBED_TEXT: "be", TASK_EMBED_IMAGE: "be", TASK_SCORE_PAIRS: "c
 METRICS_NAMESPACE = "RR_VLRetrieval"
 #: Counters beside them: the token positions the encoder ran that carry tokens, and all it ran (padding included).
 USEFUL_TOKENS, COMPUTED_TOKENS = "useful_tokens", "computed_tokens"
+#: Batches between two ``trim_heap`` calls: batches of changing lengths fragment glibc's heap, which kept
+#: ~2.5 GB free but resident in a long encode; docs/ARCHITECTURE.md (`pipelines.encode`) has the measured trade.
+TRIM_EVERY = 16
 
 
 class DeviceUnavailableError(RuntimeError):
@@ -148,6 +152,7 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
             check_quantize(quantize, device)
         self.quantize = quantize
         self.token_fingerprint = token_fingerprint
+        self._batches = 0
 
     def __repr__(self) -> str:
         return f"VLModelHandler({self.model_dir!r}, {self.task!r}, device={self.device!r})"
@@ -176,6 +181,9 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
         batch = list(batch)
         if not batch:
             return []
+        self._batches += 1
+        if self._batches % TRIM_EVERY == 0:
+            trim_heap()
         if not self.dead_letter:
             return self._infer(batch, model)
         try:

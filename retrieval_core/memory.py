@@ -7,9 +7,13 @@ and every thread's stack (RLIMIT_STACK, 8 MiB by default) counts whole. Under a 
 gRPC (inside Beam's runner) no room for its threads' stacks, and gRPC aborts the process when a thread cannot
 start: SIGABRT, no Python error. glibc's per-thread malloc arenas are reserved PROT_NONE and count only
 as they are used, so they need no bound here. Imports nothing of the project but errors.py (the bottom floor).
+
+And a long job's free heap: ``trim_heap`` hands the pages of glibc's free chunks back to the OS.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import resource
 from typing import Optional, Sequence
@@ -55,6 +59,29 @@ def bound_reservations() -> None:
     importing Beam); a value the user set is kept. Without a limit nothing changes."""
     if data_limit() is not None:
         os.environ.setdefault("MIMALLOC_ARENA_EAGER_COMMIT", "0")
+
+
+def trim_heap() -> bool:
+    """Return the pages of glibc's free heap chunks to the OS (``malloc_trim(0)``); False where libc has none.
+
+    Why: once a model's activations are freed, glibc raises its mmap threshold to their size (up to 32 MiB), so
+    later batches take them from the heap, and batches of other lengths leave free holes between live chunks
+    that only a trim releases (docs/ARCHITECTURE.md, `pipelines.encode`)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+_TRIM = []
+
+
+def _malloc_trim():
+    if not _TRIM:
+        libc = ctypes.util.find_library("c")
+        _TRIM.append(getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None)
+    return _TRIM[0]
 
 
 def mib(n: int) -> str:
