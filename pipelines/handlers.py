@@ -62,7 +62,7 @@ METRICS_NAMESPACE = "RR_VLRetrieval"
 #: Counters beside them: the token positions the encoder ran that carry tokens, and all it ran (padding included).
 USEFUL_TOKENS, COMPUTED_TOKENS = "useful_tokens", "computed_tokens"
 #: Batches between two ``trim_heap`` calls: batches of changing lengths fragment glibc's heap, which kept
-#: ~2.5 GB free but resident in a long encode; docs/ARCHITECTURE.md (`pipelines.encode`) has the measured trade.
+#: free chunks resident through a long encode; docs/ARCHITECTURE.md (`pipelines.encode`) has the measured trade.
 TRIM_EVERY = 16
 
 
