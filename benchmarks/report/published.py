@@ -287,15 +287,16 @@ def publish(csv_path: str, root: str) -> str:
 
 #: What a published copy writes for the folder of the machine that ran it (PATH_COLUMNS).
 RUNS_MARK = "<runs>"
-#: Columns naming folders of that machine: run folders (suites), model folders (probes).
-PATH_COLUMNS = ("rankings", "be_model", "ce_model")
+#: Columns naming folders of that machine: run folders (suites), model folders (probes), a job's output folder
+#: and the paths in its command (jobs CSVs).
+PATH_COLUMNS = ("rankings", "be_model", "ce_model", "output", "command")
 
 
 def machine_folder(rows: Sequence[Mapping]) -> str:
     """The folder common to every absolute folder in the PATH_COLUMNS ('' when there is none): a path of the machine
     that ran the suite or probe, meaningless elsewhere, so a published copy names the folders below it."""
-    dirs = [os.path.dirname(p.split(" (")[0]) for r in rows for c in PATH_COLUMNS
-            for p in str(r.get(c, "")).split(";") if p.startswith("/")]
+    dirs = [os.path.dirname(p) for r in rows for c in PATH_COLUMNS
+            for p in re.split(r"[;\s]+", str(r.get(c, ""))) if p.startswith("/")]
     return os.path.commonpath(dirs) if dirs else ""
 
 
