@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import resource
 from typing import Optional, Sequence
@@ -74,14 +75,11 @@ def trim_heap() -> bool:
     return True
 
 
-_TRIM = []
-
-
+@functools.lru_cache(maxsize=None)
 def _malloc_trim():
-    if not _TRIM:
-        libc = ctypes.util.find_library("c")
-        _TRIM.append(getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None)
-    return _TRIM[0]
+    """libc's malloc_trim, looked up once per process (None where libc has none)."""
+    libc = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
 
 
 def mib(n: int) -> str:

@@ -143,7 +143,6 @@ def test_running_out_of_memory_is_not_dead_lettered_but_fails_the_batch(model_di
 
 
 TRIM_PROBE = """
-import sys
 from retrieval_core.memory import trim_heap
 
 def rss():
