@@ -173,22 +173,26 @@ def test_load_sharded_index_verifies(tmp_path):
 @pytest.mark.parametrize("factory", ["Flat", "IVF4,Flat"])
 def test_streamed_index_gives_the_loaded_index_results_holding_one_shard(tmp_path, factory):
     """StreamedIndex (what rerank workers search) returns ShardedIndex's exact bits, per query batch, while
-    reading one shard at a time; it runs the same checks when opened and re-verifies shards per search."""
+    reading one shard at a time; it runs the same checks when opened and re-verifies shards per search.
+    Four shards, each vector twice in two of them (ties across shards), k above a shard's size (-1 padding):
+    the shard-by-shard merge keeps the one-merge order."""
     ids, x = _data(n=200)
-    _, index_dir = _index_dir(tmp_path, ids, x, factory=factory)
+    x = np.concatenate([x[:50]] * 4)
+    _, index_dir = _index_dir(tmp_path, ids, x, factory=factory, parts=4)
     loaded, streamed = load_sharded_index(str(index_dir)), StreamedIndex(str(index_dir))
     assert streamed.ntotal == loaded.ntotal == 200 and streamed.keep_max
     if "IVF" in factory:
         loaded.set_params(nprobe=3)
         streamed.set_params(nprobe=3)
     batches = [x[:7], x[7:40] + 0.1, x[40:41]]
-    got = streamed.search_scores_batches(batches, 12)
-    for q, (scores, found) in zip(batches, got):
-        want_s, want_i = loaded.search_scores(q, 12)
-        np.testing.assert_array_equal(found, want_i)
-        np.testing.assert_array_equal(scores, want_s)
+    for k in (12, 60):
+        got = streamed.search_scores_batches(batches, k)
+        for q, (scores, found) in zip(batches, got):
+            want_s, want_i = loaded.search_scores(q, k)
+            np.testing.assert_array_equal(found, want_i)
+            np.testing.assert_array_equal(scores, want_s)
 
-    shard = index_dir / "shards" / "toy-00001-of-00002.faiss"
+    shard = index_dir / "shards" / "toy-00001-of-00004.faiss"
     shard.write_bytes(shard.read_bytes()[:-8] + b"\0" * 8)
     with pytest.raises(IndexIntegrityError, match="sha256"):
         streamed.search_batches(batches, 3)  # changed after opening: caught on the next read
@@ -231,3 +235,24 @@ def test_read_id_list_refuses_what_is_not_a_clean_int64_id_column(tmp_path):
         read_id_list(write("other.parquet", pa.table({"id": pa.array([1], pa.int64())})))
     with pytest.raises(ValueError, match="listed more than once"):
         read_id_list(write("dup.parquet", pa.table({"item_id": pa.array([2, 2], pa.int64())})))
+
+
+def test_search_batch_benchmark_writes_one_documented_row_per_size(tmp_path):
+    """benchmarks.search_batch (the evidence for rerank's --search-batch-size): a row per queries-per-call size,
+    the timed search's FLOP rate consistent with its time, and the CSV's columns documented beside it."""
+    import pandas as pd
+    from click.testing import CliRunner
+
+    from benchmarks import search_batch
+
+    out = tmp_path / "search_batch.csv"
+    res = CliRunner().invoke(search_batch.main, ["--shard-size", "2000", "--queries-per-call", "8,64",
+                                                 "--repeats", "1", "--threads", "1", "--output", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = pd.read_csv(out)
+    assert rows["queries_per_call"].tolist() == [8, 64] and (rows["shard_size"] == 2000).all()
+    flops = 2.0 * rows["queries_per_call"] * 2000 * 384
+    np.testing.assert_allclose(rows["search_gflops"], flops / (rows["search_ms"] / 1e3) / 1e9, rtol=0.05, atol=0.2)
+    assert (tmp_path / "search_batch.schema.json").exists()
+    bad = CliRunner().invoke(search_batch.main, ["--queries-per-call", "8,x"])
+    assert bad.exit_code == 2 and "--queries-per-call" in bad.output

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import faiss
 import numpy as np
@@ -181,32 +181,35 @@ class StreamedIndex:
         """Search-time parameters, set on every shard as it is read (see ShardedIndex.set_params)."""
         self._params = {name: v for name, v in (("nprobe", nprobe), ("efSearch", efSearch)) if v is not None}
 
-    def search_batches(self, batches: Sequence[np.ndarray], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """ShardedIndex.search of every query batch, in one pass over the shards: [(scores, ids)] per batch."""
+    def search_batches(self, batches: Sequence[np.ndarray], k: int,
+                       on_shard: Optional[Callable[[int], None]] = None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """ShardedIndex.search of every query batch, in one pass over the shards: [(scores, ids)] per batch.
+        ``on_shard(1)`` after each shard searched (a progress bar's advance)."""
         batches = [np.ascontiguousarray(q, dtype=np.float32) for q in batches]
         for q in batches:
             if q.ndim != 2 or q.shape[1] != self.d:
                 raise ValueError(f"queries must be (Q, {self.d}), got {q.shape}")
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        found: list[list] = [[] for _ in batches]
+        # Each batch keeps its best k so far, merged shard by shard: memory is queries x k, not x shards too
+        # (a pass of 5,000 queries x 100 candidates over 500 shards would hold 3 GB of partial lists). The
+        # running list sits first in each merge, so ties still go to the earlier shard, as in one merge of all.
+        best: list = [None] * len(batches)
         for shard in iter_index_shards(self.index_dir, self.manifest, files=self.files):
             ShardedIndex([shard]).set_params(**self._params)
             for b, q in enumerate(batches):
-                found[b].append(shard.search(q, k))
+                found = shard.search(q, k)
+                best[b] = found if best[b] is None else faiss.merge_knn_results(
+                    np.stack([best[b][0], found[0]]), np.stack([best[b][1], found[1]]), keep_max=self.keep_max)
             del shard
-        out = []
-        for results in found:
-            if len(results) == 1:
-                out.append(results[0])
-            else:
-                out.append(faiss.merge_knn_results(np.stack([r[0] for r in results]), np.stack([r[1] for r in results]),
-                                                   keep_max=self.keep_max))
-        return out
+            if on_shard:
+                on_shard(1)
+        return best
 
-    def search_scores_batches(self, batches: Sequence[np.ndarray], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    def search_scores_batches(self, batches: Sequence[np.ndarray], k: int,
+                              on_shard: Optional[Callable[[int], None]] = None) -> list[tuple[np.ndarray, np.ndarray]]:
         """:meth:`search_batches` with higher-is-better scores (L2 distances negated, as ShardedIndex.search_scores)."""
-        return [(s if self.keep_max else -s, i) for s, i in self.search_batches(batches, k)]
+        return [(s if self.keep_max else -s, i) for s, i in self.search_batches(batches, k, on_shard)]
 
 
 class StreamedExact:
@@ -220,10 +223,18 @@ class StreamedExact:
         self.manifest = embeddings.load_embeddings_manifest(emb_dir, files)
         self.ntotal = int(embeddings.modality_entry(self.manifest, modality)["count"])
 
-    def search_scores_batches(self, batches: Sequence[np.ndarray], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """[(scores, ids)] of every query batch, in one pass over the shards."""
+    def search_scores_batches(self, batches: Sequence[np.ndarray], k: int,
+                              on_shard: Optional[Callable[[int], None]] = None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """[(scores, ids)] of every query batch, in one pass over the shards (``on_shard(1)`` after each)."""
         shards = embeddings.iter_embedding_shards(self.emb_dir, self.modality, files=self.files, manifest=self.manifest)
-        return exact.exact_topk_shards(batches, shards, k)
+        return exact.exact_topk_shards(batches, _counted(shards, on_shard) if on_shard else shards, k)
+
+
+def _counted(shards, on_shard: Callable[[int], None]):
+    """``shards``, calling ``on_shard(1)`` once each has been used (when the next is asked for, or at the end)."""
+    for shard in shards:
+        yield shard
+        on_shard(1)
 
 
 def _expected_ids(index_dir: str, manifest: dict, emb_dir: str, files: Optional[FileAccess]) -> Optional[np.ndarray]:
