@@ -169,6 +169,15 @@ COLUMN_DOCS = {
                 "interval over the model seeds (a seed-mean row)",
     "co_lead": "when CO ranked first on dev: CO minus the best candidate that keeps the BE score, dev R@1 per "
                "direction with its paired 95 % bootstrap interval",
+    # search_batch.csv (benchmarks.search_batch)
+    "shard_size": "vectors in the one index shard searched",
+    "dim": "embedding width",
+    "candidates": "n, the top list each query keeps (the rerank job's stored depth)",
+    "queries_per_call": "queries in one faiss search call (pipelines.rerank --search-batch-size)",
+    "search_ms": "wall time of one search call over the shard, best of the repeats, ms",
+    "us_per_query": "search_ms per query, microseconds",
+    "search_gflops": "the call's inner-product FLOPs (2 x queries x shard_size x dim) per second, GFLOP/s",
+    "gemm_gflops": "the same FLOPs as one numpy float32 GEMM per second: the machine's rate at this shape",
     # <suite>_jobs.csv
     "job": "job name (unique within the suite)",
     "step": "module the job ran (python -m <step>)",
