@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipelines.build_index import plan as build_index_plan
 from pipelines.build_index import run as build_index_run
@@ -392,6 +393,9 @@ def test_killed_run_resumes_its_unfinished_shards_only(assets, tmp_path):
     resumed = run_rerank(staged, emb_dir, out, **plan)
     assert resumed["shards_reused"] == 4 and resumed["waves_run"] == 1
     assert resumed["shards"] == whole["shards"]  # the uninterrupted run's bytes
+    # one search pass per direction; the resumed run searches only the group of its t2i queries
+    assert whole["search_passes"] == 2 and resumed["search_passes"] == 1
+    assert not os.path.exists(os.path.join(out, rerank_plan.CANDIDATES_DIR))  # the rankings hold them now
     recomputed = sum(s["queries"] for s in whole["shards"] if s["name"] in lost)
     assert resumed["ce_pairs_requested"] == recomputed * 3 < whole["ce_pairs_requested"]
     assert 0 < resumed["ce_pairs_scored"] < whole["ce_pairs_scored"]
@@ -408,13 +412,28 @@ def test_killed_run_resumes_its_unfinished_shards_only(assets, tmp_path):
     assert a["item_id"].tolist() == b["item_id"].tolist()
     np.testing.assert_allclose(a["ce_score"].to_numpy(float), b["ce_score"].to_numpy(float), atol=1e-6)
 
-    capped = run_rerank(staged, emb_dir, str(tmp_path / "capped"), **{**plan, "pairs_per_wave": 1})
+    capped = run_rerank(staged, emb_dir, str(tmp_path / "capped"), **{**plan, "pairs_per_wave": 1,
+                                                                       "queries_per_pass": 2})
     assert capped["waves_run"] == 6  # one shard per wave; each ranks its queries like the 3-wave run
+    groups = {d: -(-n // 2) for d, n in capped["queries"].items()}  # ids hash into them unevenly
+    groups_searched = {(s["direction"], rerank_graph.group_of(q, 0, groups[s["direction"]]))
+                for s in capped["shards"] for q in pq.read_table(
+                    os.path.join(str(tmp_path / "capped"), "rankings", s["name"])).column("query_id").to_pylist()}
+    assert capped["search_passes"] == len(groups_searched) > 2
     for s_capped, s_whole in zip(capped["shards"], whole["shards"]):
         a, b = (pq.read_table(os.path.join(d, "rankings", s_capped["name"])).to_pandas()
                 for d in (str(tmp_path / "capped"), str(tmp_path / "whole")))
         assert a["item_id"].tolist() == b["item_id"].tolist()
         np.testing.assert_allclose(a["ce_score"].to_numpy(float), b["ce_score"].to_numpy(float), atol=1e-6)
+
+    # a run killed after its search job left the candidates files: the rerun reads them and searches nothing
+    searched = str(tmp_path / "searched")
+    res = rerank_plan.resolve(rerank_plan.RerankPlan(staged, emb_dir, searched, **plan))
+    os.makedirs(searched)
+    have, passes, _ = rerank_run.search(PipelineOptions([]), res, rerank_run._expected_shards(res), {})
+    assert passes == 2 and sorted(have) == ["i2t-00000-of-00001.parquet", "t2i-00000-of-00001.parquet"]
+    after = run_rerank(staged, emb_dir, searched, **plan)
+    assert after["search_passes"] == 0 and after["shards"] == whole["shards"]
 
     other = run_rerank(staged, emb_dir, out, **{**plan, "k": 4})  # another plan: nothing is reused
     assert other["shards_reused"] == 0 and other["plan_fingerprint"] != whole["plan_fingerprint"]

@@ -2,23 +2,24 @@
 search, CE pairs routed to the staged shards that hold their text and regions, scoring, ranking, writing)."""
 from __future__ import annotations
 
+import hashlib
 import io
-import math
 from typing import Mapping, Optional
 
 import apache_beam as beam
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 
 from pipelines import beam_kit, files
 from pipelines.handlers import TASK_SCORE_PAIRS, CaptionTexts, VLModelHandler, element_length
-from pipelines.rerank.plan import PROGRESS_DIR, T2I, RerankError, Resolved, SearcherSpec, shard_pairs
+from pipelines.rerank.plan import CANDIDATES_DIR, PROGRESS_DIR, T2I, RerankError, Resolved, SearcherSpec, shard_pairs
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.search import embeddings, rerank
 from retrieval_core.search.index import set_threads
-from retrieval_core.search.index_folder import StreamedExact, StreamedIndex
+from retrieval_core.search.index_folder import StreamedExact, StreamedIndex, load_index_manifest
 
 #: Beam counters (namespace "rerank"): queries_searched, ce_pairs_scored (unique pairs), ce_pair_requests,
 #: queries_ranked, ranking_shards_written.
@@ -54,9 +55,10 @@ def get_searcher(spec: SearcherSpec):
 
 
 class SearchBatch(beam.DoFn):
-    """((direction, group), [(query_id, vector)]) -> ((direction, query_id), (candidate ids, BE scores)).
+    """((direction, group), [(query_id, vector)]) -> ((direction, group), [(query_id, candidate ids, BE scores)]).
 
-    Queries are searched in fixed sub-batches of the id-sorted group, so batches never depend on bundles."""
+    A group is one pass over the pool's shards; its queries are searched in fixed sub-batches of the id-sorted
+    group, so batches never depend on bundles (nor on which waves or shards of the run are left to do)."""
 
     def __init__(self, searchers: Mapping[str, SearcherSpec], candidates: Mapping[str, int], batch_size: int,
                  faiss_threads: Optional[int]):
@@ -71,18 +73,68 @@ class SearchBatch(beam.DoFn):
         self._loaded = {d: get_searcher(s) for d, s in self.searchers.items()}
 
     def process(self, element):
-        (direction, _group), queries = element
+        (direction, group), queries = element
         queries = sorted(queries, key=lambda q: q[0])
         chunks = [queries[start:start + self.batch_size] for start in range(0, len(queries), self.batch_size)]
         # One pass over the pool's shards for the whole group; higher-is-better BE scores (an L2 index's
         # distances come back negated).
         found = self._loaded[direction].search_scores_batches(
-            [np.stack([v for _, v in chunk]).astype(np.float32) for chunk in chunks], self.candidates[direction])
+            [np.stack([v for _, v in chunk]).astype(np.float32) for chunk in chunks], self.candidates[direction],
+            on_shard=beam_kit.Progress.advance)
+        out = []
         for chunk, (scores, ids) in zip(chunks, found):
             _SEARCHED.inc(len(chunk))
             for (qid, _), s, i in zip(chunk, scores, ids):
                 valid = i >= 0  # faiss pads with -1 when the pool is smaller than n
-                yield (direction, qid), (i[valid].astype(np.int64), s[valid].astype(np.float32))
+                out.append((qid, i[valid].astype(np.int64), s[valid].astype(np.float32)))
+        yield (direction, group), out
+
+
+def pool_shard_count(spec: SearcherSpec) -> int:
+    """Shards one pass over ``spec``'s pool reads (from its manifest only: the search job's progress total)."""
+    if spec.kind == "index":
+        return len(load_index_manifest(spec.path, files.BEAM_FILES)["shards"])
+    manifest = embeddings.load_embeddings_manifest(spec.path, files.BEAM_FILES)
+    return len(embeddings.modality_entry(manifest, spec.modality)["shards"])
+
+
+# ---------------------------------------------------------------------------------- candidates
+def candidates_name(direction: str, group: int, groups: int) -> str:
+    return files.shard_name(direction, group, groups, ".parquet")
+
+
+def write_candidates(element, output: str, groups: Mapping[str, int], fingerprint: str) -> dict:
+    """One search group's candidates -> <output>/_candidates/<name> (then its record, what a resumed run
+    trusts); the file's info for the run report."""
+    (direction, group), found = element
+    found = sorted(found, key=lambda f: f[0])
+    table = pa.table({"query_id": pa.array([f[0] for f in found], pa.int64()),
+                      "candidate_ids": pa.array([f[1] for f in found], pa.list_(pa.int64())),
+                      "be_scores": pa.array([f[2] for f in found], pa.list_(pa.float32()))})
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    name = candidates_name(direction, group, groups[direction])
+    sha = files.write_atomic(files.join(output, CANDIDATES_DIR, name), buf.getvalue())
+    info = {"kind": "candidates", "direction": direction, "name": name, "queries": len(found), "sha256": sha}
+    files.write_json_atomic(files.join(output, CANDIDATES_DIR, name + ".json"), {**info, "plan": fingerprint})
+    return info
+
+
+def read_candidates(task, output: str, wanted: Mapping[str, frozenset]):
+    """(direction, candidates file, sha256) -> ((direction, query_id), (candidate ids, BE scores)) for the
+    wanted ids (a wave's queries)."""
+    direction, name, sha256 = task
+    path = files.join(output, CANDIDATES_DIR, name)
+    data = files.read_bytes(path)
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise RerankError(f"{path} changed since the search wrote it (sha256); delete {CANDIDATES_DIR}/ to search "
+                          f"again")
+    table = pq.read_table(io.BytesIO(data))
+    keep = wanted[direction]
+    for qid, ids, scores in zip(table.column("query_id").to_pylist(), table.column("candidate_ids").to_numpy(),
+                                table.column("be_scores").to_numpy()):
+        if qid in keep:
+            yield (direction, qid), (np.asarray(ids, dtype=np.int64), np.asarray(scores, dtype=np.float32))
 
 
 # ------------------------------------------------------------------------------------- reading
@@ -287,16 +339,33 @@ def write_rankings_shard(element, output: str, shards: Mapping[str, int], finger
 
 
 # ----------------------------------------------------------------------------------------- graph
-def build_graph(p: beam.Pipeline, res: Resolved, wave: Mapping[str, frozenset]) -> None:
-    """The Beam graph ranking the queries ``wave`` ({direction: query ids}) of a resolved plan."""
+def build_search_graph(p: beam.Pipeline, res: Resolved, todo: Mapping[str, frozenset]) -> None:
+    """The search job: the queries of the search groups ``todo`` ({direction: group numbers}), each group one
+    pass over its direction's pool, written as one candidates file per group. The waves read these files,
+    so the pool is read once per group, not once per wave (at 1M, ten waves each re-read the 7.7 GB caption
+    index: most of the CO job's wall time)."""
     plan = res.plan
-    query_groups = {d: max(1, math.ceil(len(q) / plan.search_batch_size / 4)) for d, q in wave.items()}
-    query_tasks = [(d, m, name, sha, query_groups[d]) for d, m, name, sha in res.query_shards if wave.get(d)]
-    cands = (p | "query shards" >> beam.Create(query_tasks)
-             | "read queries" >> beam.FlatMap(read_query_vectors, plan.embeddings, dict(wave))
-             | "group queries" >> beam.GroupByKey()
-             | "search" >> beam.ParDo(SearchBatch({d: res.searchers[d] for d in wave}, res.candidates,
-                                                  plan.search_batch_size, plan.threads)))
+    wanted = {d: frozenset(res.query_ids[d].tolist()) for d in todo}
+    query_tasks = [(d, m, name, sha, res.search_groups[d]) for d, m, name, sha in res.query_shards if d in todo]
+    written = (p | "query shards" >> beam.Create(query_tasks)
+               | "read queries" >> beam.FlatMap(read_query_vectors, plan.embeddings, wanted)
+               | "groups to search" >> beam.Filter(lambda kv: kv[0][1] in todo[kv[0][0]])
+               | "group queries" >> beam.GroupByKey()
+               | "search" >> beam.ParDo(SearchBatch({d: res.searchers[d] for d in todo}, res.candidates,
+                                                    plan.search_batch_size, plan.threads))
+               | "write candidates" >> beam.Map(write_candidates, plan.output, res.search_groups, res.fingerprint))
+    beam_kit.WriteRunReport.apply((written,), plan.output)
+
+
+def build_graph(p: beam.Pipeline, res: Resolved, wave: Mapping[str, frozenset],
+                candidates: Mapping[str, dict]) -> None:
+    """The Beam graph ranking the queries ``wave`` ({direction: query ids}) of a resolved plan from the search
+    job's ``candidates`` ({file name: its record})."""
+    plan = res.plan
+    tasks = [(c["direction"], name, c["sha256"]) for name, c in sorted(candidates.items())
+             if wave.get(c["direction"])]
+    cands = (p | "candidates files" >> beam.Create(tasks)
+             | "read candidates" >> beam.FlatMap(read_candidates, plan.output, dict(wave)))
     report_parts = []
     if not res.ce_k:
         ranked = cands | "rank" >> beam.Map(rank_emb, plan.k)

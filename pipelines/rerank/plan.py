@@ -36,6 +36,7 @@ AUTO = "auto"
 CLI_MODES = rerank.RUN_MODES + (AUTO,)
 PROGRESS_DIR = "_progress"  # <output>/_progress/<shard>.json: one record per finished ranking shard
 TUNE_DIR = "_tune"  # <output>/_tune: --mode auto's own dev run (--tune-embeddings)
+CANDIDATES_DIR = "_candidates"  # <output>/_candidates/<direction>-<group>.parquet (+ .json): the search's output
 
 
 class RerankError(ValueError):
@@ -69,7 +70,11 @@ class RerankPlan:
     queries: Optional[str] = option(None, help="Parquet file (direction, query_id): rank only these queries of the "
                                                "collection/split")
     batch_size: int = batch_size_option(64, "CE pairs per batch")
-    search_batch_size: int = option(256, help="queries per search call")
+    search_batch_size: int = option(1_024, help="queries per search call (faiss' Flat search ran ~7x slower per "
+                                                "query in calls of 256: docs/PERFORMANCE.md, \"Search\")")
+    queries_per_pass: int = option(8_192, help="queries searched per pass over the pool, before any CE work: "
+                                               "each pass reads every index (or embedding) shard once, so fewer "
+                                               "passes read less; a worker holds one pass's queries and top lists")
     device: str = device_option()
     threads: Optional[int] = threads_option()
     model_copies: Optional[int] = option(None, type=int, help="CE model copies per machine (Dataflow GPU: 1)")
@@ -115,8 +120,8 @@ class RerankPlan:
         object.__setattr__(self, "directions", tuple(dict.fromkeys(self.directions)))
         try:
             object.__setattr__(self, "device", check_device(self.device))
-            for name in ("k", "batch_size", "search_batch_size", "max_exhaustive_pairs", "queries_per_shard",
-                         "shards_per_wave", "pairs_per_wave"):
+            for name in ("k", "batch_size", "search_batch_size", "queries_per_pass", "max_exhaustive_pairs",
+                         "queries_per_shard", "shards_per_wave", "pairs_per_wave"):
                 check_positive(name, getattr(self, name))
             for name in ("threads", "model_copies", "nprobe", "ef_search"):
                 check_positive(name, getattr(self, name), allow_none=True)
@@ -203,6 +208,7 @@ class Resolved:
     described: Mapping[str, str]
     query_shards: tuple[tuple[str, str, str, str], ...]  # (direction, modality, embedding shard, sha256)
     out_shards: Mapping[str, int]  # ranking shards per direction
+    search_groups: Mapping[str, int]  # search passes per direction (queries hashed into groups; a file each)
     caption_shards: tuple[str, ...]
     image_shards: tuple[str, ...]
     ce_max_regions: int  # regions per image the CE reads (more would be cut by its collator anyway)
@@ -416,6 +422,7 @@ def resolve(plan: RerankPlan) -> Resolved:
             raise RerankError(f"CE model: {exc}") from None
     pool_collections = _pool_collections(ds, emb_manifest)
     out_shards = {d: max(1, math.ceil(len(q) / plan.queries_per_shard)) for d, q in query_ids.items()}
+    search_groups = {d: max(1, math.ceil(len(q) / plan.queries_per_pass)) for d, q in query_ids.items()}
     fingerprint_of = {
         "rankings_schema": schema.RANKINGS_SCHEMA_VERSION, "mode": plan.mode, "k": plan.k,
         "lam": plan.applied_lam, "directions": list(plan.directions),
@@ -425,7 +432,8 @@ def resolve(plan: RerankPlan) -> Resolved:
         "ce_model": ce.fingerprint if ce else None, "ce_max_regions": ce.max_regions if ce else 0,
         "ce_score": ce.ce_score if ce else None,
         "staged": _file_fingerprint(files.join(plan.staged, "summary.json")),
-        "batch_size": plan.batch_size, "search_batch_size": plan.search_batch_size, "device": plan.device,
+        "batch_size": plan.batch_size, "search_batch_size": plan.search_batch_size,
+        "queries_per_pass": plan.queries_per_pass, "device": plan.device,
         "queries_per_shard": plan.queries_per_shard, "shards_per_wave": plan.shards_per_wave,
         "pairs_per_wave": plan.pairs_per_wave,
         **({"quantize": plan.precision} if plan.precision != "none" else {}),  # fp32 runs keep their fingerprint
@@ -433,7 +441,7 @@ def resolve(plan: RerankPlan) -> Resolved:
     fingerprint = hashlib.sha256(json.dumps(fingerprint_of, sort_keys=True).encode()).hexdigest()
     return Resolved(
         plan=plan, query_ids=query_ids, pools=pools, candidates=candidates, ce_k=ce_k, searchers=searchers,
-        described=described, query_shards=tuple(query_shards), out_shards=out_shards,
+        described=described, query_shards=tuple(query_shards), out_shards=out_shards, search_groups=search_groups,
         caption_shards=tuple(s for c in pool_collections for s in ds.shard_names("captions", c)) if ce else (),
         image_shards=tuple(s for c in pool_collections for s in ds.shard_names("images", c)) if ce else (),
         ce_max_regions=ce.max_regions if ce else 0, ce_fingerprint=ce.fingerprint if ce else None,

@@ -1,14 +1,14 @@
 """``python -m pipelines.rerank``: BE retrieval (+ CE reranking) of every query of a split, in both directions.
 
-The launcher runs the graph in waves of output shards (one Beam job each; a killed run keeps every finished
-shard whose progress record matches the plan), then writes rankings_manifest.json (the run contract that
+The launcher runs a search job (each group of queries one pass over the pool, its candidates written to a
+file), then the CE graph in waves of output shards (one Beam job each; a killed run keeps every finished
+shard and candidates file whose record matches the plan), then writes rankings_manifest.json (the run contract that
 ``retrieval_core.evaluation.runs`` reads). docs/ARCHITECTURE.md describes the graph, resume and determinism.
 
     python -m pipelines.rerank --staged S --embeddings E --index I --ce-model M --mode co --k 20 --output OUT
 """
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import time
@@ -25,9 +25,18 @@ from apache_beam.io.filesystems import FileSystems
 from pipelines import beam_kit, files
 from pipelines.handlers import prepare_token_ids
 from pipelines.rerank.auto import dev_pass_plan, resolve_auto, sampled_queries
-from pipelines.rerank.graph import METRICS_NAMESPACE, build_graph, write_shard
+from pipelines.rerank.graph import (
+    METRICS_NAMESPACE,
+    build_graph,
+    build_search_graph,
+    candidates_name,
+    group_of,
+    pool_shard_count,
+    write_shard,
+)
 from pipelines.rerank.plan import (
     AUTO,
+    CANDIDATES_DIR,
     PROGRESS_DIR,
     TUNE_DIR,
     RerankError,
@@ -81,30 +90,76 @@ def plan_waves(names: Sequence[str], pairs_of: Callable[[str], int], shards_per_
     return waves
 
 
+def _reusable(record: str, path: str, fingerprint: str, queries: Optional[int] = None) -> Optional[dict]:
+    """An earlier run's record of the file ``path``, when it was written under this plan's ``fingerprint``
+    (for ``queries`` queries, where given) and the file still matches its sha256; else None."""
+    if not files.exists(record):
+        return None
+    try:
+        info = files.read_json(record)
+    except (OSError, ValueError):
+        return None
+    if info.get("plan") != fingerprint or (queries is not None and info.get("queries") != queries) or \
+            not files.shard_is_valid(path, info.get("sha256")):
+        return None
+    return info
+
+
 def _finished_shards(res: Resolved, expected: Mapping[str, tuple[str, np.ndarray]]) -> dict[str, dict]:
     """The shards an earlier run of the same plan finished: a progress record with this plan's fingerprint
     and the shard's query count, and a shard file that still matches its sha256."""
     output = res.plan.output
     done = {}
-    for name, (d, ids) in expected.items():
-        record = files.join(output, PROGRESS_DIR, name + ".json")
-        if not files.exists(record):
-            continue
-        try:
-            info = files.read_json(record)
-        except (OSError, ValueError):
-            continue
-        if info.get("plan") == res.fingerprint and info.get("queries") == len(ids) and \
-                files.shard_is_valid(files.join(output, rerank.RANKINGS_SUBDIR, name), info.get("sha256")):
+    for name, (_d, ids) in expected.items():
+        info = _reusable(files.join(output, PROGRESS_DIR, name + ".json"),
+                         files.join(output, rerank.RANKINGS_SUBDIR, name), res.fingerprint, len(ids))
+        if info is not None:
             done[name] = {key: info[key] for key in ("kind", "direction", "name", "queries", "rows", "sha256")}
     return done
 
 
+def search(options, res: Resolved, expected: Mapping[str, tuple[str, np.ndarray]],
+           finished: Mapping[str, dict]) -> tuple[dict[str, dict], int, Optional[dict]]:
+    """The search job: every search group holding a query of an unfinished shard, unless an earlier run of
+    this plan left its candidates file. Returns ({file name: record} of the groups the waves read, groups
+    searched now, Beam counters)."""
+    output = res.plan.output
+    needed: dict[str, set] = {}
+    for name, (d, ids) in expected.items():
+        if name not in finished and len(ids):
+            needed.setdefault(d, set()).update(group_of(q, 0, res.search_groups[d]) for q in ids.tolist())
+    have, todo = {}, {}
+    for d, groups in needed.items():
+        for g in sorted(groups):
+            name = candidates_name(d, g, res.search_groups[d])
+            info = _reusable(files.join(output, CANDIDATES_DIR, name + ".json"),
+                             files.join(output, CANDIDATES_DIR, name), res.fingerprint)
+            if info is None:
+                todo.setdefault(d, set()).add(g)
+            else:
+                have[name] = {key: info[key] for key in ("kind", "direction", "name", "queries", "sha256")}
+    if not todo:
+        return have, 0, None
+    total = sum(len(g) * pool_shard_count(res.searchers[d]) for d, g in todo.items())
+    p = beam.Pipeline(options=options)
+    build_search_graph(p, res, {d: frozenset(g) for d, g in todo.items()})
+    beam_kit.clear_run_dir(output)
+    with beam_kit.Progress.running(total, "pool shards", "search", options):
+        result = beam_kit.run_pipeline(p)
+    for item in beam_kit.read_run_report(output):
+        have[item["name"]] = item
+    beam_kit.clear_run_dir(output)
+    counters = beam_kit.counter_values(result, METRICS_NAMESPACE)
+    del p, result
+    beam_kit.release_memory()
+    return have, sum(len(g) for g in todo.values()), counters
+
+
 @holds_output("rerank")
 def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
-    """Run the plan's Beam job(s), one per wave of unfinished shards, and write rankings_manifest.json;
-    returns the manifest, or None for a dry run (--dry_run: DataflowRunner translated the first wave's graph
-    and nothing ran; no output is read or written)."""
+    """Run the plan's Beam jobs, the search and one per wave of unfinished shards, and write
+    rankings_manifest.json; returns the manifest, or None for a dry run (--dry_run: DataflowRunner translated
+    the search job's graph and a wave's, and nothing ran; no output is read or written)."""
     t0 = time.time()
     options = beam_kit.pipeline_options(beam_args)
     ce = plan.ce_model or plan.be_model
@@ -124,28 +179,30 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
             if d in dev_pools and not 0.8 <= dev_pools[d] / max(n, 1) <= 1.25:
                 log.warning("--mode auto: the %s dev pool (%d) is not the size of this run's pool (%d): the choice "
                             "was made at another pool size", d, dev_pools[d], n)
+    if beam_kit.is_dry_run(options):
+        return _dry_run(options, res)
     expected = _expected_shards(res)
-    dry_run = beam_kit.is_dry_run(options)
-    finished = {} if dry_run else _finished_shards(res, expected)
+    finished = _finished_shards(res, expected)
     names = list(expected)
     waves = plan_waves(names, lambda name: shard_pairs(res, *expected[name]), plan.shards_per_wave,
                        plan.pairs_per_wave)
 
-    if not dry_run:
-        files.makedirs(plan.output)
-        manifest_path = files.join(plan.output, rerank.RANKINGS_MANIFEST)
-        if files.exists(manifest_path):  # until this run finishes, the directory holds no complete run
-            FileSystems.delete([manifest_path])
+    files.makedirs(plan.output)
+    manifest_path = files.join(plan.output, rerank.RANKINGS_MANIFEST)
+    if files.exists(manifest_path):  # until this run finishes, the directory holds no complete run
+        FileSystems.delete([manifest_path])
+    # the pool is read once per search group, before the waves: they read the candidates files
+    candidates, passes, beam_counters = search(options, res, expected, finished)
+    if passes:
+        groups = ", ".join(f"{d}: {n}" for d, n in res.search_groups.items())
+        print(f"search: {passes} pass(es) over the pools (search groups {groups}; --queries-per-pass "
+              f"{plan.queries_per_pass})", flush=True)
     shards, counts, waves_run = dict(finished), {"ce_pairs_requested": 0, "ce_pairs_scored": 0}, 0
-    progress = contextlib.nullcontext() if dry_run else \
-        beam_kit.Progress.running(*_progress_total(res, expected, finished), options)
-    beam_counters = None  # summed over the waves; None when the runner reports no metrics
-    with progress:
+    with beam_kit.Progress.running(*_progress_total(res, expected, finished), options):
         for wave_names in waves:
             todo = [name for name in wave_names if name not in finished]
             for name in [n for n in todo if len(expected[n][1]) == 0]:  # no query hashed here (tiny runs)
-                if not dry_run:
-                    shards[name] = write_shard(plan.output, name, expected[name][0], [], [], res.fingerprint)
+                shards[name] = write_shard(plan.output, name, expected[name][0], [], [], res.fingerprint)
             todo = [name for name in todo if len(expected[name][1])]
             if not todo:
                 continue
@@ -153,10 +210,8 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
             for name in todo:
                 d, ids = expected[name]
                 wave.setdefault(d, set()).update(ids.tolist())
-            ran = _run_wave(options, res, {d: frozenset(ids) for d, ids in wave.items()})
-            if ran is None:
-                return None
-            report, wave_counters = ran
+            report, wave_counters = _run_wave(options, res, {d: frozenset(ids) for d, ids in wave.items()},
+                                              candidates)
             beam_counters = beam_kit.add_counters(beam_counters, wave_counters)
             waves_run += 1
             for item in report:
@@ -168,17 +223,16 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
                 got = shards.get(name, {}).get("queries")
                 if got != len(expected[name][1]):
                     raise RerankError(f"{name}: {got} queries ranked, {len(expected[name][1])} expected")
-    if dry_run:
-        print("dry run: no shard has queries; nothing to translate")
-        return None
-    if waves_run:
+    if waves_run or passes:
         print(beam_kit.counter_line(METRICS_NAMESPACE, beam_counters, beam_kit.runner_name(options)))
 
     manifest = _manifest(res, [shards[name] for name in names], len(finished), waves_run, counts,
                          beam_kit.runner_name(options), time.time() - t0)
+    manifest["search_passes"] = passes
     manifest["fusion_choice"] = fusion_choice
     files.write_json_atomic(files.join(plan.output, rerank.RANKINGS_MANIFEST), manifest)
     _delete_unlisted(plan.output, set(names))
+    files.remove_tree(files.join(plan.output, CANDIDATES_DIR))  # the rankings hold every candidate now
     for d in plan.directions:
         print(f"{d}: {manifest['queries'][d]} queries ranked ({res.described[d]}, pool {res.pools[d]})")
     if plan.cross_encoder:
@@ -219,19 +273,30 @@ def _progress_total(res: Resolved, expected: Mapping[str, tuple[str, np.ndarray]
     return sum(shard_pairs(res, d, ids) for d, ids in todo), "pairs", "rerank CE"
 
 
-def _run_wave(options, res: Resolved, wave: Mapping[str, frozenset]) -> Optional[tuple[list[dict], Optional[dict]]]:
-    """One Beam job over the queries ``wave``: its run report and Beam counters, or None for a dry run."""
+def _dry_run(options, res: Resolved) -> None:
+    """--dry_run: translate the search job and one wave of every query (what Dataflow would be sent); nothing
+    is read or written."""
+    p = beam.Pipeline(options=options)
+    build_search_graph(p, res, {d: frozenset(range(n)) for d, n in res.search_groups.items()})
+    beam_kit.run_pipeline(p)
+    p = beam.Pipeline(options=options)
+    candidates = {candidates_name(d, g, n): {"direction": d, "sha256": ""}
+                  for d, n in res.search_groups.items() for g in range(n)}
+    build_graph(p, res, {d: frozenset(q.tolist()) for d, q in res.query_ids.items()}, candidates)
+    beam_kit.run_pipeline(p)
+    print(f"dry run: the search job and the rerank graph of {sum(len(q) for q in res.query_ids.values())} "
+          f"queries are translated for {beam_kit.runner_name(options)}; nothing runs")
+
+
+def _run_wave(options, res: Resolved, wave: Mapping[str, frozenset],
+              candidates: Mapping[str, dict]) -> tuple[list[dict], Optional[dict]]:
+    """One Beam job over the queries ``wave``, from the search's ``candidates``: its run report and Beam
+    counters."""
     output = res.plan.output
     p = beam.Pipeline(options=options)
-    build_graph(p, res, wave)
-    if beam_kit.is_dry_run(options):
-        print(f"dry run: the rerank graph of {sum(len(v) for v in wave.values())} queries is translated for "
-              f"{beam_kit.runner_name(options)}; nothing runs")
-    else:
-        beam_kit.clear_run_dir(output)  # a killed run's report must not be read as this one's
+    build_graph(p, res, wave, candidates)
+    beam_kit.clear_run_dir(output)  # a killed run's report must not be read as this one's
     result = beam_kit.run_pipeline(p)
-    if result is None:
-        return None
     report = beam_kit.read_run_report(output)
     beam_kit.clear_run_dir(output)
     counters = beam_kit.counter_values(result, METRICS_NAMESPACE)
@@ -276,7 +341,7 @@ def _manifest(res: Resolved, shards: list[dict], reused: int, waves_run: int, co
         "shards": [{key: s[key] for key in ("direction", "name", "queries", "rows", "sha256")} for s in shards],
         "shards_reused": reused, "waves_run": waves_run,
         "queries_per_shard": plan.queries_per_shard, "shards_per_wave": plan.shards_per_wave,
-        "pairs_per_wave": plan.pairs_per_wave,
+        "pairs_per_wave": plan.pairs_per_wave, "queries_per_pass": plan.queries_per_pass,
         # CE work of this invocation (a resumed run scores only the pairs of the shards it computed)
         "ce_pairs_requested": counts["ce_pairs_requested"], "ce_pairs_scored": counts["ce_pairs_scored"],
         "runner": runner, "wall_s": round(wall_s, 3),
