@@ -22,7 +22,7 @@ from retrieval_core.cli import CheckedPlan, option, plan_command, plan_from_cli,
 from retrieval_core.search.index import build_shard, set_threads, train_index
 
 COLUMNS = ("shard_size", "dim", "candidates", "queries_per_call", "search_ms", "us_per_query", "search_gflops",
-           "gemm_gflops", "threads", "cpu_model", "faiss", "commit", "date", "notes")
+           "gemm_gflops", "device", "cpu_model", "threads", "torch", "faiss", "commit", "date", "notes")
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,8 @@ def measure(plan: SearchBatchPlan) -> list[dict]:
         rows.append({"shard_size": plan.shard_size, "dim": plan.dim, "candidates": plan.candidates,
                      "queries_per_call": nq, "search_ms": round(1e3 * search, 1),
                      "us_per_query": round(1e6 * search / nq, 1), "search_gflops": round(flop / search / 1e9, 1),
-                     "gemm_gflops": round(flop / gemm / 1e9, 1), "threads": env["threads"],
-                     "cpu_model": env["cpu_model"], "faiss": env["faiss"], **provenance(),
+                     "gemm_gflops": round(flop / gemm / 1e9, 1),
+                     **{c: env[c] for c in ("device", "cpu_model", "threads", "torch", "faiss")}, **provenance(),
                      "notes": f"best of {plan.repeats}; random unit vectors; numpy GEMM of the same shapes"})
     return rows
 

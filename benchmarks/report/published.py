@@ -41,6 +41,7 @@ from benchmarks.report.tables import (
     precision_table,
     probe_table,
     recall_table,
+    search_batch_table,
     seed_table,
 )
 from retrieval_core.cli import check_options, option
@@ -171,12 +172,20 @@ def per_query_block(rows: Sequence[Mapping]) -> str:
             "row's notes.\n\n" + per_query_table(rows) + "\n")
 
 
+def search_batch_block(rows: Sequence[Mapping]) -> str:
+    """benchmarks.search_batch's timings (report.search_batch_table) under where they were measured."""
+    return (_measured(rows) + f"; one Flat inner-product index shard of {_one(rows, 'shard_size')} vectors of "
+            f"{_one(rows, 'dim')} dimensions, {_one(rows, 'candidates')} candidates per query; "
+            f"{_one(rows, 'notes')}.\n\n" + search_batch_table(rows) + "\n")
+
+
 #: The table kinds a generated block may name.
 GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {
     "recall-table": recall_block, "precision-table": precision_block, "feeding-table": feeding_block,
     "seed-table": seed_block, "probe-table": probe_block,
     "fusion-rule-table": fusion_rule_block, "jobs-table": jobs_block,
-    "comparison-table": comparison_block, "per-query-table": per_query_block}
+    "comparison-table": comparison_block, "per-query-table": per_query_block,
+    "search-batch-table": search_batch_block}
 
 
 def generate(kind: str, csv_path: str, root: str) -> str:

@@ -448,6 +448,17 @@ def feeding_table(rows: Sequence[Mapping]) -> str:
     return "\n".join(lines)
 
 
+def search_batch_table(rows: Sequence[Mapping]) -> str:
+    """A Markdown table of benchmarks.search_batch's rows: per queries-per-call size, the search call's time, its
+    time per query, its FLOP rate and numpy's GEMM rate at the same shapes."""
+    lines = ["| queries per call | ms per call | us per query | faiss search GFLOP/s | numpy GEMM GFLOP/s |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['queries_per_call']} | {_fmt(r['search_ms'])} | {_fmt(r['us_per_query'])} | "
+                     f"{_fmt(r['search_gflops'])} | {_fmt(r['gemm_gflops'])} |")
+    return "\n".join(lines)
+
+
 def fusion_rule_table(rows: Sequence[Mapping]) -> str:
     """A Markdown table of benchmarks.fusion_rule's CSV: per (test row, family, rule), each seed's chosen default,
     its seed-mean R@1 minus EMB per direction with the t interval over seeds, and the seeds whose own paired
