@@ -342,8 +342,8 @@ def write_rankings_shard(element, output: str, shards: Mapping[str, int], finger
 def build_search_graph(p: beam.Pipeline, res: Resolved, todo: Mapping[str, frozenset]) -> None:
     """The search job: the queries of the search groups ``todo`` ({direction: group numbers}), each group one
     pass over its direction's pool, written as one candidates file per group. The waves read these files,
-    so the pool is read once per group, not once per wave (at 1M, ten waves each re-read the 7.7 GB caption
-    index: most of the CO job's wall time)."""
+    so the pool is searched once per group, not once per wave (at 1M, ten waves each searching again took most
+    of the CO job's wall time)."""
     plan = res.plan
     wanted = {d: frozenset(res.query_ids[d].tolist()) for d in todo}
     query_tasks = [(d, m, name, sha, res.search_groups[d]) for d, m, name, sha in res.query_shards if d in todo]
