@@ -2,7 +2,6 @@
 search, CE pairs routed to the staged shards that hold their text and regions, scoring, ranking, writing)."""
 from __future__ import annotations
 
-import hashlib
 import io
 from typing import Mapping, Optional
 
@@ -126,7 +125,7 @@ def read_candidates(task, output: str, wanted: Mapping[str, frozenset]):
     direction, name, sha256 = task
     path = files.join(output, CANDIDATES_DIR, name)
     data = files.read_bytes(path)
-    if hashlib.sha256(data).hexdigest() != sha256:
+    if files.sha256_bytes(data) != sha256:
         raise RerankError(f"{path} changed since the search wrote it (sha256); delete {CANDIDATES_DIR}/ to search "
                           f"again")
     table = pq.read_table(io.BytesIO(data))

@@ -141,17 +141,10 @@ def search(options, res: Resolved, expected: Mapping[str, tuple[str, np.ndarray]
     if not todo:
         return have, 0, None
     total = sum(len(g) * pool_shard_count(res.searchers[d]) for d, g in todo.items())
-    p = beam.Pipeline(options=options)
-    build_search_graph(p, res, {d: frozenset(g) for d, g in todo.items()})
-    beam_kit.clear_run_dir(output)
     with beam_kit.Progress.running(total, "pool shards", "search", options):
-        result = beam_kit.run_pipeline(p)
-    for item in beam_kit.read_run_report(output):
-        have[item["name"]] = item
-    beam_kit.clear_run_dir(output)
-    counters = beam_kit.counter_values(result, METRICS_NAMESPACE)
-    del p, result
-    beam_kit.release_memory()
+        report, counters = _run_job(options, output, lambda p: build_search_graph(
+            p, res, {d: frozenset(g) for d, g in todo.items()}))
+    have.update((item["name"], item) for item in report)
     return have, sum(len(g) for g in todo.values()), counters
 
 
@@ -210,8 +203,8 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
             for name in todo:
                 d, ids = expected[name]
                 wave.setdefault(d, set()).update(ids.tolist())
-            report, wave_counters = _run_wave(options, res, {d: frozenset(ids) for d, ids in wave.items()},
-                                              candidates)
+            report, wave_counters = _run_job(options, plan.output, lambda p: build_graph(
+                p, res, {d: frozenset(ids) for d, ids in wave.items()}, candidates))
             beam_counters = beam_kit.add_counters(beam_counters, wave_counters)
             waves_run += 1
             for item in report:
@@ -288,20 +281,17 @@ def _dry_run(options, res: Resolved) -> None:
           f"queries are translated for {beam_kit.runner_name(options)}; nothing runs")
 
 
-def _run_wave(options, res: Resolved, wave: Mapping[str, frozenset],
-              candidates: Mapping[str, dict]) -> tuple[list[dict], Optional[dict]]:
-    """One Beam job over the queries ``wave``, from the search's ``candidates``: its run report and Beam
-    counters."""
-    output = res.plan.output
+def _run_job(options, output: str, build: Callable[[beam.Pipeline], None]) -> tuple[list[dict], Optional[dict]]:
+    """One Beam job (the search, or a wave) whose graph ``build`` adds: its run report and Beam counters."""
     p = beam.Pipeline(options=options)
-    build_graph(p, res, wave, candidates)
+    build(p)
     beam_kit.clear_run_dir(output)  # a killed run's report must not be read as this one's
     result = beam_kit.run_pipeline(p)
     report = beam_kit.read_run_report(output)
     beam_kit.clear_run_dir(output)
     counters = beam_kit.counter_values(result, METRICS_NAMESPACE)
     del p, result
-    # a local runner ran the wave in this process: hand what it freed back before the next one (it lowers the
+    # a local runner ran the job in this process: hand what it freed back before the next one (it lowers the
     # RSS between waves, not the job's peak: docs/PERFORMANCE.md)
     beam_kit.release_memory()
     return report, counters
