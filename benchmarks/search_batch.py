@@ -31,21 +31,11 @@ class SearchBatchPlan(CheckedPlan):
     shard_size: int = option(50_000, type=click.IntRange(min=1000), help="vectors in the index shard")
     dim: int = option(384, type=click.IntRange(min=8), help="embedding width (MiniLM's 384)")
     candidates: int = option(100, type=click.IntRange(min=1), help="n, the top list a rerank query keeps")
-    queries_per_call: tuple[int, ...] = option((128, 256, 512, 1024, 4096), sep=",",
+    queries_per_call: tuple[int, ...] = option((128, 256, 512, 1024, 4096), sep=",", type=click.IntRange(min=1),
                                                help="queries per faiss search call, comma-separated")
     repeats: int = option(3, type=click.IntRange(min=1), help="timings per size (the best is kept)")
     threads: Optional[int] = threads_option()
     output: Optional[str] = option(None, help="CSV to write (default: print only)")
-
-    def __post_init__(self):
-        super().__post_init__()
-        try:
-            sizes = tuple(int(x) for x in self.queries_per_call)
-        except ValueError:
-            raise ValueError(f"--queries-per-call: comma-separated integers, got {self.queries_per_call!r}") from None
-        if not sizes or min(sizes) < 1:
-            raise ValueError("--queries-per-call: sizes must be >= 1")
-        object.__setattr__(self, "queries_per_call", sizes)
 
 
 def _best(fn, repeats: int) -> float:
@@ -88,6 +78,8 @@ def main(**values) -> None:
         plan = plan_from_cli(SearchBatchPlan, values)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    if not plan.queries_per_call:
+        raise click.UsageError("--queries-per-call: give at least one size")
     rows = measure(plan)
     for r in rows:
         click.echo(f"{r['queries_per_call']:>5} queries per call: {r['search_ms']:8.1f} ms, {r['us_per_query']:7.1f} "
