@@ -63,7 +63,7 @@ def measure(plan: SearchBatchPlan) -> list[dict]:
         gemm = _best(lambda: xq[:nq] @ xb.T, plan.repeats)
         search = _best(lambda: shard.search(xq[:nq], plan.candidates), plan.repeats)
         rows.append({"shard_size": plan.shard_size, "dim": plan.dim, "candidates": plan.candidates,
-                     "queries_per_call": nq, "search_ms": round(1e3 * search, 1),
+                     "queries_per_call": nq, "search_ms": round(1e3 * search, 3),
                      "us_per_query": round(1e6 * search / nq, 1), "search_gflops": round(flop / search / 1e9, 1),
                      "gemm_gflops": round(flop / gemm / 1e9, 1),
                      **{c: env[c] for c in ("device", "cpu_model", "threads", "torch", "faiss")}, **provenance(),
