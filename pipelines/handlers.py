@@ -134,7 +134,7 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
     def __init__(self, model_dir: str, task: str, *, device: str = "cpu", max_batch_size: int = 64,
                  min_batch_size: int = 1, model_copies: Optional[int] = None, large_model: bool = False,
                  num_threads: Optional[int] = None, dead_letter: bool = False, quantize: Optional[str] = None,
-                 token_fingerprint: Optional[str] = None):
+                 token_fingerprint: Optional[str] = None, collate_workers: Optional[int] = None):
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
         device = check_device(device)
@@ -152,7 +152,14 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
             check_quantize(quantize, device)
         self.quantize = quantize
         self.token_fingerprint = token_fingerprint
+        if collate_workers is not None and collate_workers < 1:
+            raise ValueError(f"collate_workers must be >= 1, got {collate_workers}")
+        self.collate_workers = collate_workers
         self._batches = 0
+        self._maker = None  # (model, its BatchMaker): made on the worker, at the first batch
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_maker": None}  # a worker's model and buffers never travel
 
     def __repr__(self) -> str:
         return f"VLModelHandler({self.model_dir!r}, {self.task!r}, device={self.device!r})"
@@ -213,11 +220,17 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
     def _baseline(self, batch: list, model) -> np.ndarray:
         if self.task == TASK_EMBED_TEXT:
             return model.encode_text(batch, batch_size=len(batch), device=self.device)
-        return model.encode_image([_regions(f, b) for f, b in batch])
+        return model.encode_image([(np.asarray(f, dtype=np.float32), np.asarray(b, dtype=np.float32))
+                                   for f, b in batch])
 
     def collate(self, batch: Sequence[Any], model) -> dict:
-        """The batch as model inputs, padded to its own longest text / region count."""
-        make = model.batch_maker()
+        """The batch as model inputs, padded to its own longest text / region count: regions copied by
+        ``collate_workers`` threads (default: the process's torch threads, idle while the batch is made) into
+        host memory reused from batch to batch (run_inference returns after its batch ran)."""
+        if self._maker is None or self._maker[0] is not model:
+            workers = self.collate_workers or torch.get_num_threads()
+            self._maker = (model, model.batch_maker(workers=workers, ring=2))
+        make = self._maker[1]
         if self.task == TASK_EMBED_TEXT:
             return make.text(batch)
         if self.task == TASK_EMBED_IMAGE:
@@ -242,4 +255,10 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
 
 
 def _regions(features, boxes) -> tuple[np.ndarray, np.ndarray]:
-    return (np.asarray(features, dtype=np.float32), np.asarray(boxes, dtype=np.float32))
+    """Arrays as staged (float16 or float32: collate widens them in its one copy), other inputs as float32."""
+    return _floats(features), _floats(boxes)
+
+
+def _floats(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a if a.dtype in (np.float32, np.float16) else a.astype(np.float32)

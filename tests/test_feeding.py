@@ -2,6 +2,7 @@
 collation (the code path before the token store and the prefetching loop), attention kernels per device."""
 from __future__ import annotations
 
+import copy
 import os
 
 import numpy as np
@@ -90,14 +91,42 @@ def test_prefetched_keeps_order_and_raises_at_the_failing_batch():
     assert seen == [0, 2, 4]
 
 
-def test_batch_maker_carries_regions_in_the_model_dtype(model_and_data):
+def test_batch_maker_carries_regions_as_numpy_fills_them(model_and_data):
     model, texts, images = model_and_data
-    make = BatchMaker(model.text_collator(), model.cfg.max_regions, torch.bfloat16)
-    batch = make.pairs(texts[:3], [images.regions(i) for i in range(3)])
-    assert batch["img_feats"].dtype == batch["img_boxes"].dtype == torch.bfloat16
-    assert batch["img_mask"].dtype == batch["input_ids"].dtype == torch.int64
+    regions = [images.regions(i) for i in range(3)]
+    half = BatchMaker(model.text_collator(), model.cfg.max_regions, torch.float16).pairs(texts[:3], regions)
+    assert half["img_feats"].dtype == half["img_boxes"].dtype == torch.float16
+    # bf16, which numpy lacks, travels as float32 and the model narrows it: the same scores as narrowed on the host
+    wide = BatchMaker(model.text_collator(), model.cfg.max_regions, torch.bfloat16).pairs(texts[:3], regions)
+    assert wide["img_feats"].dtype == torch.float32
+    assert wide["img_mask"].dtype == wide["input_ids"].dtype == torch.int64
+    bf16 = copy.deepcopy(model).to(torch.bfloat16).eval()  # any CPU: the test is of the rounding, not speed
+    narrowed = {**wide, "img_feats": wide["img_feats"].to(torch.bfloat16),
+                "img_boxes": wide["img_boxes"].to(torch.bfloat16)}
+    with torch.inference_mode():
+        assert torch.equal(bf16.score_pairs(wide), bf16.score_pairs(narrowed))
     assert model.batch_maker().dtype == torch.float32 and not model.batch_maker().pin
     assert model.batch_maker(torch.device("cuda")).pin  # pinned host memory for asynchronous copies
+
+
+def test_collating_threads_and_reused_blocks_give_the_same_tensors():
+    """Workers fill slices of one batch and a ring reuses host blocks: every tensor equals a single thread's on
+    fresh memory, batch after batch of other widths (stale rows of a larger batch never leak into padding), for
+    float16 and float32 staged regions; a bad image in any slice is named."""
+    rng = np.random.default_rng(0)
+    feats = [rng.standard_normal((int(rng.integers(1, 9)), 16)).astype(np.float16 if i % 2 else np.float32)
+             for i in range(70)]
+    images = [(f, rng.random((len(f), 6)).astype(np.float32)) for f in feats]
+    fresh = BatchMaker(None, max_regions=6)
+    ringed = BatchMaker(None, max_regions=6, workers=3, ring=2)
+    for size in (40, 17, 70, 9, 33):  # batches smaller than the last: reused blocks hold other rows' values
+        order = rng.permutation(len(images))[:size]
+        want, got = fresh.images([images[i] for i in order]), ringed.images([images[i] for i in order])
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    bad = list(images[:40])
+    bad[33] = (np.zeros((3, 15), np.float32), np.zeros((3, 6), np.float32))
+    with pytest.raises(ValueError, match="image 33 has feature dim 15"):
+        ringed.images(bad)
 
 
 def test_sdpa_backends_leave_cudnn_out_in_16_bit_on_cuda():

@@ -8,9 +8,10 @@ padding ids per batch gives the same tensors as tokenising every batch.
 """
 from __future__ import annotations
 
+import functools
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -113,48 +114,117 @@ def length_chunks(lengths: np.ndarray, rows: int) -> list[np.ndarray]:
 
 
 def collate_images(images: Sequence[Regions], max_regions: int = DEFAULT_MAX_REGIONS,
-                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+                   dtype: torch.dtype = torch.float32, pin: bool = False, workers: int = 1,
+                   reuse: Optional[dict] = None) -> dict[str, torch.Tensor]:
     """Pads a batch of images to the largest region count in the batch (capped at ``max_regions``).
 
-    Returns ``img_feats`` (B, R, F) and ``img_boxes`` (B, R, 6) in ``dtype`` (the model's: a bf16 model is sent
-    half the bytes) and ``img_mask`` (B, R) int64.
+    Returns ``img_feats`` (B, R, F) and ``img_boxes`` (B, R, 6) in ``dtype`` where numpy has it (HOST_DTYPES; a
+    bf16 model's regions travel as float32 and the model narrows them on its device) and ``img_mask`` (B, R)
+    int64; ``pin``: made in pinned memory (a CUDA model's asynchronous copies), not copied there afterwards.
     Regions past ``max_regions`` are dropped from the end: the stager stores them most-confident first.
     An image without regions is an error (its embedding would be [CLS] alone, silently meaningless).
+
+    Each image's regions are copied into the batch once (float16 staged features widen exactly in that copy).
+    ``workers`` > 1 fills contiguous slices of the batch in that many threads (numpy's copies run outside the
+    GIL): one thread's copies cannot keep a GPU fed with BERT-base-size pairs; the tensors are the same whatever
+    the count.
+    ``reuse``: a dict whose host memory the tensors are made in (kept there for the next call; BatchMaker's
+    ring): a fresh batch-sized block costs a page fault per 4 KiB, more than the copies themselves.
     """
     if len(images) == 0:
         raise ValueError("collate_images got an empty batch")
-    counts = []
-    feature_dim = None
-    for i, (feats, boxes) in enumerate(images):
-        if feats.ndim != 2 or boxes.ndim != 2 or boxes.shape[1] != BOX_DIM or len(feats) != len(boxes):
-            raise ValueError(f"image {i}: expected features (n,F) and boxes (n,{BOX_DIM}), "
-                             f"got {feats.shape} and {boxes.shape}")
-        if len(feats) == 0:
-            raise ValueError(f"image {i} has no regions")
-        if feature_dim is None:
-            feature_dim = feats.shape[1]
-        elif feats.shape[1] != feature_dim:
-            raise ValueError(f"image {i} has feature dim {feats.shape[1]}, batch has {feature_dim}")
-        counts.append(min(len(feats), max_regions))
+    _check_image(0, *images[0], None)
+    feature_dim = images[0][0].shape[1]
+    counts = [min(len(feats), max_regions) for feats, _ in images]
     width = max(counts)
-    out_f = np.zeros((len(images), width, feature_dim), dtype=np.float32)
-    out_b = np.zeros((len(images), width, BOX_DIM), dtype=np.float32)
-    mask = np.zeros((len(images), width), dtype=np.int64)
-    for i, ((feats, boxes), n) in enumerate(zip(images, counts)):
-        out_f[i, :n] = feats[:n]
-        out_b[i, :n] = boxes[:n]
-        mask[i, :n] = 1
-    return {"img_feats": torch.from_numpy(out_f).to(dtype), "img_boxes": torch.from_numpy(out_b).to(dtype),
-            "img_mask": torch.from_numpy(mask)}
+    # the copies run in numpy (outside the GIL, one thread each); bf16, which numpy lacks, travels as float32
+    # and the model narrows it on its device (VLRetrievalModel._image_tokens: the same rounding)
+    host = dtype if dtype in HOST_DTYPES else torch.float32
+    out_f = _empty(reuse, "img_feats", (len(images), width, feature_dim), host, pin)
+    out_b = _empty(reuse, "img_boxes", (len(images), width, BOX_DIM), host, pin)
+    fill_f, fill_b = out_f.numpy(), out_b.numpy()
+    mask = (np.arange(width)[None, :] < np.asarray(counts)[:, None]).astype(np.int64)
+
+    def fill(rows: range) -> None:
+        for i in rows:
+            (feats, boxes), n = images[i], counts[i]
+            _check_image(i, feats, boxes, feature_dim)
+            fill_f[i, :n] = feats[:n]
+            fill_b[i, :n] = boxes[:n]
+            if n < width:  # the block may hold an earlier batch's values
+                fill_f[i, n:] = 0
+                fill_b[i, n:] = 0
+
+    slices = _slices(len(images), workers)
+    if len(slices) == 1:
+        fill(slices[0])
+    else:
+        list(_collate_pool(len(slices)).map(fill, slices))  # list(): an error in a slice is raised here
+    mask_t = torch.from_numpy(mask)
+    return {"img_feats": out_f, "img_boxes": out_b, "img_mask": mask_t.pin_memory() if pin else mask_t}
+
+
+def _check_image(i: int, feats: np.ndarray, boxes: np.ndarray, feature_dim: Optional[int]) -> None:
+    if feats.ndim != 2 or boxes.ndim != 2 or boxes.shape[1] != BOX_DIM or len(feats) != len(boxes):
+        raise ValueError(f"image {i}: expected features (n,F) and boxes (n,{BOX_DIM}), "
+                         f"got {feats.shape} and {boxes.shape}")
+    if len(feats) == 0:
+        raise ValueError(f"image {i} has no regions")
+    if feature_dim is not None and feats.shape[1] != feature_dim:
+        raise ValueError(f"image {i} has feature dim {feats.shape[1]}, batch has {feature_dim}")
+
+
+#: The dtypes region tensors are made in (numpy's): a model of another dtype narrows them itself.
+HOST_DTYPES = (torch.float32, torch.float16)
+#: Rows below which a slice is not worth a thread's hand-off (a few microseconds per image copied).
+MIN_ROWS_PER_WORKER = 8
+
+
+def _slices(n: int, workers: int) -> list[range]:
+    """``n`` rows as at most ``workers`` contiguous slices of at least MIN_ROWS_PER_WORKER rows (one slice for
+    a small batch)."""
+    if workers < 1:
+        raise ValueError(f"collate workers must be >= 1, got {workers}")
+    parts = max(1, min(workers, n // MIN_ROWS_PER_WORKER))
+    bounds = [n * k // parts for k in range(parts + 1)]
+    return [range(bounds[k], bounds[k + 1]) for k in range(parts)]
+
+
+def _empty(reuse: Optional[dict], key: str, shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialised tensor of ``shape``: new, or a view of the block ``reuse[key]`` (grown when too small)."""
+    if reuse is None:
+        return torch.empty(shape, dtype=dtype, pin_memory=pin)
+    n = int(np.prod(shape))
+    block = reuse.get(key)
+    if block is None or block.numel() < n or block.dtype != dtype or block.is_pinned() != pin:
+        block = reuse[key] = torch.empty(n, dtype=dtype, pin_memory=pin)
+    return block[:n].view(shape)
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """A numpy block as a tensor without a copy where it is writable (read-only buffers, e.g. Arrow's, are
+    copied: torch.from_numpy warns on them)."""
+    a = np.ascontiguousarray(a)
+    return torch.from_numpy(a) if a.flags.writeable else torch.tensor(a)
+
+
+@functools.lru_cache(maxsize=None)
+def _collate_pool(workers: int) -> ThreadPoolExecutor:
+    """One pool of collating threads per count, for the process's life (a batch is too short to start threads)."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="collate-fill")
 
 
 def collate_pairs(text_collator: TextCollator, texts: Sequence[Text], images: Sequence[Regions],
-                  max_regions: int = DEFAULT_MAX_REGIONS, dtype: torch.dtype = torch.float32
-                  ) -> dict[str, torch.Tensor]:
-    """A batch of (text, image) pairs for the cross-encoder: text and regions padded each on its own."""
+                  max_regions: int = DEFAULT_MAX_REGIONS, dtype: torch.dtype = torch.float32, pin: bool = False,
+                  workers: int = 1, reuse: Optional[dict] = None) -> dict[str, torch.Tensor]:
+    """A batch of (text, image) pairs for the cross-encoder: text and regions padded each on its own
+    (``pin``, ``workers`` and ``reuse`` as in collate_images)."""
     if len(texts) != len(images):
         raise ValueError(f"collate_pairs: {len(texts)} texts but {len(images)} images")
-    return {**text_collator(texts), **collate_images(images, max_regions, dtype)}
+    text = text_collator(texts)
+    if pin:
+        text = {k: v.pin_memory() for k, v in text.items()}
+    return {**text, **collate_images(images, max_regions, dtype, pin, workers, reuse)}
 
 
 @dataclass
@@ -162,28 +232,44 @@ class BatchMaker:
     """The model inputs of one batch, made the same way by the library's batched loops
     (VLRetrievalModel.encode_text / encode_image / score) and the Beam jobs' handler: padded per batch, region
     features in the model's ``dtype``, and in pinned memory when ``pin`` (a CUDA model), so the copy to the device
-    is asynchronous (``to_device``)."""
+    is asynchronous (``to_device``); regions copied in ``workers`` threads (collate_images).
+
+    ``ring`` > 0: the region tensors of each batch are made in one of ``ring`` host blocks taken in turn, so the
+    batch made ``ring`` calls ago must be done with (a caller that holds at most ``ring - 1`` batches: the handler,
+    which returns after its batch ran, or a prefetching loop on the CPU). Pinned memory needs no ring: PyTorch's
+    pinned allocator keeps freed blocks, and reuses one only after the copies that read it have run."""
     text_collator: Optional[TextCollator]
     max_regions: int = DEFAULT_MAX_REGIONS
     dtype: torch.dtype = torch.float32
     pin: bool = False
+    workers: int = 1
+    ring: int = 0
+    _blocks: list = field(default_factory=list, init=False, repr=False)
+    _turn: int = field(default=0, init=False, repr=False)
 
     def text(self, texts: Sequence[Text]) -> dict[str, torch.Tensor]:
-        return self._pinned(self._texts()(texts))
+        batch = self._texts()(texts)
+        return {k: v.pin_memory() for k, v in batch.items()} if self.pin else batch
 
     def images(self, images: Sequence[Regions]) -> dict[str, torch.Tensor]:
-        return self._pinned(collate_images(images, self.max_regions, self.dtype))
+        return collate_images(images, self.max_regions, self.dtype, self.pin, self.workers, self._block())
 
     def pairs(self, texts: Sequence[Text], images: Sequence[Regions]) -> dict[str, torch.Tensor]:
-        return self._pinned(collate_pairs(self._texts(), texts, images, self.max_regions, self.dtype))
+        return collate_pairs(self._texts(), texts, images, self.max_regions, self.dtype, self.pin, self.workers,
+                             self._block())
+
+    def _block(self) -> Optional[dict]:
+        if self.ring < 1 or self.pin:
+            return None
+        if not self._blocks:
+            self._blocks = [{} for _ in range(self.ring)]
+        self._turn = (self._turn + 1) % self.ring
+        return self._blocks[self._turn]
 
     def _texts(self) -> TextCollator:
         if self.text_collator is None:
             raise RuntimeError("this model has no tokenizer attached")
         return self.text_collator
-
-    def _pinned(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.pin_memory() for k, v in batch.items()} if self.pin else batch
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -32,7 +32,16 @@ from transformers import AutoTokenizer, BertConfig, BertModel
 
 from retrieval_core.data.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS, SCHEMA_VERSION, ImageTable
 from retrieval_core.model.attention import attention_backends, packed_layer
-from retrieval_core.model.collate import BatchMaker, Regions, Text, TextCollator, TokenCounts, prefetched, to_device
+from retrieval_core.model.collate import (
+    PREFETCH_BATCHES,
+    BatchMaker,
+    Regions,
+    Text,
+    TextCollator,
+    TokenCounts,
+    prefetched,
+    to_device,
+)
 
 MODEL_JSON = "rr_model.json"
 #: Start of the CE agreement term's learned scale (VLModelConfig.ce_agreement): cosines of matching and random
@@ -178,12 +187,22 @@ class VLRetrievalModel(nn.Module):
             raise RuntimeError("this model has no tokenizer attached")
         return TextCollator(self.tokenizer, self.cfg.max_text_len)
 
-    def batch_maker(self, device: Optional[torch.device] = None) -> BatchMaker:
+    def batch_maker(self, device: Optional[torch.device] = None, workers: int = 1, ring: int = 0) -> BatchMaker:
         """How this model's batches are made (collate.BatchMaker) for ``device`` (default: where the model is):
-        region features in the weights' dtype, pinned host memory for a CUDA device."""
+        region features in the weights' dtype (float32 for bf16 weights: the model narrows them), pinned host
+        memory for a CUDA device; ``workers`` collating threads, ``ring`` reused host blocks."""
         dev = torch.device(device) if device is not None else self.device
         return BatchMaker(self.text_collator() if self.tokenizer is not None else None, self.cfg.max_regions,
-                          self.bert.embeddings.word_embeddings.weight.dtype, pin=dev.type == "cuda")
+                          self.bert.embeddings.word_embeddings.weight.dtype, pin=dev.type == "cuda",
+                          workers=workers, ring=ring)
+
+    def _loop_batch_maker(self, device: torch.device) -> BatchMaker:
+        """The batch maker of the batched loops below: on the CPU one collating thread beside the model's (the
+        prefetch overlaps it with the model) and a ring the prefetch cannot outrun; on a GPU every torch thread
+        collates (the host must keep the device fed) into pinned memory."""
+        if device.type == "cpu":
+            return self.batch_maker(device, workers=1, ring=PREFETCH_BATCHES + 2)
+        return self.batch_maker(device, workers=torch.get_num_threads())
 
     # ------------------------------------------------------------------------------------ embeddings
     def _text_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -228,7 +247,8 @@ class VLRetrievalModel(nn.Module):
         additive = self._additive_mask(tokens, mask)
         x = tokens.reshape(-1, hidden) if keep is None else tokens.reshape(-1, hidden)[keep]
         layers = self.bert.encoder.layer
-        with attention_backends(x.device, x.dtype):
+        attention_dtype = additive.dtype  # under autocast q, k and v are 16-bit while x stays float32
+        with attention_backends(x.device, attention_dtype):
             for layer in layers[:-1] if cls_only else layers:
                 x = packed_layer(layer, x, keep, (b, length), additive)
         if entering_last is not None:
@@ -239,7 +259,7 @@ class VLRetrievalModel(nn.Module):
         if cls_only:  # [CLS] is every row's first position, a real token
             cls = torch.arange(b, device=x.device) * length
             cls = cls if keep is None else torch.searchsorted(keep, cls)
-            with attention_backends(x.device, x.dtype):
+            with attention_backends(x.device, attention_dtype):
                 return packed_layer(layers[-1], x, keep, (b, length), additive, queries=cls).view(b, 1, hidden)
         if keep is None:
             return x.view(b, length, hidden)
@@ -347,7 +367,7 @@ class VLRetrievalModel(nn.Module):
         """(n, d) float32 L2-normalised text embeddings, in input order. Texts are str or token ids
         (TextCollator.ids); every str is tokenised once, before the first batch."""
         texts = list(texts)
-        make = self.batch_maker(torch.device(device))
+        make = self._loop_batch_maker(torch.device(device))
         ids = make.text_collator.ids(texts) if texts else []
         order = np.argsort(_lengths(ids), kind="stable")
         return self._run_batched(order, batch_size, device, amp_dtype, progress, "encode text", self.embedding_dim,
@@ -358,7 +378,7 @@ class VLRetrievalModel(nn.Module):
         """(n, d) float32 L2-normalised image embeddings, in input order."""
         get, counts = _region_access(images)
         order = np.argsort(counts, kind="stable")
-        make = self.batch_maker(torch.device(device))
+        make = self._loop_batch_maker(torch.device(device))
         return self._run_batched(order, batch_size, device, amp_dtype, progress, "encode images", self.embedding_dim,
                                  lambda idx: make.images([get(i) for i in idx]), self.embed_image)
 
@@ -369,7 +389,7 @@ class VLRetrievalModel(nn.Module):
         get, counts = _region_access(images)
         if len(texts) != len(counts):
             raise ValueError(f"score: {len(texts)} texts but {len(counts)} images")
-        make = self.batch_maker(torch.device(device))
+        make = self._loop_batch_maker(torch.device(device))
         ids = make.text_collator.ids(texts) if texts else []
         order = np.lexsort((_lengths(ids), np.minimum(counts, self.cfg.max_regions)))
         out = self._run_batched(order, batch_size, device, amp_dtype, progress, "CE score", 1,
