@@ -36,7 +36,17 @@ from pipelines.beam_kit import BEAM_CLI_CONTEXT, check_beam_flags
 from pipelines.build_index.plan import IndexPlan
 from pipelines.encode.plan import EncodePlan
 from pipelines.rerank.plan import RerankPlan
-from retrieval_core.cli import CheckedPlan, cli_errors, option, plan_command, plan_from_cli, to_argv
+from retrieval_core.cli import (
+    AUTO_DEVICE,
+    CheckedPlan,
+    cli_errors,
+    describe_device,
+    option,
+    plan_command,
+    plan_from_cli,
+    resolve_device,
+    to_argv,
+)
 from retrieval_core.data import schema
 from retrieval_core.evaluation.runs import read_run_manifest
 from retrieval_core.evaluation.stats import Bootstrap, verdict
@@ -136,13 +146,14 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
     # the cores this process may run on (taskset / a container's cpuset), not the machine's count (Linux only)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     wall = time.time() - t_start
-    print(f"total {wall:.0f} s on {cores} CPU cores; outputs under {root}")
+    device = resolve_device(AUTO_DEVICE)  # the steps' default (--device auto), resolved here as they resolve it
+    print(f"total {wall:.0f} s on {cores} CPU cores; device: {describe_device(device)}; outputs under {root}")
     # the table once more in the suites' schema, with where, when and from which commit it ran: the file the docs'
     # demo table is generated from (benchmarks.report docs)
     csv_name = DEMO_CSV if quantize == "none" else DEMO_CSV.replace(".csv", f"_{quantize}.csv")
     csv_path = report.write_csv(os.path.join(results, csv_name), [
         {**r, "suite": "demo", "wall_s": round(wall), "recipe": recipe.name, "model_seed": seed,
-         "measured": True, "notes": steps, **report.environment(), "quantize": r.get("quantize", "none")}
+         "measured": True, "notes": steps, **report.environment(device), "quantize": r.get("quantize", "none")}
         for r in rows])
     print(f"the table with its environment and commit: {csv_path}")
     # the queries behind the numbers: where the default ranking moved the gold item relative to EMB (one run)

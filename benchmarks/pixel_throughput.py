@@ -46,7 +46,7 @@ class ThroughputPlan:
     images: int = option(512, type=click.IntRange(min=8), help="JPEGs staged (copies of the source photos)")
     source: Optional[str] = option(None, help="folder of JPEGs to copy from [$RR_SHARED_DIR's AllenNLP fixture "
                                               "photos, else rendered demo scenes saved as JPEG]")
-    device: str = device_option()
+    device: str = device_option("cpu")  # cpu, not auto: the plain command is the CPU measurement (module doc)
     threads: Optional[int] = threads_option()
     batch_size: int = batch_size_option(64, help="images per backbone call")
     decode_threads: int = option(1, type=click.IntRange(min=0), help="files decoded ahead in parallel "

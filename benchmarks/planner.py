@@ -98,7 +98,9 @@ class SuiteConfig(CheckedPlan):
                                                         "costs) without running them.")
     quick: bool = option(False, help="Tiny sizes everywhere: a smoke run in a few minutes.")
     batch_size: int = batch_size_option(128)
-    device: str = device_option()
+    # cpu, not auto: the suites' sizes, budgets and --plan unit costs are the CPU's, and the latency and memory
+    # suites measure it; a GPU run of a suite is asked for (--device cuda)
+    device: str = device_option("cpu")
     threads: Optional[int] = threads_option()
     quantize: str = option("none", type=click.Choice(schema.QUANTIZE_CHOICES),
                            help="Serving precision of the encode and CE jobs (their --quantize): bf16 = matrix "

@@ -26,6 +26,8 @@ CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
 
 #: The kinds of device, everywhere (Beam's handlers included); a device is a kind, or cuda:N for one GPU of several.
 DEVICES = ("cpu", "cuda")
+#: --device auto: CUDA when torch sees a GPU on the host that builds the plan, else the CPU (:func:`resolve_device`).
+AUTO_DEVICE = "auto"
 
 
 _MEMORY_TEXT = re.compile(r"MemoryError|Unable to allocate|can't allocate memory|Cannot allocate memory|bad_alloc")
@@ -93,18 +95,52 @@ def check_choice(name: str, value, choices: Sequence) -> None:
         raise ValueError(f"{name} must be one of {'|'.join(map(str, choices))}, got {value!r}")
 
 
+class AutoDevice(str):
+    """The device ``--device auto`` resolved to (``cpu`` or ``cuda``): a plain ``str`` everywhere (==, hash, JSON,
+    f-strings, to_argv), so a plan and its fingerprints are those of the same device given explicitly; only
+    :func:`describe_device` tells it apart, to say in a job's summary that the device was chosen for the user."""
+
+
 def check_device(device) -> str:
-    """``cpu``, ``cuda`` or ``cuda:N`` in any case -> lower case; anything else is a one-line ValueError."""
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` in any case -> lower case; anything else is a one-line ValueError.
+    ``auto`` stays ``auto`` here: plans resolve it (:func:`resolve_device`)."""
+    if isinstance(device, AutoDevice):
+        return device
     value = str(device).lower()
     kind, _, index = value.partition(":")
-    if kind not in DEVICES or (":" in value and (kind != "cuda" or not index.isdigit())):
-        raise ValueError(f"device must be one of cpu|cuda|cuda:N, got {device!r}")
+    if value != AUTO_DEVICE and (kind not in DEVICES or (":" in value and (kind != "cuda" or not index.isdigit()))):
+        raise ValueError(f"device must be one of auto|cpu|cuda|cuda:N, got {device!r}")
     return value
 
 
+def resolve_device(device) -> str:
+    """A checked device made concrete: ``auto`` -> ``cuda`` when ``torch.cuda.is_available()``, else ``cpu`` (an
+    :class:`AutoDevice`); any other device as given (``cuda`` on a machine without one fails where it is used).
+
+    Plans call this when built, on the host that launches the job. Why there: the plan is what the workers'
+    handlers, the manifests and the resume fingerprints read, so each sees one concrete device, decided once (not
+    per worker), and on a machine without CUDA ``auto`` is ``cpu``: the plan, fingerprints and launched arguments
+    of an explicit ``--device cpu``, so earlier runs resume. The cost: a launcher without a GPU (a Dataflow
+    launcher starting GPU workers) resolves ``auto`` to ``cpu``, so such a job passes ``--device cuda``."""
+    value = check_device(device)
+    if value != AUTO_DEVICE:
+        return value
+    import torch
+
+    return AutoDevice("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def describe_device(device) -> str:
+    """A job summary's device: ``cuda``, or where ``--device auto`` chose it, ``cuda (auto)`` / ``cpu (auto: torch
+    sees no CUDA device)``."""
+    if not isinstance(device, AutoDevice):
+        return str(device)
+    return f"{device} (auto)" if device != "cpu" else f"{device} (auto: torch sees no CUDA device)"
+
+
 def device_kind(device: str) -> str:
-    """``cpu`` or ``cuda`` (the kind of a checked device: cuda:1 -> cuda)."""
-    return check_device(device).partition(":")[0]
+    """``cpu`` or ``cuda`` (the kind of a checked device: cuda:1 -> cuda; auto resolved first)."""
+    return resolve_device(device).partition(":")[0]
 
 
 def apply_device_and_threads(device: str, threads: Optional[int]) -> None:
@@ -156,23 +192,26 @@ def option_group(cls: type) -> Any:
 
 
 class DeviceType(click.ParamType):
-    """--device's click type: :func:`check_device`'s spelling, its error as click's usage error."""
-    name = "cpu|cuda|cuda:N"
+    """--device's click type: :func:`check_device`'s spelling, its error as click's usage error; ``auto`` resolved
+    (:func:`resolve_device`)."""
+    name = "auto|cpu|cuda|cuda:N"
 
     def get_metavar(self, *args, **kwargs) -> str:
-        return "[cpu|cuda|cuda:N]"
+        return "[auto|cpu|cuda|cuda:N]"
 
     def convert(self, value, param, ctx):
         try:
-            return check_device(value)
+            return resolve_device(value)
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
 
 
-def device_option(default: str = "cpu") -> Any:
-    """A plan's --device field: the one declaration of --device."""
-    return option(default, type=DeviceType(), help="Where the model runs: cpu, cuda or cuda:N (cuda fails when no "
-                                                      "GPU is visible).")
+def device_option(default: str = AUTO_DEVICE) -> Any:
+    """A plan's --device field: the one declaration of --device (default auto, resolved when the plan is built)."""
+    return option(default, type=DeviceType(),
+                  help="Where the model runs: auto (CUDA when torch sees a GPU on this machine, else the CPU), cpu, "
+                       "cuda or cuda:N (cuda fails when no GPU is visible). auto is resolved on the machine that "
+                       "launches the job: a launcher without a GPU starting GPU workers passes --device cuda.")
 
 
 def threads_option(default: Optional[int] = None, help: Optional[str] = None) -> Any:
@@ -181,6 +220,14 @@ def threads_option(default: Optional[int] = None, help: Optional[str] = None) ->
     return option(default, type=click.IntRange(min=1),
                   help=help or "torch (and faiss) CPU threads per process" + ("" if default else " [torch's default]")
                   + ".")
+
+
+def collate_workers_option() -> Any:
+    """A plan's --collate-workers field: threads that copy each batch's regions into its tensors (the jobs' outputs
+    are the same for any count, so it is in no fingerprint)."""
+    return option(None, type=click.IntRange(min=1),
+                  help="threads that collate each batch's regions [the torch threads: they idle while a batch is "
+                       "made]")
 
 
 def batch_size_option(default: int, help: str = "items per model call") -> Any:
@@ -299,9 +346,17 @@ def plan_from_cli(cls: type, values: dict, **extra):
     return cls(**kwargs)
 
 
+def _auto_device_default(fl: Flag, value, default) -> bool:
+    """A --device whose default is auto, holding what auto resolves to here: the default (the launched command
+    resolves it again, on this host), so a plan writes the arguments it wrote when the default was that device."""
+    return isinstance(fl.type, DeviceType) and isinstance(default, str) and default.lower() == AUTO_DEVICE \
+        and value == resolve_device(AUTO_DEVICE)
+
+
 def to_argv(plan) -> list[str]:
     """The command-line arguments that build ``plan`` (its CLI's inverse): every option whose value is not
-    the field's default, in declaration order. Fields without a flag must keep their defaults."""
+    the field's default (a --device auto resolves to on this host counts as the default), in declaration order.
+    Fields without a flag must keep their defaults."""
     argv: list[str] = []
     positional: list[str] = []
     for f in dataclasses.fields(plan):
@@ -316,9 +371,9 @@ def to_argv(plan) -> list[str]:
             if value != default:
                 raise ValueError(f"{type(plan).__name__}.{f.name} has no command-line flag: keep its default")
             continue
-        if value == default or value is None:
-            continue
         fl = f.metadata[_FLAG]
+        if value == default or value is None or _auto_device_default(fl, value, default):
+            continue
         if fl.argument:
             positional += [str(v) for v in value] if fl.multiple else [str(value)]
         elif isinstance(value, bool) and fl.type is None:

@@ -77,11 +77,13 @@ def assets(tmp_path_factory, tiny_encoded):
     return str(tmp_path_factory.mktemp("encode")), staged, model
 
 
-def test_encode_matches_direct_model_output_and_rerun_skips(assets):
+def test_encode_matches_direct_model_output_and_rerun_skips(assets, capsys):
     root, staged, model_dir = assets
     out = os.path.join(root, "emb")
     plan = encode_plan.EncodePlan(staged, model_dir, out, batch_size=8, images_per_shard=10, texts_per_shard=20)
     summary = encode_run.run(plan)
+    if plan.device == "cpu":  # the default, --device auto, without CUDA: printed as such
+        assert summary["device"] == "cpu" and "device: cpu (auto: torch sees no CUDA device)" in capsys.readouterr().out
 
     ds = StagedDataset(staged)
     model = VLRetrievalModel.load(model_dir)
@@ -123,6 +125,11 @@ def test_encode_matches_direct_model_output_and_rerun_skips(assets):
     again = encode_run.run(plan)
     assert again["modalities"]["image"]["inputs"] == 0 and again["modalities"]["image"]["reused"] == 24
     assert again["modalities"]["text"]["inputs"] == 0
+    if plan.device == "cpu":  # --device cpu is the same run: all reused, the same manifest (rerank fingerprints it)
+        manifest_bytes = open(embeddings.manifest_path(out), "rb").read()
+        explicit = encode_run.run(dataclasses.replace(plan, device="cpu"))
+        assert explicit["modalities"]["image"]["reused"] == 24 and explicit["modalities"]["text"]["inputs"] == 0
+        assert open(embeddings.manifest_path(out), "rb").read() == manifest_bytes
     damaged = os.path.join(out, embeddings.shard_relpath("image", names[1]))
     with open(damaged, "ab") as f:
         f.write(b"x")
@@ -311,7 +318,7 @@ def test_plan_and_cli_flags(assets, tmp_path):
 
     _, staged, model_dir = assets
     assert encode_plan.EncodePlan(staged, model_dir, "o", device="CUDA").device == "cuda"
-    with pytest.raises(ValueError, match="device must be one of cpu|cuda, got 'gpu'"):
+    with pytest.raises(ValueError, match=r"device must be one of auto\|cpu\|cuda\|cuda:N, got 'GPU'"):
         encode_plan.EncodePlan(staged, model_dir, "o", device="GPU")
     with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 0"):
         encode_plan.EncodePlan(staged, model_dir, "o", batch_size=0)

@@ -115,8 +115,8 @@ def test_cli_spells_device_and_threads_like_every_other_cli(setup, tmp_path):
     finally:
         torch.set_num_threads(before)
     bad = CliRunner().invoke(family_probe.main, args + ["--device", "gpu"])
-    assert bad.exit_code == 2 and "device must be one of cpu|cuda|cuda:N, got 'gpu'" in bad.output
-    assert "--device [cpu|cuda|cuda:N]" in CliRunner().invoke(family_probe.main, ["-h"]).output
+    assert bad.exit_code == 2 and "device must be one of auto|cpu|cuda|cuda:N, got 'gpu'" in bad.output
+    assert "--device [auto|cpu|cuda|cuda:N]" in CliRunner().invoke(family_probe.main, ["-h"]).output
     if not torch.cuda.is_available():
         no_gpu = CliRunner().invoke(family_probe.main, args + ["--device", "cuda"])
         assert no_gpu.exit_code == 1 and "CUDA is not available" in no_gpu.output and "Traceback" not in no_gpu.output

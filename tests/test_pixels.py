@@ -341,6 +341,10 @@ def test_stage_a_folder_of_images(photo_staged):
     assert sorted(r["locator"].rsplit("/", 1)[-1] for r in rejects) == sorted(rejected)
     assert summary["image_backbone"]["name"] == "efficientnet-lite0"
     assert summary["image_backbone"]["grids"] == [1, 3]
+    # where the backbone ran: the default --device auto resolved (the CPU here), printed and in summary.json
+    assert json.loads(open(f"{out}/summary.json").read())["device"] == plan.device
+    if plan.device == "cpu":
+        assert "image backbone device: cpu (auto: torch sees no CUDA device)" in stage_run.report_lines(summary)
     caps = summary["collections"]["photos"]["captions"]  # a rejected image's captions have no image to join
     assert (caps["staged"], caps["rejected"]) == (2 * images["staged"], 2 * len(rejected))
     ds = StagedDataset(out)

@@ -3,9 +3,11 @@ through its own CLI, so what the suites and the demo launch is exactly the plan 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import click
 import pytest
+import torch
 
 from benchmarks.demo import DemoPlan
 from benchmarks.demo import main as demo_main
@@ -23,9 +25,10 @@ from pipelines.encode.plan import EncodePlan
 from pipelines.encode.run import main as encode_main
 from pipelines.rerank.plan import RerankPlan
 from pipelines.rerank.run import main as rerank_main
-from pipelines.stage.plan import StagePlan
+from pipelines.stage.plan import StageError, StagePlan
 from pipelines.stage.run import main as stage_main
-from retrieval_core.cli import plan_from_cli, to_argv
+from retrieval_core.cli import check_device, describe_device, plan_from_cli, resolve_device, to_argv
+from retrieval_core.training import recipes
 from retrieval_core.training.config import TrainConfig
 from retrieval_core.training.train import TrainPlan
 from retrieval_core.training.train import main as train_main
@@ -100,7 +103,81 @@ def test_the_suite_config_is_the_benchmark_clis_plan():
     for bad, message in (({"model_seeds": ("1", "x")}, "--model-seed takes comma-separated seeds"),
                          ({"model_seeds": (1, 1)}, "distinct non-negative seeds"),
                          ({"memory_sizes": (300,)}, "--memory-sizes is for --suite memory"),
-                         ({"device": "gpu"}, "device must be one of cpu|cuda|cuda:N"),
+                         ({"device": "gpu"}, r"device must be one of auto\|cpu\|cuda\|cuda:N, got 'gpu'"),
                          ({"quantize": "int8", "device": "cuda"}, "--quantize int8 runs on CPU only")):
         with pytest.raises(ValueError, match=message):
             SuiteConfig(suite="standard", **bad)
+
+
+#: The plans whose --device defaults to auto, each built from its required values plus ``device`` where given.
+AUTO_DEVICE_PLANS = {
+    "stage": lambda **d: StagePlan(output="o", **d),
+    "encode": lambda **d: EncodePlan(staged="s", model="m", output="o", **d),
+    "rerank": lambda **d: RerankPlan(staged="s", embeddings="e", output="o", mode="co", ce_model="ce", **d),
+    "train": lambda **d: TrainPlan(staged="s", output="o", config=TrainConfig(**d)),
+}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine resolves auto to cuda")
+@pytest.mark.parametrize("name", sorted(AUTO_DEVICE_PLANS))
+def test_device_auto_is_the_plan_of_device_cpu_on_a_machine_without_cuda(name):
+    """--device auto (the default) resolves to cpu here, when the plan is built: the plan, everything it writes into
+    a fingerprint (its fields as JSON) and the arguments it launches (the training recipe stamps) are those of
+    --device cpu, so runs finished before auto became the default resume; only the summary says it was auto."""
+    build = AUTO_DEVICE_PLANS[name]
+    auto, cpu = build(), build(device="cpu")
+    assert auto == cpu and hash(auto) == hash(cpu) and repr(auto) == repr(cpu)
+    assert json.dumps(dataclasses.asdict(auto), sort_keys=True) == json.dumps(dataclasses.asdict(cpu), sort_keys=True)
+    assert to_argv(auto) == to_argv(cpu) and "--device" not in to_argv(auto)
+    assert build(device="AUTO") == auto
+    device = auto.config.device if name == "train" else auto.device
+    assert device == "cpu" and describe_device(device) == "cpu (auto: torch sees no CUDA device)"
+    assert describe_device(cpu.config.device if name == "train" else cpu.device) == "cpu"
+    _, main = PLANS[name]
+    assert plan_from_cli(type(auto), main.make_context(name, to_argv(auto)).params) == cpu
+    if name == "rerank":  # --quantize auto follows the device: float32 on the CPU
+        assert auto.precision == "none"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine resolves auto to cuda")
+def test_the_training_recipe_stamps_stay_those_of_device_cpu():
+    """The cache's stamp of a trained model is its train arguments (cache._ensure_trained: to_argv of the recipe's
+    TrainPlan): with auto on this machine they hold no --device, as with the old cpu default."""
+    for recipe in (recipes.DEMO_RECIPE, recipes.BENCH_RECIPE):
+        for cfg in (recipe.join, recipe.sep_be, recipe.sep_ce):
+            assert cfg.device == "cpu"
+            argv = to_argv(TrainPlan(staged="s", output="o", config=cfg))
+            assert "--device" not in argv
+            assert argv == to_argv(TrainPlan(staged="s", output="o", config=dataclasses.replace(cfg, device="cpu")))
+
+
+def test_device_auto_resolves_to_cuda_where_torch_sees_one(monkeypatch):
+    """Where torch sees a GPU, auto is cuda (and --quantize auto bf16 on a card with native bf16); --device cpu still
+    forces the CPU, and is then written out for the launched command, which would resolve auto to cuda."""
+    from retrieval_core.model import quantize
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(quantize, "cuda_bf16_supported", lambda: True)
+    assert resolve_device("auto") == "cuda" and describe_device(resolve_device("auto")) == "cuda (auto)"
+    plan = AUTO_DEVICE_PLANS["rerank"]()
+    assert plan.device == "cuda" and describe_device(plan.device) == "cuda (auto)" and plan.precision == "bf16"
+    assert "--device" not in to_argv(plan)
+    assert describe_device(dataclasses.replace(plan, k=3).device) == "cuda (auto)"  # a derived plan keeps it
+    forced = AUTO_DEVICE_PLANS["rerank"](device="cpu")
+    assert forced.device == "cpu" and describe_device(forced.device) == "cpu" and forced.precision == "none"
+    assert to_argv(forced)[-2:] == ["--device", "cpu"]
+    assert AUTO_DEVICE_PLANS["train"]().config.device == "cuda"
+    assert describe_device(AUTO_DEVICE_PLANS["rerank"](device="cuda:1").device) == "cuda:1"
+
+
+def test_unknown_device_spellings_are_still_refused():
+    assert [check_device(d) for d in ("auto", "AUTO", "cpu", "CUDA", "cuda:1")] == ["auto", "auto", "cpu", "cuda",
+                                                                                     "cuda:1"]
+    for bad in ("gpu", "cpu:0", "cuda:x", "auto:0", "", "mps"):
+        with pytest.raises(ValueError, match=f"device must be one of auto.cpu.cuda.cuda:N, got {bad!r}"):
+            resolve_device(bad)
+    for name, build in AUTO_DEVICE_PLANS.items():
+        with pytest.raises((ValueError, StageError), match="device must be one of auto.cpu.cuda.cuda:N, got 'gpu'"):
+            build(device="gpu")  # the plan's own one-line error
+    with pytest.raises(click.BadParameter, match="device must be one of auto.cpu.cuda.cuda:N, got 'gpu'"):
+        encode_main.make_context("encode", ["--staged", "s", "--model", "m", "--output", "o", "--device", "gpu"])

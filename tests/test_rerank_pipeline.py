@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipelines.build_index import plan as build_index_plan
@@ -58,6 +59,7 @@ def test_emb_rankings_equal_exact_topk(assets, tmp_path):
     ds = StagedDataset(staged)
     assert manifest["queries"] == {"t2i": 12, "i2t": 6}
     assert "FAISS" in manifest["search"]["t2i"] and "exact" in manifest["search"]["i2t"]
+    assert manifest["device"] is None  # no CE scored
 
     img_ids, img_vecs = embeddings.read_embeddings(emb_dir, "image")
     txt_ids, txt_vecs = embeddings.read_embeddings(emb_dir, "text")
@@ -398,6 +400,10 @@ def test_killed_run_resumes_its_unfinished_shards_only(assets, tmp_path):
     assert not os.path.exists(os.path.join(out, rerank_plan.CANDIDATES_DIR))  # the rankings hold them now
     recomputed = sum(s["queries"] for s in whole["shards"] if s["name"] in lost)
     assert resumed["ce_pairs_requested"] == recomputed * 3 < whole["ce_pairs_requested"]
+    if not torch.cuda.is_available():  # the default --device auto is --device cpu here: its runs are reused
+        explicit = run_rerank(staged, emb_dir, out, **plan, device="cpu")
+        assert explicit["shards_reused"] == 6 and explicit["waves_run"] == 0 and explicit["search_passes"] == 0
+        assert explicit["plan_fingerprint"] == resumed["plan_fingerprint"] and explicit["device"] == "cpu"
     assert 0 < resumed["ce_pairs_scored"] < whole["ce_pairs_scored"]
 
     torn = "t2i-00001-of-00004.parquet"  # no longer matches its record: recomputed alone

@@ -185,7 +185,7 @@ def test_cli_help():
     out = run_train_cli("-h")
     assert out.returncode == 0, out.stderr
     for flag in ("--staged", "--objective", "--base-model", "--halve-layers", "--be-loss", "--resume",
-                 "--max-train-captions", "--eval-every", "--checkpoint-every", "--device [cpu|cuda|cuda:N]",
+                 "--max-train-captions", "--eval-every", "--checkpoint-every", "--device [auto|cpu|cuda|cuda:N]",
                  "--threads"):
         assert flag in out.stdout
 
@@ -209,6 +209,10 @@ def test_cli_trains_from_a_staged_dir_and_continues_a_model(tmp_path, cli_inputs
     assert "best model:" in res.stdout and "dev mR" in res.stdout
     model = VLRetrievalModel.load(str(tmp_path / "run" / "best"))
     assert model.cfg.provenance["train_captions"] == 30
+    # the default --device auto: the device it resolved to, printed as auto's choice and recorded with the model
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    assert model.cfg.provenance["training"]["device"] == auto
+    assert f"device: {auto} (auto" in res.stdout
     assert model.cfg.ce_agreement == ce_agreement_default("new")  # a new model's CE head, unless asked otherwise
     # continue fine-tuning the trained model (an existing VLRetrievalModel folder as --base-model): its own head
     args2 = ["--staged", staged, "--objective", "ce", "--base-model", str(tmp_path / "run" / "best"), "--steps", "3",
@@ -302,7 +306,7 @@ def test_cli_bad_input_is_one_line_not_a_traceback(tmp_path, cli_inputs):
                             (["--base-model", str(tmp_path)], "neither a retrieval model folder"),
                             (["--max-regions", "0"], "--max-regions must be >= 1, got 0"),
                             (["--batch-size", "1"], "need steps >= 1 and batch_size >= 2"),
-                            (["--device", "gpu"], "device must be one of cpu|cuda|cuda:N, got 'gpu'")):
+                            (["--device", "gpu"], "device must be one of auto|cpu|cuda|cuda:N, got 'gpu'")):
         res = runner.invoke(main, common + extra)
         assert res.exit_code in (1, 2) and expected in res.output, (extra, res.output)
         assert "Traceback" not in res.output and res.output.count("Error: ") == 1

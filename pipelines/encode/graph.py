@@ -206,6 +206,7 @@ def build_graph(p: beam.Pipeline, plan: EncodePlan, shard_plans: dict[tuple[str,
         handler = VLModelHandler(plan.model, MODALITY_TASK[modality], device=plan.device,
                                  max_batch_size=plan.batch_size, model_copies=plan.model_copies,
                                  num_threads=plan.threads, dead_letter=True, quantize=plan.precision,
+                                 collate_workers=plan.collate_workers,
                                  token_fingerprint=token_fingerprint if modality == schema.MODALITY_TEXT else None)
         read = (p | f"{modality}: staged shards" >> beam.Create(todo)
                 | f"{modality}: spread" >> beam.Reshuffle()  # shard names only: features never shuffle

@@ -16,10 +16,11 @@ from pipelines import files
 from retrieval_core.cli import (
     batch_size_option,
     check_choice,
-    check_device,
     check_positive,
+    collate_workers_option,
     device_option,
     option,
+    resolve_device,
     threads_option,
 )
 from retrieval_core.data import schema
@@ -53,6 +54,7 @@ class EncodePlan:
     model_copies: Optional[int] = option(None, type=click.IntRange(min=1),
                                          help="model copies per worker machine (Dataflow GPU: 1)")
     threads: Optional[int] = threads_option()
+    collate_workers: Optional[int] = collate_workers_option()
     quantize: str = option(schema.QUANTIZE_AUTO, type=click.Choice((schema.QUANTIZE_AUTO,) + schema.QUANTIZE_CHOICES),
                            help="auto: bf16 on a CUDA device with native bf16, none elsewhere; int8: dynamic int8 "
                                 "Linear layers of the BE (CPU only); bf16: a bfloat16 copy of the weights (CUDA, or a "
@@ -64,7 +66,7 @@ class EncodePlan:
                 raise EncodeError(f"{name} must be a path, got {getattr(self, name)!r}")
         try:
             check_choice("modality", self.modality, MODALITY_CHOICES)
-            object.__setattr__(self, "device", check_device(self.device))
+            object.__setattr__(self, "device", resolve_device(self.device))  # auto: on the launching host
             for name in ("batch_size", "images_per_shard", "texts_per_shard"):
                 check_positive(name, getattr(self, name))
             for name in ("model_copies", "threads"):

@@ -34,7 +34,7 @@ from pipelines.encode.plan import (
     staged_ids,
 )
 from pipelines.handlers import COMPUTED_TOKENS, USEFUL_TOKENS, VLModelHandler, prepare_token_ids
-from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
+from retrieval_core.cli import cli_errors, describe_device, plan_from_cli, plan_options
 from retrieval_core.data import schema
 from retrieval_core.data.outputs import holds_output
 from retrieval_core.data.pixels.backbone import FeatureSourceError
@@ -204,6 +204,7 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
         summary["modalities"][m] = {"inputs": planned_in[m], "encoded": encoded, "dead_lettered": n_dead,
                                     "reused": skipped[m], "metrics": metrics}
     summary["wall_s"] = time.time() - t0
+    print(f"device: {describe_device(plan.device)}")
     print(f"embeddings: {plan.output} (manifest {embeddings.EMBEDDINGS_MANIFEST}); wall time {summary['wall_s']:.1f} s")
     if dead:
         print(f"{len(dead)} item(s) dead-lettered, reasons in {files.join(plan.output, DEAD_LETTER_FILE)}; "

@@ -392,6 +392,7 @@ def build_graph(p: beam.Pipeline, res: Resolved, wave: Mapping[str, frozenset],
         handler = VLModelHandler(plan.cross_encoder, TASK_SCORE_PAIRS, device=plan.device,
                                  max_batch_size=plan.batch_size, num_threads=plan.threads,
                                  model_copies=plan.model_copies, quantize=plan.precision,
+                                 collate_workers=plan.collate_workers,
                                  token_fingerprint=res.token_fingerprint)
         scored = batches | "CE score" >> RunInference(KeyedModelHandler(handler).with_no_batching())
         ce_scores = scored | "scores to queries" >> beam.FlatMap(scores_to_queries)

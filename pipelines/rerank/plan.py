@@ -18,7 +18,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipelines import files
-from retrieval_core.cli import batch_size_option, check_device, check_positive, device_option, option, threads_option
+from retrieval_core.cli import (
+    batch_size_option,
+    check_positive,
+    collate_workers_option,
+    device_option,
+    option,
+    resolve_device,
+    threads_option,
+)
 from retrieval_core.data import schema
 from retrieval_core.data.pixels.backbone import FeatureSourceError
 from retrieval_core.data.store import StagedDataset
@@ -77,6 +85,7 @@ class RerankPlan:
                                                "passes read less; a worker holds one pass's queries and top lists")
     device: str = device_option()
     threads: Optional[int] = threads_option()
+    collate_workers: Optional[int] = collate_workers_option()
     model_copies: Optional[int] = option(None, type=int, help="CE model copies per machine (Dataflow GPU: 1)")
     max_exhaustive_pairs: int = option(200_000, help="--mode ce: the most (query, pool item) pairs it may score")
     queries_per_shard: int = option(1_000, help="queries per ranking shard (the unit a rerun of a killed job keeps)")
@@ -119,7 +128,7 @@ class RerankPlan:
             raise RerankError(f"directions must be a non-empty tuple of {DIRECTIONS}, got {self.directions!r}")
         object.__setattr__(self, "directions", tuple(dict.fromkeys(self.directions)))
         try:
-            object.__setattr__(self, "device", check_device(self.device))
+            object.__setattr__(self, "device", resolve_device(self.device))  # auto: on the launching host
             for name in ("k", "batch_size", "search_batch_size", "queries_per_pass", "max_exhaustive_pairs",
                          "queries_per_shard", "shards_per_wave", "pairs_per_wave"):
                 check_positive(name, getattr(self, name))

@@ -46,7 +46,7 @@ from pipelines.rerank.plan import (
     resolve,
     shard_pairs,
 )
-from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
+from retrieval_core.cli import cli_errors, describe_device, plan_from_cli, plan_options
 from retrieval_core.data import schema
 from retrieval_core.data.outputs import holds_output
 from retrieval_core.data.store import StagedDataset
@@ -231,7 +231,7 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
     if plan.cross_encoder:
         overlap = " (t2i/i2t overlap scored once)" if len(plan.directions) == 2 else ""
         print(f"CE: {counts['ce_pairs_scored']} unique pairs scored for {counts['ce_pairs_requested']} "
-              f"requested{overlap}")
+              f"requested{overlap}; device: {describe_device(plan.device)}")
     print(f"rankings: {files.join(plan.output, rerank.RANKINGS_SUBDIR)} ({len(names)} shard(s): {len(finished)} "
           f"kept from an earlier run of this plan, {len(names) - len(finished)} computed in {waves_run} wave(s)); "
           f"wall time {manifest['wall_s']:.1f} s")
@@ -321,6 +321,7 @@ def _manifest(res: Resolved, shards: list[dict], reused: int, waves_run: int, co
         # the CE score key the ce_score column holds (model.CE_SCORES: logit_diff = log-odds, logit1 = MMT's)
         "ce_score_key": res.ce_score_key,
         "quantize": plan.precision,  # the serving precision of the CE scores (schema.QUANTIZE_CHOICES)
+        "device": plan.device if plan.cross_encoder else None,  # where the CE scored (--device, auto resolved)
         "search": dict(res.described),
         "search_params": {"nprobe": plan.nprobe, "efSearch": plan.ef_search},
         # what each direction's search ran with, and where it came from

@@ -8,7 +8,7 @@ from typing import Optional
 import click
 
 from pipelines import files
-from retrieval_core.cli import check_choice, check_device, check_positive, device_option, option, threads_option
+from retrieval_core.cli import check_choice, check_positive, device_option, option, resolve_device, threads_option
 from retrieval_core.data import schema
 from retrieval_core.data.manifest_spec import Manifest
 from retrieval_core.data.readers import IMAGE_FILES, plan_read_tasks
@@ -72,7 +72,7 @@ class StagePlan:
             check_positive("images_per_shard", self.images_per_shard)
             check_choice("spill compression", self.spill_compression, SPILL_COMPRESSIONS)
             check_positive("chunk_size", self.chunk_size, allow_none=True)
-            object.__setattr__(self, "device", check_device(self.device))
+            object.__setattr__(self, "device", resolve_device(self.device))  # auto: on the launching host
         except ValueError as exc:
             raise StageError(str(exc)) from None
         if not 0.0 <= float(self.max_reject_fraction) <= 1.0:

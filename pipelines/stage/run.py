@@ -34,7 +34,7 @@ from pipelines.stage.plan import (
     image_backbone,
     plan_tasks,
 )
-from retrieval_core.cli import memory_failure, plan_from_cli, plan_options
+from retrieval_core.cli import describe_device, memory_failure, plan_from_cli, plan_options
 from retrieval_core.data import schema, staging
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.manifest_spec import ManifestError
@@ -213,6 +213,8 @@ def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
         "allow_empty": plan.allow_empty,
     }, time.time() - t0, backbone)
     summary["runner"] = beam_kit.runner_name(options)
+    if backbone:  # image files: where their backbone computed the region features
+        summary["device"] = plan.device
     keep = {s["name"] for c in summary["collections"].values() for k in ("images", "captions")
             for s in c[k]["shards"] + c[k].get("feature_shards", [])}
     summary["resume"]["stale_removed"] = _remove_stale(plan.output, collections, keep)
@@ -271,6 +273,8 @@ def report_lines(summary: dict) -> list[str]:
     r = summary["resume"]
     lines.append(f"shards: {r['written']} written, {r['kept']} kept unchanged"
                  + (f", {r['stale_removed']} stale removed" if r.get("stale_removed") else ""))
+    if summary.get("device"):
+        lines.append(f"image backbone device: {describe_device(summary['device'])}")
     lines.append(f"staged in {summary['elapsed_s']:.1f} s")
     return lines
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import click
 
-from retrieval_core.cli import batch_size_option, check_device, device_option, option
+from retrieval_core.cli import batch_size_option, device_option, option, resolve_device
 
 OBJECTIVES = ("be", "ce", "joint")
 IMAGE_INITS = ("random", "lstsq")
@@ -101,7 +101,7 @@ class TrainConfig:
                                         "decay (e.g. 0.98; 0: the weights as trained).")
 
     def __post_init__(self):
-        object.__setattr__(self, "device", check_device(self.device))
+        object.__setattr__(self, "device", resolve_device(self.device))  # auto: on the launching host
         self.check()
 
     def check(self) -> None:

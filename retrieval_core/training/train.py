@@ -13,6 +13,7 @@ from retrieval_core.cli import (
     CONTEXT_SETTINGS,
     apply_device_and_threads,
     cli_errors,
+    describe_device,
     option,
     option_group,
     plan_from_cli,
@@ -106,7 +107,9 @@ def main(**values) -> None:
     apply_device_and_threads(values["device"], values["threads"])
     # missing staged folder, bad model folder, bad value, out of memory: one line, exit 1
     with cli_errors(memory_options=("--batch-size", "--ce-batch-size")):
-        result = run(plan_from_cli(TrainPlan, values))
+        plan = plan_from_cli(TrainPlan, values)
+        result = run(plan)
+    click.echo(f"device: {describe_device(plan.config.device)}")  # recorded in the model's provenance.training
     if result["best_eval"] is not None:
         ev = result["best_eval"]
         extra = (f", CE pair accuracy vs random / nearest image {ev['ce_pair_acc']:.1f}% / "
