@@ -85,20 +85,25 @@ def collection_vocab(texts: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(vocab + ["##" + c for c in string.ascii_lowercase + string.digits]))
 
 
-def build_model(size: str, texts: Sequence[str], folder: str, seed: int = 0) -> VLRetrievalModel:
-    """A randomly initialised VLRetrievalModel of ``size`` (SIZES) with a vocabulary pruned to ``texts``
-    (collection_vocab), saved to ``folder`` (a model folder the jobs load)."""
+def build_model(size: str, texts: Sequence[str], folder: str, seed: int = 0,
+                layers: Optional[int] = None) -> VLRetrievalModel:
+    """A randomly initialised VLRetrievalModel of ``size`` (SIZES; ``layers``: that many encoder layers instead of
+    the size's, its input shapes kept) with a vocabulary pruned to ``texts`` (collection_vocab), saved to
+    ``folder`` (a model folder the jobs load)."""
     from transformers import BertConfig, BertTokenizerFast
 
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     shape = dict(SIZES[size])
+    if layers is not None:
+        shape["num_hidden_layers"] = int(layers)
     max_regions, feature_dim = shape.pop("max_regions"), shape.pop("feature_dim")
     os.makedirs(folder, exist_ok=True)
-    vocab_path = os.path.join(folder, "vocab.txt")
-    with open(vocab_path, "w") as f:
-        f.write("\n".join(collection_vocab(texts)) + "\n")
-    tokenizer = BertTokenizerFast(vocab_file=vocab_path, do_lower_case=True)
+    vocab = collection_vocab(texts)
+    # transformers 5 takes the vocabulary itself: given vocab_file= it builds a 5-token tokenizer, every word [UNK]
+    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
+    if tokenizer.vocab_size != len(vocab):
+        raise RuntimeError(f"tokenizer has {tokenizer.vocab_size} tokens, the vocabulary {len(vocab)}")
     config = BertConfig(vocab_size=tokenizer.vocab_size, max_position_embeddings=512, type_vocab_size=2,
                         pad_token_id=0, **shape)
     torch.manual_seed(seed)

@@ -36,6 +36,7 @@ from benchmarks.report.tables import (
     comparison_table,
     feeding_table,
     fusion_rule_table,
+    gpu_run_table,
     jobs_table,
     per_query_table,
     precision_table,
@@ -179,13 +180,19 @@ def search_batch_block(rows: Sequence[Mapping]) -> str:
             f"{_one(rows, 'notes')}.\n\n" + search_batch_table(rows) + "\n")
 
 
+def gpu_run_block(rows: Sequence[Mapping]) -> str:
+    """The GPU run's (or its rehearsal's) rows (report.gpu_run_table) under where they were measured."""
+    return (_measured(rows, faiss=False) + "; benchmarks.gpu_pipelines, each step's estimate in its row's notes."
+            "\n\n" + gpu_run_table(rows) + "\n")
+
+
 #: The table kinds a generated block may name.
 GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {
     "recall-table": recall_block, "precision-table": precision_block, "feeding-table": feeding_block,
     "seed-table": seed_block, "probe-table": probe_block,
     "fusion-rule-table": fusion_rule_block, "jobs-table": jobs_block,
     "comparison-table": comparison_block, "per-query-table": per_query_block,
-    "search-batch-table": search_batch_block}
+    "search-batch-table": search_batch_block, "gpu-run-table": gpu_run_block}
 
 
 def generate(kind: str, csv_path: str, root: str) -> str:

@@ -218,7 +218,8 @@ def cpu_model() -> str:
 
 def source_commit() -> str:
     """The git commit of the checkout this code runs from, ``+dirty`` when tracked files differ from it (a number
-    must name the code that produced it); ``unknown`` outside a git checkout (e.g. an installed wheel)."""
+    must name the code that produced it); outside a git checkout (an installed wheel, a copied working tree: the
+    GPU machine's), ``$RR_COMMIT`` where the launcher set it, else ``unknown``."""
     import subprocess
 
     here = os.path.dirname(os.path.abspath(__file__))  # git finds the checkout from any folder inside it
@@ -227,7 +228,7 @@ def source_commit() -> str:
         dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("RR_COMMIT") or "unknown"
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 

@@ -537,3 +537,17 @@ def per_query_table(rows: Sequence[Mapping]) -> str:
                      f"{'measured' if str(r['measured']).lower() == 'true' else 'extrapolated'} |")
     return "\n".join(lines)
 
+
+def gpu_run_table(rows: Sequence[Mapping]) -> str:
+    """A Markdown table of benchmarks.gpu_pipelines' rows.csv: per part, its steps' wall seconds and every rate
+    (items per second) with its fraction (of the model alone, or of one collating thread), recall rows left to
+    the recall tables."""
+    lines = ["| part | row | precision | wall s | per second | fraction |", "|" + "---|" * 6]
+    for r in rows:
+        if r.get("direction") in ("t2i", "i2t"):
+            continue
+        name = r["mode"] if r.get("collection") in ("steps", "") else f"{r['collection']}: {r['mode']}"
+        lines.append(f"| {r['recipe']} | {name} | {r.get('quantize') or '-'} | {_fmt(r.get('wall_s'))} | "
+                     f"{_fmt(r.get('rate_per_s'))} | {_fmt(r.get('roofline_fraction'), 2)} |")
+    return "\n".join(lines)
+
