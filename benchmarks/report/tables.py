@@ -542,12 +542,22 @@ def gpu_run_table(rows: Sequence[Mapping]) -> str:
     """A Markdown table of benchmarks.gpu_pipelines' rows.csv: per part, its steps' wall seconds and every rate
     (items per second) with its fraction (of the model alone, or of one collating thread), recall rows left to
     the recall tables."""
-    lines = ["| part | row | precision | wall s | per second | fraction |", "|" + "---|" * 6]
+    lines = ["| part | size | row | precision | batch | wall s | per second | fraction |", "|" + "---|" * 8]
     for r in rows:
         if r.get("direction") in ("t2i", "i2t"):
             continue
+        size = r["recipe"] if r["recipe"] in ("demo", "base") else "-"
         name = r["mode"] if r.get("collection") in ("steps", "") else f"{r['collection']}: {r['mode']}"
-        lines.append(f"| {r['recipe']} | {name} | {r.get('quantize') or '-'} | {_fmt(r.get('wall_s'))} | "
-                     f"{_fmt(r.get('rate_per_s'))} | {_fmt(r.get('roofline_fraction'), 2)} |")
+        rate = r.get("rate_per_s")
+        digits = 2 if rate not in (None, "") and float(rate) < 10 else 1  # training steps per second
+        lines.append(f"| {_gpu_part(r)} | {size} | {name} | {r.get('quantize') or '-'} | {r.get('batch_size') or '-'} "
+                     f"| {_fmt(r.get('wall_s'))} | {_fmt(rate, digits)} | {_fmt(r.get('roofline_fraction'), 2)} |")
     return "\n".join(lines)
 
+
+def _gpu_part(row: Mapping) -> str:
+    """The part a gpu_pipelines row came from: its recipe, or for the feeding part's rows (whose recipe is the
+    model size) the part their collection belongs to."""
+    if row["recipe"] not in ("demo", "base"):
+        return row["recipe"]
+    return "feeding"
