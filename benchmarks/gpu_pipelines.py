@@ -100,7 +100,7 @@ def estimate(part: str, scale: Scale, rates: Optional[dict] = None) -> dict[str,
     ce, be_img, be_cap, col = r["ce_pairs_per_s"], r["be_images_per_s"], r["be_captions_per_s"], r["collate"]
     job, proc, beam = o["beam_job"], o["process_start"], r["beam_elements_per_s"]
 
-    def encode(size: str, images: int) -> float:
+    def encode_s(size: str, images: int) -> float:
         return 2 * job + images / be_img[size] + 5 * images / be_cap[size] + 6 * images / beam
 
     if part == "pipelines":
@@ -110,7 +110,7 @@ def estimate(part: str, scale: Scale, rates: Optional[dict] = None) -> dict[str,
         return {"start": proc,
                 "stage": job + scale.images / r["stage_images_per_s"]["demo"],
                 "train": o["train_start"] + scale.train_steps / r["train_steps_per_s"]["demo"]["fp32"],
-                "encode": encode("demo", scale.images),
+                "encode": encode_s("demo", scale.images),
                 "index": job,
                 "rerank": rerank + pairs / ce["demo"]["bf16"],
                 "evaluate": o["evaluate"],
@@ -122,7 +122,7 @@ def estimate(part: str, scale: Scale, rates: Optional[dict] = None) -> dict[str,
         collate = pairs / (col["base"] * r["host_cores"])
         return {"start": proc,
                 "stage": job + n / r["stage_images_per_s"]["base"],
-                "encode": encode("base", n),
+                "encode": encode_s("base", n),
                 "index": job,
                 "rerank": job * (2 + _waves(scale, pairs)) + pairs / beam + collate + pairs / ce["base"]["bf16"],
                 "model alone": o["model_load"] + scale.fed_pairs / ce["base"]["bf16"]}
@@ -274,16 +274,23 @@ def model_for(size: str, staged: str, folder: str, layers: Optional[int]):
     return feeding.build_model(size, texts, folder, layers=layers)
 
 
-def encode_index(staged: str, model_dir: str, work: str, device: str, batch_size: int) -> tuple[str, str, dict]:
-    from pipelines.build_index.plan import IndexPlan
-    from pipelines.build_index.run import run as run_index
+def encode(staged: str, model_dir: str, work: str, device: str, batch_size: int) -> tuple[str, dict]:
+    """pipelines.encode of every staged image and caption: (embeddings folder, the job's summary)."""
     from pipelines.encode.plan import EncodePlan
     from pipelines.encode.run import run as run_encode
 
-    emb, index = os.path.join(work, "embeddings"), os.path.join(work, "index")
-    summary = run_encode(EncodePlan(staged, model_dir, emb, device=device, batch_size=batch_size), BEAM_ARGS)
+    emb = os.path.join(work, "embeddings")
+    return emb, run_encode(EncodePlan(staged, model_dir, emb, device=device, batch_size=batch_size), BEAM_ARGS)
+
+
+def build_index(emb: str, work: str) -> str:
+    """pipelines.build_index: a Flat index of the image embeddings."""
+    from pipelines.build_index.plan import IndexPlan
+    from pipelines.build_index.run import run as run_index
+
+    index = os.path.join(work, "index")
     run_index(IndexPlan(embeddings=emb, output=index, modality="image", factory="Flat"), BEAM_ARGS)
-    return emb, index, summary
+    return index
 
 
 def rerank(staged: str, emb: str, index: str, model_dir: str, out: str, device: str, k: int, batch_size: int,
@@ -355,7 +362,7 @@ def part_pipelines(report: Report, ctx: "Context") -> None:
         model_dir = run_train(TrainPlan(staged=staged, output=os.path.join(work, "model"), base_model=init,
                                         config=cfg))["best_dir"]
     with report.step("encode"):
-        emb, index, summary = encode_index(staged, model_dir, work, device, ctx.batch_size)
+        emb, summary = encode(staged, model_dir, work, device, ctx.batch_size)
         for modality, m in summary["modalities"].items():
             model_s = m["metrics"].get("inference_batch_latency_micro_secs", (0, 0))[0] / 1e6
             report.row(collection="steps", mode=f"encode {modality}s", collection_size=m["encoded"],
@@ -363,7 +370,7 @@ def part_pipelines(report: Report, ctx: "Context") -> None:
                        rate_per_s=m["encoded"] / model_s if model_s else None,
                        notes="items / RunInference's model time (collation included)")
     with report.step("index"):
-        pass  # built with the embeddings above; its own row keeps the steps' names those of the pipeline
+        index = build_index(emb, work)
     ranked = os.path.join(work, "rerank")
     with report.step("rerank"):
         manifest = rerank(staged, emb, index, model_dir, ranked, device, s.k, ctx.batch_size, "auto", s)
@@ -421,9 +428,9 @@ def part_co5k(report: Report, ctx: "Context") -> None:
     with report.step("encode"):
         model_dir = os.path.join(work, "model-base")
         model_for("base", staged, model_dir, s.layers)
-        emb, index, _ = encode_index(staged, model_dir, work, device, ctx.batch_size)
+        emb, _ = encode(staged, model_dir, work, device, ctx.batch_size)
     with report.step("index"):
-        pass
+        index = build_index(emb, work)
     with report.step("rerank"):
         manifest = rerank(staged, emb, index, model_dir, os.path.join(work, "rerank-base"), device, s.k,
                           ctx.batch_size, "auto", s, ctx.collate_workers)
