@@ -261,7 +261,10 @@ def model_max_regions(path: str) -> Optional[int]:
 
 
 def _model_inputs(path: str) -> tuple[str, ...]:
-    return tuple(os.path.join(path, n) for n in ("rr_model.json", "model.safetensors", "rr_baseline.json"))
+    from retrieval_core.model.baseline import BASELINE_JSON
+    from retrieval_core.model.network import MODEL_JSON, WEIGHTS_FILE
+
+    return tuple(os.path.join(path, n) for n in (MODEL_JSON, WEIGHTS_FILE, BASELINE_JSON))
 
 
 def _run_options(cfg: SuiteConfig) -> dict:

@@ -1,5 +1,6 @@
 """Benchmark reporting, one part per module: :mod:`.schema` (the CSV columns and their docs, the environment a row
-records, reading and writing the CSVs), :mod:`.tables` (terminal and Markdown tables) and :mod:`.plots` (PNG
+records, reading and writing the CSVs), :mod:`.tables` (recall, seed, probe and memory
+tables), :mod:`.cost_tables` (what jobs, model calls and searches took) and :mod:`.plots` (PNG
 plots); ``python -m benchmarks.report`` prints tables from CSVs already written. The names the suites use are
 re-exported here (``report.write_csv``)."""
 from benchmarks.report.plots import (

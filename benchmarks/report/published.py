@@ -31,20 +31,16 @@ from typing import Callable, Mapping, Sequence
 
 import click
 
-from benchmarks.report.schema import read_csv, schema_path
-from benchmarks.report.tables import (
-    comparison_table,
+from benchmarks.report.cost_tables import (
     feeding_table,
-    fusion_rule_table,
     gpu_run_table,
     jobs_table,
     per_query_table,
     precision_table,
-    probe_table,
-    recall_table,
     search_batch_table,
-    seed_table,
 )
+from benchmarks.report.schema import read_csv, schema_path
+from benchmarks.report.tables import comparison_table, fusion_rule_table, probe_table, recall_table, seed_table
 from retrieval_core.cli import check_options, option
 
 #: The tracked folder of the result CSVs the docs cite (results/ at the root is the runs' scratch, ignored).

@@ -22,6 +22,8 @@ import numpy as np
 import pyarrow as pa
 
 SCHEMA_VERSION = "1"
+#: A staged folder's summary: its shards, their sha256 and counts (pipelines.stage writes it last).
+SUMMARY_FILE = "summary.json"
 
 #: Box encoding of every staged region: normalised [x1/W, y1/H, x2/W, y2/H, w/W, h/H] (OSCAR convention).
 BOX_DIM = 6

@@ -49,8 +49,8 @@ import pyarrow.parquet as pq
 from ..errors import StagedDataError
 from . import schema
 from .paths import LOCAL_FILES, FileAccess, is_url, join_path
+from .schema import SUMMARY_FILE
 
-SUMMARY_FILE = "summary.json"
 #: Present while a staging run is replacing a folder's shards (pipelines.stage writes it before the first shard
 #: and deletes it after summary.json): a folder that holds it may mix two runs' shards.
 INCOMPLETE_FILE = "_INCOMPLETE"

@@ -64,8 +64,10 @@ def _e5_conversion_is_complete(folder: str, digest: str) -> bool:
             source = json.load(f)
     except (OSError, ValueError):
         return False
+    from transformers.utils import SAFE_WEIGHTS_NAME
+
     return source.get("blob_sha256") == digest and all(
-        os.path.isfile(os.path.join(folder, n)) for n in ("config.json", "model.safetensors", "tokenizer.json"))
+        os.path.isfile(os.path.join(folder, n)) for n in ("config.json", SAFE_WEIGHTS_NAME, "tokenizer.json"))
 
 
 #: name -> the function that finds (or builds) its folder

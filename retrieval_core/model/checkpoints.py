@@ -38,7 +38,14 @@ from retrieval_core.data.pixels.backbone import FeatureSourceError, check_same_f
 from retrieval_core.data.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS
 from retrieval_core.model.backbones import backbone_path, is_backbone_name, model_cache_dir
 from retrieval_core.model.baseline import BASELINE_JSON, BASELINE_TENSORS, MappedBaseline
-from retrieval_core.model.network import CE_SCORES, MODEL_JSON, VLModelConfig, VLRetrievalModel, ce_agreement_default
+from retrieval_core.model.network import (
+    CE_SCORES,
+    MODEL_JSON,
+    WEIGHTS_FILE,
+    VLModelConfig,
+    VLRetrievalModel,
+    ce_agreement_default,
+)
 from retrieval_core.model.quantize import quantize_model
 
 #: Source keys we deliberately drop: non-persistent buffers some versions serialised, and BERT
@@ -71,7 +78,7 @@ class CheckpointError(ValueError):
     pass
 
 
-def read_state_dict(folder: str, names=("model.safetensors", "pytorch_model.bin")) -> dict[str, torch.Tensor]:
+def read_state_dict(folder: str, names=(WEIGHTS_FILE, "pytorch_model.bin")) -> dict[str, torch.Tensor]:
     """The first weights file of ``names`` found in ``folder`` (safetensors, or a .bin without pickled code)."""
     for name in names:
         path = os.path.join(folder, name)
@@ -253,7 +260,7 @@ def load_mmt_retrieval(folder: str, ce_score: str = MMT_CE_SCORE) -> VLRetrieval
         if head_cfg.get("classifier_type", "linear") != "linear" or int(head_cfg.get("num_labels", 2)) != 2:
             raise CheckpointError(f"only a linear 2-label head is supported; {head_dir} has {head_cfg}")
         ce_pooler = head_cfg.get("input_key", "pooled_cls_token_embeddings") == "pooled_cls_token_embeddings"
-        head = read_state_dict(head_dir, names=("class_head.pt", "model.safetensors", "pytorch_model.bin"))
+        head = read_state_dict(head_dir, names=("class_head.pt", WEIGHTS_FILE, "pytorch_model.bin"))
         for k, v in head.items():
             if k in weights:
                 raise CheckpointError(f"{k} is in both {oscar_dir} and {head_dir}")
@@ -365,9 +372,9 @@ def inspect_model_folder(path: str, files: Optional[FileAccess] = None) -> Model
     if os.path.isfile(os.path.join(path, MODEL_JSON)):
         cfg = VLModelConfig.from_json(_read_json(os.path.join(path, MODEL_JSON)))
         heads = tuple(cfg.provenance.get("heads_trained", HEADS))
-        files = own("model.safetensors", "config.json", MODEL_JSON, "tokenizer.json", "vocab.txt",
+        files = own(WEIGHTS_FILE, "config.json", MODEL_JSON, "tokenizer.json", "vocab.txt",
                     "tokenizer_config.json")
-        for name in ("model.safetensors", "config.json"):
+        for name in (WEIGHTS_FILE, "config.json"):
             if not os.path.isfile(os.path.join(path, name)):
                 raise CheckpointError(f"{path} has {MODEL_JSON} but no {name}")
         hidden = int(_read_json(os.path.join(path, "config.json"))["hidden_size"])
@@ -377,7 +384,7 @@ def inspect_model_folder(path: str, files: Optional[FileAccess] = None) -> Model
         meta = _read_json(os.path.join(path, BASELINE_JSON))
         text = meta.get("text_model", "")
         text_dir = backbone_path(text)
-        names = ("model.safetensors", "pytorch_model.bin", "config.json", "vocab.txt")
+        names = (WEIGHTS_FILE, "pytorch_model.bin", "config.json", "vocab.txt")
         text_files = tuple(os.path.join(text_dir, n) for n in names if os.path.isfile(os.path.join(text_dir, n)))
         return ModelFolder(path, KIND_BASELINE, ("be",), own(BASELINE_JSON, BASELINE_TENSORS) + text_files,
                            int(meta["embedding_dim"]), DEFAULT_MAX_REGIONS, None,

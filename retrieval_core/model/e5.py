@@ -412,6 +412,7 @@ def convert(output: str, blob_path: Optional[str] = None, overwrite: bool = Fals
     import torch
     from safetensors.torch import save_file
     from transformers import PreTrainedTokenizerFast
+    from transformers.utils import SAFE_WEIGHTS_NAME
 
     version = None
     if blob_path is None:
@@ -426,7 +427,7 @@ def convert(output: str, blob_path: Optional[str] = None, overwrite: bool = Fals
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the folder is a shared model cache
         state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in hf_state_dict(blob).items()}
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        save_file(state, os.path.join(tmp, SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
         del state
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(bert_config(blob), f, indent=2, sort_keys=True)

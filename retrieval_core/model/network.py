@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoTokenizer, BertConfig, BertModel
+from transformers.utils import SAFE_WEIGHTS_NAME
 
 from retrieval_core.data.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS, SCHEMA_VERSION, ImageTable
 from retrieval_core.model.attention import attention_backends, packed_layer
@@ -55,7 +56,8 @@ MODEL_ORIGINS = ("new", "converted", "folder")
 
 #: CE score keys: ``logit_diff`` = logit1 - logit0 (log-odds of a match), ``logit1`` = MMT-Retrieval's key.
 CE_SCORES = ("logit_diff", "logit1")
-WEIGHTS_FILE = "model.safetensors"
+#: The weights of a model folder: Hugging Face's own file name, so the folder is also a plain HF BERT folder.
+WEIGHTS_FILE = SAFE_WEIGHTS_NAME
 
 #: The encoder's attention kernels (transformers' attn_implementation): PyTorch's fused scaled_dot_product_attention
 #: (the default) or the eager matmul-softmax-matmul path (the reference the tests compare it with).

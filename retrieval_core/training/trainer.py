@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from retrieval_core.model.collate import collate_images, collate_pairs, length_chunks
 from retrieval_core.model.flops import model_flops
-from retrieval_core.model.network import VLRetrievalModel, _autocast
+from retrieval_core.model.network import WEIGHTS_FILE, VLRetrievalModel, _autocast
 from retrieval_core.training.config import TrainConfig
 from retrieval_core.training.dev_eval import evaluate
 from retrieval_core.training.losses import (
@@ -380,7 +380,7 @@ class Trainer:
             if meta["config"].get(key) != getattr(self.cfg, key):
                 raise ValueError(f"cannot resume: checkpoint has {key}={meta['config'].get(key)!r}, "
                                  f"this run {getattr(self.cfg, key)!r}")
-        weights = load_file(os.path.join(directory, "model.safetensors"))
+        weights = load_file(os.path.join(directory, WEIGHTS_FILE))
         self.model.load_state_dict(weights, strict=True)
         tensors = load_file(os.path.join(directory, STATE_TENSORS), device=str(self.device))
         mined = {key.split(".", 1)[1]: tensors.pop(key).cpu().numpy()
