@@ -20,6 +20,7 @@ import numpy as np
 from pipelines import beam_kit, files
 from pipelines.build_index.graph import METRICS_NAMESPACE, BuildShard, _Blob, build_graph
 from pipelines.build_index.plan import AUTO, IndexBuildError, IndexPlan
+from pipelines.ledger import Ledger
 from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
 from retrieval_core.data import schema
 from retrieval_core.data.outputs import holds_output
@@ -136,13 +137,14 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
     config = {"factory": factory, "d": dim, "metric": plan.metric, "modality": plan.modality}
     train_cfg = {"train_sample": plan.train_sample, "seed": plan.seed, "embeddings_manifest_sha256": emb_sha,
                  "ids_sha256": ids_entry["sha256"] if ids_entry else None}
-    prev = _previous_manifest(plan.output)
-    same_config = prev is not None and all(prev.get(k) == v for k, v in config.items()) and \
-        (prev.get("ids") or {}).get("sha256") == train_cfg["ids_sha256"]
+    prev = _previous_manifest(plan.output) or {}
+    recorded = {**{k: prev.get(k) for k in config}, "ids_sha256": (prev.get("ids") or {}).get("sha256")} \
+        if prev else None
+    now = {**config, "ids_sha256": train_cfg["ids_sha256"]}
     trained_path = files.join(plan.output, TRAINED_INDEX)
-    prev_trained = (prev or {}).get("trained", {})
-    if same_config and {k: prev_trained.get(k) for k in train_cfg} == train_cfg \
-            and files.shard_is_valid(trained_path, prev_trained.get("sha256")):
+    prev_trained = prev.get("trained", {})
+    if Ledger.from_listing(plan.output, {TRAINED_INDEX: prev_trained}, now, recorded).finished(
+            TRAINED_INDEX, **train_cfg) is not None:
         trained = files.read_bytes(trained_path)  # reuse: retraining could move centroids
         log.info("reusing trained index %s", trained_path)
     else:
@@ -154,14 +156,15 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
     trained_sha = hashlib.sha256(trained).hexdigest()
 
     # Keep shards that still match the previous manifest, built from the same source, trained index and ids.
+    built_under = {**recorded, "trained": prev_trained.get("sha256")} if recorded else None
+    ledger = Ledger.from_listing(files.join(plan.output, SHARDS_SUBDIR),
+                                 {s.get("source"): s for s in prev.get("shards") or []},
+                                 {**now, "trained": trained_sha}, built_under)
     kept, todo = [], []
-    prev_shards = {s["source"]: s for s in (prev or {}).get("shards", [])} if same_config and \
-        prev_trained.get("sha256") == trained_sha else {}
     for s in shards:
-        old = prev_shards.get(s["name"])
-        if old and old.get("source_sha256") == s["sha256"] and files.shard_is_valid(
-                files.join(plan.output, SHARDS_SUBDIR, old["name"]), old["sha256"]):
-            kept.append(old)
+        rec = ledger.finished(s["name"], source_sha256=s["sha256"])
+        if rec is not None:
+            kept.append(rec.info())
         else:
             todo.append(s)
     log.info("%d shard(s) kept from the previous run, %d to build", len(kept), len(todo))

@@ -10,7 +10,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 
 from pipelines import beam_kit, files
-from pipelines.encode.plan import EncodeError, EncodePlan, ShardPlan, SpillResume, piece_name, record_path
+from pipelines.encode.plan import EncodeError, EncodePlan, ShardPlan, SpillResume, completion_ledger, piece_name
 from pipelines.handlers import (
     TASK_EMBED_IMAGE,
     TASK_EMBED_TEXT,
@@ -189,7 +189,7 @@ def _write_shard(group, output: str, plans: dict[tuple[str, str], ShardPlan]) ->
     files.write_atomic(files.join(output, embeddings.shard_relpath(modality, name)), data)
     info = embeddings.shard_info(name, data, len(ids))
     if len(ids) == plan.expected_rows[index]:  # after the shard: a kill in between only costs a redo
-        files.write_json_atomic(record_path(output, modality, name), {**info, "key": plan.key})
+        completion_ledger(output, modality, plan.key).record(info)
     return {"kind": "shard", "modality": modality, **info}
 
 

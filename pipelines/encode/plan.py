@@ -6,13 +6,14 @@ import functools
 import hashlib
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import click
 import numpy as np
 
 from pipelines import files
+from pipelines.ledger import Ledger
 from retrieval_core.cli import (
     batch_size_option,
     check_choice,
@@ -168,58 +169,56 @@ def staged_ids(ds: StagedDataset, modality: str, collection: str, split: Optiona
             for rel in ds.shard_names(schema.STAGED_KIND[modality], collection)}
 
 
-def record_path(output: str, modality: str, name: str) -> str:
-    return files.join(output, COMPLETED_DIR, modality, f"{name}.json")
+def completion_ledger(output: str, modality: str, key) -> Ledger:
+    """One modality's embedding shards and their completion records, <output>/_completed/<modality>/<shard>.json,
+    each holding the shard's name, rows, sha256 and the ``key`` it was encoded under."""
+    return Ledger(files.join(output, embeddings.EMBEDDINGS_SUBDIR, modality), key,
+                  records=files.join(output, COMPLETED_DIR, modality), key="key")
 
 
-def _read_record(output: str, modality: str, name: str) -> Optional[dict]:
-    path = record_path(output, modality, name)
-    if not files.exists(path):
-        return None
-    try:
-        return files.read_json(path)
-    except (OSError, ValueError):
-        return None  # a damaged record: the shard is redone
-
-
-def keep_finished(output: str, plans: list[ShardPlan]) -> dict[str, list[dict]]:
-    """Drops from ``redo`` every shard an earlier run finished (completion record with this plan's key and
-    row count, file matching its checksum); returns their manifest entries per modality."""
+def keep_finished(output: str, plans: dict[tuple[str, str], ShardPlan]) -> tuple[dict, dict[str, list[dict]]]:
+    """The plans less every shard an earlier run finished (the ledger: a completion record with this plan's key
+    and row count, a file matching its checksum), and the finished shards' manifest entries per modality."""
     keep: dict[str, list[dict]] = {}
-    for plan in plans:
+    todo = {}
+    for mc, plan in plans.items():
+        ledger = completion_ledger(output, plan.modality, plan.key)
+        done = set()
         for i in sorted(plan.redo):
-            rec = _read_record(output, plan.modality, plan.name(i))
-            path = files.join(output, embeddings.shard_relpath(plan.modality, plan.name(i)))
-            if rec and rec.get("key") == plan.key and int(rec.get("rows", -1)) == plan.expected_rows[i] \
-                    and files.shard_is_valid(path, rec.get("sha256")):
-                plan.redo.discard(i)
-                keep.setdefault(plan.modality, []).append({k: rec[k] for k in ("name", "rows", "sha256")})
-    return keep
+            rec = ledger.finished(plan.name(i), rows=plan.expected_rows[i])
+            if rec is not None:
+                done.add(i)
+                keep.setdefault(plan.modality, []).append(rec.fields("name", "rows", "sha256"))
+        todo[mc] = replace(plan, redo=plan.redo - done)
+    return todo, keep
 
 
 def keep_other_modalities(output: str, old: Optional[dict], planned: tuple[str, ...], model_sha: str, dim: int,
                           current_key) -> dict[str, list[dict]]:
     """Shards of modalities this run does not encode (e.g. --modality image now, text from an earlier run):
-    kept in the manifest when each still has a completion record matching the current model and staged
-    inputs, and its file matches; the whole modality is dropped otherwise (never a partial one)."""
+    kept in the manifest when each is finished in the ledger under the key its record would have today (the
+    current model and staged inputs) with the manifest's sha256; the whole modality is dropped otherwise
+    (never a partial one)."""
     keep: dict[str, list[dict]] = {}
     if not old or old.get("model", {}).get("sha256") != model_sha or int(old.get("dim", -1)) != dim:
         return keep
     for modality, entry in old.get("modalities", {}).items():
         if modality in planned:
             continue
+        ledger = completion_ledger(output, modality, functools.partial(_key_now, current_key, modality))
         ok = []
         for s in entry.get("shards", []):
-            rec = _read_record(output, modality, s["name"])
-            path = files.join(output, embeddings.shard_relpath(modality, s["name"]))
-            if not rec or not isinstance(rec.get("key"), dict) or rec.get("sha256") != s["sha256"] \
-                    or rec["key"] != current_key(modality, rec["key"]) or not files.shard_is_valid(path, s["sha256"]):
+            if ledger.finished(s["name"], sha256=s["sha256"]) is None:
                 ok = None
                 break
             ok.append({k: s[k] for k in ("name", "rows", "sha256")})
         if ok:
             keep[modality] = ok
     return keep
+
+
+def _key_now(current_key, modality: str, recorded) -> Optional[dict]:
+    return current_key(modality, recorded) if isinstance(recorded, dict) else None
 
 
 # ------------------------------------------------------------------------------- resuming spill pieces

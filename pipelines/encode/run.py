@@ -120,7 +120,7 @@ def run(plan: EncodePlan, beam_args=()) -> Optional[dict]:
 
     manifest_file = files.join(plan.output, embeddings.EMBEDDINGS_MANIFEST)
     old = files.read_json(manifest_file) if files.exists(manifest_file) else None
-    keep = keep_finished(plan.output, list(plans.values()))
+    plans, keep = keep_finished(plan.output, plans)
 
     def recorded_key_now(modality: str, recorded: dict) -> Optional[dict]:
         """The key a record of an earlier run would have today (None: its collection is no longer staged)."""

@@ -14,7 +14,16 @@ from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 
 from pipelines import beam_kit, files
 from pipelines.handlers import TASK_SCORE_PAIRS, CaptionTexts, VLModelHandler, element_length
-from pipelines.rerank.plan import CANDIDATES_DIR, PROGRESS_DIR, T2I, RerankError, Resolved, SearcherSpec, shard_pairs
+from pipelines.rerank.plan import (
+    CANDIDATES_DIR,
+    T2I,
+    RerankError,
+    Resolved,
+    SearcherSpec,
+    candidates_ledger,
+    progress_ledger,
+    shard_pairs,
+)
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.search import embeddings, rerank
 from retrieval_core.search.index import set_threads
@@ -115,7 +124,7 @@ def write_candidates(element, output: str, groups: Mapping[str, int], fingerprin
     name = candidates_name(direction, group, groups[direction])
     sha = files.write_atomic(files.join(output, CANDIDATES_DIR, name), buf.getvalue())
     info = {"kind": "candidates", "direction": direction, "name": name, "queries": len(found), "sha256": sha}
-    files.write_json_atomic(files.join(output, CANDIDATES_DIR, name + ".json"), {**info, "plan": fingerprint})
+    candidates_ledger(output, fingerprint).record(info)
     return info
 
 
@@ -325,7 +334,7 @@ def write_shard(output: str, name: str, direction: str, query_ids, results, fing
     sha = files.write_atomic(files.join(output, rerank.RANKINGS_SUBDIR, name), buf.getvalue())
     info = {"kind": "shard", "direction": direction, "name": name, "queries": len(query_ids),
             "rows": table.num_rows, "sha256": sha}
-    files.write_json_atomic(files.join(output, PROGRESS_DIR, name + ".json"), {**info, "plan": fingerprint})
+    progress_ledger(output, fingerprint).record(info)
     return info
 
 

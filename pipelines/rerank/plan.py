@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
-import json
 import logging
 import math
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipelines import files
+from pipelines.ledger import Ledger, fingerprint
 from retrieval_core.cli import (
     batch_size_option,
     check_positive,
@@ -447,7 +447,6 @@ def resolve(plan: RerankPlan) -> Resolved:
         "pairs_per_wave": plan.pairs_per_wave,
         **({"quantize": plan.precision} if plan.precision != "none" else {}),  # fp32 runs keep their fingerprint
     }
-    fingerprint = hashlib.sha256(json.dumps(fingerprint_of, sort_keys=True).encode()).hexdigest()
     return Resolved(
         plan=plan, query_ids=query_ids, pools=pools, candidates=candidates, ce_k=ce_k, searchers=searchers,
         described=described, query_shards=tuple(query_shards), out_shards=out_shards, search_groups=search_groups,
@@ -455,4 +454,16 @@ def resolve(plan: RerankPlan) -> Resolved:
         image_shards=tuple(s for c in pool_collections for s in ds.shard_names("images", c)) if ce else (),
         ce_max_regions=ce.max_regions if ce else 0, ce_fingerprint=ce.fingerprint if ce else None,
         ce_score_key=ce.ce_score if ce else None, be_model=emb_manifest["model"], queries_file=queries_file,
-        fingerprint=fingerprint, staged_sha256=staged_fingerprints(ds))
+        fingerprint=fingerprint(fingerprint_of), staged_sha256=staged_fingerprints(ds))
+
+
+def progress_ledger(output: str, plan_fingerprint: str) -> Ledger:
+    """The ranking shards' ledger: <output>/rankings/<shard>, its record <output>/_progress/<shard>.json."""
+    return Ledger(files.join(output, rerank.RANKINGS_SUBDIR), plan_fingerprint,
+                  records=files.join(output, PROGRESS_DIR))
+
+
+def candidates_ledger(output: str, plan_fingerprint: str) -> Ledger:
+    """The search groups' ledger: <output>/_candidates/<file> and its record <file>.json beside it."""
+    folder = files.join(output, CANDIDATES_DIR)
+    return Ledger(folder, plan_fingerprint, records=folder)

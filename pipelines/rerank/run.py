@@ -43,6 +43,8 @@ from pipelines.rerank.plan import (
     RerankPlan,
     Resolved,
     SearcherSpec,
+    candidates_ledger,
+    progress_ledger,
     resolve,
     shard_pairs,
 )
@@ -90,31 +92,15 @@ def plan_waves(names: Sequence[str], pairs_of: Callable[[str], int], shards_per_
     return waves
 
 
-def _reusable(record: str, path: str, fingerprint: str, queries: Optional[int] = None) -> Optional[dict]:
-    """An earlier run's record of the file ``path``, when it was written under this plan's ``fingerprint``
-    (for ``queries`` queries, where given) and the file still matches its sha256; else None."""
-    if not files.exists(record):
-        return None
-    try:
-        info = files.read_json(record)
-    except (OSError, ValueError):
-        return None
-    if info.get("plan") != fingerprint or (queries is not None and info.get("queries") != queries) or \
-            not files.shard_is_valid(path, info.get("sha256")):
-        return None
-    return info
-
-
 def _finished_shards(res: Resolved, expected: Mapping[str, tuple[str, np.ndarray]]) -> dict[str, dict]:
-    """The shards an earlier run of the same plan finished: a progress record with this plan's fingerprint
-    and the shard's query count, and a shard file that still matches its sha256."""
-    output = res.plan.output
+    """The shards an earlier run of the same plan finished (the ledger: a progress record with this plan's
+    fingerprint and the shard's query count, and a shard file that still matches its sha256)."""
+    ledger = progress_ledger(res.plan.output, res.fingerprint)
     done = {}
     for name, (_d, ids) in expected.items():
-        info = _reusable(files.join(output, PROGRESS_DIR, name + ".json"),
-                         files.join(output, rerank.RANKINGS_SUBDIR, name), res.fingerprint, len(ids))
-        if info is not None:
-            done[name] = {key: info[key] for key in ("kind", "direction", "name", "queries", "rows", "sha256")}
+        rec = ledger.finished(name, queries=len(ids))
+        if rec is not None:
+            done[name] = rec.fields("kind", "direction", "name", "queries", "rows", "sha256")
     return done
 
 
@@ -129,15 +115,15 @@ def search(options, res: Resolved, expected: Mapping[str, tuple[str, np.ndarray]
         if name not in finished and len(ids):
             needed.setdefault(d, set()).update(group_of(q, 0, res.search_groups[d]) for q in ids.tolist())
     have, todo = {}, {}
+    ledger = candidates_ledger(output, res.fingerprint)
     for d, groups in needed.items():
         for g in sorted(groups):
             name = candidates_name(d, g, res.search_groups[d])
-            info = _reusable(files.join(output, CANDIDATES_DIR, name + ".json"),
-                             files.join(output, CANDIDATES_DIR, name), res.fingerprint)
-            if info is None:
+            rec = ledger.finished(name)
+            if rec is None:
                 todo.setdefault(d, set()).add(g)
             else:
-                have[name] = {key: info[key] for key in ("kind", "direction", "name", "queries", "sha256")}
+                have[name] = rec.fields("kind", "direction", "name", "queries", "sha256")
     if not todo:
         return have, 0, None
     total = sum(len(g) * pool_shard_count(res.searchers[d]) for d, g in todo.items())

@@ -15,6 +15,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
 from pipelines import beam_kit, files
+from pipelines.ledger import write_or_keep
 from pipelines.stage.plan import CAPTIONS_DIR, FEATURES_DIR, IMAGES_DIR, REJECTS_DIR, Settings, shard_rel
 from retrieval_core.data import schema, staging
 from retrieval_core.data.paths import is_url
@@ -23,16 +24,6 @@ from retrieval_core.data.shards import caption_shard_parquet, image_shard_hdf5, 
 from retrieval_core.data.spill import FeatureSpill, load_spilled, load_spilled_rows
 
 log = logging.getLogger(__name__)
-
-
-def write_or_keep(path: str, data: bytes) -> tuple[str, bool]:
-    """(sha256, kept): keep the file when its bytes already equal ``data`` (a finished earlier run), else
-    write it atomically (missing, corrupt or changed)."""
-    sha = files.sha256_bytes(data)
-    if files.shard_is_valid(path, sha):
-        return sha, True
-    files.write_atomic(path, data)
-    return sha, False
 
 
 def _task_source(task) -> str:
