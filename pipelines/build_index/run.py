@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import time
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import apache_beam as beam
@@ -20,7 +21,7 @@ import numpy as np
 from pipelines import beam_kit, files
 from pipelines.build_index.graph import METRICS_NAMESPACE, BuildShard, _Blob, build_graph
 from pipelines.build_index.plan import AUTO, IndexBuildError, IndexPlan
-from pipelines.ledger import Ledger
+from pipelines.ledger import Ledger, write_or_keep
 from retrieval_core.cli import cli_errors, plan_from_cli, plan_options
 from retrieval_core.data import schema
 from retrieval_core.data.outputs import holds_output
@@ -98,14 +99,62 @@ def _gather(emb_dir: str, modality: str, shards: list[dict], chosen: np.ndarray,
     return np.stack([found[int(i)] for i in chosen]).astype(np.float32)
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """What resolve checked and the build needs: the embeddings (manifest, its sha256, this modality's shards),
+    the --ids list (None: every embedding) and the factory (--index-factory auto chosen)."""
+    emb_manifest: dict
+    emb_sha: str
+    shards: list
+    dim: int
+    count: int
+    ids: Optional[np.ndarray]
+    ids_entry: Optional[dict]
+    ids_blob: Optional[_Blob]
+    factory: str
+    auto: Optional[dict]
+
+    @property
+    def expected(self) -> int:
+        return int(len(self.ids)) if self.ids is not None else self.count
+
+    def config(self, plan: IndexPlan) -> dict:
+        """What an index's shards and trained index depend on besides the trained index (its fingerprint)."""
+        return {"factory": self.factory, "d": self.dim, "metric": plan.metric, "modality": plan.modality,
+                "ids_sha256": self.ids_sha256}
+
+    def train_cfg(self, plan: IndexPlan) -> dict:
+        return {"train_sample": plan.train_sample, "seed": plan.seed, "embeddings_manifest_sha256": self.emb_sha,
+                "ids_sha256": self.ids_sha256}
+
+    @property
+    def ids_sha256(self) -> Optional[str]:
+        return self.ids_entry["sha256"] if self.ids_entry else None
+
+
 @holds_output("build_index")
 def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
     """Train, build the shards still missing, write index_manifest.json; returns a summary (None on dry run)."""
     t0 = time.time()
     options = beam_kit.task_pipeline_options(beam_args)
-    dry = beam_kit.is_dry_run(options)
     set_threads(plan.threads)
     require_headroom("build_index", plan.threads, ("--threads", "--train-sample"))
+    inp = resolve(plan)
+    prev = _previous_manifest(plan.output) or {}
+    trained, trained_sha = _trained_index(plan, inp, prev)
+    kept, todo = _kept_shards(plan, inp, prev, trained_sha)
+    built = _build(plan, inp, options, todo, trained, trained_sha)
+    if built is None:
+        return None
+    manifest = _write_manifest(plan, inp, kept + built, trained_sha)
+    return {"factory": inp.factory, "metric": plan.metric, "search_params": manifest.get("search_params"),
+            "d": inp.dim, "ntotal": manifest["ntotal"], "shards": len(inp.shards), "built": len(built),
+            "kept": len(kept), "ids": inp.ids_entry, "runner": beam_kit.runner_name(options),
+            "seconds": round(time.time() - t0, 2)}
+
+
+def resolve(plan: IndexPlan) -> Inputs:
+    """Check the embeddings and the --ids list, and choose the factory (--index-factory auto)."""
     manifest_path = files.join(plan.embeddings, embeddings.EMBEDDINGS_MANIFEST)
     if not files.exists(manifest_path):
         raise embeddings.EmbeddingsError(f"no {embeddings.EMBEDDINGS_MANIFEST} in {plan.embeddings}: not an embeddings "
@@ -116,93 +165,117 @@ def run(plan: IndexPlan, beam_args=()) -> Optional[dict]:
     shards, dim = entry["shards"], int(emb_manifest["dim"])
     if not shards:
         raise IndexBuildError(f"no {plan.modality} embedding shards in {plan.embeddings}")
-    emb_sha = hashlib.sha256(manifest_bytes).hexdigest()
+    ids, ids_entry, ids_blob = _read_ids(plan, shards)
+    inp = Inputs(emb_manifest, hashlib.sha256(manifest_bytes).hexdigest(), shards, dim, int(entry["count"]), ids,
+                 ids_entry, ids_blob, plan.factory, None)
+    if plan.factory != AUTO:
+        return inp
+    factory, auto = _choose(plan, emb_manifest, shards, dim, ids, inp.expected)
+    return replace(inp, factory=factory, auto=auto)
 
-    ids, ids_entry, ids_blob = None, None, None
-    if plan.ids:
-        if not files.exists(plan.ids):
-            raise IndexBuildError(f"--ids {plan.ids}: no such file")
-        ids_bytes = files.read_bytes(plan.ids)
-        ids = read_id_list(ids_bytes, f"--ids {plan.ids}")
-        if not len(ids):
-            raise IndexBuildError(f"--ids {plan.ids}: lists no ids")
-        check_ids_present(ids, plan.embeddings, plan.modality, shards, f"--ids {plan.ids}")
-        ids_entry = {"path": plan.ids, "sha256": files.sha256_bytes(ids_bytes), "count": int(len(ids))}
-        ids_blob = _Blob(plan.ids, ids_entry["sha256"])
-    expected = int(len(ids)) if ids is not None else int(entry["count"])
 
-    factory, auto = plan.factory, None
-    if plan.factory == AUTO:
-        factory, auto = _choose(plan, emb_manifest, shards, dim, ids, expected)
-    config = {"factory": factory, "d": dim, "metric": plan.metric, "modality": plan.modality}
-    train_cfg = {"train_sample": plan.train_sample, "seed": plan.seed, "embeddings_manifest_sha256": emb_sha,
-                 "ids_sha256": ids_entry["sha256"] if ids_entry else None}
-    prev = _previous_manifest(plan.output) or {}
-    recorded = {**{k: prev.get(k) for k in config}, "ids_sha256": (prev.get("ids") or {}).get("sha256")} \
-        if prev else None
-    now = {**config, "ids_sha256": train_cfg["ids_sha256"]}
+def _read_ids(plan: IndexPlan, shards: list[dict]) -> tuple[Optional[np.ndarray], Optional[dict], Optional[_Blob]]:
+    """--ids: the listed ids (each checked to have an embedding), their manifest entry and the workers' blob."""
+    if not plan.ids:
+        return None, None, None
+    if not files.exists(plan.ids):
+        raise IndexBuildError(f"--ids {plan.ids}: no such file")
+    ids_bytes = files.read_bytes(plan.ids)
+    ids = read_id_list(ids_bytes, f"--ids {plan.ids}")
+    if not len(ids):
+        raise IndexBuildError(f"--ids {plan.ids}: lists no ids")
+    check_ids_present(ids, plan.embeddings, plan.modality, shards, f"--ids {plan.ids}")
+    ids_entry = {"path": plan.ids, "sha256": files.sha256_bytes(ids_bytes), "count": int(len(ids))}
+    return ids, ids_entry, _Blob(plan.ids, ids_entry["sha256"])
+
+
+def _built_under(prev: dict) -> Optional[dict]:
+    """The config an earlier run's index was built under (Inputs.config), None when there is none."""
+    if not prev:
+        return None
+    return {**{k: prev.get(k) for k in ("factory", "d", "metric", "modality")},
+            "ids_sha256": (prev.get("ids") or {}).get("sha256")}
+
+
+def _trained_index(plan: IndexPlan, inp: Inputs, prev: dict) -> tuple[bytes, str]:
+    """The trained index and its sha256: the earlier run's when the ledger says it is finished (same config and
+    training inputs, file intact: retraining could move centroids), else trained now."""
     trained_path = files.join(plan.output, TRAINED_INDEX)
-    prev_trained = prev.get("trained", {})
-    if Ledger.from_listing(plan.output, {TRAINED_INDEX: prev_trained}, now, recorded).finished(
-            TRAINED_INDEX, **train_cfg) is not None:
-        trained = files.read_bytes(trained_path)  # reuse: retraining could move centroids
+    ledger = Ledger.from_listing(plan.output, {TRAINED_INDEX: prev.get("trained", {})}, inp.config(plan),
+                                 _built_under(prev))
+    if ledger.finished(TRAINED_INDEX, **inp.train_cfg(plan)) is not None:
+        trained = files.read_bytes(trained_path)
         log.info("reusing trained index %s", trained_path)
     else:
         sample = None
-        if needs_training(factory, dim, plan.metric):
-            sample = _training_vectors(plan, shards, dim, ids)
-            log.info("training %s on %d vectors", factory, len(sample))
-        trained = train_index(factory, dim, plan.metric, sample, seed=plan.seed)
-    trained_sha = hashlib.sha256(trained).hexdigest()
+        if needs_training(inp.factory, inp.dim, plan.metric):
+            sample = _training_vectors(plan, inp.shards, inp.dim, inp.ids)
+            log.info("training %s on %d vectors", inp.factory, len(sample))
+        trained = train_index(inp.factory, inp.dim, plan.metric, sample, seed=plan.seed)
+    return trained, hashlib.sha256(trained).hexdigest()
 
-    # Keep shards that still match the previous manifest, built from the same source, trained index and ids.
-    built_under = {**recorded, "trained": prev_trained.get("sha256")} if recorded else None
+
+def _kept_shards(plan: IndexPlan, inp: Inputs, prev: dict, trained_sha: str) -> tuple[list[dict], list[dict]]:
+    """(kept, to build): the ledger keeps the earlier manifest's shards built under the same config and trained
+    index from the same source shard, whose files still match."""
+    built_under = _built_under(prev)
     ledger = Ledger.from_listing(files.join(plan.output, SHARDS_SUBDIR),
                                  {s.get("source"): s for s in prev.get("shards") or []},
-                                 {**now, "trained": trained_sha}, built_under)
+                                 {**inp.config(plan), "trained": trained_sha},
+                                 {**built_under, "trained": prev.get("trained", {}).get("sha256")} if built_under
+                                 else None)
     kept, todo = [], []
-    for s in shards:
+    for s in inp.shards:
         rec = ledger.finished(s["name"], source_sha256=s["sha256"])
         if rec is not None:
             kept.append(rec.info())
         else:
             todo.append(s)
     log.info("%d shard(s) kept from the previous run, %d to build", len(kept), len(todo))
+    return kept, todo
 
-    built = []
-    if todo:
-        p = beam.Pipeline(options=options)
-        build_graph(p, todo, BuildShard(plan, dim, _Blob(trained_path, trained_sha), ids_blob), plan.output)
-        if beam_kit.translated_only(p, "build_index"):
+
+def _build(plan: IndexPlan, inp: Inputs, options, todo: list[dict], trained: bytes,
+           trained_sha: str) -> Optional[list[dict]]:
+    """The Beam job over the shards to build: their manifest entries ([] when none is; None for a dry run)."""
+    if not todo:
+        if beam_kit.is_dry_run(options):
+            print(beam_kit.dry_run_message("build_index", options))
             return None
-        files.makedirs(plan.output)
-        if not files.shard_is_valid(trained_path, trained_sha):
-            files.write_atomic(trained_path, trained)
-        beam_kit.clear_run_dir(plan.output)  # a killed run's report must not enter this manifest
-        with beam_kit.Progress.running(sum(int(s["rows"]) for s in todo), "vectors", "build_index", options):
-            result = beam_kit.run_pipeline(p)
-        print(beam_kit.counter_line(METRICS_NAMESPACE, beam_kit.counter_values(result, METRICS_NAMESPACE),
-                                  beam_kit.runner_name(options)))
-        built = beam_kit.read_run_report(plan.output)
-        beam_kit.clear_run_dir(plan.output)
-    elif dry:
-        print(beam_kit.dry_run_message("build_index", options))
+        return []
+    trained_path = files.join(plan.output, TRAINED_INDEX)
+    p = beam.Pipeline(options=options)
+    build_graph(p, todo, BuildShard(plan, inp.dim, _Blob(trained_path, trained_sha), inp.ids_blob), plan.output)
+    if beam_kit.translated_only(p, "build_index"):
         return None
+    files.makedirs(plan.output)
+    write_or_keep(trained_path, trained)  # the trained index, unless the file already holds it
+    beam_kit.clear_run_dir(plan.output)  # a killed run's report must not enter this manifest
+    with beam_kit.Progress.running(sum(int(s["rows"]) for s in todo), "vectors", "build_index", options):
+        result = beam_kit.run_pipeline(p)
+    print(beam_kit.counter_line(METRICS_NAMESPACE, beam_kit.counter_values(result, METRICS_NAMESPACE),
+                                beam_kit.runner_name(options)))
+    built = beam_kit.read_run_report(plan.output)
+    beam_kit.clear_run_dir(plan.output)
+    return built
 
+
+def _write_manifest(plan: IndexPlan, inp: Inputs, entries: list[dict], trained_sha: str) -> dict:
+    """index_manifest.json of the index whose shard ``entries`` these are (checked to hold every expected vector;
+    --index-factory auto: with the search parameters measured on it)."""
     manifest = make_index_manifest(
-        factory, dim, plan.metric, plan.modality, kept + built,
-        embeddings={"dir": plan.embeddings, "manifest_sha256": emb_sha, "count": int(entry["count"])},
-        trained={"name": TRAINED_INDEX, "sha256": trained_sha, **train_cfg},
-        created_by=CREATED_BY, ids=ids_entry)
+        inp.factory, inp.dim, plan.metric, plan.modality, entries,
+        embeddings={"dir": plan.embeddings, "manifest_sha256": inp.emb_sha, "count": inp.count},
+        trained={"name": TRAINED_INDEX, "sha256": trained_sha, **inp.train_cfg(plan)},
+        created_by=CREATED_BY, ids=inp.ids_entry)
+    expected, shards, ids, auto = inp.expected, inp.shards, inp.ids, inp.auto
     if manifest["ntotal"] != expected or len(manifest["shards"]) != len(shards):
         raise IndexBuildError(f"index holds {manifest['ntotal']} vectors in {len(manifest['shards'])} shards; "
                               f"expected {expected} in {len(shards)} (the runner lost shards?)")
     if auto is not None:  # measured on the index as built: the recorded numbers are the full index's
         manifest["search_params"], manifest["auto"] = _measure_built(plan, manifest, shards, ids, auto)
     files.write_json_atomic(files.join(plan.output, INDEX_MANIFEST), manifest)
-    return {"factory": factory, "metric": plan.metric, "search_params": manifest.get("search_params"), "d": dim,
-            "ntotal": manifest["ntotal"], "shards": len(shards), "built": len(built), "kept": len(kept),
-            "ids": ids_entry, "runner": beam_kit.runner_name(options), "seconds": round(time.time() - t0, 2)}
+    return manifest
 
 
 def _held_out_queries(plan: IndexPlan, emb_manifest: dict, shards: list[dict], dim: int,
