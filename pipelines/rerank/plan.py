@@ -385,19 +385,9 @@ def _check_embeddings_match_staged(plan: RerankPlan, ds, emb_manifest: dict) -> 
                               f"pass the staged folder they were encoded from")
 
 
-def resolve(plan: RerankPlan) -> Resolved:
-    """Check the plan against its inputs (staged dir, embeddings, indexes, models, --queries) and fix
-    everything the graph needs; every inconsistency is a one-line RerankError / ValueError here, before
-    anything runs."""
-    ds = StagedDataset(plan.staged, files=files.BEAM_FILES)
-    if plan.collection is not None and plan.collection not in ds.collections:
-        raise RerankError(f"collection {plan.collection!r} is not staged in {plan.staged} (have {ds.collections})")
-    split_ids = {d: split_query_ids(ds, d, plan.collection, plan.split) for d in plan.directions}
-    query_ids, queries_file = _read_queries_file(plan, split_ids)
-
-    emb_manifest_path = embeddings.manifest_path(plan.embeddings)
-    emb_manifest = embeddings.load_embeddings_manifest(plan.embeddings, files.BEAM_FILES)
-    _check_embeddings_match_staged(plan, ds, emb_manifest)
+def _searchers(plan: RerankPlan, query_ids: Mapping[str, np.ndarray], emb_manifest: dict) -> tuple:
+    """Per direction: its searcher, pool size and description, after checking that every query has an
+    embedding; and the query embedding shards, (direction, modality, name, sha256)."""
     searchers, pools, described, query_shards = {}, {}, {}, []
     for d in plan.directions:
         if len(query_ids[d]) == 0:
@@ -411,18 +401,37 @@ def resolve(plan: RerankPlan) -> Resolved:
         searchers[d], pools[d], described[d] = _searcher_spec(plan, d, emb_manifest)
         query_shards += [(d, q_modality, s["name"], s["sha256"])
                          for s in embeddings.modality_entry(emb_manifest, q_modality)["shards"]]
+    return searchers, pools, described, query_shards
 
-    keep = rerank.stored_depth(plan.k)
+
+def _depths(plan: RerankPlan, query_ids: Mapping[str, np.ndarray], pools: Mapping[str, int]) -> tuple[dict, int]:
+    """({direction: candidates kept per query}, the CE depth): --mode ce scores every pool item (refused
+    above --max-exhaustive-pairs), the other modes keep rerank.stored_depth(k) and score the top k."""
     if plan.mode == "ce":  # exhaustive: every pool item is a candidate and CE-scored
         total_pairs = sum(len(query_ids[d]) * pools[d] for d in plan.directions)
         if total_pairs > plan.max_exhaustive_pairs:
             raise RerankError(f"--mode ce would cross-encode {total_pairs:,} pairs (queries x pool), above "
                               f"--max-exhaustive-pairs {plan.max_exhaustive_pairs:,}; use --mode co")
-        candidates = {d: pools[d] for d in plan.directions}
-        ce_k = max(pools.values())
-    else:
-        candidates = {d: keep for d in plan.directions}
-        ce_k = plan.k if plan.cross_encoder else 0
+        return {d: pools[d] for d in plan.directions}, max(pools.values())
+    keep = rerank.stored_depth(plan.k)
+    return {d: keep for d in plan.directions}, plan.k if plan.cross_encoder else 0
+
+
+def resolve(plan: RerankPlan) -> Resolved:
+    """Check the plan against its inputs (staged dir, embeddings, indexes, models, --queries) and fix
+    everything the graph needs; every inconsistency is a one-line RerankError / ValueError here, before
+    anything runs."""
+    ds = StagedDataset(plan.staged, files=files.BEAM_FILES)
+    if plan.collection is not None and plan.collection not in ds.collections:
+        raise RerankError(f"collection {plan.collection!r} is not staged in {plan.staged} (have {ds.collections})")
+    split_ids = {d: split_query_ids(ds, d, plan.collection, plan.split) for d in plan.directions}
+    query_ids, queries_file = _read_queries_file(plan, split_ids)
+
+    emb_manifest_path = embeddings.manifest_path(plan.embeddings)
+    emb_manifest = embeddings.load_embeddings_manifest(plan.embeddings, files.BEAM_FILES)
+    _check_embeddings_match_staged(plan, ds, emb_manifest)
+    searchers, pools, described, query_shards = _searchers(plan, query_ids, emb_manifest)
+    candidates, ce_k = _depths(plan, query_ids, pools)
     ce = ce_model_folder(plan.cross_encoder) if plan.cross_encoder else None
     if ce is not None:
         try:

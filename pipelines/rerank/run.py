@@ -144,6 +144,37 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
     ce = plan.ce_model or plan.be_model
     require_headroom("rerank", plan.threads, ("--threads", "--model-copies", "--batch-size", "--pairs-per-wave"),
                      weights_bytes(ce) * (plan.model_copies or 1) if ce else 0)
+    res, fusion_choice = _resolve(plan, beam_args, options)
+    if beam_kit.is_dry_run(options):
+        return _dry_run(options, res)
+    expected = _expected_shards(res)
+    finished = _finished_shards(res, expected)
+    files.makedirs(res.plan.output)
+    manifest_path = files.join(res.plan.output, rerank.RANKINGS_MANIFEST)
+    if files.exists(manifest_path):  # until this run finishes, the directory holds no complete run
+        FileSystems.delete([manifest_path])
+    # the pool is read once per search group, before the waves: they read the candidates files
+    candidates, passes, beam_counters = search(options, res, expected, finished)
+    if passes:
+        groups = ", ".join(f"{d}: {n}" for d, n in res.search_groups.items())
+        print(f"search: {passes} pass(es) over the pools (search groups {groups}; --queries-per-pass "
+              f"{res.plan.queries_per_pass})", flush=True)
+    shards, counts, waves_run, beam_counters = _run_waves(options, res, expected, finished, candidates,
+                                                          beam_counters)
+    if waves_run or passes:
+        print(beam_kit.counter_line(METRICS_NAMESPACE, beam_counters, beam_kit.runner_name(options)))
+    manifest = _manifest(res, [shards[name] for name in expected], len(finished), waves_run, counts,
+                         beam_kit.runner_name(options), time.time() - t0)
+    manifest["search_passes"] = passes
+    manifest["fusion_choice"] = fusion_choice
+    _write_run(res, manifest, set(expected))
+    _report(res, manifest, counts, len(expected), len(finished), waves_run)
+    return manifest
+
+
+def _resolve(plan: RerankPlan, beam_args: tuple[str, ...], options) -> tuple[Resolved, Optional[dict]]:
+    """The plan resolved against its inputs (--mode auto: the fusion chosen on the dev run, made first when
+    --tune-embeddings asks for it) and the choice; the captions' token ids prepared once for the CE."""
     if plan.mode == AUTO and plan.tune_embeddings and not beam_kit.is_dry_run(options):
         plan = replace(plan, tune_on=dev_pass(plan, beam_args), tune_embeddings=None, tune_index=None)
     plan, fusion_choice = resolve_auto(plan)
@@ -158,24 +189,16 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
             if d in dev_pools and not 0.8 <= dev_pools[d] / max(n, 1) <= 1.25:
                 log.warning("--mode auto: the %s dev pool (%d) is not the size of this run's pool (%d): the choice "
                             "was made at another pool size", d, dev_pools[d], n)
-    if beam_kit.is_dry_run(options):
-        return _dry_run(options, res)
-    expected = _expected_shards(res)
-    finished = _finished_shards(res, expected)
-    names = list(expected)
-    waves = plan_waves(names, lambda name: shard_pairs(res, *expected[name]), plan.shards_per_wave,
-                       plan.pairs_per_wave)
+    return res, fusion_choice
 
-    files.makedirs(plan.output)
-    manifest_path = files.join(plan.output, rerank.RANKINGS_MANIFEST)
-    if files.exists(manifest_path):  # until this run finishes, the directory holds no complete run
-        FileSystems.delete([manifest_path])
-    # the pool is read once per search group, before the waves: they read the candidates files
-    candidates, passes, beam_counters = search(options, res, expected, finished)
-    if passes:
-        groups = ", ".join(f"{d}: {n}" for d, n in res.search_groups.items())
-        print(f"search: {passes} pass(es) over the pools (search groups {groups}; --queries-per-pass "
-              f"{plan.queries_per_pass})", flush=True)
+
+def _run_waves(options, res: Resolved, expected: Mapping[str, tuple[str, np.ndarray]], finished: Mapping[str, dict],
+               candidates: Mapping[str, dict], beam_counters: Optional[dict]) -> tuple[dict, dict, int, Optional[dict]]:
+    """One Beam job per wave of unfinished shards: ({shard name: info} of every shard, finished ones included,
+    the CE pair counts, the waves run, the Beam counters so far)."""
+    plan = res.plan
+    waves = plan_waves(list(expected), lambda name: shard_pairs(res, *expected[name]), plan.shards_per_wave,
+                       plan.pairs_per_wave)
     shards, counts, waves_run = dict(finished), {"ce_pairs_requested": 0, "ce_pairs_scored": 0}, 0
     with beam_kit.Progress.running(*_progress_total(res, expected, finished), options):
         for wave_names in waves:
@@ -185,43 +208,52 @@ def run(plan: RerankPlan, beam_args: tuple[str, ...] = ()) -> Optional[dict]:
             todo = [name for name in todo if len(expected[name][1])]
             if not todo:
                 continue
-            wave: dict[str, set] = {}
-            for name in todo:
-                d, ids = expected[name]
-                wave.setdefault(d, set()).update(ids.tolist())
-            report, wave_counters = _run_job(options, plan.output, lambda p: build_graph(
-                p, res, {d: frozenset(ids) for d, ids in wave.items()}, candidates))
+            wave_counters = _run_wave(options, res, expected, todo, candidates, shards, counts)
             beam_counters = beam_kit.add_counters(beam_counters, wave_counters)
             waves_run += 1
-            for item in report:
-                if item["kind"] == "count":
-                    counts[item["name"]] += int(item["value"])
-                elif item["kind"] == "shard":
-                    shards[item["name"]] = item
-            for name in todo:
-                got = shards.get(name, {}).get("queries")
-                if got != len(expected[name][1]):
-                    raise RerankError(f"{name}: {got} queries ranked, {len(expected[name][1])} expected")
-    if waves_run or passes:
-        print(beam_kit.counter_line(METRICS_NAMESPACE, beam_counters, beam_kit.runner_name(options)))
+    return shards, counts, waves_run, beam_counters
 
-    manifest = _manifest(res, [shards[name] for name in names], len(finished), waves_run, counts,
-                         beam_kit.runner_name(options), time.time() - t0)
-    manifest["search_passes"] = passes
-    manifest["fusion_choice"] = fusion_choice
-    files.write_json_atomic(files.join(plan.output, rerank.RANKINGS_MANIFEST), manifest)
-    _delete_unlisted(plan.output, set(names))
-    files.remove_tree(files.join(plan.output, CANDIDATES_DIR))  # the rankings hold every candidate now
+
+def _run_wave(options, res: Resolved, expected: Mapping[str, tuple[str, np.ndarray]], todo: list[str],
+              candidates: Mapping[str, dict], shards: dict, counts: dict) -> Optional[dict]:
+    """One wave's job: its shards' infos into ``shards``, its CE pair counts into ``counts``; its Beam counters."""
+    wave: dict[str, set] = {}
+    for name in todo:
+        d, ids = expected[name]
+        wave.setdefault(d, set()).update(ids.tolist())
+    report, wave_counters = _run_job(options, res.plan.output, lambda p: build_graph(
+        p, res, {d: frozenset(ids) for d, ids in wave.items()}, candidates))
+    for item in report:
+        if item["kind"] == "count":
+            counts[item["name"]] += int(item["value"])
+        elif item["kind"] == "shard":
+            shards[item["name"]] = item
+    for name in todo:
+        got = shards.get(name, {}).get("queries")
+        if got != len(expected[name][1]):
+            raise RerankError(f"{name}: {got} queries ranked, {len(expected[name][1])} expected")
+    return wave_counters
+
+
+def _write_run(res: Resolved, manifest: dict, names: set[str]) -> None:
+    """The run contract: rankings_manifest.json, then no ranking file it does not list and no candidates."""
+    output = res.plan.output
+    files.write_json_atomic(files.join(output, rerank.RANKINGS_MANIFEST), manifest)
+    _delete_unlisted(output, names)
+    files.remove_tree(files.join(output, CANDIDATES_DIR))  # the rankings hold every candidate now
+
+
+def _report(res: Resolved, manifest: dict, counts: dict, n_shards: int, n_kept: int, waves_run: int) -> None:
+    plan = res.plan
     for d in plan.directions:
         print(f"{d}: {manifest['queries'][d]} queries ranked ({res.described[d]}, pool {res.pools[d]})")
     if plan.cross_encoder:
         overlap = " (t2i/i2t overlap scored once)" if len(plan.directions) == 2 else ""
         print(f"CE: {counts['ce_pairs_scored']} unique pairs scored for {counts['ce_pairs_requested']} "
               f"requested{overlap}; device: {describe_device(plan.device)}")
-    print(f"rankings: {files.join(plan.output, rerank.RANKINGS_SUBDIR)} ({len(names)} shard(s): {len(finished)} "
-          f"kept from an earlier run of this plan, {len(names) - len(finished)} computed in {waves_run} wave(s)); "
+    print(f"rankings: {files.join(plan.output, rerank.RANKINGS_SUBDIR)} ({n_shards} shard(s): {n_kept} "
+          f"kept from an earlier run of this plan, {n_shards - n_kept} computed in {waves_run} wave(s)); "
           f"wall time {manifest['wall_s']:.1f} s")
-    return manifest
 
 
 def dev_pass(plan: RerankPlan, beam_args: tuple[str, ...]) -> str:
