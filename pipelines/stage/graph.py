@@ -137,7 +137,6 @@ class ReadAndStage(beam.DoFn):
         n_in = n_staged = skipped = 0
         converted: Counter = Counter()
         staged: list[dict] = []  # one task's staged rows (a task is ~500 records), spilled in shard order
-        refs: dict[int, list] = {}
         owners: dict[int, list] = {}
         # uncaptioned_images: skip -- the images the collection's captions name, and their split, known before
         # any feature is spilled (a 123k-image trainval TSV staged for the 5k test split spills 5k images)
@@ -159,16 +158,7 @@ class ReadAndStage(beam.DoFn):
                 if rec is None:
                     skipped += 1
                     continue
-            if isinstance(rec, schema.RawImage):
-                out = staging.stage_image(rec, collection=coll, feature_dim=self.s.feature_dim,
-                                          max_regions=self.s.max_regions, source=source)
-            elif isinstance(rec, schema.RawCaption):
-                out = staging.stage_caption(rec, collection=coll, source=source)
-            elif isinstance(rec, schema.Reject):
-                out = rec
-                out.kind = kind  # the reader's kind default may not match the task
-            else:
-                out = schema.Reject(source, "?", f"reader yielded {type(rec).__name__}", kind)
+            out = self._stage_record(rec, coll, kind, source)
             if isinstance(out, schema.Reject):
                 self._rejected[kind].inc()
                 yield T_REJECT, _reject_out(coll, out)
@@ -181,18 +171,7 @@ class ReadAndStage(beam.DoFn):
             own_id = int(out["item_id"] if kind == schema.KIND_IMAGE else out["caption_id"])
             owners.setdefault(own_id % ID_BUCKETS, []).append((own_id, coll, kind, str(out["source_id"])))
             staged.append(out)
-        if staged:
-            spill = _TaskSpill(self.s.spill_dir, task, self.s.feature_dim, self.s.feature_dtype,
-                               self.s.spill_compression)
-            for out in self._in_shard_order(coll, kind, staged):
-                if kind == schema.KIND_IMAGE:
-                    shard_id = int(out["item_id"])
-                    row = spill.spill.add_row(spill.spill.append(out))  # regions, then the row pointing to them
-                else:
-                    shard_id = int(out["image_item_id"])
-                    row = spill.spill.add_row(out)
-                refs.setdefault(shard_id % ID_BUCKETS, []).append((spill.key, shard_id, row))
-            spill.close()  # before this bundle commits, i.e. before any shard writer can read it
+        refs = self._spill(task, coll, kind, staged) if staged else {}
         tag = T_IMAGE_REFS if kind == schema.KIND_IMAGE else T_CAPTION_REFS
         for bucket in sorted(refs):
             yield tag, ((coll, bucket), refs[bucket])
@@ -209,6 +188,35 @@ class ReadAndStage(beam.DoFn):
         yield T_INFO, info
         if kind == schema.KIND_IMAGE:
             yield T_COUNT, (coll, n_staged)
+
+    def _stage_record(self, rec, coll: str, kind: str, source: str):
+        """A reader's record -> its staged row (dict), or the Reject saying why it is not staged."""
+        if isinstance(rec, schema.RawImage):
+            return staging.stage_image(rec, collection=coll, feature_dim=self.s.feature_dim,
+                                       max_regions=self.s.max_regions, source=source)
+        if isinstance(rec, schema.RawCaption):
+            return staging.stage_caption(rec, collection=coll, source=source)
+        if isinstance(rec, schema.Reject):
+            rec.kind = kind  # the reader's kind default may not match the task
+            return rec
+        return schema.Reject(source, "?", f"reader yielded {type(rec).__name__}", kind)
+
+    def _spill(self, task, coll: str, kind: str, staged: list[dict]) -> dict[int, list]:
+        """Spill a task's staged rows (an image's regions too) in shard order: {id bucket: [(spill key, the
+        shard's id, row)]}, the refs the shuffles carry instead of the rows."""
+        refs: dict[int, list] = {}
+        spill = _TaskSpill(self.s.spill_dir, task, self.s.feature_dim, self.s.feature_dtype,
+                           self.s.spill_compression)
+        for out in self._in_shard_order(coll, kind, staged):
+            if kind == schema.KIND_IMAGE:
+                shard_id = int(out["item_id"])
+                row = spill.spill.add_row(spill.spill.append(out))  # regions, then the row pointing to them
+            else:
+                shard_id = int(out["image_item_id"])
+                row = spill.spill.add_row(out)
+            refs.setdefault(shard_id % ID_BUCKETS, []).append((spill.key, shard_id, row))
+        spill.close()  # before this bundle commits, i.e. before any shard writer can read it
+        return refs
 
     def _in_shard_order(self, coll: str, kind: str, staged: list[dict]) -> list[dict]:
         """A task's rows ordered by the shard they go to, where the shard count is known before reading (a

@@ -11,6 +11,7 @@ import re
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import apache_beam as beam
@@ -149,16 +150,43 @@ def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
     """Stage ``plan.manifest`` into ``plan.output``; returns summary.json's dict (its ``problems`` list says
     what fails the run), or None on a dry run. Raises StageError for bad input, before anything is written."""
     t0 = time.time()
+    inp = resolve(plan, beam_args)
+    p = beam.Pipeline(options=inp.options)
+    build_graph(p, inp.tasks, inp.settings, inp.collections)
+    if beam_kit.translated_only(p, "stage"):
+        return None
+    files.makedirs(plan.output)
+    incomplete = _mark_incomplete(plan.output, inp.settings.spill_dir.rsplit("/", 1)[-1])
+    infos = _run_job(p, plan, inp)
+    summary = _summary(plan, inp, infos, beam_args, t0)
+    files.write_json_atomic(files.join(plan.output, staging.SUMMARY_FILE), summary)
+    FileSystems.delete([incomplete])  # only now: the last shard and summary.json are in place
+    return summary
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What resolve checked and the graph needs: the manifest, the staging settings, the image backbone (image
+    files only), the read tasks, the collections and the Beam options."""
+    manifest: object
+    settings: Settings
+    backbone: Optional[dict]
+    tasks: list
+    collections: list
+    options: object
+
+
+def resolve(plan: StagePlan, beam_args=()) -> Inputs:
+    """Load and check the manifest (its input paths, formats, device) and plan the read tasks."""
     try:
         manifest = load_manifest(plan.manifest, overrides=plan.overrides)
     except ManifestError as exc:
         raise StageError(f"invalid manifest {plan.manifest!r}: {exc}") from None
     except FileNotFoundError as exc:
         raise StageError(f"manifest {plan.manifest!r} not found: {exc}") from None
-    options = beam_kit.task_pipeline_options(beam_args)
     # Planning lists gs:// inputs before the Pipeline exists: give FileSystems the options (project,
     # credentials) now; beam.Pipeline(options=...) sets the same ones again.
-    FileSystems.set_options(options)
+    FileSystems.set_options(beam_kit.task_pipeline_options(beam_args))
     try:
         missing = manifest.missing_paths(files=files.BEAM_FILES)
     except (OSError, ValueError) as exc:  # e.g. gs:// without apache-beam[gcp]: Beam's message says what to install
@@ -169,6 +197,21 @@ def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
     settings = _settings(plan, manifest)
     require_headroom("stage", plan.threads, ("--threads", "--chunk-size", "--images-per-shard"))
     backbone = image_backbone(manifest)
+    _check_device_and_format(plan, settings, backbone)
+    try:
+        tasks = plan_tasks(manifest, plan.chunk_size or default_chunk_size(beam_args))
+    except (OSError, ValueError) as exc:  # OSError: also Beam's BeamIOError listing a bucket
+        raise StageError(f"cannot plan the reads: {exc}") from None
+    collections = sorted(manifest.collections)
+    # DaskRunner: the read tasks in DASK_READ_PARTITIONS partitions. Read outputs are metadata rows (features
+    # are spilled), so a partition of many tasks stays small, and few partitions keep the shuffles cheap.
+    options = beam_kit.task_pipeline_options(beam_args, math.ceil(len(tasks) / DASK_READ_PARTITIONS))
+    log.info("staging %s: %d collections, %d read tasks -> %s (%s, %s)", manifest.name, len(collections),
+             len(tasks), plan.output, settings.feature_format, settings.feature_dtype)
+    return Inputs(manifest, settings, backbone, tasks, collections, options)
+
+
+def _check_device_and_format(plan: StagePlan, settings: Settings, backbone: Optional[dict]) -> None:
     if backbone and plan.device.startswith("cuda"):
         import torch
 
@@ -178,51 +221,39 @@ def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
         raise StageError(f"feature format must be parquet or hdf5, got {settings.feature_format!r}")
     if settings.feature_dtype not in FEATURE_DTYPES:
         raise StageError(f"feature dtype must be float32 or float16, got {settings.feature_dtype!r}")
-    chunk_size = plan.chunk_size or default_chunk_size(beam_args)
-    try:
-        tasks = plan_tasks(manifest, chunk_size)
-    except (OSError, ValueError) as exc:  # OSError: also Beam's BeamIOError listing a bucket
-        raise StageError(f"cannot plan the reads: {exc}") from None
-    collections = sorted(manifest.collections)
-    # DaskRunner: the read tasks in DASK_READ_PARTITIONS partitions. Read outputs are metadata rows (features
-    # are spilled), so a partition of many tasks stays small, and few partitions keep the shuffles cheap.
-    options = beam_kit.task_pipeline_options(beam_args, math.ceil(len(tasks) / DASK_READ_PARTITIONS))
-    log.info("staging %s: %d collections, %d read tasks -> %s (%s, %s)", manifest.name, len(collections),
-             len(tasks), plan.output, settings.feature_format, settings.feature_dtype)
 
-    p = beam.Pipeline(options=options)
-    build_graph(p, tasks, settings, collections)
-    if beam_kit.translated_only(p, "stage"):
-        return None
-    files.makedirs(plan.output)
-    incomplete = _mark_incomplete(plan.output, settings.spill_dir.rsplit("/", 1)[-1])
+
+def _run_job(p, plan: StagePlan, inp: Inputs) -> list[dict]:
+    """Run the staging job (no spill files or run report left, whatever happens): its run report."""
     beam_kit.clear_run_dir(plan.output)
     files.remove_spill(plan.output)  # spill files of a killed earlier run
     try:
-        with beam_kit.Progress.running(len(tasks), "read tasks", "stage", options):
+        with beam_kit.Progress.running(len(inp.tasks), "read tasks", "stage", inp.options):
             result = beam_kit.run_pipeline(p)
-        print(beam_kit.counter_line("stage", beam_kit.counter_values(result, "stage"), beam_kit.runner_name(options)))
-        infos = beam_kit.read_run_report(plan.output)
+        print(beam_kit.counter_line("stage", beam_kit.counter_values(result, "stage"),
+                                    beam_kit.runner_name(inp.options)))
+        return beam_kit.read_run_report(plan.output)
     finally:
         files.remove_spill(plan.output)
         beam_kit.clear_run_dir(plan.output)
 
-    summary = build_summary(manifest, settings, infos, {
-        "images_per_shard": settings.images_per_shard, "max_reject_fraction": plan.max_reject_fraction,
-        "overrides": list(plan.overrides), "beam_args": list(beam_args), "read_tasks": len(tasks),
+
+def _summary(plan: StagePlan, inp: Inputs, infos: list[dict], beam_args, t0: float) -> dict:
+    """summary.json's dict, once stale shards are removed and every reject file exists."""
+    summary = build_summary(inp.manifest, inp.settings, infos, {
+        "images_per_shard": inp.settings.images_per_shard, "max_reject_fraction": plan.max_reject_fraction,
+        "overrides": list(plan.overrides), "beam_args": list(beam_args), "read_tasks": len(inp.tasks),
         "allow_empty": plan.allow_empty,
-    }, time.time() - t0, backbone)
-    summary["runner"] = beam_kit.runner_name(options)
-    if backbone:  # image files: where their backbone computed the region features
+    }, time.time() - t0, inp.backbone)
+    summary["runner"] = beam_kit.runner_name(inp.options)
+    if inp.backbone:  # image files: where their backbone computed the region features
         summary["device"] = plan.device
     keep = {s["name"] for c in summary["collections"].values() for k in ("images", "captions")
             for s in c[k]["shards"] + c[k].get("feature_shards", [])}
-    summary["resume"]["stale_removed"] = _remove_stale(plan.output, collections, keep)
+    summary["resume"]["stale_removed"] = _remove_stale(plan.output, inp.collections, keep)
     _ensure_reject_files(plan.output, summary)
-    summary["problems"] = find_problems(summary, manifest, plan, plan.output)
+    summary["problems"] = find_problems(summary, inp.manifest, plan, plan.output)
     summary["elapsed_s"] = round(time.time() - t0, 2)
-    files.write_json_atomic(files.join(plan.output, staging.SUMMARY_FILE), summary)
-    FileSystems.delete([incomplete])  # only now: the last shard and summary.json are in place
     return summary
 
 
