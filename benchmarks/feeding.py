@@ -280,7 +280,7 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     """``"32,64,128"`` -> (32, 64, 128); anything but positive integers is an error."""
     parts = [t.strip() for t in text.split(",") if t.strip()]
     if not all(t.isdigit() and int(t) > 0 for t in parts):
-        raise click.BadParameter(f"batch sizes must be positive integers, got {text!r}")
+        raise ValueError(f"--sweep: batch sizes must be positive integers, got {text!r}")
     return tuple(int(t) for t in parts)
 
 
@@ -292,7 +292,7 @@ def measure(size, items, device, threads, batch_size, precisions, tasks, reps, w
     wanted = [p.strip() for p in precisions.split(",") if p.strip()]
     bad = [p for p in wanted if p not in ("fp32", "bf16")] + [t for t in tasks.split(",") if t not in TASKS]
     if bad:
-        raise click.BadParameter(f"unknown precision or task {bad}")
+        raise ValueError(f"unknown precision or task {bad} (--precisions fp32,bf16; --tasks {','.join(TASKS)})")
     feature_dim = SIZES[size]["feature_dim"]
     table, texts = synthetic_data(max(1, -(-items // 5)), feature_dim)
     rows = []

@@ -731,7 +731,7 @@ def run_parts(p: GpuPipelinesPlan) -> int:
 
     out, work = os.path.abspath(p.out), os.path.abspath(p.work)
     if os.path.commonpath([out, work]) == out:
-        raise click.UsageError(f"--work {p.work} lies under --out {p.out}: the device returns only a few files")
+        raise ValueError(f"--work {p.work} lies under --out {p.out}: the device returns only a few files")
     if p.threads:
         torch.set_num_threads(p.threads)
     scale = SCALES[p.scale]
