@@ -78,8 +78,8 @@ class RerankPlan:
     queries: Optional[str] = option(None, help="Parquet file (direction, query_id): rank only these queries of the "
                                                "collection/split")
     batch_size: int = batch_size_option(64, "CE pairs per batch")
-    search_batch_size: int = option(1_024, help="queries per search call (faiss' Flat search ran ~7x slower per "
-                                                "query in calls of 256: docs/PERFORMANCE.md, \"Search\")")
+    search_batch_size: int = option(1_024, help="queries per search call (faiss' Flat search is far slower per "
+                                                "query in small calls: docs/PERFORMANCE.md, \"Search\")")
     queries_per_pass: int = option(8_192, help="queries searched per pass over the pool, before any CE work: "
                                                "each pass reads every index (or embedding) shard once, so fewer "
                                                "passes read less; a worker holds one pass's queries and top lists")

@@ -78,8 +78,7 @@ def plan_waves(names: Sequence[str], pairs_of: Callable[[str], int], shards_per_
     """The shards, in order, cut into waves (one Beam job each) of at most ``shards_per_wave`` shards and
     ``pairs_per_wave`` CE pairs (a wave of one shard may hold more). A local runner holds a wave's CE pairs,
     with their texts, candidates and scores, in memory: capping pairs, not just shards, keeps a rerank
-    process's memory flat in the number of queries (when the regions still travelled with the pairs, 10,000
-    queries at k = 20 in one wave held 7.6 GB at 100k images)."""
+    process's memory flat in the number of queries (what one uncapped wave held: docs/ARCHITECTURE.md)."""
     waves: list[list[str]] = []
     pairs = 0
     for name in names:
