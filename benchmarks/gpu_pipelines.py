@@ -51,6 +51,8 @@ from retrieval_core.cli import (
 )
 
 PARTS = ("pipelines", "co5k", "feeding", "train")
+#: Interleaved repetitions of the collation rows (their median is the row).
+COLLATE_REPS = 5
 RATES_FILE = Path(__file__).with_name("gpu_run.json")
 ROWS_FILE, VERDICTS_FILE = "rows.csv", "verdicts.txt"
 BEAM_ARGS = ("--runner=DirectRunner",)
@@ -135,7 +137,8 @@ def estimate(part: str, scale: Scale, rates: Optional[dict] = None) -> dict[str,
                 "demo": o["model_load"] * 2 + demo + 3 * n / ce["demo"]["bf16"],
                 "base": o["model_load"] * 2 + base + 3 * n / ce["base"]["bf16"],
                 "sweep": len(scale.sweep) * 2 * (reps + 1) * (n / ce["demo"]["bf16"] + n / be_img["demo"]),
-                "collate": sum(n / (col["base"] * w) for w in _worker_counts(r["host_cores"]))}
+                "collate": sum(COLLATE_REPS * max(8 * 256, n) / (col["base"] * w)
+                               for w in _worker_counts(r["host_cores"]))}
     if part == "train":
         steps = scale.step_rows + 1
         return {"start": proc,
@@ -437,7 +440,7 @@ def part_co5k(report: Report, ctx: "Context") -> None:
         job_rate = _pairs_row(report, manifest, "rerank CE pairs (base)")
         precision = manifest["quantize"]
     with report.step("model alone"):
-        fed = _fed_rate(staged, model_dir, device, precision, ctx.batch_size, s.fed_pairs)
+        fed = _fed_rate(staged, model_dir, device, precision, ctx.batch_size, s.fed_pairs, report.log)
         report.row(collection="co_5k", mode="CE pairs: model alone (batches collated ahead)", rate_per_s=fed,
                    quantize=precision, batch_size=ctx.batch_size)
     target = GPU_JOB_RATIO if device.startswith("cuda") else CPU_JOB_RATIO
@@ -454,37 +457,20 @@ def part_co5k(report: Report, ctx: "Context") -> None:
                        f"{'met' if wall <= CO_SECONDS else 'MISSED'}")
 
 
-def _fed_rate(staged: str, model_dir: str, device: str, precision: str, batch_size: int, n: int) -> float:
-    """CE pairs/s of the model alone on ``n`` (caption, its image) test pairs: batches collated and on the device
-    beforehand, one sync at the end (what the job's rate is a fraction of)."""
-    import numpy as np
-    import torch
-
+def _fed_rate(staged: str, model_dir: str, device: str, precision: str, batch_size: int, n: int, log) -> float:
+    """CE pairs/s of the model alone on ``n`` of the staged test split's (caption, image) pairs, batches collated
+    and on the device beforehand (benchmarks.feeding's "model alone"): what the job's rate is a fraction of."""
+    from benchmarks import feeding
     from retrieval_core.data.store import StagedDataset
     from retrieval_core.model.checkpoints import load_model_folder
-    from retrieval_core.model.collate import to_device
 
     ds = StagedDataset(staged)
     caps = ds.captions(split="test")
     table = ds.load_images(caps["image_item_id"].unique().tolist())
-    pos = {int(i): p for p, i in enumerate(table.item_ids.tolist())}
     model = load_model_folder(model_dir, quantize=None if precision == "none" else precision, device=device)
-    texts = model.text_collator().ids(caps["text"].tolist())
-    regions = [table.regions(pos[int(i)]) for i in caps["image_item_id"]]
-    order = np.argsort([len(t) for t in texts], kind="stable")
-    make = model.batch_maker()
-    batches = []
-    for a in range(0, n, batch_size):
-        idx = [order[i % len(order)] for i in range(a, min(n, a + batch_size))]
-        batches.append(to_device(make.pairs([texts[i] for i in idx], [regions[i] for i in idx]), model.device))
-    with torch.inference_mode():
-        model.score_pairs(batches[0])
-        _sync(device)
-        t0 = time.perf_counter()
-        for b in batches:
-            model.score_pairs(b)
-        _sync(device)
-    return n / (time.perf_counter() - t0)
+    rows = feeding.feeding_rows(model, model_dir, caps["text"].tolist(), table, n, batch_size, precision, reps=1,
+                                tasks=("pairs",), log=log, ways=("model",))
+    return float(rows[0]["rate_per_s"])
 
 
 def part_feeding(report: Report, ctx: "Context") -> None:
@@ -566,7 +552,7 @@ def collate_rows(report: Report, ctx: "Context") -> None:
                             pin=ctx.device.startswith("cuda"), workers=w, ring=2) for w in counts}
     batches = [pairs[a:a + ctx.batch_size] for a in range(0, len(pairs), ctx.batch_size)]
     times: dict[int, list[float]] = {w: [] for w in counts}
-    for rep in range(max(5, ctx.scale.reps)):
+    for rep in range(max(COLLATE_REPS, ctx.scale.reps)):
         for w, make in makers.items():
             make.pairs(*zip(*batches[0]))  # warm: the ring's blocks, the pool's threads
             t0 = time.perf_counter()

@@ -160,8 +160,7 @@ def collate_images(images: Sequence[Regions], max_regions: int = DEFAULT_MAX_REG
         fill(slices[0])
     else:
         list(_collate_pool(len(slices)).map(fill, slices))  # list(): an error in a slice is raised here
-    mask_t = torch.from_numpy(mask)
-    return {"img_feats": out_f, "img_boxes": out_b, "img_mask": mask_t.pin_memory() if pin else mask_t}
+    return {"img_feats": out_f, "img_boxes": out_b, **_pinned({"img_mask": torch.from_numpy(mask)}, pin)}
 
 
 def _check_image(i: int, feats: np.ndarray, boxes: np.ndarray, feature_dim: Optional[int]) -> None:
@@ -201,11 +200,9 @@ def _empty(reuse: Optional[dict], key: str, shape: tuple[int, ...], dtype: torch
     return block[:n].view(shape)
 
 
-def _tensor(a: np.ndarray) -> torch.Tensor:
-    """A numpy block as a tensor without a copy where it is writable (read-only buffers, e.g. Arrow's, are
-    copied: torch.from_numpy warns on them)."""
-    a = np.ascontiguousarray(a)
-    return torch.from_numpy(a) if a.flags.writeable else torch.tensor(a)
+def _pinned(batch: dict[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
+    """The small tensors of a batch (token ids, masks) copied to pinned memory where ``pin``."""
+    return {k: v.pin_memory() for k, v in batch.items()} if pin else batch
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,10 +218,7 @@ def collate_pairs(text_collator: TextCollator, texts: Sequence[Text], images: Se
     (``pin``, ``workers`` and ``reuse`` as in collate_images)."""
     if len(texts) != len(images):
         raise ValueError(f"collate_pairs: {len(texts)} texts but {len(images)} images")
-    text = text_collator(texts)
-    if pin:
-        text = {k: v.pin_memory() for k, v in text.items()}
-    return {**text, **collate_images(images, max_regions, dtype, pin, workers, reuse)}
+    return {**_pinned(text_collator(texts), pin), **collate_images(images, max_regions, dtype, pin, workers, reuse)}
 
 
 @dataclass
@@ -248,8 +242,7 @@ class BatchMaker:
     _turn: int = field(default=0, init=False, repr=False)
 
     def text(self, texts: Sequence[Text]) -> dict[str, torch.Tensor]:
-        batch = self._texts()(texts)
-        return {k: v.pin_memory() for k, v in batch.items()} if self.pin else batch
+        return _pinned(self._texts()(texts), self.pin)
 
     def images(self, images: Sequence[Regions]) -> dict[str, torch.Tensor]:
         return collate_images(images, self.max_regions, self.dtype, self.pin, self.workers, self._block())
