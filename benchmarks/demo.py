@@ -41,15 +41,17 @@ from retrieval_core.cli import (
     CheckedPlan,
     cli_errors,
     describe_device,
+    k_option,
     option,
     plan_command,
     plan_from_cli,
+    quantize_option,
     resolve_device,
     to_argv,
 )
-from retrieval_core.data import schema
 from retrieval_core.evaluation.runs import read_run_manifest
 from retrieval_core.evaluation.stats import Bootstrap, verdict
+from retrieval_core.precision import resolve_quantize
 from retrieval_core.training import cache, recipes
 
 #: The demo's table in the suites' CSV schema (benchmarks.report), beside metrics.csv in <demo>/results.
@@ -280,7 +282,7 @@ def _paired(r: dict, metric: str) -> Optional[str]:
 @dataclass(frozen=True)
 class DemoPlan(CheckedPlan):
     """The demo's options, each a typed field (checked when built)."""
-    k: int = option(10, help="Rerank depth (the paper's k: 10 or 20).")
+    k: int = k_option(10, help="Rerank depth (the paper's k: 10 or 20).")
     queries: int = option(500, type=click.IntRange(min=0),
                           help="Queries per direction: N seeded test images and one caption of each (0: every test "
                                "caption and image; ~5x the CE pairs).")
@@ -291,11 +293,18 @@ class DemoPlan(CheckedPlan):
     pixels: bool = option(False, help="The same demo on the demo scenes drawn as pictures and staged from their PNGs "
                                       "(EfficientNet-Lite0 grid regions; outputs under <demo>/demo-pixels), "
                                       "to set beside the region-feature demo's table.")
-    quantize: str = option("none", type=click.Choice(schema.QUANTIZE_CHOICES),
-                           help="Also serve encode and rerank in this precision (outputs under <demo>/<quantize>): "
-                                "each row is that run's ranking, paired with the float32 run's same ranking of the "
-                                "same queries (R@1 / mR differences with 95 % intervals, score differences); the "
-                                "table is written as demo_<quantize>.csv.")
+    quantize: str = quantize_option("none",
+                                    help="Also serve encode and rerank in this precision (outputs under "
+                                         "<demo>/<quantize>): each row is that run's ranking, paired with the "
+                                         "float32 run's same ranking of the same queries (R@1 / mR differences with "
+                                         "95 % intervals, score differences); the table is written as "
+                                         "demo_<quantize>.csv; auto: bf16 where the jobs' default would serve it (a "
+                                         "CUDA device), else none.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        # auto as the jobs resolve it on this host (their device is auto too): one vocabulary for --quantize
+        object.__setattr__(self, "quantize", resolve_quantize(self.quantize, resolve_device(AUTO_DEVICE)))
 
 
 @plan_command(DemoPlan, **BEAM_CLI_CONTEXT)

@@ -335,7 +335,7 @@ def _result_rows(res: dict) -> list[dict]:
 
 
 def bf16_here(device: str) -> bool:
-    from retrieval_core.model.quantize import cpu_has_native_bf16, cuda_bf16_supported
+    from retrieval_core.precision import cpu_has_native_bf16, cuda_bf16_supported
 
     return cuda_bf16_supported() if device.startswith("cuda") else cpu_has_native_bf16()
 

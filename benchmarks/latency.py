@@ -164,7 +164,7 @@ def job_vs_model_rows(b: _Bench, cfg, log, n: int) -> list[dict]:
     loop against the model alone on the same batches (CE pairs and BE images, ``n`` each), in fp32 and, where the
     device computes it natively, bf16; interleaved in one process so the ratio holds on a shared machine."""
     from benchmarks.feeding import feeding_rows
-    from retrieval_core.model.quantize import cpu_has_native_bf16, cuda_bf16_supported
+    from retrieval_core.precision import cpu_has_native_bf16, cuda_bf16_supported
 
     rows = []
     texts = b.captions["text"].tolist()

@@ -38,7 +38,7 @@ from retrieval_core.cli import (
     plan_from_cli,
     threads_option,
 )
-from retrieval_core.data.schema import cpu_has_native_bf16
+from retrieval_core.precision import cpu_has_native_bf16
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,10 +18,19 @@ from pipelines.build_index.plan import IndexPlan
 from pipelines.encode.plan import EncodePlan
 from pipelines.rerank.plan import RerankPlan
 from pipelines.stage.plan import StagePlan
-from retrieval_core.cli import CheckedPlan, batch_size_option, derived, device_option, option, threads_option
+from retrieval_core.cli import (
+    CheckedPlan,
+    batch_size_option,
+    derived,
+    device_option,
+    option,
+    quantize_option,
+    threads_option,
+)
 from retrieval_core.data import schema
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.schema import DIRECTION_I2T, DIRECTION_T2I
+from retrieval_core.precision import QUANTIZE_AUTO, check_quantize, resolve_quantize
 
 DIRECTIONS = (DIRECTION_T2I, DIRECTION_I2T)
 SUITES = ("standard", "distractor_20k", "scale_100k", "scale_1m", "k_ablation", "combination", "baseline", "latency",
@@ -102,10 +111,10 @@ class SuiteConfig(CheckedPlan):
     # suites measure it; a GPU run of a suite is asked for (--device cuda)
     device: str = device_option("cpu")
     threads: Optional[int] = threads_option()
-    quantize: str = option("none", type=click.Choice(schema.QUANTIZE_CHOICES),
-                           help="Serving precision of the encode and CE jobs (their --quantize): bf16 = matrix "
-                                "products in bfloat16 (CUDA, or a CPU with native bf16); outputs go to folders of "
-                                "their own.")
+    quantize: str = quantize_option("none", help="Serving precision of the encode and CE jobs (their --quantize, "
+                                                 "auto resolved for --device): bf16 = matrix products in bfloat16 "
+                                                 "(CUDA, or a CPU with native bf16); outputs go to folders of their "
+                                                 "own.")
     ce_pair_budget: int = option(200_000, type=click.IntRange(min=0),
                                  help="Exhaustive CE rows only up to this many (query, item) pairs; otherwise skipped "
                                       "with a note.")
@@ -151,7 +160,8 @@ class SuiteConfig(CheckedPlan):
             object.__setattr__(self, "max_queries", DEFAULT_MAX_QUERIES[self.suite])
         if self.batch_size < 1 or (self.feature_dim is not None and self.feature_dim < 1):
             raise ValueError("batch_size and feature_dim must be >= 1")
-        schema.check_quantize(self.quantize, self.device)
+        object.__setattr__(self, "quantize", resolve_quantize(self.quantize, self.device))
+        check_quantize(self.quantize, self.device)
 
     @property
     def root(self) -> str:
@@ -402,7 +412,7 @@ class Planner:
     def _job_quantize(self) -> str:
         """The jobs' --quantize: float32 on CPU is their default (auto), left unwritten; on CUDA written out,
         since there their default is bf16."""
-        return schema.QUANTIZE_AUTO if self.cfg.quantize == "none" and self.cfg.device == "cpu" else self.cfg.quantize
+        return QUANTIZE_AUTO if self.cfg.quantize == "none" and self.cfg.device == "cpu" else self.cfg.quantize
 
     def model_key(self, model: str) -> str:
         """A model's folder name in this plan's outputs: another --quantize encodes and scores elsewhere."""

@@ -23,7 +23,7 @@ import pandas as pd
 
 from benchmarks.family_probe import _difference
 from pipelines.files import BEAM_FILES, write_atomic
-from retrieval_core.cli import CheckedPlan, cli_errors, option, plan_command, plan_from_cli
+from retrieval_core.cli import CheckedPlan, cli_errors, k_option, option, plan_command, plan_from_cli
 from retrieval_core.data import schema
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.synthetic.scenes import describe_scene
@@ -118,7 +118,7 @@ class RerankErrorsPlan(CheckedPlan):
     manifest: str = option(help="The synthetic manifest the collection was staged from.")
     collection: Optional[str] = option(None, help="The synthetic collection [the run's].")
     modes: tuple[str, ...] = option(("emb", "co"), sep=",", help="The rankings compared (from the stored scores).")
-    k: Optional[int] = option(None, type=click.IntRange(min=1), help="Rerank depth [the run's].")
+    k: Optional[int] = k_option(None, help="Rerank depth [the run's].")
     output: str = option(help="Folder for rerank_errors.csv and rerank_flips.csv.")
 
 

@@ -42,7 +42,8 @@ from retrieval_core.data.synthetic.collection import synthetic_collection
 from retrieval_core.data.synthetic.spec import SyntheticSpec
 from retrieval_core.model.flops import layer_gemm_shapes, model_flops
 from retrieval_core.model.network import VLRetrievalModel
-from retrieval_core.model.quantize import cpu_has_native_bf16, quantize_model
+from retrieval_core.model.quantize import quantize_model
+from retrieval_core.precision import cpu_has_native_bf16
 from retrieval_core.training.config import TrainConfig
 from retrieval_core.training.train_data import TrainData
 from retrieval_core.training.trainer import Trainer, step_flops

@@ -14,6 +14,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipelines.files import join, read_json, remove_tree, write_json_atomic
 from retrieval_core.cli import DEBUG_ENV
+from retrieval_core.errors import UsageFault
 from retrieval_core.memory import trim_heap
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 BEAM_CLI_CONTEXT = dict(ignore_unknown_options=True, allow_extra_args=True, help_option_names=["-h", "--help"])
 
 
-class UnknownFlagError(click.UsageError):
+class UnknownFlagError(UsageFault):
     """A --flag that neither the CLI nor any Beam PipelineOptions class knows (Beam would only log
     "Discarding unparseable args" and run with its default)."""
 
@@ -60,7 +61,7 @@ def pipeline_options(beam_args: Sequence[str], default_runner: str = "DirectRunn
     args = list(beam_args)
     for a in args:  # Beam parses --dry_run as a string: "--dry_run=False" would still be a dry run
         if a.startswith("--dry_run=") and a.split("=", 1)[1].lower() in ("false", "0", "no", ""):
-            raise click.UsageError(f"{a}: Beam treats any --dry_run value as true; leave the flag out to run")
+            raise UsageFault(f"{a}: Beam treats any --dry_run value as true; leave the flag out to run")
     unknown = unknown_beam_flags(args)
     if unknown:
         raise UnknownFlagError(f"unknown option(s) {' '.join(unknown)}: neither this command nor Beam's pipeline "
@@ -182,7 +183,7 @@ def refuse_local_dry_run(options: PipelineOptions) -> None:
     """``--dry_run`` only means "translate, do not submit" on DataflowRunner; the local runners ignore it and
     would run the job, so it is refused there (one line) instead of writing outputs the launcher skips."""
     if is_dry_run(options) and runner_name(options) != "DataflowRunner":
-        raise click.UsageError(f"--dry_run is a DataflowRunner option; {runner_name(options)} would run the job")
+        raise UsageFault(f"--dry_run is a DataflowRunner option; {runner_name(options)} would run the job")
 
 # ------------------------------------------------------------------- progress, counters, logging, errors
 #: RR_PROGRESS=0 turns the terminal progress bar off; counters, outputs and exit codes do not change.
@@ -316,9 +317,11 @@ OWN_LOGGERS = ("pipelines", "retrieval_core", "benchmarks", "__main__")
 NOISY_LOGGERS = ("apache_beam", "h5py")
 
 
-def configure_logging(verbose: bool = False, fmt: str = "%(levelname)s %(name)s: %(message)s") -> None:
-    """Every pipeline CLI's logging: our loggers at INFO (DEBUG with -v), Beam's INFO lines muted. Our loggers
-    get their own level because Beam resets the root logger's level while a pipeline runs."""
+def configure_logging(fmt: str = "%(levelname)s %(name)s: %(message)s") -> None:
+    """Every pipeline CLI's logging: our loggers at INFO (DEBUG with RR_DEBUG=1, which also keeps tracebacks),
+    Beam's INFO lines muted. Our loggers get their own level because Beam resets the root logger's level while a
+    pipeline runs."""
+    verbose = os.environ.get(DEBUG_ENV) == "1"
     level = logging.DEBUG if verbose else logging.INFO
     logging.basicConfig(level=level, format=fmt)
     for name in OWN_LOGGERS:

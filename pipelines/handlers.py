@@ -41,12 +41,12 @@ from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from pipelines.files import BEAM_FILES, write_atomic
 from retrieval_core.cli import check_device, device_kind, memory_failure
-from retrieval_core.data.schema import check_quantize
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.memory import trim_heap
 from retrieval_core.model.checkpoints import KIND_BASELINE, inspect_model_folder, load_model_folder
 from retrieval_core.model.collate import to_device
 from retrieval_core.model.token_store import TokenStore, ensure_token_store, tokenizer_fingerprint
+from retrieval_core.precision import check_quantize
 
 log = logging.getLogger(__name__)
 

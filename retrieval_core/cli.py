@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import click
 
-from retrieval_core.errors import MemoryCapTooLow, OutputFault, StagedDataError, write_failure
+from retrieval_core.errors import MemoryCapTooLow, OutputFault, StagedDataError, UsageFault, write_failure
+from retrieval_core.precision import QUANTIZE_AUTO, QUANTIZE_OPTIONS
 
 #: Set to 1 to get the full traceback of an error that cli_errors would report in one line.
 DEBUG_ENV = "RR_DEBUG"
@@ -57,25 +58,47 @@ def memory_failure(exc: BaseException, lower: Sequence[str] = ()) -> Optional[st
             f": {'lower ' + ' or '.join(lower) + ' or ' if lower else ''}give the job more memory")
 
 
-@contextlib.contextmanager
-def cli_errors(*error_types: type, memory_options: Sequence[str] = ()) -> Iterator[None]:
-    """At a CLI boundary: report bad input as one ``Error: ...`` line and exit 1, not as a traceback.
+_STEP_TEXT = re.compile(r"\[while running '([^']+)'\]")
 
-    Bad input = a missing or inconsistent staged dir (StagedDataError), a missing file, the library's
-    validation errors (ValueError and its subclasses) and the caller's own ``error_types``; also an output
-    another run owns, a memory limit too low to start the job (retrieval_core.memory), a full disk / quota /
-    read-only filesystem, and running out of memory (naming ``memory_options``, the job's options that lower
-    its need), however deep a runner wrapped them. Their
-    messages name the path or value at fault; ``RR_DEBUG=1`` re-raises them with the traceback."""
+
+def job_failure(exc: BaseException, job: str) -> str:
+    """One line for an unexpected failure inside a pipeline: the step Beam names (``[while running 'x']``) and the
+    exception's last line."""
+    lines = str(exc).strip().splitlines()
+    step = _STEP_TEXT.search(str(exc))
+    return (f"{job} failed{' in ' + step.group(1) if step else ''}: {type(exc).__name__}: "
+            f"{lines[-1] if lines else ''} ({DEBUG_ENV}=1 for the traceback)")
+
+
+@contextlib.contextmanager
+def cli_errors(*error_types: type, memory_options: Sequence[str] = (), job: Optional[str] = None) -> Iterator[None]:
+    """At a CLI boundary: report a failure as one ``Error: ...`` line, not a traceback; the one error style of
+    every CLI here. Exit 2 for a wrong command line (:class:`UsageFault`, click's usage errors), 1 otherwise.
+
+    Reported in one line: bad input = a missing or inconsistent staged dir (StagedDataError), a missing file,
+    the library's validation errors (ValueError and its subclasses) and the caller's own ``error_types``; an
+    output another run owns, a memory limit too low to start the job (retrieval_core.memory), a full disk /
+    quota / read-only filesystem, and running out of memory (naming ``memory_options``, the job's options that
+    lower its need), however deep a runner wrapped them; with ``job`` (a pipeline's name), any other failure
+    too, naming the pipeline step it came from. ``RR_DEBUG=1`` re-raises them all with the traceback."""
+    debug = os.environ.get(DEBUG_ENV) == "1"
     try:
         yield
+    except UsageFault as exc:
+        if debug:
+            raise
+        raise click.UsageError(str(exc)) from None
     except (StagedDataError, FileNotFoundError, ValueError, OutputFault, MemoryCapTooLow, *error_types) as exc:
-        if os.environ.get(DEBUG_ENV) == "1":
+        if debug:
             raise
         raise click.ClickException(write_failure(exc) or str(exc)) from None
+    except click.ClickException:
+        raise
     except (Exception, MemoryError) as exc:  # noqa: BLE001 -- only a write or memory failure becomes one line
         msg = write_failure(exc) or memory_failure(exc, memory_options)
-        if msg is None or os.environ.get(DEBUG_ENV) == "1":
+        if msg is None and job is not None:
+            msg = job_failure(exc, job)
+        if msg is None or debug:
             raise
         raise click.ClickException(msg) from None
 
@@ -150,7 +173,7 @@ def apply_device_and_threads(device: str, threads: Optional[int]) -> None:
     if threads:
         torch.set_num_threads(threads)
     if device_kind(device) == "cuda" and not torch.cuda.is_available():
-        raise click.ClickException(f"--device {device} was requested but CUDA is not available on this machine")
+        raise ValueError(f"--device {device} was requested but CUDA is not available on this machine")
 
 
 # ------------------------------------------------------------------------------- plan options
@@ -232,6 +255,25 @@ def collate_workers_option() -> Any:
 
 def batch_size_option(default: int, help: str = "items per model call") -> Any:
     """A plan's --batch-size field: the one declaration of --batch-size (what one model call holds)."""
+    return option(default, type=click.IntRange(min=1), help=help)
+
+
+def quantize_option(default: str = QUANTIZE_AUTO, help: Optional[str] = None) -> Any:
+    """A plan's --quantize field: the one declaration of --quantize and its one vocabulary (retrieval_core.precision);
+    ``help``: what the precision applies to, where it is not the job's models."""
+    return option(default, type=click.Choice(QUANTIZE_OPTIONS, case_sensitive=False),
+                  help=help or "serving precision: auto (bf16 on a CUDA device with native bf16, float32 elsewhere), "
+                               "none (float32), int8 (dynamic int8 Linear layers, CPU only) or bf16 (bfloat16 weights: "
+                               "CUDA, or a CPU with native bf16); recorded in the job's outputs.")
+
+
+def count_option(default: Optional[int], help: str = "") -> Any:
+    """A plan field that counts something (shards, queries, pairs): an int >= 1 (None where it has no default)."""
+    return option(default, type=click.IntRange(min=1), help=help)
+
+
+def k_option(default: Optional[int], help: str) -> Any:
+    """A plan's --k field (a rerank depth: how many of the BE's top hits the CE scores): the one declaration of --k."""
     return option(default, type=click.IntRange(min=1), help=help)
 
 

@@ -9,6 +9,12 @@ import re
 from typing import Optional
 
 
+class UsageFault(ValueError):
+    """The command line itself is wrong (a flag no one knows, two options that exclude each other): the CLI
+    reports it as click's usage error (exit 2); everything else the library refuses is a plain ValueError
+    (exit 1)."""
+
+
 class StagedDataError(RuntimeError):
     """The staged directory is missing, incomplete or inconsistent."""
 

@@ -184,12 +184,12 @@ def test_token_store_once_per_tokenizer_refused_on_mismatch(tmp_path):
 
 def test_jobs_serve_bf16_on_cuda_and_float32_on_cpu_by_default():
     from pipelines.rerank.plan import RerankPlan
-    from retrieval_core.data import schema
+    from retrieval_core import precision
 
-    assert schema.resolve_quantize("auto", "cuda", cuda_bf16=True) == "bf16"
-    assert schema.resolve_quantize("auto", "cuda", cuda_bf16=False) == "none"  # a card without native bf16
-    assert schema.resolve_quantize("auto", "cpu", cuda_bf16=True) == "none"
-    assert schema.resolve_quantize("int8", "cpu", cuda_bf16=True) == "int8"
+    assert precision.resolve_quantize("auto", "cuda", cuda_bf16=True) == "bf16"
+    assert precision.resolve_quantize("auto", "cuda", cuda_bf16=False) == "none"  # a card without native bf16
+    assert precision.resolve_quantize("auto", "cpu", cuda_bf16=True) == "none"
+    assert precision.resolve_quantize("int8", "cpu", cuda_bf16=True) == "int8"
     ce = dict(staged="s", embeddings="e", output="o", mode="co", ce_model="ce")
     assert RerankPlan(**ce).precision == "none"
     if not torch.cuda.is_available() or torch.cuda.is_bf16_supported(including_emulation=False):

@@ -174,7 +174,7 @@ def test_fused_backbone_gives_the_reference_features_and_bf16_another_fingerprin
     import torch.nn.functional as F
 
     from retrieval_core.data.pixels.backbone import fingerprint
-    from retrieval_core.data.schema import cpu_has_native_bf16
+    from retrieval_core.precision import cpu_has_native_bf16
 
     pictures = [_scene(224, 224).rotate(a) for a in (0, 90, 180, 270, 45)]
     pixels = np.stack([np.asarray(p) for p in pictures * 2])  # two CPU chunks, one per thread

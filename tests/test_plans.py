@@ -154,10 +154,10 @@ def test_the_training_recipe_stamps_stay_those_of_device_cpu():
 def test_device_auto_resolves_to_cuda_where_torch_sees_one(monkeypatch):
     """Where torch sees a GPU, auto is cuda (and --quantize auto bf16 on a card with native bf16); --device cpu still
     forces the CPU, and is then written out for the launched command, which would resolve auto to cuda."""
-    from retrieval_core.model import quantize
+    from retrieval_core import precision
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(quantize, "cuda_bf16_supported", lambda: True)
+    monkeypatch.setattr(precision, "cuda_bf16_supported", lambda: True)
     assert resolve_device("auto") == "cuda" and describe_device(resolve_device("auto")) == "cuda (auto)"
     plan = AUTO_DEVICE_PLANS["rerank"]()
     assert plan.device == "cuda" and describe_device(plan.device) == "cuda (auto)" and plan.precision == "bf16"

@@ -88,7 +88,7 @@ def test_ce_start_step_and_listwise_groups(tmp_path, data):
     assert first_ce == pytest.approx(np.log(4), abs=0.3)  # a softmax over 4 candidates starts near ln 4
     with pytest.raises(ValueError, match="ce_start_step"):
         TrainConfig(objective="joint", steps=10, ce_start_step=10).check()
-    with pytest.raises(ValueError, match="ce_loss"):
+    with pytest.raises(ValueError, match="ce-loss"):
         TrainConfig(ce_loss="margin").check()
 
 

@@ -6,7 +6,7 @@ from typing import Optional
 
 import click
 
-from retrieval_core.cli import check_choice, check_positive, option, threads_option
+from retrieval_core.cli import CheckedPlan, option, threads_option
 from retrieval_core.data import schema
 from retrieval_core.search import index_choice
 from retrieval_core.search.index import METRICS, THREADS_ENV
@@ -36,8 +36,8 @@ BYTE_SIZE = ByteSize()
 
 
 @dataclass(frozen=True)
-class IndexPlan:
-    """Everything one build_index run needs, validated when built."""
+class IndexPlan(CheckedPlan):
+    """Everything one build_index run needs, checked when built."""
     embeddings: str = option(help="embeddings directory (embeddings_manifest.json)")
     output: str = option(help="index directory")
     modality: str = option(schema.MODALITY_IMAGE, type=click.Choice(schema.MODALITIES))
@@ -49,7 +49,7 @@ class IndexPlan:
     metric: str = option("ip", type=click.Choice(sorted(METRICS)))
     train_sample: int = option(50_000, type=click.IntRange(min=1),
                                help="training vectors for factories that need training (>= 39 per IVF list)")
-    seed: int = option(0)
+    seed: int = option(0, type=click.INT)
     threads: Optional[int] = threads_option(help=f"faiss OpenMP threads per process (default ${THREADS_ENV} or all)")
     ids: Optional[str] = option(None, help="Parquet file with an int64 item_id column: index only these items "
                                            "(a fold, a sub-pool)")
@@ -82,16 +82,11 @@ class IndexPlan:
                                                                 self.recall_target)):
             raise IndexBuildError("--max-index-memory, --max-query-ms and --recall-target choose an index: "
                                   f"they need --index-factory {AUTO}, got {self.factory!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+        if isinstance(self.seed, bool):
             raise IndexBuildError(f"seed must be an integer, got {self.seed!r}")
         try:
-            check_choice("modality", self.modality, schema.MODALITIES)
-            check_choice("metric", self.metric, sorted(METRICS))
-            check_positive("train_sample", self.train_sample)
-            check_positive("threads", self.threads, allow_none=True)
+            super().__post_init__()  # every option's type
             if self.factory == AUTO:
                 self.budget  # validates the budgets
-                check_positive("auto_sample", self.auto_sample)
-                check_positive("auto_queries", self.auto_queries)
         except ValueError as exc:
             raise IndexBuildError(str(exc)) from None

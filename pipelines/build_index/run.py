@@ -361,8 +361,8 @@ def main(ctx, **values):
 
     Counters namespace: build_index (vectors_added, shards_built)."""
     beam_kit.configure_logging(fmt="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    beam_kit.check_beam_flags(ctx.args)
-    with cli_errors(memory_options=("--train-sample",)):
+    with cli_errors(memory_options=("--train-sample",), job="build_index"):
+        beam_kit.check_beam_flags(ctx.args)
         plan = plan_from_cli(IndexPlan, values)
         summary = run(plan, tuple(ctx.args))
     if summary is None:

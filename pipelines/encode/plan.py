@@ -15,18 +15,19 @@ import numpy as np
 from pipelines import files
 from pipelines.ledger import Ledger
 from retrieval_core.cli import (
+    CheckedPlan,
     batch_size_option,
-    check_choice,
-    check_positive,
     collate_workers_option,
+    count_option,
     device_option,
     option,
-    resolve_device,
+    quantize_option,
     threads_option,
 )
 from retrieval_core.data import schema
 from retrieval_core.data.store import StagedDataset
-from retrieval_core.model.checkpoints import CheckpointError, ModelFolder, inspect_model_folder
+from retrieval_core.model.checkpoints import KIND_BASELINE, CheckpointError, ModelFolder, inspect_model_folder
+from retrieval_core.precision import QUANTIZE_AUTO, check_quantize, resolve_quantize
 from retrieval_core.search import embeddings
 
 MODALITY_CHOICES = (*schema.MODALITIES, "both")
@@ -39,8 +40,8 @@ class EncodeError(ValueError):
 
 
 @dataclass(frozen=True)
-class EncodePlan:
-    """Everything one encode run needs, validated when built."""
+class EncodePlan(CheckedPlan):
+    """Everything one encode run needs, checked when built."""
     staged: str = option(help="staged directory (pipelines.stage output)")
     model: str = option(help="model folder with a BE head: ours (rr_model.json), MMT-Retrieval (modules.json), "
                              "OSCAR, or a training-free baseline")
@@ -50,43 +51,31 @@ class EncodePlan:
     device: str = device_option()
     collection: Optional[str] = option(None, help="encode only this staged collection")
     split: Optional[str] = option(None, help="encode only this split (e.g. test)")
-    images_per_shard: int = option(10_000, type=click.IntRange(min=1))
-    texts_per_shard: int = option(50_000, type=click.IntRange(min=1))
-    model_copies: Optional[int] = option(None, type=click.IntRange(min=1),
-                                         help="model copies per worker machine (Dataflow GPU: 1)")
+    images_per_shard: int = count_option(10_000)
+    texts_per_shard: int = count_option(50_000)
+    model_copies: Optional[int] = count_option(None, help="model copies per worker machine (Dataflow GPU: 1)")
     threads: Optional[int] = threads_option()
     collate_workers: Optional[int] = collate_workers_option()
-    quantize: str = option(schema.QUANTIZE_AUTO, type=click.Choice((schema.QUANTIZE_AUTO,) + schema.QUANTIZE_CHOICES),
-                           help="auto: bf16 on a CUDA device with native bf16, none elsewhere; int8: dynamic int8 "
-                                "Linear layers of the BE (CPU only); bf16: a bfloat16 copy of the weights (CUDA, or a "
-                                "CPU with native bf16). Recorded in the embeddings manifest.")
+    quantize: str = quantize_option()  # of the BE; recorded in the embeddings manifest
 
     def __post_init__(self):
         for name in ("staged", "model", "output"):
             if not getattr(self, name):
                 raise EncodeError(f"{name} must be a path, got {getattr(self, name)!r}")
         try:
-            check_choice("modality", self.modality, MODALITY_CHOICES)
-            object.__setattr__(self, "device", resolve_device(self.device))  # auto: on the launching host
-            for name in ("batch_size", "images_per_shard", "texts_per_shard"):
-                check_positive(name, getattr(self, name))
-            for name in ("model_copies", "threads"):
-                check_positive(name, getattr(self, name), allow_none=True)
-            schema.check_quantize(self.precision, self.device)
+            super().__post_init__()  # every option's type; --device auto resolved on the launching host
+            check_quantize(self.precision, self.device)
         except ValueError as exc:
             raise EncodeError(str(exc)) from None
 
     @functools.cached_property
     def precision(self) -> str:
-        """The serving precision: --quantize with auto resolved (schema.resolve_quantize); the training-free
+        """The serving precision: --quantize with auto resolved (precision.resolve_quantize); the training-free
         baseline (numpy) stays float32."""
-        if self.quantize != schema.QUANTIZE_AUTO or not self.device.startswith("cuda"):
-            return schema.resolve_quantize(self.quantize, self.device, cuda_bf16=False)
-        from retrieval_core.model.checkpoints import KIND_BASELINE
-        from retrieval_core.model.quantize import cuda_bf16_supported
-        if inspect_model_folder(self.model, files=files.BEAM_FILES).kind == KIND_BASELINE:
+        if self.quantize == QUANTIZE_AUTO and self.device.startswith("cuda") \
+                and inspect_model_folder(self.model, files=files.BEAM_FILES).kind == KIND_BASELINE:
             return "none"
-        return schema.resolve_quantize(self.quantize, self.device, cuda_bf16_supported())
+        return resolve_quantize(self.quantize, self.device)
 
     @property
     def modalities(self) -> tuple[str, ...]:

@@ -274,13 +274,13 @@ def main(ctx, **values):
     beam_args = tuple(ctx.args)
     if (values["staged"] is None) != (values["model"] is None):
         raise click.UsageError("pass both --staged and --model, or neither (the embedded demo)")
-    beam_kit.check_beam_flags(beam_args)  # an unknown flag is an error before the demo assets are built
-    if values["staged"] is None:
-        values["staged"], values["model"] = cache.ensure_demo_assets(beam_args)
-        values["output"] = values["output"] or os.path.join(recipes.demo_dir(), "embeddings")
-    if values["output"] is None:
+    if values["staged"] is not None and values["output"] is None:
         raise click.UsageError("--output is required with --staged/--model")
-    with cli_errors(EncodeError, memory_options=("--batch-size",)):
+    with cli_errors(EncodeError, memory_options=("--batch-size",), job="encode"):
+        beam_kit.check_beam_flags(beam_args)  # an unknown flag is an error before the demo assets are built
+        if values["staged"] is None:
+            values["staged"], values["model"] = cache.ensure_demo_assets(beam_args)
+            values["output"] = values["output"] or os.path.join(recipes.demo_dir(), "embeddings")
         summary = run(plan_from_cli(EncodePlan, values), beam_args)
     if summary is not None and any(v["dead_lettered"] for v in summary["modalities"].values()):
         ctx.exit(1)

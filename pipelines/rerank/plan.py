@@ -19,18 +19,21 @@ import pyarrow.parquet as pq
 from pipelines import files
 from pipelines.ledger import Ledger, fingerprint
 from retrieval_core.cli import (
+    CheckedPlan,
     batch_size_option,
-    check_positive,
     collate_workers_option,
+    count_option,
     device_option,
+    k_option,
     option,
-    resolve_device,
+    quantize_option,
     threads_option,
 )
 from retrieval_core.data import schema
 from retrieval_core.data.pixels.backbone import FeatureSourceError
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model.checkpoints import CheckpointError, ModelFolder, inspect_model_folder
+from retrieval_core.precision import QUANTIZE_AUTO, check_quantize, resolve_quantize
 from retrieval_core.search import embeddings, rerank
 from retrieval_core.search.index import check_search_params
 from retrieval_core.search.index_folder import INDEX_MANIFEST, load_index_manifest
@@ -52,8 +55,8 @@ class RerankError(ValueError):
 
 
 @dataclass(frozen=True)
-class RerankPlan:
-    """Every parameter of one rerank run, validated when built (a one-line RerankError naming the value).
+class RerankPlan(CheckedPlan):
+    """Every parameter of one rerank run, checked when built (a one-line RerankError naming the value).
     ``run(plan)`` executes it; the CLI only builds it."""
     staged: str = option(help="staged directory (queries, captions, regions)")
     embeddings: str = option(help="embeddings directory (pipelines.encode output)")
@@ -62,8 +65,8 @@ class RerankPlan:
                        help="auto: the ranking chosen on a dev split (--tune-embeddings or --tune-on) among co, "
                             "add / norm_add at every lam and emb; emb: BE only; co: CE rerank of the BE top-k (the "
                             "paper's); add / norm_add: BE+CE score fusion in the top-k (--lam); ce: exhaustive CE")
-    k: int = option(20, help=f"rerank depth; every query stores its BE top max(k, {rerank.MIN_STORED_DEPTH})")
-    lam: float = option(0.5, help="ADD/NORM_ADD weight of the BE score")
+    k: int = k_option(20, help=f"rerank depth; every query stores its BE top max(k, {rerank.MIN_STORED_DEPTH})")
+    lam: float = option(0.5, type=click.FloatRange(0, 1), help="ADD/NORM_ADD weight of the BE score")
     directions: tuple[str, ...] = option(DIRECTIONS, sep=",", help="t2i, i2t or both")
     index: Optional[str] = option(None, help="image FAISS index for t2i, built from --embeddings (default: exact "
                                              "search)")
@@ -78,26 +81,28 @@ class RerankPlan:
     queries: Optional[str] = option(None, help="Parquet file (direction, query_id): rank only these queries of the "
                                                "collection/split")
     batch_size: int = batch_size_option(64, "CE pairs per batch")
-    search_batch_size: int = option(1_024, help="queries per search call (faiss' Flat search is far slower per "
-                                                "query in small calls: docs/PERFORMANCE.md, \"Search\")")
-    queries_per_pass: int = option(8_192, help="queries searched per pass over the pool, before any CE work: "
-                                               "each pass reads every index (or embedding) shard once, so fewer "
-                                               "passes read less; a worker holds one pass's queries and top lists")
+    search_batch_size: int = count_option(1_024, help="queries per search call (faiss' Flat search is far slower per "
+                                                      "query in small calls: docs/PERFORMANCE.md, \"Search\")")
+    queries_per_pass: int = count_option(8_192, help="queries searched per pass over the pool, before any CE work: "
+                                                     "each pass reads every index (or embedding) shard once, so "
+                                                     "fewer passes read less; a worker holds one pass's queries and "
+                                                     "top lists")
     device: str = device_option()
     threads: Optional[int] = threads_option()
     collate_workers: Optional[int] = collate_workers_option()
-    model_copies: Optional[int] = option(None, type=int, help="CE model copies per machine (Dataflow GPU: 1)")
-    max_exhaustive_pairs: int = option(200_000, help="--mode ce: the most (query, pool item) pairs it may score")
-    queries_per_shard: int = option(1_000, help="queries per ranking shard (the unit a rerun of a killed job keeps)")
-    shards_per_wave: int = option(10, help="ranking shards per Beam job: a killed run loses at most its current "
-                                           "wave (on Dataflow, where each job starts workers, raise it)")
-    pairs_per_wave: int = option(20_000, help="CE pairs per Beam job (but at least one shard): what a local runner "
-                                              "holds in memory")
-    nprobe: Optional[int] = option(None, type=click.IntRange(min=1),
-                                   help="IVF lists searched per query in every index shard (default: the index "
+    model_copies: Optional[int] = count_option(None, help="CE model copies per machine (Dataflow GPU: 1)")
+    max_exhaustive_pairs: int = count_option(200_000, help="--mode ce: the most (query, pool item) pairs it may score")
+    queries_per_shard: int = count_option(1_000, help="queries per ranking shard (the unit a rerun of a killed job "
+                                                      "keeps)")
+    shards_per_wave: int = count_option(10, help="ranking shards per Beam job: a killed run loses at most its current "
+                                                 "wave (on Dataflow, where each job starts workers, raise it)")
+    pairs_per_wave: int = count_option(20_000, help="CE pairs per Beam job (but at least one shard): what a local "
+                                                    "runner holds in memory")
+    nprobe: Optional[int] = count_option(None,
+                                         help="IVF lists searched per query in every index shard (default: the index "
                                         "manifest's, else faiss' 1)")
-    ef_search: Optional[int] = option(None, type=click.IntRange(min=1),
-                                      help="HNSW search breadth in every index shard (default: the index "
+    ef_search: Optional[int] = count_option(None,
+                                            help="HNSW search breadth in every index shard (default: the index "
                                            "manifest's, else faiss' 16)")
     tune_on: Optional[str] = option(None, help="--mode auto: a CE-scored rerank run of the same models on a "
                                                "held-out split, to choose on")
@@ -107,38 +112,25 @@ class RerankPlan:
     tune_index: Optional[str] = option(None, help="--mode auto: a FAISS image index of --tune-embeddings (default: "
                                                   "exact search)")
     tune_split: str = option("dev", help="--mode auto with --tune-embeddings: the split of its queries")
-    tune_queries: int = option(500, help="--mode auto with --tune-embeddings: queries sampled per direction")
+    tune_queries: int = count_option(500, help="--mode auto with --tune-embeddings: queries sampled per direction")
     score_ce: bool = option(False, help="--mode emb: still CE-score the BE top-k and store the scores (what --mode "
                                         "auto does when it chooses emb), so every mode can be derived from the run")
-    quantize: str = option(schema.QUANTIZE_AUTO, type=click.Choice((schema.QUANTIZE_AUTO,) + schema.QUANTIZE_CHOICES),
-                           help="auto: bf16 on a CUDA device with native bf16, none elsewhere; int8: dynamic int8 "
-                                "Linear layers of the CE (CPU only); bf16: matrix products in bfloat16 (CUDA, or a CPU "
-                                "with native bf16). Recorded in the rankings manifest.")
+    quantize: str = quantize_option()  # of the CE; recorded in the rankings manifest
 
     def __post_init__(self):
         for name in ("staged", "embeddings", "output"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise RerankError(f"{name} must be a non-empty path, got {getattr(self, name)!r}")
-        mode = str(self.mode).lower()
-        if mode not in CLI_MODES:
-            raise RerankError(f"mode must be one of {CLI_MODES}, got {self.mode!r}")
-        object.__setattr__(self, "mode", mode)
+        try:
+            super().__post_init__()  # every option's type; --device auto resolved on the launching host
+            check_quantize(self.precision, self.device)
+        except ValueError as exc:
+            raise RerankError(str(exc)) from None
+        mode = self.mode
         if isinstance(self.directions, str) or not self.directions \
                 or any(d not in DIRECTIONS for d in self.directions):
             raise RerankError(f"directions must be a non-empty tuple of {DIRECTIONS}, got {self.directions!r}")
         object.__setattr__(self, "directions", tuple(dict.fromkeys(self.directions)))
-        try:
-            object.__setattr__(self, "device", resolve_device(self.device))  # auto: on the launching host
-            for name in ("k", "batch_size", "search_batch_size", "queries_per_pass", "max_exhaustive_pairs",
-                         "queries_per_shard", "shards_per_wave", "pairs_per_wave"):
-                check_positive(name, getattr(self, name))
-            for name in ("threads", "model_copies", "nprobe", "ef_search"):
-                check_positive(name, getattr(self, name), allow_none=True)
-            schema.check_quantize(self.precision, self.device)
-        except ValueError as exc:
-            raise RerankError(str(exc)) from None
-        if isinstance(self.lam, bool) or not isinstance(self.lam, (int, float)) or not 0.0 <= self.lam <= 1.0:
-            raise RerankError(f"lam must be a number in [0, 1], got {self.lam!r}")
         if mode == AUTO and bool(self.tune_on) == bool(self.tune_embeddings):
             raise RerankError("--mode auto (the default) chooses the ranking on a dev split: pass --tune-embeddings "
                               "DEV_EMBEDDINGS (the dev split encoded by pipelines.encode --split dev) or --tune-on "
@@ -150,15 +142,11 @@ class RerankPlan:
                               f"--mode {mode}")
         if self.tune_index and not self.tune_embeddings:
             raise RerankError("--tune-index indexes --tune-embeddings: pass both")
-        try:
-            check_positive("tune_queries", self.tune_queries)
-        except ValueError as exc:
-            raise RerankError(str(exc)) from None
         if self.score_ce and mode != "emb":
             raise RerankError(f"--score-ce applies to --mode emb (--mode {mode} scores the top-k anyway)")
         if (mode != "emb" or self.score_ce) and not (self.ce_model or self.be_model):
             raise RerankError(f"mode {mode!r} needs --ce-model (or --be-model for a JOIN model)")
-        if self.quantize not in ("none", schema.QUANTIZE_AUTO) and mode == "emb" and not self.score_ce:
+        if self.quantize not in ("none", QUANTIZE_AUTO) and mode == "emb" and not self.score_ce:
             raise RerankError(f"--quantize {self.quantize} quantises the CE: --mode emb scores nothing with it")
         if (self.nprobe is not None or self.ef_search is not None) and not self.uses_index:
             raise RerankError("--nprobe / --ef-search tune a FAISS index: pass --index (t2i) or --text-index "
@@ -166,13 +154,9 @@ class RerankPlan:
 
     @functools.cached_property
     def precision(self) -> str:
-        """The serving precision: --quantize with auto resolved (schema.resolve_quantize); float32 where no CE
+        """The serving precision: --quantize with auto resolved (precision.resolve_quantize); float32 where no CE
         is scored."""
-        if self.quantize != schema.QUANTIZE_AUTO or not self.device.startswith("cuda") or self.cross_encoder is None:
-            return schema.resolve_quantize(self.quantize, "cpu" if self.cross_encoder is None else self.device,
-                                           cuda_bf16=False)
-        from retrieval_core.model.quantize import cuda_bf16_supported
-        return schema.resolve_quantize(self.quantize, self.device, cuda_bf16_supported())
+        return resolve_quantize(self.quantize, "cpu" if self.cross_encoder is None else self.device)
 
     @property
     def cross_encoder(self) -> Optional[str]:

@@ -381,8 +381,8 @@ def main(ctx, **values):
     Counters namespace: rerank (queries_searched, ce_pairs_scored, ce_pair_requests, queries_ranked,
     ranking_shards_written)."""
     beam_kit.configure_logging()
-    beam_kit.check_beam_flags(ctx.args)
-    with cli_errors(RerankError, memory_options=("--batch-size", "--pairs-per-wave")):
+    with cli_errors(RerankError, memory_options=("--batch-size", "--pairs-per-wave"), job="rerank"):
+        beam_kit.check_beam_flags(ctx.args)
         run(plan_from_cli(RerankPlan, values), tuple(ctx.args))
 
 

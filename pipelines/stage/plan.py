@@ -8,7 +8,7 @@ from typing import Optional
 import click
 
 from pipelines import files
-from retrieval_core.cli import check_choice, check_positive, device_option, option, resolve_device, threads_option
+from retrieval_core.cli import CheckedPlan, device_option, option, threads_option
 from retrieval_core.data import schema
 from retrieval_core.data.manifest_spec import Manifest
 from retrieval_core.data.readers import IMAGE_FILES, plan_read_tasks
@@ -20,13 +20,14 @@ FEATURE_DTYPES = ("float32", "float16")
 SPILL_COMPRESSIONS = ("none", "lzf")
 
 
-class StageError(Exception):
+class StageError(ValueError):
     """Bad input, reported before anything is written."""
 
 
 @dataclass(frozen=True)
-class StagePlan:
-    """Everything one staging run needs, validated when built. None = the manifest's value."""
+class StagePlan(CheckedPlan):
+    """Everything one staging run needs, checked when built (by its options' types, as typed on the command
+    line). None = the manifest's value."""
     output: str = option(help="staged directory to write (local path or gs://)")
     manifest: str = option("demo", help="manifest name (data_manifests/<name>.yaml) or path to a YAML file")
     overrides: tuple[str, ...] = option((), name="--set", multiple=True, metavar="KEY=VALUE",
@@ -52,7 +53,6 @@ class StagePlan:
     allow_empty: bool = option(False, help="accept a source (images or captions) that yields no records")
     device: str = device_option()  # the image backbone of image_files sources
     threads: Optional[int] = threads_option()
-    verbose: bool = option(False, short="-v", help="Debug logging and full tracebacks.")
 
     def __post_init__(self):
         if not self.output:
@@ -64,20 +64,9 @@ class StagePlan:
             if "=" not in o:
                 raise StageError(f"manifest override {o!r} is not KEY=VALUE")
         try:
-            if self.feature_format is not None:
-                check_choice("feature format", self.feature_format, FEATURE_FORMATS)
-            if self.feature_dtype is not None:
-                check_choice("feature dtype", self.feature_dtype, FEATURE_DTYPES)
-            check_positive("max_regions", self.max_regions, allow_none=True)
-            check_positive("images_per_shard", self.images_per_shard)
-            check_choice("spill compression", self.spill_compression, SPILL_COMPRESSIONS)
-            check_positive("chunk_size", self.chunk_size, allow_none=True)
-            object.__setattr__(self, "device", resolve_device(self.device))  # auto: on the launching host
+            super().__post_init__()  # every option's type; --device auto resolved on the launching host
         except ValueError as exc:
             raise StageError(str(exc)) from None
-        if not 0.0 <= float(self.max_reject_fraction) <= 1.0:
-            raise StageError(f"max_reject_fraction must be in [0, 1], got {self.max_reject_fraction!r}")
-
 
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -35,13 +34,12 @@ from pipelines.stage.plan import (
     image_backbone,
     plan_tasks,
 )
-from retrieval_core.cli import describe_device, memory_failure, plan_from_cli, plan_options
+from retrieval_core.cli import cli_errors, describe_device, plan_from_cli, plan_options
 from retrieval_core.data import schema, staging
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.manifest_spec import ManifestError
 from retrieval_core.data.outputs import holds_output
 from retrieval_core.data.store import INCOMPLETE_FILE
-from retrieval_core.errors import MemoryCapTooLow, OutputBusy, write_failure
 from retrieval_core.memory import require_headroom
 
 log = logging.getLogger(__name__)
@@ -321,30 +319,11 @@ def main(ctx, **values):
 
     Counters namespace: stage ({image,caption}_records_in, _staged_valid, _rejected; *_shards_written/kept).
     """
-    verbose = values["verbose"]
-    beam_kit.configure_logging(verbose, "%(asctime)s %(levelname)s %(name)s: %(message)s")
-    beam_kit.check_beam_flags(ctx.args)
-    try:
+    beam_kit.configure_logging("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with cli_errors(memory_options=("--chunk-size", "--images-per-shard"), job="staging"):
+        beam_kit.check_beam_flags(ctx.args)
         plan = plan_from_cli(StagePlan, values)
         summary = run(plan, tuple(ctx.args))
-    except (StageError, OutputBusy) as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
-    except MemoryCapTooLow as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
-    except click.ClickException:
-        raise  # usage errors (an unknown flag): click prints them
-    except Exception as exc:  # noqa: BLE001 -- one clear line instead of a Beam traceback
-        if verbose:
-            raise
-        lines = str(exc).strip().splitlines()
-        step = re.search(r"\[while running '([^']+)'\]", str(exc))
-        cause = write_failure(exc) or memory_failure(exc, ("--chunk-size", "--images-per-shard")) \
-            or f"{type(exc).__name__}: {lines[-1] if lines else ''}"
-        click.echo(f"error: staging failed{' in ' + step.group(1) if step else ''}: {cause} "
-                   f"(rerun with -v for the traceback)", err=True)
-        sys.exit(1)
     if summary is None:
         return
     for line in report_lines(summary):
@@ -352,8 +331,8 @@ def main(ctx, **values):
     click.echo(f"summary: {files.join(plan.output, staging.SUMMARY_FILE)}")
     if summary["problems"]:
         for p in summary["problems"]:
-            click.echo(f"error: {p}", err=True)
-        sys.exit(1)
+            click.echo(f"Error: {p}", err=True)
+        ctx.exit(1)
 
 
 beam_kit.add_progress_help(main)

@@ -13,7 +13,6 @@ collection keeps them apart, and :class:`IdRegistry` detects the (astronomically
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -285,47 +284,3 @@ class ImageTable:
         boxes = np.concatenate(boxes_list).astype(np.float32, copy=False)
         return ImageTable(np.asarray(item_ids, dtype=np.int64), offsets, feats, boxes, meta or {})
 
-
-#: CPU flags (/proc/cpuinfo) of native bfloat16 matrix instructions: AVX-512 BF16 (AMD Zen 4+, Intel Cooper
-#: Lake+) and AMX (Intel Sapphire Rapids+). Without them bf16 is emulated and slower than float32.
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_has_native_bf16() -> bool:
-    """Whether this machine's CPU computes bf16 matrix products natively (Linux /proc/cpuinfo flags): the served
-    models' --quantize bf16 and the image backbone's bfloat16 precision need it (data layer: both read it)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
-
-
-#: Model-loading options of the inference CLIs (--quantize): none (float32), int8 dynamic quantisation of the
-#: Linear layers (CPU only), or bf16 weights (CUDA, or a CPU with native bf16); model.quantize.quantize_model.
-QUANTIZE_CHOICES = ("none", "int8", "bf16")
-#: The jobs' default --quantize: bf16 on a CUDA device that computes it natively, float32 elsewhere
-#: (resolve_quantize). scripts/gpu_pipelines.sh checks bf16 against fp32 per path (docs/PERFORMANCE.md).
-QUANTIZE_AUTO = "auto"
-#: The --quantize modes a device kind can run ("cpu" / "cuda"); bf16 on CPU also needs native bf16 (checked at load).
-QUANTIZE_DEVICES = {"none": ("cpu", "cuda"), "int8": ("cpu",), "bf16": ("cpu", "cuda")}
-
-
-def resolve_quantize(quantize: str, device: str, cuda_bf16: bool) -> str:
-    """``quantize`` with QUANTIZE_AUTO made a mode: "bf16" on CUDA where ``cuda_bf16`` (the card has native bf16),
-    else "none"; any other value unchanged."""
-    if quantize != QUANTIZE_AUTO:
-        return quantize
-    return "bf16" if str(device).lower().partition(":")[0] == "cuda" and cuda_bf16 else "none"
-
-
-def check_quantize(quantize: str, device: str) -> None:
-    """ValueError unless ``quantize`` is a QUANTIZE_CHOICES mode that ``device`` ("cpu"/"cuda") can run. Checked
-    when a plan is built; whether a CPU has native bf16 is checked where the model loads (the worker's CPU)."""
-    if quantize not in QUANTIZE_CHOICES:
-        raise ValueError(f"quantize must be one of {'|'.join(QUANTIZE_CHOICES)}, got {quantize!r}")
-    if str(device).lower().partition(":")[0] not in QUANTIZE_DEVICES[quantize]:  # cuda:1 is a cuda
-        raise ValueError(f"--quantize {quantize} runs on {' or '.join(d.upper() for d in QUANTIZE_DEVICES[quantize])} "
-                         f"only; refused with --device {device}")

@@ -8,20 +8,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from retrieval_core.data import schema
-from retrieval_core.data.schema import NATIVE_BF16_FLAGS, cpu_has_native_bf16
 from retrieval_core.model.network import VLRetrievalModel
-
-
-def cuda_bf16_supported() -> bool:
-    """Whether the CUDA device computes bf16 natively (Ampere or later). A launching host without a GPU answers
-    True: the job's GPU workers are taken to be of the class the project targets, and a card without bf16 is
-    refused where the model loads (quantize_model), never run emulated."""
-    return not torch.cuda.is_available() or torch.cuda.is_bf16_supported(including_emulation=False)
+from retrieval_core.precision import NATIVE_BF16_FLAGS, QUANTIZE_CHOICES, cpu_has_native_bf16, cuda_bf16_supported
 
 
 def quantize_model(model: nn.Module, quantize: Optional[str], device: str = "cpu") -> nn.Module:
-    """The model as it will be served (schema.QUANTIZE_CHOICES):
+    """The model as it will be served (QUANTIZE_CHOICES):
 
     - ``none``: the model itself, float32;
     - ``int8``: a copy with its nn.Linear layers dynamically quantised (weights int8, activations quantised per
@@ -34,8 +26,8 @@ def quantize_model(model: nn.Module, quantize: Optional[str], device: str = "cpu
     Anything else, or a mode the device cannot run, raises ValueError."""
     if quantize in (None, "none"):
         return model
-    if quantize not in schema.QUANTIZE_CHOICES:
-        raise ValueError(f"quantize must be one of {'|'.join(schema.QUANTIZE_CHOICES)}, got {quantize!r}")
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {'|'.join(QUANTIZE_CHOICES)}, got {quantize!r}")
     dev = torch.device(device)
     if quantize == "bf16":
         if not isinstance(model, VLRetrievalModel):

@@ -7,7 +7,7 @@ from typing import Optional
 
 import click
 
-from retrieval_core.cli import batch_size_option, device_option, option, resolve_device
+from retrieval_core.cli import CheckedPlan, batch_size_option, count_option, device_option, option
 
 OBJECTIVES = ("be", "ce", "joint")
 IMAGE_INITS = ("random", "lstsq")
@@ -16,8 +16,9 @@ CE_LOSSES = ("pair", "listwise")
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """Every training hyper-parameter, validated when built (``check``: one line naming the bad value)."""
+class TrainConfig(CheckedPlan):
+    """Every training hyper-parameter, checked when built: each option by its type, as typed on the command line,
+    and the options together by ``check`` (one line naming the bad value)."""
     objective: str = option("joint", type=click.Choice(OBJECTIVES, case_sensitive=False), help="What is trained.")
     be_loss: str = option("triplet", type=click.Choice(BE_LOSSES, case_sensitive=False), help="BE loss.")
     margin: float = option(0.1, help="Triplet margin.")
@@ -47,7 +48,7 @@ class TrainConfig:
                           help="pair: binary loss per (caption, image) pair (the paper); listwise: softmax over "
                                "each caption's positive and its negatives (LCE).")
     ce_negatives: int = option(1, help="Negatives per caption in a CE step.")
-    ce_batch_size: Optional[int] = option(None, type=int, help="Captions per CE step [--batch-size].")
+    ce_batch_size: Optional[int] = count_option(None, help="Captions per CE step [--batch-size].")
     # JOIN: steps before this one run the BE objective only. A CE on a text-only backbone stays at chance until
     # the BE has aligned image and text tokens (docs/TRAINING.md), so earlier CE steps only cost time.
     ce_start_step: int = option(0, help="joint: run the BE objective alone before this step.")
@@ -101,18 +102,10 @@ class TrainConfig:
                                         "decay (e.g. 0.98; 0: the weights as trained).")
 
     def __post_init__(self):
-        object.__setattr__(self, "device", resolve_device(self.device))  # auto: on the launching host
+        super().__post_init__()  # every option's type; --device auto resolved on the launching host
         self.check()
 
     def check(self) -> None:
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
-        if self.image_init not in IMAGE_INITS:
-            raise ValueError(f"image_init must be one of {IMAGE_INITS}, got {self.image_init!r}")
-        if self.be_loss not in BE_LOSSES:
-            raise ValueError(f"be_loss must be one of {BE_LOSSES}, got {self.be_loss!r}")
-        if self.ce_loss not in CE_LOSSES:
-            raise ValueError(f"ce_loss must be one of {CE_LOSSES}, got {self.ce_loss!r}")
         if self.ce_negatives < 1 or (self.ce_batch_size is not None and self.ce_batch_size < 1):
             raise ValueError(f"need ce_negatives >= 1 and ce_batch_size >= 1, got {self.ce_negatives}, "
                              f"{self.ce_batch_size}")

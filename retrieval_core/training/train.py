@@ -11,8 +11,10 @@ import click
 
 from retrieval_core.cli import (
     CONTEXT_SETTINGS,
+    CheckedPlan,
     apply_device_and_threads,
     cli_errors,
+    count_option,
     describe_device,
     option,
     option_group,
@@ -31,9 +33,9 @@ from retrieval_core.training.trainer import Trainer
 
 
 @dataclass(frozen=True)
-class TrainPlan:
+class TrainPlan(CheckedPlan):
     """One ``python -m retrieval_core.training.train`` run: where the data comes from and goes, the model to start
-    from, and the trainer's config; validated when built (one line naming the bad value)."""
+    from, and the trainer's config; checked when built (one line naming the bad value)."""
     staged: str = option(help="Staged dataset directory (pipelines.stage output).")
     output: str = option(help="Output folder: last/, best/, train_log.jsonl.")
     config: TrainConfig = option_group(TrainConfig)
@@ -41,16 +43,16 @@ class TrainPlan:
                                             "a plain HF BERT folder, or a retrieval model folder to continue "
                                             "fine-tuning.")
     halve_layers: bool = option(False, help="Keep every other backbone layer (0, 2, 4, ..).")
-    max_regions: Optional[int] = option(None, type=int, help="Regions per image the model uses (kept with the "
-                                                             "model; fewer = faster on CPU).")
+    max_regions: Optional[int] = count_option(None, help="Regions per image the model uses (kept with the model; "
+                                                         "fewer = faster on CPU).")
     ce_agreement: Optional[str] = option(
         None, type=click.Choice(CE_AGREEMENTS, case_sensitive=False),
         help="The CE's match logit also adds a learned multiple of the agreement of the pair's caption and region "
              "states entering the last layer: mean = cosine of their means, maxsim = caption tokens' best cosine "
              "with a region, averaged; none = the [CLS] classifier alone (added to a model folder that has none) "
              f"[a model built from a text backbone: {ce_agreement_default('new')}; a model folder keeps its own]")
-    max_train_captions: Optional[int] = option(None, type=int,
-                                               help="Train on a seeded random subset of this many captions.")
+    max_train_captions: Optional[int] = count_option(None, help="Train on a seeded random subset of this many "
+                                                                "captions.")
     train_split: str = option("train")
     dev_split: str = option("dev")
     manifest: Optional[str] = option(None, help="Data manifest the staged dir came from (recorded in provenance).")
@@ -59,11 +61,6 @@ class TrainPlan:
     resume: bool = option(False, help="Continue from output/last/.")
     threads: Optional[int] = threads_option()
 
-    def __post_init__(self):
-        for name in ("max_regions", "max_train_captions"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
 @holds_output("train")
@@ -104,9 +101,9 @@ def run(plan: TrainPlan) -> dict:
                     "OUTPUT/best (the dev-best model) and OUTPUT/train_log.jsonl.")
 @plan_options(TrainPlan)
 def main(**values) -> None:
-    apply_device_and_threads(values["device"], values["threads"])
     # missing staged folder, bad model folder, bad value, out of memory: one line, exit 1
     with cli_errors(memory_options=("--batch-size", "--ce-batch-size")):
+        apply_device_and_threads(values["device"], values["threads"])
         plan = plan_from_cli(TrainPlan, values)
         result = run(plan)
     click.echo(f"device: {describe_device(plan.config.device)}")  # recorded in the model's provenance.training

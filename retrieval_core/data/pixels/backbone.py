@@ -23,8 +23,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...precision import NATIVE_BF16_FLAGS, cpu_has_native_bf16
 from ..paths import local_sha256
-from ..schema import BOX_DIM, NATIVE_BF16_FLAGS, cpu_has_native_bf16
+from ..schema import BOX_DIM
 from .lite0 import HEAD, STAGE_ENDS, STAGE_STRIDES, STAGES, FusedLite0, fold_batchnorm, load_lite0, weights_path
 
 NAME = "efficientnet-lite0"
