@@ -9,8 +9,9 @@ in one invocation (memory, streamed, streamed, memory, ...) so a shared machine'
           steps: its mining at ``--start`` (the BE encodes every train image from the source) and the JOIN steps
           after it. ``steps_per_s`` counts the steps after the first two (the mining step, and the step after it,
           whose CE reads are made on its path), wall clock from one step's start to the next's (the read-ahead
-          wait included); ``mining_s`` is the mining's own seconds; ``losses_equal`` says whether the run's losses
-          are bit for bit those of the first in-memory run.
+          wait included), and ``median_step_s`` their median (less swayed by a burst of other jobs);
+          ``mining_s`` is the mining's own seconds; ``losses_equal`` says whether the run's losses are bit for
+          bit those of the first in-memory run.
   source  the reads alone, no model: each of the same steps' images (its batch's and its CE groups') read from
           the source, ``steps_per_s`` the steps read per second on one thread.
 
@@ -38,7 +39,8 @@ from dataclasses import replace
 
 import click
 
-COLUMNS = ("measurement", "recipe", "source", "rep", "order", "steps", "first_step", "steps_per_s", "mining_s",
+COLUMNS = ("measurement", "recipe", "source", "rep", "order", "steps", "first_step", "steps_per_s", "median_step_s",
+           "mining_s",
            "startup_s", "wall_s", "losses_equal", "peak_rss_anon_mb", "vm_hwm_mb", "table_mb", "region_file_mb",
            "cpu_bf16", "device", "cpu_model", "cpu_flags", "threads", "torch", "faiss", "commit", "date", "load_avg",
            "command")
@@ -185,6 +187,7 @@ def child_train(staged_dir: str, recipe: str, source: str, ckpt: str, out: str, 
     losses = [(r["step"], r["objective"], r["loss"]) for r in log if "loss" in r and r["step"] > start]
     timed_walls = walls[2:-1]  # the mining step and the next out; the last step's wall holds the final save
     return {"steps_per_s": round(len(timed_walls) / sum(timed_walls), 4), "steps": len(timed_walls),
+            "median_step_s": round(statistics.median(timed_walls), 4),
             "first_step": start + 2, "mining_s": round(sum(mining), 2), "startup_s": round(startup, 2),
             "wall_s": round(time.perf_counter() - begin, 1),
             "losses": losses, "table_mb": _table_mb(train) + _table_mb(dev),
