@@ -35,9 +35,13 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Optional
 
 import click
+
+from retrieval_core.cli import CheckedPlan, option, plan_command, plan_from_cli, to_argv
+from retrieval_core.training.recipes import RECIPES
 
 COLUMNS = ("measurement", "recipe", "source", "rep", "order", "steps", "first_step", "steps_per_s", "median_step_s",
            "mining_s",
@@ -115,7 +119,6 @@ def _setup(staged_dir: str, recipe_name: str, source: str, cpu_bf16: bool):
     from retrieval_core.data.region_file import ensure_region_file
     from retrieval_core.data.store import StagedDataset
     from retrieval_core.training.model_init import build_model
-    from retrieval_core.training.recipes import RECIPES
     from retrieval_core.training.train_data import load_split
 
     t0 = time.perf_counter()
@@ -223,7 +226,7 @@ def child_source(staged_dir: str, recipe: str, source: str, ckpt: str, start: in
 
 
 def _run_child(args: list[str]) -> dict:
-    res = subprocess.run([sys.executable, "-m", "benchmarks.meters.train_source", "--child", *args],
+    res = subprocess.run([sys.executable, "-m", "benchmarks.meters.train_source", *args],
                          capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"child {' '.join(args)} failed:\n{res.stderr[-3000:]}")
@@ -231,45 +234,53 @@ def _run_child(args: list[str]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------- CLI
-@click.command(help="Step rate and peak anonymous memory of training with the streamed source against the in-memory "
-                    "table, interleaved, each in a child process; one CSV row per measurement.")
-@click.option("--staged", required=True, help="A staged folder (the demo's: pipelines.stage --manifest demo).")
-@click.option("--work", required=True, help="Scratch folder (checkpoints, the children's outputs).")
-@click.option("--output", required=True, help="CSV to append the rows to.")
-@click.option("--recipe", default="demo", show_default=True, help="A recipe of retrieval_core.training.recipes.")
-@click.option("--repeats", default=3, show_default=True, help="Repetitions of each source, interleaved.")
-@click.option("--start", default=40, show_default=True, help="The step the timed runs resume from (a mining step).")
-@click.option("--steps", default=30, show_default=True, help="Steps each timed run trains.")
-@click.option("--cpu-bf16", is_flag=True, help="bf16 autocast for the training steps (the trainer's --cpu-bf16).")
-@click.option("--child", type=click.Choice(["train", "source"]), default=None, hidden=True)
-@click.option("--source", type=click.Choice(SOURCES), default=None, hidden=True)
-@click.option("--ckpt", default=None, hidden=True)
-@click.option("--out", default=None, hidden=True)
-def main(staged, work, output, recipe, repeats, start, steps, cpu_bf16, child, source, ckpt, out) -> None:
-    if child is not None:
-        result = child_train(staged, recipe, source, ckpt, out, start, steps, cpu_bf16) if child == "train" else \
-            child_source(staged, recipe, source, ckpt, start, steps, cpu_bf16)
+@dataclass(frozen=True)
+class MeterPlan(CheckedPlan):
+    """One meter run; ``child``, ``source``, ``ckpt`` and ``out`` are set by the meter for its children."""
+    staged: str = option(help="A staged folder (the demo's: pipelines.stage --manifest demo).")
+    work: str = option(help="Scratch folder (checkpoints, the children's outputs).")
+    output: str = option(help="CSV to append the rows to.")
+    recipe: str = option("demo", type=click.Choice(sorted(RECIPES)), help="The recipe whose JOIN trains.")
+    repeats: int = option(3, type=click.IntRange(min=1), help="Repetitions of each source, interleaved.")
+    start: int = option(40, type=click.IntRange(min=1), help="The step the timed runs resume from (a mining step).")
+    steps: int = option(30, type=click.IntRange(min=4), help="Steps each timed run trains.")
+    cpu_bf16: bool = option(False, help="bf16 autocast for the training steps (the trainer's --cpu-bf16).")
+    child: Optional[str] = option(None, type=click.Choice(["train", "source"]), help="(internal) a child's role.")
+    source: Optional[str] = option(None, type=click.Choice(SOURCES), help="(internal) a child's source.")
+    ckpt: Optional[str] = option(None, help="(internal) the checkpoint folder a child starts from.")
+    out: Optional[str] = option(None, help="(internal) a training child's output folder.")
+
+
+@plan_command(MeterPlan)
+def main(**values) -> None:
+    """Step rate and peak anonymous memory of training with the streamed source against the in-memory table,
+    interleaved, each in a child process; one CSV row per measurement."""
+    plan = plan_from_cli(MeterPlan, values)
+    staged, work, output, recipe, start, steps = plan.staged, plan.work, plan.output, plan.recipe, plan.start, \
+        plan.steps
+    if plan.child is not None:
+        result = child_train(staged, recipe, plan.source, plan.ckpt, plan.out, start, steps, plan.cpu_bf16) \
+            if plan.child == "train" else child_source(staged, recipe, plan.source, plan.ckpt, start, steps,
+                                                       plan.cpu_bf16)
         print(json.dumps(result))
         return
     import faiss
     import torch
 
-    env = {"recipe": recipe, "cpu_bf16": cpu_bf16, "device": "cpu", "cpu_model": cpu_model(),
+    env = {"recipe": recipe, "cpu_bf16": plan.cpu_bf16, "device": "cpu", "cpu_model": cpu_model(),
            "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "faiss": faiss.__version__, "commit": commit(), "date": datetime.date.today().isoformat(),
            "command": " ".join(["python -m benchmarks.meters.train_source", *sys.argv[1:]])}
     os.makedirs(work, exist_ok=True)
     t0 = time.perf_counter()
-    folder = prepare(staged, work, recipe, start, cpu_bf16)
+    folder = prepare(staged, work, recipe, start, plan.cpu_bf16)
     print(f"checkpoint at step {start}: {folder} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    common = ["--staged", staged, "--work", work, "--output", output, "--recipe", recipe, "--start", str(start),
-              "--steps", str(steps), "--ckpt", folder, *(["--cpu-bf16"] if cpu_bf16 else [])]
     rows, reference, order = [], None, 0
     for measurement in ("train", "source"):
-        for rep in range(repeats):
+        for rep in range(plan.repeats):
             for src in SOURCES if rep % 2 == 0 else SOURCES[::-1]:  # memory, streamed, streamed, memory, ...
-                args = [measurement, *common, "--source", src, "--out", os.path.join(work, f"run-{src}")]
-                result = _run_child(args)
+                result = _run_child(to_argv(replace(plan, child=measurement, source=src, ckpt=folder,
+                                                    out=os.path.join(work, f"run-{src}"))))
                 order += 1
                 losses = result.pop("losses", None)
                 if losses is not None and reference is None and src == "memory":
