@@ -178,7 +178,8 @@ def test_mode_auto_reuses_the_choice_of_a_finished_auto_run(assets, tmp_path):
     choice = rerank_run.run(rerank_plan.RerankPlan(staged, emb_dir, auto, mode="auto", tune_on=dev, split="test",
                                                    **one))["fusion_choice"]
     (tmp_path / "q.txt").write_text("a red dog and a blue car\n")
-    manifest = query_run.run(query_plan.QueryPlan(staged, emb_dir, str(tmp_path / "out"), queries=str(tmp_path / "q.txt"),
+    queries = str(tmp_path / "q.txt")
+    manifest = query_run.run(query_plan.QueryPlan(staged, emb_dir, str(tmp_path / "out"), queries=queries,
                                                   mode="auto", tune_on=auto, k=K))
     assert (manifest["mode"], manifest["fusion_choice"]["label"]) == (choice["mode"], choice["label"])
     with pytest.raises(query_plan.QueryJobError, match="chose nothing"):

@@ -193,7 +193,8 @@ def check_queries(queries: Iterable[Query]) -> tuple[list[Query], list[Rejected]
     for q in queries:
         what = q.shown if q.shown is not None else ""
         if not what.strip():
-            rejected.append(Rejected(q.id, what, f"{R_EMPTY}: query {q.id} has no {'text' if q.image is None else 'id'}"))
+            kind = "text" if q.image is None else "id"
+            rejected.append(Rejected(q.id, what, f"{R_EMPTY}: query {q.id} has no {kind}"))
             continue
         if q.id in ids:
             rejected.append(Rejected(q.id, what, f"{R_DUPLICATE}: id {q.id!r} is used by an earlier query"))
@@ -226,7 +227,8 @@ def as_queries(items: Sequence, direction: str) -> list[Query]:
             path = os.fspath(item)
             out.append(Query(str(n), image=path, picture=os.path.isfile(path)))
         elif isinstance(item, tuple) and len(item) == 2:
-            out.append(_RegionsQuery(str(n), image=f"<regions {n}>", regions=(np.asarray(item[0]), np.asarray(item[1]))))
+            regions = (np.asarray(item[0]), np.asarray(item[1]))
+            out.append(_RegionsQuery(str(n), image=f"<regions {n}>", regions=regions))
         else:
             raise QueryError(f"image query {n} is a {type(item).__name__}: give a staged id, a picture path or "
                              f"(features, boxes)")
@@ -315,7 +317,8 @@ def _searcher(spec: EngineSpec, direction: str, emb_manifest: dict, files: Optio
         check_search_params(manifest["factory"], int(manifest["d"]), manifest["metric"], **params)
     except ValueError as exc:
         raise QueryError(f"{index_dir} ({manifest['factory']}): {exc}") from None
-    return {"kind": "index", "path": index_dir, "params": tuple(sorted(params.items())), "pool": int(manifest["ntotal"]),
+    return {"kind": "index", "path": index_dir, "params": tuple(sorted(params.items())),
+            "pool": int(manifest["ntotal"]),
             "fingerprint": _sha(os.path.join(index_dir, INDEX_MANIFEST) if "://" not in index_dir
                                 else index_dir.rstrip("/") + "/" + INDEX_MANIFEST, files),
             "described": f"FAISS index {index_dir} ({manifest['factory']}, {manifest['metric']})"}
@@ -490,7 +493,8 @@ class QueryEngine:
     def captions(self) -> pd.DataFrame:
         """caption_id -> source_id, text of the pool's captions."""
         if self._captions is None:
-            parts = [self.ds.captions(collection=c)[["caption_id", "source_id", "text"]] for c in self._pool_collections]
+            parts = [self.ds.captions(collection=c)[["caption_id", "source_id", "text"]]
+                     for c in self._pool_collections]
             self._captions = pd.concat(parts).set_index("caption_id")
         return self._captions
 
