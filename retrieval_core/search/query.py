@@ -302,7 +302,7 @@ def _searcher(spec: EngineSpec, direction: str, emb_manifest: dict, files: Optio
     index_dir, flag = (spec.index, "index") if direction == T2I else (spec.text_index, "text_index")
     if not index_dir:
         entry = embeddings.modality_entry(emb_manifest, pool_modality)
-        return {"kind": "exact", "path": spec.embeddings, "params": (), "pool": int(entry["count"]),
+        return {"kind": "exact", "name": "exact", "path": spec.embeddings, "params": (), "pool": int(entry["count"]),
                 "fingerprint": embeddings.manifest_sha256(spec.embeddings, files),
                 "described": f"exact search over {pool_modality} embeddings in {spec.embeddings}"}
     try:
@@ -317,7 +317,8 @@ def _searcher(spec: EngineSpec, direction: str, emb_manifest: dict, files: Optio
         check_search_params(manifest["factory"], int(manifest["d"]), manifest["metric"], **params)
     except ValueError as exc:
         raise QueryError(f"{index_dir} ({manifest['factory']}): {exc}") from None
-    return {"kind": "index", "path": index_dir, "params": tuple(sorted(params.items())),
+    return {"kind": "index", "name": f"FAISS {manifest['factory']}", "path": index_dir,
+            "params": tuple(sorted(params.items())),
             "pool": int(manifest["ntotal"]),
             "fingerprint": _sha(os.path.join(index_dir, INDEX_MANIFEST) if "://" not in index_dir
                                 else index_dir.rstrip("/") + "/" + INDEX_MANIFEST, files),
