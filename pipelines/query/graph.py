@@ -38,12 +38,13 @@ HITS_SCHEMA = pa.schema([
 ])
 assert tuple(HITS_SCHEMA.names) == HIT_COLUMNS
 
-_ENGINES: dict = {}  # per worker process: (spec, direction, needs_ce) -> QueryEngine
+_ENGINES: dict = {}  # per worker process: (spec, direction, needs_ce, plan fingerprint) -> QueryEngine
 
 
-def get_engine(spec: EngineSpec, direction: str, needs_ce: bool) -> QueryEngine:
-    """The engine of ``spec``, opened (checked and loaded) once per process."""
-    key = (spec, direction, needs_ce)
+def get_engine(spec: EngineSpec, direction: str, needs_ce: bool, fingerprint: str) -> QueryEngine:
+    """The engine of ``spec``, opened (checked and loaded) once per process and plan fingerprint (which holds the
+    inputs' fingerprints: an index rebuilt at the same path is another engine)."""
+    key = (spec, direction, needs_ce, fingerprint)
     if key not in _ENGINES:
         _ENGINES[key] = QueryEngine(spec, files=files.BEAM_FILES, directions=(direction,),
                                     needs_ce=needs_ce).load((direction,))
@@ -54,11 +55,12 @@ class Answer(beam.DoFn):
     """Batch -> (shard, (batch number, hits DataFrame, rejects, truncated ids, answered)): one call of the entry
     point."""
 
-    def __init__(self, spec: EngineSpec, direction: str, mode: str, k: int, lam: float):
+    def __init__(self, spec: EngineSpec, direction: str, mode: str, k: int, lam: float, fingerprint: str):
         self.spec, self.direction, self.mode, self.k, self.lam = spec, direction, mode, k, lam
+        self.fingerprint = fingerprint
 
     def setup(self):
-        self._engine = get_engine(self.spec, self.direction, self.mode != "emb")
+        self._engine = get_engine(self.spec, self.direction, self.mode != "emb", self.fingerprint)
 
     def process(self, batch: Batch):
         hits = self._engine.search(list(batch.queries), self.k, self.mode, self.lam)
@@ -100,7 +102,8 @@ def build_graph(p: beam.Pipeline, res: Resolved, todo: list[str]) -> None:
     batches = [b for name in todo for b in res.shards[name]]
     written = (p | "batches" >> beam.Create(batches)
                | "spread" >> beam.Reshuffle()
-               | "answer" >> beam.ParDo(Answer(plan.engine_spec(), plan.direction, res.mode, plan.k, res.lam))
+               | "answer" >> beam.ParDo(Answer(plan.engine_spec(), plan.direction, res.mode, plan.k, res.lam,
+                                                 res.fingerprint))
                | "group shards" >> beam.GroupByKey()
                | "write hits" >> beam.Map(write_hits_shard, plan.output, {n: len(res.shards[n]) for n in todo},
                                           res.fingerprint))
