@@ -9,7 +9,9 @@ after ``--warmup`` untimed ones: text queries (the staged captions of ``--split`
 the image index, and image queries (those images by id) over the caption pool; each with the BE only (emb) and
 with the CE reranking the top ``--k`` (co). A row per (direction, mode): the median, 90th percentile and mean of
 the calls' wall time, query encoding, search, CE and ranking included; the machine's 1-minute load average
-before and after (a shared machine slows every number).
+before and after (a shared machine slows every number), and $OMP_WAIT_POLICY: on a machine busier than its cores,
+OpenMP's default spin-waiting made each 2-thread call ~20x slower (390 ms instead of 14-18 ms for a BE-only query
+at a load average of 8); PASSIVE, or one thread, avoids it.
 """
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ from retrieval_core.data.store import StagedDataset  # noqa: E402
 from retrieval_core.search.query import I2T, T2I, Query, QueryEngine  # noqa: E402
 
 COLUMNS = ("date", "commit", "cpu_model", "device", "threads", "torch", "faiss", "pool_images", "pool_captions",
-           "search", "direction", "mode", "k", "queries", "load_s", "p50_ms", "p90_ms", "mean_ms", "loadavg_1m_before",
-           "loadavg_1m_after")
+           "search", "direction", "mode", "k", "queries", "load_s", "p50_ms", "p90_ms", "mean_ms", "omp_wait_policy",
+           "loadavg_1m_before", "loadavg_1m_after")
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ def measure(plan: LatencyPlan) -> list[dict]:
                          "direction": direction, "mode": mode, "k": plan.k, "queries": len(ms),
                          "load_s": round(load_s, 2), "p50_ms": round(float(np.median(ms)), 1),
                          "p90_ms": round(float(np.percentile(ms, 90)), 1), "mean_ms": round(float(ms.mean()), 1),
+                         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
                          "loadavg_1m_before": round(before, 1), "loadavg_1m_after": round(os.getloadavg()[0], 1)})
             print({k: rows[-1][k] for k in ("direction", "mode", "p50_ms", "p90_ms", "mean_ms")}, flush=True)
     return rows

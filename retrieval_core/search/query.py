@@ -70,8 +70,10 @@ R_BAD_LINE = "unreadable line"
 REASONS = (R_EMPTY, R_DUPLICATE, R_UNKNOWN_ID, R_UNREADABLE, R_BAD_LINE)
 #: Query files: JSON lines and CSV by their suffix, anything else one query per line.
 JSONL_SUFFIXES, CSV_SUFFIXES = (".jsonl", ".json", ".ndjson"), (".csv",)
-#: Staged image shards whose regions an engine keeps between calls (least recently used dropped first).
-CACHED_IMAGE_SHARDS = 8
+#: Bytes of staged regions an engine keeps between calls, whole shards, least recently used dropped first: the demo's
+#: 5,000 images (245 MB at 12 regions of 1024 float32) stay in memory; a larger pool reads a shard per miss (a
+#: 500-image shard took 0.37 s on a loaded 2-core machine, so a budget of a few shards thrashed at the demo's size).
+CACHED_IMAGE_BYTES = 1 << 30
 
 
 class QueryError(ValueError):
@@ -376,7 +378,8 @@ def check_inputs(spec: EngineSpec, directions: Sequence[str] = (T2I, I2T), needs
 # --------------------------------------------------------------------------------------- the engine
 class _ImagePool:
     """Staged images' regions by id: the shard holding each id (one id column per shard, read once), and the
-    regions of the last CACHED_IMAGE_SHARDS shards read (in the staged dtype, cut to the regions the CE reads)."""
+    regions of the shards read last, up to CACHED_IMAGE_BYTES (in the staged dtype, cut to the regions the CE
+    reads)."""
 
     def __init__(self, ds: StagedDataset, collections_: Sequence[str], max_regions: int):
         self.ds, self.max_regions = ds, max_regions
@@ -392,21 +395,29 @@ class _ImagePool:
         self.shard_of = dict(zip(np.concatenate(ids).tolist(), np.concatenate(where).tolist())) if ids else {}
         self.source_of = {int(i): str(s) for t in meta for i, s in zip(t.column("item_id").to_pylist(),
                                                                      t.column("source_id").to_pylist())}
-        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._cache: collections.OrderedDict = collections.OrderedDict()  # shard -> ({id: regions}, bytes)
 
     def _shard(self, n: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         if n in self._cache:
             self._cache.move_to_end(n)
-            return self._cache[n]
+            return self._cache[n][0]
         table = self.ds.read_image_shard(self.shards[n], dtype=np.dtype(self.ds.feature_dtype))
-        regions = {}
+        regions, size = {}, 0
         for i, item_id in enumerate(table.item_ids.tolist()):
             feats, boxes = table.regions(i)
             regions[item_id] = (feats[:self.max_regions].copy(), boxes[:self.max_regions].copy())
-        self._cache[n] = regions
-        while len(self._cache) > CACHED_IMAGE_SHARDS:
+            size += regions[item_id][0].nbytes + regions[item_id][1].nbytes
+        self._cache[n] = (regions, size)
+        while len(self._cache) > 1 and sum(b for _, b in self._cache.values()) > CACHED_IMAGE_BYTES:
             self._cache.popitem(last=False)
         return regions
+
+    def warm(self) -> None:
+        """Read shards into the cache in order while they fit CACHED_IMAGE_BYTES (``QueryEngine.load``)."""
+        for n in range(len(self.shards)):
+            self._shard(n)
+            if sum(b for _, b in self._cache.values()) * (n + 2) / (n + 1) > CACHED_IMAGE_BYTES:
+                break
 
     def regions(self, item_ids: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
         missing = [i for i in item_ids if int(i) not in self.shard_of]
@@ -508,7 +519,8 @@ class QueryEngine:
         for d in directions:
             self._searcher(d)
             if d == T2I:
-                self.images
+                if self.inputs.ce is not None:
+                    self.images.warm()
             else:
                 self.captions
         return self
