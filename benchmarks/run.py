@@ -29,7 +29,7 @@ pipeline job, so the same suite runs on Beam's DaskRunner or Dataflow::
 Writes <output>/<suite>.csv (one row per collection, model, mode, k, λ and direction; timing columns from
 the jobs that produced the row, peak RSS included), <output>/<suite>_jobs.csv (every job: wall time, peak
 RSS, reused or run, command) and PNG plots; prints a summary table. Jobs write under <workdir>/bench/ and a
-finished job is reused by the next run (benchmarks.jobs). ``--plan`` prints the jobs without running any.
+finished job is reused by the next run (benchmarks.suites.jobs). ``--plan`` prints the jobs without running any.
 
 Models default to the benchmark recipe's (retrieval_core.training.recipes.BENCH_RECIPE; ``--recipe demo`` for the
 demo's, ``--model-seed N`` for another training seed), trained on first use and cached per recipe and seed.
@@ -47,9 +47,10 @@ from typing import Mapping, Optional, Sequence
 
 import click
 
-from benchmarks import jobs, latency, launch, per_query, report, suites
-from benchmarks.planner import Models, Plan, SuiteConfig, model_feature_dim, model_max_regions
-from benchmarks.rows import RowHits, ce_pairs_scored, evaluate_row
+from benchmarks import report
+from benchmarks.suites import jobs, latency, launch, per_query, suites
+from benchmarks.suites.planner import Models, Plan, SuiteConfig, model_feature_dim, model_max_regions
+from benchmarks.suites.rows import RowHits, ce_pairs_scored, evaluate_row
 from pipelines.beam_kit import UnknownFlagError, unknown_beam_flags
 from retrieval_core.cli import plan_command, plan_from_cli
 from retrieval_core.data.manifest import load_manifest
@@ -104,7 +105,7 @@ def _given_threads(command: str) -> str:
 def execute(plan: Plan, beam_args: Sequence[str], costs: jobs.UnitCosts, costs_path: str, env: dict,
             log=print, preload: bool = True) -> tuple[list[dict], list[jobs.JobResult], list[Optional[RowHits]]]:
     """Run the plan's jobs in order (learning unit costs from each), then evaluate its rows. ``preload``:
-    jobs forked from the preloaded forkserver (``benchmarks.jobs``), not fresh interpreters. Returns the CSV
+    jobs forked from the preloaded forkserver (``benchmarks.suites.jobs``), not fresh interpreters. Returns the CSV
     rows, the job results and, for each CSV row, the per-query hits behind it (the seed summary's input)."""
     runner = jobs.JobRunner(tuple(beam_args), log, preload=preload)
     for job in plan.jobs:
@@ -141,7 +142,8 @@ class RunOptions:
     beam_args: tuple[str, ...]
     recipe: str = ""  # the cached models' recipe and seed, recorded in every row ("" for given model folders)
     model_seed: object = ""
-    preload: bool = True  # jobs forked from the preloaded forkserver (benchmarks.jobs); False: fresh interpreters
+    # jobs forked from the preloaded forkserver (benchmarks.suites.jobs); False: fresh interpreters
+    preload: bool = True
 
 
 def check_beam_args(beam_args: Sequence[str]) -> None:
@@ -326,7 +328,7 @@ def _demo_feature_dim() -> int:
 
 
 def _check_anns(kinds: Sequence[str]) -> None:
-    """--ann "IVF-Flat,HNSW32": each kind checked (benchmarks.per_query.ann_factory)."""
+    """--ann "IVF-Flat,HNSW32": each kind checked (benchmarks.suites.per_query.ann_factory)."""
     for k in kinds:
         try:
             per_query.ann_factory(k, 1000)

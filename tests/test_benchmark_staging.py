@@ -1,4 +1,4 @@
-"""benchmarks.planner.stage_job(): which manifests may be restaged at the model's feature_dim, and how."""
+"""benchmarks.suites.planner.stage_job(): which manifests may be restaged at the model's feature_dim, and how."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,7 @@ import os
 import click
 import pytest
 
-from benchmarks.planner import Models, SuiteConfig, stage_job
+from benchmarks.suites.planner import Models, SuiteConfig, stage_job
 
 
 def _cfg(tmp_path, feature_dim, quick=False):
