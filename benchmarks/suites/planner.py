@@ -344,7 +344,7 @@ def stage_job(cfg: SuiteConfig, manifest: str, images: Optional[int] = None,
     if cfg.feature_dim != m.feature_dim:
         real = sorted(name for name, c in m.collections.items() if c.images.format != "synthetic")
         if real:
-            raise click.ClickException(
+            raise ValueError(
                 f"manifest {m.name!r} has {m.feature_dim}-d region features (collection(s) {', '.join(real)} "
                 f"read them from files), but the model expects {cfg.feature_dim}-d features; pass models trained "
                 f"on {m.feature_dim}-d features (--model, --be-model, --ce-model)")
