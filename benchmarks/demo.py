@@ -28,10 +28,11 @@ from typing import Optional
 import click
 import pandas as pd
 
-from benchmarks import launch, report
+from benchmarks import report
 from benchmarks.evaluate import EvaluatePlan, csv_rows, evaluate_ranking
 from benchmarks.inspect import InspectPlan
 from benchmarks.queries import QueriesPlan
+from benchmarks.suites import launch
 from pipelines.beam_kit import BEAM_CLI_CONTEXT, check_beam_flags
 from pipelines.build_index.plan import IndexPlan
 from pipelines.encode.plan import EncodePlan
@@ -65,7 +66,7 @@ def _run(module: str, plan, beam_args: tuple[str, ...] = ()) -> float:
     args = [sys.executable, "-m", module, *to_argv(plan), *beam_args]
     print("+ " + " ".join(args), flush=True)
     t0 = time.time()
-    launch.run_module(args)  # forked from the preloaded interpreter (benchmarks.launch): no imports per step
+    launch.run_module(args)  # forked from the preloaded interpreter (benchmarks.suites.launch): no imports per step
     return time.time() - t0
 
 

@@ -74,7 +74,7 @@ COMMANDS = _all_commands()
 def test_the_walk_finds_every_floors_clis():
     names = {path for path, _ in COMMANDS}
     assert {"pipelines.stage.run", "pipelines.encode.run", "pipelines.rerank.run", "pipelines.query.run",
-            "benchmarks.run", "benchmarks.demo", "benchmarks.evaluate", "benchmarks.roofline measure",
+            "benchmarks.run", "benchmarks.demo", "benchmarks.evaluate", "benchmarks.meters.roofline measure",
             "benchmarks.report.__main__ memory-table",
             "retrieval_core.training.train", "retrieval_core.model.e5", "perf_ab versions"} <= names, sorted(names)
     assert len(COMMANDS) >= 25

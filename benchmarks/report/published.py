@@ -119,7 +119,7 @@ def precision_block(rows: Sequence[Mapping]) -> str:
 
 
 def feeding_block(rows: Sequence[Mapping]) -> str:
-    """benchmarks.feeding's rates (report.feeding_table) under where they were measured."""
+    """benchmarks.meters.feeding's rates (report.feeding_table) under where they were measured."""
     return (environment_line(rows) + " Each rate is the median of repetitions interleaved with the other ways in "
             "one process (the CSV's notes: how many, and each way's seconds).\n\n" + feeding_table(rows) + "\n")
 
@@ -135,14 +135,14 @@ def seed_block(rows: Sequence[Mapping]) -> str:
 
 
 def probe_block(rows: Sequence[Mapping]) -> str:
-    """benchmarks.family_probe's accuracies (report.probe_table) under where they were measured."""
+    """benchmarks.probes.family_probe's accuracies (report.probe_table) under where they were measured."""
     return (_measured(rows, faiss=False) + "; "
             f"{_one(rows, 'collection')} {_one(rows, 'split')} split; intervals: {_one(rows, 'bootstrap')}.\n\n"
             + probe_table(rows) + "\n")
 
 
 def fusion_rule_block(rows: Sequence[Mapping]) -> str:
-    """benchmarks.fusion_rule's re-chosen defaults (report.fusion_rule_table) under where they were computed."""
+    """benchmarks.probes.fusion_rule's re-chosen defaults (report.fusion_rule_table) under where they were computed."""
     return (_measured(rows) + f"; from the stored scores of the suites' runs, {_one(rows, 'queries')} queries per "
             "direction; intervals: the seed mean's t interval over seeds, a seed's "
             "own difference by a paired query bootstrap (the CSV).\n\n" + fusion_rule_table(rows) + "\n")
@@ -170,7 +170,7 @@ def per_query_block(rows: Sequence[Mapping]) -> str:
 
 
 def search_batch_block(rows: Sequence[Mapping]) -> str:
-    """benchmarks.search_batch's timings (report.search_batch_table) under where they were measured."""
+    """benchmarks.meters.search_batch's timings (report.search_batch_table) under where they were measured."""
     return (_measured(rows) + f"; one Flat inner-product index shard of {_one(rows, 'shard_size')} vectors of "
             f"{_one(rows, 'dim')} dimensions, {_one(rows, 'candidates')} candidates per query; "
             f"{_one(rows, 'notes')}.\n\n" + search_batch_table(rows) + "\n")
@@ -178,7 +178,7 @@ def search_batch_block(rows: Sequence[Mapping]) -> str:
 
 def gpu_run_block(rows: Sequence[Mapping]) -> str:
     """The GPU run's (or its rehearsal's) rows (report.gpu_run_table) under where they were measured."""
-    return (_measured(rows, faiss=False) + "; benchmarks.gpu_pipelines, each step's estimate in its row's notes."
+    return (_measured(rows, faiss=False) + "; benchmarks.meters.gpu_pipelines, each step's estimate in its row's notes."
             "\n\n" + gpu_run_table(rows) + "\n")
 
 

@@ -40,14 +40,14 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from benchmarks import jobs
-from benchmarks.jobs import JOB_START_S
-from benchmarks.per_query import per_query_latency
-from benchmarks.planner import Planner
+from benchmarks.meters.roofline import UnitBench, measure_unit_costs, roofline_rows, training_rows
 from benchmarks.report import PAPER_CODE_MODEL, environment, set_threads
-from benchmarks.roofline import UnitBench, measure_unit_costs, roofline_rows, training_rows
-from benchmarks.rows import evaluate_row
-from benchmarks.suites import MODE_LABELS
+from benchmarks.suites import jobs
+from benchmarks.suites.jobs import JOB_START_S
+from benchmarks.suites.per_query import per_query_latency
+from benchmarks.suites.planner import Planner
+from benchmarks.suites.rows import evaluate_row
+from benchmarks.suites.suites import MODE_LABELS
 from pipelines.beam_kit import pipeline_options, runner_name
 from pipelines.encode.plan import EncodePlan
 from pipelines.encode.run import run as run_encode
@@ -76,7 +76,8 @@ class LatencyConfig:
     roofline: bool = True  # CE/BE rates against the GEMM roofline, fp32 and int8
     train_steps: int = 5  # training rows: timed steps per recipe and precision (0: no training rows)
     pipeline_overhead_images: int = 5_000  # pipelines.encode vs the raw model on this many images (0: skip)
-    feeding_items: int = 5_000  # job path vs model alone (benchmarks.feeding) on this many pairs / images (0: skip)
+    # job path vs model alone (benchmarks.meters.feeding) on this many pairs / images (0: skip)
+    feeding_items: int = 5_000
     base_images: int = 2000
     jitter: float = 0.5  # noise norm relative to the unit base vector: larger = harder for ANN
     recall_queries: int = 200
@@ -160,10 +161,10 @@ def pipeline_overhead_rows(b: _Bench, cfg, beam_args, log, n: int = 5_000) -> li
 
 
 def job_vs_model_rows(b: _Bench, cfg, log, n: int) -> list[dict]:
-    """benchmarks.feeding's rows for the suite's JOIN model on this machine: the jobs' handler path and the library
-    loop against the model alone on the same batches (CE pairs and BE images, ``n`` each), in fp32 and, where the
-    device computes it natively, bf16; interleaved in one process so the ratio holds on a shared machine."""
-    from benchmarks.feeding import feeding_rows
+    """benchmarks.meters.feeding's rows for the suite's JOIN model on this machine: the jobs' handler path and the
+    library loop against the model alone on the same batches (CE pairs and BE images, ``n`` each), in fp32 and,
+    where the device computes it natively, bf16; interleaved in one process so the ratio holds on a shared machine."""
+    from benchmarks.meters.feeding import feeding_rows
     from retrieval_core.precision import cpu_has_native_bf16, cuda_bf16_supported
 
     rows = []
