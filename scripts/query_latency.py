@@ -71,7 +71,7 @@ def _time(fn, items) -> np.ndarray:
 def measure(plan: LatencyPlan) -> list[dict]:
     t0 = time.perf_counter()
     engine = QueryEngine(staged=plan.staged, embeddings=plan.embeddings, index=plan.index, device="cpu",
-                         threads=plan.threads).load()
+                         threads=plan.threads).load(warm=True)
     load_s = time.perf_counter() - t0
     ds = StagedDataset(plan.staged)
     caps = ds.captions(split=plan.split).drop_duplicates("image_item_id")
