@@ -569,9 +569,12 @@ def test_latency_per_query_rows_and_extrapolated_totals(model, tmp_path):
     lcfg = latency.LatencyConfig(sizes=(100, 400), eval_sizes=(6,), ks=(4,), reps=3, warmup=1, paper_reps=1,
                                  base_images=12, recall_queries=8, ce_measure_budget_s=0.0, eval_budget_s=0.0,
                                  batch_size=16, threads=1, hnsw_max_n=100, pipeline_overhead_images=0,
-                                 train_steps=1, feeding_items=20)
+                                 train_steps=1, feeding_items=20, entry_point_images=8, entry_point_k=4)
     cfg = planner.SuiteConfig(suite="latency", workdir=str(tmp_path), models=planner.Models(join=model), feature_dim=F)
     rows, results = latency.run_latency(cfg, lcfg, log=lambda m: None)
+    entry = {r["mode"]: r for r in rows if r.get("collection") == "entry_point"}  # the Python query entry point
+    assert set(entry) == {"entry point EMB", "entry point CO"}
+    assert all(r["k"] == 4 and r["collection_size"] == 8 and 0 < r["latency_p50_ms"] for r in entry.values())
     assert results == []  # a zero budget runs no Table 4 job
     back = report.read_csv(report.write_csv(str(tmp_path / "latency.csv"), rows))
     per_q = [r for r in back if r["collection"].startswith("per_query")]
