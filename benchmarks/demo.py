@@ -8,8 +8,10 @@ image and one caption of each, as the scale suites do; ``--queries 0`` ranks eve
 reranks once per model family with rerank's default (``--mode auto``: the ranking chosen on the dev split, whose
 pool is the test pool's size), evaluates, prints the recall table with 95 % intervals (EMB, the paper's CO and the
 default) and the verdicts, and ends by writing the inspection page of the default vs EMB (``benchmarks.inspect``)
-and printing its path. Score once, evaluate many: the rerank run stores the BE top-k with its BE and CE scores, so
-the EMB and CO rows are derived from the same run (``benchmarks.evaluate --mode``) instead of runs of their own.
+and printing its path; last, three queries in a user's own words against the demo index (``pipelines.query``,
+ranked as the JOIN default was: docs/QUERY.md), their top hits printed. Score once, evaluate many: the rerank
+run stores the BE top-k with its BE and CE scores, so the EMB and CO rows are derived from the same run
+(``benchmarks.evaluate --mode``) instead of runs of their own.
 ``--quantize bf16`` then runs the encode and rerank steps again with the model served in bf16 and writes each bf16
 ranking paired with the float32 run's same ranking (``benchmarks.evaluate --against``): the effect of the precision
 on R@1 and mR with paired intervals, and on the scores, as ``demo_bf16.csv``.
@@ -30,12 +32,13 @@ import pandas as pd
 
 from benchmarks import report
 from benchmarks.evaluate import EvaluatePlan, csv_rows, evaluate_ranking
-from benchmarks.inspect import InspectPlan
+from benchmarks.inspect import InspectPlan, ItemViews
 from benchmarks.queries import QueriesPlan
 from benchmarks.suites import launch
 from pipelines.beam_kit import BEAM_CLI_CONTEXT, check_beam_flags
 from pipelines.build_index.plan import IndexPlan
 from pipelines.encode.plan import EncodePlan
+from pipelines.query.plan import HITS_JSONL, QueryPlan
 from pipelines.rerank.plan import RerankPlan
 from retrieval_core.cli import (
     AUTO_DEVICE,
@@ -50,6 +53,7 @@ from retrieval_core.cli import (
     resolve_device,
     to_argv,
 )
+from retrieval_core.data.store import StagedDataset
 from retrieval_core.evaluation.runs import read_run_manifest
 from retrieval_core.evaluation.stats import Bootstrap, verdict
 from retrieval_core.precision import resolve_quantize
@@ -58,7 +62,13 @@ from retrieval_core.training import cache, recipes
 #: The demo's table in the suites' CSV schema (benchmarks.report), beside metrics.csv in <demo>/results.
 DEMO_CSV = "demo.csv"
 
-launch.preload("benchmarks.queries", "benchmarks.evaluate", "benchmarks.inspect")  # the demo's own steps
+launch.preload("benchmarks.queries", "benchmarks.evaluate", "benchmarks.inspect",  # the demo's own steps
+               "pipelines.query.run")
+#: The tutorial's last step: queries in a user's own words (the demo generator's vocabulary: colours, objects,
+#: places, relations), asked of the demo index with pipelines.query.
+OWN_WORDS = ("a red cup on a table", "two brown dogs on the grass", "a purple lamp left of a green sofa")
+#: Hits printed per query.
+OWN_WORDS_SHOWN = 3
 
 
 def _run(module: str, plan, beam_args: tuple[str, ...] = ()) -> float:
@@ -93,7 +103,31 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
     page = os.path.join(results, "inspect_JOIN-default_vs_EMB.html")
     _run("benchmarks.inspect", InspectPlan(rankings=run_dirs["JOIN"], against_mode="emb", staged=staged, output=page))
     print(f"inspection page (EMB vs the JOIN default, query by query): {page}")
+    if quantize == "none":
+        _query_own_words(root, staged, run_dirs["JOIN"], k, beam_args)
     return table
+
+
+def _query_own_words(root: str, staged: str, run: str, k: int, beam_args: tuple[str, ...]) -> None:
+    """The tutorial's end: OWN_WORDS as a user's query file, asked of the JOIN index with pipelines.query, ranked
+    as the JOIN default was (--mode auto --tune-on the demo's run); the top hits printed with their scenes."""
+    path, out = os.path.join(root, "my_queries.txt"), os.path.join(root, "my_hits")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("".join(q + "\n" for q in OWN_WORDS))
+    print(f"\nYour own words against the demo index (docs/QUERY.md): {path}")
+    _run("pipelines.query", QueryPlan(staged=staged, embeddings=os.path.join(root, "embeddings-JOIN"),
+                                      index=os.path.join(root, "index-JOIN"), queries=path, output=out,
+                                      mode="auto", tune_on=run, k=k), beam_args)
+    hits = pd.read_json(os.path.join(out, HITS_JSONL), lines=True, dtype={"query_id": str, "source_id": str})
+    shown = hits[hits["rank"] <= OWN_WORDS_SHOWN]
+    views = ItemViews(StagedDataset(staged), None, None)  # the scene of each synthetic image, as the page shows it
+    views.load(set(), set(shown["item_id"].tolist()))
+    for _, g in shown.groupby("query_id", sort=False):
+        print(f'  "{g["query"].iloc[0]}":')
+        for _, h in g.iterrows():
+            scene = views.scene(*views.image_source(int(h["item_id"])))
+            print(f"    {h['rank']}. image {h['source_id']} (BE {h['be_score']:.3f}, CE {h['ce_score']:.2f})"
+                  + (f": {scene}" if scene else ""))
 
 
 def demo_root(seed: int, recipe: recipes.Recipe) -> str:
