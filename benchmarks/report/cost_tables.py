@@ -59,6 +59,20 @@ def search_batch_table(rows: Sequence[Mapping]) -> str:
     return "\n".join(lines)
 
 
+def query_latency_table(rows: Sequence[Mapping]) -> str:
+    """A Markdown table of scripts/query_latency.py's rows: per direction and ranking, the query entry point's
+    milliseconds per query (median, 90th percentile, mean)."""
+    names = {"t2i": "text -> images", "i2t": "image -> captions"}
+    modes = {"emb": "BE only (emb)", "co": "BE + CE (co)"}
+    lines = ["| queries | searched by | ranking | k | ms per query, median | 90th percentile | mean |",
+             "|" + "---|" * 7]
+    for r in rows:
+        lines.append(f"| {names.get(r['direction'], r['direction'])} | {r['search']} | "
+                     f"{modes.get(r['mode'], r['mode'])} | {r['k']} | {_fmt(r['p50_ms'])} | {_fmt(r['p90_ms'])} | "
+                     f"{_fmt(r['mean_ms'])} |")
+    return "\n".join(lines)
+
+
 def jobs_table(rows: Sequence[Mapping]) -> str:
     """A Markdown table of a <suite>_jobs.csv: per job, what it ran, its wall seconds, peak RSS, the threads its
     command gave it and when it finished (a reused job: when it ran, at its own thread count); a job resumed

@@ -37,6 +37,7 @@ from benchmarks.report.cost_tables import (
     jobs_table,
     per_query_table,
     precision_table,
+    query_latency_table,
     search_batch_table,
 )
 from benchmarks.report.schema import read_csv, schema_path
@@ -48,7 +49,7 @@ RESULTS_DIR = "docs/results"
 #: The files whose numbers must all come from RESULTS_DIR.
 DOCS = ("README.md", "docs/RESULTS.md")
 #: Files with generated blocks too, whose other numbers state how and where they were measured (not checked).
-BLOCKS_ONLY = ("docs/PERFORMANCE.md",)
+BLOCKS_ONLY = ("docs/PERFORMANCE.md", "docs/QUERY.md")
 #: The columns a published CSV must fill: where, when and from which code its rows were measured.
 PROVENANCE = ("device", "cpu_model", "threads", "torch", "faiss", "commit", "date")
 
@@ -176,6 +177,16 @@ def search_batch_block(rows: Sequence[Mapping]) -> str:
             f"{_one(rows, 'notes')}.\n\n" + search_batch_table(rows) + "\n")
 
 
+def query_latency_block(rows: Sequence[Mapping]) -> str:
+    """scripts/query_latency.py's rows (report.query_latency_table) under where and how they were measured."""
+    loads = [float(r[c]) for r in rows for c in ("loadavg_1m_before", "loadavg_1m_after") if str(r.get(c, ""))]
+    load = f"; machine load average {min(loads):g}-{max(loads):g}" if loads else ""
+    return (_measured(rows) + f", OMP_WAIT_POLICY={_one(rows, 'omp_wait_policy')}; pool of "
+            f"{_one(rows, 'pool_images')} images and {_one(rows, 'pool_captions')} captions; "
+            f"{_one(rows, 'queries')} queries per row, one per call; the engine opened in {_one(rows, 'load_s')} s"
+            f"{load}.\n\n" + query_latency_table(rows) + "\n")
+
+
 def gpu_run_block(rows: Sequence[Mapping]) -> str:
     """The GPU run's (or its rehearsal's) rows (report.gpu_run_table) under where they were measured."""
     return (_measured(rows, faiss=False) + "; benchmarks.meters.gpu_pipelines, each step's estimate in its row's notes."
@@ -188,7 +199,8 @@ GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {
     "seed-table": seed_block, "probe-table": probe_block,
     "fusion-rule-table": fusion_rule_block, "jobs-table": jobs_block,
     "comparison-table": comparison_block, "per-query-table": per_query_block,
-    "search-batch-table": search_batch_block, "gpu-run-table": gpu_run_block}
+    "search-batch-table": search_batch_block, "gpu-run-table": gpu_run_block,
+    "query-latency-table": query_latency_block}
 
 
 def generate(kind: str, csv_path: str, root: str) -> str:
