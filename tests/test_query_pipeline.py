@@ -188,3 +188,59 @@ def test_mode_auto_reuses_the_choice_of_a_finished_auto_run(assets, tmp_path):
     with pytest.raises(query_plan.QueryJobError, match="at k = 4, not at --k 5"):
         query_run.run(query_plan.QueryPlan(staged, emb_dir, str(tmp_path / "x"), queries=str(tmp_path / "q.txt"),
                                            mode="auto", tune_on=auto, k=5))
+
+
+def test_pictures_go_through_the_staged_backbone_and_unreadable_ones_are_rejected(tmp_path):
+    """A staged folder built from pictures records its backbone; a picture query is turned into regions by that
+    backbone, rebuilt from the record (an undecodable file is a reject with the stager's reason), and ranks like
+    the staged image with the same regions."""
+    from PIL import Image
+
+    from retrieval_core.data.pixels.backbone import GridSpec, backbone_for, fingerprint
+    from retrieval_core.model.checkpoints import inspect_model_folder
+    from tests.helpers_model import tiny_model
+    from tests.test_encode_pipeline import write_tiny_staged
+
+    desc = fingerprint(GridSpec(grids=(1, 2)))
+    backbone = backbone_for(desc)
+    pictures = tmp_path / "pics"
+    pictures.mkdir()
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (64, 80, 3), dtype=np.uint8)).save(pictures / "noise.png")
+    (pictures / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    staged = write_tiny_staged(str(tmp_path / "staged"), num_images=8, feature_dim=backbone.feature_dim)
+    summary = json.load(open(os.path.join(staged, "summary.json")))
+    json.dump({**summary, "image_backbone": desc}, open(os.path.join(staged, "summary.json"), "w"))
+    model = tiny_model(str(tmp_path / "src"), feature_dim=backbone.feature_dim)
+    model.cfg.image_backbone = desc["fingerprint"]
+    model.save(str(tmp_path / "model"))
+    ds = StagedDataset(staged)
+    caps = ds.captions()
+    from retrieval_core.search import embeddings as emb_io
+
+    emb = tmp_path / "emb"
+    (emb / "embeddings" / "text").mkdir(parents=True)
+    data = emb_io.embedding_shard_bytes(caps["caption_id"].to_numpy(), model.encode_text(caps["text"].tolist()))
+    (emb / "embeddings" / "text" / "tiny.parquet").write_bytes(data)
+    manifest = emb_io.make_embeddings_manifest(str(tmp_path / "model"), inspect_model_folder(str(tmp_path / "model"))
+                                               .fingerprint, model.embedding_dim,
+                                               {"text": [emb_io.shard_info("tiny.parquet", data, len(caps))]}, "test")
+    (emb / "embeddings_manifest.json").write_text(json.dumps(manifest))
+
+    engine = QueryEngine(staged=staged, embeddings=str(emb), device="cpu", directions=("i2t",))
+    hits = engine.search_images([str(pictures / "noise.png"), str(pictures / "broken.png")], k=3)
+    assert hits["query_id"].unique().tolist() == ["0"] and len(hits) == 3
+    assert [r["reason"].split(":")[0] for r in hits.attrs["rejected"]] == ["unreadable picture"]
+    # the same regions given directly rank alike: the picture went through the recorded backbone
+    from retrieval_core.data.pixels import decode
+
+    pixels = decode.decode_image((pictures / "noise.png").read_bytes(), backbone.input_size).pixels
+    regions = (backbone.regions(np.stack([pixels]))[0], backbone.boxes)
+    same = engine.search_images([regions], k=3)
+    assert same["item_id"].tolist() == hits["item_id"].tolist()
+    np.testing.assert_allclose(same["ce_score"], hits["ce_score"], atol=1e-6)
+    # and a staged folder of another backbone is refused before anything loads
+    json.dump({**summary, "image_backbone": fingerprint(GridSpec(grids=(2,)))},
+              open(os.path.join(staged, "summary.json"), "w"))
+    with pytest.raises(QueryError, match="trained on"):
+        QueryEngine(staged=staged, embeddings=str(emb), device="cpu", directions=("i2t",))
