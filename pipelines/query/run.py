@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import tempfile
 import time
 
 import apache_beam as beam
@@ -124,11 +125,12 @@ def _write_outputs(res: Resolved, manifest: dict, shards: list[dict]) -> None:
     no hit shard or record the manifest does not list."""
     output = res.plan.output
     names = [s["name"] for s in manifest["shards"]]
-    lines = []
-    for name in names:
-        table = pq.read_table(io.BytesIO(files.read_bytes(files.join(output, HITS_DIR, name))))
-        lines += [json.dumps(row, ensure_ascii=False) for row in table.to_pylist()]
-    files.write_atomic(files.join(output, HITS_JSONL), ("\n".join(lines) + "\n" if lines else "").encode("utf-8"))
+    with tempfile.TemporaryFile() as tmp:  # one shard in memory at a time, whatever the number of queries
+        for name in names:
+            table = pq.read_table(io.BytesIO(files.read_bytes(files.join(output, HITS_DIR, name))))
+            tmp.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in table.to_pylist()).encode())
+        tmp.seek(0)
+        files.write_atomic_stream(files.join(output, HITS_JSONL), tmp)
     rejects = _rejects(res, shards)
     files.write_atomic(files.join(output, REJECTS_JSONL),
                        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejects).encode("utf-8"))
