@@ -396,6 +396,9 @@ class _ImagePool:
         self.source_of = {int(i): str(s) for t in meta for i, s in zip(t.column("item_id").to_pylist(),
                                                                      t.column("source_id").to_pylist())}
         self._cache: collections.OrderedDict = collections.OrderedDict()  # shard -> ({id: regions}, bytes)
+        self.by_source: dict[str, list[int]] = {}  # source id -> the item ids bearing it (one per collection)
+        for item_id, source in self.source_of.items():
+            self.by_source.setdefault(source, []).append(item_id)
 
     def _shard(self, n: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         if n in self._cache:
@@ -619,9 +622,7 @@ class QueryEngine:
     def _staged_image_ids(self, wanted: Sequence[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """{as written: regions} of the staged images named by item id or (unambiguous) source id."""
         pool = self.images
-        by_source: dict[str, list[int]] = {}
-        for item_id, source in pool.source_of.items():
-            by_source.setdefault(source, []).append(item_id)
+        by_source = pool.by_source
         out = {}
         for w in wanted:
             item = int(w) if w.lstrip("-").isdigit() and int(w) in pool.shard_of else None
