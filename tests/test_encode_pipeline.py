@@ -321,7 +321,7 @@ def test_plan_and_cli_flags(assets, tmp_path):
     assert encode_plan.EncodePlan(staged, model_dir, "o", device="CUDA").device == "cuda"
     with pytest.raises(ValueError, match=r"device must be one of auto\|cpu\|cuda\|cuda:N, got 'GPU'"):
         encode_plan.EncodePlan(staged, model_dir, "o", device="GPU")
-    with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="--batch-size: 0 is not in the range x>=1"):
         encode_plan.EncodePlan(staged, model_dir, "o", batch_size=0)
     res = CliRunner().invoke(encode_run.main, ["--staged", staged, "--model", model_dir, "--output",
                                                str(tmp_path / "o"),
