@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.files import BEAM_FILES, write_atomic, write_json_atomic
-from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors, option, plan_from_cli, plan_options
+from retrieval_core.cli import CONTEXT_SETTINGS, CheckedPlan, cli_errors, option, plan_from_cli, plan_options
 from retrieval_core.data import schema
 from retrieval_core.data.schema import DIRECTION_I2T, DIRECTION_T2I
 from retrieval_core.data.store import StagedDataset
@@ -150,7 +150,7 @@ def write_selection(output: str, sel: dict, params: dict) -> dict:
 
 
 @dataclass(frozen=True)
-class QueriesPlan:
+class QueriesPlan(CheckedPlan):
     """One selection: the queries (and fold pools) of a collection's split, written to ``output``."""
     staged: str = option(help="staged directory (pipelines.stage output)")
     collection: str = option(help="collection whose queries (and fold pools) are selected")
@@ -168,6 +168,7 @@ class QueriesPlan:
                                             "the caption pool an index --ids file gets")
 
     def __post_init__(self):
+        super().__post_init__()
         if self.fold is not None and self.scale:
             raise ValueError("--fold and --scale exclude each other")
 

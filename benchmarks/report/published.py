@@ -42,7 +42,7 @@ from benchmarks.report.cost_tables import (
 )
 from benchmarks.report.schema import read_csv, schema_path
 from benchmarks.report.tables import comparison_table, fusion_rule_table, probe_table, recall_table, seed_table
-from retrieval_core.cli import check_options, option
+from retrieval_core.cli import CheckedPlan, option
 
 #: The tracked folder of the result CSVs the docs cite (results/ at the root is the runs' scratch, ignored).
 RESULTS_DIR = "docs/results"
@@ -325,7 +325,7 @@ def machine_folder(rows: Sequence[Mapping]) -> str:
 
 
 @dataclass(frozen=True)
-class DocsPlan:
+class DocsPlan(CheckedPlan):
     """``docs``' options (checked when built)."""
     publish: tuple[str, ...] = option((), multiple=True, type=click.Path(exists=True, dir_okay=False),
                                       help=f"a run's result CSV to copy into {RESULTS_DIR} first (repeatable)")
@@ -333,7 +333,7 @@ class DocsPlan:
     root: str = option(".", type=click.Path(exists=True, file_okay=False), help="the repository root")
 
     def __post_init__(self):
-        check_options(self)
+        super().__post_init__()
         if self.check and self.publish:
             raise ValueError("--check changes nothing: it takes no --publish")
 
