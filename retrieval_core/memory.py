@@ -48,6 +48,25 @@ def vm_data() -> int:
     return 0
 
 
+def available_bytes() -> Optional[int]:
+    """What this process may still take: the machine's MemAvailable (/proc/meminfo), lowered to what RLIMIT_DATA
+    leaves when a limit is set; None where neither is known."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) << 10
+                    break
+    except OSError:
+        pass
+    limit = data_limit()
+    if limit is not None:
+        left = max(0, limit - vm_data())
+        avail = left if avail is None else min(avail, left)
+    return avail
+
+
 def thread_stack_bytes() -> int:
     """What one new thread's stack counts against RLIMIT_DATA (glibc sizes it from RLIMIT_STACK)."""
     soft = resource.getrlimit(resource.RLIMIT_STACK)[0]

@@ -28,10 +28,10 @@ FEATURE_DIM = 16
 
 
 def write_tiny_staged(directory: str, num_images: int = 24, collection: str = "tiny", image_shards: int = 2,
-                      seed: int = 0, feature_dim: int = FEATURE_DIM) -> str:
+                      seed: int = 0, feature_dim: int = FEATURE_DIM, feature_dtype: str = "float32") -> str:
     """A staged directory (the layout pipelines.stage writes) from tests.helpers_model's tiny data, written
-    with the stager's own shard encoders. Splits: the last quarter of the images (and their captions) is
-    "test", the rest "train"."""
+    with the stager's own shard encoders, features in ``feature_dtype``. Splits: the last quarter of the images
+    (and their captions) is "test", the rest "train"."""
     captions, images = make_tiny_dataset(num_images=num_images, feature_dim=feature_dim, seed=seed,
                                          collection=collection)
     split = np.where(images.meta["split"] == "dev", "test", "train")
@@ -48,7 +48,7 @@ def write_tiny_staged(directory: str, num_images: int = 24, collection: str = "t
     for s in range(image_shards):
         part = [r for r in rows if r["item_id"] % image_shards == s]
         name = f"images/{collection}-{s:05d}-of-{image_shards:05d}.parquet"
-        data = image_shard_parquet(part, feature_dim)
+        data = image_shard_parquet(part, feature_dim, feature_dtype)
         with open(os.path.join(directory, name), "wb") as f:
             f.write(data)
         img_shards.append({"name": name, "rows": len(part), "sha256": hashlib.sha256(data).hexdigest()})
@@ -58,7 +58,7 @@ def write_tiny_staged(directory: str, num_images: int = 24, collection: str = "t
         f.write(data)
     cap_shards.append({"name": name, "rows": len(captions), "sha256": hashlib.sha256(data).hexdigest()})
     summary = {"complete": True, "feature_dim": feature_dim, "feature_format": "parquet",
-               "feature_dtype": "float32",
+               "feature_dtype": feature_dtype,
                "collections": {collection: {"images": {"shards": img_shards}, "captions": {"shards": cap_shards}}}}
     with open(os.path.join(directory, "summary.json"), "w") as f:
         json.dump(summary, f)

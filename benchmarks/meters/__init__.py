@@ -1,2 +1,3 @@
-"""The performance meters: rates of the model, its feeding, search and pixel decoding on this machine (roofline,
-feeding, search_batch, pixel_throughput) and the GPU run's steps and device set-up (gpu_pipelines, gpu_device)."""
+"""The performance meters: rates of the model, its feeding, search, pixel decoding and training source on this machine
+(roofline, feeding, search_batch, pixel_throughput, train_source) and the GPU run's steps and device set-up
+(gpu_pipelines, gpu_device)."""

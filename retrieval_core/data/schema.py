@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import pyarrow as pa
@@ -237,6 +237,25 @@ class Skipped:
     locator: str
 
 
+@runtime_checkable
+class ImageReader(Protocol):
+    """What the model's batched loops and the trainer read images through: :class:`ImageTable` (in memory) and
+    ``data.region_file.StreamedImages`` (read from disk by position when asked for)."""
+    item_ids: np.ndarray
+
+    def __len__(self) -> int: ...
+
+    def num_boxes(self) -> np.ndarray: ...
+
+    def regions(self, i: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def read(self, positions: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]: ...
+
+    def take(self, indices: Iterable[int]) -> "ImageReader": ...
+
+    def position_of(self) -> dict[int, int]: ...
+
+
 @dataclass
 class ImageTable:
     """Images with variable region counts, packed CSR-style: the regions of image ``i`` are rows
@@ -260,6 +279,10 @@ class ImageTable:
     def regions(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return self.features[a:b], self.boxes[a:b]
+
+    def read(self, positions: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The regions of the images at ``positions``, in that order (views)."""
+        return [self.regions(int(p)) for p in positions]
 
     def take(self, indices: Iterable[int]) -> "ImageTable":
         """A new table with the images at ``indices`` (positions, not ids), in that order."""

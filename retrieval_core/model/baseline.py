@@ -25,7 +25,13 @@ import torch
 from safetensors.numpy import load_file, save_file
 from transformers import AutoTokenizer, BertModel
 
-from retrieval_core.data.schema import DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS, SCHEMA_VERSION, ImageTable
+from retrieval_core.data.schema import (
+    DEFAULT_MAX_REGIONS,
+    DEFAULT_MAX_TEXT_TOKENS,
+    SCHEMA_VERSION,
+    ImageReader,
+    ImageTable,
+)
 from retrieval_core.model.backbones import backbone_path, is_backbone_name
 from retrieval_core.model.collate import Regions, TextCollator
 
@@ -38,10 +44,10 @@ def _normalise(x: np.ndarray) -> np.ndarray:
     return (x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)).astype(np.float32)
 
 
-def pooled_image_vectors(images: ImageTable | Sequence[Regions], max_regions: int = DEFAULT_MAX_REGIONS
+def pooled_image_vectors(images: ImageReader | Sequence[Regions], max_regions: int = DEFAULT_MAX_REGIONS
                          ) -> np.ndarray:
     """(n, F + 6): mean region feature and mean normalised box of each image (first ``max_regions`` regions)."""
-    if isinstance(images, ImageTable):
+    if isinstance(images, ImageReader):
         get, n = images.regions, len(images)
     else:
         images = list(images)

@@ -12,7 +12,7 @@ import functools
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -275,10 +275,11 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 PREFETCH_BATCHES = 2
 
 
-def prefetched(make_batch: Callable, chunks: Sequence[np.ndarray], depth: int = PREFETCH_BATCHES):
+def prefetched(make_batch: Callable, chunks: Iterable, depth: int = PREFETCH_BATCHES):
     """(chunk, make_batch(chunk)) for each chunk in order, the next ``depth`` made in a worker thread while the
     caller uses the current one (collation is numpy and tokenizer work outside the model's threads). An error
-    in ``make_batch`` is raised here, at its batch."""
+    in ``make_batch`` is raised here, at its batch. ``chunks`` may be a generator: it is advanced in the caller's
+    thread, the next chunk when the caller asks for the current one (the trainer plans a step's reads that way)."""
     if not chunks:
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="collate") as pool:

@@ -31,7 +31,13 @@ from torch import nn
 from transformers import AutoTokenizer, BertConfig, BertModel
 from transformers.utils import SAFE_WEIGHTS_NAME
 
-from retrieval_core.data.schema import BOX_DIM, DEFAULT_MAX_REGIONS, DEFAULT_MAX_TEXT_TOKENS, SCHEMA_VERSION, ImageTable
+from retrieval_core.data.schema import (
+    BOX_DIM,
+    DEFAULT_MAX_REGIONS,
+    DEFAULT_MAX_TEXT_TOKENS,
+    SCHEMA_VERSION,
+    ImageReader,
+)
 from retrieval_core.model.attention import attention_backends, packed_layer
 from retrieval_core.model.collate import (
     PREFETCH_BATCHES,
@@ -375,7 +381,7 @@ class VLRetrievalModel(nn.Module):
         return self._run_batched(order, batch_size, device, amp_dtype, progress, "encode text", self.embedding_dim,
                                  lambda idx: make.text([ids[i] for i in idx]), self.embed_text)
 
-    def encode_image(self, images: ImageTable | Sequence[Regions], batch_size: int = 128, device: str = "cpu",
+    def encode_image(self, images: ImageReader | Sequence[Regions], batch_size: int = 128, device: str = "cpu",
                      amp_dtype: Optional[str] = None, progress: Progress = False) -> np.ndarray:
         """(n, d) float32 L2-normalised image embeddings, in input order."""
         get, counts = _region_access(images)
@@ -384,7 +390,7 @@ class VLRetrievalModel(nn.Module):
         return self._run_batched(order, batch_size, device, amp_dtype, progress, "encode images", self.embedding_dim,
                                  lambda idx: make.images([get(i) for i in idx]), self.embed_image)
 
-    def score(self, texts: Sequence[Text], images: ImageTable | Sequence[Regions], batch_size: int = 128,
+    def score(self, texts: Sequence[Text], images: ImageReader | Sequence[Regions], batch_size: int = 128,
               device: str = "cpu", amp_dtype: Optional[str] = None, progress: Progress = False) -> np.ndarray:
         """(n,) CE match log-odds of the pairs (texts[i], images[i]); texts as in encode_text."""
         texts = list(texts)
@@ -474,8 +480,8 @@ def _lengths(ids: Sequence[np.ndarray]) -> np.ndarray:
     return np.fromiter((len(t) for t in ids), dtype=np.int64, count=len(ids))
 
 
-def _region_access(images: ImageTable | Sequence[Regions]) -> tuple[Callable[[int], Regions], np.ndarray]:
-    if isinstance(images, ImageTable):
+def _region_access(images: ImageReader | Sequence[Regions]) -> tuple[Callable[[int], Regions], np.ndarray]:
+    if isinstance(images, ImageReader):  # an ImageTable, or images read from disk on demand
         return images.regions, images.num_boxes()
     images = list(images)
     return (lambda i: images[i]), np.array([len(f) for f, _ in images], dtype=np.int64)

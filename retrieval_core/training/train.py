@@ -23,12 +23,14 @@ from retrieval_core.cli import (
     threads_option,
 )
 from retrieval_core.data.outputs import holds_output
+from retrieval_core.data.region_file import RegionFile, ensure_region_file
 from retrieval_core.data.store import StagedDataset
+from retrieval_core.memory import available_bytes
 from retrieval_core.model.backbones import E5_NAMES
 from retrieval_core.model.network import CE_AGREEMENTS, ce_agreement_default
 from retrieval_core.training.config import TrainConfig
 from retrieval_core.training.model_init import build_model
-from retrieval_core.training.train_data import load_split
+from retrieval_core.training.train_data import TRAIN_SOURCES, choose_train_source, load_split
 from retrieval_core.training.trainer import Trainer
 
 
@@ -58,6 +60,12 @@ class TrainPlan(CheckedPlan):
     manifest: Optional[str] = option(None, help="Data manifest the staged dir came from (recorded in provenance).")
     languages: tuple[str, ...] = option((), sep=",", help="Train and select on captions of these languages only, "
                                                           "e.g. en (the zero-shot setting) [all]")
+    train_source: str = option(
+        "auto", type=click.Choice(TRAIN_SOURCES, case_sensitive=False),
+        help="Where the splits' regions come from: streamed = read by position from a region file beside the staged "
+             "shards (built on first use: the --max-regions regions of every staged image, in the staged "
+             "precision), memory = one float32 table of them; auto = streamed unless the table fits and was "
+             "measured faster (docs/TRAINING.md, \"Training memory\"). The model trained is the same.")
     resume: bool = option(False, help="Continue from output/last/.")
     threads: Optional[int] = threads_option()
 
@@ -68,12 +76,6 @@ def run(plan: TrainPlan) -> dict:
     """Trains as ``plan`` says; returns Trainer.train's result (steps, best_dir, best_metric, best_eval)."""
     staged = StagedDataset(plan.staged)
     cfg = plan.config
-    train = load_split(staged, plan.train_split, plan.max_train_captions, cfg.seed, plan.languages)
-    dev = None
-    if len(staged.captions(split=plan.dev_split)):
-        dev = load_split(staged, plan.dev_split, languages=plan.languages)
-    else:
-        click.echo(f"note: no captions in split {plan.dev_split!r}: no dev evaluation, best = last", err=True)
     model = build_model(plan.base_model, staged.feature_dim, plan.halve_layers, cfg.seed, plan.ce_agreement,
                         staged.image_backbone)
     if plan.ce_agreement is not None and model.cfg.ce_agreement != plan.ce_agreement:
@@ -89,11 +91,31 @@ def run(plan: TrainPlan) -> dict:
                    "--freeze-word-embeddings keeps them (docs/MULTILINGUAL.md)", err=True)
     if plan.max_regions is not None:
         model.cfg.max_regions = plan.max_regions
+    has_dev = len(staged.captions(split=plan.dev_split)) > 0
+    regions = region_source(staged, plan, model.cfg.max_regions, has_dev)
+    train = load_split(staged, plan.train_split, plan.max_train_captions, cfg.seed, plan.languages, regions)
+    dev = None
+    if has_dev:
+        dev = load_split(staged, plan.dev_split, languages=plan.languages, regions=regions)
+    else:
+        click.echo(f"note: no captions in split {plan.dev_split!r}: no dev evaluation, best = last", err=True)
     model.cfg.provenance.update({"base_model": plan.base_model, "staged": os.path.abspath(plan.staged),
                                  "manifest": plan.manifest, "train_split": plan.train_split,
                                  "train_captions": len(train),
                                  **({"languages": list(plan.languages)} if plan.languages else {})})
     return Trainer(model, train, cfg, plan.output, dev).train(resume=plan.resume)
+
+
+def region_source(staged: StagedDataset, plan: TrainPlan, max_regions: int, has_dev: bool) -> Optional[RegionFile]:
+    """The region file the splits are read from, or None for the in-memory table, as choose_train_source rules on
+    the splits' float32 table bytes (their staged region counts); says which on stderr."""
+    splits = [plan.train_split] + ([plan.dev_split] if has_dev else [])
+    counts = sum(int(staged.images_meta(split=s)["num_boxes"].sum()) for s in splits)
+    table_bytes = counts * (staged.feature_dim + 6) * 4
+    source, why = choose_train_source(plan.train_source.lower(), table_bytes, available_bytes())
+    click.echo(f"train source: {source} ({why})", err=True)
+    return ensure_region_file(staged, max_regions, log=lambda line: click.echo(line, err=True)) \
+        if source == "streamed" else None
 
 
 @click.command(context_settings=CONTEXT_SETTINGS,

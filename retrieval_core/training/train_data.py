@@ -1,24 +1,61 @@
 """What the trainer reads: the captions and images of a split (:class:`TrainData`, :func:`load_split`), each
 image's nearest images by region features (:func:`feature_neighbours`) and the bi-encoder's own near misses
-(:func:`mine_be_negatives`), the CE negatives of ``losses.sample_ce_groups``."""
+(:func:`mine_be_negatives`), the CE negatives of ``losses.sample_ce_groups``; and where a split's regions come from
+(:func:`choose_train_source`): streamed from the staged folder's region file (``data.region_file``), or one
+in-memory table."""
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
 
-from retrieval_core.data.schema import ImageTable
+from retrieval_core.data.region_file import RegionFile, StreamedImages, mean_region_feature
+from retrieval_core.data.schema import ImageReader
 from retrieval_core.model.network import VLRetrievalModel
 from retrieval_core.search import exact
 from retrieval_core.training.losses import MinedNegatives
 
+#: Where a run's regions come from (--train-source): ``auto`` applies choose_train_source's rule.
+TRAIN_SOURCES = ("auto", "streamed", "memory")
+#: auto keeps the regions in memory only when their float32 table would take at most this share of the memory
+#: available: the model, its activations and AdamW's state need the rest, and a table near the limit swaps or is
+#: killed rather than merely slow.
+IN_MEMORY_SHARE = 0.25
+#: The streamed source's step rate over the in-memory table's, measured at demo size (same batches; interleaved
+#: repetitions in one run; docs/results/train_source.csv, docs/TRAINING.md "Training memory").
+STREAMED_RELATIVE_RATE = 1.0
+#: auto picks the in-memory table only when it was measured this much faster (beyond the repetitions' spread).
+MEMORY_FASTER_BY = 1.02
+
+
+def choose_train_source(requested: str, table_bytes: int, available: Optional[int]) -> tuple[str, str]:
+    """(source, why) of a run: "streamed" (regions read by position from the staged folder's region file) or
+    "memory" (one float32 table of the splits' regions, ``table_bytes``). The rule, in one place: streamed unless
+    the table fits (at most IN_MEMORY_SHARE of ``available``) AND the in-memory table was measured faster
+    (1 / STREAMED_RELATIVE_RATE >= MEMORY_FASTER_BY). Why: memory that training does not need is memory a larger
+    collection or batch can use, and only a measured gain would pay for holding it."""
+    if requested not in TRAIN_SOURCES:
+        raise ValueError(f"train source must be one of {'|'.join(TRAIN_SOURCES)}, got {requested!r}")
+    gb = f"{table_bytes / 1e9:.2f} GB"
+    if requested != "auto":
+        return requested, f"asked for; the in-memory table would take {gb}"
+    fits = available is not None and table_bytes <= IN_MEMORY_SHARE * available
+    faster = 1.0 / STREAMED_RELATIVE_RATE >= MEMORY_FASTER_BY
+    room = f"{gb} of {available / 1e9:.1f} GB available" if available is not None else f"{gb}, memory unknown"
+    if fits and faster:
+        return "memory", f"the table fits ({room}) and was measured {1 / STREAMED_RELATIVE_RATE:.2f}x faster"
+    return "streamed", (f"the in-memory table ({room}) " + ("would not be faster: streamed measured "
+                                                             f"{STREAMED_RELATIVE_RATE:.2f}x its step rate"
+                                                             if fits else f"is over {IN_MEMORY_SHARE:.0%} of it"))
+
 
 class TrainData:
-    """Captions (schema.CAPTION_COLUMNS; caption_id, image_item_id, text used) + the ImageTable of their images."""
+    """Captions (schema.CAPTION_COLUMNS; caption_id, image_item_id, text used) + their images: an ImageTable, or
+    StreamedImages read from the region file by position (the same positions, regions and counts)."""
 
-    def __init__(self, captions: pd.DataFrame, images: ImageTable):
+    def __init__(self, captions: pd.DataFrame, images: ImageReader):
         if len(captions) == 0:
             raise ValueError("no captions to train/evaluate on")
         pos = images.position_of()
@@ -42,18 +79,31 @@ class TrainData:
         return cap2img, img2caps
 
 
-def feature_neighbours(images: ImageTable, k: int, max_regions: Optional[int] = None,
+def pooled_features(images: ImageReader, positions: Sequence[int], max_regions: Optional[int] = None) -> np.ndarray:
+    """(n, F) float32: the mean of the first ``max_regions`` (None: all staged) region features of each image at
+    ``positions``; streamed images read their stored means (small: n x F), never their regions, for None."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if isinstance(images, StreamedImages):
+        if max_regions is None:
+            return images.pooled(positions)
+        if max_regions > images.max_regions and np.any(images.num_boxes()[positions] > images.max_regions):
+            raise ValueError(f"pooling {max_regions} regions of images whose region file keeps {images.max_regions}")
+    return np.stack([mean_region_feature(images.regions(int(p))[0][:max_regions]) for p in positions])
+
+
+def feature_neighbours(images: ImageReader, k: int, max_regions: Optional[int] = None,
                        positions: Optional[np.ndarray] = None) -> np.ndarray:
     """(n, k) positions (into ``positions``, default all images) of each image's k nearest other images by
     cosine of the centred mean of its first ``max_regions`` region features - no model needed. Exact faiss
-    inner-product search, O(n^2 F): seconds for tens of thousands of images."""
+    inner-product search, O(n^2 F): seconds for tens of thousands of images; memory: the n x F pooled vectors
+    (twice: faiss keeps its own copy), never the regions of streamed images."""
     import faiss
 
     positions = np.arange(len(images)) if positions is None else np.asarray(positions, dtype=np.int64)
     if len(positions) < 2:
         raise ValueError("neighbours need at least 2 images")
     k = min(k, len(positions) - 1)
-    pooled = np.stack([images.regions(int(p))[0][:max_regions].mean(0) for p in positions]).astype(np.float32)
+    pooled = pooled_features(images, positions, max_regions)
     pooled -= pooled.mean(0)  # region features are post-ReLU: without centring every pair looks alike
     pooled /= np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
     index = faiss.IndexFlatIP(pooled.shape[1])
@@ -109,8 +159,9 @@ def mine_be_negatives(model: VLRetrievalModel, data: TrainData, caption_pos: np.
 
 
 def load_split(staged, split: str, max_captions: Optional[int] = None, seed: int = 0,
-               languages: tuple[str, ...] = ()) -> TrainData:
-    """The captions of ``split`` (only those of ``languages`` when given) and their images."""
+               languages: tuple[str, ...] = (), regions: Optional[RegionFile] = None) -> TrainData:
+    """The captions of ``split`` (only those of ``languages`` when given) and their images: read from
+    ``regions`` (the staged folder's region file) by position when given, else loaded into one table."""
     captions = staged.captions(split=split)
     if languages:
         captions = captions[captions["lang"].isin(languages)].reset_index(drop=True)
@@ -121,4 +172,5 @@ def load_split(staged, split: str, max_captions: Optional[int] = None, seed: int
         keep = np.sort(np.random.default_rng([seed, 7]).choice(len(captions), max_captions, replace=False))
         captions = captions.iloc[keep].reset_index(drop=True)
     image_ids = np.unique(captions["image_item_id"].to_numpy(np.int64))
-    return TrainData(captions, staged.load_images(item_ids=image_ids))
+    return TrainData(captions, staged.load_images(item_ids=image_ids) if regions is None else
+                     regions.images(image_ids))

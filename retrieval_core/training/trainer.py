@@ -10,6 +10,12 @@ seeded from (seed, s) alone, so a run resumed from ``output/last/`` continues ex
 (CPU; CUDA kernels may not be bit-reproducible). The trainer state (step, best metric, AdamW moments) is
 stored as safetensors + JSON, never as a pickle.
 
+Reads: the regions of the images a step uses are read while the step before it runs (``collate.prefetched``, one
+worker thread; what is known then: the step's batch, and its CE groups unless that step or the one before it mines
+negatives first, with the model as trained then: the CE reads of two steps per mining are made on their path), from
+the split's images as TrainData holds them: one in-memory table, or a region file read by position
+(``train_data.choose_train_source``).
+
 Output folder: ``last/`` (model + trainer_state.*), ``best/`` (model with the best dev metric + eval.json),
 ``train_log.jsonl`` (one line per objective step and per evaluation).
 """
@@ -27,7 +33,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from retrieval_core.model.collate import collate_images, collate_pairs, length_chunks
+from retrieval_core.model.collate import Regions, collate_images, collate_pairs, length_chunks, prefetched
 from retrieval_core.model.flops import model_flops
 from retrieval_core.model.network import WEIGHTS_FILE, VLRetrievalModel, _autocast
 from retrieval_core.training.config import TrainConfig
@@ -44,6 +50,8 @@ from retrieval_core.training.losses import (
 from retrieval_core.training.model_init import lstsq_image_embedding
 from retrieval_core.training.train_data import TrainData, feature_neighbours, mine_be_negatives
 
+#: Steps whose regions are read ahead of the one running: one hides a step's reads behind the step before it.
+READ_AHEAD_STEPS = 1
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
 LOG_FILE = "train_log.jsonl"
@@ -94,6 +102,7 @@ class Trainer:
         self.best_eval: Optional[dict] = None
         self._perm_cache: tuple[int, Optional[np.ndarray]] = (-1, None)
         self._pending_logs: list[dict] = []  # records written by steps (mining) for train_log.jsonl
+        self._ready: dict[int, Regions] = {}  # image position -> regions read ahead for the running step
         self.hard: Optional[HardNegatives] = None
         if cfg.objective != "be" and cfg.hard_negative_prob > 0:
             # all staged regions: neighbours are a property of the data, not of the model's region cap
@@ -144,10 +153,40 @@ class Trainer:
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
+    def _objectives(self, step: int) -> tuple[str, ...]:
+        if self.cfg.objective != "joint":
+            return (self.cfg.objective,)
+        return ("be", "ce") if step >= self.cfg.ce_start_step else ("be",)
+
+    def _regions(self, positions: np.ndarray) -> list[Regions]:
+        """The regions of the images at ``positions``: read ahead for this step, else read now."""
+        ready = self._ready
+        missing = [int(p) for p in positions if int(p) not in ready]
+        if missing:
+            ready = {**ready, **dict(zip(missing, self.data.images.read(missing)))}
+        return [ready[int(p)] for p in positions]
+
+    def _known_reads(self, step: int) -> np.ndarray:
+        """The image positions ``step`` reads that are known READ_AHEAD_STEPS steps before it runs: its BE batch's
+        images, and its CE groups' unless a mining comes before them (the miner is the model as trained then)."""
+        objectives, caps = self._objectives(step), self._batch_indices(step)
+        parts = [self.data.image_pos[caps]] if "be" in objectives else []
+        if "ce" in objectives and not any(self._mines_at(s) for s in range(step - READ_AHEAD_STEPS, step + 1)):
+            parts.append(self._ce_groups(caps[:self.cfg.ce_batch_size], step)[1].reshape(-1))
+        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+
+    def _read_ahead(self, start: int, end: int):
+        """(step, {image position: regions}) for steps start..end-1, each read in a worker thread while the steps
+        before it run; what a step reads is planned here, in the caller's thread, never in the worker."""
+        plans = ((step, self._known_reads(step)) for step in range(start, end))
+        read = self.data.images.read
+        for (step, positions), regions in prefetched(lambda plan: read(plan[1]), plans, depth=READ_AHEAD_STEPS):
+            yield step, dict(zip(positions.tolist(), regions))
+
     def _be_loss(self, caps: np.ndarray) -> torch.Tensor:
         img_pos = self.data.image_pos[caps]
         uniq, inverse = np.unique(img_pos, return_inverse=True)  # encode each image once
-        regions = [self.data.images.regions(int(p)) for p in uniq]
+        regions = self._regions(uniq)
         texts = [self.data.texts[i] for i in caps]
         with self._amp():
             text = self._by_length_chunks(texts, lambda idx: self.collate_text([texts[i] for i in idx]),
@@ -159,10 +198,15 @@ class Trainer:
             return batch_hard_triplet_loss(text.float(), image_emb, ids, self.cfg.margin)
         return infonce_loss(text.float(), image_emb, ids, self.cfg.temperature)
 
+    def _mines_at(self, step: int) -> bool:
+        """Whether the CE objective of ``step`` (re)mines BE negatives before it samples its groups."""
+        return step >= 0 and "ce" in self._objectives(step) and bool(self.cfg.mined_negative_prob) and \
+            step >= self.mined_until and step >= self.cfg.mine_start_step
+
     def _mine_if_due(self, step: int) -> None:
         """(Re)mine BE negatives for the CE captions of steps [step, step + mine_every) (to the end for 0): the
         batches are known in advance, so only the captions about to be used are encoded."""
-        if not self.cfg.mined_negative_prob or step < self.mined_until or step < self.cfg.mine_start_step:
+        if not self._mines_at(step):
             return
         end = self.cfg.steps if not self.cfg.mine_every else min(self.cfg.steps, step + self.cfg.mine_every)
         caps = np.concatenate([self._batch_indices(s)[:self.cfg.ce_batch_size] for s in range(step, end)])
@@ -173,16 +217,21 @@ class Trainer:
         self._pending_logs.append({"step": step, "mined": {**record, "until_step": end,
                                                             "miner": self.cfg.mine_model or "current model"}})
 
-    def _ce_loss(self, caps: np.ndarray, step: int) -> torch.Tensor:
+    def _ce_groups(self, caps: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The CE groups of ``step`` (losses.sample_ce_groups): a function of the seed, the step and the negatives
+        mined so far."""
         rng = np.random.default_rng([self.cfg.seed, step, 1])
+        p_mined = self.cfg.mined_negative_prob if step >= self.cfg.mine_start_step else 0.0
+        return sample_ce_groups(rng, caps, self.data.image_pos, len(self.data.images), len(self.data),
+                                self.cfg.ce_negatives, self.cfg.p_replace_image, self.hard, self.cfg.hard_negative_prob,
+                                self.mined, p_mined)
+
+    def _ce_loss(self, caps: np.ndarray, step: int) -> torch.Tensor:
         caps = caps[:self.cfg.ce_batch_size]  # None keeps the whole batch
         self._mine_if_due(step)
-        p_mined = self.cfg.mined_negative_prob if step >= self.cfg.mine_start_step else 0.0
-        group_caps, group_imgs = sample_ce_groups(rng, caps, self.data.image_pos, len(self.data.images),
-                                                  len(self.data), self.cfg.ce_negatives, self.cfg.p_replace_image,
-                                                  self.hard, self.cfg.hard_negative_prob, self.mined, p_mined)
+        group_caps, group_imgs = self._ce_groups(caps, step)
         texts = [self.data.texts[i] for i in group_caps.reshape(-1)]
-        regions = [self.data.images.regions(int(p)) for p in group_imgs.reshape(-1)]
+        regions = self._regions(group_imgs.reshape(-1))
         mr = self.model.cfg.max_regions
         with self._amp():
             logits = self._by_length_chunks(
@@ -244,10 +293,7 @@ class Trainer:
         caps = self._batch_indices(step)
         lr = self._lr_at(step)
         records = []
-        objectives = ("be", "ce") if self.cfg.objective == "joint" else (self.cfg.objective,)
-        if step < self.cfg.ce_start_step and self.cfg.objective == "joint":
-            objectives = ("be",)
-        for objective in objectives:
+        for objective in self._objectives(step):
             t0 = time.perf_counter()
             loss = self._be_loss(caps) if objective == "be" else self._ce_loss(caps, step)
             self._optimizer_step(loss, lr)
@@ -279,8 +325,10 @@ class Trainer:
             bar = tqdm(total=self.cfg.steps, initial=self.step, desc=f"train {self.cfg.objective}",
                        disable=not self.cfg.progress, unit="step")
             end = self.cfg.steps if stop_at is None else min(stop_at, self.cfg.steps)
-            while self.step < end:
+            for step, self._ready in self._read_ahead(self.step, end):
+                assert step == self.step
                 records = self.train_step(self.step)
+                self._ready = {}
                 self.step += 1
                 for r in self._pending_logs + records:
                     log.write(json.dumps(r) + "\n")

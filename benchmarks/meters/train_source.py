@@ -1,0 +1,298 @@
+"""The training source's rate and memory (issue 55, item 4): the step rate of a recipe's training with the streamed
+source (regions read by position from the staged folder's region file) against the in-memory table, over the SAME
+steps and batches, and the source's own batch rate alone; the peak anonymous memory of each.
+
+Every measurement is a child process of its own (a fresh interpreter: its memory peak is its own), run interleaved
+in one invocation (memory, streamed, streamed, memory, ...) so a shared machine's load falls on both alike:
+
+  train   resume the recipe's run from a checkpoint at step ``--start`` (made once, here) and train ``--steps``
+          steps: its mining at ``--start`` (the BE encodes every train image from the source) and the JOIN steps
+          after it. ``steps_per_s`` counts the steps after the first two (the mining step, and the step after it,
+          whose CE reads are made on its path), wall clock from one step's start to the next's (the read-ahead
+          wait included), and ``median_step_s`` their median (less swayed by a burst of other jobs);
+          ``mining_s`` is the mining's own seconds; ``losses_equal`` says whether the run's losses are bit for
+          bit those of the first in-memory run.
+  source  the reads alone, no model: each of the same steps' images (its batch's and its CE groups') read from
+          the source, ``steps_per_s`` the steps read per second on one thread.
+
+Memory: ``peak_rss_anon_mb`` the highest RssAnon of /proc/self/status sampled every 5 ms by a thread (anonymous
+memory: the table, the model and its activations; not the page cache a pread fills, nor mapped libraries),
+``vm_hwm_mb`` the kernel's high-water resident set (libraries included).
+
+    python -m benchmarks.meters.train_source --staged runs/staged_demo --work runs/train_source \\
+        --output docs/results/train_source.csv --recipe demo --repeats 3
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+
+import click
+
+COLUMNS = ("measurement", "recipe", "source", "rep", "order", "steps", "first_step", "steps_per_s", "median_step_s",
+           "mining_s",
+           "startup_s", "wall_s", "losses_equal", "peak_rss_anon_mb", "vm_hwm_mb", "table_mb", "region_file_mb",
+           "cpu_bf16", "device", "cpu_model", "cpu_flags", "threads", "torch", "faiss", "commit", "date", "load_avg",
+           "command")
+SOURCES = ("memory", "streamed")
+
+
+# ----------------------------------------------------------------------------------------------- environment
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_flags() -> str:
+    """The flags that decide bf16 speed: avx512_bf16, amx_bf16 (absent ones say "no ...")."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return "; ".join(f if f in flags else f"no {f}" for f in ("avx512_bf16", "amx_bf16"))
+
+
+def commit() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+class AnonPeak:
+    """The highest RssAnon of this process, sampled every ``every`` seconds by a daemon thread."""
+
+    def __init__(self, every: float = 0.005):
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) << 10
+        return 0
+
+    def _run(self, every: float) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.status("RssAnon"))
+            time.sleep(every)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.status("RssAnon"))
+        return {"peak_rss_anon_mb": round(self.peak / 2**20, 1), "vm_hwm_mb": round(self.status("VmHWM") / 2**20, 1)}
+
+
+# ---------------------------------------------------------------------------------------------------- set-up
+def _setup(staged_dir: str, recipe_name: str, source: str, cpu_bf16: bool):
+    """(trainer config, model, train data, dev data, region file or None, seconds) as the train CLI builds them."""
+    from retrieval_core.data.region_file import ensure_region_file
+    from retrieval_core.data.store import StagedDataset
+    from retrieval_core.training.model_init import build_model
+    from retrieval_core.training.recipes import RECIPES
+    from retrieval_core.training.train_data import load_split
+
+    t0 = time.perf_counter()
+    recipe = RECIPES[recipe_name]
+    cfg = replace(recipe.join, progress=False, cpu_bf16=cpu_bf16)
+    staged = StagedDataset(staged_dir)
+    model = build_model(recipe.base_model, staged.feature_dim, recipe.halve_layers, cfg.seed, recipe.ce_agreement,
+                        staged.image_backbone)
+    model.cfg.max_regions = recipe.max_regions
+    regions = ensure_region_file(staged, recipe.max_regions) if source == "streamed" else None
+    train = load_split(staged, "train", None, cfg.seed, recipe.languages, regions)
+    dev = load_split(staged, "dev", languages=recipe.languages, regions=regions)
+    return cfg, model, train, dev, regions, time.perf_counter() - t0
+
+
+def _table_mb(data) -> float:
+    from retrieval_core.data.region_file import StreamedImages
+
+    images = data.images
+    if isinstance(images, StreamedImages):
+        return 0.0
+    return round((images.features.nbytes + images.boxes.nbytes) / 1e6, 1)
+
+
+def prepare(staged_dir: str, work: str, recipe: str, start: int, cpu_bf16: bool) -> str:
+    """The checkpoint of the recipe's run at ``start`` (trained once, streamed: both sources train the same steps),
+    and one at ``start + 1`` (after its mining: the source-alone runs plan the CE groups from its negatives)."""
+    from retrieval_core.training.trainer import Trainer
+
+    folder = os.path.join(work, f"ckpt-{recipe}-{start}{'-bf16' if cpu_bf16 else ''}")
+    if os.path.isfile(os.path.join(folder, "after", "last", "trainer_state.json")):
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    cfg, model, train, dev, _, _ = _setup(staged_dir, recipe, "streamed", cpu_bf16)
+    out = os.path.join(folder, "run")
+    trainer = Trainer(model, train, cfg, out, dev)
+    trainer.train(stop_at=start)
+    shutil.copytree(os.path.join(out, "last"), os.path.join(folder, "at", "last"))
+    trainer.train(stop_at=start + 1)
+    shutil.copytree(os.path.join(out, "last"), os.path.join(folder, "after", "last"))
+    return folder
+
+
+# ----------------------------------------------------------------------------------------------------- children
+def child_train(staged_dir: str, recipe: str, source: str, ckpt: str, out: str, start: int, steps: int,
+                cpu_bf16: bool) -> dict:
+    from retrieval_core.training.trainer import Trainer
+
+    meter, begin = AnonPeak(), time.perf_counter()
+    cfg, model, train, dev, regions, setup_s = _setup(staged_dir, recipe, source, cpu_bf16)
+    t0 = time.perf_counter()
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(os.path.join(ckpt, "at", "last"), os.path.join(out, "last"))
+    trainer = Trainer(model, train, cfg, out, dev)
+    startup = setup_s + time.perf_counter() - t0  # splits loaded (or the file opened), model built, neighbours
+    starts: list[float] = []
+    step_fn = trainer.train_step
+
+    def timed(step):
+        starts.append(time.perf_counter())
+        return step_fn(step)
+
+    trainer.train_step = timed
+    trainer.train(resume=True, stop_at=start + steps)
+    starts.append(time.perf_counter())  # a bound past the last step (its checkpoint write excluded below)
+    walls = [b - a for a, b in zip(starts, starts[1:])]
+    log = [json.loads(line) for line in open(os.path.join(out, "train_log.jsonl"))]
+    mining = [r["mined"]["seconds"] for r in log if "mined" in r and r["step"] >= start]
+    losses = [(r["step"], r["objective"], r["loss"]) for r in log if "loss" in r and r["step"] > start]
+    timed_walls = walls[2:-1]  # the mining step and the next out; the last step's wall holds the final save
+    return {"steps_per_s": round(len(timed_walls) / sum(timed_walls), 4), "steps": len(timed_walls),
+            "median_step_s": round(statistics.median(timed_walls), 4),
+            "first_step": start + 2, "mining_s": round(sum(mining), 2), "startup_s": round(startup, 2),
+            "wall_s": round(time.perf_counter() - begin, 1),
+            "losses": losses, "table_mb": _table_mb(train) + _table_mb(dev),
+            "region_file_mb": round(regions.nbytes / 1e6, 1) if regions is not None else 0.0, **meter.stop()}
+
+
+def child_source(staged_dir: str, recipe: str, source: str, ckpt: str, start: int, steps: int, cpu_bf16: bool
+                 ) -> dict:
+    """The reads of steps start+1 .. start+steps-1 alone (their CE groups planned from the negatives mined at
+    ``start``), on this thread, no model run."""
+    import numpy as np
+
+    from retrieval_core.training.trainer import Trainer
+
+    meter = AnonPeak()
+    cfg, model, train, dev, regions, _ = _setup(staged_dir, recipe, source, cpu_bf16)
+    trainer = Trainer(model, train, cfg, os.path.join(ckpt, "after"), dev)
+    trainer.load_state(os.path.join(ckpt, "after", "last"))
+    plans = []
+    for step in range(start + 1, start + steps):
+        caps = trainer._batch_indices(step)
+        imgs = trainer._ce_groups(caps[:cfg.ce_batch_size], step)[1].reshape(-1)
+        plans.append(np.unique(np.concatenate([train.image_pos[caps], imgs])))
+    t0 = time.perf_counter()
+    read_bytes = 0
+    for positions in plans:
+        for feats, boxes in train.images.read(positions):
+            read_bytes += feats.nbytes + boxes.nbytes
+    seconds = time.perf_counter() - t0
+    return {"steps_per_s": round(len(plans) / seconds, 2), "steps": len(plans), "first_step": start + 1,
+            "mb_per_step": round(read_bytes / len(plans) / 1e6, 2), "table_mb": _table_mb(train) + _table_mb(dev),
+            "region_file_mb": round(regions.nbytes / 1e6, 1) if regions is not None else 0.0, **meter.stop()}
+
+
+def _run_child(args: list[str]) -> dict:
+    res = subprocess.run([sys.executable, "-m", "benchmarks.meters.train_source", "--child", *args],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"child {' '.join(args)} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------------------- CLI
+@click.command(help="Step rate and peak anonymous memory of training with the streamed source against the in-memory "
+                    "table, interleaved, each in a child process; one CSV row per measurement.")
+@click.option("--staged", required=True, help="A staged folder (the demo's: pipelines.stage --manifest demo).")
+@click.option("--work", required=True, help="Scratch folder (checkpoints, the children's outputs).")
+@click.option("--output", required=True, help="CSV to append the rows to.")
+@click.option("--recipe", default="demo", show_default=True, help="A recipe of retrieval_core.training.recipes.")
+@click.option("--repeats", default=3, show_default=True, help="Repetitions of each source, interleaved.")
+@click.option("--start", default=40, show_default=True, help="The step the timed runs resume from (a mining step).")
+@click.option("--steps", default=30, show_default=True, help="Steps each timed run trains.")
+@click.option("--cpu-bf16", is_flag=True, help="bf16 autocast for the training steps (the trainer's --cpu-bf16).")
+@click.option("--child", type=click.Choice(["train", "source"]), default=None, hidden=True)
+@click.option("--source", type=click.Choice(SOURCES), default=None, hidden=True)
+@click.option("--ckpt", default=None, hidden=True)
+@click.option("--out", default=None, hidden=True)
+def main(staged, work, output, recipe, repeats, start, steps, cpu_bf16, child, source, ckpt, out) -> None:
+    if child is not None:
+        result = child_train(staged, recipe, source, ckpt, out, start, steps, cpu_bf16) if child == "train" else \
+            child_source(staged, recipe, source, ckpt, start, steps, cpu_bf16)
+        print(json.dumps(result))
+        return
+    import faiss
+    import torch
+
+    env = {"recipe": recipe, "cpu_bf16": cpu_bf16, "device": "cpu", "cpu_model": cpu_model(),
+           "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "faiss": faiss.__version__, "commit": commit(), "date": datetime.date.today().isoformat(),
+           "command": " ".join(["python -m benchmarks.meters.train_source", *sys.argv[1:]])}
+    os.makedirs(work, exist_ok=True)
+    t0 = time.perf_counter()
+    folder = prepare(staged, work, recipe, start, cpu_bf16)
+    print(f"checkpoint at step {start}: {folder} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    common = ["--staged", staged, "--work", work, "--output", output, "--recipe", recipe, "--start", str(start),
+              "--steps", str(steps), "--ckpt", folder, *(["--cpu-bf16"] if cpu_bf16 else [])]
+    rows, reference, order = [], None, 0
+    for measurement in ("train", "source"):
+        for rep in range(repeats):
+            for src in SOURCES if rep % 2 == 0 else SOURCES[::-1]:  # memory, streamed, streamed, memory, ...
+                args = [measurement, *common, "--source", src, "--out", os.path.join(work, f"run-{src}")]
+                result = _run_child(args)
+                order += 1
+                losses = result.pop("losses", None)
+                if losses is not None and reference is None and src == "memory":
+                    reference = losses
+                row = {**env, "measurement": measurement, "source": src, "rep": rep, "order": order,
+                       "load_avg": round(os.getloadavg()[0], 2),
+                       "losses_equal": "" if losses is None or reference is None else losses == reference,
+                       **{k: v for k, v in result.items() if k in COLUMNS}}
+                rows.append(row)
+                print(f"{measurement} {src} rep {rep}: {result}", flush=True)
+    new = not os.path.exists(output)
+    with open(output, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+    for measurement in ("train", "source"):
+        rates = {s: [r["steps_per_s"] for r in rows if r["measurement"] == measurement and r["source"] == s]
+                 for s in SOURCES}
+        med = {s: statistics.median(v) for s, v in rates.items()}
+        print(f"{measurement}: median steps/s memory {med['memory']}, streamed {med['streamed']} "
+              f"(streamed / memory {med['streamed'] / med['memory']:.3f})")
+
+
+if __name__ == "__main__":
+    main()
