@@ -8,8 +8,10 @@ image and one caption of each, as the scale suites do; ``--queries 0`` ranks eve
 reranks once per model family with rerank's default (``--mode auto``: the ranking chosen on the dev split, whose
 pool is the test pool's size), evaluates, prints the recall table with 95 % intervals (EMB, the paper's CO and the
 default) and the verdicts, and ends by writing the inspection page of the default vs EMB (``benchmarks.inspect``)
-and printing its path. Score once, evaluate many: the rerank run stores the BE top-k with its BE and CE scores, so
-the EMB and CO rows are derived from the same run (``benchmarks.evaluate --mode``) instead of runs of their own.
+and printing its path; last, three queries in a user's own words against the demo index (``pipelines.query``,
+ranked as the JOIN default was: docs/QUERY.md), their top hits printed. Score once, evaluate many: the rerank
+run stores the BE top-k with its BE and CE scores, so the EMB and CO rows are derived from the same run
+(``benchmarks.evaluate --mode``) instead of runs of their own.
 ``--quantize bf16`` then runs the encode and rerank steps again with the model served in bf16 and writes each bf16
 ranking paired with the float32 run's same ranking (``benchmarks.evaluate --against``): the effect of the precision
 on R@1 and mR with paired intervals, and on the scores, as ``demo_bf16.csv``.
@@ -28,13 +30,15 @@ from typing import Optional
 import click
 import pandas as pd
 
-from benchmarks import launch, report
+from benchmarks import report
 from benchmarks.evaluate import EvaluatePlan, csv_rows, evaluate_ranking
-from benchmarks.inspect import InspectPlan
+from benchmarks.inspect import InspectPlan, ItemViews
 from benchmarks.queries import QueriesPlan
+from benchmarks.suites import launch
 from pipelines.beam_kit import BEAM_CLI_CONTEXT, check_beam_flags
 from pipelines.build_index.plan import IndexPlan
 from pipelines.encode.plan import EncodePlan
+from pipelines.query.plan import HITS_JSONL, QueryPlan
 from pipelines.rerank.plan import RerankPlan
 from retrieval_core.cli import (
     AUTO_DEVICE,
@@ -49,6 +53,7 @@ from retrieval_core.cli import (
     resolve_device,
     to_argv,
 )
+from retrieval_core.data.store import StagedDataset
 from retrieval_core.evaluation.runs import read_run_manifest
 from retrieval_core.evaluation.stats import Bootstrap, verdict
 from retrieval_core.precision import resolve_quantize
@@ -57,7 +62,13 @@ from retrieval_core.training import cache, recipes
 #: The demo's table in the suites' CSV schema (benchmarks.report), beside metrics.csv in <demo>/results.
 DEMO_CSV = "demo.csv"
 
-launch.preload("benchmarks.queries", "benchmarks.evaluate", "benchmarks.inspect")  # the demo's own steps
+launch.preload("benchmarks.queries", "benchmarks.evaluate", "benchmarks.inspect",  # the demo's own steps
+               "pipelines.query.run")
+#: The tutorial's last step: queries in a user's own words (the demo generator's vocabulary: colours, objects,
+#: places, relations), asked of the demo index with pipelines.query.
+OWN_WORDS = ("a red cup on a table", "two brown dogs on the grass", "a purple lamp left of a green sofa")
+#: Hits printed per query.
+OWN_WORDS_SHOWN = 3
 
 
 def _run(module: str, plan, beam_args: tuple[str, ...] = ()) -> float:
@@ -65,19 +76,71 @@ def _run(module: str, plan, beam_args: tuple[str, ...] = ()) -> float:
     args = [sys.executable, "-m", module, *to_argv(plan), *beam_args]
     print("+ " + " ".join(args), flush=True)
     t0 = time.time()
-    launch.run_module(args)  # forked from the preloaded interpreter (benchmarks.launch): no imports per step
+    launch.run_module(args)  # forked from the preloaded interpreter (benchmarks.suites.launch): no imports per step
     return time.time() - t0
 
 
 def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 500, seed: int = 0,
              recipe: recipes.Recipe = recipes.DEMO_RECIPE, quantize: str = "none") -> pd.DataFrame:
+    """The demo as its steps, each the CLI a user would run: stage, train, select the queries, then per model
+    family encode + index + rerank + evaluate; print the table and the wall times, write the table's CSV and the
+    inspection page of the JOIN default against EMB. Returns the table."""
     t_start = time.time()
-    # another training seed's models and outputs live apart; the staged collection is shared
-    root = recipes.demo_dir() if seed == 0 else os.path.join(recipes.demo_dir(), f"seed{seed}")
-    if recipe != recipes.DEMO_RECIPE:  # the pixel demo's models and outputs live apart
-        root = os.path.join(root, recipe.name)
+    root = demo_root(seed, recipe)
     timings: dict[str, float] = {}
+    staged, models = _stage_and_train(recipe, seed, with_sep, beam_args, timings)
+    query_file = _select_queries(root, staged, queries)
+    results = os.path.join(root, "results" if quantize == "none" else os.path.join(quantize, "results"))
+    rows, run_dirs = [], {}
+    for family, be, ce in [("JOIN", "JOIN", "JOIN")] + ([("SEP", "SEP-BE", "SEP-CE")] if with_sep else []):
+        run_dirs[family], family_rows = _rank_and_evaluate(root, staged, models, (family, be, ce), k, queries,
+                                                           query_file, beam_args, timings, quantize, results)
+        rows += family_rows
+    table = pd.DataFrame(rows)
+    steps = _print_table(table, recipe, quantize, timings)
+    _write_table_csv(rows, results, root, recipe, seed, quantize, steps, time.time() - t_start)
+    # the queries behind the numbers: where the default ranking moved the gold item relative to EMB (one run)
+    page = os.path.join(results, "inspect_JOIN-default_vs_EMB.html")
+    _run("benchmarks.inspect", InspectPlan(rankings=run_dirs["JOIN"], against_mode="emb", staged=staged, output=page))
+    print(f"inspection page (EMB vs the JOIN default, query by query): {page}")
+    if quantize == "none":
+        _query_own_words(root, staged, run_dirs["JOIN"], k, beam_args)
+    return table
 
+
+def _query_own_words(root: str, staged: str, run: str, k: int, beam_args: tuple[str, ...]) -> None:
+    """The tutorial's end: OWN_WORDS as a user's query file, asked of the JOIN index with pipelines.query, ranked
+    as the JOIN default was (--mode auto --tune-on the demo's run); the top hits printed with their scenes."""
+    path, out = os.path.join(root, "my_queries.txt"), os.path.join(root, "my_hits")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("".join(q + "\n" for q in OWN_WORDS))
+    print(f"\nYour own words against the demo index (docs/QUERY.md): {path}")
+    _run("pipelines.query", QueryPlan(staged=staged, embeddings=os.path.join(root, "embeddings-JOIN"),
+                                      index=os.path.join(root, "index-JOIN"), queries=path, output=out,
+                                      mode="auto", tune_on=run, k=k), beam_args)
+    hits = pd.read_json(os.path.join(out, HITS_JSONL), lines=True, dtype={"query_id": str, "source_id": str})
+    shown = hits[hits["rank"] <= OWN_WORDS_SHOWN]
+    views = ItemViews(StagedDataset(staged), None, None)  # the scene of each synthetic image, as the page shows it
+    views.load(set(), set(shown["item_id"].tolist()))
+    for _, g in shown.groupby("query_id", sort=False):
+        print(f'  "{g["query"].iloc[0]}":')
+        for _, h in g.iterrows():
+            scene = views.scene(*views.image_source(int(h["item_id"])))
+            print(f"    {h['rank']}. image {h['source_id']} (BE {h['be_score']:.3f}, CE {h['ce_score']:.2f})"
+                  + (f": {scene}" if scene else ""))
+
+
+def demo_root(seed: int, recipe: recipes.Recipe) -> str:
+    """Where a demo's models and outputs live: another training seed's apart, the pixel demo's apart (the staged
+    collection of a recipe is shared by its seeds)."""
+    root = recipes.demo_dir() if seed == 0 else os.path.join(recipes.demo_dir(), f"seed{seed}")
+    return root if recipe == recipes.DEMO_RECIPE else os.path.join(root, recipe.name)
+
+
+def _stage_and_train(recipe: recipes.Recipe, seed: int, with_sep: bool, beam_args: tuple[str, ...],
+                     timings: dict) -> tuple[str, dict]:
+    """The staged collection and the trained models ({"JOIN": ..., and with SEP "SEP-BE", "SEP-CE"}), each built
+    on first use."""
     t0 = time.time()
     staged = cache.ensure_staged(beam_args, recipe.manifest, run=launch.run_module)
     timings["stage"] = time.time() - t0
@@ -90,51 +153,60 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
         trained = cache.ensure_models(recipe, seed, sep=True, beam_args=beam_args, run=launch.run_module)
         models["SEP-BE"], models["SEP-CE"] = trained.be, trained.ce
         timings["train SEP"] = time.time() - t0
+    return staged, models
 
-    results = os.path.join(root, "results" if quantize == "none" else os.path.join(quantize, "results"))
-    runs = [("JOIN", "JOIN", "JOIN")]  # (family, BE model, CE model): one rerank run each, with its dev pass
-    if with_sep:
-        runs.append(("SEP", "SEP-BE", "SEP-CE"))
 
+def _select_queries(root: str, staged: str, queries: int) -> Optional[str]:
+    """The test queries (benchmarks.queries --scale): ``queries`` images and one caption of each; None = all.
+    The CE cost is queries x k pairs: one caption per image keeps the demo within 10 minutes."""
+    if not queries:
+        return None
+    query_dir = os.path.join(root, f"queries-test-{queries}")
+    _run("benchmarks.queries", QueriesPlan(staged=staged, collection=recipes.DEMO_MANIFEST, split="test",
+                                           output=query_dir, scale=queries))
+    return os.path.join(query_dir, "queries.parquet")
+
+
+def _rank_and_evaluate(root: str, staged: str, models: dict, family_models: tuple[str, str, str], k: int,
+                       queries: int, query_file: Optional[str], beam_args: tuple[str, ...], timings: dict,
+                       quantize: str, results: str) -> tuple[str, list[dict]]:
+    """One family's (family, BE model, CE model) rerank run and its rows: EMB, CO and the run's default, each
+    evaluated against EMB; served in ``quantize``, each row is paired with the float32 run's same ranking."""
+    family, be, ce = family_models
+    out = _encode_and_rerank(root, staged, models, family, be, ce, k, queries, query_file, beam_args, timings)
+    reference = None
+    if quantize != "none":  # the same steps served in `quantize`; every row paired with float32's same ranking
+        reference, out = out, _encode_and_rerank(os.path.join(root, quantize), staged, models, family, be, ce, k,
+                                                 queries, query_file, beam_args, timings, quantize)
     rows = []
-    run_dirs = {}
-    query_file = None
-    if queries:  # the CE cost is queries x k pairs: one caption per image keeps the demo within 10 minutes
-        query_dir = os.path.join(root, f"queries-test-{queries}")
-        _run("benchmarks.queries", QueriesPlan(staged=staged, collection=recipes.DEMO_MANIFEST, split="test",
-                                               output=query_dir, scale=queries))
-        query_file = os.path.join(query_dir, "queries.parquet")
-    for family, be, ce in runs:
-        out = _encode_and_rerank(root, staged, models, family, be, ce, k, queries, query_file, beam_args, timings)
-        reference = None
-        if quantize != "none":  # the same steps served in `quantize`; every row paired with float32's same ranking
-            reference, out = out, _encode_and_rerank(os.path.join(root, quantize), staged, models, family, be, ce, k,
-                                                     queries, query_file, beam_args, timings, quantize)
-        run_dirs[family] = out
-        default = f"{family} default ({chosen_label(out)})"
-        for mode, row_label, model in (("emb", "EMB", be), ("co", f"{family}+CO", result_model(be, ce)),
-                                       (None, default, result_model(be, ce))):
-            if reference is None:
-                against = "emb" if mode != "emb" else None  # the paired difference the verdict reads
-                # mode None: the run's own (the default's) ranking
-                _run("benchmarks.evaluate", EvaluatePlan(rankings=out, staged=staged, output=results, split="test",
-                                                         model=model, mode=mode, k=k if mode else None,
-                                                         label=row_label, against_mode=against))
-                rows += [{**r, "rankings": os.path.relpath(out, root)}  # relative: the CSV names no machine's paths
-                         for r in table_rows(out, staged, mode, k if mode else None, model, row_label, against)]
-                continue
-            # the same ranking of the float32 run (the default: each run's own choice, which may differ)
-            ref_label = row_label if mode else f"{family} default ({chosen_label(reference)})"
+    default = f"{family} default ({chosen_label(out)})"
+    for mode, row_label, model in (("emb", "EMB", be), ("co", f"{family}+CO", result_model(be, ce)),
+                                   (None, default, result_model(be, ce))):
+        if reference is None:
+            against = "emb" if mode != "emb" else None  # the paired difference the verdict reads
+            # mode None: the run's own (the default's) ranking
             _run("benchmarks.evaluate", EvaluatePlan(rankings=out, staged=staged, output=results, split="test",
-                                                     model=model, mode=mode, k=k if mode else None, label=row_label,
-                                                     against=reference, against_mode=mode,
-                                                     tag=(f"quantize={quantize}",)))
-            rows += [{**r, "against": f"{ref_label} in float32", "quantize": quantize,
-                      "rankings": f"{os.path.relpath(out, root)} against {os.path.relpath(reference, root)}"}
-                     for r in table_rows(out, staged, mode, k if mode else None, model, row_label, mode,
-                                         against=reference)]
+                                                     model=model, mode=mode, k=k if mode else None,
+                                                     label=row_label, against_mode=against))
+            rows += [{**r, "rankings": os.path.relpath(out, root)}  # relative: the CSV names no machine's paths
+                     for r in table_rows(out, staged, mode, k if mode else None, model, row_label, against)]
+            continue
+        # the same ranking of the float32 run (the default: each run's own choice, which may differ)
+        ref_label = row_label if mode else f"{family} default ({chosen_label(reference)})"
+        _run("benchmarks.evaluate", EvaluatePlan(rankings=out, staged=staged, output=results, split="test",
+                                                 model=model, mode=mode, k=k if mode else None, label=row_label,
+                                                 against=reference, against_mode=mode,
+                                                 tag=(f"quantize={quantize}",)))
+        rows += [{**r, "against": f"{ref_label} in float32", "quantize": quantize,
+                  "rankings": f"{os.path.relpath(out, root)} against {os.path.relpath(reference, root)}"}
+                 for r in table_rows(out, staged, mode, k if mode else None, model, row_label, mode,
+                                     against=reference)]
+    return out, rows
 
-    table = pd.DataFrame(rows)
+
+def _print_table(table: pd.DataFrame, recipe: recipes.Recipe, quantize: str, timings: dict) -> str:
+    """Print the recall table, the R@1 verdicts (or the precision's differences) and the wall time per step;
+    returns that last line (the CSV's notes)."""
     what = "demo scenes drawn as pictures, staged from pixels" if recipe == recipes.PIXELS_RECIPE \
         else "synthetic demo collection"
     print(f"\nDemo results ({what}, test split; recall in %, convention: "
@@ -145,24 +217,24 @@ def run_demo(k: int, with_sep: bool, beam_args: tuple[str, ...], queries: int = 
         print(line)
     steps = "wall time per step (s): " + ", ".join(f"{name} {sec:.0f}" for name, sec in timings.items())
     print("\n" + steps)
+    return steps
+
+
+def _write_table_csv(rows: list[dict], results: str, root: str, recipe: recipes.Recipe, seed: int, quantize: str,
+                     steps: str, wall: float) -> str:
+    """The table once more in the suites' schema, with where, when and from which commit it ran: the file the
+    docs' demo table is generated from (benchmarks.report docs)."""
     # the cores this process may run on (taskset / a container's cpuset), not the machine's count (Linux only)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    wall = time.time() - t_start
     device = resolve_device(AUTO_DEVICE)  # the steps' default (--device auto), resolved here as they resolve it
     print(f"total {wall:.0f} s on {cores} CPU cores; device: {describe_device(device)}; outputs under {root}")
-    # the table once more in the suites' schema, with where, when and from which commit it ran: the file the docs'
-    # demo table is generated from (benchmarks.report docs)
     csv_name = DEMO_CSV if quantize == "none" else DEMO_CSV.replace(".csv", f"_{quantize}.csv")
     csv_path = report.write_csv(os.path.join(results, csv_name), [
         {**r, "suite": "demo", "wall_s": round(wall), "recipe": recipe.name, "model_seed": seed,
          "measured": True, "notes": steps, **report.environment(device), "quantize": r.get("quantize", "none")}
         for r in rows])
     print(f"the table with its environment and commit: {csv_path}")
-    # the queries behind the numbers: where the default ranking moved the gold item relative to EMB (one run)
-    page = os.path.join(results, "inspect_JOIN-default_vs_EMB.html")
-    _run("benchmarks.inspect", InspectPlan(rankings=run_dirs["JOIN"], against_mode="emb", staged=staged, output=page))
-    print(f"inspection page (EMB vs the JOIN default, query by query): {page}")
-    return table
+    return csv_path
 
 
 def _encode_and_rerank(root: str, staged: str, models: dict, family: str, be: str, ce: str, k: int, queries: int,

@@ -52,6 +52,7 @@ import pandas as pd
 from benchmarks.report.schema import ENVIRONMENT_COLUMNS, environment
 from pipelines.files import BEAM_FILES, exists, join, makedirs, read_bytes, write_atomic, write_json_atomic
 from retrieval_core.cli import CheckedPlan, cli_errors, k_option, option, plan_command, plan_from_cli
+from retrieval_core.errors import UsageFault
 from retrieval_core.evaluation.metrics import DEFAULT_KS, DIRECTIONS
 from retrieval_core.evaluation.runs import COMPARED_SCORES, LoadedRun, RunError, mode_label, score_differences
 from retrieval_core.evaluation.stats import (
@@ -223,10 +224,10 @@ def parse_tags(tags: Sequence[str]) -> dict[str, str]:
     out = {}
     for t in tags:
         if "=" not in t:
-            raise click.BadParameter(f"--tag must be key=value, got {t!r}")
+            raise UsageFault(f"--tag must be key=value, got {t!r}")
         key, value = t.split("=", 1)
         if key in KEY_COLUMNS or not key:
-            raise click.BadParameter(f"--tag key {key!r} is empty or clashes with a metrics column")
+            raise UsageFault(f"--tag key {key!r} is empty or clashes with a metrics column")
         out[key] = value
     return out
 
@@ -282,8 +283,7 @@ def main(**values):
     t0 = time.time()
     with cli_errors(RunError):  # a missing staged / rankings dir, bad rankings or unpaired queries: one line, exit 1
         p = plan_from_cli(EvaluatePlan, values)
-    tag_map = parse_tags(p.tag)
-    with cli_errors(RunError):
+        tag_map = parse_tags(p.tag)  # a malformed --tag: a usage error, exit 2
         result = evaluate_ranking(p.rankings, p.staged, k=p.k, mode=p.mode, lam=p.lam, collection=p.collection,
                                   split=p.split, bootstrap=Bootstrap(p.bootstrap, p.seed), against=p.against,
                                   against_mode=p.against_mode, against_k=p.against_k, against_lam=p.against_lam,

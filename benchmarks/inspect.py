@@ -183,6 +183,15 @@ def listed(cmp: Comparison, direction: str, per_group: int) -> dict[str, list[Qu
 
 
 # ------------------------------------------------------------------------------------------------ items
+def shown_path(path: str) -> str:
+    """A run folder as the page names it: relative to the working folder when inside it, else its own name (a
+    page is shared: it names no machine's absolute paths); a URL as given."""
+    if "://" in str(path):
+        return str(path)
+    rel = os.path.relpath(os.path.abspath(path))
+    return rel if not rel.startswith("..") else os.path.basename(os.path.abspath(path).rstrip(os.sep))
+
+
 def scene_text(scene: Mapping) -> str:
     """One line of a synthetic scene graph: its groups, the focus relation and the family change."""
     def group(g):
@@ -254,19 +263,23 @@ class ItemViews:
         row = self._images.loc[item_id]
         return str(row["collection"]), str(row["source_id"])
 
+    def scene(self, collection: str, source_id: str) -> Optional[str]:
+        """The one-line scene description of a synthetic image (None for a collection that is not synthetic);
+        ValueError / IndexError for a source id the generator does not have."""
+        spec = self._specs.get(collection)
+        return None if spec is None else scene_text(describe_scene(spec, int(source_id)))
+
     def image_html(self, item_id: int) -> str:
         collection, source_id = self.image_source(item_id)
         if not source_id:
             return f'<span class="missing">image {item_id} (not in the staged data)</span>'
         parts = [f'<span class="src">{html.escape(collection)}/{html.escape(source_id)}</span>']
-        spec = self._specs.get(collection)
-        if spec is not None:
-
-            try:
-                parts.append(f'<span class="scene">{html.escape(scene_text(describe_scene(spec, int(source_id))))}'
-                             f'</span>')
-            except (ValueError, IndexError) as exc:
-                parts.append(f'<span class="missing">no scene: {html.escape(str(exc))}</span>')
+        try:
+            scene = self.scene(collection, source_id)
+            if scene is not None:
+                parts.append(f'<span class="scene">{html.escape(scene)}</span>')
+        except (ValueError, IndexError) as exc:
+            parts.append(f'<span class="missing">no scene: {html.escape(str(exc))}</span>')
         if self._files is not None:
             path = self._files.get(source_id)
             if path is None:
@@ -375,7 +388,7 @@ def render(cmp: Comparison, views: ItemViews, per_group: int = 10, show: int = 1
     out = ["<!DOCTYPE html><html><head><meta charset=\"utf-8\">", f"<title>{html.escape(title)}</title>",
            f"<style>{CSS}</style></head><body>", f"<h1>A: {html.escape(cmp.a.label)}<br>B: {html.escape(cmp.b.label)}"
            f"</h1>", f"<p>collection {html.escape(str(cmp.collection))}, split {html.escape(str(cmp.split))}; "
-           f"A: {html.escape(cmp.a.run)}; B: {html.escape(cmp.b.run)}</p>"]
+           f"A: {html.escape(shown_path(cmp.a.run))}; B: {html.escape(shown_path(cmp.b.run))}</p>"]
     out += [f'<p class="note">{html.escape(n)}</p>' for n in views.notes]
     out.append('<table id="summary"><tr><th>direction</th><th>queries</th><th>R@1 A (%)</th><th>R@1 B (%)</th>'
                "<th>improved</th><th>hurt</th><th>unchanged</th></tr>")

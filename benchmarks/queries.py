@@ -33,10 +33,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipelines.files import BEAM_FILES, write_atomic, write_json_atomic
-from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors, option, plan_from_cli, plan_options
+from retrieval_core.cli import CONTEXT_SETTINGS, CheckedPlan, cli_errors, option, plan_from_cli, plan_options
 from retrieval_core.data import schema
 from retrieval_core.data.schema import DIRECTION_I2T, DIRECTION_T2I
 from retrieval_core.data.store import StagedDataset
+from retrieval_core.errors import UsageFault
 
 QUERIES_FILE = "queries.parquet"
 IMAGE_IDS_FILE = "image_ids.parquet"
@@ -82,15 +83,14 @@ def select(staged: str, collection: str, split: Optional[str], *, max_queries: i
     ``lang``: captions of that language only, as queries and as the i2t pool (``caption_ids``)."""
     img, cap, cap_img = staged_ids(staged, collection, split, lang)
     if len(img) == 0 or len(cap) == 0:
-        raise click.ClickException(f"collection {collection!r} split {split!r} of {staged} has no images or no "
-                                   f"captions" + (f" in language {lang!r}" if lang else ""))
+        raise ValueError(f"collection {collection!r} split {split!r} of {staged} has no images or no captions"
+                         + (f" in language {lang!r}" if lang else ""))
     out: dict = {"notes": []}
     if fold is not None:
         if not 0 <= fold < folds or fold_size < 1:
-            raise click.UsageError(f"--fold {fold} must be in [0, --folds {folds}) with --fold-size >= 1")
+            raise UsageFault(f"--fold {fold} must be in [0, --folds {folds}) with --fold-size >= 1")
         if (fold + 1) * fold_size > len(img):
-            raise click.ClickException(f"fold {fold} needs images up to {(fold + 1) * fold_size}; {collection} "
-                                       f"has {len(img)}")
+            raise ValueError(f"fold {fold} needs images up to {(fold + 1) * fold_size}; {collection} has {len(img)}")
         pool = img[fold * fold_size:(fold + 1) * fold_size]
         in_fold = np.isin(cap_img, pool)
         out["image_ids"], out["caption_ids"] = pool, cap[in_fold]
@@ -150,7 +150,7 @@ def write_selection(output: str, sel: dict, params: dict) -> dict:
 
 
 @dataclass(frozen=True)
-class QueriesPlan:
+class QueriesPlan(CheckedPlan):
     """One selection: the queries (and fold pools) of a collection's split, written to ``output``."""
     staged: str = option(help="staged directory (pipelines.stage output)")
     collection: str = option(help="collection whose queries (and fold pools) are selected")
@@ -168,6 +168,7 @@ class QueriesPlan:
                                             "the caption pool an index --ids file gets")
 
     def __post_init__(self):
+        super().__post_init__()
         if self.fold is not None and self.scale:
             raise ValueError("--fold and --scale exclude each other")
 

@@ -29,7 +29,7 @@ pipeline job, so the same suite runs on Beam's DaskRunner or Dataflow::
 Writes <output>/<suite>.csv (one row per collection, model, mode, k, λ and direction; timing columns from
 the jobs that produced the row, peak RSS included), <output>/<suite>_jobs.csv (every job: wall time, peak
 RSS, reused or run, command) and PNG plots; prints a summary table. Jobs write under <workdir>/bench/ and a
-finished job is reused by the next run (benchmarks.jobs). ``--plan`` prints the jobs without running any.
+finished job is reused by the next run (benchmarks.suites.jobs). ``--plan`` prints the jobs without running any.
 
 Models default to the benchmark recipe's (retrieval_core.training.recipes.BENCH_RECIPE; ``--recipe demo`` for the
 demo's, ``--model-seed N`` for another training seed), trained on first use and cached per recipe and seed.
@@ -47,13 +47,15 @@ from typing import Mapping, Optional, Sequence
 
 import click
 
-from benchmarks import jobs, latency, launch, per_query, report, suites
-from benchmarks.planner import Models, Plan, SuiteConfig, model_feature_dim, model_max_regions
-from benchmarks.rows import RowHits, ce_pairs_scored, evaluate_row
+from benchmarks import report
+from benchmarks.suites import jobs, latency, launch, per_query, suites
+from benchmarks.suites.planner import Models, Plan, SuiteConfig, model_feature_dim, model_max_regions
+from benchmarks.suites.rows import RowHits, ce_pairs_scored, evaluate_row
 from pipelines.beam_kit import UnknownFlagError, unknown_beam_flags
-from retrieval_core.cli import plan_command, plan_from_cli
+from retrieval_core.cli import cli_errors, plan_command, plan_from_cli
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.store import StagedDataset
+from retrieval_core.errors import UsageFault
 from retrieval_core.model import baseline as bl
 from retrieval_core.training import cache, recipes
 
@@ -104,7 +106,7 @@ def _given_threads(command: str) -> str:
 def execute(plan: Plan, beam_args: Sequence[str], costs: jobs.UnitCosts, costs_path: str, env: dict,
             log=print, preload: bool = True) -> tuple[list[dict], list[jobs.JobResult], list[Optional[RowHits]]]:
     """Run the plan's jobs in order (learning unit costs from each), then evaluate its rows. ``preload``:
-    jobs forked from the preloaded forkserver (``benchmarks.jobs``), not fresh interpreters. Returns the CSV
+    jobs forked from the preloaded forkserver (``benchmarks.suites.jobs``), not fresh interpreters. Returns the CSV
     rows, the job results and, for each CSV row, the per-query hits behind it (the seed summary's input)."""
     runner = jobs.JobRunner(tuple(beam_args), log, preload=preload)
     for job in plan.jobs:
@@ -141,7 +143,8 @@ class RunOptions:
     beam_args: tuple[str, ...]
     recipe: str = ""  # the cached models' recipe and seed, recorded in every row ("" for given model folders)
     model_seed: object = ""
-    preload: bool = True  # jobs forked from the preloaded forkserver (benchmarks.jobs); False: fresh interpreters
+    # jobs forked from the preloaded forkserver (benchmarks.suites.jobs); False: fresh interpreters
+    preload: bool = True
 
 
 def check_beam_args(beam_args: Sequence[str]) -> None:
@@ -151,8 +154,8 @@ def check_beam_args(beam_args: Sequence[str]) -> None:
         raise UnknownFlagError(f"unknown option(s) {' '.join(unknown)}: neither benchmarks.run nor Beam's "
                                f"pipeline options know them (see --help)")
     if any(a == "--dry_run" or a.startswith("--dry_run=") for a in beam_args):
-        raise click.UsageError("--dry_run would make every job write nothing for the next to read; use --plan "
-                               "to see the jobs without running them")
+        raise UsageFault("--dry_run would make every job write nothing for the next to read; use --plan "
+                         "to see the jobs without running them")
 
 
 #: Suites whose SEP rows need the SEP models named (--be-model, --ce-model): latency times the JOIN model; at
@@ -241,12 +244,19 @@ def main(ctx, **values):
     """Run one benchmark suite through the pipeline jobs and write <output>/<suite>.csv plus a summary.
     Unknown --flags go to every pipeline job (--runner, --dask_client_address, Dataflow options)."""
     beam_args = tuple(ctx.args)
-    check_beam_args(beam_args)
-    try:  # before any model is trained for the suite
-        cli = plan_from_cli(SuiteConfig, values)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
-    _check_anns(cli.ann)
+    # one line for what the user can mend: a wrong command line (exit 2), bad input, a failed job (exit 1)
+    with cli_errors(jobs.JobFailed):
+        check_beam_args(beam_args)
+        try:  # before any model is trained for the suite
+            cli = plan_from_cli(SuiteConfig, values)
+        except ValueError as exc:
+            raise UsageFault(str(exc)) from None
+        _check_anns(cli.ann)
+        run_seeds(cli, beam_args)
+
+
+def run_seeds(cli: SuiteConfig, beam_args: tuple[str, ...]) -> None:
+    """The suite once per model seed (--model-seed), then with several seeds their summary, <suite>_seeds.csv."""
     if cli.workdir:
         os.environ["RR_WORKDIR"] = os.path.abspath(cli.workdir)
     seeds, output = cli.model_seeds, cli.output
@@ -279,24 +289,21 @@ def run_suite(cfg: SuiteConfig, opts: RunOptions,
     suite, output, beam_args = cfg.suite, opts.output, opts.beam_args
     if not opts.plan_only:
         os.makedirs(output, exist_ok=True)
-    try:
-        if suite == "latency":
-            rows, results = run_latency_suite(cfg, opts)
-            hits = [None] * len(rows or [])
-        else:
-            plan = suites.plan_suite(cfg, baseline_model(cfg, opts.plan_only) if suite == "baseline" else None)
-            if opts.plan_only:
-                print(f"{suite}: {len(plan.jobs)} jobs, {len(plan.rows)} row groups")
-                print(jobs.format_plan(plan.jobs, beam_args, plan_costs(plan.jobs, cfg)))
-                return None
-            env = {**report.environment(cfg.device, cfg.batch_size, cfg.threads), "quantize": cfg.quantize,
-                   "recipe": opts.recipe,
-                   "model_seed": opts.model_seed}
-            # the memory suite's figure is each job's RSS: fresh interpreters, without the preloaded modules
-            rows, results, hits = execute(plan, beam_args, jobs.UnitCosts.load(unit_costs_path(cfg)),
-                                          unit_costs_path(cfg), env, preload=opts.preload and suite != "memory")
-    except jobs.JobFailed as exc:
-        raise click.ClickException(str(exc)) from None
+    if suite == "latency":
+        rows, results = run_latency_suite(cfg, opts)
+        hits = [None] * len(rows or [])
+    else:
+        plan = suites.plan_suite(cfg, baseline_model(cfg, opts.plan_only) if suite == "baseline" else None)
+        if opts.plan_only:
+            print(f"{suite}: {len(plan.jobs)} jobs, {len(plan.rows)} row groups")
+            print(jobs.format_plan(plan.jobs, beam_args, plan_costs(plan.jobs, cfg)))
+            return None
+        env = {**report.environment(cfg.device, cfg.batch_size, cfg.threads), "quantize": cfg.quantize,
+               "recipe": opts.recipe,
+               "model_seed": opts.model_seed}
+        # the memory suite's figure is each job's RSS: fresh interpreters, without the preloaded modules
+        rows, results, hits = execute(plan, beam_args, jobs.UnitCosts.load(unit_costs_path(cfg)),
+                                      unit_costs_path(cfg), env, preload=opts.preload and suite != "memory")
     if rows is None:
         return None
     path = report.write_csv(os.path.join(output, f"{suite}.csv"), rows)
@@ -326,12 +333,12 @@ def _demo_feature_dim() -> int:
 
 
 def _check_anns(kinds: Sequence[str]) -> None:
-    """--ann "IVF-Flat,HNSW32": each kind checked (benchmarks.per_query.ann_factory)."""
+    """--ann "IVF-Flat,HNSW32": each kind checked (benchmarks.suites.per_query.ann_factory)."""
     for k in kinds:
         try:
             per_query.ann_factory(k, 1000)
         except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--ann") from None
+            raise UsageFault(f"--ann: {exc}") from None
 
 
 def run_latency_suite(cfg: SuiteConfig, opts: RunOptions):
@@ -342,8 +349,8 @@ def run_latency_suite(cfg: SuiteConfig, opts: RunOptions):
                                     "eval_budget_s": cfg.eval_budget})
     if opts.plan_only:
         if model_feature_dim(cfg.models.join) is None:
-            raise click.ClickException(f"latency --plan measures unit costs with the JOIN model; {cfg.models.join} "
-                                       f"does not exist yet (pass --model, or run the demo first)")
+            raise ValueError(f"latency --plan measures unit costs with the JOIN model; {cfg.models.join} does not "
+                             f"exist yet (pass --model, or run the demo first)")
         plan = latency.plan_eval_time(cfg, lcfg, latency.measured_units(cfg.models.join, lcfg))
         print(f"latency: per-query rows run in-process; Table 4 jobs within --eval-budget {lcfg.eval_budget_s:.0f}s:")
         print(jobs.format_plan(plan.jobs, opts.beam_args, plan_costs(plan.jobs, cfg)))

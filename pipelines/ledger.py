@@ -13,6 +13,8 @@ written them (a finished run of an earlier version resumes), one JSON file per s
 or entries of the previous manifest, all written under one fingerprint (build_index: its shards, keyed by their
 source embedding shard, and the trained index). stage keeps no record: a staged shard is a function of its
 data, so it is finished when the file already holds the bytes it would be written with (:func:`write_or_keep`).
+Below the shards, encode also keeps the pieces a killed run spilled (one per encoded batch) when the rerun's
+key is the same (:func:`keep_pieces`).
 
 No Beam transform here: the launchers and the DoFns call it alike. Files are reached through
 :mod:`pipelines.files` (Beam FileSystems), so outputs at URLs (gs://) resume like local ones.
@@ -21,8 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from pipelines import files
 
@@ -144,3 +147,42 @@ def write_or_keep(path: str, data: bytes) -> tuple[str, bool]:
         return sha, True
     files.write_atomic(path, data)
     return sha, False
+
+
+#: Under a spill folder: the key its pieces were written under and the start times of the runs that wrote them.
+PIECES_KEY_FILE = "key.json"
+
+
+@dataclass(frozen=True)
+class KeptPieces:
+    """The pieces a killed run of the same key left in a spill folder: per sub-folder, {piece name: mtime}; and
+    the seconds the earlier runs spent making them (from each run's start to its last piece)."""
+    found: Mapping[str, Mapping[str, float]]
+    earlier_s: float
+
+
+def keep_pieces(spill: str, key: Any, now: float, subdirs: Sequence[str], piece: re.Pattern) -> KeptPieces:
+    """Open the spill folder ``spill`` for a run under ``key``: keep the pieces (names matching ``piece`` in
+    ``subdirs``) that an interrupted run of the same key left, or delete them all when the key differs or its
+    record is damaged. Records this run's start (``now``) beside the key."""
+    key_path = files.join(spill, PIECES_KEY_FILE)
+    record = None
+    if files.exists(key_path):
+        try:
+            record = files.read_json(key_path)
+        except (OSError, ValueError):
+            record = None  # a damaged key: nothing under it can be trusted
+    if not record or record.get("key") != key:
+        files.remove_tree(spill)
+        record = {"key": key, "runs": []}
+    found = {d: {n: t for n, t in files.list_files(files.join(spill, d)).items() if piece.fullmatch(n)}
+             for d in subdirs}  # {name: mtime}; a temp file of a write cut short is no piece
+    mtimes = sorted(t for f in found.values() for t in f.values())
+    starts = sorted(float(s) for s in record["runs"]) + [now]
+    earlier = 0.0
+    for start, nxt in zip(starts, starts[1:]):
+        inside = [t for t in mtimes if start <= t < nxt]
+        earlier += (max(inside) - start) if inside else 0.0
+    files.makedirs(spill)
+    files.write_json_atomic(key_path, {"key": key, "runs": [*record["runs"], now]})
+    return KeptPieces(found, earlier)

@@ -104,20 +104,6 @@ def cli_errors(*error_types: type, memory_options: Sequence[str] = (), job: Opti
 
 
 # ------------------------------------------------------------------------------------ validation
-def check_positive(name: str, value, allow_none: bool = False) -> None:
-    """An int >= 1 (or None where allowed); a one-line ValueError naming the value otherwise."""
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def check_choice(name: str, value, choices: Sequence) -> None:
-    """``value`` must be one of ``choices`` (one-line ValueError naming both)."""
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {'|'.join(map(str, choices))}, got {value!r}")
-
-
 class AutoDevice(str):
     """The device ``--device auto`` resolved to (``cpu`` or ``cuda``): a plain ``str`` everywhere (==, hash, JSON,
     f-strings, to_argv), so a plan and its fingerprints are those of the same device given explicitly; only

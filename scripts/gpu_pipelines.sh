@@ -1,10 +1,10 @@
 #!/bin/bash
-# The GPU run (benchmarks/gpu_pipelines.py) on a bare machine with one NVIDIA GPU, in parts of a few minutes each,
+# The GPU run (benchmarks/meters/gpu_pipelines.py) on a bare machine with one NVIDIA GPU, in parts of a few minutes each,
 # and its rehearsal here on the device's own software (docs/PERFORMANCE.md, "The GPU run").
 #
 # That machine has CUDA torch, transformers, numpy, pyarrow, pandas, h5py and click but not apache-beam or faiss,
 # and no network: their wheels travel with the repository (under the 64 MiB a call may carry) and `install`
-# puts the ones the image lacks on a --target folder (benchmarks/gpu_device.py checks their requirements first).
+# puts the ones the image lacks on a --target folder (benchmarks/meters/gpu_device.py checks their requirements first).
 #
 #   bash scripts/gpu_pipelines.sh prepare                # here, with PyPI: cp312 wheels into runs/gpu-wheels
 #   bash scripts/gpu_pipelines.sh estimate               # the full run's estimate per part (<= 4 min each)
@@ -12,7 +12,7 @@
 #                                                        # versions, the wheels installed as there, every part
 #   OUT=<folder> bash scripts/gpu_pipelines.sh part NAME [options]   # there (carry runs/gpu-wheels): one part
 #
-# NAME: pipelines | co5k | feeding | train | all. Options go to python -m benchmarks.gpu_pipelines (--scale,
+# NAME: pipelines | co5k | feeding | train | all. Options go to python -m benchmarks.meters.gpu_pipelines (--scale,
 # --device, ...). Results: $OUT/rows.csv, $OUT/verdicts.txt and $OUT/env.txt; the work folder ($WORK, default
 # runs/gpu_work) is never under $OUT. Progress and errors go to stdout, unbuffered; a part stops at its first
 # failure with one line naming the step and the cause.
@@ -44,7 +44,7 @@ install() {  # apache-beam and faiss for $PY: the carried wheels the image lacks
   [ -d "$WHEELS" ] || die "install: no apache-beam/faiss here and no $WHEELS: run '$0 prepare' here and carry it"
   local plan
   plan=$(mktemp)
-  $PY -m benchmarks.gpu_device plan-install --wheels "$WHEELS" --plan "$plan" ${REHEARSAL:+--rehearsal} 2>&1 \
+  $PY -m benchmarks.meters.gpu_device plan-install --wheels "$WHEELS" --plan "$plan" ${REHEARSAL:+--rehearsal} 2>&1 \
     || die "install: stopped (above)"
   mapfile -t picked < "$plan"
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${picked[@]}" \
@@ -78,7 +78,7 @@ case "${1:-}" in
     ;;
   estimate)
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-    $PY -m benchmarks.gpu_pipelines --estimate
+    $PY -m benchmarks.meters.gpu_pipelines --estimate
     ;;
   part)
     [ $# -ge 2 ] || die "usage: OUT=<folder> $0 part pipelines|co5k|feeding|train|all [options]"
@@ -88,8 +88,8 @@ case "${1:-}" in
     install
     environment "$OUT/env.txt"
     rc=0
-    $PY -m benchmarks.gpu_pipelines --part "$name" --out "$OUT" --work "${WORK:-runs/gpu_work}" "$@" 2>&1 || rc=$?
-    $PY -m benchmarks.gpu_device check-out --out "$OUT" || rc=1
+    $PY -m benchmarks.meters.gpu_pipelines --part "$name" --out "$OUT" --work "${WORK:-runs/gpu_work}" "$@" 2>&1 || rc=$?
+    $PY -m benchmarks.meters.gpu_device check-out --out "$OUT" || rc=1
     exit $rc
     ;;
   rehearse)
@@ -116,7 +116,7 @@ case "${1:-}" in
     echo "rehearse: passed ($R/out: $(ls "$R/out" | tr '\n' ' '))"
     ;;
   *)
-    echo "usage: $0 prepare | estimate | rehearse | part NAME [benchmarks.gpu_pipelines options]" >&2
+    echo "usage: $0 prepare | estimate | rehearse | part NAME [benchmarks.meters.gpu_pipelines options]" >&2
     exit 2
     ;;
 esac

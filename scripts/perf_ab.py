@@ -1,4 +1,4 @@
-"""Side-by-side speed comparisons behind docs/PERFORMANCE.md (Beam-free: runs where benchmarks.roofline runs).
+"""Side-by-side speed comparisons behind docs/PERFORMANCE.md (Beam-free: runs where benchmarks.meters.roofline runs).
 
     python scripts/perf_ab.py prepare --images 1000 --output /tmp/ab                     # synthetic data, once
     python scripts/perf_ab.py versions --base OLD_CHECKOUT --backbone B --data /tmp/ab --threads 2 --reps 3
@@ -42,7 +42,7 @@ class PreparePlan:
 @dataclass(frozen=True, kw_only=True)  # kw_only: each command adds options with defaults after these
 class ModelData:
     """--backbone (a write-backbone folder) and --data (a prepare folder): every measuring command takes both."""
-    backbone: str = option(help="A `benchmarks.roofline write-backbone` folder.")
+    backbone: str = option(help="A `benchmarks.meters.roofline write-backbone` folder.")
     data: str = option(help="A `prepare` folder.")
 
 

@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from benchmarks import jobs, latency, launch, planner, queries, report, suites
+from benchmarks import queries, report
+from benchmarks.suites import jobs, latency, launch, planner, suites
 from retrieval_core.data.manifest import load_manifest
 from tests.helpers_model import tiny_model
 
@@ -351,7 +352,7 @@ def test_a_scale_suites_exhaustive_ce_row_is_extrapolated_from_its_co_and_search
     """Per query (the paper's Table 3 from a measured run): the CE share of the CO job (its wall minus the
     search-only job's) over the CE pairs it scored gives the pair rate; exhaustive CE costs each direction's pool at
     that rate, measured=false. A CO job resumed from finished shards scored nothing: no rate, said so."""
-    from benchmarks.rows import evaluate_row
+    from benchmarks.suites.rows import evaluate_row
     from retrieval_core.data.schema import RANKINGS_SCHEMA_VERSION
 
     run = tmp_path / "co"
@@ -379,7 +380,7 @@ def test_a_rerank_job_resumed_from_finished_shards_reports_no_per_query_time(qui
     """Its wall timed only the shards it computed: that over every query of the row would flatter it."""
     import shutil
 
-    from benchmarks.rows import evaluate_row
+    from benchmarks.suites.rows import evaluate_row
 
     rows = {(r["mode"], r["direction"]): r for r in quick["rows"]}
     run = tmp_path / "co"
@@ -482,8 +483,8 @@ def test_a_preloaded_job_runs_its_module_as_python_m_would(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("preload", [True, False])
 def test_a_demo_step_passes_its_output_through_as_it_comes(tmp_path, monkeypatch, capfd, preload):
-    """benchmarks.launch.run_module (the demo's steps): the step's output reaches ours unchanged, a progress bar's
-    carriage returns included (not held back until a newline), and a failing step raises as subprocess.run
+    """benchmarks.suites.launch.run_module (the demo's steps): the step's output reaches ours unchanged, a progress
+    bar's carriage returns included (not held back until a newline), and a failing step raises as subprocess.run
     (check=True) would."""
     script = tmp_path / "bar_step.py"
     script.write_text("import sys\n"
@@ -568,9 +569,12 @@ def test_latency_per_query_rows_and_extrapolated_totals(model, tmp_path):
     lcfg = latency.LatencyConfig(sizes=(100, 400), eval_sizes=(6,), ks=(4,), reps=3, warmup=1, paper_reps=1,
                                  base_images=12, recall_queries=8, ce_measure_budget_s=0.0, eval_budget_s=0.0,
                                  batch_size=16, threads=1, hnsw_max_n=100, pipeline_overhead_images=0,
-                                 train_steps=1, feeding_items=20)
+                                 train_steps=1, feeding_items=20, entry_point_images=8, entry_point_k=4)
     cfg = planner.SuiteConfig(suite="latency", workdir=str(tmp_path), models=planner.Models(join=model), feature_dim=F)
     rows, results = latency.run_latency(cfg, lcfg, log=lambda m: None)
+    entry = {r["mode"]: r for r in rows if r.get("collection") == "entry_point"}  # the Python query entry point
+    assert set(entry) == {"entry point EMB", "entry point CO"}
+    assert all(r["k"] == 4 and r["collection_size"] == 8 and 0 < r["latency_p50_ms"] for r in entry.values())
     assert results == []  # a zero budget runs no Table 4 job
     back = report.read_csv(report.write_csv(str(tmp_path / "latency.csv"), rows))
     per_q = [r for r in back if r["collection"].startswith("per_query")]
@@ -722,7 +726,7 @@ def test_the_seed_summary_keeps_one_auto_row_whatever_fusion_each_seed_chose():
 def test_the_seed_summary_gives_the_interval_of_each_seed_mean_and_of_its_difference_to_emb(tmp_path):
     """Three seeds rank the same queries: the seed-mean difference CO - EMB and its interval come from one resample
     of the queries applied to every seed's CO and EMB hits (evaluation.stats), not from the CSV numbers."""
-    from benchmarks.rows import RowHits
+    from benchmarks.suites.rows import RowHits
     from retrieval_core.evaluation.metrics import DirectionHits
     from retrieval_core.evaluation.stats import Bootstrap, difference_intervals, recall_intervals
 

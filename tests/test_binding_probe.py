@@ -1,12 +1,12 @@
-"""benchmarks.binding_probe: the caption parsing finds each colour's noun, the probe separates what is separable and
-stays at chance where the labels carry no signal, and the CLI runs on a staged tiny synthetic collection."""
+"""benchmarks.probes.binding_probe: the caption parsing finds each colour's noun, the probe separates what is separable
+and stays at chance where the labels carry no signal, and the CLI runs on a staged tiny synthetic collection."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from benchmarks import binding_probe
+from benchmarks.probes import binding_probe
 from tests.helpers_model import staged_demo_and_tiny_model
 
 F = 16
@@ -70,7 +70,7 @@ def test_cli_probes_both_sides_at_every_layer(staged_and_model, tmp_path):
 
 
 def test_cross_pairs_alternate_gold_and_binding_sibling_with_the_image_colour_as_label(staged_and_model):
-    from benchmarks.family_probe import sampled_captions
+    from benchmarks.probes.family_probe import sampled_captions
     from retrieval_core.data.manifest import load_manifest
     from retrieval_core.data.store import StagedDataset
     from retrieval_core.data.synthetic.scenes import describe_scene, focus_pairs

@@ -134,9 +134,9 @@ def test_unknown_flag_and_bad_plan_values_are_one_line_errors(tmp_path):
     _write_embeddings(emb_dir)
     res = CliRunner().invoke(main, ["--embeddings", str(emb_dir), "--output", str(tmp_path / "o"), "--top-k", "3"])
     assert res.exit_code == 2 and "unknown option(s) --top-k" in res.output
-    with pytest.raises(ValueError, match="metric must be one of ip|l2, got 'cos'"):
+    with pytest.raises(ValueError, match="--metric: 'cos' is not one of 'ip', 'l2'"):
         IndexPlan(str(emb_dir), str(tmp_path / "o"), metric="cos")
-    with pytest.raises(ValueError, match="threads must be an integer >= 1"):
+    with pytest.raises(ValueError, match="--threads: 0 is not in the range x>=1"):
         IndexPlan(str(emb_dir), str(tmp_path / "o"), threads=0)
 
 

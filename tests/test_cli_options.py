@@ -17,7 +17,7 @@ from retrieval_core.cli import DeviceType, plan_flags, plan_of
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLOORS = ("pipelines", "benchmarks", "retrieval_core")
 CLI_MODULE = os.path.join("retrieval_core", "cli.py")
-SCRIPTS = ("perf_ab",)  # scripts/*.py with a click CLI (imported from scripts/, beside their helpers)
+SCRIPTS = ("perf_ab", "query_latency")  # scripts/*.py with a click CLI (imported from scripts/, beside their helpers)
 
 
 def _sources(floors=FLOORS) -> dict[str, str]:
@@ -73,8 +73,9 @@ COMMANDS = _all_commands()
 
 def test_the_walk_finds_every_floors_clis():
     names = {path for path, _ in COMMANDS}
-    assert {"pipelines.stage.run", "pipelines.encode.run", "pipelines.rerank.run", "benchmarks.run", "benchmarks.demo",
-            "benchmarks.evaluate", "benchmarks.roofline measure", "benchmarks.report.__main__ memory-table",
+    assert {"pipelines.stage.run", "pipelines.encode.run", "pipelines.rerank.run", "pipelines.query.run",
+            "benchmarks.run", "benchmarks.demo", "benchmarks.evaluate", "benchmarks.meters.roofline measure",
+            "benchmarks.report.__main__ memory-table",
             "retrieval_core.training.train", "retrieval_core.model.e5", "perf_ab versions"} <= names, sorted(names)
     assert len(COMMANDS) >= 25
 

@@ -14,6 +14,7 @@ from pipelines.encode import plan as encode_plan
 from pipelines.encode import run as encode_run
 from pipelines.files import SPILL_DIR
 from pipelines.handlers import METRICS_NAMESPACE
+from pipelines.ledger import PIECES_KEY_FILE
 from pipelines.stage import plan as stage_plan
 from pipelines.stage import run as stage_run
 from retrieval_core.data.shards import caption_shard_parquet, image_shard_parquet
@@ -270,7 +271,7 @@ def test_a_run_killed_mid_encode_resumes_from_its_spilled_batches(assets, tmp_pa
     monkeypatch.undo()
     spill = tmp_path / "emb" / SPILL_DIR
     pieces = {m: sorted((spill / m).iterdir()) for m in ("image", "text")}
-    assert (spill / encode_plan.SPILL_KEY_FILE).exists() and all(pieces.values())
+    assert (spill / PIECES_KEY_FILE).exists() and all(pieces.values())
     # the kill came earlier for some batches: their pieces were never written (nor a temp file's rename)
     lost = pieces["text"][::3]
     lost_rows = sum(encode_plan.piece_rows(p.name) for p in lost)
@@ -320,7 +321,7 @@ def test_plan_and_cli_flags(assets, tmp_path):
     assert encode_plan.EncodePlan(staged, model_dir, "o", device="CUDA").device == "cuda"
     with pytest.raises(ValueError, match=r"device must be one of auto\|cpu\|cuda\|cuda:N, got 'GPU'"):
         encode_plan.EncodePlan(staged, model_dir, "o", device="GPU")
-    with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="--batch-size: 0 is not in the range x>=1"):
         encode_plan.EncodePlan(staged, model_dir, "o", batch_size=0)
     res = CliRunner().invoke(encode_run.main, ["--staged", staged, "--model", model_dir, "--output",
                                                str(tmp_path / "o"),

@@ -1,4 +1,4 @@
-"""benchmarks.family_probe on a staged tiny synthetic collection: its counts follow from the family layout, and
+"""benchmarks.probes.family_probe on a staged tiny synthetic collection: its counts follow from the family layout, and
 its accuracies are recomputed here from the two heads' own scores."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from benchmarks import family_probe
+from benchmarks.probes import family_probe
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.data.synthetic.scenes import describe_scene

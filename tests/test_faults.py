@@ -225,8 +225,8 @@ def test_two_runs_started_at_once_one_refused_the_other_whole(assets, tmp_path):
                               text=True) for _ in range(2)]
     results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
     codes = sorted(code for code, _ in results)
-    assert codes == [0, 2], results
-    refused = next(err for code, err in results if code == 2)
+    assert codes == [0, 1], results
+    refused = next(err for code, err in results if code == 1)
     assert "in use by another run" in refused and "pid" in refused, refused
     record("two runs started at once", "stage", "one refused naming the other; the other whole",
            same_as_clean("stage", assets, out))
@@ -687,7 +687,7 @@ def test_yaml_tags_that_construct_objects_are_refused(tmp_path, where):
     if where == "--set":
         args += ["--set", f"name={tag}"]
     res = CliRunner().invoke(stage_run.main, args)
-    assert res.exit_code == 2 and "python/object" in res.output, res.output
+    assert res.exit_code == 1 and "python/object" in res.output, res.output
     assert not marker.exists()  # yaml.safe_load everywhere: nothing was constructed
     record(f"YAML tag constructing an object ({where})", "stage", "refused in one line, nothing constructed")
 
@@ -788,7 +788,7 @@ collections:
     # the CLI: one line, nothing written
     res = CliRunner().invoke(stage_run.main, ["--manifest", str(manifest), "--output", str(tmp_path / "out")],
                              env=env)
-    assert res.exit_code == 2 and "outside the manifest's roots" in res.output and "Traceback" not in res.output
+    assert res.exit_code == 1 and "outside the manifest's roots" in res.output and "Traceback" not in res.output
     assert not (tmp_path / "out").exists()
     # the legitimate ways to read data kept elsewhere: the user's command line or environment, or a root the
     # file declares with ${VAR} set to that folder
@@ -874,7 +874,7 @@ collections:
     res = CliRunner().invoke(stage_run.main, ["--manifest", str(tmp_path / "m.yaml"), "--output", str(out)],
                              env={"RR_DATA_ROOT": str(tmp_path)})
     last = res.output.strip().splitlines()[-1]
-    assert res.exit_code == 2 and "cannot plan the reads" in last, res.output
+    assert res.exit_code == 1 and "cannot plan the reads" in last, res.output
     assert f"{feats / 'b.tsv'}" in last and str(elsewhere / "b.tsv") in last and f"outside its folder {feats}" in last
     assert not out.exists() or not (out / "summary.json").exists()
     record(f"symlink out of a feature {entry} the manifest names", "stage",

@@ -200,7 +200,7 @@ def test_jobs_serve_bf16_on_cuda_and_float32_on_cpu_by_default():
 
 def test_a_batch_size_sweep_names_the_fastest_job_path_size_per_task_and_precision():
 
-    from benchmarks.feeding import WAYS, best_batch_sizes, parse_sizes
+    from benchmarks.meters.feeding import WAYS, best_batch_sizes, parse_sizes
 
     def row(task, precision, bs, way, rate):
         return {"collection": f"feeding_{task}", "mode": f"{task}: {WAYS[way]}", "quantize": precision,

@@ -12,7 +12,7 @@ import zipfile
 import pandas as pd
 import pytest
 
-from benchmarks import gpu_device, gpu_pipelines
+from benchmarks.meters import gpu_device, gpu_pipelines
 
 
 def _run(args, out, work, timeout=900):
@@ -109,7 +109,7 @@ def test_check_out_refuses_what_the_device_would_not_return(tmp_path):
 
 @pytest.mark.parametrize("size", ["demo", "base"])
 def test_models_built_from_a_word_list_keep_the_whole_vocabulary(tmp_path, size):
-    from benchmarks import feeding
+    from benchmarks.meters import feeding
 
     texts = ["a red cube left of a blue ball", "two green cones"]
     model = feeding.build_model(size, texts, str(tmp_path), layers=1)

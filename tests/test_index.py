@@ -238,12 +238,12 @@ def test_read_id_list_refuses_what_is_not_a_clean_int64_id_column(tmp_path):
 
 
 def test_search_batch_benchmark_writes_one_documented_row_per_size(tmp_path):
-    """benchmarks.search_batch (the evidence for rerank's --search-batch-size): a row per queries-per-call size,
+    """benchmarks.meters.search_batch (the evidence for rerank's --search-batch-size): a row per queries-per-call size,
     the timed search's FLOP rate consistent with its time, and the CSV's columns documented beside it."""
     import pandas as pd
     from click.testing import CliRunner
 
-    from benchmarks import search_batch
+    from benchmarks.meters import search_batch
 
     out = tmp_path / "search_batch.csv"
     res = CliRunner().invoke(search_batch.main, ["--shard-size", "2000", "--queries-per-call", "8,64",

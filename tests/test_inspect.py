@@ -196,6 +196,7 @@ def test_page_summary_and_listed_queries_match_the_tables(tmp_path):
         any(insp.scene_text(describe_scene(spec, i)) in text for i in range(8))
     assert caps[0]["text"] in text or any(c["text"] in text for c in caps)
     assert "http" not in out.read_text()  # self-contained
+    assert str(tmp_path) not in out.read_text() and "A: run; B: run" in text  # no machine's absolute paths
 
 
 def test_thumbnails_are_embedded_and_mismatched_runs_refused(tmp_path):

@@ -1,4 +1,4 @@
-"""benchmarks.learning_curves on a real (tiny) JOIN run over a staged synthetic collection that kept its
+"""benchmarks.probes.learning_curves on a real (tiny) JOIN run over a staged synthetic collection that kept its
 checkpoints: the loss windows are the log's own means, and every probe point is family_probe on the model kept
 at that step."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from benchmarks import family_probe, learning_curves
+from benchmarks.probes import family_probe, learning_curves
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.model.network import VLRetrievalModel

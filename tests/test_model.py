@@ -86,7 +86,7 @@ def test_gradients_reach_the_image_projection(model, data):
 
 
 def test_ce_layer_states_are_the_states_ce_logits_reads(model, data):
-    """The probe's view (benchmarks.binding_probe) is the CE's own: its last layer's [CLS] through the pooler and
+    """The probe's view (benchmarks.probes.binding_probe) is the CE's own: its last layer's [CLS] through the pooler and
     classifier gives ce_logits; one state per layer plus the input tokens, caption positions first."""
     captions, images = data
     model.eval()

@@ -15,10 +15,10 @@ from benchmarks.evaluate import EvaluatePlan
 from benchmarks.evaluate import main as evaluate_main
 from benchmarks.inspect import InspectPlan
 from benchmarks.inspect import main as inspect_main
-from benchmarks.planner import Models, SuiteConfig
 from benchmarks.queries import QueriesPlan
 from benchmarks.queries import main as queries_main
 from benchmarks.run import main as run_main
+from benchmarks.suites.planner import Models, SuiteConfig
 from pipelines.build_index.plan import IndexPlan
 from pipelines.build_index.run import main as index_main
 from pipelines.encode.plan import EncodePlan

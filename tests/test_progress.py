@@ -103,8 +103,8 @@ def test_rerank_co_shows_ce_progress_and_counters_and_the_bar_changes_no_output(
 
 
 def test_a_failing_step_is_one_line_without_beams_traceback(tmp_path):
-    """A captions JSON that cannot be parsed fails its read task inside Beam: one line, and RR_DEBUG=1 (or
-    stage's -v) keeps the traceback."""
+    """A captions JSON that cannot be parsed fails its read task inside Beam: one line naming the file and the
+    step, and RR_DEBUG=1 keeps the traceback."""
     caps = tmp_path / "caps.json"
     caps.write_text("not json{{{")
     (tmp_path / "m.yaml").write_text(f"""
@@ -119,8 +119,8 @@ collections:
     res = run_cli("pipelines.stage", *args)
     assert res.returncode != 0
     assert "Traceback" not in res.stderr, res.stderr
-    errors = [s for s in res.stderr.splitlines() if s.startswith("error: ")]
-    assert len(errors) == 1 and "caps.json: not valid JSON" in errors[0], res.stderr
+    errors = [s for s in res.stderr.splitlines() if s.startswith("Error: ")]
+    assert len(errors) == 1 and "caps.json: not valid JSON" in errors[0] and "ReadAndStage" in errors[0], res.stderr
     debug = run_cli("pipelines.stage", *args, **{DEBUG_ENV: "1"})
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 

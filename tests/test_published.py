@@ -180,9 +180,9 @@ def test_the_precision_and_feeding_tables_print_only_their_csvs_numbers(tmp_path
 
 
 def test_the_fusion_rule_table_counts_each_seeds_measured_losses(tmp_path):
-    """benchmarks.fusion_rule's table: the seed mean and its t interval per direction, the choice of every seed,
+    """benchmarks.probes.fusion_rule's table: the seed mean and its t interval per direction, the choice of every seed,
     and the seeds whose own paired interval lies below zero."""
-    from benchmarks.fusion_rule import COLUMNS
+    from benchmarks.probes.fusion_rule import COLUMNS
 
     write = lambda p, b: Path(p).write_bytes(b)  # noqa: E731
     (tmp_path / "docs" / "results").mkdir(parents=True)
@@ -205,8 +205,8 @@ def test_the_fusion_rule_table_counts_each_seeds_measured_losses(tmp_path):
 def test_a_jobs_table_shows_each_job_as_it_ran(tmp_path):
     """A suite's jobs CSV says where the run was, and a reused job keeps the command, threads and finishing time
     of the run that measured it; the jobs-table block prints them and passes the numbers check."""
-    from benchmarks import jobs
     from benchmarks.run import job_rows
+    from benchmarks.suites import jobs
 
     (tmp_path / "docs" / "results").mkdir(parents=True)
     enc = jobs.Job("encode m c", "pipelines.encode", ("--threads", "1"), str(tmp_path / "e"), "manifest.json")

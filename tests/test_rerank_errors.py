@@ -1,12 +1,13 @@
-"""benchmarks.rerank_errors on a staged tiny synthetic collection: every query's first place is classified once per
-mode, the correct ones are the ranking's R@1, and the flips are the queries one mode gets right and the other wrong."""
+"""benchmarks.probes.rerank_errors on a staged tiny synthetic collection: every query's first place is classified once
+per mode, the correct ones are the ranking's R@1, and the flips are the queries one mode gets right and the other
+wrong."""
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from benchmarks import rerank_errors
+from benchmarks.probes import rerank_errors
 from pipelines.build_index.plan import IndexPlan
 from pipelines.build_index.run import run as build_index
 from pipelines.encode.plan import EncodePlan

@@ -1,4 +1,4 @@
-"""benchmarks.roofline: the roofline and training rows, Beam-free (the script a GPU machine runs)."""
+"""benchmarks.meters.roofline: the roofline and training rows, Beam-free (the script a GPU machine runs)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import report, roofline
+from benchmarks import report
+from benchmarks.meters import roofline
 from retrieval_core.model.quantize import cpu_has_native_bf16
 from retrieval_core.training.recipes import BENCH_RECIPE, DEMO_RECIPE
 from tests.helpers_model import write_tiny_bert
@@ -30,7 +31,7 @@ def test_measure_runs_without_beam_faiss_or_the_minilm_wheel(tmp_path):
         json.dump({"max_regions": 12, "recipes": {r.name: asdict(r.join) for r in (DEMO_RECIPE, BENCH_RECIPE)}}, f)
     out = str(tmp_path / "rows.csv")
     code = (f"import sys\nfor m in {BLOCKED!r}: sys.modules[m] = None\n"
-            "from benchmarks.roofline import main\n"
+            "from benchmarks.meters.roofline import main\n"
             f"main(['measure', '--backbone', {backbone!r}, '--device', 'cpu', '--threads', '1', '--images', '12', "
             f"'--batch-size', '8', '--feature-dim', '16', '--train-steps', '1', '--other-attention', '--output', "
             f"{out!r}])")

@@ -164,7 +164,7 @@ def test_end_to_end_counts_summary_and_rejects(staged):
     tmp, manifest, out, code, output = staged
     # the TSV collection has far more than 1% rejects: non-zero exit after writing everything
     assert code == 1, output
-    assert "error: tsv images: 6 of 10 records rejected" in output
+    assert "Error: tsv images: 6 of 10 records rejected" in output
     assert "syn images: 60 in = 60 staged + 0 rejected" in output
     assert "syn captions: 120 in = 120 staged + 0 rejected" in output
     assert "tsv images: 10 in = 4 staged + 6 rejected" in output
@@ -251,12 +251,12 @@ def test_bad_input_gives_clear_message_not_traceback(tmp_path):
     manifest = write_inputs(tmp_path)
     os.remove(tmp_path / "feats.tsv")
     code, output = run_cli("--manifest", manifest, "--output", str(tmp_path / "o"))
-    assert code == 2 and "input file(s) missing" in output and "feats.tsv" in output
+    assert code == 1 and "input file(s) missing" in output and "feats.tsv" in output
     assert "Traceback" not in output
     bad = tmp_path / "bad.yaml"
     bad.write_text("feature_dim: 16\ncollections: {x: {images: {format: nope}}}\n")
     code, output = run_cli("--manifest", str(bad), "--output", str(tmp_path / "o"))
-    assert code == 2 and "invalid manifest" in output and "Traceback" not in output
+    assert code == 1 and "invalid manifest" in output and "Traceback" not in output
 
 
 def test_module_help():
@@ -476,7 +476,7 @@ collections:
 
 
 def test_plan_values_are_checked_when_built(tmp_path):
-    with pytest.raises(StageError, match="feature format must be one of parquet|hdf5, got 'npz'"):
+    with pytest.raises(StageError, match="--feature-format: 'npz' is not one of 'parquet', 'hdf5'"):
         StagePlan(str(tmp_path), feature_format="npz")
     with pytest.raises(StageError, match="override 'coco' is not KEY=VALUE"):
         StagePlan(str(tmp_path), overrides=("coco",))
@@ -550,5 +550,5 @@ def test_an_lzf_compressed_spill_stages_the_same_bytes(tmp_path):
     files = relative_files(outs["none"])
     assert files == relative_files(outs["lzf"]) and any(f.startswith("images/") for f in files)
     assert_same_bytes(outs["none"], outs["lzf"], [f for f in files if f != "summary.json"])
-    with pytest.raises(StageError, match="spill compression"):
+    with pytest.raises(StageError, match="--spill-compression"):
         StagePlan(str(tmp_path / "x"), manifest, spill_compression="gzip")

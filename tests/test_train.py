@@ -304,7 +304,7 @@ def test_cli_bad_input_is_one_line_not_a_traceback(tmp_path, cli_inputs):
     common = ["--staged", staged, "--output", str(tmp_path / "o"), "--no-progress", "--steps", "2"]
     for extra, expected in ((["--base-model", str(tmp_path / "nope")], "no such folder"),
                             (["--base-model", str(tmp_path)], "neither a retrieval model folder"),
-                            (["--max-regions", "0"], "--max-regions must be >= 1, got 0"),
+                            (["--max-regions", "0"], "'--max-regions': 0 is not in the range x>=1"),
                             (["--batch-size", "1"], "need steps >= 1 and batch_size >= 2"),
                             (["--device", "gpu"], "device must be one of auto|cpu|cuda|cuda:N, got 'gpu'")):
         res = runner.invoke(main, common + extra)

@@ -29,7 +29,7 @@ def precision_table(rows: Sequence[Mapping]) -> str:
 
 
 def feeding_table(rows: Sequence[Mapping]) -> str:
-    """A Markdown table of benchmarks.feeding's rows: per task, precision and batch size, the rate of each way
+    """A Markdown table of benchmarks.meters.feeding's rows: per task, precision and batch size, the rate of each way
     measured (job path, library loop, model alone; items per second) and each way's fraction of the model alone."""
     ways = ("job path", "library loop", "model alone")
     groups: dict[tuple, dict[str, Mapping]] = {}
@@ -49,13 +49,27 @@ def feeding_table(rows: Sequence[Mapping]) -> str:
 
 
 def search_batch_table(rows: Sequence[Mapping]) -> str:
-    """A Markdown table of benchmarks.search_batch's rows: per queries-per-call size, the search call's time, its
+    """A Markdown table of benchmarks.meters.search_batch's rows: per queries-per-call size, the search call's time, its
     time per query, its FLOP rate and numpy's GEMM rate at the same shapes."""
     lines = ["| queries per call | ms per call | us per query | faiss search GFLOP/s | numpy GEMM GFLOP/s |",
              "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['queries_per_call']} | {_fmt(r['search_ms'])} | {_fmt(r['us_per_query'])} | "
                      f"{_fmt(r['search_gflops'])} | {_fmt(r['gemm_gflops'])} |")
+    return "\n".join(lines)
+
+
+def query_latency_table(rows: Sequence[Mapping]) -> str:
+    """A Markdown table of scripts/query_latency.py's rows: per direction and ranking, the query entry point's
+    milliseconds per query (median, 90th percentile, mean)."""
+    names = {"t2i": "text -> images", "i2t": "image -> captions"}
+    modes = {"emb": "BE only (emb)", "co": "BE + CE (co)"}
+    lines = ["| queries | searched by | ranking | k | ms per query, median | 90th percentile | mean |",
+             "|" + "---|" * 7]
+    for r in rows:
+        lines.append(f"| {names.get(r['direction'], r['direction'])} | {r['search']} | "
+                     f"{modes.get(r['mode'], r['mode'])} | {r['k']} | {_fmt(r['p50_ms'])} | {_fmt(r['p90_ms'])} | "
+                     f"{_fmt(r['mean_ms'])} |")
     return "\n".join(lines)
 
 
@@ -93,7 +107,7 @@ def per_query_table(rows: Sequence[Mapping]) -> str:
 
 
 def gpu_run_table(rows: Sequence[Mapping]) -> str:
-    """A Markdown table of benchmarks.gpu_pipelines' rows.csv: per part, its steps' wall seconds and every rate
+    """A Markdown table of benchmarks.meters.gpu_pipelines' rows.csv: per part, its steps' wall seconds and every rate
     (items per second) with its fraction (of the model alone, or of one collating thread), recall rows left to
     the recall tables."""
     lines = ["| part | size | row | precision | batch | wall s | per second | fraction |", "|" + "---|" * 8]

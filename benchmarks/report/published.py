@@ -37,18 +37,19 @@ from benchmarks.report.cost_tables import (
     jobs_table,
     per_query_table,
     precision_table,
+    query_latency_table,
     search_batch_table,
 )
 from benchmarks.report.schema import read_csv, schema_path
 from benchmarks.report.tables import comparison_table, fusion_rule_table, probe_table, recall_table, seed_table
-from retrieval_core.cli import check_options, option
+from retrieval_core.cli import CheckedPlan, option
 
 #: The tracked folder of the result CSVs the docs cite (results/ at the root is the runs' scratch, ignored).
 RESULTS_DIR = "docs/results"
 #: The files whose numbers must all come from RESULTS_DIR.
 DOCS = ("README.md", "docs/RESULTS.md")
 #: Files with generated blocks too, whose other numbers state how and where they were measured (not checked).
-BLOCKS_ONLY = ("docs/PERFORMANCE.md",)
+BLOCKS_ONLY = ("docs/PERFORMANCE.md", "docs/QUERY.md")
 #: The columns a published CSV must fill: where, when and from which code its rows were measured.
 PROVENANCE = ("device", "cpu_model", "threads", "torch", "faiss", "commit", "date")
 
@@ -119,7 +120,7 @@ def precision_block(rows: Sequence[Mapping]) -> str:
 
 
 def feeding_block(rows: Sequence[Mapping]) -> str:
-    """benchmarks.feeding's rates (report.feeding_table) under where they were measured."""
+    """benchmarks.meters.feeding's rates (report.feeding_table) under where they were measured."""
     return (environment_line(rows) + " Each rate is the median of repetitions interleaved with the other ways in "
             "one process (the CSV's notes: how many, and each way's seconds).\n\n" + feeding_table(rows) + "\n")
 
@@ -135,14 +136,14 @@ def seed_block(rows: Sequence[Mapping]) -> str:
 
 
 def probe_block(rows: Sequence[Mapping]) -> str:
-    """benchmarks.family_probe's accuracies (report.probe_table) under where they were measured."""
+    """benchmarks.probes.family_probe's accuracies (report.probe_table) under where they were measured."""
     return (_measured(rows, faiss=False) + "; "
             f"{_one(rows, 'collection')} {_one(rows, 'split')} split; intervals: {_one(rows, 'bootstrap')}.\n\n"
             + probe_table(rows) + "\n")
 
 
 def fusion_rule_block(rows: Sequence[Mapping]) -> str:
-    """benchmarks.fusion_rule's re-chosen defaults (report.fusion_rule_table) under where they were computed."""
+    """benchmarks.probes.fusion_rule's re-chosen defaults (report.fusion_rule_table) under where they were computed."""
     return (_measured(rows) + f"; from the stored scores of the suites' runs, {_one(rows, 'queries')} queries per "
             "direction; intervals: the seed mean's t interval over seeds, a seed's "
             "own difference by a paired query bootstrap (the CSV).\n\n" + fusion_rule_table(rows) + "\n")
@@ -170,15 +171,25 @@ def per_query_block(rows: Sequence[Mapping]) -> str:
 
 
 def search_batch_block(rows: Sequence[Mapping]) -> str:
-    """benchmarks.search_batch's timings (report.search_batch_table) under where they were measured."""
+    """benchmarks.meters.search_batch's timings (report.search_batch_table) under where they were measured."""
     return (_measured(rows) + f"; one Flat inner-product index shard of {_one(rows, 'shard_size')} vectors of "
             f"{_one(rows, 'dim')} dimensions, {_one(rows, 'candidates')} candidates per query; "
             f"{_one(rows, 'notes')}.\n\n" + search_batch_table(rows) + "\n")
 
 
+def query_latency_block(rows: Sequence[Mapping]) -> str:
+    """scripts/query_latency.py's rows (report.query_latency_table) under where and how they were measured."""
+    loads = [float(r[c]) for r in rows for c in ("loadavg_1m_before", "loadavg_1m_after") if str(r.get(c, ""))]
+    load = f"; machine load average {min(loads):g}-{max(loads):g}" if loads else ""
+    return (_measured(rows) + f", OMP_WAIT_POLICY={_one(rows, 'omp_wait_policy')}; pool of "
+            f"{_one(rows, 'pool_images')} images and {_one(rows, 'pool_captions')} captions; "
+            f"{_one(rows, 'queries')} queries per row, one per call; the engine opened in {_one(rows, 'load_s')} s"
+            f"{load}.\n\n" + query_latency_table(rows) + "\n")
+
+
 def gpu_run_block(rows: Sequence[Mapping]) -> str:
     """The GPU run's (or its rehearsal's) rows (report.gpu_run_table) under where they were measured."""
-    return (_measured(rows, faiss=False) + "; benchmarks.gpu_pipelines, each step's estimate in its row's notes."
+    return (_measured(rows, faiss=False) + "; benchmarks.meters.gpu_pipelines, each step's estimate in its row's notes."
             "\n\n" + gpu_run_table(rows) + "\n")
 
 
@@ -188,7 +199,8 @@ GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {
     "seed-table": seed_block, "probe-table": probe_block,
     "fusion-rule-table": fusion_rule_block, "jobs-table": jobs_block,
     "comparison-table": comparison_block, "per-query-table": per_query_block,
-    "search-batch-table": search_batch_block, "gpu-run-table": gpu_run_block}
+    "search-batch-table": search_batch_block, "gpu-run-table": gpu_run_block,
+    "query-latency-table": query_latency_block}
 
 
 def generate(kind: str, csv_path: str, root: str) -> str:
@@ -313,7 +325,7 @@ def machine_folder(rows: Sequence[Mapping]) -> str:
 
 
 @dataclass(frozen=True)
-class DocsPlan:
+class DocsPlan(CheckedPlan):
     """``docs``' options (checked when built)."""
     publish: tuple[str, ...] = option((), multiple=True, type=click.Path(exists=True, dir_okay=False),
                                       help=f"a run's result CSV to copy into {RESULTS_DIR} first (repeatable)")
@@ -321,7 +333,7 @@ class DocsPlan:
     root: str = option(".", type=click.Path(exists=True, file_okay=False), help="the repository root")
 
     def __post_init__(self):
-        check_options(self)
+        super().__post_init__()
         if self.check and self.publish:
             raise ValueError("--check changes nothing: it takes no --publish")
 

@@ -12,7 +12,7 @@ import platform
 import time
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
-#: ``model`` of the rows that measure the paper's code path (benchmarks.latency)
+#: ``model`` of the rows that measure the paper's code path (benchmarks.suites.latency)
 PAPER_CODE_MODEL = "paper-code"
 
 #: The recalls whose bootstrap intervals every recall row carries (retrieval_core.evaluation.stats).
@@ -102,7 +102,7 @@ COLUMN_DOCS = {
     "per_query_ms": "milliseconds per query of the row's one rerank job: its wall / the queries it ranked (both "
                     "directions together; batched and amortised, start-up included: not one query's latency); an "
                     "extrapolated exhaustive CE row: its direction's pool / the CE's measured pairs per second",
-    "peak_rss_mb": "peak resident memory of the row's jobs (the largest job's ru_maxrss, benchmarks.jobs), MiB",
+    "peak_rss_mb": "peak resident memory of the row's jobs (the largest job's ru_maxrss, benchmarks.suites.jobs), MiB",
     "launcher_peak_rss_mb": "high-water resident memory of the benchmarks.run process itself once this row was "
                             "evaluated (planning, running the jobs as subprocesses, reading rankings and gold; "
                             "rows are evaluated in plan order), MiB",
@@ -162,14 +162,14 @@ COLUMN_DOCS = {
     **{f"delta_{m}_{stat}": f"the {word} of the seeds' own differences delta_{m}, percent points"
        for m in METRICS for stat, word in (("min", "smallest"), ("max", "largest"))},
     "seed_interval": "how the *_t_lo / *_t_hi columns were computed (level, seeds, degrees of freedom)",
-    # fusion_rule.csv (benchmarks.fusion_rule)
+    # fusion_rule.csv (benchmarks.probes.fusion_rule)
     "rule": "how the default ranking was chosen on dev: EMB (none), previous (best worse-direction R@1 gain, pure CO "
             "without a noise check), today (choose_fusion: CO only when its dev lead is beyond noise)",
     "interval": "how delta_R@1_lo / delta_R@1_hi were computed: a paired query bootstrap (one model) or a Student t "
                 "interval over the model seeds (a seed-mean row)",
     "co_lead": "when CO ranked first on dev: CO minus the best candidate that keeps the BE score, dev R@1 per "
                "direction with its paired 95 % bootstrap interval",
-    # search_batch.csv (benchmarks.search_batch)
+    # search_batch.csv (benchmarks.meters.search_batch)
     "shard_size": "vectors in the one index shard searched",
     "dim": "embedding width",
     "candidates": "n, the top list each query keeps (the rerank job's stored depth)",
@@ -292,10 +292,10 @@ def write_csv(path: str, rows: Iterable[Mapping], columns: Sequence[str] = CSV_C
               write_atomic: Optional[Callable[[str, bytes], object]] = None) -> str:
     """Writes the rows atomically (default pipelines.files.write_atomic: a crashed run never leaves a half CSV)
     and its column documentation beside it (:func:`schema_path`); returns the CSV's path. ``write_atomic``:
-    another writer of (path, bytes), for callers that run without Beam (benchmarks.roofline)."""
+    another writer of (path, bytes), for callers that run without Beam (benchmarks.meters.roofline)."""
     import json
 
-    if write_atomic is None:  # Beam's FileSystems only when used: benchmarks.roofline runs where Beam is absent
+    if write_atomic is None:  # Beam's FileSystems only when used: benchmarks.meters.roofline runs where Beam is absent
         from pipelines.files import write_atomic
 
     doc = column_schema(columns)  # before writing anything: an undocumented column is refused

@@ -95,7 +95,7 @@ def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]],
     must have run the same plan. AUTO rows are keyed without their lam (each seed's dev run may choose another
     fusion; ``fusion`` lists them).
 
-    ``hits_by_seed``: per seed, for each of its rows, the per-query hits behind it (``benchmarks.rows.RowHits``:
+    ``hits_by_seed``: per seed, for each of its rows, the per-query hits behind it (``benchmarks.suites.rows.RowHits``:
     ``hits``, ``baseline``; None for a row without): then also the bootstrap interval of each seed mean, and of
     the seed mean of the difference, with the queries resampled jointly across the seeds (they rank the same
     queries; anything else is an error). The two intervals answer two questions: the bootstrap one how sure these
@@ -387,7 +387,7 @@ def seed_table(rows: Sequence[Mapping]) -> str:
 
 
 def probe_table(rows: Sequence[Mapping]) -> str:
-    """A Markdown table of benchmarks.family_probe's CSV: per model and head (CE, BE, and the features' oracle),
+    """A Markdown table of benchmarks.probes.family_probe's CSV: per model and head (CE, BE, and the features' oracle),
     the share of binding and attribute siblings told apart (pairwise: gold above the sibling, chance 50 %) and of
     captions whose own image wins its family (top-1), each with its bootstrap interval."""
     cols = (("pairwise", "binding"), ("pairwise", "attribute"), ("top1", "binding"), ("top1", "all"))
@@ -409,8 +409,8 @@ def probe_table(rows: Sequence[Mapping]) -> str:
 
 
 def fusion_rule_table(rows: Sequence[Mapping]) -> str:
-    """A Markdown table of benchmarks.fusion_rule's CSV: per (test row, family, rule), each seed's chosen default,
-    its seed-mean R@1 minus EMB per direction with the t interval over seeds, and the seeds whose own paired
+    """A Markdown table of benchmarks.probes.fusion_rule's CSV: per (test row, family, rule), each seed's chosen
+    default, its seed-mean R@1 minus EMB per direction with the t interval over seeds, and the seeds whose own paired
     interval lies below 0 (a measured loss) in either direction."""
     lines = ["| test row | model | rule | choice per seed | t2i R@1 minus EMB | i2t R@1 minus EMB | seeds with a "
              "measured loss |", "|" + "---|" * 7]

@@ -13,7 +13,7 @@ import click
 import numpy as np
 
 from pipelines import files
-from pipelines.ledger import Ledger
+from pipelines.ledger import Ledger, keep_pieces
 from retrieval_core.cli import (
     CheckedPlan,
     batch_size_option,
@@ -211,7 +211,6 @@ def _key_now(current_key, modality: str, recorded) -> Optional[dict]:
 
 
 # ------------------------------------------------------------------------------- resuming spill pieces
-SPILL_KEY_FILE = "key.json"  # under <output>/_spill: what the pieces there were encoded under
 PIECE_NAME = re.compile(r"[0-9a-f]{20}-[0-9]+\.parquet")
 
 
@@ -246,30 +245,9 @@ class SpillResume:
 
 
 def keep_spilled(output: str, key: dict, now: float) -> SpillResume:
-    """Open this run's spill folder: keep the pieces a killed run of the same ``key`` left (a rerun skips their
-    batches), or delete them when the key differs (another model, staged set, split, precision or batch size).
-    Records this run's start beside the key: an earlier run's encoding time is from its start to its last piece."""
-    spill = files.join(output, files.SPILL_DIR)
-    key_path = files.join(spill, SPILL_KEY_FILE)
-    record = None
-    if files.exists(key_path):
-        try:
-            record = files.read_json(key_path)
-        except (OSError, ValueError):
-            record = None  # a damaged key: nothing under it can be trusted
-    if not record or record.get("key") != key:
-        files.remove_spill(output)
-        record = {"key": key, "runs": []}
-    found = {m: {n: t for n, t in files.list_files(files.join(spill, m)).items() if PIECE_NAME.fullmatch(n)}
-             for m in schema.MODALITIES}  # {name: mtime}; a temp file of a write cut short is no piece
-    mtimes = sorted(t for f in found.values() for t in f.values())
-    starts = sorted(float(s) for s in record["runs"]) + [now]
-    earlier = 0.0
-    for start, nxt in zip(starts, starts[1:]):
-        inside = [t for t in mtimes if start <= t < nxt]
-        earlier += (max(inside) - start) if inside else 0.0
-    rows = sum(piece_rows(n) for f in found.values() for n in f)
-    resume = SpillResume({m: frozenset(f) for m, f in found.items() if f}, rows, earlier)
-    files.makedirs(spill)
-    files.write_json_atomic(key_path, {"key": key, "runs": [*record["runs"], now]})
-    return resume
+    """Open this run's spill folder (ledger.keep_pieces): keep the pieces a killed run of the same ``key`` left
+    (a rerun skips their batches), or delete them when the key differs (another model, staged set, split,
+    precision or batch size)."""
+    kept = keep_pieces(files.join(output, files.SPILL_DIR), key, now, schema.MODALITIES, PIECE_NAME)
+    rows = sum(piece_rows(n) for f in kept.found.values() for n in f)
+    return SpillResume({m: frozenset(f) for m, f in kept.found.items() if f}, rows, kept.earlier_s)

@@ -35,8 +35,8 @@ from retrieval_core.data.store import StagedDataset
 from retrieval_core.model.checkpoints import CheckpointError, ModelFolder, inspect_model_folder
 from retrieval_core.precision import QUANTIZE_AUTO, check_quantize, resolve_quantize
 from retrieval_core.search import embeddings, rerank
-from retrieval_core.search.index import check_search_params
-from retrieval_core.search.index_folder import INDEX_MANIFEST, load_index_manifest
+from retrieval_core.search.index import IndexIntegrityError, check_search_params
+from retrieval_core.search.index_folder import INDEX_MANIFEST, check_index_source, load_index_manifest
 
 log = logging.getLogger(__name__)
 
@@ -263,21 +263,11 @@ def _searcher_spec(plan: RerankPlan, direction: str, emb_manifest: dict) -> tupl
 
 def _check_index_source(flag: str, index_dir: str, index_manifest: dict, emb_dir: str, emb_manifest: dict,
                         modality: str) -> None:
-    """Refuse an index built from other embeddings than --embeddings: its vectors would be compared with
-    query embeddings of another model or encoding (before this check such a run exited 0 and scored R@1 0.00).
-    build_index records each index shard's source embedding shard and its sha256: they must be the
-    --embeddings shards of that modality."""
-    built_from = {s.get("source"): s.get("source_sha256") for s in index_manifest.get("shards", [])}
-    have = {s["name"]: s["sha256"] for s in embeddings.modality_entry(emb_manifest, modality)["shards"]}
-    if built_from != have:
-        src = index_manifest.get("embeddings", {})
-        differ = len(set(built_from.items()) ^ set(have.items()))
-        raise RerankError(f"{flag} {index_dir} was built from the {modality} embeddings in {src.get('dir')} "
-                          f"(embeddings manifest sha256 {str(src.get('manifest_sha256'))[:12]}...), not from "
-                          f"--embeddings {emb_dir} "
-                          f"(sha256 {_file_fingerprint(embeddings.manifest_path(emb_dir))[:12]}...;"
-                          f" {differ} shard entries differ): rebuild the index from --embeddings or pass the "
-                          f"embeddings it was built from")
+    """An index built from other embeddings than --embeddings is refused (index_folder.check_index_source)."""
+    try:
+        check_index_source(flag, index_dir, index_manifest, emb_dir, emb_manifest, modality, files.BEAM_FILES)
+    except IndexIntegrityError as exc:
+        raise RerankError(str(exc)) from None
 
 
 def split_query_ids(ds, direction: str, collection: Optional[str], split: Optional[str]) -> np.ndarray:
@@ -351,22 +341,14 @@ def _pool_collections(ds, emb_manifest: dict) -> list[str]:
 
 
 def _check_embeddings_match_staged(plan: RerankPlan, ds, emb_manifest: dict) -> None:
-    """Refuse embeddings encoded from other staged shards than --staged: their ids could match while the
-    captions and regions the CE reads are other ones (a silently wrong ranking)."""
-    recorded = (emb_manifest.get("inputs") or {}).get("staged_sha256")
-    if not recorded:
+    """Refuse embeddings encoded from other staged shards than --staged (embeddings.check_encoded_from)."""
+    try:
+        checked = embeddings.check_encoded_from(plan.embeddings, emb_manifest, ds)
+    except embeddings.EmbeddingsError as exc:
+        raise RerankError(str(exc)) from None
+    if not checked:
         log.warning("%s records no staged fingerprint (encoded before fingerprints): not checked against %s",
                     plan.embeddings, plan.staged)
-        return
-    for key, sha in sorted(recorded.items()):
-        modality, collection = key.split("/", 1)
-        if collection not in ds.collections:
-            continue  # a collection --staged lacks: its ids would be missing, which resolve reports
-        here = ds.content_sha256(schema.STAGED_KIND[modality], collection)
-        if here != sha:
-            raise RerankError(f"--embeddings {plan.embeddings} were encoded from other {key} shards (sha256 "
-                              f"{sha[:12]}...) than --staged {plan.staged} holds ({here[:12]}...); re-encode, or "
-                              f"pass the staged folder they were encoded from")
 
 
 def _searchers(plan: RerankPlan, query_ids: Mapping[str, np.ndarray], emb_manifest: dict) -> tuple:

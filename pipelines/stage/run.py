@@ -157,7 +157,7 @@ def run(plan: StagePlan, beam_args=()) -> Optional[dict]:
     incomplete = _mark_incomplete(plan.output, inp.settings.spill_dir.rsplit("/", 1)[-1])
     infos = _run_job(p, plan, inp)
     summary = _summary(plan, inp, infos, beam_args, t0)
-    files.write_json_atomic(files.join(plan.output, staging.SUMMARY_FILE), summary)
+    files.write_json_atomic(files.join(plan.output, schema.SUMMARY_FILE), summary)
     FileSystems.delete([incomplete])  # only now: the last shard and summary.json are in place
     return summary
 
@@ -328,7 +328,7 @@ def main(ctx, **values):
         return
     for line in report_lines(summary):
         click.echo(line)
-    click.echo(f"summary: {files.join(plan.output, staging.SUMMARY_FILE)}")
+    click.echo(f"summary: {files.join(plan.output, schema.SUMMARY_FILE)}")
     if summary["problems"]:
         for p in summary["problems"]:
             click.echo(f"Error: {p}", err=True)

@@ -296,7 +296,6 @@ def find_id_collisions(owners: Iterable[tuple[int, tuple[str, str, str]]]) -> li
 
 
 # ----------------------------------------------------------------------------------------- summary
-SUMMARY_FILE = schema.SUMMARY_FILE  # where pipelines.stage writes the summary below
 
 
 def cap_summary(max_regions: int, by_policy: dict[str, int]) -> dict:

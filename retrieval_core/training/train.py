@@ -86,7 +86,7 @@ def run(plan: TrainPlan) -> dict:
                    f"scale", err=True)
         model.add_ce_agreement(plan.ce_agreement)
     if plan.base_model in E5_NAMES and not cfg.freeze_word_embeddings:
-        click.echo("note: multilingual-e5-small's 96M word-embedding weights train too (+1.5 GB memory, slower "
+        click.echo("note: multilingual-e5-small's 96M word-embedding weights train too (more memory, slower "
                    "steps, and rows of the training language drift from the other languages'); "
                    "--freeze-word-embeddings keeps them (docs/MULTILINGUAL.md)", err=True)
     if plan.max_regions is not None:

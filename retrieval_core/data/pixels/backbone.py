@@ -247,6 +247,34 @@ def cached_backbone(grids: tuple[int, ...], device: str, precision: str = DEFAUL
     return GridBackbone(GridSpec(grids, precision, layers, cell_norm, input_size), device)
 
 
+def spec_of(description: dict) -> GridSpec:
+    """The GridSpec a backbone description (:func:`fingerprint`'s dict, as a staged summary records it under
+    ``image_backbone``) was made with: what turns new pictures into the same features (``backbone_for``)."""
+    try:
+        layers = tuple((description.get("layers") or {}).get("maps") or DEFAULT_LAYERS)
+        cell_norm = "unit" if description.get("cell_norm") else DEFAULT_CELL_NORM
+        return GridSpec(tuple(int(g) for g in description["grids"]),
+                        str(description.get("precision", DEFAULT_PRECISION)), layers, cell_norm,
+                        int(description["preprocessing"]["input"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FeatureSourceError(f"not a backbone description this code can rebuild ({exc}): "
+                                 f"{describe(str(description.get('fingerprint', '')))}") from None
+
+
+def backbone_for(description: dict, device: str = "cpu") -> GridBackbone:
+    """The backbone that made the features of ``description`` (a staged summary's ``image_backbone``), loaded
+    (cached per process); refused (FeatureSourceError) when this code and its weights would make other features:
+    the rebuilt backbone's fingerprint must be the recorded one."""
+    spec = spec_of(description)
+    recorded = str(description.get("fingerprint", ""))
+    if fingerprint(spec)["fingerprint"] != recorded:
+        raise FeatureSourceError(f"the image backbone here ({NAME}, weights {_weights_sha256(weights_path())[:12]}...) "
+                                 f"makes other features than {describe(recorded)} recorded by the staged folder "
+                                 f"(weights {str(description.get('weights_sha256'))[:12]}...): pictures would not "
+                                 f"be comparable with the staged images")
+    return cached_backbone(spec.grids, device, spec.precision, spec.layers, spec.cell_norm, spec.input_size)
+
+
 def describe(staged_fp: str) -> str:
     return f"the {NAME} backbone {staged_fp[:12]}..." if staged_fp else "extracted region features (no backbone)"
 
@@ -278,6 +306,6 @@ def parse_grids(value: Sequence[int] | str | int) -> tuple[int, ...]:
 
 __all__ = ["CELL_NORMS", "DEFAULT_CELL_NORM", "DEFAULT_GRIDS", "DEFAULT_LAYERS", "DEFAULT_PRECISION", "INPUT_SIZE",
            "LAYERS",
-           "PRECISIONS", "FeatureSourceError", "GridBackbone", "GridSpec",
+           "PRECISIONS", "FeatureSourceError", "GridBackbone", "GridSpec", "backbone_for",
            "cached_backbone", "check_same_features", "fingerprint", "grid_boxes", "parse_grids",
-           "parse_layers"]
+           "parse_layers", "spec_of"]

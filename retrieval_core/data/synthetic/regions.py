@@ -44,7 +44,7 @@ class _World:
 @functools.lru_cache(maxsize=4)
 def _world(world_seed: int, feature_dim: int) -> _World:
     """Codebooks shared by every collection with the same world_seed (one 'detector feature space').
-    Noise is the sum of two random bank rows: ~2x faster than fresh normals, millions of combinations."""
+    Noise is the sum of two random bank rows: cheaper than drawing fresh normals, millions of combinations."""
     rng = seeded_rng("world", world_seed, feature_dim)
     classes = sorted({n.name for nouns in DOMAINS.values() for n in nouns})
     blocks = [(len(classes), _CLASS_SCALE), (len(COLOURS), _COLOUR_SCALE), (len(SIZES), _SIZE_SCALE),

@@ -18,7 +18,7 @@ from typing import Optional
 
 import click
 
-from retrieval_core.cli import cli_errors, option, plan_command, plan_from_cli
+from retrieval_core.cli import CheckedPlan, cli_errors, option, plan_command, plan_from_cli
 from retrieval_core.data.synthetic.captions import generate_captions
 from retrieval_core.data.synthetic.scenes import GRID, describe_scene, family_draws
 from retrieval_core.data.synthetic.spec import SyntheticSpec, seeded_rng
@@ -120,7 +120,7 @@ def render_scene(spec: SyntheticSpec, index: int, scale: float = RENDER_SCALE):
 
 
 @dataclass(frozen=True)
-class RenderPlan:
+class RenderPlan(CheckedPlan):
     """One rendered-scene collection: which synthetic collection, how many of its images, where."""
     output: str = option(help="folder to write: images/*.png, captions.json (Karpathy), manifest.yaml")
     manifest: str = option("demo", help="the synthetic manifest whose collection is rendered")

@@ -1,6 +1,6 @@
 """What stands at rank 1 when a ranking is wrong, on a synthetic collection: the cause analysis of a reranker.
 
-    python -m benchmarks.rerank_errors --rankings RUN --staged STAGED --manifest demo --output results/ \\
+    python -m benchmarks.probes.rerank_errors --rankings RUN --staged STAGED --manifest demo --output results/ \\
         [--modes emb,co] [--k 10]
 
 For every query of a rerank run, ranked by each mode (derived from the run's stored scores), the rank-1 item is
@@ -21,7 +21,7 @@ import click
 import numpy as np
 import pandas as pd
 
-from benchmarks.family_probe import _difference
+from benchmarks.probes.family_probe import _difference
 from pipelines.files import BEAM_FILES, write_atomic
 from retrieval_core.cli import CheckedPlan, cli_errors, k_option, option, plan_command, plan_from_cli
 from retrieval_core.data import schema

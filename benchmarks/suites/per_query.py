@@ -1,5 +1,5 @@
 """Per-query latency (paper Table 3), one function per kind of row: one text query (encoded by the real model,
-included in the time) against N pre-encoded items (the collection and its methods: benchmarks.latency's module
+included in the time) against N pre-encoded items (the collection and its methods: benchmarks.suites.latency's module
 docstring). :func:`per_query_latency` builds each size once (:class:`SizeRun`) and asks each row kind for its
 rows: the exact searches and their bound, the ANN indexes, the paper code's brute force, CO at each k, and the CE
 over the whole collection."""

@@ -19,8 +19,8 @@ no network: ``scripts/gpu_pipelines.sh prepare`` downloads their wheels here, th
 Runs before Beam exists: the standard library, ``packaging`` (transformers needs it), click and
 ``retrieval_core.cli``.
 
-    python -m benchmarks.gpu_device plan-install --wheels runs/gpu-wheels --plan /tmp/wheels.txt  # one path a line
-    python -m benchmarks.gpu_device check-out --out "$OUT"    # fails where the device would not return it
+    python -m benchmarks.meters.gpu_device plan-install --wheels runs/gpu-wheels --plan /tmp/wheels.txt  # a path a line
+    python -m benchmarks.meters.gpu_device check-out --out "$OUT"    # fails where the device would not return it
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from retrieval_core.cli import CONTEXT_SETTINGS, CheckedPlan, cli_errors, option
 
 #: The packages whose versions the run's results depend on, printed first.
 WATCHED = ("numpy", "protobuf", "pyarrow", "pandas", "torch", "transformers")
-RATES_FILE = Path(__file__).with_name("gpu_run.json")
+RATES_FILE = Path(__file__).parent.parent / "gpu_run.json"  # benchmarks/gpu_run.json
 
 
 @dataclass(frozen=True)

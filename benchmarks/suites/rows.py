@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from benchmarks.planner import DIRECTIONS, Row
+from benchmarks.suites.planner import DIRECTIONS, Row
 from retrieval_core.evaluation.runs import LoadedRun, choose_fusion, read_run_manifest
 from retrieval_core.evaluation.stats import (
     Bootstrap,

@@ -1,11 +1,11 @@
 """The default ranking (AUTO) of finished suite runs, chosen again by today's ``choose_fusion`` from their stored
 scores: no job reruns, so a change of the choice rule is measured on the very runs the published tables came from.
 
-    python -m benchmarks.fusion_rule --work runs/work --output results/fusion_rule.csv
+    python -m benchmarks.probes.fusion_rule --work runs/work --output results/fusion_rule.csv
 
 ``--work`` is a suite's work folder (``benchmarks.run``'s ``RR_WORKDIR``); every model pair there that has ranked
 both a test collection and the dev pool of the same size is evaluated. The suites choose each test row's fusion on
-the dev queries ranked against a pool of the test row's size (``benchmarks.planner``, DEV_POOL): the 5k rows on
+the dev queries ranked against a pool of the test row's size (``benchmarks.suites.planner``, DEV_POOL): the 5k rows on
 ``distractors4500x5``, the 1k folds and the Flickr-like 1k on ``distractors500x5``, the 20k rows on
 ``distractors19500x2``, the 100k row (scale_100k) on ``distractors99500x5``. Per (model, test row), three
 rankings, each with its R@1 per direction and the paired 95 % bootstrap interval of its difference to EMB: EMB
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import click
 import numpy as np
 
-from benchmarks.planner import model_key
 from benchmarks.report.schema import environment, write_csv
+from benchmarks.suites.planner import model_key
 from retrieval_core.cli import CheckedPlan, option, plan_command, plan_from_cli
 from retrieval_core.evaluation.metrics import DIRECTIONS
 from retrieval_core.evaluation.runs import LoadedRun, choose_fusion

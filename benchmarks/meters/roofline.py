@@ -3,11 +3,11 @@ fraction of what the measured GEMM rate allows at the model's FLOPs, with the pa
 kernels that ran.
 
 Beam-free on purpose (torch, transformers, retrieval_core and this package's CSV schema; no apache_beam, faiss or
-MiniLM wheel): the latency suite calls it on the CPU, and ``python -m benchmarks.roofline measure`` runs the same
+MiniLM wheel): the latency suite calls it on the CPU, and ``python -m benchmarks.meters.roofline measure`` runs the same
 rows on a machine that has none of those, e.g. a GPU machine::
 
-    python -m benchmarks.roofline write-backbone --output runs/roofline-backbone   # here: fp16 halved MiniLM
-    python -m benchmarks.roofline measure --backbone runs/roofline-backbone --device cuda --output rows.csv
+    python -m benchmarks.meters.roofline write-backbone --output runs/roofline-backbone   # here: fp16 halved MiniLM
+    python -m benchmarks.meters.roofline measure --backbone runs/roofline-backbone --device cuda --output rows.csv
 """
 from __future__ import annotations
 

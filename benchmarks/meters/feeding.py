@@ -19,8 +19,8 @@ Models (``build_model``): "demo" (the demo JOIN's shape: 3 layers, 384 wide, 12 
 "base" (BERT-base: 12 layers, 768 wide, 36 regions, 2048-d), randomly initialised (speed does not depend on the
 weights), with a WordPiece vocabulary pruned to the synthetic collection's words, so nothing is downloaded.
 
-    python -m benchmarks.feeding --size demo --items 5000 --device cpu --threads 2 --output feeding.csv
-    python -m benchmarks.feeding --sweep 16,32,64,128,256 --tasks pairs,images --output feeding_sweep.csv
+    python -m benchmarks.meters.feeding --size demo --items 5000 --device cpu --threads 2 --output feeding.csv
+    python -m benchmarks.meters.feeding --sweep 16,32,64,128,256 --tasks pairs,images --output feeding_sweep.csv
 
 ``--sweep``: the job path and the model alone at each batch size, and the best size per task and precision: what a
 device's default batch size is read from (measured once and committed, never timed inside a job, whose outputs

@@ -2,7 +2,7 @@
 factory (retrieval_core.search.index, inner product) searched for the rerank job's n = 100 candidates with
 ``--queries-per-call`` queries at a time, beside numpy's GEMM over the same shapes (the machine's rate).
 
-    python -m benchmarks.search_batch [--shard-size 50000] [--threads 2] [--output search_batch.csv]
+    python -m benchmarks.meters.search_batch [--shard-size 50000] [--threads 2] [--output search_batch.csv]
 
 Why it exists: at 1M the rerank job searched in calls of 256 queries, and faiss ran those at a fraction of the
 rate it reaches from ~512 queries per call (docs/PERFORMANCE.md, "Search"); the CSV is the evidence for

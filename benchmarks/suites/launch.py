@@ -1,6 +1,7 @@
 """Run a CLI step, ``python -m MODULE ARGS``, as a child process: a fresh interpreter, or forked from a preloaded
-forkserver. The one launcher of the benchmark jobs (``benchmarks.jobs``) and the demo's steps (``benchmarks.demo``,
-and the staging and training steps of ``retrieval_core.training.cache``, which it passes as their ``run``).
+forkserver. The one launcher of the benchmark jobs (``benchmarks.suites.jobs``) and the demo's steps
+(``benchmarks.demo``, and the staging and training steps of ``retrieval_core.training.cache``, which it passes as
+their ``run``).
 
 Importing Beam, torch and the pipelines takes 3.4 s (a 2-core AMD EPYC at 196 GFLOP/s) to ~6 s (the slower
 2-core machines) per process. Preloaded, a step is

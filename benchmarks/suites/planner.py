@@ -1,6 +1,6 @@
 """How a suite's jobs are planned: its typed config (:class:`SuiteConfig`, :class:`Models`), the jobs and rows it
 collects (:class:`Plan`, :class:`Row`), and the :class:`Planner` every suite goes through, so that a shared step
-(stage, encode, index, a dev run) is planned once. What each suite contains: :mod:`benchmarks.suites`."""
+(stage, encode, index, a dev run) is planned once. What each suite contains: :mod:`benchmarks.suites.suites`."""
 from __future__ import annotations
 
 import hashlib
@@ -13,7 +13,7 @@ from typing import Literal, Optional
 import click
 
 from benchmarks import queries as sel
-from benchmarks.jobs import Job
+from benchmarks.suites.jobs import Job
 from pipelines.build_index.plan import IndexPlan
 from pipelines.encode.plan import EncodePlan
 from pipelines.rerank.plan import RerankPlan
@@ -187,7 +187,7 @@ class Row:
     ...) whose wall times the row reports; ``emb_runs``: the runs (one per fold) whose EMB ranking the row's
     difference is paired with (empty: no difference); ``skip`` = why the row was not run (then nothing else
     matters); ``extrapolated`` = (CO job, search-only job) of an exhaustive CE row that was not run: its cost
-    per query from theirs (benchmarks.rows), no recall."""
+    per query from theirs (benchmarks.suites.rows), no recall."""
     suite: str
     collection: str
     model: str
@@ -344,7 +344,7 @@ def stage_job(cfg: SuiteConfig, manifest: str, images: Optional[int] = None,
     if cfg.feature_dim != m.feature_dim:
         real = sorted(name for name, c in m.collections.items() if c.images.format != "synthetic")
         if real:
-            raise click.ClickException(
+            raise ValueError(
                 f"manifest {m.name!r} has {m.feature_dim}-d region features (collection(s) {', '.join(real)} "
                 f"read them from files), but the model expects {cfg.feature_dim}-d features; pass models trained "
                 f"on {m.feature_dim}-d features (--model, --be-model, --ce-model)")

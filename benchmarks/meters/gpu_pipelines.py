@@ -12,17 +12,17 @@ and runs: never under ``$OUT``, which the device returns (at most 8 files).
   co5k       a BERT-base-size CE (2,048-d regions, 36 per image) through pipelines.rerank: the 5k CO of the
              targets (5,000 test images, 25,000 captions, k = 20: 600k pairs), against the model alone on the
              same kind of pairs (device-fed rate)
-  feeding    job path / library loop / model alone at both sizes and precisions (benchmarks.feeding), the attention
-             kernels on CUDA, the batch-size sweep, and region collation by worker count
+  feeding    job path / library loop / model alone at both sizes and precisions (benchmarks.meters.feeding), the
+             attention kernels on CUDA, the batch-size sweep, and region collation by worker count
   train      JOIN training steps per second at both sizes, fp32 against the 16-bit mode
 
 ``--scale``: ``full`` (the GPU machine), ``rehearsal`` (the same parts at small counts on a CPU: minutes), ``test``
 (the test suite's: one encoder layer, seconds). Every scale runs the same code at both model sizes' real input
 shapes (demo: 1,024-d regions, 12 per image; base: 2,048-d, 36).
 
-    python -m benchmarks.gpu_pipelines --part co5k --out $OUT --work /tmp/rr-gpu       # on the GPU machine
-    python -m benchmarks.gpu_pipelines --part all --scale rehearsal --device cpu         # here
-    python -m benchmarks.gpu_pipelines --estimate                                        # the full run's estimates
+    python -m benchmarks.meters.gpu_pipelines --part co5k --out $OUT --work /tmp/rr-gpu  # on the GPU machine
+    python -m benchmarks.meters.gpu_pipelines --part all --scale rehearsal --device cpu    # here
+    python -m benchmarks.meters.gpu_pipelines --estimate                                   # the full run's estimates
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ from retrieval_core.cli import (
 PARTS = ("pipelines", "co5k", "feeding", "train")
 #: Interleaved repetitions of the collation rows (their median is the row).
 COLLATE_REPS = 5
-RATES_FILE = Path(__file__).with_name("gpu_run.json")
+RATES_FILE = Path(__file__).parent.parent / "gpu_run.json"  # benchmarks/gpu_run.json
 ROWS_FILE, VERDICTS_FILE = "rows.csv", "verdicts.txt"
 BEAM_ARGS = ("--runner=DirectRunner",)
 #: Targets: job / device-fed rate in bf16 on a GPU (CPU: of the model alone); the 5k CO's seconds; minutes per part.
@@ -251,7 +251,7 @@ WAVES = {"full": dict(pairs_per_wave=100_000, queries_per_shard=1_000, shards_pe
 
 def stage(work: str, name: str, images: int, size: str, splits: Optional[dict] = None) -> str:
     """The synthetic demo collection at ``images`` images in ``size``'s feature shape, staged by pipelines.stage."""
-    from benchmarks import feeding
+    from benchmarks.meters import feeding
     from pipelines.stage.plan import StagePlan
     from pipelines.stage.run import run as run_stage
 
@@ -269,8 +269,8 @@ def stage(work: str, name: str, images: int, size: str, splits: Optional[dict] =
 
 
 def model_for(size: str, staged: str, folder: str, layers: Optional[int]):
-    """A random-init model of ``size`` with a vocabulary of the staged captions' words (benchmarks.feeding)."""
-    from benchmarks import feeding
+    """A random-init model of ``size`` with a vocabulary of the staged captions' words (benchmarks.meters.feeding)."""
+    from benchmarks.meters import feeding
     from retrieval_core.data.store import StagedDataset
 
     texts = StagedDataset(staged).captions()["text"].tolist()
@@ -459,8 +459,8 @@ def part_co5k(report: Report, ctx: "Context") -> None:
 
 def _fed_rate(staged: str, model_dir: str, device: str, precision: str, batch_size: int, n: int, log) -> float:
     """CE pairs/s of the model alone on ``n`` of the staged test split's (caption, image) pairs, batches collated
-    and on the device beforehand (benchmarks.feeding's "model alone"): what the job's rate is a fraction of."""
-    from benchmarks import feeding
+    and on the device beforehand (benchmarks.meters.feeding's "model alone"): what the job's rate is a fraction of."""
+    from benchmarks.meters import feeding
     from retrieval_core.data.store import StagedDataset
     from retrieval_core.model.checkpoints import load_model_folder
 
@@ -474,10 +474,10 @@ def _fed_rate(staged: str, model_dir: str, device: str, precision: str, batch_si
 
 
 def part_feeding(report: Report, ctx: "Context") -> None:
-    """benchmarks.feeding's rows at both sizes, the attention kernels (CUDA), the sweep, collation by workers."""
+    """benchmarks.meters.feeding's rows at both sizes, the attention kernels (CUDA), the sweep, collation by workers."""
     import torch
 
-    from benchmarks import feeding
+    from benchmarks.meters import feeding
     from retrieval_core.model.quantize import quantize_model
 
     s, device = ctx.scale, ctx.device
@@ -530,7 +530,7 @@ def collate_rows(report: Report, ctx: "Context") -> None:
     import numpy as np
     import torch
 
-    from benchmarks import feeding
+    from benchmarks.meters import feeding
     from retrieval_core.data.synthetic.collection import synthetic_collection
     from retrieval_core.data.synthetic.spec import SyntheticSpec
     from retrieval_core.model.collate import BatchMaker, TextCollator
@@ -713,7 +713,7 @@ def run_parts(p: GpuPipelinesPlan) -> int:
     """Runs the plan's part(s); 0, or 1 after the one line of the first failure."""
     import torch
 
-    from benchmarks.feeding import environment
+    from benchmarks.meters.feeding import environment
 
     out, work = os.path.abspath(p.out), os.path.abspath(p.work)
     if os.path.commonpath([out, work]) == out:

@@ -1,6 +1,6 @@
 """Learning curves of training runs: what ``train_log.jsonl`` recorded, and what each kept model tells apart.
 
-    python -m benchmarks.learning_curves --run join=runs/join [--run sep_ce=runs/sep_ce] [--window 20] \\
+    python -m benchmarks.probes.learning_curves --run join=runs/join [--run sep_ce=runs/sep_ce] [--window 20] \\
         [--staged runs/staged_demo --manifest demo --split dev --max-captions 500] --output results/curves
 
 Per run (a ``retrieval_core.training.train`` output folder):
@@ -8,7 +8,7 @@ Per run (a ``retrieval_core.training.train`` output folder):
 * from its ``train_log.jsonl``: each objective's loss as the mean over windows of ``--window`` steps (one
   step's loss is one batch: noisy), the BE's R@1 at every mining of CE negatives, and every dev evaluation (mR,
   CE pair accuracy against a random and against the nearest dev image);
-* with ``--staged`` and ``--manifest`` (a synthetic collection): ``benchmarks.family_probe`` on every model the
+* with ``--staged`` and ``--manifest`` (a synthetic collection): ``benchmarks.probes.family_probe`` on every model the
   run kept (``--keep-checkpoints``; the final step is kept too): the pairwise accuracy, gold image against
   its attribute and its binding sibling, of each head the run trained. The loss cannot show whether a head
   learns binding (a list holding a binding sibling costs ln 2 at a tie, like any other 50/50 list); this
@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import click
 import pandas as pd
 
-from benchmarks.family_probe import probe
+from benchmarks.probes.family_probe import probe
 from benchmarks.report.plots import _pyplot
 from pipelines.files import write_atomic
 from retrieval_core.cli import (
@@ -155,7 +155,7 @@ class CurvesPlan(CheckedPlan):
                                        "(repeatable).")
     window: int = option(20, type=click.IntRange(min=1), help="Steps per loss point (their mean).")
     staged: Optional[str] = option(None, help="Staged synthetic collection: probe every kept model "
-                                              "(benchmarks.family_probe).")
+                                              "(benchmarks.probes.family_probe).")
     manifest: Optional[str] = option(None, help="The manifest --staged was staged from (name or path).")
     split: str = option("dev", help="Split the probe reads.")
     max_captions: int = option(500, help="Seeded sample of captions per probe (0 = all).")

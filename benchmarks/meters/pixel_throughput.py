@@ -10,8 +10,8 @@ plan's decode threads working ahead) and, unless ``--no-stage``, ``stage`` (the 
 DirectRunner, launch included). ``library`` and ``stage`` run the plan's ``--precision``. The same command on a
 GPU machine (``--device cuda``) is the GPU step; its decode row says how many CPU decoders a GPU needs::
 
-    python -m benchmarks.pixel_throughput --images 512 --threads 2 --output runs/pixels_cpu.json
-    python -m benchmarks.pixel_throughput --images 4096 --device cuda --batch-size 256 --decode-threads 12 \
+    python -m benchmarks.meters.pixel_throughput --images 512 --threads 2 --output runs/pixels_cpu.json
+    python -m benchmarks.meters.pixel_throughput --images 4096 --device cuda --batch-size 256 --decode-threads 12 \
         --output runs/pixels_gpu.json
 """
 from __future__ import annotations

@@ -17,6 +17,9 @@ Every EMB row also records ``search_p50_ms``: the search alone on pre-encoded qu
   CO k       EMB-Flat top-k + one batched CE call over the k pairs + final ranking
   CE         CE over the whole collection: measured when it fits ``ce_measure_budget_s``, else extrapolated
              from the measured batched per-pair cost (measured=false)
+  entry point EMB / CO  the Python query entry point (retrieval_core.search.query, docs/QUERY.md) over a Flat index
+             of ``entry_point_images`` staged images, one text query per call, BE only and BE top-k + CE at
+             ``entry_point_k``: what a user of ``QueryEngine.search_text`` waits for
 p50/p95/p99 over ``reps`` queries after ``warmup`` queries, with torch and faiss threads fixed.
 
 The paper's code path, measured in the same run (model "paper-code"): brute-force cosine with torch.mm +
@@ -40,14 +43,14 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from benchmarks import jobs
-from benchmarks.jobs import JOB_START_S
-from benchmarks.per_query import per_query_latency
-from benchmarks.planner import Planner
+from benchmarks.meters.roofline import UnitBench, measure_unit_costs, roofline_rows, training_rows
 from benchmarks.report import PAPER_CODE_MODEL, environment, set_threads
-from benchmarks.roofline import UnitBench, measure_unit_costs, roofline_rows, training_rows
-from benchmarks.rows import evaluate_row
-from benchmarks.suites import MODE_LABELS
+from benchmarks.suites import jobs
+from benchmarks.suites.jobs import JOB_START_S
+from benchmarks.suites.per_query import per_query_latency
+from benchmarks.suites.planner import Planner
+from benchmarks.suites.rows import evaluate_row
+from benchmarks.suites.suites import MODE_LABELS
 from pipelines.beam_kit import pipeline_options, runner_name
 from pipelines.encode.plan import EncodePlan
 from pipelines.encode.run import run as run_encode
@@ -76,7 +79,10 @@ class LatencyConfig:
     roofline: bool = True  # CE/BE rates against the GEMM roofline, fp32 and int8
     train_steps: int = 5  # training rows: timed steps per recipe and precision (0: no training rows)
     pipeline_overhead_images: int = 5_000  # pipelines.encode vs the raw model on this many images (0: skip)
-    feeding_items: int = 5_000  # job path vs model alone (benchmarks.feeding) on this many pairs / images (0: skip)
+    entry_point_images: int = 5_000  # the query entry point's per-query time over this many indexed images (0: skip)
+    entry_point_k: int = 20  # its depth: BE top k, CE-scored in the BE+CE row
+    # job path vs model alone (benchmarks.meters.feeding) on this many pairs / images (0: skip)
+    feeding_items: int = 5_000
     base_images: int = 2000
     jitter: float = 0.5  # noise norm relative to the unit base vector: larger = harder for ANN
     recall_queries: int = 200
@@ -89,7 +95,8 @@ class LatencyConfig:
 def quick_config() -> LatencyConfig:
     return LatencyConfig(sizes=(200, 2_000), eval_sizes=(20, 60), ks=(5, 10), reps=5, warmup=1, paper_reps=2,
                          base_images=40, recall_queries=20, ce_measure_budget_s=5.0, eval_budget_s=60.0,
-                         pipeline_overhead_images=60, train_steps=2, feeding_items=40)
+                         pipeline_overhead_images=60, train_steps=2, feeding_items=40, entry_point_images=60,
+                         entry_point_k=5)
 
 
 @dataclass
@@ -159,11 +166,56 @@ def pipeline_overhead_rows(b: _Bench, cfg, beam_args, log, n: int = 5_000) -> li
                         f" images) vs {raw_note}: what Beam's batching costs the model itself"))]
 
 
+def entry_point_rows(b: _Bench, cfg, beam_args, log, n: int) -> list[dict]:
+    """The Python query entry point (retrieval_core.search.query.QueryEngine, docs/QUERY.md) as a user runs it: the
+    Table 4 collection of ``n`` images staged, its images encoded (pipelines.encode) and indexed (Flat), the engine
+    opened once and warmed, then one text query per call (the staged captions, one per image), BE only and BE + CE
+    at ``entry_point_k``: query encoding, search, CE, fusion and the hits' DataFrame included."""
+    from benchmarks.suites.per_query import _percentiles, _timed
+    from pipelines.build_index.plan import IndexPlan
+    from pipelines.build_index.run import run as run_index
+    from retrieval_core.search.query import Query, QueryEngine
+
+    lcfg, k = b.cfg, b.cfg.entry_point_k
+    p = Planner(replace(cfg, suite="latency"))
+    manifest, images = eval_manifest(n)
+    st = p.stage(manifest, images=images)
+    jobs.JobRunner(tuple(beam_args), log, preload=False).run(st.job)
+    with tempfile.TemporaryDirectory(prefix="entry-point-", dir=cfg.root) as out:
+        emb, index = f"{out}/emb", f"{out}/index"
+        run_encode(EncodePlan(st.path, cfg.models.join, emb, modality="image", batch_size=lcfg.batch_size,
+                              threads=b.env.get("threads")), tuple(beam_args))
+        run_index(IndexPlan(embeddings=emb, output=index, modality="image", factory="Flat"), tuple(beam_args))
+        t0 = time.perf_counter()
+        engine = QueryEngine(staged=st.path, embeddings=emb, index=index, device=cfg.device,
+                             threads=b.env.get("threads"), directions=("t2i",)).load(("t2i",), warm=True)
+        load_s = time.perf_counter() - t0
+        caps = StagedDataset(st.path).captions().drop_duplicates("image_item_id")
+        queries = [Query(str(c), t) for c, t in zip(caps["caption_id"], caps["text"])]
+        need = lcfg.reps + lcfg.warmup
+        queries = (queries * (need // max(1, len(queries)) + 1))[:need]
+        rows = []
+        for mode, label in (("emb", "entry point EMB"), ("co", "entry point CO")):
+            t = _timed(lambda i, mode=mode: engine.search_text([queries[i]], k=k, rerank=mode), lcfg.reps,
+                       lcfg.warmup)
+            log(f"entry point: {label} k={k} over {engine.inputs.searchers['t2i']['pool']:,} images: "
+                f"p50 {np.median(t) * 1000:.1f} ms")
+            rows.append(b.row(mode=label, k=k, collection="entry_point", collection_size=n, model="JOIN",
+                              measured=True, **_percentiles(t), index_s=load_s,
+                              notes=(f"retrieval_core.search.query.QueryEngine.search_text, one text query per call "
+                                     f"(the staged captions, one per image), "
+                                     f"{'BE only' if mode == 'emb' else f'BE top {k} + one CE call over its {k} pairs'}"
+                                     f", over a Flat index of the {n:,} staged images; query encoding, search, "
+                                     f"CE, fusion and the hits' DataFrame included; index_s: the engine's load "
+                                     f"(models, index, staged regions), {load_s:.1f} s")))
+    return rows
+
+
 def job_vs_model_rows(b: _Bench, cfg, log, n: int) -> list[dict]:
-    """benchmarks.feeding's rows for the suite's JOIN model on this machine: the jobs' handler path and the library
-    loop against the model alone on the same batches (CE pairs and BE images, ``n`` each), in fp32 and, where the
-    device computes it natively, bf16; interleaved in one process so the ratio holds on a shared machine."""
-    from benchmarks.feeding import feeding_rows
+    """benchmarks.meters.feeding's rows for the suite's JOIN model on this machine: the jobs' handler path and the
+    library loop against the model alone on the same batches (CE pairs and BE images, ``n`` each), in fp32 and,
+    where the device computes it natively, bf16; interleaved in one process so the ratio holds on a shared machine."""
+    from benchmarks.meters.feeding import feeding_rows
     from retrieval_core.precision import cpu_has_native_bf16, cuda_bf16_supported
 
     rows = []
@@ -338,6 +390,8 @@ def run_latency(cfg, lcfg: LatencyConfig, beam_args: Sequence[str] = (), log=pri
         rows += training_rows(b, log, {r.name: r.join for r in (DEMO_RECIPE, BENCH_RECIPE)}, lcfg.train_steps)
     if lcfg.pipeline_overhead_images:
         rows += pipeline_overhead_rows(b, cfg, beam_args, log, lcfg.pipeline_overhead_images)
+    if lcfg.entry_point_images:
+        rows += entry_point_rows(b, cfg, beam_args, log, lcfg.entry_point_images)
     if lcfg.feeding_items:
         rows += job_vs_model_rows(b, cfg, log, lcfg.feeding_items)
     rows += per_query_latency(b, log)

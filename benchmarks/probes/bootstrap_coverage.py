@@ -1,6 +1,6 @@
 """How often the bootstrap intervals of retrieval_core.evaluation.stats cover the true value: a simulation.
 
-    python -m benchmarks.bootstrap_coverage [--trials 1000] [--queries 20,100,500,2500]
+    python -m benchmarks.probes.bootstrap_coverage [--trials 1000] [--queries 20,100,500,2500]
 
 Queries are drawn from a population where ranking B has the gold at rank 1 with probability ``p_b`` and ranking
 A has it with probability ``a_if_b_hit`` / ``a_if_b_miss`` given B's outcome (paired, correlated rankings, as a

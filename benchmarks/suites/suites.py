@@ -1,6 +1,6 @@
 """The recall benchmark suites (paper Tables 1, 5, 8, 11, the 100k and 1M settings) as plans of pipeline jobs.
 
-A suite is planned first: a list of jobs (:mod:`benchmarks.jobs`: stage, benchmarks.queries, encode,
+A suite is planned first: a list of jobs (:mod:`benchmarks.suites.jobs`: stage, benchmarks.queries, encode,
 build_index, rerank, each the CLI a user would run) and a list of :class:`Row` s, each naming the rerank
 run(s) it is read from and how (``benchmarks.evaluate.evaluate_run``: k, mode, lam). Score once, evaluate
 many: per (model family, pool) ONE rerank job at the suite's k_max stores the BE top-k_max with be_score and
@@ -17,8 +17,17 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from benchmarks.jobs import Job
-from benchmarks.planner import QUICK_IMAGES, TUNE_MANIFEST, TUNE_SPLIT, Plan, Planner, Staged, SuiteConfig, split_share
+from benchmarks.suites.jobs import Job
+from benchmarks.suites.planner import (
+    QUICK_IMAGES,
+    TUNE_MANIFEST,
+    TUNE_SPLIT,
+    Plan,
+    Planner,
+    Staged,
+    SuiteConfig,
+    split_share,
+)
 from retrieval_core.data.manifest import load_manifest
 
 STANDARD_K = 20  # the paper's default rerank depth
@@ -231,7 +240,7 @@ def scale_1m(p: Planner) -> None:
             --temp_location=gs://BUCKET/tmp --sdk_container_image=IMAGE \
             --dataflow_service_options="worker_accelerator=type:nvidia-l4;count:1;install-nvidia-driver"
 
-    Every flag after the suite's own goes to every pipeline job unchanged (benchmarks.jobs)."""
+    Every flag after the suite's own goes to every pipeline job unchanged (benchmarks.suites.jobs)."""
     scale_task(p, "synthetic_1m", text_index=True)
 
 
@@ -251,7 +260,7 @@ def memory_task(p: Planner, sizes: Sequence[int]) -> None:
 
 
 def plan_suite(cfg: SuiteConfig, baseline_model: Optional[str] = None) -> Plan:
-    """The jobs and rows of one recall suite (latency plans its own Table 4 jobs, benchmarks.latency)."""
+    """The jobs and rows of one recall suite (latency plans its own Table 4 jobs, benchmarks.suites.latency)."""
     s = cfg.suite
     p = Planner(cfg, compact=True, dev_pool_max=SCALE_1M_DEV_POOL) if s == "scale_1m" else Planner(cfg)
     if cfg.manifest:  # one user-chosen manifest, its own benchmark block

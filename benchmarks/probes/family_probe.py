@@ -1,6 +1,6 @@
 """Which near-duplicates each head tells apart: within-family accuracy on a synthetic collection.
 
-    python -m benchmarks.family_probe --staged runs/demo/staged --manifest demo --model runs/demo/model/best \\
+    python -m benchmarks.probes.family_probe --staged runs/demo/staged --manifest demo --model runs/demo/model/best \\
         [--ce-model DIR] --split test --output results/ [--device cpu|cuda] [--threads N]
 
 Every caption of the split (or a seeded sample, ``--max-captions``) is scored against each member of its

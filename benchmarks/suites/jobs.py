@@ -1,7 +1,7 @@
 """Benchmark steps as pipeline jobs: plan a list of :class:`Job` s, print it, run it, reuse finished ones.
 
 A job is ``python -m <module> <args> <the user's Beam args>``: the same command a user would type, run as a
-child process (``benchmarks.launch``: a fresh interpreter, or forked from a forkserver that preloaded Beam, torch
+child process (``benchmarks.suites.launch``: a fresh interpreter, or forked from a forkserver that preloaded Beam, torch
 and the pipelines, 3-6 s less per job on 2 cores) whose output is streamed with a prefix. For every job the runner
 records its wall time and the peak RSS of the child (``os.wait4``'s ``ru_maxrss``, KiB on Linux; it covers the
 child and the processes it waited for, e.g. DirectRunner's multi-processing workers, not Dask or Dataflow workers
@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from benchmarks import launch
 from benchmarks.queries import QueriesPlan
+from benchmarks.suites import launch
 from pipelines.build_index.plan import IndexPlan
 from pipelines.encode.plan import EncodePlan
 from pipelines.files import write_json_atomic

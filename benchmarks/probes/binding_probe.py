@@ -1,9 +1,9 @@
 """Where a model loses attribute binding: linear probes on the hidden states of its cross-encoder, layer by layer.
 
-    python -m benchmarks.binding_probe --staged runs/demo/staged --manifest demo --model runs/demo/model/best \\
+    python -m benchmarks.probes.binding_probe --staged runs/demo/staged --manifest demo --model runs/demo/model/best \\
         [--fit-split train] [--split dev] [--max-captions 3000] --output results/ [--threads N]
 
-``benchmarks.family_probe`` shows that no head tells a binding sibling (two objects' colours swapped) from the
+``benchmarks.probes.family_probe`` shows that no head tells a binding sibling (two objects' colours swapped) from the
 gold image, although the features hold it. This probe asks which part of the comparison is missing. Four
 probes, each a multinomial logistic regression per layer (layer 0 = the input tokens), fitted on the tokens of
 ``--fit-split`` captions and scored on ``--split``:
@@ -43,7 +43,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from benchmarks.family_probe import ProbeInputs, sampled_captions
+from benchmarks.probes.family_probe import ProbeInputs, sampled_captions
 from retrieval_core.cli import (
     apply_device_and_threads,
     batch_size_option,
