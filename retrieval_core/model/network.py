@@ -308,7 +308,7 @@ class VLRetrievalModel(nn.Module):
     def ce_layer_states(self, batch: dict) -> list[torch.Tensor]:
         """The CE's hidden states of a collate_pairs batch at every layer, its input tokens first: (layers + 1)
         tensors (B, L, H), positions as in the stream (``batch["input_ids"].shape[1]`` caption positions, then
-        the regions). For probes (benchmarks.binding_probe); no gradients."""
+        the regions). For probes (benchmarks.probes.binding_probe); no gradients."""
         states: list[torch.Tensor] = []
         hooks = [layer.register_forward_hook(lambda _m, _i, out: states.append(out[0] if isinstance(out, tuple)
                                                                               else out))

@@ -77,9 +77,9 @@ class TrainConfig(CheckedPlan):
     eval_every: int = option(0, help="Dev evaluation every M steps (0: at the end).")
     checkpoint_every: int = option(0, help="Write output/last every N steps (0: at the end).")
     # Also keep a copy of the model at every checkpoint_every step (output/checkpoints/step-NNNNNN, model only, no
-    # optimizer): what benchmarks.learning_curves probes to draw a head's learning curve.
+    # optimizer): what benchmarks.probes.learning_curves probes to draw a head's learning curve.
     keep_checkpoints: bool = option(False, help="Also keep the model of every --checkpoint-every step "
-                                                "(output/checkpoints/step-N; for benchmarks.learning_curves).")
+                                                "(output/checkpoints/step-N; for benchmarks.probes.learning_curves).")
     seed: int = option(0)
     device: str = device_option()
     amp: bool = option(True, off="--no-amp", help="No bf16 autocast on CUDA.")

@@ -127,7 +127,7 @@ def decode_regions(spec: SyntheticSpec, features: np.ndarray) -> list[tuple[str,
 
     An oracle for what the features make recoverable, not an input to any model: which colour sits on which
     object is in every single region, although the image's mean cannot show a binding swap
-    (benchmarks.family_probe's ``oracle`` head)."""
+    (benchmarks.probes.family_probe's ``oracle`` head)."""
     world = _world(spec.world_seed, spec.feature_dim)
     f = np.asarray(features, dtype=np.float32)
     f = f - f.mean(axis=1, keepdims=True)
