@@ -51,7 +51,7 @@ import pandas as pd
 
 from benchmarks.report.schema import ENVIRONMENT_COLUMNS, environment
 from pipelines.files import BEAM_FILES, exists, join, makedirs, read_bytes, write_atomic, write_json_atomic
-from retrieval_core.cli import CheckedPlan, cli_errors, k_option, option, plan_command, plan_from_cli
+from retrieval_core.cli import CheckedPlan, cli_errors, k_option, lam_option, option, plan_command, plan_from_cli
 from retrieval_core.errors import UsageFault
 from retrieval_core.evaluation.metrics import DEFAULT_KS, DIRECTIONS
 from retrieval_core.evaluation.runs import COMPARED_SCORES, LoadedRun, RunError, mode_label, score_differences
@@ -246,8 +246,8 @@ class EvaluatePlan(CheckedPlan):
     mode: Optional[str] = option(None, type=click.Choice(RUN_MODES, case_sensitive=False),
                                  help="Rank the stored scores with this mode (default: the run's own).")
     k: Optional[int] = k_option(None, help="Rerank depth, at most the run's k (default: the run's own).")
-    lam: Optional[float] = option(None, type=float,
-                                  help="add / norm_add weight of the BE score (default: the run's, else 0.5).")
+    lam: Optional[float] = lam_option(None,
+                                      help="add / norm_add weight of the BE score (default: the run's, else 0.5).")
     label: Optional[str] = option(None, help="The mode column of metrics.csv and the JSON name (default: the mode, "
                                              "e.g. co or add_0.5).")
     collection_size: Optional[int] = option(None, type=int,
@@ -266,8 +266,8 @@ class EvaluatePlan(CheckedPlan):
                                               "[--against's own].")
     against_k: Optional[int] = option(None, type=click.IntRange(min=1),
                                       help="Rerank depth of the --against ranking [--k, else its run's own].")
-    against_lam: Optional[float] = option(None, type=float,
-                                          help="add / norm_add weight of the --against ranking [its run's, else 0.5].")
+    against_lam: Optional[float] = lam_option(None, help="add / norm_add weight of the --against ranking [its "
+                                                         "run's, else 0.5].")
     against_label: Optional[str] = option(None, help="The against column's name for the --against ranking (e.g. "
                                                      "'model B, EMB') [its mode and run folder].")
     bootstrap: int = option(DEFAULT_RESAMPLES, type=click.IntRange(min=MIN_RESAMPLES),

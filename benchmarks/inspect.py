@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from pipelines.files import BEAM_FILES, write_atomic
-from retrieval_core.cli import CheckedPlan, cli_errors, k_option, option, plan_command, plan_from_cli
+from retrieval_core.cli import CheckedPlan, cli_errors, k_option, lam_option, option, plan_command, plan_from_cli
 from retrieval_core.data import schema
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.synthetic.scenes import describe_scene
@@ -437,8 +437,8 @@ class InspectPlan(CheckedPlan):
                                help="Rank B with this mode.")
     k: Optional[int] = k_option(None, help="A's rerank depth [A's own].")
     against_k: Optional[int] = option(None, type=click.IntRange(min=1), help="B's rerank depth [--k, else B's own].")
-    lam: Optional[float] = option(None, type=float, help="A's add / norm_add weight [A's own, else 0.5].")
-    against_lam: Optional[float] = option(None, type=float, help="B's add / norm_add weight [B's own, else 0.5].")
+    lam: Optional[float] = lam_option(None, help="A's add / norm_add weight [A's own, else 0.5].")
+    against_lam: Optional[float] = lam_option(None, help="B's add / norm_add weight [B's own, else 0.5].")
     images: Optional[str] = option(None, help="Folder of image files named <source_id>.<ext>: thumbnails.")
     manifest: Optional[str] = option(None, help="Manifest of a synthetic collection (scene descriptions) [the one "
                                                 "recorded in the staged summary].")

@@ -263,6 +263,23 @@ def k_option(default: Optional[int], help: str) -> Any:
     return option(default, type=click.IntRange(min=1), help=help)
 
 
+def lam_option(default: Optional[float], help: str = "ADD/NORM_ADD weight of the BE score") -> Any:
+    """A plan's --lam field (the weight of the BE score in add / norm_add fusion): the one declaration, in [0, 1]."""
+    return option(default, type=click.FloatRange(0, 1), help=help)
+
+
+def nprobe_option() -> Any:
+    """A plan's --nprobe field: the one declaration of an IVF index's search breadth."""
+    return count_option(None, help="IVF lists searched per query in every index shard (default: the index "
+                                   "manifest's, else faiss' 1)")
+
+
+def ef_search_option() -> Any:
+    """A plan's --ef-search field: the one declaration of an HNSW index's search breadth."""
+    return count_option(None, help="HNSW search breadth in every index shard (default: the index manifest's, else "
+                                   "faiss' 16)")
+
+
 def _flagged(cls: type) -> Iterator[tuple[dataclasses.Field, Flag]]:
     for f in dataclasses.fields(cls):
         if _GROUP in f.metadata:

@@ -19,7 +19,10 @@ from retrieval_core.cli import (
     batch_size_option,
     count_option,
     device_option,
+    ef_search_option,
     k_option,
+    lam_option,
+    nprobe_option,
     option,
     quantize_option,
     threads_option,
@@ -75,7 +78,7 @@ class QueryPlan(CheckedPlan):
                        help="emb: BE only; co: CE rerank of the BE top-k (the paper's); add / norm_add: BE+CE score "
                             "fusion (--lam); auto: the ranking a finished --mode auto rerank run chose (--tune-on)")
     k: int = k_option(10, help="hits per query: the BE's top k, reranked by the CE")
-    lam: float = option(0.5, type=click.FloatRange(0, 1), help="ADD/NORM_ADD weight of the BE score")
+    lam: float = lam_option(0.5)
     tune_on: Optional[str] = option(None, help="--mode auto: a finished --mode auto pipelines.rerank run of the same "
                                                "models and k, whose choice (its manifest's fusion_choice) is used")
     batch_size: int = batch_size_option(64, "CE pairs (and BE queries) per model call")
@@ -86,10 +89,8 @@ class QueryPlan(CheckedPlan):
     device: str = device_option()
     threads: Optional[int] = threads_option()
     quantize: str = quantize_option()  # of the CE; the queries are encoded as the embeddings were
-    nprobe: Optional[int] = count_option(None, help="IVF lists searched per query (default: the index manifest's, "
-                                                    "else faiss' 1)")
-    ef_search: Optional[int] = count_option(None, help="HNSW search breadth (default: the index manifest's, else "
-                                                       "faiss' 16)")
+    nprobe: Optional[int] = nprobe_option()
+    ef_search: Optional[int] = ef_search_option()
 
     def __post_init__(self):
         for name in ("staged", "embeddings", "output"):

@@ -24,7 +24,10 @@ from retrieval_core.cli import (
     collate_workers_option,
     count_option,
     device_option,
+    ef_search_option,
     k_option,
+    lam_option,
+    nprobe_option,
     option,
     quantize_option,
     threads_option,
@@ -66,7 +69,7 @@ class RerankPlan(CheckedPlan):
                             "add / norm_add at every lam and emb; emb: BE only; co: CE rerank of the BE top-k (the "
                             "paper's); add / norm_add: BE+CE score fusion in the top-k (--lam); ce: exhaustive CE")
     k: int = k_option(20, help=f"rerank depth; every query stores its BE top max(k, {rerank.MIN_STORED_DEPTH})")
-    lam: float = option(0.5, type=click.FloatRange(0, 1), help="ADD/NORM_ADD weight of the BE score")
+    lam: float = lam_option(0.5)
     directions: tuple[str, ...] = option(DIRECTIONS, sep=",", help="t2i, i2t or both")
     index: Optional[str] = option(None, help="image FAISS index for t2i, built from --embeddings (default: exact "
                                              "search)")
@@ -98,12 +101,8 @@ class RerankPlan(CheckedPlan):
                                                  "wave (on Dataflow, where each job starts workers, raise it)")
     pairs_per_wave: int = count_option(20_000, help="CE pairs per Beam job (but at least one shard): what a local "
                                                     "runner holds in memory")
-    nprobe: Optional[int] = count_option(None,
-                                         help="IVF lists searched per query in every index shard (default: the index "
-                                        "manifest's, else faiss' 1)")
-    ef_search: Optional[int] = count_option(None,
-                                            help="HNSW search breadth in every index shard (default: the index "
-                                           "manifest's, else faiss' 16)")
+    nprobe: Optional[int] = nprobe_option()
+    ef_search: Optional[int] = ef_search_option()
     tune_on: Optional[str] = option(None, help="--mode auto: a CE-scored rerank run of the same models on a "
                                                "held-out split, to choose on")
     tune_embeddings: Optional[str] = option(None, help="--mode auto: the dev split's embeddings (pipelines.encode "
