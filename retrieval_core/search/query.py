@@ -71,8 +71,8 @@ REASONS = (R_EMPTY, R_DUPLICATE, R_UNKNOWN_ID, R_UNREADABLE, R_BAD_LINE)
 #: Query files: JSON lines and CSV by their suffix, anything else one query per line.
 JSONL_SUFFIXES, CSV_SUFFIXES = (".jsonl", ".json", ".ndjson"), (".csv",)
 #: Bytes of staged regions an engine keeps between calls, whole shards, least recently used dropped first: the demo's
-#: 5,000 images (245 MB at 12 regions of 1024 float32) stay in memory; a larger pool reads a shard per miss (a
-#: 500-image shard took 0.37 s on a loaded 2-core machine, so a budget of a few shards thrashed at the demo's size).
+#: 5,000 images (245 MB at 12 regions of 1024 float32) stay in memory; a larger pool reads a shard per miss (a budget
+#: of a few shards thrashed at the demo's size).
 CACHED_IMAGE_BYTES = 1 << 30
 
 
