@@ -118,6 +118,17 @@ def test_paper_sized_synthetic_manifests():
     assert d.synthetic_spec("synthetic_f30k1k") == single.synthetic_spec("synthetic_f30k1k")
 
 
+def test_coco_train_sized_manifest_has_karpathy_like_splits():
+    # the training-at-scale collection (benchmarks.meters.train_scale): COCO trainval's size, dev/test of 5k
+    from collections import Counter
+    m = load_manifest("synthetic_coco_train", env={})
+    spec = m.synthetic_spec("coco_train")
+    assert (m.feature_dim, m.max_regions, m.feature_dtype) == (2048, 36, "float16")
+    assert (spec.min_regions, spec.max_regions, spec.captions_per_image) == (36, 36, 5)
+    counts = Counter(split_of(spec, i) for i in range(spec.num_images))
+    assert counts == {"train": 113287, "dev": 5000, "test": 5000}
+
+
 def test_real_manifests_expected_counts():
     expect = {"coco_5k": (5000, 25000), "flickr30k_1k": (1000, 5000), "cc_dev": (None, 15833),
               "multi30k": (1000, 7000)}

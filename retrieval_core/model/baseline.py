@@ -52,14 +52,17 @@ def pooled_image_vectors(images: ImageReader | Sequence[Regions], max_regions: i
     else:
         images = list(images)
         get, n = (lambda i: images[i]), len(images)
-    rows = []
+    out = None  # filled in place: a list of rows and its stacked copy held COCO train's 1.9 GB twice
     for i in range(n):
         feats, boxes = get(i)
         if len(feats) == 0:
             raise ValueError(f"image {i} has no regions")
-        rows.append(np.concatenate([np.asarray(feats[:max_regions], np.float64).mean(0),
-                                    np.asarray(boxes[:max_regions], np.float64).mean(0)]))
-    return np.asarray(rows, dtype=np.float64).reshape(n, -1)
+        feats, boxes = np.asarray(feats[:max_regions], np.float64), np.asarray(boxes[:max_regions], np.float64)
+        if out is None:
+            out = np.empty((n, feats.shape[1] + boxes.shape[1]), dtype=np.float64)
+        out[i, :feats.shape[1]] = feats.mean(0)
+        out[i, feats.shape[1]:] = boxes.mean(0)
+    return out if out is not None else np.zeros((0, 0), dtype=np.float64)
 
 
 class MappedBaseline:

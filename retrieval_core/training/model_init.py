@@ -86,9 +86,14 @@ def lstsq_image_embedding(model: VLRetrievalModel, data: TrainData, ridge: float
             target[row] += words[ids].astype(np.float64).mean(0)
             count[row] += 1
     keep = count > 0
-    x, target = x[keep], target[keep] / count[keep, None]
+    if not keep.all():  # a copy only when some image has no caption tokens
+        x, target, count = x[keep], target[keep], count[keep]
+    target /= count[:, None]
+    # centred in place: at COCO train (113k x 2,054 float64, 1.9 GB) a centred copy would double the peak
     x_mean, t_mean = x.mean(0), target.mean(0)
-    xc, tc = x - x_mean, target - t_mean
+    x -= x_mean
+    target -= t_mean
+    xc, tc = x, target
     gram = xc.T @ xc
     w = np.linalg.solve(gram + ridge * np.trace(gram) / len(gram) * np.eye(len(gram)), xc.T @ tc)
     r2 = 1.0 - float(((xc @ w - tc) ** 2).sum() / max((tc ** 2).sum(), 1e-12))
