@@ -340,8 +340,10 @@ class DocsPlan(CheckedPlan):
 
 def run(plan: DocsPlan) -> list[str]:
     """What ``docs`` does; returns the lines it reports. With ``check``, the problems (none: all is well)."""
+    from benchmarks.report import cli_reference  # imports every CLI: only when the docs are written or checked
+
     if plan.check:
-        return check(plan.root)
+        return check(plan.root) + cli_reference.check(plan.root)
     lines = [f"published {publish(csv_path, plan.root)}" for csv_path in plan.publish]
     for doc in (*DOCS, *BLOCKS_ONLY):
         path = os.path.join(plan.root, doc)
@@ -353,4 +355,4 @@ def run(plan: DocsPlan) -> list[str]:
                 f.write(new)
         state = "rewritten" if new != text else "unchanged"
         lines.append(f"{doc}: {len(BLOCK.findall(new))} generated block(s), {state}")
-    return lines
+    return lines + [cli_reference.write(plan.root)]
