@@ -116,7 +116,7 @@ BENCH_RECIPE = Recipe(
 _ML_ZERO_SHOT = Recipe(name="ml-e5-en", join=_DEMO_JOIN, sep_be=DEMO_RECIPE.sep_be, sep_ce=DEMO_RECIPE.sep_ce,
                        manifest="synthetic_multi30k", base_model="multilingual-e5-small", languages=("en",))
 # All four languages get the English recipe's 340 steps each: trained 340 steps on the four languages, English
-# saw a quarter of its captions' steps and lost 26.9 points of mR (docs/archive/MULTILINGUAL-2026-11.md). Steps
+# saw a quarter of its captions' steps and lost 26.9 points of mR (docs/log/MULTILINGUAL-2026-11.md). Steps
 # draw captions of every language at random; a mining still covers the next 100 steps' captions.
 ML_ALL_STEPS = 4 * _DEMO_JOIN.steps
 ML_RECIPES = {"zero_shot": _ML_ZERO_SHOT,
@@ -126,7 +126,7 @@ ML_RECIPES = {"zero_shot": _ML_ZERO_SHOT,
 #: The demo collection drawn as pictures (retrieval_core.data.synthetic.render) and staged from its PNGs through the
 #: image backbone: the pixel path on scenes whose contrasts are known, trained with the demo's recipe.
 RENDERED_MANIFEST = "demo_rendered"
-# Its JOIN differs from the demo's in two choices measured on the dev split (docs/DATA.md, "Training levers"): the
+# Its JOIN differs from the demo's in two choices measured on the dev split (docs/log/PIXELS-2026-11-27.md, "Training levers"): the
 # new layers at 5x instead of 20x (the least-squares start already fits the grid features; 20x moved the image
 # embedding away from it faster than the text side followed) and 520 steps instead of 260 (dev R@1 still rising).
 # Its features are staged at 288 pixels (render.RENDERED_INPUT): the grid cells are the scenes' layout cells.
