@@ -147,9 +147,8 @@ def test_no_tracked_file_points_to_a_file_outside_the_repository():
 def test_the_docs_command_generates_the_pending_tables_and_its_check_then_passes(tmp_path):
     from click.testing import CliRunner
 
-    from benchmarks.report.__main__ import main
-
     from benchmarks.report import cli_reference
+    from benchmarks.report.__main__ import main
 
     root = _repo(tmp_path)
     (tmp_path / "docs" / "log").mkdir()
