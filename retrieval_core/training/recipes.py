@@ -129,7 +129,8 @@ ML_RECIPES = {"zero_shot": _ML_ZERO_SHOT,
 RENDERED_MANIFEST = "demo_rendered"
 # Its JOIN differs from the demo's in two choices measured on the dev split (docs/log/PIXELS-2026-11-27.md,
 # "Training levers"): the new layers at 5x instead of 20x (the least-squares start already fits the grid features;
-# 20x moved the image embedding away from it faster than the text side followed) and 520 steps instead of 260 (dev R@1 still rising).
+# 20x moved the image embedding away from it faster than the text side followed) and 520 steps instead of 260
+# (dev R@1 still rising).
 # Its features are staged at 288 pixels (render.RENDERED_INPUT): the grid cells are the scenes' layout cells.
 PIXELS_RECIPE = replace(DEMO_RECIPE, name="demo-pixels", manifest=RENDERED_MANIFEST,
                         join=replace(DEMO_RECIPE.join, steps=520, new_layers_lr_mult=5))
