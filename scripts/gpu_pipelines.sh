@@ -1,6 +1,6 @@
 #!/bin/bash
 # The GPU run (benchmarks/meters/gpu_pipelines.py) on a bare machine with one NVIDIA GPU, in parts of a few minutes each,
-# and its rehearsal here on the device's own software (docs/PERFORMANCE.md, "The GPU run").
+# and its rehearsal here on the device's own software (docs/log/PERFORMANCE-2026-11.md, "The GPU run").
 #
 # That machine has CUDA torch, transformers, numpy, pyarrow, pandas, h5py and click but not apache-beam or faiss,
 # and no network: their wheels travel with the repository (under the 64 MiB a call may carry) and `install`

@@ -1,4 +1,5 @@
-"""Side-by-side speed comparisons behind docs/PERFORMANCE.md (Beam-free: runs where benchmarks.meters.roofline runs).
+"""Side-by-side speed comparisons behind docs/log/PERFORMANCE-2026-11.md (Beam-free: runs where
+benchmarks.meters.roofline runs).
 
     python scripts/perf_ab.py prepare --images 1000 --output /tmp/ab                     # synthetic data, once
     python scripts/perf_ab.py versions --base OLD_CHECKOUT --backbone B --data /tmp/ab --threads 2 --reps 3

@@ -27,7 +27,7 @@ def load(backbone: str, data: str):
     arrays = np.load(os.path.join(data, "images.npz"))
     images = ImageTable(arrays["item_ids"], arrays["offsets"], arrays["features"], arrays["boxes"], {})
     captions = pd.read_json(os.path.join(data, "captions.json"), orient="records")
-    # the [CLS]-only CE head the documented A/B ratios were measured with (docs/PERFORMANCE.md)
+    # the [CLS]-only CE head the documented A/B ratios were measured with (docs/log/PERFORMANCE-2026-11.md)
     model = from_text_backbone(backbone, int(arrays["features"].shape[1]), max_regions=int(spec["max_regions"]),
                                ce_agreement="none")
     return model, images, captions, spec

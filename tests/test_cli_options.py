@@ -4,71 +4,18 @@ retrieval_core/ and scripts/ is a click command whose options are the fields of 
 retrieval_core/cli.py) that every plan reuses. In-process: the commands are inspected, none is run."""
 from __future__ import annotations
 
-import importlib
 import os
 import re
-import sys
 
 import click
 import pytest
 
+from benchmarks.report import cli_reference
 from retrieval_core.cli import DeviceType, plan_flags, plan_of
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLOORS = ("pipelines", "benchmarks", "retrieval_core")
 CLI_MODULE = os.path.join("retrieval_core", "cli.py")
-SCRIPTS = ("perf_ab", "query_latency")  # scripts/*.py with a click CLI (imported from scripts/, beside their helpers)
-
-
-def _sources(floors=FLOORS) -> dict[str, str]:
-    out = {}
-    for floor in floors:
-        for folder, _, files in os.walk(os.path.join(ROOT, floor)):
-            for name in files:
-                if name.endswith(".py"):
-                    path = os.path.join(folder, name)
-                    with open(path, encoding="utf-8") as f:
-                        out[os.path.relpath(path, ROOT)] = f.read()
-    return out
-
-
-def _cli_modules() -> list[str]:
-    """Every module that defines a click command or group (its __main__ modules' commands live beside them)."""
-    mods = []
-    for rel, text in _sources().items():
-        if re.search(r"@((click|main)\.(command|group)|plan_command)\b", text) and not rel.endswith("__main__.py") \
-                or rel.endswith(os.path.join("report", "__main__.py")):
-            mods.append(rel[:-3].replace(os.sep, "."))
-    return sorted(mods)
-
-
-def _commands(cmd: click.Command, path: str):
-    yield path, cmd
-    if isinstance(cmd, click.Group):
-        for name, sub in cmd.commands.items():
-            yield from _commands(sub, f"{path} {name}")
-
-
-def _script(name: str):
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.pop(0)
-
-
-def _all_commands():
-    seen = {}
-    for mod_name in _cli_modules() + list(SCRIPTS):
-        mod = importlib.import_module(mod_name) if mod_name not in SCRIPTS else _script(mod_name)
-        for attr in vars(mod).values():
-            if isinstance(attr, click.Command) and getattr(attr.callback, "__module__", "") == mod_name:
-                for path, cmd in _commands(attr, mod_name):
-                    seen.setdefault(id(cmd), (path, cmd))
-    return list(seen.values())
-
-
-COMMANDS = _all_commands()
+_sources = cli_reference.sources  # the walk that also writes the reference of every option (docs/CLI.md)
+COMMANDS = cli_reference.all_commands()
 
 
 def test_the_walk_finds_every_floors_clis():
@@ -114,6 +61,6 @@ def test_device_threads_and_batch_size_have_one_declaration_each():
 def test_no_click_option_outside_the_plans():
     """click options and arguments are declared only where plans become CLIs (retrieval_core/cli.py)."""
     pattern = re.compile(r"click\.(option|argument)\(")
-    offenders = [rel for rel, text in _sources((*FLOORS, "scripts")).items()
+    offenders = [rel for rel, text in _sources((*cli_reference.FLOORS, "scripts")).items()
                  if pattern.search(text) and rel != CLI_MODULE]
     assert offenders == []

@@ -1,4 +1,4 @@
-"""The walkthrough "Your own photos, end to end" (docs/DATA.md), run as written: a folder of photos and a Karpathy
+"""The tutorial "Your own photos, end to end" (docs/OWN_PHOTOS.md), run as written: a folder of photos and a Karpathy
 JSON -> stage (Lite0 grid regions) -> train -> encode -> index -> rerank -> evaluate.
 
 The photos are the real JPEGs of the AllenNLP fixtures (Flickr30k, GQA, VQA, SNLI-VE; their Flickr30k sentences
@@ -12,11 +12,12 @@ import shutil
 
 import pytest
 
-from tests.conftest import realdata_dir
+from tests.conftest import REPO_ROOT, realdata_dir
 from tests.helpers_model import write_tiny_bert
-from tests.test_walkthrough import DOC, expand, run_command, walkthrough
+from tests.test_walkthrough import expand, run_command, walkthrough
 
-SECTION = "## Your own photos, end to end"
+DOC = REPO_ROOT / "docs" / "OWN_PHOTOS.md"  # the tutorial the README links to
+SECTION = "# Your own photos, end to end"
 SPLITS = ("train",) * 14 + ("val",) * 4 + ("test",) * 6  # 24 photos
 
 

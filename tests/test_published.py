@@ -35,7 +35,7 @@ def _repo(tmp_path: Path) -> str:
     return str(tmp_path)
 
 
-def test_the_readme_and_results_print_only_numbers_of_their_committed_csvs():
+def test_every_docs_page_prints_only_numbers_of_its_committed_csvs():
     assert published.check(str(ROOT)) == []
 
 
@@ -53,6 +53,17 @@ def test_the_check_reports_a_stale_table_a_number_not_in_the_csv_and_a_result_in
     prose = published.check_text(text + "The CE lifts R@1 from 60.6 (+5 at R@5); 75 % binding, 95 % intervals, "
                                         "torch==2.13.0, Python >= 3.10, --lam 0.7, 1,000 resamples.\n", root, "doc")
     assert [p.split(": ", 1)[1] for p in prose] == ["decimal 60.6", "signed +5", "75 %"]
+    timed = published.check_text("The job took 1,190 s (about 20 min, ~3 h); 382 pairs/s; `--timeout 600` s; "
+                                 "5,000 images in 12 shards, 2026-11-28.\n", root, "doc")
+    assert [p.split(": ", 1)[1] for p in timed] == ["time or rate 1,190 s", "time or rate 20 min",
+                                                    "time or rate 3 h", "time or rate 382 pairs/s"]
+
+
+def test_every_docs_page_but_the_log_and_the_generated_reference_is_checked():
+    pages = published.docs_pages(str(ROOT))
+    assert {"README.md", "docs/RESULTS.md", "docs/TRAINING.md", "docs/OWN_PHOTOS.md", "docs/QUERY.md",
+            "data_manifests/README.md", "docs/results/README.md"} <= set(pages)
+    assert not [p for p in pages if p.startswith("docs/log/")] and "docs/CLI.md" not in pages
 
 
 def test_a_pending_block_is_generated_once_its_csv_is_published(tmp_path):
@@ -136,10 +147,13 @@ def test_no_tracked_file_points_to_a_file_outside_the_repository():
 def test_the_docs_command_generates_the_pending_tables_and_its_check_then_passes(tmp_path):
     from click.testing import CliRunner
 
+    from benchmarks.report import cli_reference
     from benchmarks.report.__main__ import main
 
     root = _repo(tmp_path)
-    for doc in (*published.DOCS, *published.BLOCKS_ONLY):
+    (tmp_path / "docs" / "log").mkdir()
+    (tmp_path / cli_reference.REFERENCE).write_text(cli_reference.reference())
+    for doc in ("README.md", "docs/RESULTS.md", *published.BLOCKS_ONLY):
         (tmp_path / doc).write_text("Results:\n\n<!-- pending: recall-table docs/results/x.csv -->\n")
     runner = CliRunner()
     stale = runner.invoke(main, ["docs", "--root", root, "--check"])

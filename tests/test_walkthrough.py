@@ -1,4 +1,4 @@
-"""The walkthrough "Your own data, end to end" (docs/DATA.md), run as written on a tiny collection in the user's
+"""The tutorial "Your own data, end to end" (docs/OWN_FEATURES.md), run as written on a tiny collection in the user's
 formats.
 
 The commands are parsed from the doc's section itself (every ``python -m`` line of its ``bash`` blocks, in order),
@@ -34,8 +34,8 @@ from click.testing import CliRunner
 from tests.conftest import REPO_ROOT, realdata_dir
 from tests.helpers_model import write_tiny_bert
 
-DOC = REPO_ROOT / "docs" / "DATA.md"  # the README links to it
-SECTION = "## Your own data, end to end"
+DOC = REPO_ROOT / "docs" / "OWN_FEATURES.md"  # the tutorial the README links to
+SECTION = "# Your own data, end to end"
 FEATURE_DIM = 2048
 # COCO images per Karpathy split in the tiny collection, and TSV rows no caption names (skipped by staging)
 N_TEST, N_VAL, N_TRAIN, N_RESTVAL, N_UNCAPTIONED = 12, 8, 16, 8, 5
@@ -52,7 +52,7 @@ def walkthrough(doc: str, section: str = SECTION) -> tuple[dict[str, str], list[
     end = doc.find("\n## ", start + len(section))
     text = doc[start:end if end >= 0 else len(doc)]
     blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
-    assert blocks, f"no bash block in the section {section!r} of {DOC.name}"
+    assert blocks, f"no bash block in the section {section!r}"
     settings, commands = {}, []
     for block in blocks:
         for line in block.replace("\\\n", " ").splitlines():

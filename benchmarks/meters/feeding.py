@@ -70,7 +70,8 @@ TASKS = ("pairs", "images", "captions")
 #: The three ways over the same batches (module docstring) and each one's label in the rows' ``mode``.
 WAYS = {"job": "job path (handler)", "library": "library loop", "model": "model alone (batches collated ahead)",
         "compiled": "model alone, torch.compile"}
-#: The ways measured unless asked otherwise: compiling costs minutes on a CPU (docs/PERFORMANCE.md), so only on request.
+#: The ways measured unless asked otherwise: compiling costs minutes on a CPU (docs/log/PERFORMANCE-2026-11.md),
+#: so only on request.
 DEFAULT_WAYS = ("job", "library", "model")
 
 
@@ -223,8 +224,9 @@ def feeding_rows(model: VLRetrievalModel, model_dir: str, texts: Sequence[str], 
 
 def best_batch_sizes(rows: Sequence[dict], way: str = "job") -> dict[tuple[str, str], tuple[int, float]]:
     """Per (task, precision) of a batch-size sweep's rows: the batch size whose ``way`` (WAYS) rate was highest,
-    with that rate. What a device's default batch size is read from (docs/PERFORMANCE.md), never chosen inside a
-    job: a size picked by timing would make a job's batches, and so its outputs' rounding, vary between reruns."""
+    with that rate. What a device's default batch size is read from (docs/log/PERFORMANCE-2026-11.md), never chosen
+    inside a job: a size picked by timing would make a job's batches, and so its outputs' rounding, vary between
+    reruns."""
     best: dict[tuple[str, str], tuple[int, float]] = {}
     for r in rows:
         if r["mode"] != f"{r['collection'].removeprefix('feeding_')}: {WAYS[way]}":

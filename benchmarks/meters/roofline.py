@@ -458,7 +458,7 @@ def measure(**values) -> None:
         with open(os.path.join(backbone, RECIPES_JSON)) as f:
             spec = json.load(f)
         recipes = {name: TrainConfig(**cfg) for name, cfg in spec["recipes"].items()}
-        # the [CLS]-only CE head the documented roofline rows were measured with (docs/PERFORMANCE.md)
+        # the [CLS]-only CE head the documented roofline rows were measured with (docs/log/PERFORMANCE-2026-11.md)
         model = from_text_backbone(backbone, feature_dim, max_regions=int(spec["max_regions"]),
                                    ce_agreement="none").to(device)
         env = environment(device, torch.get_num_threads())

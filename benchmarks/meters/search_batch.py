@@ -5,7 +5,7 @@ factory (retrieval_core.search.index, inner product) searched for the rerank job
     python -m benchmarks.meters.search_batch [--shard-size 50000] [--threads 2] [--output search_batch.csv]
 
 Why it exists: at 1M the rerank job searched in calls of 256 queries, and faiss ran those at a fraction of the
-rate it reaches from ~512 queries per call (docs/PERFORMANCE.md, "Search"); the CSV is the evidence for
+rate it reaches from ~512 queries per call (docs/log/PERFORMANCE-2026-11.md, "Search"); the CSV is the evidence for
 pipelines.rerank's --search-batch-size default.
 """
 from __future__ import annotations

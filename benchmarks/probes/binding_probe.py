@@ -29,7 +29,7 @@ Each row reports ``top1`` (the probe's colour is right) and ``own_over_other``: 
 colour (for ``cross``: the colour the paired image gives the noun's object) scores above the caption's other
 focus colour (chance 50 %). When both sides keep their own colour to the last layer and the CE still scores a
 binding sibling like the gold image, what is missing is the comparison between them, not the information;
-``cross`` says whether the image's colour reaches the noun at all (docs/archive/RESULTS-2026-11.md).
+``cross`` says whether the image's colour reaches the noun at all (docs/log/RESULTS-2026-11.md).
 """
 from __future__ import annotations
 

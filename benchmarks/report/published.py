@@ -15,11 +15,19 @@ docs/results/demo.csv -->``, alone on its line: it prints nothing, and the first
 it into a generated block.
 
 ``--check`` reports each block that differs from what its CSV generates, each number inside a block that no
-cell of its CSV holds (a decimal must equal a cell rounded to the decimals shown), and each result-like number
-outside the blocks: a decimal that is not a version or an option's value, a signed number, or a percentage other
-than the intervals' 95 %. Numbers that are not results (dates, counts, sizes) are integers and may stand
-anywhere. ``--publish`` refuses a CSV without its environment columns or whose commit is unknown or dirty: a
-number in the docs names the code that measured it.
+cell of its CSV holds (a decimal must equal a cell rounded to the decimals shown), and, on every documentation
+page (the README, docs/ and the other READMEs; ``docs_pages``), each result-like number outside the blocks:
+
+- a decimal, unless it is a version (3.10, 2.13.0 after ``==``) or an option's value (``--lam 0.7``);
+- a signed number (+3.4, -2);
+- a percentage, other than the intervals' 95 %;
+- a time or a rate: a number followed by a unit of time (s, ms, min, h, seconds, minutes, hours) or ``/s``.
+
+Text in backticks (code: an option's default, a file name) is not read. Other integers (counts, sizes, dates,
+settings) may stand anywhere. A measured figure belongs in a generated block, or in the dated log
+(``docs/log/``, not checked: each entry names its source); docs/CLI.md is generated whole (cli_reference).
+``--publish`` refuses a CSV without its environment columns or whose commit is unknown or dirty: a number in the
+docs names the code that measured it.
 """
 from __future__ import annotations
 
@@ -46,10 +54,14 @@ from retrieval_core.cli import CheckedPlan, option
 
 #: The tracked folder of the result CSVs the docs cite (results/ at the root is the runs' scratch, ignored).
 RESULTS_DIR = "docs/results"
-#: The files whose numbers must all come from RESULTS_DIR.
-DOCS = ("README.md", "docs/RESULTS.md")
-#: Files with generated blocks too, whose other numbers state how and where they were measured (not checked).
-BLOCKS_ONLY = ("docs/PERFORMANCE.md", "docs/QUERY.md")
+#: The dated log: how numbers were reached, each with its source; the one docs folder the prose check skips.
+LOG_DIR = "docs/log"
+#: Pages generated whole from the code (benchmarks.report.cli_reference), so not prose.
+GENERATED_PAGES = ("docs/CLI.md",)
+#: The other documentation pages besides README.md and docs/.
+OTHER_PAGES = ("data_manifests/README.md", "docker/README.md")
+#: Log entries with generated blocks: their blocks are checked against their CSVs, their prose is not.
+BLOCKS_ONLY = ("docs/log/PERFORMANCE-2026-11.md",)
 #: The columns a published CSV must fill: where, when and from which code its rows were measured.
 PROVENANCE = ("device", "cpu_model", "threads", "torch", "faiss", "commit", "date")
 
@@ -57,8 +69,14 @@ BLOCK = re.compile(r"<!-- generated: (?P<kind>[\w-]+) (?P<csv>\S+) -->\n(?P<body
 PENDING = re.compile(r"<!-- pending: (?P<kind>[\w-]+) (?P<csv>\S+) -->\n")
 #: A number standing on its own (not inside a word, an id or a file name, nor the end of a hyphenated word: top-1).
 NUMBER = re.compile(r"(?<![\w.@])(?<!\w-)[+-]?\d+(?:\.\d+)?(?![\w.])")
-#: Decimals that are no result: versions (3.10, 2.13.0 after == or >=) and option values (--lam 0.7).
-NOT_A_RESULT = re.compile(r"(?:(?:==|>=|<=) ?|--[\w-]+[ =])\d+(?:\.\d+)+|\d+\.\d+\.\d+")
+#: Decimals that are no result: versions (3.10, 2.13.0 after == or >=, or after a library's name: Beam 2.77) and
+#: option values (--lam 0.7, lam=0.2).
+NOT_A_RESULT = re.compile(r"(?:(?:==|>=|<=) ?|--[\w-]+[ =]|\b[a-z_]+=|(?:Beam|Python|python|torch|faiss|CUDA|numpy|"
+                          r"transformers|pyarrow) )\d+(?:\.\d+)+|\d+\.\d+\.\d+")
+#: A figure with a unit of time or a rate (320 s, 4.75 h, 20 ms, 382 pairs/s): a measurement or an estimate of one.
+TIMED = re.compile(r"(?<![\w.@])(\d[\d,]*(?:\.\d+)?) ?(?:s|ms|min|h|seconds?|minutes?|hours?|[a-z]*/s)(?![\w/])")
+#: Inline code: an option, its default, a path; not prose.
+CODE_SPAN = re.compile(r"`[^`\n]*`")
 SIGNED = re.compile(r"(?<![\w.@])[+-]\d+(?:\.\d+)?(?![\w.])")
 PERCENT = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?) ?%")
 #: The one percentage that is a setting, not a result: the level of every interval.
@@ -170,6 +188,15 @@ def per_query_block(rows: Sequence[Mapping]) -> str:
             "row's notes.\n\n" + per_query_table(rows) + "\n")
 
 
+def measured_per_query_block(rows: Sequence[Mapping]) -> str:
+    """A scale suite's measured cost per query only: the exhaustive CE's extrapolated rows left out, where the CO
+    job's wall held search time the search-only job does not account for (the 1M run: its waves searched again)."""
+    measured = [r for r in rows if str(r.get("measured", "")).lower() == "true"]
+    return (_measured(rows) + f"; encode and rerank in {_precision(rows)}; each ranking's rerank job's wall over "
+            "the queries it ranked (both directions, start-up and index loading included); measured rows only.\n\n"
+            + per_query_table(measured) + "\n")
+
+
 def search_batch_block(rows: Sequence[Mapping]) -> str:
     """benchmarks.meters.search_batch's timings (report.search_batch_table) under where they were measured."""
     return (_measured(rows) + f"; one Flat inner-product index shard of {_one(rows, 'shard_size')} vectors of "
@@ -199,6 +226,7 @@ GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {
     "seed-table": seed_block, "probe-table": probe_block,
     "fusion-rule-table": fusion_rule_block, "jobs-table": jobs_block,
     "comparison-table": comparison_block, "per-query-table": per_query_block,
+    "measured-per-query-table": measured_per_query_block,
     "search-batch-table": search_batch_block, "gpu-run-table": gpu_run_block,
     "query-latency-table": query_latency_block}
 
@@ -246,11 +274,26 @@ def block_numbers_problems(body: str, rows: Sequence[Mapping], where: str) -> li
             if not _matches(token, cells)]
 
 
+def docs_pages(root: str) -> list[str]:
+    """Every documentation page whose prose the check reads: README.md, docs/ (its log and generated pages
+    aside) and OTHER_PAGES; paths from the root, sorted."""
+    pages = ["README.md", *OTHER_PAGES]
+    for folder, dirs, files in os.walk(os.path.join(root, "docs")):
+        rel = os.path.relpath(folder, root)
+        if rel == LOG_DIR or rel.startswith(LOG_DIR + os.sep):
+            dirs[:] = []
+            continue
+        pages += [os.path.join(rel, f) for f in files if f.endswith(".md")]
+    return sorted(p for p in pages if p not in GENERATED_PAGES and os.path.isfile(os.path.join(root, p)))
+
+
 def prose_problems(text: str, where: str) -> list[str]:
     """Result-like numbers outside the generated blocks (see the module docstring)."""
     problems = []
-    for n, line in enumerate(BLOCK.sub("", text).splitlines(), 1):
-        clean = NOT_A_RESULT.sub(" ", line)
+    for n, line in enumerate(BLOCK.sub(lambda m: "\n" * m.group(0).count("\n"), text).splitlines(), 1):
+        clean = NOT_A_RESULT.sub(" ", CODE_SPAN.sub(" ", line))
+        problems += [f"{where} (outside the generated blocks, line {n}): time or rate {t.group(0)}"
+                     for t in TIMED.finditer(clean)]
         problems += [f"{where} (outside the generated blocks, line {n}): decimal {d}"
                      for d in NUMBER.findall(clean) if "." in d]
         problems += [f"{where} (outside the generated blocks, line {n}): signed {s}" for s in SIGNED.findall(clean)
@@ -277,9 +320,10 @@ def check_text(text: str, root: str, where: str, prose: bool = True) -> list[str
     return problems + (prose_problems(text, where) if prose else [])
 
 
-def check(root: str, docs: Sequence[str] = DOCS, blocks_only: Sequence[str] = BLOCKS_ONLY) -> list[str]:
+def check(root: str, docs: Sequence[str] = (), blocks_only: Sequence[str] = BLOCKS_ONLY) -> list[str]:
+    """Every problem of the documentation (``docs``: default, docs_pages)."""
     problems = []
-    for doc in (*docs, *blocks_only):
+    for doc in (*(docs or docs_pages(root)), *blocks_only):
         with open(os.path.join(root, doc), encoding="utf-8") as f:
             problems += check_text(f.read(), root, doc, prose=doc not in blocks_only)
     return problems
@@ -340,10 +384,12 @@ class DocsPlan(CheckedPlan):
 
 def run(plan: DocsPlan) -> list[str]:
     """What ``docs`` does; returns the lines it reports. With ``check``, the problems (none: all is well)."""
+    from benchmarks.report import cli_reference  # imports every CLI: only when the docs are written or checked
+
     if plan.check:
-        return check(plan.root)
+        return check(plan.root) + cli_reference.check(plan.root)
     lines = [f"published {publish(csv_path, plan.root)}" for csv_path in plan.publish]
-    for doc in (*DOCS, *BLOCKS_ONLY):
+    for doc in (*docs_pages(plan.root), *BLOCKS_ONLY):
         path = os.path.join(plan.root, doc)
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -353,4 +399,4 @@ def run(plan: DocsPlan) -> list[str]:
                 f.write(new)
         state = "rewritten" if new != text else "unchanged"
         lines.append(f"{doc}: {len(BLOCK.findall(new))} generated block(s), {state}")
-    return lines
+    return lines + [cli_reference.write(plan.root)]

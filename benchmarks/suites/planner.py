@@ -74,7 +74,8 @@ class Models:
 
 
 #: Default query caps per direction: on CPU the CE is the bottleneck and the full protocols take long
-#: (docs/BENCHMARKS.md, "Sampling and cost on 2 CPU cores"). Pools are never cut; 0 = every query.
+#: (docs/BENCHMARKS.md, "Sampling and cost on 2 CPU cores"; the costs: docs/log/SCALE-1M-2026-11-28.md). Pools are
+#: never cut; 0 = every query.
 DEFAULT_MAX_QUERIES = {"standard": 500, "distractor_20k": 500, "k_ablation": 500, "combination": 500,
                        "baseline": 0, "scale_100k": 0, "scale_1m": 0, "latency": 0,
                        "memory": 0, "multilingual": 500}

@@ -85,7 +85,8 @@ class RerankPlan(CheckedPlan):
                                                "collection/split")
     batch_size: int = batch_size_option(64, "CE pairs per batch")
     search_batch_size: int = count_option(1_024, help="queries per search call (faiss' Flat search is far slower per "
-                                                      "query in small calls: docs/PERFORMANCE.md, \"Search\")")
+                                                      "query in small calls: docs/log/PERFORMANCE-2026-11.md, "
+                                                      "\"Search\")")
     queries_per_pass: int = count_option(8_192, help="queries searched per pass over the pool, before any CE work: "
                                                      "each pass reads every index (or embedding) shard once, so "
                                                      "fewer passes read less; a worker holds one pass's queries and "

@@ -309,7 +309,7 @@ def _run_job(options, output: str, build: Callable[[beam.Pipeline], None]) -> tu
     counters = beam_kit.counter_values(result, METRICS_NAMESPACE)
     del p, result
     # a local runner ran the job in this process: hand what it freed back before the next one (it lowers the
-    # RSS between waves, not the job's peak: docs/PERFORMANCE.md)
+    # RSS between waves, not the job's peak: docs/log/PERFORMANCE-2026-11.md)
     beam_kit.release_memory()
     return report, counters
 

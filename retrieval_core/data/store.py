@@ -363,7 +363,8 @@ class StagedDataset:
                  if (p := self._shard_images(s, wanted, split, dtype)) is not None]
         table = self._concat(parts, dtype)
         # Drop the per-shard arrays (views of Arrow buffers) and hand Arrow's freed memory back to the OS
-        # before the reordering copy below: otherwise the peak is about 3x the collection (docs/PERFORMANCE.md).
+        # before the reordering copy below: otherwise the peak is about 3x the collection
+        # (docs/log/PERFORMANCE-2026-11.md).
         del parts
         pa.default_memory_pool().release_unused()
         pos = table.position_of()

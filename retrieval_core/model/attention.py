@@ -47,7 +47,8 @@ def sdpa_backends(device: torch.device, dtype: torch.dtype) -> Optional[list]:
     On CUDA in 16-bit, cuDNN's attention is left out: it builds an execution plan per new (batch, length) shape,
     and length-sorted batches bring a new shape nearly every batch (the suspected cause of bf16 sdpa running far
     slower on varied batches than on one batch repeated; the GPU script's attention rows time both, see
-    docs/PERFORMANCE.md); the memory-efficient kernel takes the padding mask at any shape, math is the fallback."""
+    docs/log/PERFORMANCE-2026-11.md); the memory-efficient kernel takes the padding mask at any shape, math is the
+    fallback."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return None
     from torch.nn.attention import SDPBackend

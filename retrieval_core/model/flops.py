@@ -1,6 +1,6 @@
 """FLOP accounting of `VLRetrievalModel`: the dense GEMM shapes of a BERT layer and the multiply-add FLOPs of an
 encoder pass, per sequence and per unit of work (a caption, an image, a CE pair; forward or training). The
-roofline benchmark and the trainer's FLOP/s read these (docs/PERFORMANCE.md)."""
+roofline benchmark and the trainer's FLOP/s read these (docs/log/PERFORMANCE-2026-11.md)."""
 from __future__ import annotations
 
 from retrieval_core.model.network import VLRetrievalModel

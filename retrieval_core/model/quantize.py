@@ -20,7 +20,7 @@ def quantize_model(model: nn.Module, quantize: Optional[str], device: str = "cpu
       batch: torch.ao.quantization.quantize_dynamic); int8 dynamic kernels exist on CPU only;
     - ``bf16``: the model itself with its weights cast to bfloat16, so every layer runs in bf16 (oneDNN's bf16
       matmuls on CPU; LayerNorm, softmax and GEMMs accumulate in float32 inside their kernels) and no cast is
-      paid per call, as autocast did (docs/PERFORMANCE.md); the embeddings are pooled and the CE scores
+      paid per call, as autocast did (docs/log/PERFORMANCE-2026-11.md); the embeddings are pooled and the CE scores
       returned in float32. On CPU the attention runs the eager path; only where the CPU has native bf16
       (NATIVE_BF16_FLAGS): elsewhere it is emulated, slower than float32, and refused.
     Anything else, or a mode the device cannot run, raises ValueError."""
@@ -39,7 +39,7 @@ def quantize_model(model: nn.Module, quantize: Optional[str], device: str = "cpu
             raise ValueError(f"--quantize bf16: {torch.cuda.get_device_name(dev)} has no native bf16; use "
                              f"--quantize none")
         if dev.type == "cpu":  # the fused CPU attention kernel is the slower one in bf16 at these short lengths
-            model.set_attention("eager")  # (docs/PERFORMANCE.md)
+            model.set_attention("eager")  # (docs/log/PERFORMANCE-2026-11.md)
         return model.to(torch.bfloat16)
     if dev.type != "cpu":
         raise ValueError(f"--quantize {quantize} (dynamic int8 Linear layers) runs on CPU only; refused on "

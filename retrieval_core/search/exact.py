@@ -103,7 +103,7 @@ def _topk_block(q: np.ndarray, items: np.ndarray, items_t, item_ids: np.ndarray,
     cand_s, cand_p, tie_kth = [], [], []
     for a in range(0, n, rows):
         if b == 1:  # GEMV: numpy's BLAS threads it and streams the rows (torch.mm with one row runs on one
-            s = torch.from_numpy(items[a:a + rows] @ q[0])[None]  # thread, slower: docs/PERFORMANCE.md)
+            s = torch.from_numpy(items[a:a + rows] @ q[0])[None]  # thread, slower: docs/log/PERFORMANCE-2026-11.md)
         else:
             s = torch.mm(q_t, items_t[a:a + rows].T)  # (b, r)
         kk = min(k, s.shape[1])

@@ -141,7 +141,7 @@ def train_index(factory: str, d: int, metric: str, sample: Optional[np.ndarray],
         ivf = faiss.downcast_index(ivf)  # try_extract_index_ivf hands back the IndexIVF base class
         if isinstance(ivf, faiss.IndexIVFPQ):
             # polysemous training (simulated annealing over PQ code orderings) serves only polysemous
-            # Hamming-filtered search, which nothing here uses, and is slow (docs/PERFORMANCE.md)
+            # Hamming-filtered search, which nothing here uses, and is slow (docs/log/PERFORMANCE-2026-11.md)
             ivf.do_polysemous_training = False
     index.train(sample)
     return index_bytes(index)

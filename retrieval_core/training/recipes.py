@@ -58,7 +58,7 @@ class ModelSet:
 
 # The demo training recipe: JOIN (shared weights, BE and CE objectives) from the shipped all-MiniLM-L6-v2 with
 # every second layer kept (the paper's "halved" model), sized for about five minutes on 2 CPU cores. Each choice
-# was measured on the demo dev split; the numbers are in docs/TRAINING.md, "The demo recipe":
+# was measured on the demo dev split; the numbers are in docs/log/TRAINING-2026-11.md, "The demo recipe":
 # - the image embedding starts from the least-squares fit to the captions' word embeddings
 #   (model_init.lstsq_image_embedding): from a random start InfoNCE sat at ln(batch) for many steps;
 # - the new layers get a 20x learning rate; InfoNCE is the BE loss (the triplet loss stayed at chance);
@@ -87,7 +87,8 @@ _DEMO_JOIN = TrainConfig(
     seed=0, progress=True)
 # The demo's JOIN trains 260 of those 340 steps and re-mines every 110 (two minings instead of three): the max-sim
 # CE head learns from its first CE step (the [CLS]-only head left chance at step 98-233, which the 340 were sized
-# for), and 340 steps missed the demo's 10 minutes on the slower 2-core class (docs/TRAINING.md, "The demo recipe").
+# for), and 340 steps missed the demo's 10 minutes on the slower 2-core class (docs/log/TRAINING-2026-11.md,
+# "The demo recipe").
 # The other recipes built on _DEMO_JOIN keep the 340 steps they were measured with.
 DEMO_RECIPE = Recipe(
     name="demo", join=replace(_DEMO_JOIN, steps=260, mine_every=110),
@@ -116,7 +117,7 @@ BENCH_RECIPE = Recipe(
 _ML_ZERO_SHOT = Recipe(name="ml-e5-en", join=_DEMO_JOIN, sep_be=DEMO_RECIPE.sep_be, sep_ce=DEMO_RECIPE.sep_ce,
                        manifest="synthetic_multi30k", base_model="multilingual-e5-small", languages=("en",))
 # All four languages get the English recipe's 340 steps each: trained 340 steps on the four languages, English
-# saw a quarter of its captions' steps and lost 26.9 points of mR (docs/archive/MULTILINGUAL-2026-11.md). Steps
+# saw a quarter of its captions' steps and lost 26.9 points of mR (docs/log/MULTILINGUAL-2026-11.md). Steps
 # draw captions of every language at random; a mining still covers the next 100 steps' captions.
 ML_ALL_STEPS = 4 * _DEMO_JOIN.steps
 ML_RECIPES = {"zero_shot": _ML_ZERO_SHOT,
@@ -126,9 +127,10 @@ ML_RECIPES = {"zero_shot": _ML_ZERO_SHOT,
 #: The demo collection drawn as pictures (retrieval_core.data.synthetic.render) and staged from its PNGs through the
 #: image backbone: the pixel path on scenes whose contrasts are known, trained with the demo's recipe.
 RENDERED_MANIFEST = "demo_rendered"
-# Its JOIN differs from the demo's in two choices measured on the dev split (docs/DATA.md, "Training levers"): the
-# new layers at 5x instead of 20x (the least-squares start already fits the grid features; 20x moved the image
-# embedding away from it faster than the text side followed) and 520 steps instead of 260 (dev R@1 still rising).
+# Its JOIN differs from the demo's in two choices measured on the dev split (docs/log/PIXELS-2026-11-27.md,
+# "Training levers"): the new layers at 5x instead of 20x (the least-squares start already fits the grid features;
+# 20x moved the image embedding away from it faster than the text side followed) and 520 steps instead of 260
+# (dev R@1 still rising).
 # Its features are staged at 288 pixels (render.RENDERED_INPUT): the grid cells are the scenes' layout cells.
 PIXELS_RECIPE = replace(DEMO_RECIPE, name="demo-pixels", manifest=RENDERED_MANIFEST,
                         join=replace(DEMO_RECIPE.join, steps=520, new_layers_lr_mult=5))

@@ -24,8 +24,8 @@ TRAIN_SOURCES = ("auto", "streamed", "memory")
 #: killed rather than merely slow.
 IN_MEMORY_SHARE = 0.25
 #: The streamed source's step rate over the in-memory table's on the demo data (same batches; interleaved
-#: repetitions; docs/results/train_source.csv, docs/TRAINING.md "Training memory"): the lowest of the measured
-#: settings (demo fp32 1.03, bench fp32 1.08, demo bf16 1.11), the one most in the table's favour.
+#: repetitions; docs/results/train_source.csv, docs/log/TRAINING-2026-11.md "Training memory"): the lowest of the
+#: measured settings (demo fp32 1.03, bench fp32 1.08, demo bf16 1.11), the one most in the table's favour.
 STREAMED_RELATIVE_RATE = 1.03
 #: auto picks the in-memory table only when it was measured this much faster (beyond the repetitions' spread).
 MEMORY_FASTER_BY = 1.02

@@ -127,7 +127,7 @@ class Trainer:
                          "lr_mult": self.cfg.new_layers_lr_mult if new_layer else 1.0}
                         for (new_layer, no_decay), ps in sorted(groups.items())]
         # fused: one vectorised kernel per tensor, far faster on CPU than the default per-tensor ops
-        # (docs/PERFORMANCE.md, measurements behind choices in the code)
+        # (docs/log/PERFORMANCE-2026-11.md, measurements behind choices in the code)
         return torch.optim.AdamW(param_groups, lr=self.cfg.lr, fused=True)
 
     def _amp(self):

@@ -4,7 +4,7 @@ layout. Grid features stand in for a detector's region features ("In Defense of 
 
 The regions are the head's map (1280-d) by default; ``layers`` takes the outputs of earlier stages instead
 (or besides), concatenated per cell: on the rendered scenes the head keeps an object's colour and class much less
-linearly readable than the stride-8 to stride-32 stages do (docs/DATA.md, "Which layers").
+linearly readable than the stride-8 to stride-32 stages do (docs/log/PIXELS-2026-11-27.md).
 
 The backbone's fingerprint (weights sha256 + preprocessing + grids + layers) goes into the staged summary and into every
 model trained on those features; :func:`check_same_features` refuses a consumer fed features of another
@@ -52,10 +52,10 @@ DEFAULT_LAYERS = ("head",)
 #: channels and scaled to unit length (LayerNorm without weights, / sqrt(channels)). The stages' outputs (no ReLU)
 #: share a large component across pictures; at their own scale (or at unit variance per channel) the first AdamW
 #: step of the image embedding swamped every image token with it and the demo recipe's bi-encoder stayed at
-#: chance (docs/DATA.md, "Which layers").
+#: chance (docs/log/PIXELS-2026-11-27.md).
 CELL_NORMS = ("none", "unit")
 DEFAULT_CELL_NORM = "none"
-#: Pictures per backbone call on CPU: a chunk's activations then stay in the caches (docs/PERFORMANCE.md)
+#: Pictures per backbone call on CPU: a chunk's activations then stay in the caches (docs/log/PERFORMANCE-2026-11.md)
 CPU_CHUNK = 8
 
 

@@ -34,7 +34,7 @@ OUTLINES = ("disk", "square", "triangle", "diamond", "star", "hexagon", "cross",
 FILLS = ("solid", "ring", "striped")  # a ring: the outline drawn thick, the background inside
 RENDER_SCALE = 0.5  # a 640 x 480 scene is drawn at 320 x 240 (the backbone reads it at RENDERED_INPUT)
 #: The backbone's input for rendered scenes: 288 pixels give a 9 x 9 final map, so the 3 x 3 grid's cells are the
-#: scenes' 3 x 3 layout cells exactly (at 224 they overlap); measured on the dev split: docs/DATA.md.
+#: scenes' 3 x 3 layout cells exactly (at 224 they overlap); measured on the dev split: docs/log/PIXELS-2026-11-27.md.
 RENDERED_INPUT = 288
 RENDER_VERSION = 1  # bump when the drawing changes: cached rendered collections are redrawn
 
