@@ -12,8 +12,6 @@ import click
 
 from pipelines import files
 from pipelines.ledger import Ledger, fingerprint
-from pipelines.rerank.auto import recorded_choice
-from pipelines.rerank.plan import RerankError
 from retrieval_core.cli import (
     CheckedPlan,
     batch_size_option,
@@ -28,8 +26,10 @@ from retrieval_core.cli import (
     threads_option,
 )
 from retrieval_core.errors import UsageFault
+from retrieval_core.evaluation.runs import RunError, recorded_choice
 from retrieval_core.pages import PAGE_QUERIES
 from retrieval_core.search.query import (
+    AUTO,
     I2T,
     MODES,
     T2I,
@@ -43,7 +43,6 @@ from retrieval_core.search.query import (
     read_text_queries,
 )
 
-AUTO = "auto"
 HITS_DIR = "hits"  # <output>/hits/hits-0000i-of-0000N.parquet: the ranked hits, one shard per --queries-per-shard
 PROGRESS_DIR = "_progress"  # <output>/_progress/<shard>.json: a finished shard's record (the ledger)
 HITS_JSONL = "hits.jsonl"  # every hit, in query order (written from the shards at the end)
@@ -165,8 +164,9 @@ def resolve(plan: QueryPlan) -> Resolved:
     inputs = check_inputs(spec, (plan.direction,), needs_ce, files.BEAM_FILES)
     if mode == AUTO:
         try:
-            choice = recorded_choice(plan.tune_on, plan.embeddings, inputs.ce.path, inputs.ce_precision, plan.k)
-        except RerankError as exc:
+            choice = recorded_choice(plan.tune_on, plan.embeddings, inputs.ce.path, inputs.ce_precision, plan.k,
+                                     files.BEAM_FILES)
+        except RunError as exc:
             raise QueryJobError(str(exc)) from None
         mode, lam = choice["mode"], choice["lam"] if choice["lam"] is not None else plan.lam
         if mode == "emb":
