@@ -32,7 +32,7 @@ import pandas as pd
 
 from benchmarks import report
 from benchmarks.evaluate import EvaluatePlan, csv_rows, evaluate_ranking
-from benchmarks.inspect import InspectPlan, ItemViews
+from benchmarks.inspect import InspectPlan
 from benchmarks.queries import QueriesPlan
 from benchmarks.suites import launch
 from pipelines.beam_kit import BEAM_CLI_CONTEXT, check_beam_flags
@@ -56,6 +56,7 @@ from retrieval_core.cli import (
 from retrieval_core.data.store import StagedDataset
 from retrieval_core.evaluation.runs import read_run_manifest
 from retrieval_core.evaluation.stats import Bootstrap, verdict
+from retrieval_core.pages import ItemViews
 from retrieval_core.precision import resolve_quantize
 from retrieval_core.training import cache, recipes
 

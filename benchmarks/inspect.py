@@ -11,19 +11,19 @@ defaults to the same run, ``--mode`` to A's own mode and ``--against-mode`` to e
 The page holds, per direction: a summary (R@1 of both sides; queries improved = A has the gold at rank 1 and
 B does not, hurt = the other way round, unchanged = the rest), then the queries whose gold moved most, in three
 groups (improved, hurt, gold rank changed otherwise): the query (caption text, or the query image), its gold
-item(s) and both top lists with BE rank, BE score, CE score and the gold marked. Images are shown by their
-scene description where the collection is synthetic (``retrieval_core.data.synthetic.scenes.describe_scene`` from the
-manifest recorded in the staged summary, or ``--manifest``) and by a thumbnail where ``--images DIR`` holds a
-file named after the image's source id (``DIR/<source_id>.<ext>``, subfolders allowed: ``DIR/a/b.jpg`` is
-source id ``a/b``). Everything is inline (CSS, base64 thumbnails): the page opens anywhere, offline.
+item(s) and both top lists with BE rank, BE score, CE score and the gold marked. Items are drawn by
+``retrieval_core.pages.ItemViews`` (the query job's hits page draws them alike): an image by its scene description
+where the collection is synthetic (the manifest recorded in the staged summary, or ``--manifest``) and by a
+thumbnail of its picture where it was staged from picture files (found where the staged folder says; or
+``--images DIR``, a folder of files named after the images' source ids: ``DIR/<source_id>.<ext>``, subfolders
+allowed, ``DIR/a/b.jpg`` is source id ``a/b``). Everything is inline (CSS, base64 thumbnails): the page opens
+anywhere, offline, and names no machine's absolute paths.
 
 Both sides must rank the same collection, split, directions and queries: anything else is a one-line error.
 """
 from __future__ import annotations
 
-import base64
 import html
-import io
 import logging
 import os
 from dataclasses import dataclass, field
@@ -36,16 +36,13 @@ import pandas as pd
 from pipelines.files import BEAM_FILES, write_atomic
 from retrieval_core.cli import CheckedPlan, cli_errors, k_option, lam_option, option, plan_command, plan_from_cli
 from retrieval_core.data import schema
-from retrieval_core.data.manifest import load_manifest
-from retrieval_core.data.synthetic.scenes import describe_scene
 from retrieval_core.evaluation.metrics import DIRECTIONS, check_queries
 from retrieval_core.evaluation.runs import LoadedRun, RunError
+from retrieval_core.pages import ItemViews, PageError, page, shown_path
 from retrieval_core.search.rerank import RUN_MODES
 
 log = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp")
-THUMBNAIL_PX = 160
 GROUPS = ("improved", "hurt", "moved")
 GROUP_TITLES = {"improved": "improved at R@1 (A has the gold first, B does not)",
                 "hurt": "hurt at R@1 (B has the gold first, A does not)",
@@ -182,148 +179,7 @@ def listed(cmp: Comparison, direction: str, per_group: int) -> dict[str, list[Qu
     return out
 
 
-# ------------------------------------------------------------------------------------------------ items
-def shown_path(path: str) -> str:
-    """A run folder as the page names it: relative to the working folder when inside it, else its own name (a
-    page is shared: it names no machine's absolute paths); a URL as given."""
-    if "://" in str(path):
-        return str(path)
-    rel = os.path.relpath(os.path.abspath(path))
-    return rel if not rel.startswith("..") else os.path.basename(os.path.abspath(path).rstrip(os.sep))
-
-
-def scene_text(scene: Mapping) -> str:
-    """One line of a synthetic scene graph: its groups, the focus relation and the family change."""
-    def group(g):
-        noun = g["class"] + ("s" if g["count"] > 1 else "")
-        return f"{g['count']} {g['size']} {g['colour']} {noun}"
-    groups = scene["groups"]
-    parts = [f"{group(groups[0])} {scene['relation']} {group(groups[1])}"] + [group(g) for g in groups[2:]]
-    change = scene["change"] or "base"
-    return "; ".join(parts) + f" [family {scene['family']}, member {scene['member']}: {change}]"
-
-
-class ItemViews:
-    """What an item looks like on the page: caption text, image scene description and thumbnail."""
-    def __init__(self, dataset, manifest_ref: Optional[str] = None, images_dir: Optional[str] = None):
-        self.dataset = dataset
-        self.notes: list[str] = []
-        self._specs = self._synthetic_specs(manifest_ref)
-        self._files = self._image_files(images_dir) if images_dir else None
-        self._captions: Optional[pd.DataFrame] = None
-        self._images: Optional[pd.DataFrame] = None
-
-    def _synthetic_specs(self, manifest_ref: Optional[str]) -> dict:
-        synthetic = [c for c, block in self.dataset.summary["collections"].items()
-                     if (block.get("images") or {}).get("format") == "synthetic"]
-        if not synthetic:
-            return {}
-
-        recorded = self.dataset.summary.get("manifest") or {}
-        refs = [manifest_ref] if manifest_ref else [r for r in (recorded.get("path"), recorded.get("name")) if r]
-        for ref in refs:
-            try:
-                m = load_manifest(ref)
-                return {c: m.synthetic_spec(c) for c in synthetic}
-            except (OSError, ValueError, KeyError) as exc:
-                if manifest_ref:
-                    raise InspectError(f"--manifest {manifest_ref}: {exc}") from None
-                last = exc
-        self.notes.append(f"scene descriptions unavailable: the staged summary's manifest {refs} did not load "
-                          f"({last if refs else 'none recorded'}); pass --manifest")
-        return {}
-
-    @staticmethod
-    def _image_files(images_dir: str) -> dict[str, str]:
-        if not os.path.isdir(images_dir):
-            raise InspectError(f"--images {images_dir}: not a directory")
-        files = {}
-        for root, _, names in os.walk(images_dir):
-            for name in names:
-                stem, ext = os.path.splitext(name)
-                if ext.lower() in IMAGE_EXTENSIONS:
-                    rel = os.path.relpath(os.path.join(root, stem), images_dir).replace(os.sep, "/")
-                    files.setdefault(rel, os.path.join(root, name))
-        return files
-
-    def load(self, caption_ids: set, image_ids: set) -> None:
-        caps = self.dataset.captions()
-        self._captions = caps[caps["caption_id"].isin(caption_ids)].set_index("caption_id")
-        meta = self.dataset.images_meta()
-        self._images = meta[meta["item_id"].isin(image_ids)].set_index("item_id")
-
-    def caption(self, caption_id: int) -> str:
-        if caption_id not in self._captions.index:
-            return f"caption {caption_id} (not in the staged data)"
-        return str(self._captions.at[caption_id, "text"])
-
-    def image_source(self, item_id: int) -> tuple[str, str]:
-        if item_id not in self._images.index:
-            return "", ""
-        row = self._images.loc[item_id]
-        return str(row["collection"]), str(row["source_id"])
-
-    def scene(self, collection: str, source_id: str) -> Optional[str]:
-        """The one-line scene description of a synthetic image (None for a collection that is not synthetic);
-        ValueError / IndexError for a source id the generator does not have."""
-        spec = self._specs.get(collection)
-        return None if spec is None else scene_text(describe_scene(spec, int(source_id)))
-
-    def image_html(self, item_id: int) -> str:
-        collection, source_id = self.image_source(item_id)
-        if not source_id:
-            return f'<span class="missing">image {item_id} (not in the staged data)</span>'
-        parts = [f'<span class="src">{html.escape(collection)}/{html.escape(source_id)}</span>']
-        try:
-            scene = self.scene(collection, source_id)
-            if scene is not None:
-                parts.append(f'<span class="scene">{html.escape(scene)}</span>')
-        except (ValueError, IndexError) as exc:
-            parts.append(f'<span class="missing">no scene: {html.escape(str(exc))}</span>')
-        if self._files is not None:
-            path = self._files.get(source_id)
-            if path is None:
-                parts.append(f'<span class="missing">no file for {html.escape(source_id)} under --images</span>')
-            else:
-                parts.append(f'<img alt="{html.escape(source_id)}" src="{thumbnail_data_uri(path)}">')
-        return " ".join(parts)
-
-
-def thumbnail_data_uri(path: str, px: int = THUMBNAIL_PX) -> str:
-    """A JPEG thumbnail (longest side ``px``) as a data: URI."""
-    try:
-        from PIL import Image
-    except ImportError:
-        raise InspectError("--images needs Pillow (pip install pillow)") from None
-    try:
-        with Image.open(path) as im:
-            im = im.convert("RGB")
-            im.thumbnail((px, px))
-            buf = io.BytesIO()
-            im.save(buf, format="JPEG", quality=80)
-    except OSError as exc:
-        raise InspectError(f"{path}: not a readable image ({exc})") from None
-    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-
-
 # ------------------------------------------------------------------------------------------------ HTML
-CSS = """
-body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}
-table{border-collapse:collapse;margin:.4em 0}
-th,td{border:1px solid #ccc;padding:.2em .5em;text-align:left;vertical-align:top}
-th{background:#f2f2f2}
-tr.gold td{background:#dff5df;font-weight:600}
-.query{border:1px solid #bbb;border-radius:4px;padding:.5em 1em;margin:1em 0}
-.lists{display:flex;gap:1.5em;flex-wrap:wrap}
-.list{flex:1 1 30em}
-.src{color:#666;font-size:12px}
-.scene{display:block}
-.missing{color:#a33}
-.note{color:#a33}
-img{display:block;max-width:160px}
-"""
-
-
 def _fmt(v) -> str:
     return "-" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{float(v):.3f}"
 
@@ -385,11 +241,9 @@ def render(cmp: Comparison, views: ItemViews, per_group: int = 10, show: int = 1
     views.load(caption_ids, image_ids)
 
     title = f"{cmp.a.label} vs {cmp.b.label}"
-    out = ["<!DOCTYPE html><html><head><meta charset=\"utf-8\">", f"<title>{html.escape(title)}</title>",
-           f"<style>{CSS}</style></head><body>", f"<h1>A: {html.escape(cmp.a.label)}<br>B: {html.escape(cmp.b.label)}"
-           f"</h1>", f"<p>collection {html.escape(str(cmp.collection))}, split {html.escape(str(cmp.split))}; "
+    out = [f"<h1>A: {html.escape(cmp.a.label)}<br>B: {html.escape(cmp.b.label)}</h1>",
+           f"<p>collection {html.escape(str(cmp.collection))}, split {html.escape(str(cmp.split))}; "
            f"A: {html.escape(shown_path(cmp.a.run))}; B: {html.escape(shown_path(cmp.b.run))}</p>"]
-    out += [f'<p class="note">{html.escape(n)}</p>' for n in views.notes]
     out.append('<table id="summary"><tr><th>direction</th><th>queries</th><th>R@1 A (%)</th><th>R@1 B (%)</th>'
                "<th>improved</th><th>hurt</th><th>unchanged</th></tr>")
     for d in cmp.directions:
@@ -405,8 +259,7 @@ def render(cmp: Comparison, views: ItemViews, per_group: int = 10, show: int = 1
             qs = chosen[d][g]
             out.append(f"<h2>{d}: {html.escape(GROUP_TITLES[g])} ({len(qs)} shown)</h2>")
             out += [_query_html(views, cmp, q, g, show) for q in qs]
-    out.append("</body></html>")
-    return "\n".join(out)
+    return page(title, out, views.notes)  # the notes last known: drawing the items adds to them
 
 
 def inspect(rankings: str, staged: str, output: str, *, against: Optional[str] = None, mode: Optional[str] = None,
@@ -419,8 +272,11 @@ def inspect(rankings: str, staged: str, output: str, *, against: Optional[str] =
     b = load_side(against or rankings, staged, against_mode, against_k if against_k is not None else k, against_lam)
     dataset, collection, split = a.loaded.dataset, a.loaded.collection, a.loaded.split
     cmp = compare(a, b, dataset.gold(collection, split), collection, split)
-    page = render(cmp, ItemViews(dataset, manifest, images), per_group, show)
-    write_atomic(output, page.encode("utf-8"))
+    try:
+        views = ItemViews(dataset, manifest, images)
+    except PageError as exc:
+        raise InspectError(f"--images or --manifest: {exc}") from None
+    write_atomic(output, render(cmp, views, per_group, show).encode("utf-8"))
     return output, cmp
 
 
@@ -439,7 +295,9 @@ class InspectPlan(CheckedPlan):
     against_k: Optional[int] = option(None, type=click.IntRange(min=1), help="B's rerank depth [--k, else B's own].")
     lam: Optional[float] = lam_option(None, help="A's add / norm_add weight [A's own, else 0.5].")
     against_lam: Optional[float] = lam_option(None, help="B's add / norm_add weight [B's own, else 0.5].")
-    images: Optional[str] = option(None, help="Folder of image files named <source_id>.<ext>: thumbnails.")
+    images: Optional[str] = option(None, help="Folder of image files named <source_id>.<ext>: thumbnails [the "
+                                              "pictures a collection was staged from, where the staged folder "
+                                              "says].")
     manifest: Optional[str] = option(None, help="Manifest of a synthetic collection (scene descriptions) [the one "
                                                 "recorded in the staged summary].")
     per_group: int = option(10, type=click.IntRange(min=0),

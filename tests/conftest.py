@@ -77,7 +77,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
 SLOW = (
     "test_benchmarks", "test_benchmark_staging", "test_binding_probe", "test_build_index_pipeline", "test_dataflow",
     "test_e5", "test_encode_pipeline", "test_faults", "test_family_probe", "test_feeding", "test_gpu_pipelines",
-    "test_learning_curves", "test_model_folders", "test_pixels", "test_progress", "test_query_pipeline",
+    "test_learning_curves", "test_model_folders", "test_pages", "test_pixels", "test_progress",
+    "test_query_multilingual", "test_query_pipeline",
     "test_rerank_errors",
     "test_rerank_pipeline", "test_roofline", "test_stage_pipeline", "test_url_artifacts", "test_walkthrough",
     "test_cli_errors::test_encode_missing_staged_dir",

@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from benchmarks import inspect as insp
+from retrieval_core import pages
 from retrieval_core.data import schema, staging
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.shards import caption_shard_parquet, image_shard_parquet
@@ -192,8 +193,8 @@ def test_page_summary_and_listed_queries_match_the_tables(tmp_path):
             assert 1 not in (want["a"], want["b"]) or want["a"] == want["b"] == 1
     text = "".join(page.text)
     spec = load_manifest(str(staged / "toy.yaml")).synthetic_spec("toy")
-    assert insp.scene_text(describe_scene(spec, 0)) in text or \
-        any(insp.scene_text(describe_scene(spec, i)) in text for i in range(8))
+    assert pages.scene_text(describe_scene(spec, 0)) in text or \
+        any(pages.scene_text(describe_scene(spec, i)) in text for i in range(8))
     assert caps[0]["text"] in text or any(c["text"] in text for c in caps)
     assert "http" not in out.read_text()  # self-contained
     assert str(tmp_path) not in out.read_text() and "A: run; B: run" in text  # no machine's absolute paths

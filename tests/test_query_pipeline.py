@@ -182,6 +182,18 @@ def test_mode_auto_reuses_the_choice_of_a_finished_auto_run(assets, tmp_path):
     manifest = query_run.run(query_plan.QueryPlan(staged, emb_dir, str(tmp_path / "out"), queries=queries,
                                                   mode="auto", tune_on=auto, k=K))
     assert (manifest["mode"], manifest["fusion_choice"]["label"]) == (choice["mode"], choice["label"])
+    # the Python entry point reads the same record and ranks alike
+    engine = QueryEngine(staged=staged, embeddings=emb_dir)
+    api = engine.search_text(["a red dog and a blue car"], k=K, rerank="auto", tune_on=auto)
+    assert (api.attrs["mode"], api.attrs["fusion_choice"]["label"]) == (choice["mode"], choice["label"])
+    job = pq.read_table(os.path.join(tmp_path, "out", "hits")).to_pandas()
+    cols = ["rank", "item_id", "be_score", "ce_score", "final_score"]
+    pd.testing.assert_frame_equal(api[cols].reset_index(drop=True), job[cols].reset_index(drop=True))
+    for kw, refused in ((dict(rerank="auto"), "takes tune_on"), (dict(rerank="co", tune_on=auto), "takes tune_on"),
+                        (dict(rerank="auto", tune_on=dev), "chose nothing"),
+                        (dict(rerank="auto", tune_on=auto, k=K + 1), f"at k = {K}, not at k={K + 1}")):
+        with pytest.raises(QueryError, match=refused):
+            engine.search_text(["a red dog"], **{"k": K, **kw})
     with pytest.raises(query_plan.QueryJobError, match="chose nothing"):
         query_run.run(query_plan.QueryPlan(staged, emb_dir, str(tmp_path / "x"), queries=str(tmp_path / "q.txt"),
                                            mode="auto", tune_on=dev, k=K))

@@ -12,8 +12,6 @@ import click
 
 from pipelines import files
 from pipelines.ledger import Ledger, fingerprint
-from pipelines.rerank.auto import recorded_choice
-from pipelines.rerank.plan import RerankError
 from retrieval_core.cli import (
     CheckedPlan,
     batch_size_option,
@@ -28,7 +26,10 @@ from retrieval_core.cli import (
     threads_option,
 )
 from retrieval_core.errors import UsageFault
+from retrieval_core.evaluation.runs import RunError, recorded_choice
+from retrieval_core.pages import PAGE_QUERIES
 from retrieval_core.search.query import (
+    AUTO,
     I2T,
     MODES,
     T2I,
@@ -42,11 +43,11 @@ from retrieval_core.search.query import (
     read_text_queries,
 )
 
-AUTO = "auto"
 HITS_DIR = "hits"  # <output>/hits/hits-0000i-of-0000N.parquet: the ranked hits, one shard per --queries-per-shard
 PROGRESS_DIR = "_progress"  # <output>/_progress/<shard>.json: a finished shard's record (the ledger)
 HITS_JSONL = "hits.jsonl"  # every hit, in query order (written from the shards at the end)
 REJECTS_JSONL = "rejects.jsonl"  # every query not answered, with its reason
+HITS_HTML = "hits.html"  # the first --page-queries queries' hits, drawn (retrieval_core.pages)
 QUERY_MANIFEST = "query_manifest.json"
 
 
@@ -60,7 +61,8 @@ class QueryPlan(CheckedPlan):
     executes it; the CLI only builds it."""
     staged: str = option(help="staged directory the index's items come from (their regions and captions)")
     embeddings: str = option(help="embeddings directory (pipelines.encode output) the index was built from")
-    output: str = option(help="run directory: hits/*.parquet, hits.jsonl, rejects.jsonl, query_manifest.json")
+    output: str = option(help="run directory: hits/*.parquet, hits.jsonl, hits.html, rejects.jsonl, "
+                              "query_manifest.json")
     queries: Optional[str] = option(None, help="text queries (t2i): a text file (one per line; id = line number), "
                                                "JSON lines or CSV (id, text, optional lang)")
     image_ids: Optional[str] = option(None, help="image queries (i2t): a text file of staged images, one item id "
@@ -86,6 +88,9 @@ class QueryPlan(CheckedPlan):
                                                    "query): one Beam element")
     queries_per_shard: int = count_option(1_000, help="queries per output shard (the unit a rerun of a killed job "
                                                       "keeps)")
+    page_queries: int = option(PAGE_QUERIES, type=click.IntRange(min=0),
+                               help="queries drawn in hits.html (the first ones, in query order: each hit's "
+                                    "thumbnail, scene description or caption); 0: no page")
     device: str = device_option()
     threads: Optional[int] = threads_option()
     quantize: str = quantize_option()  # of the CE; the queries are encoded as the embeddings were
@@ -159,8 +164,9 @@ def resolve(plan: QueryPlan) -> Resolved:
     inputs = check_inputs(spec, (plan.direction,), needs_ce, files.BEAM_FILES)
     if mode == AUTO:
         try:
-            choice = recorded_choice(plan.tune_on, plan.embeddings, inputs.ce.path, inputs.ce_precision, plan.k)
-        except RerankError as exc:
+            choice = recorded_choice(plan.tune_on, plan.embeddings, inputs.ce.path, inputs.ce_precision, plan.k,
+                                     files.BEAM_FILES)
+        except RunError as exc:
             raise QueryJobError(str(exc)) from None
         mode, lam = choice["mode"], choice["lam"] if choice["lam"] is not None else plan.lam
         if mode == "emb":
@@ -192,5 +198,5 @@ def progress_ledger(output: str, plan_fingerprint: str) -> Ledger:
     return Ledger(files.join(output, HITS_DIR), plan_fingerprint, records=files.join(output, PROGRESS_DIR))
 
 
-__all__ = ["AUTO", "HITS_DIR", "HITS_JSONL", "PROGRESS_DIR", "QUERY_MANIFEST", "REJECTS_JSONL", "Batch",
+__all__ = ["AUTO", "HITS_DIR", "HITS_HTML", "HITS_JSONL", "PROGRESS_DIR", "QUERY_MANIFEST", "REJECTS_JSONL", "Batch",
            "QueryError", "QueryJobError", "QueryPlan", "Resolved", "progress_ledger", "read_queries", "resolve"]

@@ -4,8 +4,9 @@
 
 The launcher reads and checks the queries (empty and duplicate ones rejected with their reason) and the inputs,
 runs one Beam job over the batches of the shards an earlier run of the same plan did not finish (a killed run
-keeps every finished shard), then writes hits.jsonl from the shards, rejects.jsonl and query_manifest.json, and
-prints queries in = answered + rejected. docs/QUERY.md is the how-to.
+keeps every finished shard), then writes hits.jsonl from the shards, hits.html (the first --page-queries queries'
+hits, drawn: retrieval_core.pages), rejects.jsonl and query_manifest.json, and prints queries in = answered +
+rejected. docs/QUERY.md is the how-to.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import time
 
 import apache_beam as beam
 import click
+import pandas as pd
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
@@ -24,6 +26,7 @@ from pipelines import beam_kit, files
 from pipelines.query.graph import METRICS_NAMESPACE, build_graph
 from pipelines.query.plan import (
     HITS_DIR,
+    HITS_HTML,
     HITS_JSONL,
     PROGRESS_DIR,
     QUERY_MANIFEST,
@@ -37,7 +40,9 @@ from pipelines.query.plan import (
 )
 from retrieval_core.cli import cli_errors, describe_device, plan_from_cli, plan_options
 from retrieval_core.data.outputs import holds_output
-from retrieval_core.search.query import REASONS
+from retrieval_core.data.store import StagedDataset
+from retrieval_core.pages import ItemViews, first_queries, hits_page, shown_path
+from retrieval_core.search.query import HIT_COLUMNS, REASONS
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +121,7 @@ def _manifest(res: Resolved, shards: list[dict], reused: int, runner: str, wall_
                     "truncated": sum(len(s.get("truncated", [])) for s in shards)},
         "plan_fingerprint": res.fingerprint,
         "shards": [{k: s[k] for k in ("name", "rows", "sha256", "answered")} for s in shards],
+        "page": {"path": HITS_HTML, "queries": min(plan.page_queries, answered)} if plan.page_queries else None,
         "shards_reused": reused, "runner": runner, "wall_s": round(wall_s, 3),
     }
 
@@ -125,12 +131,19 @@ def _write_outputs(res: Resolved, manifest: dict, shards: list[dict]) -> None:
     no hit shard or record the manifest does not list."""
     output = res.plan.output
     names = [s["name"] for s in manifest["shards"]]
+    drawn: list[pd.DataFrame] = []  # the hits of the page's queries (the first ones: the first shards')
     with tempfile.TemporaryFile() as tmp:  # one shard in memory at a time, whatever the number of queries
         for name in names:
             table = pq.read_table(io.BytesIO(files.read_bytes(files.join(output, HITS_DIR, name))))
             tmp.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in table.to_pylist()).encode())
+            if sum(d["query_id"].nunique() for d in drawn) < res.plan.page_queries:
+                drawn.append(table.to_pandas())
         tmp.seek(0)
         files.write_atomic_stream(files.join(output, HITS_JSONL), tmp)
+    if res.plan.page_queries:
+        _write_page(res, manifest, pd.concat(drawn) if drawn else None)
+    elif files.exists(files.join(output, HITS_HTML)):  # an earlier run's page would show other hits as this run's
+        FileSystems.delete([files.join(output, HITS_HTML)])
     rejects = _rejects(res, shards)
     files.write_atomic(files.join(output, REJECTS_JSONL),
                        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejects).encode("utf-8"))
@@ -140,6 +153,32 @@ def _write_outputs(res: Resolved, manifest: dict, shards: list[dict]) -> None:
         stale = sorted(files.join(output, sub, n) for n in found if n not in {x + suffix for x in names})
         if stale:
             FileSystems.delete(stale)
+
+
+def _write_page(res: Resolved, manifest: dict, hits) -> None:
+    """hits.html: the first --page-queries queries and their hits as retrieval_core.pages draws them (a staged
+    image's thumbnail or scene description, a caption's text); the header names what was asked of what by
+    relative paths or folder names only."""
+    plan, q = res.plan, manifest["queries"]
+    what = {"t2i": "text queries -> images", "i2t": "image queries -> captions"}[plan.direction]
+    mode = res.mode + (f" (lam {res.lam:g})" if manifest["lam"] is not None else "") \
+        + (f", chosen by {shown_path(plan.tune_on)}" if res.fusion_choice else "")
+    searched = {d: (f"{s['name']} index {shown_path(s['path'])}" if s["kind"] == "index" else "exact search")
+                for d, s in res.inputs.searchers.items()}
+    facts = [f"{what} of {shown_path(res.queries_file['path'])}: {q['in']} in = {q['answered']} answered + "
+             f"{q['rejected']} rejected (rejects.jsonl)",
+             f"top {plan.k} by {mode}; {searched[plan.direction]}",
+             f"staged folder {shown_path(plan.staged)}; embeddings {shown_path(plan.embeddings)}; BE model "
+             f"{shown_path(manifest['be_model']['path'])}"
+             + (f"; CE model {shown_path(manifest['ce_model']['path'])}" if manifest["ce_model"] else "")]
+    pictures = {query.id: query.image for batches in res.shards.values() for b in batches for query in b.queries
+                if query.picture}
+    if hits is None:
+        hits = pd.DataFrame(columns=list(HIT_COLUMNS))
+    views = ItemViews(StagedDataset(plan.staged, files=files.BEAM_FILES))
+    text = hits_page(first_queries(hits, plan.page_queries), views, f"Hits: {shown_path(plan.output)}", facts,
+                     q["answered"], pictures)
+    files.write_atomic(files.join(plan.output, HITS_HTML), text.encode("utf-8"))
 
 
 def _report(res: Resolved, manifest: dict) -> None:
@@ -155,6 +194,9 @@ def _report(res: Resolved, manifest: dict) -> None:
     print(f"hits: {files.join(res.plan.output, HITS_JSONL)} and {files.join(res.plan.output, HITS_DIR)}/ "
           f"({len(manifest['shards'])} shard(s), {manifest['shards_reused']} kept from an earlier run of this plan); "
           f"rejects: {files.join(res.plan.output, REJECTS_JSONL)}; wall time {manifest['wall_s']:.1f} s")
+    if res.plan.page_queries:
+        shown = min(res.plan.page_queries, manifest["queries"]["answered"])
+        print(f"page: {files.join(res.plan.output, HITS_HTML)} (the hits of {shown} queries, drawn)")
 
 
 @click.command(context_settings=beam_kit.BEAM_CLI_CONTEXT)

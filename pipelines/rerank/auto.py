@@ -1,5 +1,7 @@
 """The rerank job's ``--mode auto``: the fusion chosen on a dev run's stored scores (``resolve_auto``), and the
-queries and plan of the job's own dev run when it makes one (``sampled_queries``, ``dev_pass_plan``)."""
+queries and plan of the job's own dev run when it makes one (``sampled_queries``, ``dev_pass_plan``). Reading a
+finished auto run's choice back (``retrieval_core.evaluation.runs.recorded_choice``) lives below, where the query
+job and the Python entry point share it."""
 from __future__ import annotations
 
 import os
@@ -9,11 +11,10 @@ from typing import Optional
 import numpy as np
 
 from pipelines import files
-from pipelines.rerank.plan import AUTO, DIRECTIONS, T2I, RerankError, RerankPlan, ce_model_folder, split_query_ids
+from pipelines.rerank.plan import AUTO, DIRECTIONS, T2I, RerankError, RerankPlan, split_query_ids
 from retrieval_core.data.paths import is_url
 from retrieval_core.data.store import StagedDataset
-from retrieval_core.evaluation.runs import RunError, choose_fusion, read_run_manifest
-from retrieval_core.search import embeddings
+from retrieval_core.evaluation.runs import RunError, check_same_models, choose_fusion, read_run_manifest
 
 
 def resolve_auto(plan: RerankPlan) -> tuple[RerankPlan, Optional[dict]]:
@@ -34,7 +35,10 @@ def resolve_auto(plan: RerankPlan) -> tuple[RerankPlan, Optional[dict]]:
             _same_path(str(dev.get("staged")), plan.staged):
         raise RerankError(f"--tune-on {plan.tune_on} ranked the same queries (split {plan.split!r}) this run "
                           f"evaluates: choose the fusion on a held-out split (e.g. a --split dev run)")
-    check_same_models(plan.tune_on, dev, plan.embeddings, plan.cross_encoder, plan.precision)
+    try:
+        check_same_models(plan.tune_on, dev, plan.embeddings, plan.cross_encoder, plan.precision, files.BEAM_FILES)
+    except RunError as exc:
+        raise RerankError(str(exc)) from None
     try:
         choice = choose_fusion(plan.tune_on, dev["staged"], plan.k, files=files.BEAM_FILES)
     except RunError as exc:
@@ -48,43 +52,6 @@ def resolve_auto(plan: RerankPlan) -> tuple[RerankPlan, Optional[dict]]:
     chosen = replace(plan, mode=choice["mode"], lam=choice["lam"] if choice["lam"] is not None else plan.lam,
                      tune_on=None, score_ce=choice["mode"] == "emb")
     return chosen, choice
-
-
-def check_same_models(run_dir: str, run: dict, emb_dir: str, cross_encoder: str, precision: str) -> None:
-    """Refuse a run (``run``: its manifest) made with another bi-encoder than the one that encoded ``emb_dir``,
-    another cross-encoder than ``cross_encoder`` or CE scores of another precision: a fusion chosen on it would be
-    chosen on other scores."""
-    emb_model = embeddings.load_embeddings_manifest(emb_dir, files.BEAM_FILES)["model"]
-    if run.get("be_model", {}).get("sha256") != emb_model.get("sha256"):
-        raise RerankError(f"--tune-on {run_dir} was retrieved by another bi-encoder "
-                          f"({run.get('be_model', {}).get('path')}) than --embeddings ({emb_model.get('path')})")
-    if not run.get("ce_model") or \
-            ce_model_folder(run["ce_model"]).fingerprint != ce_model_folder(cross_encoder).fingerprint:
-        raise RerankError(f"--tune-on {run_dir} was reranked by another cross-encoder ({run.get('ce_model')}) "
-                          f"than {cross_encoder}")
-    if run.get("quantize", "none") != precision:
-        raise RerankError(f"--tune-on {run_dir} scored with --quantize {run.get('quantize', 'none')}, this run "
-                          f"with {precision}: the fusion would be chosen on other CE scores")
-
-
-def recorded_choice(run_dir: str, emb_dir: str, cross_encoder: str, precision: str, k: int) -> dict:
-    """The fusion a finished ``--mode auto`` rerank run chose on its dev split (its manifest's ``fusion_choice``:
-    mode, lam, label, every candidate's dev recall), to rank other queries the same way: refused when the run is
-    no auto run, was made with other models or precision (``check_same_models``) or at another depth k (the
-    choice is made at the run's k)."""
-    try:
-        _, run = read_run_manifest(run_dir, files.BEAM_FILES)
-    except RunError as exc:
-        raise RerankError(f"--tune-on: {exc}") from None
-    choice = run.get("fusion_choice")
-    if not choice or choice.get("mode") is None:
-        raise RerankError(f"--tune-on {run_dir} is a --mode {run.get('mode')} run that chose nothing: name a "
-                          f"finished --mode auto rerank run (its fusion_choice), or pass --mode")
-    check_same_models(run_dir, run, emb_dir, cross_encoder, precision)
-    if int(run.get("k", -1)) != int(k):
-        raise RerankError(f"--tune-on {run_dir} chose {choice.get('label')} at k = {run.get('k')}, not at --k {k}: "
-                          f"pass --k {run.get('k')}, or --mode and --lam yourself")
-    return dict(choice)
 
 
 def sampled_queries(plan: RerankPlan, split: str, n: int, seed: int = 0) -> dict[str, np.ndarray]:

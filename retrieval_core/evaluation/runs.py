@@ -304,6 +304,54 @@ def choose_fusion(dev_run: str, staged: str, k: int, lams: Sequence[float] = AUT
             "dev_run": run.run_dir, "dev_split": run.split, "k": int(k), "co_lead": co_lead}
 
 
+def check_same_models(run_dir: str, run: dict, emb_dir: str, cross_encoder: str, precision: str,
+                      files: Optional[FileAccess] = None, flag: str = "--tune-on") -> None:
+    """Refuse a run (``run``: its manifest) made with another bi-encoder than the one that encoded ``emb_dir``,
+    another cross-encoder than ``cross_encoder`` or CE scores of another precision: a fusion chosen on it would be
+    chosen on other scores. ``flag``: how the caller names the run (an option, or a parameter)."""
+    from retrieval_core.model.checkpoints import CheckpointError, inspect_model_folder
+    from retrieval_core.search import embeddings
+
+    emb_model = embeddings.load_embeddings_manifest(emb_dir, files)["model"]
+    if run.get("be_model", {}).get("sha256") != emb_model.get("sha256"):
+        raise RunError(f"{flag} {run_dir} was retrieved by another bi-encoder ({run.get('be_model', {}).get('path')}) "
+                       f"than the embeddings {emb_dir} ({emb_model.get('path')})")
+    try:
+        same_ce = bool(run.get("ce_model")) and inspect_model_folder(run["ce_model"], files=files).fingerprint == \
+            inspect_model_folder(cross_encoder, files=files).require(("ce",)).fingerprint
+    except CheckpointError as exc:
+        raise RunError(f"CE model: {exc}") from None
+    if not same_ce:
+        raise RunError(f"{flag} {run_dir} was reranked by another cross-encoder ({run.get('ce_model')}) than "
+                       f"{cross_encoder}")
+    if run.get("quantize", "none") != precision:
+        raise RunError(f"{flag} {run_dir} scored with --quantize {run.get('quantize', 'none')}, this ranking with "
+                       f"{precision}: the fusion would be chosen on other CE scores")
+
+
+def recorded_choice(run_dir: str, emb_dir: str, cross_encoder: str, precision: str, k: int,
+                    files: Optional[FileAccess] = None, flag: str = "--tune-on") -> dict:
+    """The fusion a finished ``--mode auto`` rerank run chose on its dev split (its manifest's ``fusion_choice``:
+    mode, lam, label, every candidate's dev recall), to rank other queries the same way (``pipelines.query --mode
+    auto``, ``QueryEngine.search_text(rerank="auto")``): refused when the run is no auto run, was made with other
+    models or precision (:func:`check_same_models`) or at another depth k (the choice is made at the run's k)."""
+    cli = flag.startswith("--")  # the words of the caller: the query job's options, or the engine's parameters
+    k_is, yourself = ("--k ", "--mode and --lam") if cli else ("k=", "rerank and lam")
+    try:
+        _, run = read_run_manifest(run_dir, files)
+    except RunError as exc:
+        raise RunError(f"{flag}: {exc}") from None
+    choice = run.get("fusion_choice")
+    if not choice or choice.get("mode") is None:
+        raise RunError(f"{flag} {run_dir} is a --mode {run.get('mode')} run that chose nothing: name a finished "
+                       f"--mode auto rerank run (its fusion_choice), or pass {yourself}")
+    check_same_models(run_dir, run, emb_dir, cross_encoder, precision, files, flag)
+    if int(run.get("k", -1)) != int(k):
+        raise RunError(f"{flag} {run_dir} chose {choice.get('label')} at k = {run.get('k')}, not at {k_is}{k}: pass "
+                       f"{k_is}{run.get('k')}, or {yourself} yourself")
+    return dict(choice)
+
+
 #: The stored scores :func:`score_differences` compares (schema.RANKING_COLUMNS).
 COMPARED_SCORES = ("be_score", "ce_score")
 

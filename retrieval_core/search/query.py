@@ -4,6 +4,7 @@ once, then ask.
     engine = QueryEngine(staged="runs/staged_demo", embeddings="runs/emb", index="runs/index")
     hits = engine.search_text(["a red car next to a tree"], k=10, rerank="co")      # a pandas DataFrame
     hits = engine.search_images([staged_image_id, "photos/dog.jpg"], k=10, rerank="norm_add", lam=0.2)
+    hits = engine.search_text(["two dogs"], k=10, rerank="auto", tune_on="runs/rankings-auto")  # as that run chose
 
 A text query (t2i) is encoded by the bi-encoder (BE) that encoded ``embeddings``; the image pool (``index``, an
 image FAISS index built from ``embeddings``, else exact search over their image vectors) gives its top k; the
@@ -58,6 +59,8 @@ T2I, I2T = schema.DIRECTION_T2I, schema.DIRECTION_I2T
 #: The ranking modes a query takes (rerank's run modes but the exhaustive ``ce``): emb (BE only), co (the CE's
 #: order in the top k), add / norm_add (BE and CE fused in the top k, weight ``lam`` on the BE score).
 MODES = ("emb", "co", "add", "norm_add")
+#: Or the mode a finished ``--mode auto`` rerank run chose on its dev split (``tune_on``: that run's folder).
+AUTO = "auto"
 #: One row per hit, in this order (the job's Parquet and JSONL rows too).
 HIT_COLUMNS = ("direction", "query_id", "query", "rank", "item_id", "source_id", "text", "be_rank", "be_score",
                "ce_score", "final_score")
@@ -451,6 +454,7 @@ class QueryEngine:
         self._captions: Optional[pd.DataFrame] = None
         self._backbone = None
         self._pool_collections = self._encoded_collections()
+        self._choices: dict = {}  # (tune_on, k) -> the recorded fusion choice
 
     # -------------------------------------------------------------------------------------- loading
     def _encoded_collections(self) -> list[str]:
@@ -532,35 +536,64 @@ class QueryEngine:
         return self
 
     # ------------------------------------------------------------------------------------- querying
-    def search_text(self, texts: Sequence, k: int = 10, rerank: str = "co", lam: float = 0.5) -> pd.DataFrame:
+    def search_text(self, texts: Sequence, k: int = 10, rerank: str = "co", lam: float = 0.5,
+                    tune_on: Optional[str] = None) -> pd.DataFrame:
         """Hits (:data:`HIT_COLUMNS`) of text queries (str, ids "0", "1"... by position; or :class:`Query`) over the
-        image pool: the BE's top ``k``, ranked by ``rerank`` (MODES) with weight ``lam`` on the BE score."""
+        image pool: the BE's top ``k``, ranked by ``rerank`` (MODES) with weight ``lam`` on the BE score; or
+        ``rerank="auto"``: as the finished ``--mode auto`` rerank run ``tune_on`` chose on its dev split."""
         queries, rejected = check_queries(as_queries(texts, T2I))
-        return self._answer(T2I, queries, rejected, k, rerank, lam)
+        return self._answer(T2I, queries, rejected, k, rerank, lam, tune_on)
 
-    def search_images(self, images: Sequence, k: int = 10, rerank: str = "co", lam: float = 0.5) -> pd.DataFrame:
+    def search_images(self, images: Sequence, k: int = 10, rerank: str = "co", lam: float = 0.5,
+                      tune_on: Optional[str] = None) -> pd.DataFrame:
         """Hits of image queries over the caption pool: each a staged image (its item id as int or str, or its
         source id), a picture file (path), a (features, boxes) pair, or a :class:`Query`; ids by position unless a
         Query names its own."""
         queries, rejected = check_queries(as_queries(images, I2T))
-        return self._answer(I2T, queries, rejected, k, rerank, lam)
+        return self._answer(I2T, queries, rejected, k, rerank, lam, tune_on)
 
-    def search(self, queries: Sequence[Query], k: int = 10, rerank: str = "co", lam: float = 0.5) -> pd.DataFrame:
+    def search(self, queries: Sequence[Query], k: int = 10, rerank: str = "co", lam: float = 0.5,
+               tune_on: Optional[str] = None) -> pd.DataFrame:
         """Hits of checked queries of one direction (what pipelines.query calls per batch)."""
         directions = {q.direction for q in queries}
         if len(directions) > 1:
             raise QueryError("a batch of queries holds one direction")
         direction = directions.pop() if directions else T2I
-        return self._answer(direction, list(queries), [], k, rerank, lam)
+        return self._answer(direction, list(queries), [], k, rerank, lam, tune_on)
+
+    def auto_choice(self, tune_on: str, k: int) -> dict:
+        """The fusion (mode, lam, label, dev recalls) the finished ``--mode auto`` rerank run ``tune_on`` chose, read
+        once per (run, k) and checked against this engine's models, CE precision and ``k``
+        (``retrieval_core.evaluation.runs.recorded_choice``, which pipelines.query --mode auto reads too)."""
+        from retrieval_core.evaluation.runs import RunError, recorded_choice
+
+        if (tune_on, int(k)) not in self._choices:
+            if self.inputs.ce is None:
+                raise QueryError("rerank='auto' checks the CE the tune_on run reranked with: open the engine with "
+                                 "its CE (needs_ce=True)")
+            try:
+                self._choices[tune_on, int(k)] = recorded_choice(tune_on, self.spec.embeddings, self.inputs.ce.path,
+                                                                 self.inputs.ce_precision, int(k), self.files,
+                                                                 flag="tune_on")
+            except RunError as exc:
+                raise QueryError(str(exc)) from None
+        return dict(self._choices[tune_on, int(k)])
 
     def _answer(self, direction: str, queries: list[Query], rejected: list[Rejected], k: int, mode: str,
-                lam: float) -> pd.DataFrame:
-        if mode not in MODES:
-            raise QueryError(f"rerank must be one of {MODES}, got {mode!r}")
+                lam: float, tune_on: Optional[str] = None) -> pd.DataFrame:
+        if mode != AUTO and mode not in MODES:
+            raise QueryError(f"rerank must be one of {MODES + (AUTO,)}, got {mode!r}")
+        if (mode == AUTO) != (tune_on is not None):
+            raise QueryError(f"rerank='auto' takes tune_on (a finished --mode auto rerank run) and tune_on applies "
+                             f"to rerank='auto' only; got rerank={mode!r}, tune_on={tune_on!r}")
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise QueryError(f"k must be an integer >= 1, got {k!r}")
         if not 0.0 <= float(lam) <= 1.0:
             raise QueryError(f"lam must be in [0, 1], got {lam!r}")
+        choice = None
+        if mode == AUTO:
+            choice = self.auto_choice(tune_on, k)
+            mode, lam = choice["mode"], choice["lam"] if choice["lam"] is not None else lam
         truncated: list[str] = []
         if direction == T2I:
             vectors = self._encode_texts(queries, truncated)
@@ -580,7 +613,8 @@ class QueryEngine:
                        for (i, s), c in zip(cands, ce)]
         hits = self._frame(direction, queries, results)
         hits.attrs.update(rejected=[r.to_dict() for r in rejected], truncated=truncated, answered=len(queries),
-                          mode=mode, k=int(k), lam=float(lam) if mode in rerank.FUSION_MODES else None)
+                          mode=mode, k=int(k), lam=float(lam) if mode in rerank.FUSION_MODES else None,
+                          fusion_choice=choice)
         return hits
 
     def _encode_texts(self, queries: list[Query], truncated: list[str]) -> np.ndarray:
