@@ -30,7 +30,7 @@ import click
 
 from benchmarks.meters.pixel_throughput import _gemm_gflops
 from benchmarks.meters.train_source import commit, cpu_flags, cpu_model
-from retrieval_core.cli import CheckedPlan, option, plan_command, plan_from_cli
+from retrieval_core.cli import CheckedPlan, batch_size_option, option, plan_command, plan_from_cli
 
 COLUMNS = ("manifest", "train_images", "train_captions", "region_file_gb", "steps", "batch_size", "max_regions",
            "startup_s", "median_be_step_s", "median_ce_step_s", "minings", "mining_s", "evals", "eval_s", "dev_mR",
@@ -136,7 +136,7 @@ class ScalePlan(CheckedPlan):
     work: str = option(help="The run's output folder (the model, train_log.jsonl, the child's stdout).")
     output: str = option(help="CSV to append the row to (its timeline goes beside it: <name>_timeline.csv).")
     steps: int = option(6, type=click.IntRange(min=1), help="Training steps (enough to measure, not to converge).")
-    batch_size: int = option(128, type=click.IntRange(min=1), help="Captions per step (the paper's 128).")
+    batch_size: int = batch_size_option(128, help="Captions per step (the paper's 128).")
     max_regions: int = option(36, type=click.IntRange(min=1), help="Regions per image the model reads.")
     ce_start_step: int = option(2, type=click.IntRange(min=0), help="The first step with a CE objective.")
     mine_start_step: int = option(3, type=click.IntRange(min=0),
@@ -165,6 +165,7 @@ def main(**values) -> None:
 
     os.makedirs(plan.work, exist_ok=True)
     gemm = round(_gemm_gflops("cpu"), 1)
+    code = commit()  # the code the child runs (HEAD may move during a long run)
     argv = train_argv(plan)
     log_path = os.path.join(plan.work, "train_log.jsonl")
     if os.path.exists(log_path):
@@ -194,7 +195,7 @@ def main(**values) -> None:
            **{k: v for k, v in summary.items() if k in COLUMNS}, "wall_s": round(wall, 1),
            "peak_rss_anon_mb": max(peaks.values()), "peak_rss_anon_mb_startup": peaks.get("startup", ""),
            "vm_hwm_mb": round(watch.hwm / 2**20, 1), "train_source": source, "cpu_model": cpu_model(),
-           "cpu_flags": cpu_flags(), "gemm_gflops": gemm, "threads": torch.get_num_threads(), "commit": commit(),
+           "cpu_flags": cpu_flags(), "gemm_gflops": gemm, "threads": torch.get_num_threads(), "commit": code,
            "date": datetime.date.today().isoformat(),
            "command": " ".join(["python -m benchmarks.meters.train_scale", *sys.argv[1:]])}
     new = not os.path.exists(plan.output)

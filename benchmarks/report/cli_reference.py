@@ -19,7 +19,7 @@ import click
 #: The generated page, from the repository root.
 REFERENCE = "docs/CLI.md"
 FLOORS = ("pipelines", "benchmarks", "retrieval_core")
-SCRIPTS = ("perf_ab", "query_latency")  # scripts/*.py with a click CLI (imported from scripts/, beside their helpers)
+SCRIPTS = ("perf_ab",)  # scripts/*.py with a click CLI (imported from scripts/, beside their helpers)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

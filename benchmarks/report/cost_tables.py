@@ -60,7 +60,7 @@ def search_batch_table(rows: Sequence[Mapping]) -> str:
 
 
 def query_latency_table(rows: Sequence[Mapping]) -> str:
-    """A Markdown table of scripts/query_latency.py's rows: per direction and ranking, the query entry point's
+    """A Markdown table of benchmarks/meters/query_latency.py's rows: per direction and ranking, the query entry point's
     milliseconds per query (median, 90th percentile, mean)."""
     names = {"t2i": "text -> images", "i2t": "image -> captions"}
     modes = {"emb": "BE only (emb)", "co": "BE + CE (co)"}
@@ -70,6 +70,17 @@ def query_latency_table(rows: Sequence[Mapping]) -> str:
         lines.append(f"| {names.get(r['direction'], r['direction'])} | {r['search']} | "
                      f"{modes.get(r['mode'], r['mode'])} | {r['k']} | {_fmt(r['p50_ms'])} | {_fmt(r['p90_ms'])} | "
                      f"{_fmt(r['mean_ms'])} |")
+    return "\n".join(lines)
+
+
+def query_job_table(rows: Sequence[Mapping]) -> str:
+    """A Markdown table of benchmarks/meters/query_latency.py's job rows: the query job against the rerank job on
+    one batch of text queries, CE pairs per second and the ratio to the rerank job's."""
+    lines = ["| job | queries | k | CE pairs | wall s | CE pairs/s | ratio to rerank | peak RSS MiB |",
+             "|" + "---|" * 8]
+    for r in rows:
+        lines.append(f"| `{r['job']}` | {r['queries']} | {r['k']} | {r['ce_pairs']} | {_fmt(r['wall_s'])} | "
+                     f"{_fmt(r['pairs_per_s'])} | {_fmt(r['ratio_to_rerank'])} | {_fmt(r['peak_rss_mb'])} |")
     return "\n".join(lines)
 
 

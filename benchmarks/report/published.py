@@ -45,6 +45,7 @@ from benchmarks.report.cost_tables import (
     jobs_table,
     per_query_table,
     precision_table,
+    query_job_table,
     query_latency_table,
     search_batch_table,
 )
@@ -205,13 +206,22 @@ def search_batch_block(rows: Sequence[Mapping]) -> str:
 
 
 def query_latency_block(rows: Sequence[Mapping]) -> str:
-    """scripts/query_latency.py's rows (report.query_latency_table) under where and how they were measured."""
+    """benchmarks/meters/query_latency.py's rows (report.query_latency_table) under where and how they were measured."""
     loads = [float(r[c]) for r in rows for c in ("loadavg_1m_before", "loadavg_1m_after") if str(r.get(c, ""))]
     load = f"; machine load average {min(loads):g}-{max(loads):g}" if loads else ""
     return (_measured(rows) + f", OMP_WAIT_POLICY={_one(rows, 'omp_wait_policy')}; pool of "
             f"{_one(rows, 'pool_images')} images and {_one(rows, 'pool_captions')} captions; "
             f"{_one(rows, 'queries')} queries per row, one per call; the engine opened in {_one(rows, 'load_s')} s"
             f"{load}.\n\n" + query_latency_table(rows) + "\n")
+
+
+def query_job_block(rows: Sequence[Mapping]) -> str:
+    """benchmarks/meters/query_latency.py's job rows (report.query_job_table) under where they were measured."""
+    loads = [float(r[c]) for r in rows for c in ("loadavg_1m_before", "loadavg_1m_after") if str(r.get(c, ""))]
+    load = f"; machine load average {min(loads):g}-{max(loads):g}" if loads else ""
+    return (_measured(rows) + f", OMP_WAIT_POLICY={_one(rows, 'omp_wait_policy')}; pool of "
+            f"{_one(rows, 'pool_images')} images searched by {_one(rows, 'search')}; mode {_one(rows, 'mode')}, "
+            f"each job a child process timed from start to exit{load}.\n\n" + query_job_table(rows) + "\n")
 
 
 def gpu_run_block(rows: Sequence[Mapping]) -> str:
@@ -228,7 +238,7 @@ GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {
     "comparison-table": comparison_block, "per-query-table": per_query_block,
     "measured-per-query-table": measured_per_query_block,
     "search-batch-table": search_batch_block, "gpu-run-table": gpu_run_block,
-    "query-latency-table": query_latency_block}
+    "query-latency-table": query_latency_block, "query-job-table": query_job_block}
 
 
 def generate(kind: str, csv_path: str, root: str) -> str:
