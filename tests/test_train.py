@@ -471,8 +471,27 @@ def test_length_chunked_losses_equal_one_padded_batch(tmp_path, data):
         model.eval()
         caps = trainer._batch_indices(3)
         with torch.no_grad():
-            losses[rows] = (float(trainer._be_loss(caps)), float(trainer._ce_loss(caps, 3)))
+            losses[rows] = (float(trainer._be_loss(caps)), float(trainer._ce_loss(*trainer._ce_groups(caps, 3))))
     assert losses[4] == pytest.approx(losses[0], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("ce_loss", ["listwise", "pair"])
+def test_ce_micro_batches_give_the_whole_batchs_loss_and_gradient(tmp_path, data, ce_loss):
+    """--ce-micro-batch: with dropout off, the accumulated gradient and loss are those of one pass (float order
+    aside); 0 keeps the one pass."""
+    train, _ = data
+    grads, losses = {}, {}
+    for size in (0, 3):
+        model = tiny_model(str(tmp_path / f"m{size}"), feature_dim=F)
+        cfg = TrainConfig(objective="joint", steps=10, batch_size=16, ce_negatives=3, ce_loss=ce_loss,
+                          ce_micro_batch=size, progress=False)
+        trainer = Trainer(model, train, cfg, str(tmp_path / f"out{size}"))
+        model.eval()  # dropout off: the micro-batches' dropout draws differ from one pass's
+        losses[size] = float(trainer._ce_step_loss(trainer._batch_indices(3), 3))
+        grads[size] = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    assert losses[3] == pytest.approx(losses[0], rel=1e-5)
+    assert torch.allclose(grads[3], grads[0], rtol=1e-4, atol=1e-7)
+    assert grads[0].abs().sum() > 0
 
 
 def test_cpu_bf16_autocasts_training_steps_only(tmp_path, data):

@@ -1,5 +1,5 @@
 """Training at a collection's full size (issue 55, item 3): the train CLI run as users run it (the real-data recipe of
-docs/DATA.md on a staged collection), watched from outside for its memory, with its phases' times from its log.
+docs/OWN_FEATURES.md on a staged collection), watched from outside for its memory, with its phases' times from its log.
 
 The child is ``python -m retrieval_core.training.train`` with this meter's options; the meter samples the child's
 ``RssAnon`` (anonymous memory: regions held, model, activations; not the page cache its preads fill) and ``VmHWM``
@@ -138,6 +138,8 @@ class ScalePlan(CheckedPlan):
     steps: int = option(6, type=click.IntRange(min=1), help="Training steps (enough to measure, not to converge).")
     batch_size: int = batch_size_option(128, help="Captions per step (the paper's 128).")
     max_regions: int = option(36, type=click.IntRange(min=1), help="Regions per image the model reads.")
+    ce_micro_batch: int = option(16, type=click.IntRange(min=0),
+                                 help="CE captions per forward/backward pass (the trainer's --ce-micro-batch).")
     ce_start_step: int = option(2, type=click.IntRange(min=0), help="The first step with a CE objective.")
     mine_start_step: int = option(3, type=click.IntRange(min=0),
                                   help="The step of the one mining (the BE encodes every train image).")
@@ -146,12 +148,12 @@ class ScalePlan(CheckedPlan):
 
 
 def train_argv(plan: ScalePlan) -> list[str]:
-    """The train CLI's arguments: docs/DATA.md's COCO recipe, plus one mining (mined_negative_prob 0.25)."""
+    """The train CLI's arguments: docs/OWN_FEATURES.md's COCO recipe, plus one mining (mined_negative_prob 0.25)."""
     return ["--staged", plan.staged, "--manifest", plan.manifest, "--objective", "joint", "--base-model", "minilm",
             "--be-loss", "infonce", "--image-init", "lstsq", "--new-layers-lr-mult", "20", "--ce-loss", "listwise",
             "--ce-negatives", "3", "--hard-negative-prob", "0.5", "--mined-negative-prob", "0.25",
             "--mine-start-step", str(plan.mine_start_step), "--mine-every", str(plan.steps + 1),
-            "--ce-start-step", str(plan.ce_start_step), "--train-split", plan.train_split,
+            "--ce-start-step", str(plan.ce_start_step), "--ce-micro-batch", str(plan.ce_micro_batch), "--train-split", plan.train_split,
             "--dev-split", plan.dev_split, "--steps", str(plan.steps), "--batch-size", str(plan.batch_size),
             "--lr", "5e-5", "--max-regions", str(plan.max_regions), "--device", "cpu", "--no-progress",
             "--output", plan.work]

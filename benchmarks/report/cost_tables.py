@@ -84,6 +84,48 @@ def query_job_table(rows: Sequence[Mapping]) -> str:
     return "\n".join(lines)
 
 
+def train_source_table(rows: Sequence[Mapping]) -> str:
+    """A Markdown table of benchmarks.meters.train_source's training rows: per recipe, precision and source, the
+    median over its repetitions of the step rate (the streamed source's ratio to the table's), step time, peak
+    RssAnon and VmHWM, start-up and mining seconds."""
+    import statistics
+
+    def med(group, col):
+        vals = [float(r[col]) for r in group if str(r.get(col, "")) not in ("", "nan")]
+        return statistics.median(vals) if vals else ""
+
+    groups: dict = {}
+    for r in rows:
+        if r.get("measurement") == "train":
+            groups.setdefault((r["recipe"], r["cpu_bf16"], r["source"]), []).append(r)
+    lines = ["| recipe | precision | source | reps | steps/s | median step s | peak RssAnon MB | VmHWM MB | "
+             "start-up s | mining s |", "|" + "---|" * 10]
+    for (recipe, bf16, source), group in groups.items():
+        rate = med(group, "steps_per_s")
+        memory_rate = med(groups.get((recipe, bf16, "memory"), []), "steps_per_s")
+        ratio = f" ({rate / memory_rate:.2f}x)" if source != "memory" and rate != "" and memory_rate else ""
+        lines.append(f"| {recipe} | {'bf16 autocast' if bf16 == 'True' else 'fp32'} | {source} | {len(group)} | "
+                     f"{_fmt(rate, 3)}{ratio} | {_fmt(med(group, 'median_step_s'), 3)} | "
+                     f"{_fmt(med(group, 'peak_rss_anon_mb'), 0)} | {_fmt(med(group, 'vm_hwm_mb'), 0)} | "
+                     f"{_fmt(med(group, 'startup_s'))} | {_fmt(med(group, 'mining_s')) if med(group, 'mining_s') else 'none'} |")
+    return "\n".join(lines)
+
+
+def train_scale_table(rows: Sequence[Mapping]) -> str:
+    """A Markdown table of benchmarks.meters.train_scale's rows: one training run at a collection's full size, its
+    peak anonymous memory and the times of its phases."""
+    lines = ["| train images | captions | region file GB | batch | regions | steps | start-up s | BE step s | "
+             "CE step s | mining s | dev eval s | dev mR | peak RssAnon MB (start-up) | peak RssAnon MB (run) | "
+             "VmHWM MB |", "|" + "---|" * 15]
+    for r in rows:
+        lines.append(f"| {r['train_images']} | {r['train_captions']} | {_fmt(r['region_file_gb'])} | "
+                     f"{r['batch_size']} | {r['max_regions']} | {r['steps']} | {_fmt(r['startup_s'])} | "
+                     f"{_fmt(r['median_be_step_s'])} | {_fmt(r['median_ce_step_s'])} | {_fmt(r['mining_s'])} | "
+                     f"{_fmt(r['eval_s'])} | {_fmt(r['dev_mR'], 2)} | {_fmt(r['peak_rss_anon_mb_startup'], 0)} | "
+                     f"{_fmt(r['peak_rss_anon_mb'], 0)} | {_fmt(r['vm_hwm_mb'], 0)} |")
+    return "\n".join(lines)
+
+
 def jobs_table(rows: Sequence[Mapping]) -> str:
     """A Markdown table of a <suite>_jobs.csv: per job, what it ran, its wall seconds, peak RSS, the threads its
     command gave it and when it finished (a reused job: when it ran, at its own thread count); a job resumed

@@ -48,6 +48,8 @@ from benchmarks.report.cost_tables import (
     query_job_table,
     query_latency_table,
     search_batch_table,
+    train_scale_table,
+    train_source_table,
 )
 from benchmarks.report.schema import read_csv, schema_path
 from benchmarks.report.tables import comparison_table, fusion_rule_table, probe_table, recall_table, seed_table
@@ -224,6 +226,23 @@ def query_job_block(rows: Sequence[Mapping]) -> str:
             f"each job a child process timed from start to exit{load}.\n\n" + query_job_table(rows) + "\n")
 
 
+def train_source_block(rows: Sequence[Mapping]) -> str:
+    """benchmarks.meters.train_source's training rows (report.train_source_table) under where they were measured."""
+    loads = [float(r["load_avg"]) for r in rows if str(r.get("load_avg", ""))]
+    load = f"; machine load average {min(loads):g}-{max(loads):g}" if loads else ""
+    return (_measured(rows) + f"; CPU flags {_one(rows, 'cpu_flags')}; a child process per measurement, the "
+            f"sources interleaved; the medians of each group's repetitions{load}.\n\n" + train_source_table(rows)
+            + "\n")
+
+
+def train_scale_block(rows: Sequence[Mapping]) -> str:
+    """benchmarks.meters.train_scale's rows (report.train_scale_table) under where they were measured."""
+    return (_measured(rows, faiss=False) + f"; CPU flags {_one(rows, 'cpu_flags')}, a float32 GEMM at "
+            f"{_one(rows, 'gemm_gflops')} GFLOP/s before the run (other jobs shared the machine); manifest "
+            f"{_one(rows, 'manifest')}, train source {_one(rows, 'train_source')}; the run: "
+            f"`{_one(rows, 'command')}`.\n\n" + train_scale_table(rows) + "\n")
+
+
 def gpu_run_block(rows: Sequence[Mapping]) -> str:
     """The GPU run's (or its rehearsal's) rows (report.gpu_run_table) under where they were measured."""
     return (_measured(rows, faiss=False) + "; benchmarks.meters.gpu_pipelines, each step's estimate in its row's notes."
@@ -238,7 +257,8 @@ GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {
     "comparison-table": comparison_block, "per-query-table": per_query_block,
     "measured-per-query-table": measured_per_query_block,
     "search-batch-table": search_batch_block, "gpu-run-table": gpu_run_block,
-    "query-latency-table": query_latency_block, "query-job-table": query_job_block}
+    "query-latency-table": query_latency_block, "query-job-table": query_job_block,
+    "train-source-table": train_source_block, "train-scale-table": train_scale_block}
 
 
 def generate(kind: str, csv_path: str, root: str) -> str:

@@ -49,6 +49,13 @@ class TrainConfig(CheckedPlan):
                                "each caption's positive and its negatives (LCE).")
     ce_negatives: int = option(1, help="Negatives per caption in a CE step.")
     ce_batch_size: Optional[int] = count_option(None, help="Captions per CE step [--batch-size].")
+    # A CE step's activations grow with its pairs (captions x (1 + ce_negatives)): at the paper's batch of 128 with
+    # 3 negatives and 36 regions they took most of 10 GB on the CPU. Micro-batches bound that; the step's gradient
+    # is the same sum (in another float order, and with other dropout draws), one optimizer step as before.
+    ce_micro_batch: int = option(0, type=click.IntRange(min=0),
+                                 help="CE captions per forward/backward pass; the step's gradient accumulates "
+                                      "over its micro-batches, bounding a CE step's activation memory (0: the "
+                                      "whole CE batch in one pass).")
     # JOIN: steps before this one run the BE objective only. A CE on a text-only backbone stays at chance until
     # the BE has aligned image and text tokens (docs/TRAINING.md), so earlier CE steps only cost time.
     ce_start_step: int = option(0, help="joint: run the BE objective alone before this step.")

@@ -62,6 +62,9 @@ def build_model(base_model: str, feature_dim: int, halve_layers: bool, seed: int
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
 
+_TOKENIZE_SLICE = 8192
+
+
 def lstsq_image_embedding(model: VLRetrievalModel, data: TrainData, ridge: float = 1e-2) -> float:
     """Training-free start for the image embedding (the least-squares map of seed paper 004, one layer down).
 
@@ -80,11 +83,15 @@ def lstsq_image_embedding(model: VLRetrievalModel, data: TrainData, ridge: float
     target = np.zeros((len(img_pos), words.shape[1]))
     count = np.zeros(len(img_pos))
     row_of = np.searchsorted(img_pos, data.image_pos)
-    for ids, row in zip(tok(data.texts, truncation=True, max_length=model.cfg.max_text_len)["input_ids"], row_of):
-        ids = [i for i in ids if i not in special]
-        if ids:
-            target[row] += words[ids].astype(np.float64).mean(0)
-            count[row] += 1
+    # tokenized in slices: one call over COCO train's 566k captions held ~2 GB of encodings at once
+    for start in range(0, len(data.texts), _TOKENIZE_SLICE):
+        texts = list(data.texts[start:start + _TOKENIZE_SLICE])
+        for ids, row in zip(tok(texts, truncation=True, max_length=model.cfg.max_text_len)["input_ids"],
+                            row_of[start:start + _TOKENIZE_SLICE]):
+            ids = [i for i in ids if i not in special]
+            if ids:
+                target[row] += words[ids].astype(np.float64).mean(0)
+                count[row] += 1
     keep = count > 0
     if not keep.all():  # a copy only when some image has no caption tokens
         x, target, count = x[keep], target[keep], count[keep]

@@ -226,10 +226,28 @@ class Trainer:
                                 self.cfg.ce_negatives, self.cfg.p_replace_image, self.hard, self.cfg.hard_negative_prob,
                                 self.mined, p_mined)
 
-    def _ce_loss(self, caps: np.ndarray, step: int) -> torch.Tensor:
+    def _ce_step_loss(self, caps: np.ndarray, step: int) -> torch.Tensor:
+        """The CE loss of ``step`` with its gradient already accumulated (backward run): in one pass, or over
+        micro-batches of ``ce_micro_batch`` captions, each weighted by its share of the groups."""
         caps = caps[:self.cfg.ce_batch_size]  # None keeps the whole batch
         self._mine_if_due(step)
         group_caps, group_imgs = self._ce_groups(caps, step)
+        size = self.cfg.ce_micro_batch
+        self.optimizer.zero_grad(set_to_none=True)
+        if not size or size >= len(group_caps):
+            loss = self._ce_loss(group_caps, group_imgs)
+            loss.backward()
+            return loss
+        total = torch.zeros((), device=self.device)
+        for start in range(0, len(group_caps), size):
+            rows = slice(start, start + size)
+            part = self._ce_loss(group_caps[rows], group_imgs[rows]) * (len(group_caps[rows]) / len(group_caps))
+            part.backward()  # frees this micro-batch's activations before the next one's
+            total += part.detach()
+        return total
+
+    def _ce_loss(self, group_caps: np.ndarray, group_imgs: np.ndarray) -> torch.Tensor:
+        """The CE loss (mean over the groups) of caption groups with their images (rows: gold first)."""
         texts = [self.data.texts[i] for i in group_caps.reshape(-1)]
         regions = self._regions(group_imgs.reshape(-1))
         mr = self.model.cfg.max_regions
@@ -253,9 +271,11 @@ class Trainer:
         inverse[np.concatenate(chunks)] = np.arange(len(texts))
         return out[torch.from_numpy(inverse).to(self.device)]
 
-    def _optimizer_step(self, loss: torch.Tensor, lr: float) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+    def _optimizer_step(self, loss: Optional[torch.Tensor], lr: float) -> None:
+        """One update from ``loss``'s gradient (None: the gradient is already accumulated)."""
+        if loss is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_mult", 1.0)
@@ -295,8 +315,12 @@ class Trainer:
         records = []
         for objective in self._objectives(step):
             t0 = time.perf_counter()
-            loss = self._be_loss(caps) if objective == "be" else self._ce_loss(caps, step)
-            self._optimizer_step(loss, lr)
+            if objective == "be":
+                loss = self._be_loss(caps)
+                self._optimizer_step(loss, lr)
+            else:
+                loss = self._ce_step_loss(caps, step)  # its backward has run
+                self._optimizer_step(None, lr)
             records.append({"step": step + 1, "objective": objective, "loss": float(loss.detach()), "lr": lr,
                             "seconds": round(time.perf_counter() - t0, 4)})
         if self.ema is not None:
