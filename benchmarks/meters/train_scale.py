@@ -130,7 +130,7 @@ def summarise(log_path: str) -> dict:
 
 @dataclass(frozen=True)
 class ScalePlan(CheckedPlan):
-    """One training run at full size: the real-data recipe of docs/DATA.md with a step budget for measuring."""
+    """One training run at full size: the real-data recipe of docs/OWN_FEATURES.md with a step budget for measuring."""
     staged: str = option(help="The staged collection (pipelines.stage) with a train and a dev split.")
     manifest: str = option(help="The manifest it was staged from.")
     work: str = option(help="The run's output folder (the model, train_log.jsonl, the child's stdout).")
@@ -153,7 +153,8 @@ def train_argv(plan: ScalePlan) -> list[str]:
             "--be-loss", "infonce", "--image-init", "lstsq", "--new-layers-lr-mult", "20", "--ce-loss", "listwise",
             "--ce-negatives", "3", "--hard-negative-prob", "0.5", "--mined-negative-prob", "0.25",
             "--mine-start-step", str(plan.mine_start_step), "--mine-every", str(plan.steps + 1),
-            "--ce-start-step", str(plan.ce_start_step), "--ce-micro-batch", str(plan.ce_micro_batch), "--train-split", plan.train_split,
+            "--ce-start-step", str(plan.ce_start_step), "--ce-micro-batch", str(plan.ce_micro_batch),
+            "--train-split", plan.train_split,
             "--dev-split", plan.dev_split, "--steps", str(plan.steps), "--batch-size", str(plan.batch_size),
             "--lr", "5e-5", "--max-regions", str(plan.max_regions), "--device", "cpu", "--no-progress",
             "--output", plan.work]

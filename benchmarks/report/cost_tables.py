@@ -104,10 +104,11 @@ def train_source_table(rows: Sequence[Mapping]) -> str:
         rate = med(group, "steps_per_s")
         memory_rate = med(groups.get((recipe, bf16, "memory"), []), "steps_per_s")
         ratio = f" ({rate / memory_rate:.2f}x)" if source != "memory" and rate != "" and memory_rate else ""
+        mining = med(group, "mining_s")
         lines.append(f"| {recipe} | {'bf16 autocast' if bf16 == 'True' else 'fp32'} | {source} | {len(group)} | "
                      f"{_fmt(rate, 3)}{ratio} | {_fmt(med(group, 'median_step_s'), 3)} | "
                      f"{_fmt(med(group, 'peak_rss_anon_mb'), 0)} | {_fmt(med(group, 'vm_hwm_mb'), 0)} | "
-                     f"{_fmt(med(group, 'startup_s'))} | {_fmt(med(group, 'mining_s')) if med(group, 'mining_s') else 'none'} |")
+                     f"{_fmt(med(group, 'startup_s'))} | {_fmt(mining) if mining else 'none'} |")
     return "\n".join(lines)
 
 
