@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from retrieval_core.memory import trim_heap
 from retrieval_core.model.collate import Regions, collate_images, collate_pairs, length_chunks, prefetched
 from retrieval_core.model.flops import model_flops
 from retrieval_core.model.network import WEIGHTS_FILE, VLRetrievalModel, _autocast
@@ -107,6 +108,8 @@ class Trainer:
         if cfg.objective != "be" and cfg.hard_negative_prob > 0:
             # all staged regions: neighbours are a property of the data, not of the model's region cap
             self.hard = HardNegatives(feature_neighbours(train.images, cfg.hard_negative_k), train.image_pos)
+            trim_heap()  # each phase's freed holes back to the OS (memory.trim_heap): at COCO train's size the
+            # heap otherwise kept ~3 GB of freed start-up, step and mining chunks in the process's memory
         self.mined: Optional[MinedNegatives] = None
         self.mined_until = 0  # the mined negatives cover the CE captions of steps < mined_until
         self.miner: Optional[VLRetrievalModel] = None  # a given BE checkpoint; None: the model being trained
@@ -214,6 +217,7 @@ class Trainer:
                                                self.cfg.mine_pool, self.cfg.seed * 1_000_003 + step,
                                                self.cfg.eval_batch_size, str(self.device))
         self.mined_until = end
+        trim_heap()
         self._pending_logs.append({"step": step, "mined": {**record, "until_step": end,
                                                             "miner": self.cfg.mine_model or "current model"}})
 
@@ -338,6 +342,7 @@ class Trainer:
             self.load_state(os.path.join(self.out, "last"))
         elif self.step == 0 and self.cfg.image_init == "lstsq":
             r2 = lstsq_image_embedding(self.model, self.data)
+            trim_heap()
             with open(os.path.join(self.out, LOG_FILE), "a") as f:
                 f.write(json.dumps({"step": 0, "image_init": "lstsq", "r2": round(r2, 4)}) + "\n")
         previous = torch.are_deterministic_algorithms_enabled()
@@ -352,6 +357,7 @@ class Trainer:
             for step, self._ready in self._read_ahead(self.step, end):
                 assert step == self.step
                 records = self.train_step(self.step)
+                trim_heap()
                 self._ready = {}
                 self.step += 1
                 for r in self._pending_logs + records:
@@ -394,6 +400,7 @@ class Trainer:
             self.model.train()
             ev["seconds"] = round(time.perf_counter() - t0, 3)
             log.write(json.dumps({"step": self.step, "eval": ev}) + "\n")
+            trim_heap()
             metric = self._selection_metric(ev)
             if metric > self.best_metric:
                 self.best_metric, self.best_eval = metric, {"step": self.step, **ev}
