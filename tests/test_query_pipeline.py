@@ -256,3 +256,25 @@ def test_pictures_go_through_the_staged_backbone_and_unreadable_ones_are_rejecte
               open(os.path.join(staged, "summary.json"), "w"))
     with pytest.raises(QueryError, match="trained on"):
         QueryEngine(staged=staged, embeddings=str(emb), device="cpu", directions=("i2t",))
+
+
+def test_a_pool_over_the_cache_budget_reads_the_region_file_with_the_same_hits(assets, tmp_path, monkeypatch):
+    """A pool larger than CACHED_IMAGE_BYTES reads each candidate from the region file (one pread), not its whole
+    shard: the same regions, so the same hits and scores bit for bit."""
+    import shutil
+
+    from retrieval_core.search import query as query_module
+    from retrieval_core.search.query import Query
+
+    root, staged, model, emb_dir, index = assets
+    local = str(tmp_path / "staged")
+    shutil.copytree(staged, local)  # the region file is written beside the staged shards: not in a shared fixture
+    caps = StagedDataset(local).captions(split="test")
+    queries = [Query(str(c), t) for c, t in zip(caps["caption_id"], caps["text"])]
+    cached = QueryEngine(staged=local, embeddings=emb_dir, index=index)
+    hits = cached.search_text(queries, k=K)
+    assert cached.images.file is None
+    monkeypatch.setattr(query_module, "CACHED_IMAGE_BYTES", 0)
+    streamed = QueryEngine(staged=local, embeddings=emb_dir, index=index)
+    pd.testing.assert_frame_equal(streamed.search_text(queries, k=K), hits)
+    assert streamed.images.file is not None and os.path.isdir(os.path.join(local, "regions"))
