@@ -35,7 +35,7 @@ from retrieval_core.cli import CheckedPlan, batch_size_option, option, plan_comm
 COLUMNS = ("manifest", "train_images", "train_captions", "region_file_gb", "steps", "batch_size", "max_regions",
            "startup_s", "median_be_step_s", "median_ce_step_s", "minings", "mining_s", "evals", "eval_s", "dev_mR",
            "dev_t2i_R@1", "dev_i2t_R@1", "wall_s", "peak_rss_anon_mb", "peak_rss_anon_mb_startup", "vm_hwm_mb",
-           "train_source", "cpu_model", "cpu_flags", "gemm_gflops", "threads", "commit", "date", "command")
+           "train_source", "cpu_model", "cpu_flags", "gemm_gflops", "threads", "torch", "commit", "date", "command")
 
 
 def _status(pid: int) -> dict[str, int]:
@@ -198,7 +198,8 @@ def main(**values) -> None:
            **{k: v for k, v in summary.items() if k in COLUMNS}, "wall_s": round(wall, 1),
            "peak_rss_anon_mb": max(peaks.values()), "peak_rss_anon_mb_startup": peaks.get("startup", ""),
            "vm_hwm_mb": round(watch.hwm / 2**20, 1), "train_source": source, "cpu_model": cpu_model(),
-           "cpu_flags": cpu_flags(), "gemm_gflops": gemm, "threads": torch.get_num_threads(), "commit": code,
+           "cpu_flags": cpu_flags(), "gemm_gflops": gemm, "threads": torch.get_num_threads(),
+           "torch": torch.__version__, "commit": code,
            "date": datetime.date.today().isoformat(),
            "command": " ".join(["python -m benchmarks.meters.train_scale", *sys.argv[1:]])}
     new = not os.path.exists(plan.output)

@@ -107,7 +107,7 @@ def train_source_table(rows: Sequence[Mapping]) -> str:
         mining = med(group, "mining_s")
         lines.append(f"| {recipe} | {'bf16 autocast' if bf16 == 'True' else 'fp32'} | {source} | {len(group)} | "
                      f"{_fmt(rate, 3)}{ratio} | {_fmt(med(group, 'median_step_s'), 3)} | "
-                     f"{_fmt(med(group, 'peak_rss_anon_mb'), 0)} | {_fmt(med(group, 'vm_hwm_mb'), 0)} | "
+                     f"{_fmt(med(group, 'peak_rss_anon_mb'))} | {_fmt(med(group, 'vm_hwm_mb'))} | "
                      f"{_fmt(med(group, 'startup_s'))} | {_fmt(mining) if mining else 'none'} |")
     return "\n".join(lines)
 
@@ -122,8 +122,8 @@ def train_scale_table(rows: Sequence[Mapping]) -> str:
         lines.append(f"| {r['train_images']} | {r['train_captions']} | {_fmt(r['region_file_gb'])} | "
                      f"{r['batch_size']} | {r['max_regions']} | {r['steps']} | {_fmt(r['startup_s'])} | "
                      f"{_fmt(r['median_be_step_s'])} | {_fmt(r['median_ce_step_s'])} | {_fmt(r['mining_s'])} | "
-                     f"{_fmt(r['eval_s'])} | {_fmt(r['dev_mR'], 2)} | {_fmt(r['peak_rss_anon_mb_startup'], 0)} | "
-                     f"{_fmt(r['peak_rss_anon_mb'], 0)} | {_fmt(r['vm_hwm_mb'], 0)} |")
+                     f"{_fmt(r['eval_s'])} | {_fmt(r['dev_mR'], 2)} | {_fmt(r['peak_rss_anon_mb_startup'])} | "
+                     f"{_fmt(r['peak_rss_anon_mb'])} | {_fmt(r['vm_hwm_mb'])} |")
     return "\n".join(lines)
 
 

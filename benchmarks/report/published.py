@@ -214,7 +214,9 @@ def query_latency_block(rows: Sequence[Mapping]) -> str:
     return (_measured(rows) + f", OMP_WAIT_POLICY={_one(rows, 'omp_wait_policy')}; pool of "
             f"{_one(rows, 'pool_images')} images and {_one(rows, 'pool_captions')} captions; "
             f"{_one(rows, 'queries')} queries per row, one per call; the engine opened in {_one(rows, 'load_s')} s"
-            f"{load}.\n\n" + query_latency_table(rows) + "\n")
+            + (f" (then reopened in {_one(rows, 'reopen_s')} s: the first open builds what a large pool reads)"
+               if _one(rows, 'reopen_s') != "-" else "")
+            + f"{load}.\n\n" + query_latency_table(rows) + "\n")
 
 
 def query_job_block(rows: Sequence[Mapping]) -> str:
@@ -237,7 +239,9 @@ def train_source_block(rows: Sequence[Mapping]) -> str:
 
 def train_scale_block(rows: Sequence[Mapping]) -> str:
     """benchmarks.meters.train_scale's rows (report.train_scale_table) under where they were measured."""
-    return (_measured(rows, faiss=False) + f"; CPU flags {_one(rows, 'cpu_flags')}, a float32 GEMM at "
+    torch = f"; torch {_one(rows, 'torch')}" if _one(rows, "torch") != "-" else ""  # rows before the column
+    return (f"Measured {_one(rows, 'date')} at commit `{_one(rows, 'commit')}` on {_one(rows, 'cpu_model')} (cpu, "
+            f"{_one(rows, 'threads')} threads{torch}); CPU flags {_one(rows, 'cpu_flags')}, a float32 GEMM at "
             f"{_one(rows, 'gemm_gflops')} GFLOP/s before the run (other jobs shared the machine); manifest "
             f"{_one(rows, 'manifest')}, train source {_one(rows, 'train_source')}; the run: "
             f"`{_one(rows, 'command')}`.\n\n" + train_scale_table(rows) + "\n")
