@@ -256,3 +256,24 @@ def test_search_batch_benchmark_writes_one_documented_row_per_size(tmp_path):
     assert (tmp_path / "search_batch.schema.json").exists()
     bad = CliRunner().invoke(search_batch.main, ["--queries-per-call", "8,x"])
     assert bad.exit_code == 2 and "--queries-per-call" in bad.output
+
+
+def test_a_few_queries_search_the_shards_side_by_side_with_the_same_results(monkeypatch):
+    # below SMALL_BATCH queries the shards are searched in threads; the merge is the sequential one's
+    import faiss
+
+    from retrieval_core.search import index as index_module
+
+    rng = np.random.default_rng(0)
+    shards = []
+    for s in range(4):
+        shard = faiss.IndexIDMap2(faiss.IndexFlatIP(16))
+        shard.add_with_ids(rng.standard_normal((500, 16)).astype("float32"), np.arange(s * 500, (s + 1) * 500))
+        shards.append(shard)
+    sharded = index_module.ShardedIndex(shards)
+    queries = rng.standard_normal((3, 16)).astype("float32")
+    side_by_side = sharded.search(queries, 10)
+    monkeypatch.setattr(index_module, "SMALL_BATCH", 0)
+    one_by_one = sharded.search(queries, 10)
+    for a, b in zip(side_by_side, one_by_one):
+        np.testing.assert_array_equal(a, b)

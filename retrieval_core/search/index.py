@@ -186,6 +186,11 @@ def index_ids(index: faiss.Index) -> np.ndarray:
     raise ValueError(f"cannot list the ids of a {type(index).__name__}")
 
 
+#: Below this many queries ShardedIndex.search scans its shards in parallel threads (faiss' own BLAS threshold,
+#: distance_compute_blas_threshold: fewer queries get one thread per query).
+SMALL_BATCH = 20
+
+
 class ShardedIndex:
     """Several indexes holding disjoint global ids, searched as one."""
 
@@ -217,7 +222,15 @@ class ShardedIndex:
             raise ValueError(f"queries must be (Q, {self.d}), got {queries.shape}")
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        results = [s.search(queries, k) for s in self.shards]
+        workers = min(len(self.shards), faiss.omp_get_max_threads())
+        if len(queries) < SMALL_BATCH and workers > 1:
+            # a few queries scan each shard on one thread (faiss splits queries, not vectors, across threads
+            # below its BLAS threshold): the shards side by side use the others; faiss releases the GIL
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(workers) as pool:
+                results = list(pool.map(lambda s: s.search(queries, k), self.shards))
+        else:
+            results = [s.search(queries, k) for s in self.shards]
         if len(results) == 1:
             return results[0]
         all_d = np.stack([r[0] for r in results])
