@@ -69,8 +69,8 @@ class LatencyPlan(CheckedPlan):
     warmup: int = count_option(10, help="untimed queries first")
     k: int = k_option(20, help="hits per query (the CE's depth)")
     threads: Optional[int] = threads_option(2)
-    job_queries: int = count_option(0, help="also time pipelines.query against pipelines.rerank on this many text "
-                                            "queries (0: not)")
+    job_queries: Optional[int] = count_option(None, help="also time pipelines.query against pipelines.rerank on "
+                                                         "this many text queries")
     job_output: Optional[str] = option(None, help="CSV for the job rows (with --job-queries)")
     seed: int = option(0, help="seed of the job queries' sample")
     work: Optional[str] = option(None, help="scratch folder of the job runs, kept (default: a temporary one)")
