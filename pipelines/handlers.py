@@ -42,7 +42,7 @@ from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 from pipelines.files import BEAM_FILES, write_atomic
 from retrieval_core.cli import check_device, device_kind, memory_failure
 from retrieval_core.data.store import StagedDataset
-from retrieval_core.memory import trim_heap
+from retrieval_core.memory import HeapTrimmer
 from retrieval_core.model.checkpoints import KIND_BASELINE, inspect_model_folder, load_model_folder
 from retrieval_core.model.collate import to_device
 from retrieval_core.model.token_store import TokenStore, ensure_token_store, tokenizer_fingerprint
@@ -155,7 +155,7 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
         if collate_workers is not None and collate_workers < 1:
             raise ValueError(f"collate_workers must be >= 1, got {collate_workers}")
         self.collate_workers = collate_workers
-        self._batches = 0
+        self._trimmer = HeapTrimmer(TRIM_EVERY)
         self._maker = None  # (model, its BatchMaker): made on the worker, at the first batch
 
     def __getstate__(self) -> dict:
@@ -188,9 +188,7 @@ class VLModelHandler(ModelHandler[Any, np.ndarray, Any]):
         batch = list(batch)
         if not batch:
             return []
-        self._batches += 1
-        if self._batches % TRIM_EVERY == 0:
-            trim_heap()
+        self._trimmer.tick()
         if not self.dead_letter:
             return self._infer(batch, model)
         try:

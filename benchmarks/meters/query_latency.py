@@ -15,18 +15,19 @@ before and after (a shared machine slows every number), and $OMP_WAIT_POLICY: on
 OpenMP's default spin-waiting made each 2-thread call many times slower (docs/log/ENGINEERING-2026-11.md); PASSIVE,
 or one thread, avoids it.
 
-``--job-queries N``: the same pool asked N text queries (the split's captions, one per image, seeded) twice, as a
+``--job-queries N[,N...]``: the same pool asked N text queries (the split's captions, one per image, seeded) twice, as a
 user would: ``python -m pipelines.query`` with them in a JSONL file, and ``python -m pipelines.rerank`` with the
 same captions as its ``--queries``, both ``--mode co --k K`` over the same index, each a child process timed from
 start to exit (loading included). A row per job: its wall seconds, the CE pairs it scored (N x K), pairs per
-second, the ratio of the query job's rate to the rerank job's, and the child's peak RSS.
+second, the ratio of the query job's rate to the rerank job's, and the child's peak RSS (its own: started
+through benchmarks.suites.launch's wait4 wrapper). Several counts give a pair of rows each: the jobs' memory
+against the number of queries.
 """
 from __future__ import annotations
 
 import csv
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,9 +38,11 @@ import click
 import numpy as np
 
 from benchmarks.report.schema import environment
+from benchmarks.suites import launch
 from retrieval_core.cli import (
     CONTEXT_SETTINGS,
     CheckedPlan,
+    cli_errors,
     count_option,
     k_option,
     option,
@@ -69,8 +72,11 @@ class LatencyPlan(CheckedPlan):
     warmup: int = count_option(10, help="untimed queries first")
     k: int = k_option(20, help="hits per query (the CE's depth)")
     threads: Optional[int] = threads_option(2)
-    job_queries: Optional[int] = count_option(None, help="also time pipelines.query against pipelines.rerank on "
-                                                         "this many text queries")
+    job_queries: tuple[int, ...] = option((), sep=",", type=click.IntRange(min=1), metavar="N[,N...]",
+                                          show_default=False,
+                                          help="also time pipelines.query against pipelines.rerank on this many text "
+                                               "queries (a pair of runs per count: memory against the number of "
+                                               "queries)")
     job_output: Optional[str] = option(None, help="CSV for the job rows (with --job-queries)")
     seed: int = option(0, help="seed of the job queries' sample")
     work: Optional[str] = option(None, help="scratch folder of the job runs, kept (default: a temporary one)")
@@ -122,24 +128,43 @@ def measure(plan: LatencyPlan) -> list[dict]:
 
 
 def _child(argv: list[str], log: str) -> tuple[float, float]:
-    """Run ``python -m <argv>`` to its end: (wall seconds, peak RSS in MiB of that child)."""
+    """Run ``python -m <argv>`` to its end: (wall seconds, peak RSS in MiB of that child). Started through
+    benchmarks.suites.launch's wait4 wrapper: a child forked from this process would report at least this
+    process's own peak (Linux carries the high-water mark through fork and exec), the engine loaded above."""
     t = time.perf_counter()
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=out, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
+    with tempfile.TemporaryDirectory(prefix="query-job-rss-") as tmp, open(log, "w") as out:
+        rss_file = os.path.join(tmp, "maxrss")
+        lines, wait = launch.start([sys.executable, "-m", *argv], rss_file, preload=False)
+        try:
+            for line in lines:
+                out.write(line)
+            returncode = wait(stop=False)
+        finally:
+            wait(stop=True)
+        with open(rss_file) as f:
+            peak_kib = int(f.read() or 0)
     wall = time.perf_counter() - t
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise click.ClickException(f"{argv[0]} exited {proc.returncode}: see {log}")
-    return wall, usage.ru_maxrss / 1024  # Linux: kilobytes
+    if returncode != 0:
+        raise click.ClickException(f"{argv[0]} exited {returncode}: see {log}")
+    return wall, peak_kib / 1024
 
 
 def measure_jobs(plan: LatencyPlan, work: str) -> list[dict]:
-    """pipelines.rerank, then pipelines.query, on the same ``job_queries`` captions (mode co, depth k)."""
+    """For each count of ``job_queries``: pipelines.rerank, then pipelines.query, on the same captions (mode co,
+    depth k), in a subfolder ``q<count>`` of ``work``."""
+    rows = []
+    for count in plan.job_queries:
+        folder = os.path.join(work, f"q{count}")
+        os.makedirs(folder, exist_ok=True)
+        rows += _measure_job_pair(plan, count, folder)
+    return rows
+
+
+def _measure_job_pair(plan: LatencyPlan, count: int, work: str) -> list[dict]:
     import pandas as pd
 
     caps = StagedDataset(plan.staged).captions(split=plan.split).drop_duplicates("image_item_id")
-    n = min(plan.job_queries, len(caps))
+    n = min(count, len(caps))
     caps = caps.sample(n=n, random_state=plan.seed).sort_values("caption_id")
     queries_parquet, queries_jsonl = os.path.join(work, "queries.parquet"), os.path.join(work, "queries.jsonl")
     pd.DataFrame({"direction": "t2i", "query_id": caps["caption_id"].astype("int64")}).to_parquet(queries_parquet)
@@ -186,7 +211,8 @@ def _write(path: str, columns: tuple, rows: list[dict]) -> None:
 def main(**values):
     """Per-query latency of the query entry point (one CSV row per direction and mode), and optionally the query
     job's CE pairs per second against the rerank job's on one batch of queries."""
-    plan = plan_from_cli(LatencyPlan, values)
+    with cli_errors():  # a bad option value: one line, exit 1
+        plan = plan_from_cli(LatencyPlan, values)
     if plan.job_queries and not plan.job_output:
         raise click.UsageError("--job-queries needs --job-output")
     rows = measure(plan)

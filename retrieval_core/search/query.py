@@ -46,6 +46,7 @@ from retrieval_core.data.paths import FileAccess, file_exists, is_url, read_file
 from retrieval_core.data.pixels.backbone import FeatureSourceError, backbone_for
 from retrieval_core.data.region_file import RegionFile, ensure_region_file
 from retrieval_core.data.store import StagedDataset
+from retrieval_core.memory import HeapTrimmer
 from retrieval_core.model.checkpoints import CheckpointError, ModelFolder, inspect_model_folder, load_model_folder
 from retrieval_core.precision import check_quantize, resolve_quantize
 from retrieval_core.search import embeddings, rerank
@@ -79,6 +80,10 @@ JSONL_SUFFIXES, CSV_SUFFIXES = (".jsonl", ".json", ".ndjson"), (".csv",)
 #: 5,000 images (245 MB at 12 regions of 1024 float32) stay in memory; a larger pool reads a shard per miss (a budget
 #: of a few shards thrashed at the demo's size).
 CACHED_IMAGE_BYTES = 1 << 30
+#: Queries between two heap trims (memory.HeapTrimmer): batches of other caption lengths and candidate counts
+#: leave free holes in glibc's heap; untrimmed, the query job's peak grew from 1.4 to 2.4 GB between 500 and 5,000
+#: queries over 5,000 images (docs/log/ENGINEERING-2026-11.md, "QUERY: memory and the number of queries").
+TRIM_EVERY_QUERIES = 32
 
 
 class QueryError(ValueError):
@@ -466,6 +471,7 @@ class QueryEngine:
         self._backbone = None
         self._pool_collections = self._encoded_collections()
         self._choices: dict = {}  # (tune_on, k) -> the recorded fusion choice
+        self._trimmer = HeapTrimmer(TRIM_EVERY_QUERIES)
 
     # -------------------------------------------------------------------------------------- loading
     def _encoded_collections(self) -> list[str]:
@@ -626,6 +632,7 @@ class QueryEngine:
         hits.attrs.update(rejected=[r.to_dict() for r in rejected], truncated=truncated, answered=len(queries),
                           mode=mode, k=int(k), lam=float(lam) if mode in rerank.FUSION_MODES else None,
                           fusion_choice=choice)
+        self._trimmer.tick(len(queries))
         return hits
 
     def _encode_texts(self, queries: list[Query], truncated: list[str]) -> np.ndarray:
