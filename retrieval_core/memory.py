@@ -96,7 +96,7 @@ def trim_heap() -> bool:
 
 class HeapTrimmer:
     """``trim_heap`` once per ``every`` units of work (batches, queries) of a long-lived caller: one trim walks the
-    heap (~2.5 ms with a model loaded, 2-core AMD EPYC), too much per single-query call, nothing per 256."""
+    heap (~2.5 ms with a model loaded, 2-core AMD EPYC): too much per single-query call, little once per batch."""
 
     def __init__(self, every: int):
         self.every, self._done = every, 0
