@@ -67,6 +67,12 @@ def test_loss_windows_are_the_logs_means(run):
     assert got["value"].tolist() == pytest.approx([np.mean(be[:3]), be[3]])
     dev = curves[curves["series"] == "dev mR"]
     assert dev["step"].tolist() == [4] and learning_curves.trained_heads(records) == ("BE", "CE")
+    ce = [(r["step"], r["grad_norm_trunk"]) for r in records if r.get("objective") == "ce"]
+    windows: dict = {}
+    for step, norm in ce:
+        windows.setdefault((step - 1) // 3, []).append(norm)
+    got = curves[curves["series"] == "ce trunk gradient norm"]  # the shared weights' pull, per objective
+    assert got["value"].tolist() == pytest.approx([np.mean(v) for _, v in sorted(windows.items())]) and len(got)
     with pytest.raises(ValueError, match="window"):
         learning_curves.log_curves(records, window=0)
     # a run resumed from step 2 logs steps 3-4 and the final evaluation again: the later records count, once
@@ -120,3 +126,31 @@ def test_cli_refuses_what_it_cannot_draw(run, tmp_path):
     nothing = CliRunner().invoke(learning_curves.main, ["--run", f"a={plain}", "--staged", staged, "--manifest",
                                                         "demo", "--output", str(tmp_path)])
     assert nothing.exit_code == 1 and "--keep-checkpoints" in nothing.output
+
+
+def test_joint_screen_ranks_the_dev_split_and_reads_the_training_log(run, tmp_path):
+    """benchmarks.probes.joint_screen on the tiny JOIN run: a model against itself named as a SEP pair gives the
+    same CO (difference 0), CO minus EMB is the two recalls' difference, the binding accuracy and the log's mean
+    trunk gradient norms land in the CSV, and its table prints them."""
+    from benchmarks.probes import joint_screen
+    from benchmarks.report.published import joint_screen_block
+
+    staged, out = run
+    best = os.path.join(out, "best")
+    csv_path = str(tmp_path / "screen.csv")
+    res = CliRunner().invoke(joint_screen.main, [
+        "--staged", staged, "--manifest", "demo", "--pair", f"join={best}", "--pair", f"pair={best}:{best}",
+        "--queries", "20", "--k", "3", "--binding-captions", "40", "--threads", "1", "--label", "tiny",
+        "--output", csv_path], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    rows = pd.read_csv(csv_path)
+    assert len(rows) == 4 and set(rows["direction"]) == {"t2i", "i2t"}
+    assert (rows["co_minus_first"] == 0).all()
+    assert np.allclose(rows["co_minus_emb"], rows["co_R@1"] - rows["emb_R@1"], atol=0.01)
+    assert rows["binding_pairwise"].between(0, 100).all()
+    records = learning_curves.read_log(out)
+    ce_steps = {r["step"] for r in records if r.get("objective") == "ce"}
+    be = [r["grad_norm_trunk"] for r in records if r.get("objective") == "be" and r["step"] in ce_steps]
+    assert rows["be_grad_trunk"].iloc[0] == pytest.approx(np.mean(be), abs=1e-3)
+    table = joint_screen_block(rows.astype(str).to_dict("records"))
+    assert "| tiny | join |" in table and f"{rows['co_R@1'].iloc[0]:.1f}" in table

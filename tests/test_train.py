@@ -4,7 +4,7 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from math import comb
 
 import numpy as np
@@ -137,11 +137,12 @@ def test_infonce_be_training_runs_and_learns(tmp_path, data):
     assert result["best_eval"]["mR"] > chance_mr(20, 2) + 5
 
 
-@pytest.mark.parametrize("agreement", [False, True], ids=["cls-head", "ce-agreement"])
-def test_resume_gives_identical_weights(tmp_path, data, agreement):
+@pytest.mark.parametrize("agreement,optimizer", [(False, "shared"), (True, "shared"), (False, "separate")],
+                         ids=["cls-head", "ce-agreement", "separate-optimizers"])
+def test_resume_gives_identical_weights(tmp_path, data, agreement, optimizer):
     train, dev = data
     cfg = TrainConfig(objective="joint", steps=8, batch_size=8, lr=1e-3, eval_every=3, checkpoint_every=100,
-                      progress=False)
+                      joint_optimizer=optimizer, progress=False)
 
     def fresh(folder, seed=0):
         model = tiny_model(str(tmp_path / folder), feature_dim=F, seed=seed)
@@ -169,6 +170,23 @@ def test_resume_gives_identical_weights(tmp_path, data, agreement):
     losses_a = [r["loss"] for r in _log(tmp_path / "straight") if "loss" in r]
     losses_b = [r["loss"] for r in _log(tmp_path / "resumed") if "loss" in r]
     assert losses_a == losses_b
+
+    # every objective step logs how hard it pulled: the gradient norm of the model and of the shared transformer
+    steps = [r for r in _log(tmp_path / "straight") if "loss" in r]
+    assert {r["objective"] for r in steps} == {"be", "ce"}
+    assert all(r["grad_norm"] > 0 and 0 < r["grad_norm_trunk"] <= r["grad_norm"] + 1e-6 for r in steps)
+    state = json.load(open(tmp_path / "resumed" / "last" / "trainer_state.json"))
+    assert ("ce_state_param_groups" in state) == (optimizer == "separate")
+    if optimizer == "separate":  # one AdamW state per objective: another model than the shared state trains
+        shared = Trainer(fresh("e"), train, replace(cfg, joint_optimizer="shared"), str(tmp_path / "shared"), dev)
+        shared.train()
+        c = load_file(str(tmp_path / "shared" / "last" / "model.safetensors"))
+        assert not all(torch.equal(a[k], c[k]) for k in a)
+        with pytest.raises(ValueError, match="joint_optimizer"):
+            Trainer(fresh("f"), train, replace(cfg, joint_optimizer="shared"), str(tmp_path / "resumed")).train(
+                resume=True)
+        with pytest.raises(ValueError, match="joint run"):
+            TrainConfig(objective="be", joint_optimizer="separate")
 
     with pytest.raises(ValueError, match="batch_size"):
         other = TrainConfig(objective="joint", steps=8, batch_size=4, progress=False)
@@ -336,6 +354,31 @@ def test_dev_evaluation_shows_items_rate_and_eta(data, tmp_path, monkeypatch, ca
     assert "dev eval at step 7" in err and f"/{total} [" in err and "item/s" in err
     counts = [int(c) for c in re.findall(r"(\d+)/" + str(total) + r" \[", err)]
     assert f" 8/{total}" in err and max(counts) == total  # counts per batch, up to every item and never past it
+
+
+def test_reranked_recall_is_the_ce_order_of_the_be_top_k(data, tmp_path):
+    """The screens' reranked dev metric against a per-query recomputation: BE top k by cosine, the CE's best of
+    those k at rank 1, a gold the BE left out a miss; with k = every image, EMB R@1 is the dev evaluation's."""
+    from retrieval_core.training.dev_eval import reranked_recall
+
+    _, dev = data
+    model = tiny_model(str(tmp_path / "m"), feature_dim=F)
+    img_pos = np.unique(dev.image_pos)
+    images = dev.images.take(img_pos)
+    text, img = model.encode_text(dev.texts, 8), model.encode_image(images, 8)
+    res = reranked_recall(model, model, dev, queries=12, k=3, batch_size=8)
+    rng = np.random.default_rng([0, 7])  # the sample reranked_recall draws
+    caps = np.sort(rng.choice(len(dev), size=12, replace=False))
+    hits = []
+    for c in caps:
+        top = np.argsort(-(img @ text[c]), kind="stable")[:3]
+        ce = model.score([dev.texts[c]] * 3, [images.regions(int(i)) for i in top], 8)
+        hits.append(img_pos[top[int(np.argmax(ce))]] == dev.image_pos[c])
+    assert res["co_t2i_hits"].tolist() == [int(h) for h in hits]
+    assert res["co_t2i_R@1"] == pytest.approx(100.0 * np.mean(hits))
+    full = reranked_recall(model, model, dev, queries=len(dev), k=len(img_pos), batch_size=8)
+    ev = evaluate(model, dev, batch_size=8)
+    assert full["emb_t2i_R@1"] == pytest.approx(ev["t2i_R@1"]) and full["emb_i2t_R@1"] == pytest.approx(ev["i2t_R@1"])
 
 
 def test_feature_neighbours_find_the_near_duplicate():

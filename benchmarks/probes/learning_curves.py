@@ -49,6 +49,7 @@ from retrieval_core.training.trainer import LOG_FILE, kept_checkpoints
 DEV_SERIES = ("mR", "t2i_R@1", "i2t_R@1", "ce_pair_acc", "ce_hard_pair_acc")
 PROBE_CHANGES = ("attribute", "binding", "all")
 HEAD_OF_OBJECTIVE = {"be": ("BE",), "ce": ("CE",)}
+GRADIENT_SERIES = "trunk gradient norm"
 
 
 def read_log(train_dir: str) -> list[dict]:
@@ -66,8 +67,9 @@ def trained_heads(records: Sequence[dict]) -> tuple[str, ...]:
 
 
 def log_curves(records: Sequence[dict], window: int) -> pd.DataFrame:
-    """Rows (step, series, value): ``<objective> loss`` per window of steps (at the window's last step),
-    ``mining BE t2i R@1`` and ``dev <metric>`` where they were recorded."""
+    """Rows (step, series, value): ``<objective> loss`` and, where the trainer logged it, ``<objective> trunk
+    gradient norm`` (before clipping, the transformer's weights both objectives share) per window of steps (at the
+    window's last step), ``mining BE t2i R@1`` and ``dev <metric>`` where they were recorded."""
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     rows = []
@@ -79,6 +81,9 @@ def log_curves(records: Sequence[dict], window: int) -> pd.DataFrame:
         bins = (g["step"].to_numpy() - 1) // window
         for _, w in g.groupby(bins, sort=True):
             rows.append({"step": int(w["step"].max()), "series": f"{objective} loss", "value": float(w["loss"].mean())})
+            if "grad_norm_trunk" in w and w["grad_norm_trunk"].notna().all():
+                rows.append({"step": int(w["step"].max()), "series": f"{objective} {GRADIENT_SERIES}",
+                             "value": float(w["grad_norm_trunk"].mean())})
     for r in records:
         if "mined" in r and "be_t2i_R@1" in r["mined"]:
             rows.append({"step": int(r["step"]), "series": "mining BE t2i R@1",
@@ -108,11 +113,12 @@ def probe_curves(train_dir: str, heads: Sequence[str], staged, spec, split: str 
     return pd.DataFrame(rows, columns=["step", "series", "value"])
 
 
-PANELS = ("loss", "dev and mining (%)", "within-family pairwise accuracy (%)")
+PANELS = ("loss", "dev and mining (%)", "within-family pairwise accuracy (%)", "gradient norm")
 
 
 def _panel(series: str) -> str:
-    return PANELS[0] if series.endswith(" loss") else PANELS[2] if " pairwise " in series else PANELS[1]
+    return PANELS[0] if series.endswith(" loss") else PANELS[2] if " pairwise " in series else \
+        PANELS[3] if series.endswith(GRADIENT_SERIES) else PANELS[1]
 
 
 def plot_curves(curves: pd.DataFrame, path: str) -> str:

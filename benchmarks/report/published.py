@@ -52,7 +52,14 @@ from benchmarks.report.cost_tables import (
     train_source_table,
 )
 from benchmarks.report.schema import read_csv, schema_path
-from benchmarks.report.tables import comparison_table, fusion_rule_table, probe_table, recall_table, seed_table
+from benchmarks.report.tables import (
+    comparison_table,
+    fusion_rule_table,
+    joint_screen_table,
+    probe_table,
+    recall_table,
+    seed_table,
+)
 from retrieval_core.cli import CheckedPlan, option
 
 #: The tracked folder of the result CSVs the docs cite (results/ at the root is the runs' scratch, ignored).
@@ -163,6 +170,13 @@ def probe_block(rows: Sequence[Mapping]) -> str:
             + probe_table(rows) + "\n")
 
 
+def joint_screen_block(rows: Sequence[Mapping]) -> str:
+    """benchmarks.probes.joint_screen's rows (report.joint_screen_table) under where they were measured."""
+    return (_measured(rows, faiss=False) + f"; {_one(rows, 'split')} split, {_one(rows, 'queries')} queries per "
+            f"direction, the CE reranking the BE's top {_one(rows, 'k')}; intervals: {_one(rows, 'bootstrap')}.\n\n"
+            + joint_screen_table(rows) + "\n")
+
+
 def fusion_rule_block(rows: Sequence[Mapping]) -> str:
     """benchmarks.probes.fusion_rule's re-chosen defaults (report.fusion_rule_table) under where they were computed."""
     return (_measured(rows) + f"; from the stored scores of the suites' runs, {_one(rows, 'queries')} queries per "
@@ -256,7 +270,7 @@ def gpu_run_block(rows: Sequence[Mapping]) -> str:
 #: The table kinds a generated block may name.
 GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {
     "recall-table": recall_block, "precision-table": precision_block, "feeding-table": feeding_block,
-    "seed-table": seed_block, "probe-table": probe_block,
+    "seed-table": seed_block, "probe-table": probe_block, "joint-screen-table": joint_screen_block,
     "fusion-rule-table": fusion_rule_block, "jobs-table": jobs_block,
     "comparison-table": comparison_block, "per-query-table": per_query_block,
     "measured-per-query-table": measured_per_query_block,

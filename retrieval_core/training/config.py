@@ -13,6 +13,7 @@ OBJECTIVES = ("be", "ce", "joint")
 IMAGE_INITS = ("random", "lstsq")
 BE_LOSSES = ("triplet", "infonce")
 CE_LOSSES = ("pair", "listwise")
+JOINT_OPTIMIZERS = ("shared", "separate")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,13 @@ class TrainConfig(CheckedPlan):
     # JOIN: steps before this one run the BE objective only. A CE on a text-only backbone stays at chance until
     # the BE has aligned image and text tokens (docs/TRAINING.md), so earlier CE steps only cost time.
     ce_start_step: int = option(0, help="joint: run the BE objective alone before this step.")
+    # JOIN: one AdamW over the shared weights ("shared": its first moment blends the last ~10 updates of both
+    # objectives, so a CE step moves the weights mostly along the BE's recent direction) or one AdamW state per
+    # objective over the same weights ("separate": each objective follows its own momentum; no parameter added).
+    # What it changed on the dev split: docs/TRAINING.md, "The joint model's CE".
+    joint_optimizer: str = option("shared", type=click.Choice(JOINT_OPTIMIZERS, case_sensitive=False),
+                                  help="joint: one AdamW state for both objectives (shared) or one per objective "
+                                       "over the same weights (separate).")
     # Share of CE negatives drawn from the gold image's hard_negative_k nearest images by pooled region
     # features (feature_neighbours) instead of the whole set: what a reranker must reject are near-duplicates.
     hard_negative_prob: float = option(0.0, help="Share of CE negatives drawn from the gold image's nearest images "
@@ -128,6 +136,9 @@ class TrainConfig(CheckedPlan):
                              f"{self.mine_pool}, {self.mine_start_step}")
         if self.mine_model is not None and not self.mined_negative_prob:
             raise ValueError("mine_model is the BE that mines CE negatives: set mined_negative_prob > 0 too")
+        if self.joint_optimizer != "shared" and self.objective != "joint":
+            raise ValueError(f"joint_optimizer {self.joint_optimizer!r} is for a joint run; {self.objective!r} has "
+                             f"one objective")
         if self.length_chunk_rows < 0:
             raise ValueError(f"length_chunk_rows must be >= 0, got {self.length_chunk_rows}")
         if not 0.0 <= self.ema_decay < 1.0:

@@ -63,3 +63,40 @@ def _evaluate(model: VLRetrievalModel, dev: TrainData, img_pos: np.ndarray, imag
         out["ce_pair_acc"] = float(np.mean(pos_s > score(neg)) * 100.0)
         out["ce_hard_pair_acc"] = float(np.mean(pos_s > score(hard)) * 100.0)
     return out
+
+
+def reranked_recall(be: VLRetrievalModel, ce: VLRetrievalModel, dev: TrainData, queries: int, k: int = 20,
+                    device: str = "cpu", batch_size: int = 128, amp_dtype: Optional[str] = None,
+                    seed: int = 0) -> dict:
+    """R@1 of the BE alone (``emb``) and of the CE reranking the BE's top ``k`` (``co``: the CE's order of those
+    k, the gold a miss when the BE left it out), on a seeded sample of ``queries`` dev captions (t2i) and
+    ``queries`` dev images (i2t), as the suites rank them: what the joint model's CE is for. Keys
+    ``<emb|co>_<t2i|i2t>_R@1`` (percent) and, for paired intervals, ``<mode>_<direction>_hits`` (0/1 per query,
+    in sample order)."""
+    rng = np.random.default_rng([seed, 7])
+    img_pos = np.unique(dev.image_pos)
+    images = dev.images.take(img_pos)
+    caps = np.sort(rng.choice(len(dev), size=min(queries, len(dev)), replace=False))
+    imgs = np.sort(rng.choice(len(img_pos), size=min(queries, len(img_pos)), replace=False))
+    text_emb = be.encode_text(dev.texts, batch_size, device, amp_dtype)
+    img_emb = be.encode_image(images, batch_size, device, amp_dtype)
+    _, t2i = exact.exact_topk(text_emb[caps], img_emb, np.arange(len(img_pos)), k)  # positions in img_pos
+    _, i2t = exact.exact_topk(img_emb[imgs], text_emb, np.arange(len(dev)), k)  # caption positions
+    gold_img = np.searchsorted(img_pos, dev.image_pos)  # caption position -> its image's position in img_pos
+    # the CE scores every (query, candidate) pair: caption text with the candidate's (or the query's) regions
+    t2i_scores = ce.score([dev.texts[c] for c in caps for _ in range(k)],
+                          [images.regions(int(i)) for row in t2i for i in row], batch_size, device,
+                          amp_dtype).reshape(len(caps), k)
+    i2t_scores = ce.score([dev.texts[int(c)] for row in i2t for c in row],
+                          [images.regions(int(i)) for i in imgs for _ in range(k)], batch_size, device,
+                          amp_dtype).reshape(len(imgs), k)
+    t2i_gold = t2i == gold_img[caps][:, None]
+    i2t_gold = gold_img[i2t] == imgs[:, None]
+    out: dict = {}
+    for direction, gold, scores in (("t2i", t2i_gold, t2i_scores), ("i2t", i2t_gold, i2t_scores)):
+        top_ce = np.argmax(scores, axis=1)  # ties: the BE's order
+        hits = {"emb": gold[:, 0], "co": gold[np.arange(len(gold)), top_ce]}
+        for mode, h in hits.items():
+            out[f"{mode}_{direction}_R@1"] = float(h.mean() * 100.0)
+            out[f"{mode}_{direction}_hits"] = h.astype(np.int8)
+    return out

@@ -98,6 +98,8 @@ class Trainer:
         self.model.bert.embeddings.word_embeddings.weight.requires_grad_(not cfg.freeze_word_embeddings)
         self.collate_text = model.text_collator()
         self.optimizer = self._make_optimizer()
+        # the CE objective's AdamW: the same one, or its own state over the same weights (cfg.joint_optimizer)
+        self.ce_optimizer = self._make_optimizer() if cfg.joint_optimizer == "separate" else self.optimizer
         self.step = 0
         self.best_metric = -1.0
         self.best_eval: Optional[dict] = None
@@ -237,7 +239,7 @@ class Trainer:
         self._mine_if_due(step)
         group_caps, group_imgs = self._ce_groups(caps, step)
         size = self.cfg.ce_micro_batch
-        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         if not size or size >= len(group_caps):
             loss = self._ce_loss(group_caps, group_imgs)
             loss.backward()
@@ -275,15 +277,21 @@ class Trainer:
         inverse[np.concatenate(chunks)] = np.arange(len(texts))
         return out[torch.from_numpy(inverse).to(self.device)]
 
-    def _optimizer_step(self, loss: Optional[torch.Tensor], lr: float) -> None:
-        """One update from ``loss``'s gradient (None: the gradient is already accumulated)."""
+    def _optimizer_step(self, loss: Optional[torch.Tensor], lr: float, optimizer: torch.optim.Optimizer) -> dict:
+        """One update from ``loss``'s gradient (None: the gradient is already accumulated); returns the gradient's
+        norms before clipping, of the whole model and of the transformer alone (``bert.*``, what the objectives
+        share): how hard each objective pulls on the shared weights."""
         if loss is not None:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        for g in self.optimizer.param_groups:
+        trunk = [p.grad for n, p in self.model.named_parameters() if n.startswith("bert.") and p.grad is not None]
+        trunk_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in trunk]))) \
+            if trunk else 0.0
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        for g in optimizer.param_groups:
             g["lr"] = lr * g.get("lr_mult", 1.0)
-        self.optimizer.step()
+        optimizer.step()
+        return {"grad_norm": round(norm, 5), "grad_norm_trunk": round(trunk_norm, 5)}
 
     def _update_ema(self, step: int) -> None:
         """The average after ``step``: its decay ramps up over the first steps ((1 + s) / (10 + s)), so the start's
@@ -321,12 +329,12 @@ class Trainer:
             t0 = time.perf_counter()
             if objective == "be":
                 loss = self._be_loss(caps)
-                self._optimizer_step(loss, lr)
+                norms = self._optimizer_step(loss, lr, self.optimizer)
             else:
                 loss = self._ce_step_loss(caps, step)  # its backward has run
-                self._optimizer_step(None, lr)
+                norms = self._optimizer_step(None, lr, self.ce_optimizer)
             records.append({"step": step + 1, "objective": objective, "loss": float(loss.detach()), "lr": lr,
-                            "seconds": round(time.perf_counter() - t0, 4)})
+                            **norms, "seconds": round(time.perf_counter() - t0, 4)})
         if self.ema is not None:
             self._update_ema(step)
         return records
@@ -434,11 +442,20 @@ class Trainer:
     def save_state(self, directory: str) -> None:
         self._save_model(directory, state=True)
 
+    def _optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """The AdamW states a checkpoint keeps, by key prefix: ``state`` (the BE's, or the only one) and, with
+        ``joint_optimizer="separate"``, ``ce_state``."""
+        return {"state": self.optimizer, **({"ce_state": self.ce_optimizer}
+                                            if self.ce_optimizer is not self.optimizer else {})}
+
     def _write_trainer_state(self, directory: str) -> None:
-        sd = self.optimizer.state_dict()
-        tensors = {f"state.{i}.{k}": v.detach().cpu().contiguous() for i, st in sd["state"].items()
-                   for k, v in st.items()}
-        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+        tensors, groups = {}, {}
+        for prefix, optimizer in self._optimizers().items():
+            sd = optimizer.state_dict()
+            tensors.update({f"{prefix}.{i}.{k}": v.detach().cpu().contiguous() for i, st in sd["state"].items()
+                            for k, v in st.items()})
+            groups[prefix] = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+                              for g in sd["param_groups"]]
         if self.mined is not None:  # a resumed run keeps the negatives mined by the model of their window start
             tensors.update({f"mined.{k}": torch.from_numpy(v) for k, v in self.mined.arrays().items()})
         if self.ema is not None:
@@ -446,8 +463,8 @@ class Trainer:
         save_file(tensors, os.path.join(directory, STATE_TENSORS))
         with open(os.path.join(directory, STATE_JSON), "w") as f:
             json.dump({"step": self.step, "best_metric": self.best_metric, "best_eval": self.best_eval,
-                       "param_groups": groups, "config": asdict(self.cfg), "mined_until": self.mined_until},
-                      f, indent=2)
+                       "param_groups": groups.pop("state"), **{f"{p}_param_groups": g for p, g in groups.items()},
+                       "config": asdict(self.cfg), "mined_until": self.mined_until}, f, indent=2)
 
     def load_state(self, directory: str) -> None:
         """Restores model weights, AdamW moments, step and best metric from a ``last/`` checkpoint."""
@@ -455,8 +472,8 @@ class Trainer:
             raise FileNotFoundError(f"cannot resume: {directory} has no {STATE_JSON}")
         with open(os.path.join(directory, STATE_JSON)) as f:
             meta = json.load(f)
-        for key in ("objective", "steps", "batch_size", "seed", "be_loss"):
-            if meta["config"].get(key) != getattr(self.cfg, key):
+        for key in ("objective", "steps", "batch_size", "seed", "be_loss", "joint_optimizer"):
+            if meta["config"].get(key, "shared" if key == "joint_optimizer" else None) != getattr(self.cfg, key):
                 raise ValueError(f"cannot resume: checkpoint has {key}={meta['config'].get(key)!r}, "
                                  f"this run {getattr(self.cfg, key)!r}")
         weights = load_file(os.path.join(directory, WEIGHTS_FILE))
@@ -471,10 +488,13 @@ class Trainer:
             self.ema = {n: v.to(self.device) for n, v in ema.items()}
         if mined:
             self.mined, self.mined_until = MinedNegatives(**mined), int(meta["mined_until"])
-        state: dict[int, dict] = {}
-        for key, v in tensors.items():
-            _, i, name = key.split(".", 2)
-            state.setdefault(int(i), {})[name] = v.cpu() if name == "step" else v
-        groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        for prefix, optimizer in self._optimizers().items():
+            state: dict[int, dict] = {}
+            for key, v in tensors.items():
+                head, i, name = key.split(".", 2)
+                if head == prefix:
+                    state.setdefault(int(i), {})[name] = v.cpu() if name == "step" else v
+            saved = meta["param_groups" if prefix == "state" else f"{prefix}_param_groups"]
+            groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in saved]
+            optimizer.load_state_dict({"state": state, "param_groups": groups})
         self.step, self.best_metric, self.best_eval = int(meta["step"]), float(meta["best_metric"]), meta["best_eval"]
