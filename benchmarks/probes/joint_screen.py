@@ -40,7 +40,7 @@ from retrieval_core.cli import (
 )
 from retrieval_core.data.manifest import load_manifest
 from retrieval_core.data.store import StagedDataset
-from retrieval_core.evaluation.stats import Bootstrap, percentile_interval
+from retrieval_core.evaluation.stats import Bootstrap, percentile_interval, resample_sums
 from retrieval_core.model.network import VLRetrievalModel
 from retrieval_core.training.dev_eval import reranked_recall
 from retrieval_core.training.train_data import load_split
@@ -79,9 +79,8 @@ def training_summary(be_dir: str, ce_dir: Optional[str]) -> dict:
 def paired(a: np.ndarray, b: np.ndarray, boot: Bootstrap) -> tuple[float, float, float]:
     """Mean of a - b (percent points) and its percentile interval, the queries resampled."""
     d = (a.astype(np.float64) - b.astype(np.float64)) * 100.0
-    rng = np.random.default_rng(boot.seed)
-    idx = rng.integers(0, len(d), size=(boot.resamples, len(d)))
-    iv = percentile_interval(float(d.mean()), d[idx].mean(axis=1), boot.level)
+    sums = resample_sums(d[:, None], boot.resamples, np.random.default_rng(boot.seed))[:, 0]  # the suites' resampler
+    iv = percentile_interval(float(d.mean()), sums / len(d), boot.level)
     return round(iv.estimate, 2), round(iv.lo, 2), round(iv.hi, 2)
 
 
