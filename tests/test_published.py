@@ -301,3 +301,34 @@ def test_a_per_query_table_prints_each_rankings_cost_per_query(tmp_path):
     assert "| JOIN | CE over the whole pool | i2t | - | 10000000.00 | 5000000 | extrapolated |" in text
     assert "AUTO" not in text
     assert published.check_text(text, str(tmp_path), "doc", prose=False) == []
+
+
+#: Each seed summary's committed per-seed files: the JOIN rows of <suite>.csv (seed 0) and <suite>_seed<N>.csv, the
+#: SEP rows of <suite>_sep.csv (seed 0) and <suite>_sep_seed<N>.csv (docs/results/README.md).
+SEED_FILES = {suite: {seed: (f"{suite}{'' if seed == 0 else f'_seed{seed}'}.csv",
+                             f"{suite}_sep{'' if seed == 0 else f'_seed{seed}'}.csv") for seed in (0, 1, 2)}
+              for suite in ("standard", "distractor_20k")}
+
+
+@pytest.mark.parametrize("suite", sorted(SEED_FILES))
+def test_every_seed_summary_recomputes_from_its_committed_per_seed_files(suite):
+    """A reader recomputes <suite>_seeds.csv from the committed per-seed CSVs: means, spreads and t intervals of
+    both models' rows (the query-bootstrap columns need the per-query hits, which are not committed)."""
+    results = ROOT / "docs" / "results"
+    rows_by_seed = {}
+    for seed, (join_csv, sep_csv) in SEED_FILES[suite].items():
+        join = [r for r in report.read_csv(str(results / join_csv)) if r["model"] == "JOIN"]
+        sep = [r for r in report.read_csv(str(results / sep_csv)) if r["model"] == "SEP"]
+        assert join and sep, f"{suite} seed {seed}: {join_csv} holds no JOIN row or {sep_csv} no SEP row"
+        rows_by_seed[seed] = join + sep
+    summary = {tuple(str(r[c]) for c in report.SEED_KEY): r for r in report.seed_summary(rows_by_seed)}
+    committed = {tuple(str(r[c]) for c in report.SEED_KEY): r
+                 for r in report.read_csv(str(results / f"{suite}_seeds.csv"))}
+    assert summary.keys() == committed.keys()
+    compared = [c for c in report.SEED_COLUMNS if re.fullmatch(r"(delta_)?(R@\d+|mR)_(mean|std|min|max|mean_t_lo|"
+                                                               r"mean_t_hi)", c)]
+    for key, row in committed.items():
+        for c in compared:
+            if str(row[c]) != "":
+                assert float(summary[key][c]) == pytest.approx(float(row[c]), abs=1.5e-3), (key, c)
+        assert summary[key]["fusion"] == row["fusion"] and summary[key]["commit"] == row["commit"], key
