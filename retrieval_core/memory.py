@@ -8,15 +8,18 @@ gRPC (inside Beam's runner) no room for its threads' stacks, and gRPC aborts the
 start: SIGABRT, no Python error. glibc's per-thread malloc arenas are reserved PROT_NONE and count only
 as they are used, so they need no bound here. Imports nothing of the project but errors.py (the bottom floor).
 
-And a long job's free heap: ``trim_heap`` hands the pages of glibc's free chunks back to the OS.
+And a long job's free heap: ``trim_heap`` hands the pages of glibc's free chunks back to the OS; and
+``without_onednn``, the float32 CPU inference of a long-lived query engine without oneDNN's per-shape primitives.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import os
 import resource
+import threading
 from typing import Optional, Sequence
 
 from retrieval_core.errors import MemoryCapTooLow
@@ -106,6 +109,38 @@ class HeapTrimmer:
         if self._done >= self.every:
             trim_heap()
             self._done = 0
+
+
+_ONEDNN_LOCK = threading.Lock()
+_onednn_holders = 0
+_onednn_was: Optional[bool] = None
+
+
+@contextlib.contextmanager
+def without_onednn(active: bool = True):
+    """torch's oneDNN (``torch.backends.mkldnn``) off while any holder is inside (counted, so the threads of one job
+    agree), as before once the last leaves. Float32 CPU inference over ever new batch shapes (caption lengths) makes
+    oneDNN primitives per shape, and the heap around them fragments: a query engine's peak memory grew ~5 MB per
+    batch of 32 queries with it and stayed flat without, at the same speed on 2 cores (docs/log/ENGINEERING-2026-11.md).
+    bf16 needs oneDNN: ``active`` False leaves it on."""
+    global _onednn_holders, _onednn_was
+    if not active:
+        yield
+        return
+    import torch
+
+    with _ONEDNN_LOCK:
+        if _onednn_holders == 0:
+            _onednn_was = torch.backends.mkldnn.enabled
+            torch.backends.mkldnn.enabled = False
+        _onednn_holders += 1
+    try:
+        yield
+    finally:
+        with _ONEDNN_LOCK:
+            _onednn_holders -= 1
+            if _onednn_holders == 0:
+                torch.backends.mkldnn.enabled = _onednn_was
 
 
 @functools.lru_cache(maxsize=None)

@@ -87,6 +87,40 @@ def test_job_entry_point_and_rerank_give_the_same_rankings_and_scores(assets, tm
     assert len(api) == K * (len(caps) + len(images))
 
 
+def test_the_engine_scores_without_onednn_and_leaves_it_as_it_was(assets):
+    """float32 CPU: the models' calls run with oneDNN off (its per-shape primitives grew a long-lived engine's
+    memory), counted across threads, and the process's setting is back once the last call has left."""
+    import threading
+
+    import torch
+
+    from retrieval_core.memory import without_onednn
+
+    root, staged, model, emb_dir, index = assets
+    engine = QueryEngine(staged=staged, embeddings=emb_dir, index=index)
+    seen, score = [], engine.ce_model.score
+    engine.ce_model.score = lambda *a, **kw: (seen.append(torch.backends.mkldnn.enabled), score(*a, **kw))[1]
+    before = torch.backends.mkldnn.enabled
+    engine.search_text(["a small red cube"], k=K)
+    assert seen == [False] and torch.backends.mkldnn.enabled == before
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with without_onednn():
+            inside.set()
+            leave.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    inside.wait(30)
+    with without_onednn():
+        pass
+    assert torch.backends.mkldnn.enabled is False  # the other holder is still inside
+    leave.set()
+    t.join()
+    assert torch.backends.mkldnn.enabled == before
+
+
 def test_bad_queries_are_rejected_with_their_reason_and_counted(assets, tmp_path, capsys):
     root, staged, model, emb_dir, index = assets
     text = tmp_path / "q.txt"

@@ -46,7 +46,7 @@ from retrieval_core.data.paths import FileAccess, file_exists, is_url, read_file
 from retrieval_core.data.pixels.backbone import FeatureSourceError, backbone_for
 from retrieval_core.data.region_file import RegionFile, ensure_region_file
 from retrieval_core.data.store import StagedDataset
-from retrieval_core.memory import HeapTrimmer
+from retrieval_core.memory import HeapTrimmer, without_onednn
 from retrieval_core.model.checkpoints import CheckpointError, ModelFolder, inspect_model_folder, load_model_folder
 from retrieval_core.precision import check_quantize, resolve_quantize
 from retrieval_core.search import embeddings, rerank
@@ -611,29 +611,36 @@ class QueryEngine:
         if mode == AUTO:
             choice = self.auto_choice(tune_on, k)
             mode, lam = choice["mode"], choice["lam"] if choice["lam"] is not None else lam
-        truncated: list[str] = []
-        if direction == T2I:
-            vectors = self._encode_texts(queries, truncated)
-        else:
-            queries, regions, more = self._image_regions(queries)
-            rejected = rejected + more
-            vectors = self.be_model.encode_image(regions, batch_size=self.spec.batch_size, device=self.device) \
-                if regions else np.zeros((0, 1), np.float32)
-        results = []
-        if queries:
-            scores, ids = self._searcher(direction)(np.ascontiguousarray(vectors, dtype=np.float32), int(k))
-            cands = [(i[i >= 0], s[i >= 0]) for s, i in zip(scores, ids)]  # -1: a pool smaller than k
-            ce = self._ce_scores(direction, queries, regions if direction == I2T else None, cands) \
-                if mode != "emb" else [None] * len(queries)
-            rank_mode = rerank.RUN_TO_RANK_MODE[mode]
-            results = [rerank.rank_query(i, s, c, int(k), rank_mode, lam=float(lam), keep=int(k))
-                       for (i, s), c in zip(cands, ce)]
+        with without_onednn(self._float32_cpu):  # the models' calls: a long-lived engine's memory stays flat
+            truncated: list[str] = []
+            if direction == T2I:
+                vectors = self._encode_texts(queries, truncated)
+            else:
+                queries, regions, more = self._image_regions(queries)
+                rejected = rejected + more
+                vectors = self.be_model.encode_image(regions, batch_size=self.spec.batch_size, device=self.device) \
+                    if regions else np.zeros((0, 1), np.float32)
+            results = []
+            if queries:
+                scores, ids = self._searcher(direction)(np.ascontiguousarray(vectors, dtype=np.float32), int(k))
+                cands = [(i[i >= 0], s[i >= 0]) for s, i in zip(scores, ids)]  # -1: a pool smaller than k
+                ce = self._ce_scores(direction, queries, regions if direction == I2T else None, cands) \
+                    if mode != "emb" else [None] * len(queries)
+                rank_mode = rerank.RUN_TO_RANK_MODE[mode]
+                results = [rerank.rank_query(i, s, c, int(k), rank_mode, lam=float(lam), keep=int(k))
+                           for (i, s), c in zip(cands, ce)]
         hits = self._frame(direction, queries, results)
         hits.attrs.update(rejected=[r.to_dict() for r in rejected], truncated=truncated, answered=len(queries),
                           mode=mode, k=int(k), lam=float(lam) if mode in rerank.FUSION_MODES else None,
                           fusion_choice=choice)
         self._trimmer.tick(len(queries))
         return hits
+
+    @property
+    def _float32_cpu(self) -> bool:
+        """Both models run float32 on the CPU (memory.without_onednn applies; bf16 needs oneDNN)."""
+        inp = self.inputs
+        return str(self.device) == "cpu" and inp.be_precision == "none" and inp.ce_precision == "none"
 
     def _encode_texts(self, queries: list[Query], truncated: list[str]) -> np.ndarray:
         model = self.be_model
