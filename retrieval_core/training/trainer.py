@@ -98,6 +98,8 @@ class Trainer:
         self.model.bert.embeddings.word_embeddings.weight.requires_grad_(not cfg.freeze_word_embeddings)
         self.collate_text = model.text_collator()
         self.optimizer = self._make_optimizer()
+        # the transformer both objectives share (``bert.*``): its gradient norm is logged per step
+        self._trunk = [p for n, p in self.model.named_parameters() if n.startswith("bert.")]
         # the CE objective's AdamW: the same one, or its own state over the same weights (cfg.joint_optimizer)
         self.ce_optimizer = self._make_optimizer() if cfg.joint_optimizer == "separate" else self.optimizer
         self.step = 0
@@ -284,9 +286,8 @@ class Trainer:
         if loss is not None:
             self.model.zero_grad(set_to_none=True)
             loss.backward()
-        trunk = [p.grad for n, p in self.model.named_parameters() if n.startswith("bert.") and p.grad is not None]
-        trunk_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in trunk]))) \
-            if trunk else 0.0
+        trunk = [p.grad for p in self._trunk if p.grad is not None]
+        trunk_norm = float(torch.nn.utils.get_total_norm(trunk)) if trunk else 0.0
         norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
         for g in optimizer.param_groups:
             g["lr"] = lr * g.get("lr_mult", 1.0)
