@@ -120,9 +120,9 @@ _onednn_was: Optional[bool] = None
 def without_onednn(active: bool = True):
     """torch's oneDNN (``torch.backends.mkldnn``) off while any holder is inside (counted, so the threads of one job
     agree), as before once the last leaves. Float32 CPU inference over ever new batch shapes (caption lengths) makes
-    oneDNN primitives per shape, and the heap around them fragments: a query engine's peak memory grew ~5 MB per
-    batch of 32 queries with it and stayed flat without, at the same speed on 2 cores (docs/log/ENGINEERING-2026-11.md).
-    bf16 needs oneDNN: ``active`` False leaves it on."""
+    oneDNN primitives per shape and the heap around them fragments: a long-lived query engine's peak grew with the
+    queries with it and stayed flat without, at the same speed (docs/log/ENGINEERING-2026-11.md). bf16 needs oneDNN:
+    ``active`` False leaves it on."""
     global _onednn_holders, _onednn_was
     if not active:
         yield
