@@ -303,6 +303,38 @@ def test_a_per_query_table_prints_each_rankings_cost_per_query(tmp_path):
     assert published.check_text(text, str(tmp_path), "doc", prose=False) == []
 
 
+def test_a_latency_table_pivots_each_method_by_size_and_marks_the_extrapolated(tmp_path):
+    """The latency suite's Table 3: one line per method with its median per collection size, an extrapolated cell in
+    italics, a method not run at a size as -, and the entry point's rows with their percentiles; the suite's other
+    rows (roofline, Table 4 totals) stay out."""
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    one = {**ENV, "suite": "latency", "collection": "per_query(jittered)", "direction": "t2i", "batch_size": 128,
+           "notes": "items: jittered"}
+    rows = [{**one, "model": "JOIN", "mode": "EMB-Flat", "k": 10, "collection_size": n, "latency_p50_ms": ms,
+             "measured": True} for n, ms in ((1000, 15.77), (1_000_000, 162.66))]
+    rows += [{**one, "model": "JOIN", "mode": "EMB-bound", "k": 10, "collection_size": 1000,
+              "latency_p50_ms": 0.018, "measured": True}]
+    rows += [{**one, "model": "JOIN", "mode": "EMB-HNSW32", "k": 10, "collection_size": 1_000_000,
+              "latency_p50_ms": "", "measured": False}]
+    rows += [{**one, "model": "paper-code", "mode": "CE", "k": "all", "collection_size": n, "latency_p50_ms": ms,
+              "measured": False} for n, ms in ((1000, 9790.43), (1_000_000, 9778904.2))]
+    rows += [{**one, "collection": "entry_point", "model": "JOIN", "mode": "entry point CO", "k": 20,
+              "collection_size": 5000, "latency_p50_ms": 65.09, "latency_p95_ms": 85.28, "latency_p99_ms": 88.7,
+              "measured": True},
+             {**one, "collection": "eval_total(synthetic_coco)", "model": "JOIN", "mode": "CO", "k": 20,
+              "collection_size": 100000, "wall_s": 25920.0, "measured": False}]
+    report.write_csv(str(tmp_path / "docs" / "results" / "l.csv"), rows,
+                     write_atomic=lambda p, b: Path(p).write_bytes(b))
+    text = published.regenerate("<!-- pending: latency-table docs/results/l.csv -->\n", str(tmp_path))
+    assert "| model | method | k | 1k items | 1M items |" in text
+    assert "| JOIN | EMB-Flat | - | 15.8 | 162.7 |" in text
+    assert "| JOIN | EMB-bound | - | 0.02 | - |" in text
+    assert "| paper-code | CE | all | *9790.4* | *9778904.2* |" in text
+    assert "EMB-HNSW32" not in text and "25920" not in text
+    assert "| CO | 5000 | 20 | 65.1 | 85.3 | 88.7 |" in text
+    assert published.check_text(text, str(tmp_path), "doc", prose=False) == []
+
+
 #: Each seed summary's committed per-seed files: the JOIN rows of <suite>.csv (seed 0) and <suite>_seed<N>.csv, the
 #: SEP rows of <suite>_sep.csv (seed 0) and <suite>_sep_seed<N>.csv (docs/results/README.md).
 SEED_FILES = {suite: {seed: (f"{suite}{'' if seed == 0 else f'_seed{seed}'}.csv",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from benchmarks.report.schema import normalise_row
-from benchmarks.report.tables import _fmt, _signed
+from benchmarks.report.tables import _fmt, _signed, size_label
 
 
 def precision_table(rows: Sequence[Mapping]) -> str:
@@ -157,6 +157,34 @@ def per_query_table(rows: Sequence[Mapping]) -> str:
         lines.append(f"| {r['model']} | {ranking} | {r['direction']} | {r.get('queries') or '-'} | "
                      f"{_fmt(r['per_query_ms'], 2)} | {pairs} | "
                      f"{'measured' if str(r['measured']).lower() == 'true' else 'extrapolated'} |")
+    return "\n".join(lines)
+
+
+def latency_table(rows: Sequence[Mapping]) -> str:
+    """Markdown tables of the latency suite's per-query rows (the paper's Table 3): the median milliseconds of one
+    text query per method and collection size, extrapolated ones in italics; then the query entry point's rows
+    (``QueryEngine.search_text``) with their 95th and 99th percentiles."""
+    per_query = [r for r in rows if str(r.get("collection", "")).startswith("per_query")]
+    sizes = sorted({int(float(r["collection_size"])) for r in per_query})
+    cells: dict[tuple, dict[int, str]] = {}
+    for r in per_query:
+        if str(r.get("latency_p50_ms", "")) in ("", "nan"):
+            continue  # a method not run at this size (HNSW beyond --hnsw-max-n)
+        ms = _fmt(r["latency_p50_ms"], 2 if float(r["latency_p50_ms"]) < 1 else 1)  # the bandwidth bound at 1k
+        method = (str(r["model"]), str(r["mode"]), "" if str(r["mode"]).startswith("EMB") else str(r["k"]))
+        cells.setdefault(method, {})[int(float(r["collection_size"]))] = \
+            ms if str(r["measured"]).lower() == "true" else f"*{ms}*"
+    lines = ["| model | method | k | " + " | ".join(f"{size_label(n)} items" for n in sizes) + " |",
+             "|" + "---|" * (3 + len(sizes))]
+    for (model, mode, k), by_size in cells.items():
+        lines.append(f"| {model} | {mode} | {k or '-'} | " + " | ".join(by_size.get(n, "-") for n in sizes) + " |")
+    entry = [r for r in rows if str(r.get("collection", "")) == "entry_point"]
+    if entry:
+        lines += ["", "| entry point | indexed images | k | ms median | 95th percentile | 99th percentile |",
+                  "|" + "---|" * 6]
+        lines += [f"| {r['mode'].replace('entry point ', '')} | {int(float(r['collection_size']))} | {r['k']} | "
+                  f"{_fmt(r['latency_p50_ms'])} | {_fmt(r['latency_p95_ms'])} | {_fmt(r['latency_p99_ms'])} |"
+                  for r in entry]
     return "\n".join(lines)
 
 

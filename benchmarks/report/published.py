@@ -43,6 +43,7 @@ from benchmarks.report.cost_tables import (
     feeding_table,
     gpu_run_table,
     jobs_table,
+    latency_table,
     per_query_table,
     precision_table,
     query_job_table,
@@ -221,6 +222,15 @@ def search_batch_block(rows: Sequence[Mapping]) -> str:
             f"{_one(rows, 'notes')}.\n\n" + search_batch_table(rows) + "\n")
 
 
+def latency_block(rows: Sequence[Mapping]) -> str:
+    """The latency suite's per-query rows (report.latency_table) under where and how they were measured."""
+    per_query = [r for r in rows if str(r.get("collection", "")).startswith("per_query")]
+    return (_measured(rows) + f"; batch size {_one(per_query, 'batch_size')}; one text query per call, encoded by the "
+            f"model (included), median of each method's timed queries; {_one(per_query[:1], 'notes')}; "
+            "paper-code: torch.mm + topk over all items and one CE call per (query, candidate) pair.\n\n"
+            + latency_table(rows) + "\n")
+
+
 def query_latency_block(rows: Sequence[Mapping]) -> str:
     """benchmarks/meters/query_latency.py's rows (report.query_latency_table) under where and how they were measured."""
     loads = [float(r[c]) for r in rows for c in ("loadavg_1m_before", "loadavg_1m_after") if str(r.get(c, ""))]
@@ -275,7 +285,7 @@ GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {
     "comparison-table": comparison_block, "per-query-table": per_query_block,
     "measured-per-query-table": measured_per_query_block,
     "search-batch-table": search_batch_block, "gpu-run-table": gpu_run_block,
-    "query-latency-table": query_latency_block, "query-job-table": query_job_block,
+    "latency-table": latency_block, "query-latency-table": query_latency_block, "query-job-table": query_job_block,
     "train-source-table": train_source_block, "train-scale-table": train_scale_block}
 
 
