@@ -91,7 +91,7 @@ def _time(fn, items) -> np.ndarray:
     return np.array(out) * 1000
 
 
-def measure(plan: LatencyPlan) -> list[dict]:
+def measure(plan: LatencyPlan, env: dict) -> list[dict]:
     def open_engine() -> tuple[QueryEngine, float]:
         t = time.perf_counter()
         opened = QueryEngine(staged=plan.staged, embeddings=plan.embeddings, index=plan.index, device="cpu",
@@ -107,7 +107,6 @@ def measure(plan: LatencyPlan) -> list[dict]:
     n = plan.queries + plan.warmup
     texts = [Query(str(c), t) for c, t in zip(caps["caption_id"][:n], caps["text"][:n])]
     images = [Query(str(i), image=str(i)) for i in caps["image_item_id"][:n]]
-    env = environment("cpu", threads=plan.threads)
     pools = {d: s["pool"] for d, s in engine.inputs.searchers.items()}
     rows = []
     for direction, queries, search in ((T2I, texts, engine.search_text), (I2T, images, engine.search_images)):
@@ -149,18 +148,18 @@ def _child(argv: list[str], log: str) -> tuple[float, float]:
     return wall, peak_kib / 1024
 
 
-def measure_jobs(plan: LatencyPlan, work: str) -> list[dict]:
+def measure_jobs(plan: LatencyPlan, work: str, env: dict) -> list[dict]:
     """For each count of ``job_queries``: pipelines.rerank, then pipelines.query, on the same captions (mode co,
     depth k), in a subfolder ``q<count>`` of ``work``."""
     rows = []
     for count in plan.job_queries:
         folder = os.path.join(work, f"q{count}")
         os.makedirs(folder, exist_ok=True)
-        rows += _measure_job_pair(plan, count, folder)
+        rows += _measure_job_pair(plan, count, folder, env)
     return rows
 
 
-def _measure_job_pair(plan: LatencyPlan, count: int, work: str) -> list[dict]:
+def _measure_job_pair(plan: LatencyPlan, count: int, work: str, env: dict) -> list[dict]:
     import pandas as pd
 
     caps = StagedDataset(plan.staged).captions(split=plan.split).drop_duplicates("image_item_id")
@@ -180,7 +179,6 @@ def _measure_job_pair(plan: LatencyPlan, count: int, work: str) -> list[dict]:
                                  "--split", plan.split, "--output", os.path.join(work, "rerank")],
             "pipelines.query": ["pipelines.query", *common, "--queries", queries_jsonl, "--page-queries", "0",
                                 "--output", os.path.join(work, "query")]}
-    env = environment("cpu", threads=plan.threads)
     rows = []
     for job, argv in jobs.items():
         before = os.getloadavg()[0]
@@ -215,15 +213,18 @@ def main(**values):
         plan = plan_from_cli(LatencyPlan, values)
     if plan.job_queries and not plan.job_output:
         raise click.UsageError("--job-queries needs --job-output")
-    rows = measure(plan)
+    # the environment (commit, date) once, at the start: an edit in the tree during a long run must not split its
+    # rows across commits or mark the later ones dirty
+    env = environment("cpu", threads=plan.threads)
+    rows = measure(plan, env)
     _write(plan.output, COLUMNS, rows)
     if plan.job_queries:
         if plan.work:
             os.makedirs(plan.work, exist_ok=True)
-            job_rows = measure_jobs(plan, plan.work)
+            job_rows = measure_jobs(plan, plan.work, env)
         else:
             with tempfile.TemporaryDirectory(prefix="query-jobs-") as work:
-                job_rows = measure_jobs(plan, work)
+                job_rows = measure_jobs(plan, work, env)
         for r in job_rows:
             r["pool_images"], r["search"] = rows[0]["pool_images"], rows[0]["search"]
         _write(plan.job_output, JOB_COLUMNS, job_rows)
