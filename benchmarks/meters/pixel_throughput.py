@@ -27,7 +27,7 @@ from typing import Optional
 import click
 import numpy as np
 
-from benchmarks.report import cpu_model
+from benchmarks.report import cpu_model, gemm_gflops
 from retrieval_core.cli import (
     apply_device_and_threads,
     batch_size_option,
@@ -81,23 +81,6 @@ def _source_jpegs(source: Optional[str], folder: str) -> list[str]:
     return out
 
 
-def _gemm_gflops(device: str) -> float:
-    """A float32 1024^3 matmul rate on this device now: how much of the machine the run had (other jobs share
-    it); a quiet 2-core machine of this class does several times the rate of a busy one."""
-    import torch
-
-    a = torch.randn(1024, 1024, device=device)
-    a @ a
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return 10 * 2 * 1024 ** 3 / (time.perf_counter() - t) / 1e9
-
-
 class _Clock:
     """Wall and process CPU time since creation. Images per CPU-second (every thread of this process, the
     in-process stage job's included) is the row's cost, which other jobs on the machine disturb far less than
@@ -133,7 +116,7 @@ def measure(plan: ThroughputPlan) -> dict:
         precisions = ["float32"] + (["bfloat16"] if cuda or cpu_has_native_bf16() else [])
         backbones = {p: cached_backbone(grids, plan.device, p) for p in precisions}
         rows, cpu_rows = {}, {}
-        gemm = _gemm_gflops(plan.device)
+        gemm = gemm_gflops(plan.device)
 
         clock = _Clock()
         pixels = np.stack([decode_image(open(p, "rb").read(), 224).pixels for p in paths])

@@ -28,8 +28,7 @@ from typing import Optional
 
 import click
 
-from benchmarks.meters.pixel_throughput import _gemm_gflops
-from benchmarks.meters.train_source import commit, cpu_flags, cpu_model
+from benchmarks.report import cpu_flags, cpu_model, gemm_gflops, source_commit
 from retrieval_core.cli import CheckedPlan, batch_size_option, option, plan_command, plan_from_cli
 
 COLUMNS = ("manifest", "train_images", "train_captions", "region_file_gb", "steps", "batch_size", "max_regions",
@@ -167,8 +166,8 @@ def main(**values) -> None:
     import torch
 
     os.makedirs(plan.work, exist_ok=True)
-    gemm = round(_gemm_gflops("cpu"), 1)
-    code = commit()  # the code the child runs (HEAD may move during a long run)
+    gemm = round(gemm_gflops("cpu"), 1)
+    code = source_commit()  # the code the child runs (HEAD may move during a long run)
     argv = train_argv(plan)
     log_path = os.path.join(plan.work, "train_log.jsonl")
     if os.path.exists(log_path):

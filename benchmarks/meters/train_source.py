@@ -28,7 +28,6 @@ import csv
 import datetime
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -40,6 +39,7 @@ from typing import Optional
 
 import click
 
+from benchmarks.report import cpu_flags, cpu_model, source_commit
 from retrieval_core.cli import CheckedPlan, option, plan_command, plan_from_cli, to_argv
 from retrieval_core.training.recipes import RECIPES
 
@@ -49,40 +49,6 @@ COLUMNS = ("measurement", "recipe", "source", "rep", "order", "steps", "first_st
            "cpu_bf16", "device", "cpu_model", "cpu_flags", "threads", "torch", "faiss", "commit", "date", "load_avg",
            "command")
 SOURCES = ("memory", "streamed")
-
-
-# ----------------------------------------------------------------------------------------------- environment
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def cpu_flags() -> str:
-    """The flags that decide bf16 speed: avx512_bf16, amx_bf16 (absent ones say "no ...")."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return "; ".join(f if f in flags else f"no {f}" for f in ("avx512_bf16", "amx_bf16"))
-
-
-def commit() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 class AnonPeak:
@@ -269,7 +235,7 @@ def main(**values) -> None:
 
     env = {"recipe": recipe, "cpu_bf16": plan.cpu_bf16, "device": "cpu", "cpu_model": cpu_model(),
            "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "faiss": faiss.__version__, "commit": commit(), "date": datetime.date.today().isoformat(),
+           "faiss": faiss.__version__, "commit": source_commit(), "date": datetime.date.today().isoformat(),
            "command": " ".join(["python -m benchmarks.meters.train_source", *sys.argv[1:]])}
     os.makedirs(work, exist_ok=True)
     t0 = time.perf_counter()

@@ -22,8 +22,10 @@ from benchmarks.report.schema import (
     SEED_COLUMNS,
     SEED_KEY,
     column_schema,
+    cpu_flags,
     cpu_model,
     environment,
+    gemm_gflops,
     normalise_row,
     provenance,
     read_csv,
@@ -45,9 +47,9 @@ from benchmarks.report.tables import (
 
 __all__ = [
     "COLUMN_DOCS", "CSV_COLUMNS", "ENVIRONMENT_COLUMNS", "INTERVAL_COLUMNS", "JOB_COLUMNS", "MEMORY_STEPS", "METRICS",
-    "PAPER_CODE_MODEL", "SEED_COLUMNS", "SEED_KEY", "SIZE_SUITES", "column_schema", "cpu_model", "environment",
-    "memory_table", "memory_table_from", "normalise_row", "plot_latency", "plot_recall_vs_k", "plot_recall_vs_size",
-    "plot_recall_vs_size_from", "plot_roofline", "read_csv", "recall_table", "schema_path", "seed_summary",
-    "seed_summary_table", "set_threads", "source_commit", "provenance", "summary_table", "write_csv",
-    "write_jobs_csv",
+    "PAPER_CODE_MODEL", "SEED_COLUMNS", "SEED_KEY", "SIZE_SUITES", "column_schema", "cpu_flags", "cpu_model",
+    "environment", "gemm_gflops", "memory_table", "memory_table_from", "normalise_row", "plot_latency",
+    "plot_recall_vs_k", "plot_recall_vs_size", "plot_recall_vs_size_from", "plot_roofline", "read_csv", "recall_table",
+    "schema_path", "seed_summary", "seed_summary_table", "set_threads", "source_commit", "provenance", "summary_table",
+    "write_csv", "write_jobs_csv",
 ]

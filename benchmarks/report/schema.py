@@ -216,6 +216,33 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def cpu_flags() -> str:
+    """The flags that decide bf16 speed: avx512_bf16, amx_bf16 (absent ones say "no ...")."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return "; ".join(f if f in flags else f"no {f}" for f in ("avx512_bf16", "amx_bf16"))
+
+
+def gemm_gflops(device: str = "cpu") -> float:
+    """A float32 1024^3 matmul rate on this device now: how much of the machine the run had (other jobs share
+    it); a quiet 2-core machine of this class does several times the rate of a busy one."""
+    import torch
+
+    a = torch.randn(1024, 1024, device=device)
+    a @ a
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return 10 * 2 * 1024 ** 3 / (time.perf_counter() - t) / 1e9
+
+
 def source_commit() -> str:
     """The git commit of the checkout this code runs from, ``+dirty`` when tracked files differ from it (a number
     must name the code that produced it); outside a git checkout (an installed wheel, a copied working tree: the
