@@ -92,6 +92,17 @@ def test_ce_start_step_and_listwise_groups(tmp_path, data):
         TrainConfig(ce_loss="margin").check()
 
 
+def test_be_every_runs_the_be_objective_on_every_nth_step_after_the_ce_starts(tmp_path, data):
+    """JOIN with be_every=3: BE-only steps before ce_start_step, then the CE on every step and the BE on every third."""
+    train, _ = data
+    cfg = TrainConfig(objective="joint", steps=12, batch_size=16, lr=1e-3, ce_start_step=4, be_every=3,
+                      progress=False)
+    Trainer(tiny_model(str(tmp_path), feature_dim=F), train, cfg, str(tmp_path / "out"), None).train()
+    log = [r for r in _log(tmp_path / "out") if "objective" in r]
+    assert [r["step"] for r in log if r["objective"] == "ce"] == list(range(5, 13))
+    assert [r["step"] for r in log if r["objective"] == "be"] == [1, 2, 3, 4, 5, 8, 11]
+
+
 def test_freeze_word_embeddings_keeps_them_and_trains_the_rest(tmp_path, data):
     train, _ = data
     for freeze in (True, False):

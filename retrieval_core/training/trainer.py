@@ -163,7 +163,9 @@ class Trainer:
     def _objectives(self, step: int) -> tuple[str, ...]:
         if self.cfg.objective != "joint":
             return (self.cfg.objective,)
-        return ("be", "ce") if step >= self.cfg.ce_start_step else ("be",)
+        if step < self.cfg.ce_start_step:
+            return ("be",)
+        return ("be", "ce") if (step - self.cfg.ce_start_step) % self.cfg.be_every == 0 else ("ce",)
 
     def _regions(self, positions: np.ndarray) -> list[Regions]:
         """The regions of the images at ``positions``: read ahead for this step, else read now."""
