@@ -101,6 +101,9 @@ def test_be_every_runs_the_be_objective_on_every_nth_step_after_the_ce_starts(tm
     log = [r for r in _log(tmp_path / "out") if "objective" in r]
     assert [r["step"] for r in log if r["objective"] == "ce"] == list(range(5, 13))
     assert [r["step"] for r in log if r["objective"] == "be"] == [1, 2, 3, 4, 5, 8, 11]
+    with pytest.raises(ValueError, match="be_every"):  # a resumed run keeps the schedule it started with
+        Trainer(tiny_model(str(tmp_path / "b"), feature_dim=F), train, replace(cfg, be_every=1),
+                str(tmp_path / "out")).train(resume=True)
 
 
 def test_freeze_word_embeddings_keeps_them_and_trains_the_rest(tmp_path, data):

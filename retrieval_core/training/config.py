@@ -60,9 +60,9 @@ class TrainConfig(CheckedPlan):
     # JOIN: steps before this one run the BE objective only. A CE on a text-only backbone stays at chance until
     # the BE has aligned image and text tokens (docs/TRAINING.md), so earlier CE steps only cost time.
     ce_start_step: int = option(0, help="joint: run the BE objective alone before this step.")
-    # JOIN: from ce_start_step on, the BE objective on every Nth step only, the CE on every step. The CE's quality
-    # grows with its steps while the JOIN's BE is ahead of SEP's (docs/TRAINING.md): fewer BE updates buy CE steps
-    # within the SEP pair's training time.
+    # JOIN: from ce_start_step on, the BE objective on every Nth step only, the CE on every step: CE steps bought
+    # with BE updates in a fixed training time. Every third step at the bench recipe lost to every step on the dev
+    # split (docs/TRAINING.md, "The joint model's CE"): the CE needs the BE's updates of the shared weights too.
     be_every: int = option(1, type=click.IntRange(min=1),
                            help="joint: from --ce-start-step on, run the BE objective on every Nth step only.")
     # JOIN: one AdamW over the shared weights ("shared": its first moment blends the last ~10 updates of both

@@ -475,8 +475,10 @@ class Trainer:
             raise FileNotFoundError(f"cannot resume: {directory} has no {STATE_JSON}")
         with open(os.path.join(directory, STATE_JSON)) as f:
             meta = json.load(f)
-        for key in ("objective", "steps", "batch_size", "seed", "be_loss", "joint_optimizer"):
-            if meta["config"].get(key, "shared" if key == "joint_optimizer" else None) != getattr(self.cfg, key):
+        # the schedule's settings; a checkpoint from before an option existed had its default
+        before = {"joint_optimizer": "shared", "be_every": 1}
+        for key in ("objective", "steps", "batch_size", "seed", "be_loss", "joint_optimizer", "be_every"):
+            if meta["config"].get(key, before.get(key)) != getattr(self.cfg, key):
                 raise ValueError(f"cannot resume: checkpoint has {key}={meta['config'].get(key)!r}, "
                                  f"this run {getattr(self.cfg, key)!r}")
         weights = load_file(os.path.join(directory, WEIGHTS_FILE))
