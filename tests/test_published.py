@@ -35,6 +35,14 @@ def _repo(tmp_path: Path) -> str:
     return str(tmp_path)
 
 
+def _generated(tmp_path: Path, kind: str, rows: list) -> str:
+    """``rows`` written as a CSV of a scratch repository and the ``kind`` block its pending marker turns into."""
+    (tmp_path / "docs" / "results").mkdir(parents=True, exist_ok=True)
+    report.write_csv(str(tmp_path / "docs" / "results" / "t.csv"), rows,
+                     write_atomic=lambda p, b: Path(p).write_bytes(b))
+    return published.regenerate(f"<!-- pending: {kind} docs/results/t.csv -->\n", str(tmp_path))
+
+
 def test_every_docs_page_prints_only_numbers_of_its_committed_csvs():
     assert published.check(str(ROOT)) == []
 
@@ -246,15 +254,12 @@ def test_a_jobs_table_shows_each_job_as_it_ran(tmp_path):
 def test_a_comparison_table_pairs_two_models_on_the_same_queries(tmp_path):
     """One model's EMB against another's (benchmarks.evaluate --against): R@1 and mR with their intervals, and the
     paired differences with their verdicts, all of them cells of the CSV."""
-    (tmp_path / "docs" / "results").mkdir(parents=True)
     one = {**ENV, "collection": "synthetic_multi30k", "model": "JOIN-e5-all", "mode": "EMB", "k": "",
            "against": "emb of JOIN-e5-en", "mR": 60.0, "mR_lo": 58.0, "mR_hi": 62.0, "delta_mR": -1.5,
            "delta_mR_lo": -3.25, "delta_mR_hi": 0.5}
     rows = [{**one, "direction": d, "R@1": r1, "R@1_lo": r1 - 4, "R@1_hi": r1 + 4, "delta_R@1": dr,
              "delta_R@1_lo": dr - 2, "delta_R@1_hi": dr + 2} for d, r1, dr in (("t2i", 40.0, 3.0), ("i2t", 50.0, -1.0))]
-    report.write_csv(str(tmp_path / "docs" / "results" / "c.csv"), rows,
-                     write_atomic=lambda p, b: Path(p).write_bytes(b))
-    text = published.regenerate("<!-- pending: comparison-table docs/results/c.csv -->\n", str(tmp_path))
+    text = _generated(tmp_path, "comparison-table", rows)
     assert "| synthetic_multi30k | JOIN-e5-all | EMB | emb of JOIN-e5-en | 40.0 [36.0, 44.0] | 50.0 [46.0, 54.0] | " \
            "60.0 [58.0, 62.0] | +3.0 [+1.0, +5.0] lifts | -1.0 [-3.0, +1.0] no significant difference | " \
            "-1.5 [-3.2, +0.5] no significant difference |" in text
@@ -283,7 +288,6 @@ def test_a_hyphenated_word_ending_in_a_digit_is_no_number():
 def test_a_per_query_table_prints_each_rankings_cost_per_query(tmp_path):
     """The paper's Table 3 from a measured run: EMB (the search-only job) and CO per query, and the exhaustive
     CE's extrapolation; rows without a per-query cost (the AUTO row: two jobs) are left out."""
-    (tmp_path / "docs" / "results").mkdir(parents=True)
     one = {**ENV, "suite": "scale_1m", "collection": "synthetic_1m", "model": "JOIN", "queries": 5000}
     rows = [{**one, "mode": "EMB", "k": "", "direction": d, "per_query_ms": 3.017, "measured": True}
             for d in ("t2i", "i2t")]
@@ -293,9 +297,7 @@ def test_a_per_query_table_prints_each_rankings_cost_per_query(tmp_path):
     rows += [{**one, "mode": "CE", "k": "all", "direction": d, "queries": "", "per_query_ms": ms, "ce_pairs": n,
               "rate_per_s": 500.0, "measured": False}
              for d, ms, n in (("t2i", 2e6, 1_000_000), ("i2t", 1e7, 5_000_000))]
-    report.write_csv(str(tmp_path / "docs" / "results" / "q.csv"), rows,
-                     write_atomic=lambda p, b: Path(p).write_bytes(b))
-    text = published.regenerate("<!-- pending: per-query-table docs/results/q.csv -->\n", str(tmp_path))
+    text = _generated(tmp_path, "per-query-table", rows)
     assert "| JOIN | EMB | t2i | 5000 | 3.02 | - | measured |" in text
     assert "| JOIN | CO k=20 | i2t | 5000 | 43.50 | 20 | measured |" in text
     assert "| JOIN | CE over the whole pool | i2t | - | 10000000.00 | 5000000 | extrapolated |" in text
@@ -307,7 +309,6 @@ def test_a_latency_table_pivots_each_method_by_size_and_marks_the_extrapolated(t
     """The latency suite's Table 3: one line per method with its median per collection size, an extrapolated cell in
     italics, a method not run at a size as -, and the entry point's rows with their percentiles; the suite's other
     rows (roofline, Table 4 totals) stay out."""
-    (tmp_path / "docs" / "results").mkdir(parents=True)
     one = {**ENV, "suite": "latency", "collection": "per_query(jittered)", "direction": "t2i", "batch_size": 128,
            "notes": "items: jittered"}
     rows = [{**one, "model": "JOIN", "mode": "EMB-Flat", "k": 10, "collection_size": n, "latency_p50_ms": ms,
@@ -323,9 +324,7 @@ def test_a_latency_table_pivots_each_method_by_size_and_marks_the_extrapolated(t
               "measured": True},
              {**one, "collection": "eval_total(synthetic_coco)", "model": "JOIN", "mode": "CO", "k": 20,
               "collection_size": 100000, "wall_s": 25920.0, "measured": False}]
-    report.write_csv(str(tmp_path / "docs" / "results" / "l.csv"), rows,
-                     write_atomic=lambda p, b: Path(p).write_bytes(b))
-    text = published.regenerate("<!-- pending: latency-table docs/results/l.csv -->\n", str(tmp_path))
+    text = _generated(tmp_path, "latency-table", rows)
     assert "| model | method | k | 1k items | 1M items |" in text
     assert "| JOIN | EMB-Flat | - | 15.8 | 162.7 |" in text
     assert "| JOIN | EMB-bound | - | 0.02 | - |" in text
