@@ -51,6 +51,9 @@ def test_recipes_are_typed_train_configs_run_through_the_train_cli():
     assert ml["all_languages"].join.steps == 4 * ml["zero_shot"].join.steps and ml["all_languages"].languages == ()
     # the suites' recipe: every CE reranks what it was trained on, its bi-encoder's top-k
     assert bench.join.mine_k >= 20 and bench.sep_ce.mined_negative_prob > 0 and bench.sep_ce.mine_k >= 20
+    # the suites' JOIN: one AdamW state per objective (issue 56), written into its train command and stamp
+    bench_args = to_argv(TrainPlan(staged="s", output="o", config=bench.join))
+    assert bench_args[bench_args.index("--joint-optimizer") + 1] == "separate"
     assert {r.join.seed for r in (bench.with_seed(2),)} == {2} and bench.with_seed(2).sep_ce.seed == 2
     with pytest.raises(ValueError, match="sep_ce must have objective 'ce'"):
         replace(demo, sep_ce=demo.sep_be)
