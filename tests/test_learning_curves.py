@@ -131,7 +131,7 @@ def test_cli_refuses_what_it_cannot_draw(run, tmp_path):
 def test_joint_screen_ranks_the_dev_split_and_reads_the_training_log(run, tmp_path):
     """benchmarks.probes.joint_screen on the tiny JOIN run: a model against itself named as a SEP pair gives the
     same CO (difference 0), CO minus EMB is the two recalls' difference, the binding accuracy and the log's mean
-    trunk gradient norms land in the CSV, and its table prints them."""
+    trunk gradient norms and its training seconds land in the CSV, and its table prints them."""
     from benchmarks.probes import joint_screen
     from benchmarks.report.published import joint_screen_block
 
@@ -152,5 +152,20 @@ def test_joint_screen_ranks_the_dev_split_and_reads_the_training_log(run, tmp_pa
     ce_steps = {r["step"] for r in records if r.get("objective") == "ce"}
     be = [r["grad_norm_trunk"] for r in records if r.get("objective") == "be" and r["step"] in ce_steps]
     assert rows["be_grad_trunk"].iloc[0] == pytest.approx(np.mean(be), abs=1e-3)
+    # the training's logged time: its steps, minings and dev evaluations (one run: the same for both pairs)
+    logged = (sum(r["seconds"] for r in records if "objective" in r)
+              + sum(r[k]["seconds"] for r in records for k in ("mined", "eval") if k in r))
+    assert rows["train_seconds"].tolist() == [pytest.approx(logged, abs=0.1)] * 4 and logged > 0
     table = joint_screen_block(rows.astype(str).to_dict("records"))
     assert "| tiny | join |" in table and f"{rows['co_R@1'].iloc[0]:.1f}" in table
+
+
+def test_a_resumed_runs_replayed_steps_count_once_in_its_training_seconds():
+    """A run killed after step 1's checkpoint and resumed logs steps 2-3 twice: the training's time counts each step
+    once (its last record), plus its mining and evaluation."""
+    from benchmarks.probes.joint_screen import logged_seconds
+
+    records = [{"step": s, "objective": "be", "seconds": 1.0} for s in (1, 2, 3)]
+    records += [{"step": s, "objective": "be", "seconds": 2.0} for s in (2, 3)]  # the resumed run
+    records += [{"step": 3, "mined": {"seconds": 5.0}}, {"step": 3, "eval": {"seconds": 0.5}}]
+    assert logged_seconds(records) == 1.0 + 2.0 + 2.0 + 5.0 + 0.5

@@ -48,24 +48,35 @@ from retrieval_core.training.train_data import load_split
 COLUMNS = ("label", "pair", "be_model", "ce_model", "train_seed", "split", "queries", "k", "direction", "emb_R@1",
            "co_R@1", "co_minus_emb", "co_minus_emb_lo", "co_minus_emb_hi", "co_minus_first", "co_minus_first_lo",
            "co_minus_first_hi", "binding_pairwise", "binding_lo", "binding_hi", "be_grad_trunk", "ce_grad_trunk",
-           "be_loss_end", "ce_loss_end", "bootstrap", "date", "commit", "cpu_model", "device", "threads", "torch",
-           "seconds")
+           "be_loss_end", "ce_loss_end", "train_seconds", "bootstrap", "date", "commit", "cpu_model", "device",
+           "threads", "torch", "seconds")
 #: Steps at the end of a run whose mean loss is its ``<objective>_loss_end``.
 LAST_STEPS = 40
+
+
+def logged_seconds(records: list[dict]) -> float:
+    """A training's own time from its log: its steps' seconds (a step replayed by a resumed run counted once, as
+    last logged), its minings' and its dev evaluations' - what a run of the recipe costs, without start-up."""
+    steps = {(r["step"], r["objective"]): r["seconds"] for r in records if "objective" in r and "seconds" in r}
+    return (sum(steps.values()) + sum(r["mined"]["seconds"] for r in records if "mined" in r)
+            + sum(r["eval"]["seconds"] for r in records if "eval" in r))
 
 
 def training_summary(be_dir: str, ce_dir: Optional[str]) -> dict:
     """From the training logs beside the models (``<run>/best`` -> ``<run>/train_log.jsonl``): per objective, the
     mean trunk gradient norm (before clipping) over the steps it ran while the CE objective ran too (a JOIN's CE
-    phase; a SEP model's whole run), and the mean loss of its last LAST_STEPS steps. Blank where the log lacks
-    them (a run logged before the trainer recorded gradient norms)."""
-    out = {}
+    phase; a SEP model's whole run), and the mean loss of its last LAST_STEPS steps; the pair's training seconds
+    (``logged_seconds`` of its one run, or of both for a SEP pair). Blank where the log lacks them (a run logged
+    before the trainer recorded gradient norms)."""
+    out, seconds = {}, {}
     for objective, folder in (("be", be_dir), ("ce", ce_dir or be_dir)):
         path = os.path.join(os.path.dirname(os.path.abspath(folder.rstrip("/"))), "train_log.jsonl")
         if not os.path.exists(path):
             continue
         with open(path) as f:
-            steps = [json.loads(line) for line in f if '"objective"' in line]
+            records = [json.loads(line) for line in f]
+        seconds[path] = logged_seconds(records)
+        steps = [r for r in records if "objective" in r]
         ce_steps = {r["step"] for r in steps if r.get("objective") == "ce"}
         mine = [r for r in steps if r.get("objective") == objective]
         during = [r for r in mine if r["step"] in ce_steps or not ce_steps]
@@ -73,6 +84,8 @@ def training_summary(be_dir: str, ce_dir: Optional[str]) -> dict:
             out[f"{objective}_grad_trunk"] = round(float(np.mean([r["grad_norm_trunk"] for r in during])), 3)
         if mine:
             out[f"{objective}_loss_end"] = round(float(np.mean([r["loss"] for r in mine[-LAST_STEPS:]])), 4)
+    if len(seconds) == len({be_dir, ce_dir or be_dir}):  # every run of the pair logged
+        out["train_seconds"] = round(sum(seconds.values()), 1)
     return out
 
 

@@ -458,9 +458,9 @@ def joint_screen_table(rows: Sequence[Mapping]) -> str:
     """A Markdown table of benchmarks.probes.joint_screen's CSV: per screened model pair and direction, the dev R@1
     of its BE and of its CE reranking the BE's top k, CO minus EMB and CO minus the screen's first pair (paired
     bootstrap intervals), the CE's pairwise binding accuracy, and from its training logs each objective's mean
-    trunk gradient norm while the CE trained."""
+    trunk gradient norm while the CE trained and the pair's training seconds (steps, minings, dev evaluations)."""
     lines = ["| screen | pair | seed | direction | EMB R@1 | CO R@1 | CO minus EMB | CO minus the first pair | "
-             "CE binding % | BE trunk grad | CE trunk grad |", "|" + "---|" * 11]
+             "CE binding % | BE trunk grad | CE trunk grad | training s |", "|" + "---|" * 12]
 
     def diff(r: Mapping, key: str) -> str:
         return f"{float(r[key]):+.1f} [{float(r[key + '_lo']):+.1f}, {float(r[key + '_hi']):+.1f}]"
@@ -468,5 +468,5 @@ def joint_screen_table(rows: Sequence[Mapping]) -> str:
         lines.append(f"| {r['label']} | {r['pair']} | {r['train_seed']} | {r['direction']} | {_fmt(r['emb_R@1'])} | "
                      f"{_fmt(r['co_R@1'])} | {diff(r, 'co_minus_emb')} | {diff(r, 'co_minus_first')} | "
                      f"{_fmt(r.get('binding_pairwise', ''))} | {_fmt(r.get('be_grad_trunk', ''), 2)} | "
-                     f"{_fmt(r.get('ce_grad_trunk', ''), 2)} |")
+                     f"{_fmt(r.get('ce_grad_trunk', ''), 2)} | {_fmt(r.get('train_seconds', ''), 0)} |")
     return "\n".join(lines)
