@@ -468,5 +468,5 @@ def joint_screen_table(rows: Sequence[Mapping]) -> str:
         lines.append(f"| {r['label']} | {r['pair']} | {r['train_seed']} | {r['direction']} | {_fmt(r['emb_R@1'])} | "
                      f"{_fmt(r['co_R@1'])} | {diff(r, 'co_minus_emb')} | {diff(r, 'co_minus_first')} | "
                      f"{_fmt(r.get('binding_pairwise', ''))} | {_fmt(r.get('be_grad_trunk', ''), 2)} | "
-                     f"{_fmt(r.get('ce_grad_trunk', ''), 2)} | {_fmt(r.get('train_seconds', ''), 0)} |")
+                     f"{_fmt(r.get('ce_grad_trunk', ''), 2)} | {_fmt(r.get('train_seconds', ''))} |")
     return "\n".join(lines)
