@@ -68,9 +68,10 @@ def training_summary(be_dir: str, ce_dir: Optional[str]) -> dict:
     phase; a SEP model's whole run), and the mean loss of its last LAST_STEPS steps; the pair's training seconds
     (``logged_seconds`` of its one run, or of both for a SEP pair). Blank where the log lacks them (a run logged
     before the trainer recorded gradient norms)."""
-    out, seconds = {}, {}
+    out, seconds, logs = {}, {}, set()
     for objective, folder in (("be", be_dir), ("ce", ce_dir or be_dir)):
         path = os.path.join(os.path.dirname(os.path.abspath(folder.rstrip("/"))), "train_log.jsonl")
+        logs.add(path)
         if not os.path.exists(path):
             continue
         with open(path) as f:
@@ -84,7 +85,7 @@ def training_summary(be_dir: str, ce_dir: Optional[str]) -> dict:
             out[f"{objective}_grad_trunk"] = round(float(np.mean([r["grad_norm_trunk"] for r in during])), 3)
         if mine:
             out[f"{objective}_loss_end"] = round(float(np.mean([r["loss"] for r in mine[-LAST_STEPS:]])), 4)
-    if len(seconds) == len({be_dir, ce_dir or be_dir}):  # every run of the pair logged
+    if seconds.keys() == logs:  # every run of the pair logged (one run: a JOIN, or one folder named twice)
         out["train_seconds"] = round(sum(seconds.values()), 1)
     return out
 
