@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import click
 
 from benchmarks.report import cli_reference, published
-from benchmarks.report.schema import SEED_COLUMNS, read_csv, write_csv
+from benchmarks.report.schema import SEED_COLUMNS, SEED_KEY, read_csv, write_csv
 from benchmarks.report.tables import memory_table_from, recall_table, seed_summary_from, seed_summary_table
 from retrieval_core.cli import CONTEXT_SETTINGS, CheckedPlan, cli_errors, option, plan_from_cli, plan_options
 
@@ -59,12 +59,16 @@ def recall_table_cmd(**values):
 @plan_options(SeedsPlan)
 def seeds_cmd(**values):
     """Rewrite RUN_DIR/<suite>_seeds.csv (benchmarks.run --model-seed 0,1,2's summary) from RUN_DIR/seed<N>/<suite>.csv
-    with today's columns (the t interval over seeds), keeping the query-bootstrap columns of the one there."""
+    with today's columns (the t interval over seeds), keeping the query-bootstrap columns of each row the one there
+    summarises with the same means (the per-query hits are not in the CSVs: a rerun row has them blank)."""
     with cli_errors():
         plan = plan_from_cli(SeedsPlan, values)
-        summary = seed_summary_from(plan.run_dir, plan.suite)
+        summary, blank = seed_summary_from(plan.run_dir, plan.suite)
     path = write_csv(f"{plan.run_dir.rstrip('/')}/{plan.suite}_seeds.csv", summary, SEED_COLUMNS)
     click.echo(seed_summary_table(summary, f"{plan.suite}: mean ± std over model seeds {summary[0]['seeds']}"))
+    for row in blank:
+        click.echo(f"no query-bootstrap columns for {' '.join(str(row[c]) for c in SEED_KEY if str(row[c]))}: "
+                   "the summary there has other means for it (a rerun row; its per-query hits are not in the CSVs)")
     click.echo(f"wrote {path}")
 
 

@@ -57,6 +57,7 @@ from benchmarks.report.tables import (
     comparison_table,
     fusion_rule_table,
     joint_screen_table,
+    model_gap_table,
     probe_table,
     recall_table,
     seed_table,
@@ -103,9 +104,24 @@ def _one(rows: Sequence[Mapping], column: str) -> str:
 def _measured(rows: Sequence[Mapping], faiss: bool = True) -> str:
     """``Measured <date> at commit <c> on <cpu> (<device>, <n> threads; torch <v>[, faiss <v>])``: the opening of
     every generated table's line."""
-    return (f"Measured {_one(rows, 'date')} at commit `{_one(rows, 'commit')}` on {_one(rows, 'cpu_model')} "
+    dates = sorted({d for r in rows for d in str(r.get("date", "")).split(", ") if d})  # a seed row joins its seeds'
+    return (f"Measured {', '.join(dates) or '-'} at commit {_commits(rows)} on {_one(rows, 'cpu_model')} "
             f"({_one(rows, 'device')}, {_one(rows, 'threads')} threads; torch {_one(rows, 'torch')}"
             + (f", faiss {_one(rows, 'faiss')})" if faiss else ")"))
+
+
+def _commits(rows: Sequence[Mapping]) -> str:
+    """The rows' commit; where each model's rows share one but the models differ (one model rerun from a later
+    pinned commit), each commit with the models it ran."""
+    by_model: dict[str, set] = {}
+    for r in rows:
+        by_model.setdefault(str(r.get("model", "")), set()).add(str(r.get("commit", "")))
+    if len(set().union(*by_model.values())) < 2 or any(len(c) != 1 for c in by_model.values()):
+        return f"`{_one(rows, 'commit')}`"
+    models: dict[str, list] = {}
+    for model, (commit,) in by_model.items():
+        models.setdefault(commit, []).append(model)
+    return ", ".join(f"`{c}` ({' and '.join(m)} rows)" for c, m in models.items())
 
 
 def provenance_line(rows: Sequence[Mapping]) -> str:
@@ -160,8 +176,17 @@ def seed_block(rows: Sequence[Mapping]) -> str:
             f"encode and rerank in {_precision(rows)}; {_one(rows, 'split')} split, {_one(rows, 'queries')} "
             f"queries per direction (the same queries for every seed), pools of {_one(rows, 'collection_size')} "
             f"images; mean ± std over the seeds [intervals: "
-            f"{_one(rows, 'seed_interval')}]. The query-bootstrap intervals of the seed means: the CSV.\n\n"
+            f"{_one(rows, 'seed_interval')}]. The query-bootstrap intervals of the seed means: the CSV (of the "
+            "rows whose run kept its per-query hits).\n\n"
             + seed_table(rows) + "\n")
+
+
+def model_gap_block(rows: Sequence[Mapping]) -> str:
+    """JOIN against SEP in a <suite>_seeds.csv (report.model_gap_table) under how it was measured."""
+    return (_measured(rows) + f"; recipe {_one(rows, 'recipe')}, model seeds {_one(rows, 'seeds')} of each; "
+            f"{_one(rows, 'split')} split, {_one(rows, 'queries')} queries per direction (the same for both models "
+            f"and every seed); R@1 seed means, the difference with its 95 % Welch t interval over the seeds (each "
+            f"model trained on its own seeds: not paired).\n\n" + model_gap_table(rows) + "\n")
 
 
 def probe_block(rows: Sequence[Mapping]) -> str:
@@ -280,7 +305,8 @@ def gpu_run_block(rows: Sequence[Mapping]) -> str:
 #: The table kinds a generated block may name.
 GENERATORS: dict[str, Callable[[Sequence[Mapping]], str]] = {
     "recall-table": recall_block, "precision-table": precision_block, "feeding-table": feeding_block,
-    "seed-table": seed_block, "probe-table": probe_block, "joint-screen-table": joint_screen_block,
+    "seed-table": seed_block, "model-gap-table": model_gap_block, "probe-table": probe_block,
+    "joint-screen-table": joint_screen_block,
     "fusion-rule-table": fusion_rule_block, "jobs-table": jobs_block,
     "comparison-table": comparison_block, "per-query-table": per_query_block,
     "measured-per-query-table": measured_per_query_block,

@@ -14,6 +14,7 @@ from retrieval_core.evaluation.stats import (
     recall_intervals,
     seed_mean_interval,
     verdict,
+    welch_interval,
 )
 
 
@@ -161,11 +162,12 @@ def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]],
     return out
 
 
-def seed_summary_from(run_dir: str, suite: str) -> list[dict]:
+def seed_summary_from(run_dir: str, suite: str) -> tuple[list[dict], list[dict]]:
     """:func:`seed_summary` of the per-seed CSVs a several-seed run wrote (``<run_dir>/seed<N>/<suite>.csv``),
-    e.g. to add columns a newer summary has to a finished run. The per-query hits are not in the CSVs: the
-    query-bootstrap columns of an existing ``<run_dir>/<suite>_seeds.csv`` are carried over when its rows are the
-    same rows with the same means, and refused otherwise."""
+    e.g. to add columns a newer summary has to a finished run, or after one model's rows were rerun. The per-query
+    hits are not in the CSVs: a row keeps the query-bootstrap columns of an existing ``<run_dir>/<suite>_seeds.csv``
+    when that file has the same row of the same seeds with the same means (its differences to EMB included); a row
+    without such a match has them blank. Returns the summary and the rows left blank (the caller says which)."""
     rows_by_seed = {}
     for name in sorted(os.listdir(run_dir)):
         path = os.path.join(run_dir, name, f"{suite}.csv")
@@ -176,18 +178,24 @@ def seed_summary_from(run_dir: str, suite: str) -> list[dict]:
                          f"{sorted(rows_by_seed) or 'none'}")
     summary = seed_summary(rows_by_seed)
     old_path = os.path.join(run_dir, f"{suite}_seeds.csv")
-    if os.path.isfile(old_path):
-        old = {tuple(str(r[c]) for c in SEED_KEY): r for r in read_csv(old_path)}
-        carried = [f"{m}_mean_{e}" for m in METRICS for e in ("lo", "hi")] + \
-            [f"delta_{m}_mean_{e}" for m in METRICS for e in ("lo", "hi")] + ["bootstrap"]
-        for row in summary:
-            prev = old.get(tuple(str(row[c]) for c in SEED_KEY))
-            if prev is None or prev.get("seeds") != row["seeds"] or any(
-                    abs(float(prev[f"{m}_mean"]) - float(row[f"{m}_mean"])) > 1e-3 for m in METRICS):
-                raise ValueError(f"{old_path} does not summarise the same rows of the same seeds as "
-                                 f"{run_dir}/seed*/{suite}.csv (row {[row[c] for c in SEED_KEY]})")
+    old = {tuple(str(r[c]) for c in SEED_KEY): r for r in read_csv(old_path)} if os.path.isfile(old_path) else {}
+    carried = [f"{m}_mean_{e}" for m in METRICS for e in ("lo", "hi")] + \
+        [f"delta_{m}_mean_{e}" for m in METRICS for e in ("lo", "hi")] + ["bootstrap"]
+    means = [f"{m}_mean" for m in METRICS] + [f"delta_{m}_mean" for m in METRICS]
+
+    def same(prev: Mapping, row: Mapping) -> bool:
+        return prev.get("seeds") == row["seeds"] and all(
+            (str(prev.get(c, "")) == "") == (str(row.get(c, "")) == "") and
+            (str(row.get(c, "")) == "" or abs(float(prev[c]) - float(row[c])) <= 1e-3) for c in means)
+
+    blank = []
+    for row in summary:
+        prev = old.get(tuple(str(row[c]) for c in SEED_KEY))
+        if prev is not None and same(prev, row):
             row.update({c: prev[c] for c in carried if c in prev and str(prev[c]) != ""})
-    return summary
+        elif old:
+            blank.append(row)
+    return summary, blank
 
 
 def _t_columns(prefix: str, values: Sequence[float], boot: Bootstrap) -> dict:
@@ -383,6 +391,36 @@ def seed_table(rows: Sequence[Mapping]) -> str:
         label += f" (per seed: {fusion})" if fusion not in ("", "nan") else ""
         lines.append("| " + " | ".join([str(collection), str(model), label, mean(t, "R@1"), mean(i, "R@1"),
                                         mean(t or i, "mR"), delta(t), delta(i)]) + " |")
+    return "\n".join(lines)
+
+
+def model_gap_table(rows: Sequence[Mapping], a: str = "JOIN", b: str = "SEP") -> str:
+    """A Markdown table of a <suite>_seeds.csv holding two models' rows: per (collection, mode, k), each model's
+    seed-mean R@1 per direction and model ``a``'s minus ``b``'s with its Welch t interval (each recipe trained on
+    its own seeds, so the seeds are not paired) and what that interval says (a above b, below, or no significant
+    difference)."""
+    lines = [f"| collection | mode | t2i R@1: {a} | {b} | {a} minus {b} | i2t R@1: {a} | {b} | {a} minus {b} |",
+             "|" + "---|" * 8]
+    by_key: dict[tuple, dict[str, Mapping]] = {}
+    for r in rows:
+        by_key.setdefault((r["collection"], r["mode"], r["k"], r["direction"]), {})[r["model"]] = r
+    groups = dict.fromkeys(k[:3] for k, models in by_key.items() if a in models and b in models)
+
+    def cells(key: tuple, direction: str) -> list[str]:
+        models = by_key.get((*key, direction), {})
+        if a not in models or b not in models:
+            return ["-"] * 3
+        ra, rb = models[a], models[b]
+        iv = welch_interval(*((float(r["R@1_mean"]), float(r["R@1_std"]), len(str(r["seeds"]).split(",")))
+                              for r in (ra, rb)))
+        return [_fmt(ra["R@1_mean"]), _fmt(rb["R@1_mean"]),
+                f"{iv.estimate:+.1f} [{iv.lo:+.1f}, {iv.hi:+.1f}] "
+                + (f"{a} above" if iv.lo > 0 else f"{a} below" if iv.hi < 0 else verdict(iv.lo, iv.hi))]
+
+    for collection, mode, k in groups:
+        label = f"{mode} k={k}" if str(k) not in ("", "nan") and mode != "EMB" else str(mode)
+        lines.append("| " + " | ".join([str(collection), label, *cells((collection, mode, k), "t2i"),
+                                        *cells((collection, mode, k), "i2t")]) + " |")
     return "\n".join(lines)
 
 

@@ -103,6 +103,25 @@ def seed_mean_interval(values: Sequence[float], level: float = DEFAULT_LEVEL) ->
     return Interval(mean, mean - half, mean + half)
 
 
+def welch_interval(a: tuple[float, float, int], b: tuple[float, float, int],
+                   level: float = DEFAULT_LEVEL) -> Interval:
+    """The Welch t interval of mean(A) - mean(B) from each sample's (mean, sample std, count): two recipes trained
+    on their own seeds, whose spreads need not be equal (Welch-Satterthwaite degrees of freedom). Needs >= 2 of
+    each; with equal zero spreads the interval is the difference itself."""
+    from scipy.stats import t
+
+    (ma, sa, na), (mb, sb, nb) = a, b
+    if na < 2 or nb < 2 or not all(np.isfinite([ma, sa, mb, sb])) or sa < 0 or sb < 0:
+        raise ValueError(f"a Welch interval needs >= 2 finite values per side, got {a!r} and {b!r}")
+    va, vb = sa * sa / na, sb * sb / nb
+    diff = ma - mb
+    if va + vb == 0:
+        return Interval(diff, diff, diff)
+    df = (va + vb) ** 2 / (va * va / (na - 1) + vb * vb / (nb - 1))
+    half = float(t.ppf(0.5 + level / 2, df) * np.sqrt(va + vb))
+    return Interval(diff, diff - half, diff + half)
+
+
 def hit_matrix(first_hit: np.ndarray, ks: Sequence[int] = DEFAULT_KS) -> np.ndarray:
     """(queries, len(ks)) 0/1 matrix: hit@K of each query (its first gold item at 0-based rank < K)."""
     return (np.asarray(first_hit)[:, None] < np.asarray(ks, dtype=np.int64)[None, :]).astype(np.int64)
