@@ -873,9 +873,10 @@ def test_the_seed_summary_of_finished_runs_gives_the_t_interval_over_seeds_and_i
     assert [r["R@1_mean"] for r in again] == [r["R@1_mean"] for r in rows]
 
 
-def test_the_model_gap_table_gives_the_welch_interval_of_join_minus_sep_over_their_own_seeds():
-    """JOIN and SEP train on their own seeds (not paired): the gap table's JOIN - SEP interval is Welch's, as
-    scipy's unequal-variance t test gives it from the seeds' values, and a block names each model's commit."""
+def test_the_seed_summary_gives_join_minus_sep_with_the_welch_interval_over_their_own_seeds(tmp_path):
+    """JOIN and SEP train on their own seeds (not paired): the summary's JOIN - SEP gap interval is Welch's, as
+    scipy's unequal-variance t test gives it from the seeds' values; the docs' gap table shows it and names each
+    model's commit."""
     from scipy import stats
 
     from benchmarks.report import published
@@ -889,7 +890,13 @@ def test_the_model_gap_table_gives_the_welch_interval_of_join_minus_sep_over_the
     summary = report.seed_summary(rows_by_seed)
     ci = stats.ttest_ind(list(join.values()), list(sep.values()), equal_var=False).confidence_interval(0.95)
     diff = np.mean(list(join.values())) - np.mean(list(sep.values()))
-    block = published.model_gap_block(summary)
+    row = next(r for r in summary if r["model"] == "JOIN")
+    assert row["gap_against"] == "SEP" and (row["gap_R@1_mean"], row["gap_R@1_welch_lo"], row["gap_R@1_welch_hi"]) \
+        == pytest.approx((diff, ci.low, ci.high), abs=1e-3)
+    assert row["gap_R@5_mean"] == 0.0 and "gap_against" not in next(r for r in summary if r["model"] == "SEP")
+    written = report.read_csv(report.write_csv(str(tmp_path / "standard_seeds.csv"), summary, report.SEED_COLUMNS))
+    block = published.model_gap_block(written)
+    assert published.block_numbers_problems(block, written, "gap") == []
     assert f"| c5k | CO k=20 | 73.9 | 71.5 | {diff:+.1f} [{ci.low:+.1f}, {ci.high:+.1f}] no significant difference " \
            "| - | - | - |" in block
     assert "commit `new` (JOIN rows), `old` (SEP rows)" in block

@@ -344,7 +344,8 @@ SEED_FILES = {suite: {seed: (f"{suite}{'' if seed == 0 else f'_seed{seed}'}.csv"
 @pytest.mark.parametrize("suite", sorted(SEED_FILES))
 def test_every_seed_summary_recomputes_from_its_committed_per_seed_files(suite):
     """A reader recomputes <suite>_seeds.csv from the committed per-seed CSVs: means, spreads and t intervals of
-    both models' rows (the query-bootstrap columns need the per-query hits, which are not committed)."""
+    both models' rows and JOIN's gap to SEP (the query-bootstrap columns need the per-query hits, which are not
+    committed)."""
     results = ROOT / "docs" / "results"
     rows_by_seed = {}
     for seed, (join_csv, sep_csv) in SEED_FILES[suite].items():
@@ -356,8 +357,9 @@ def test_every_seed_summary_recomputes_from_its_committed_per_seed_files(suite):
     committed = {tuple(str(r[c]) for c in report.SEED_KEY): r
                  for r in report.read_csv(str(results / f"{suite}_seeds.csv"))}
     assert summary.keys() == committed.keys()
-    compared = [c for c in report.SEED_COLUMNS if re.fullmatch(r"(delta_)?(R@\d+|mR)_(mean|std|min|max|mean_t_lo|"
-                                                               r"mean_t_hi)", c)]
+    compared = [c for c in report.SEED_COLUMNS
+                if re.fullmatch(r"(delta_)?(R@\d+|mR)_(mean|std|min|max|mean_t_lo|mean_t_hi)|"
+                                r"gap_(R@\d+|mR)_(mean|welch_lo|welch_hi)", c)]
     for key, row in committed.items():
         for c in compared:
             if str(row[c]) != "":

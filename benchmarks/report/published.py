@@ -182,7 +182,7 @@ def seed_block(rows: Sequence[Mapping]) -> str:
 
 
 def model_gap_block(rows: Sequence[Mapping]) -> str:
-    """JOIN against SEP in a <suite>_seeds.csv (report.model_gap_table) under how it was measured."""
+    """A <suite>_seeds.csv's model comparison (report.model_gap_table) under how it was measured."""
     return (_measured(rows) + f"; recipe {_one(rows, 'recipe')}, model seeds {_one(rows, 'seeds')} of each; "
             f"{_one(rows, 'split')} split, {_one(rows, 'queries')} queries per direction (the same for both models "
             f"and every seed); R@1 seed means, the difference with its 95 % Welch t interval over the seeds (each "

@@ -46,7 +46,11 @@ SEED_ENVIRONMENT = ("queries", "collection_size", "split", "lang", "recipe", "de
 SEED_COLUMNS = SEED_KEY + ("seeds", "fusion") + tuple(f"{m}_{stat}" for m in METRICS for stat in (
     "mean", "mean_lo", "mean_hi", "mean_t_lo", "mean_t_hi", "std", "min", "max")) + ("against",) + tuple(
     f"delta_{m}_{stat}" for m in METRICS for stat in ("mean", "mean_lo", "mean_hi", "mean_t_lo", "mean_t_hi", "min",
-                                                       "max")) + ("bootstrap", "seed_interval") + SEED_ENVIRONMENT
+                                                       "max")) + ("bootstrap", "seed_interval", "gap_against") + tuple(
+    f"gap_{m}_{stat}" for m in METRICS for stat in ("mean", "welch_lo", "welch_hi")) + SEED_ENVIRONMENT
+#: The seed summary's model comparison, the paper's central claim: the first model's rows carry their seed mean
+#: minus the second's (the same row key otherwise) with its Welch t interval (each recipe trained on its own seeds).
+GAP_MODELS = ("JOIN", "SEP")
 
 
 #: The columns of environment() that say where, when and by which code a row was measured (its batch size aside).
@@ -162,6 +166,12 @@ COLUMN_DOCS = {
     **{f"delta_{m}_{stat}": f"the {word} of the seeds' own differences delta_{m}, percent points"
        for m in METRICS for stat, word in (("min", "smallest"), ("max", "largest"))},
     "seed_interval": "how the *_t_lo / *_t_hi columns were computed (level, seeds, degrees of freedom)",
+    "gap_against": "the model the gap_* columns compare this row's model with (GAP_MODELS: JOIN against SEP, "
+                   "the same row key otherwise); empty: no such pair",
+    **{f"gap_{m}_mean": f"{m}_mean minus the gap_against model's, percent points" for m in METRICS},
+    **{f"gap_{m}_welch_{e}": f"{'lower' if e == 'lo' else 'upper'} end of the 95 % Welch t interval of gap_{m}_mean "
+                             f"from both models' seed values (each recipe trained on its own seeds: not paired)"
+       for m in METRICS for e in ("lo", "hi")},
     # fusion_rule.csv (benchmarks.probes.fusion_rule)
     "rule": "how the default ranking was chosen on dev: EMB (none), previous (best worse-direction R@1 gain, pure CO "
             "without a noise check), today (choose_fusion: CO only when its dev lead is beyond noise)",

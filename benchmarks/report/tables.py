@@ -6,7 +6,7 @@ import os
 import re
 from typing import Mapping, Optional, Sequence
 
-from benchmarks.report.schema import METRICS, SEED_ENVIRONMENT, SEED_KEY, normalise_row, read_csv
+from benchmarks.report.schema import GAP_MODELS, METRICS, SEED_ENVIRONMENT, SEED_KEY, normalise_row, read_csv
 from retrieval_core.evaluation.stats import (
     Bootstrap,
     Interval,
@@ -119,6 +119,7 @@ def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]],
               f"({len(seeds) - 1} degrees of freedom)" if len(seeds) > 1 else ""
     out = []
     cache: dict[tuple, tuple] = {}  # both direction rows of a group share their hits: resample them once
+    values: dict[tuple, dict[str, list[float]]] = {}  # each row's seed values, for the model gap
     for key, per_seed in by_key.items():
         if sorted(per_seed) != seeds:
             raise ValueError(f"row {dict(zip(SEED_KEY, key))} is missing for seed(s) "
@@ -159,6 +160,17 @@ def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]],
         for c in SEED_ENVIRONMENT:
             row[c] = ", ".join(dict.fromkeys(str(rows[s][c]) for s in seeds if str(rows[s][c]) != ""))
         out.append(row)
+        values[key] = {m: [float(rows[s][m]) for s in seeds] for m in METRICS}
+    a, b = GAP_MODELS
+    model_at = SEED_KEY.index("model")
+    for key, row in zip(by_key, out):
+        partner = values.get((*key[:model_at], b, *key[model_at + 1:])) if row["model"] == a else None
+        if partner is not None and len(seeds) > 1:
+            row["gap_against"] = b
+            for m in METRICS:
+                iv = welch_interval(values[key][m], partner[m], boot.level)
+                row.update({f"gap_{m}_mean": round(iv.estimate, 3), f"gap_{m}_welch_lo": round(iv.lo, 3),
+                            f"gap_{m}_welch_hi": round(iv.hi, 3)})
     return out
 
 
@@ -394,28 +406,24 @@ def seed_table(rows: Sequence[Mapping]) -> str:
     return "\n".join(lines)
 
 
-def model_gap_table(rows: Sequence[Mapping], a: str = "JOIN", b: str = "SEP") -> str:
-    """A Markdown table of a <suite>_seeds.csv holding two models' rows: per (collection, mode, k), each model's
-    seed-mean R@1 per direction and model ``a``'s minus ``b``'s with its Welch t interval (each recipe trained on
-    its own seeds, so the seeds are not paired) and what that interval says (a above b, below, or no significant
-    difference)."""
+def model_gap_table(rows: Sequence[Mapping]) -> str:
+    """A Markdown table of a <suite>_seeds.csv's model comparison (its gap_* columns, GAP_MODELS): per (collection,
+    mode, k), both models' seed-mean R@1 per direction and the first's minus the second's with its Welch t interval
+    (each recipe trained on its own seeds, so the seeds are not paired) and what that interval says."""
+    a, b = GAP_MODELS
     lines = [f"| collection | mode | t2i R@1: {a} | {b} | {a} minus {b} | i2t R@1: {a} | {b} | {a} minus {b} |",
              "|" + "---|" * 8]
-    by_key: dict[tuple, dict[str, Mapping]] = {}
-    for r in rows:
-        by_key.setdefault((r["collection"], r["mode"], r["k"], r["direction"]), {})[r["model"]] = r
-    groups = dict.fromkeys(k[:3] for k, models in by_key.items() if a in models and b in models)
+    by_key = {(r["collection"], r["mode"], r["k"], r["direction"], r["model"]): r for r in rows}
+    groups = dict.fromkeys((r["collection"], r["mode"], r["k"]) for r in rows
+                           if r["model"] == a and str(r.get("gap_against", "")) == b)
 
     def cells(key: tuple, direction: str) -> list[str]:
-        models = by_key.get((*key, direction), {})
-        if a not in models or b not in models:
+        ra, rb = by_key.get((*key, direction, a)), by_key.get((*key, direction, b))
+        if ra is None or rb is None or str(ra.get("gap_R@1_welch_lo", "")) in ("", "nan"):
             return ["-"] * 3
-        ra, rb = models[a], models[b]
-        iv = welch_interval(*((float(r["R@1_mean"]), float(r["R@1_std"]), len(str(r["seeds"]).split(",")))
-                              for r in (ra, rb)))
-        return [_fmt(ra["R@1_mean"]), _fmt(rb["R@1_mean"]),
-                f"{iv.estimate:+.1f} [{iv.lo:+.1f}, {iv.hi:+.1f}] "
-                + (f"{a} above" if iv.lo > 0 else f"{a} below" if iv.hi < 0 else verdict(iv.lo, iv.hi))]
+        est, lo, hi = (float(ra[f"gap_R@1_{c}"]) for c in ("mean", "welch_lo", "welch_hi"))
+        said = f"{a} above" if lo > 0 else f"{a} below" if hi < 0 else verdict(lo, hi)
+        return [_fmt(ra["R@1_mean"]), _fmt(rb["R@1_mean"]), f"{est:+.1f} [{lo:+.1f}, {hi:+.1f}] {said}"]
 
     for collection, mode, k in groups:
         label = f"{mode} k={k}" if str(k) not in ("", "nan") and mode != "EMB" else str(mode)

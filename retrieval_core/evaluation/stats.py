@@ -103,21 +103,20 @@ def seed_mean_interval(values: Sequence[float], level: float = DEFAULT_LEVEL) ->
     return Interval(mean, mean - half, mean + half)
 
 
-def welch_interval(a: tuple[float, float, int], b: tuple[float, float, int],
-                   level: float = DEFAULT_LEVEL) -> Interval:
-    """The Welch t interval of mean(A) - mean(B) from each sample's (mean, sample std, count): two recipes trained
-    on their own seeds, whose spreads need not be equal (Welch-Satterthwaite degrees of freedom). Needs >= 2 of
-    each; with equal zero spreads the interval is the difference itself."""
+def welch_interval(a: Sequence[float], b: Sequence[float], level: float = DEFAULT_LEVEL) -> Interval:
+    """The Welch t interval of mean(a) - mean(b): two recipes, each trained on its own seeds, whose spreads need not
+    be equal (Welch-Satterthwaite degrees of freedom). Needs >= 2 finite values on each side; with no spread on
+    either side the interval is the difference itself."""
     from scipy.stats import t
 
-    (ma, sa, na), (mb, sb, nb) = a, b
-    if na < 2 or nb < 2 or not all(np.isfinite([ma, sa, mb, sb])) or sa < 0 or sb < 0:
-        raise ValueError(f"a Welch interval needs >= 2 finite values per side, got {a!r} and {b!r}")
-    va, vb = sa * sa / na, sb * sb / nb
-    diff = ma - mb
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if x.ndim != 1 or y.ndim != 1 or len(x) < 2 or len(y) < 2 or not (np.isfinite(x).all() and np.isfinite(y).all()):
+        raise ValueError(f"a Welch interval needs >= 2 finite values per side, got {list(a)!r} and {list(b)!r}")
+    va, vb = x.var(ddof=1) / len(x), y.var(ddof=1) / len(y)
+    diff = float(x.mean() - y.mean())
     if va + vb == 0:
         return Interval(diff, diff, diff)
-    df = (va + vb) ** 2 / (va * va / (na - 1) + vb * vb / (nb - 1))
+    df = (va + vb) ** 2 / (va * va / (len(x) - 1) + vb * vb / (len(y) - 1))
     half = float(t.ppf(0.5 + level / 2, df) * np.sqrt(va + vb))
     return Interval(diff, diff - half, diff + half)
 
