@@ -860,9 +860,12 @@ def test_the_seed_summary_of_finished_runs_gives_the_t_interval_over_seeds_and_i
         in block
     assert published.block_numbers_problems(block, rows, "t") == []
     # a summary beside the seeds lends its query-bootstrap columns only to the rows it summarises with the same
-    # means: the CO rows, as if rerun, differ from it and keep none (the EMB rows' ones are carried)
+    # means, differences to EMB included: the CO rows, as if rerun (t2i: another R@1 mean; i2t: the same means but
+    # another difference), keep none; the EMB rows' are carried
     beside = [{**r, "R@1_mean_lo": 1.0, "R@1_mean_hi": 2.0, "bootstrap": "queries",
-               "R@1_mean": float(r["R@1_mean"]) + (1 if r["mode"] == "CO" else 0)} for r in rows]
+               "R@1_mean": float(r["R@1_mean"]) + (r["mode"] == "CO" and r["direction"] == "t2i"),
+               "delta_R@1_mean": float(r["delta_R@1_mean"]) + 1 if r["mode"] == "CO" and r["direction"] == "i2t"
+               else r["delta_R@1_mean"]} for r in rows]
     report.write_csv(str(tmp_path / "standard_seeds.csv"), beside, report.SEED_COLUMNS)
     res = CliRunner().invoke(report_main, ["seeds", str(tmp_path), "--suite", "standard"])
     assert res.exit_code == 0, res.output

@@ -362,6 +362,8 @@ def test_every_seed_summary_recomputes_from_its_committed_per_seed_files(suite):
                                 r"gap_(R@\d+|mR)_(mean|welch_lo|welch_hi)", c)]
     for key, row in committed.items():
         for c in compared:
+            assert (str(row[c]) == "") == (str(summary[key].get(c, "")) == ""), (key, c)
             if str(row[c]) != "":
                 assert float(summary[key][c]) == pytest.approx(float(row[c]), abs=1.5e-3), (key, c)
+        assert str(row["gap_against"]) == str(summary[key].get("gap_against", "")), key
         assert summary[key]["fusion"] == row["fusion"] and summary[key]["commit"] == row["commit"], key

@@ -120,6 +120,7 @@ def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]],
     out = []
     cache: dict[tuple, tuple] = {}  # both direction rows of a group share their hits: resample them once
     values: dict[tuple, dict[str, list[float]]] = {}  # each row's seed values, for the model gap
+    row_of: dict[tuple, dict] = {}
     for key, per_seed in by_key.items():
         if sorted(per_seed) != seeds:
             raise ValueError(f"row {dict(zip(SEED_KEY, key))} is missing for seed(s) "
@@ -160,10 +161,10 @@ def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]],
         for c in SEED_ENVIRONMENT:
             row[c] = ", ".join(dict.fromkeys(str(rows[s][c]) for s in seeds if str(rows[s][c]) != ""))
         out.append(row)
-        values[key] = {m: [float(rows[s][m]) for s in seeds] for m in METRICS}
+        row_of[key], values[key] = row, {m: [float(rows[s][m]) for s in seeds] for m in METRICS}
     a, b = GAP_MODELS
     model_at = SEED_KEY.index("model")
-    for key, row in zip(by_key, out):
+    for key, row in row_of.items():
         partner = values.get((*key[:model_at], b, *key[model_at + 1:])) if row["model"] == a else None
         if partner is not None and len(seeds) > 1:
             row["gap_against"] = b
@@ -423,7 +424,10 @@ def model_gap_table(rows: Sequence[Mapping]) -> str:
             return ["-"] * 3
         est, lo, hi = (float(ra[f"gap_R@1_{c}"]) for c in ("mean", "welch_lo", "welch_hi"))
         said = f"{a} above" if lo > 0 else f"{a} below" if hi < 0 else verdict(lo, hi)
-        return [_fmt(ra["R@1_mean"]), _fmt(rb["R@1_mean"]), f"{est:+.1f} [{lo:+.1f}, {hi:+.1f}] {said}"]
+        return [_fmt(ra["R@1_mean"]), _fmt(rb["R@1_mean"]), f"{end(est)} [{end(lo)}, {end(hi)}] {said}"]
+
+    def end(v: float) -> str:  # an end next to zero keeps its side: -0.007 is -0.01, not -0.0
+        return f"{v:+.2f}" if 0 < abs(v) < 0.05 else f"{v:+.1f}"
 
     for collection, mode, k in groups:
         label = f"{mode} k={k}" if str(k) not in ("", "nan") and mode != "EMB" else str(mode)
