@@ -119,7 +119,7 @@ def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]],
               f"({len(seeds) - 1} degrees of freedom)" if len(seeds) > 1 else ""
     out = []
     cache: dict[tuple, tuple] = {}  # both direction rows of a group share their hits: resample them once
-    values: dict[tuple, dict[str, list[float]]] = {}  # each row's seed values, for the model gap
+    values: dict[tuple, dict[str, list[float]]] = {}  # each row's seed values: its statistics and the model gap
     row_of: dict[tuple, dict] = {}
     for key, per_seed in by_key.items():
         if sorted(per_seed) != seeds:
@@ -129,8 +129,8 @@ def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]],
         rows = {s: per_seed[s][0] for s in seeds}
         row["seeds"] = ",".join(map(str, seeds))
         row["fusion"] = " ".join(f"{s}:{rows[s]['fusion']}" for s in seeds if rows[s]["fusion"] != "")
-        for m in METRICS:
-            vals = [float(rows[s][m]) for s in seeds]
+        values[key] = {m: [float(rows[s][m]) for s in seeds] for m in METRICS}
+        for m, vals in values[key].items():
             row.update({f"{m}_mean": round(statistics.fmean(vals), 3),
                         f"{m}_std": round(statistics.stdev(vals), 3) if len(vals) > 1 else 0.0,
                         f"{m}_min": min(vals), f"{m}_max": max(vals), **_t_columns(f"{m}_mean", vals, boot)})
@@ -161,7 +161,7 @@ def seed_summary(rows_by_seed: Mapping[int, Sequence[Mapping]],
         for c in SEED_ENVIRONMENT:
             row[c] = ", ".join(dict.fromkeys(str(rows[s][c]) for s in seeds if str(rows[s][c]) != ""))
         out.append(row)
-        row_of[key], values[key] = row, {m: [float(rows[s][m]) for s in seeds] for m in METRICS}
+        row_of[key] = row
     a, b = GAP_MODELS
     model_at = SEED_KEY.index("model")
     for key, row in row_of.items():
